@@ -1,0 +1,53 @@
+//! Multi-head attention for [candle](https://github.com/huggingface/candle),
+//! faithful to PyTorch's `nn.MultiheadAttention` and
+//! `F.scaled_dot_product_attention`.
+//!
+//! - [`MultiheadAttention`]: self-, causal and cross-attention with every
+//!   option of PyTorch's module (`bias`, `add_bias_kv`, `add_zero_attn`,
+//!   `kdim`/`vdim`, dropout), loading PyTorch's own weight layouts
+//!   ([`WeightLayout`]: `in_proj_weight`, separate q/k/v/out linears,
+//!   timm's fused `qkv`).
+//! - [`scaled_dot_product_attention`]: the function every path ends in, on
+//!   `(batch, heads, seq, head_dim)` tensors.
+//! - [`Mask`]: causal rules, key padding and attention masks whose boolean
+//!   polarity is part of their type.
+//!
+//! Differences from PyTorch, both deliberate: a query whose keys are all
+//! masked returns zeros (PyTorch: NaN), and f16/bf16 scores are softmaxed in
+//! f32.
+//!
+//! ```
+//! use candle::{DType, Device, Module, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use multihead_attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights};
+//!
+//! # fn main() -> candle::Result<()> {
+//! let dev = Device::Cpu;
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+//! let mha = MultiheadAttention::new(&MhaConfig::new(32, 4), vb)?;
+//!
+//! // Self-attention: (batch, seq, embed_dim) -> same.
+//! let x = Tensor::randn(0f32, 1., (2, 5, 32), &dev)?;
+//! assert_eq!(mha.forward(&x)?.dims(), &[2, 5, 32]);
+//!
+//! // Causal self-attention, returning the head-averaged weights.
+//! let opts = MhaOptions::new()
+//!     .with_mask(Mask::causal(Causal::TopLeft))
+//!     .with_weights(NeedWeights::Averaged);
+//! let out = mha.forward_attn(&x, &x, &x, &opts)?;
+//! assert_eq!(out.weights.unwrap().dims(), &[2, 5, 5]);
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod layout;
+mod mask;
+mod mha;
+mod sdpa;
+
+pub use config::MhaConfig;
+pub use layout::{SeparateNames, WeightLayout};
+pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
+pub use mha::{MhaOptions, MhaOutput, MultiheadAttention, NeedWeights, SeqLayout};
+pub use sdpa::{scaled_dot_product_attention, scaled_dot_product_attention_with_weights};

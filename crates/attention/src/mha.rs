@@ -1,0 +1,448 @@
+//! Multi-head attention with PyTorch's semantics.
+//!
+//! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
+//! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
+
+use candle::{bail, DType, Result, Tensor, D};
+use candle_nn::{Init, Linear, Module, VarBuilder};
+
+use crate::config::MhaConfig;
+use crate::layout::WeightLayout;
+use crate::mask::{AttnMask, KeyPaddingMask, Mask};
+use crate::sdpa::sdpa_reference;
+
+/// Which attention weights a forward call returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NeedWeights {
+    /// None (PyTorch `need_weights=False`); lets the fast paths serve.
+    #[default]
+    No,
+    /// Averaged over heads, `(batch, q_len, kv_len)` (PyTorch
+    /// `need_weights=True`, `average_attn_weights=True`).
+    Averaged,
+    /// Per head, `(batch, heads, q_len, kv_len)` (PyTorch
+    /// `average_attn_weights=False`).
+    PerHead,
+}
+
+/// Whether 3-D inputs are `(batch, seq, feature)` or PyTorch's default
+/// `(seq, batch, feature)`. 2-D inputs are always unbatched `(seq, feature)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SeqLayout {
+    /// `(batch, seq, feature)` (PyTorch `batch_first=True`).
+    #[default]
+    BatchFirst,
+    /// `(seq, batch, feature)` (PyTorch's default, `batch_first=False`).
+    SeqFirst,
+}
+
+/// Options of one [`MultiheadAttention::forward_attn`] call.
+#[derive(Debug, Clone, Default)]
+pub struct MhaOptions {
+    /// Masks; shapes are those of the batch-first problem (see [`Mask`]).
+    /// For unbatched input, a key padding mask may be 1-D `(kv_len)`.
+    pub mask: Mask,
+    /// Which attention weights to return.
+    pub need_weights: NeedWeights,
+    /// Layout of 3-D inputs and outputs.
+    pub layout: SeqLayout,
+    /// Training mode: dropout on the attention weights is applied only here.
+    pub train: bool,
+}
+
+impl MhaOptions {
+    /// Default options: no mask, no weights, batch-first, eval.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the mask.
+    pub fn with_mask(mut self, mask: Mask) -> Self {
+        self.mask = mask;
+        self
+    }
+
+    /// Sets which weights to return.
+    pub fn with_weights(mut self, need_weights: NeedWeights) -> Self {
+        self.need_weights = need_weights;
+        self
+    }
+
+    /// Sets the input layout.
+    pub fn with_layout(mut self, layout: SeqLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// Sets training mode.
+    pub fn with_train(mut self, train: bool) -> Self {
+        self.train = train;
+        self
+    }
+}
+
+/// What [`MultiheadAttention::forward_attn`] returns.
+#[derive(Debug, Clone)]
+pub struct MhaOutput {
+    /// Attention output, in the query's layout: `(batch, q_len, embed_dim)`,
+    /// `(q_len, batch, embed_dim)` or unbatched `(q_len, embed_dim)`.
+    pub output: Tensor,
+    /// Attention weights as asked by [`NeedWeights`]:
+    /// `(batch, q_len, kv_len)` or `(batch, heads, q_len, kv_len)`, without
+    /// the batch dim for unbatched input. `kv_len` includes keys added by
+    /// `add_bias_kv` and `add_zero_attn`.
+    pub weights: Option<Tensor>,
+}
+
+#[derive(Debug, Clone)]
+enum InProjection {
+    /// `(3E, E)` weight and `(3E)` bias, split at forward time so that a
+    /// trained variable stays one tensor.
+    Fused {
+        weight: Tensor,
+        bias: Option<Tensor>,
+    },
+    Separate {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+    },
+}
+
+impl InProjection {
+    fn fused_part(weight: &Tensor, bias: &Option<Tensor>, i: usize, e: usize) -> Result<Linear> {
+        let w = weight.narrow(0, i * e, e)?;
+        let b = bias.as_ref().map(|b| b.narrow(0, i * e, e)).transpose()?;
+        Ok(Linear::new(w, b))
+    }
+
+    /// Projects query, key and value; `(B, L, E)`, `(B, S, E)`, `(B, S, E)`.
+    fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, e: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        match self {
+            InProjection::Fused { weight, bias } => {
+                if q.id() == k.id() && k.id() == v.id() {
+                    // Self-attention: one matmul, as PyTorch does when
+                    // `query is key is value`.
+                    let qkv = Linear::new(weight.clone(), bias.clone()).forward(q)?;
+                    Ok((
+                        qkv.narrow(D::Minus1, 0, e)?,
+                        qkv.narrow(D::Minus1, e, e)?,
+                        qkv.narrow(D::Minus1, 2 * e, e)?,
+                    ))
+                } else {
+                    Ok((
+                        Self::fused_part(weight, bias, 0, e)?.forward(q)?,
+                        Self::fused_part(weight, bias, 1, e)?.forward(k)?,
+                        Self::fused_part(weight, bias, 2, e)?.forward(v)?,
+                    ))
+                }
+            }
+            InProjection::Separate { q: pq, k: pk, v: pv } => {
+                Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?))
+            }
+        }
+    }
+}
+
+/// `bound = sqrt(6 / (fan_in + fan_out))`: PyTorch's `xavier_uniform_`.
+fn xavier_uniform(fan_out: usize, fan_in: usize) -> Init {
+    let bound = (6. / (fan_in + fan_out) as f64).sqrt();
+    Init::Uniform {
+        lo: -bound,
+        up: bound,
+    }
+}
+
+/// A linear layer `<name>.weight (out, in)`, `<name>.bias (out)`.
+fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuilder) -> Result<Linear> {
+    let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
+    let b = bias
+        .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
+        .transpose()?;
+    Ok(Linear::new(w, b))
+}
+
+/// Multi-head attention, `torch.nn.MultiheadAttention`.
+///
+/// Self-attention through [`Module`] (eval) and
+/// [`MultiheadAttention::forward_t`]; cross-attention, masks
+/// and attention weights through [`MultiheadAttention::forward_attn`].
+#[derive(Debug, Clone)]
+pub struct MultiheadAttention {
+    cfg: MhaConfig,
+    in_proj: InProjection,
+    out_proj: Linear,
+    /// `bias_k`, `bias_v`, each `(1, 1, E)`.
+    bias_kv: Option<(Tensor, Tensor)>,
+}
+
+impl MultiheadAttention {
+    /// Loads PyTorch `nn.MultiheadAttention` weights ([`WeightLayout::PyTorch`]),
+    /// or initialises them as PyTorch does when `vb` is backed by a `VarMap`.
+    pub fn new(cfg: &MhaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with_layout(cfg, &WeightLayout::PyTorch, vb)
+    }
+
+    /// Loads the weights stored in `layout`, or initialises them as PyTorch
+    /// does (xavier-uniform input projection, zero biases) when `vb` is
+    /// backed by a `VarMap`.
+    pub fn new_with_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let (e, kdim, vdim) = (cfg.embed_dim, cfg.kdim(), cfg.vdim());
+        let qkv_bias = cfg.has_qkv_bias();
+        let out_init = Init::Uniform {
+            lo: -1. / (e as f64).sqrt(),
+            up: 1. / (e as f64).sqrt(),
+        };
+        let (in_proj, out_proj) = match layout {
+            WeightLayout::PyTorch => {
+                let bias = qkv_bias
+                    .then(|| vb.get_with_hints(3 * e, "in_proj_bias", Init::Const(0.)))
+                    .transpose()?;
+                let in_proj = if cfg.qkv_same_embed_dim() {
+                    let weight = vb.get_with_hints((3 * e, e), "in_proj_weight", xavier_uniform(3 * e, e))?;
+                    InProjection::Fused { weight, bias }
+                } else {
+                    let part = |i: usize, name: &str, in_dim: usize| -> Result<Linear> {
+                        let w = vb.get_with_hints((e, in_dim), name, xavier_uniform(e, in_dim))?;
+                        let b = bias.as_ref().map(|b| b.narrow(0, i * e, e)).transpose()?;
+                        Ok(Linear::new(w, b))
+                    };
+                    InProjection::Separate {
+                        q: part(0, "q_proj_weight", e)?,
+                        k: part(1, "k_proj_weight", kdim)?,
+                        v: part(2, "v_proj_weight", vdim)?,
+                    }
+                };
+                (in_proj, linear(e, e, cfg.bias, out_init, vb.pp("out_proj"))?)
+            }
+            WeightLayout::Separate(names) => {
+                let in_proj = InProjection::Separate {
+                    q: linear(e, e, qkv_bias, xavier_uniform(e, e), vb.pp(&names.q))?,
+                    k: linear(kdim, e, qkv_bias, xavier_uniform(e, kdim), vb.pp(&names.k))?,
+                    v: linear(vdim, e, qkv_bias, xavier_uniform(e, vdim), vb.pp(&names.v))?,
+                };
+                (in_proj, linear(e, e, cfg.bias, out_init, vb.pp(&names.out))?)
+            }
+            WeightLayout::FusedQkv { qkv, proj } => {
+                if !cfg.qkv_same_embed_dim() {
+                    bail!(
+                        "MhaConfig: the fused qkv layout needs kdim == vdim == embed_dim ({e}), found kdim {kdim}, vdim {vdim}"
+                    )
+                }
+                let fused = linear(e, 3 * e, qkv_bias, xavier_uniform(3 * e, e), vb.pp(qkv))?;
+                let in_proj = InProjection::Fused {
+                    weight: fused.weight().clone(),
+                    bias: fused.bias().cloned(),
+                };
+                (in_proj, linear(e, e, cfg.bias, out_init, vb.pp(proj))?)
+            }
+        };
+        let bias_kv = if cfg.add_bias_kv {
+            // PyTorch: xavier_normal_ on (1, 1, E): fan_in = fan_out = E.
+            let init = Init::Randn {
+                mean: 0.,
+                stdev: (1. / e as f64).sqrt(),
+            };
+            Some((
+                vb.get_with_hints((1, 1, e), "bias_k", init)?,
+                vb.get_with_hints((1, 1, e), "bias_v", init)?,
+            ))
+        } else {
+            None
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            in_proj,
+            out_proj,
+            bias_kv,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MhaConfig {
+        &self.cfg
+    }
+
+    /// The general call: query, key and value, with masks and options.
+    ///
+    /// # Shapes
+    /// Batch-first (default):
+    /// - `query`: `(batch, q_len, embed_dim)`
+    /// - `key`: `(batch, kv_len, kdim)`
+    /// - `value`: `(batch, kv_len, vdim)`
+    /// - output: `(batch, q_len, embed_dim)`
+    ///
+    /// With [`SeqLayout::SeqFirst`] the first two dims of all of these swap.
+    /// 2-D inputs are unbatched: `(q_len, embed_dim)`, `(kv_len, kdim)`,
+    /// `(kv_len, vdim)` → `(q_len, embed_dim)`.
+    ///
+    /// Passing the same tensor as query, key and value is self-attention
+    /// and projects with one fused matmul.
+    pub fn forward_attn(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        opts: &MhaOptions,
+    ) -> Result<MhaOutput> {
+        let unbatched = match (query.rank(), key.rank(), value.rank()) {
+            (3, 3, 3) => false,
+            (2, 2, 2) => true,
+            (q, k, v) => bail!(
+                "MultiheadAttention: query, key and value must all be 3-D (batched) or all 2-D (unbatched), \
+                 found ranks {q}, {k}, {v}"
+            ),
+        };
+        let self_attn = query.id() == key.id() && key.id() == value.id();
+        let to_batch_first = |t: &Tensor| -> Result<Tensor> {
+            match (unbatched, opts.layout) {
+                (true, _) => t.unsqueeze(0),
+                (false, SeqLayout::BatchFirst) => Ok(t.clone()),
+                (false, SeqLayout::SeqFirst) => t.transpose(0, 1),
+            }
+        };
+        let q_in = to_batch_first(query)?;
+        let (k_in, v_in) = if self_attn {
+            (q_in.clone(), q_in.clone())
+        } else {
+            (to_batch_first(key)?, to_batch_first(value)?)
+        };
+        let mut mask = opts.mask.clone();
+        if unbatched {
+            if let Some(kp) = &mask.key_padding {
+                mask.key_padding = Some(match kp {
+                    KeyPaddingMask::PadWhereTrue(t) if t.rank() == 1 => {
+                        KeyPaddingMask::PadWhereTrue(t.unsqueeze(0)?)
+                    }
+                    KeyPaddingMask::Additive(t) if t.rank() == 1 => KeyPaddingMask::Additive(t.unsqueeze(0)?),
+                    other => other.clone(),
+                });
+            }
+        }
+        let (out, weights) = self.forward_batch_first(&q_in, &k_in, &v_in, &mask, opts)?;
+        let (out, weights) = match (unbatched, opts.layout) {
+            (true, _) => (out.squeeze(0)?, weights.map(|w| w.squeeze(0)).transpose()?),
+            (false, SeqLayout::BatchFirst) => (out, weights),
+            (false, SeqLayout::SeqFirst) => (out.transpose(0, 1)?, weights),
+        };
+        Ok(MhaOutput { output: out, weights })
+    }
+
+    /// `(B, L, E)`, `(B, S, kdim)`, `(B, S, vdim)` → `(B, L, E)` and weights.
+    fn forward_batch_first(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        mask: &Mask,
+        opts: &MhaOptions,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let cfg = &self.cfg;
+        let (e, h, hd) = (cfg.embed_dim, cfg.num_heads, cfg.head_dim());
+        let (b, l, qe) = query.dims3()?;
+        let (kb, s, ke) = key.dims3()?;
+        let (vb, vs, ve) = value.dims3()?;
+        if qe != e {
+            bail!("MultiheadAttention: query has {qe} features, expected embed_dim {e}")
+        }
+        if ke != cfg.kdim() {
+            bail!(
+                "MultiheadAttention: key has {ke} features, expected kdim {}",
+                cfg.kdim()
+            )
+        }
+        if ve != cfg.vdim() {
+            bail!(
+                "MultiheadAttention: value has {ve} features, expected vdim {}",
+                cfg.vdim()
+            )
+        }
+        if kb != b || vb != b {
+            bail!("MultiheadAttention: batch sizes differ: query {b}, key {kb}, value {vb}")
+        }
+        if vs != s {
+            bail!("MultiheadAttention: key has {s} positions but value has {vs}")
+        }
+        mask.validate(b, h, l, s)?;
+
+        // (B, L, E), (B, S, E), (B, S, E)
+        let (q, mut k, mut v) = self.in_proj.forward(query, key, value, e)?;
+        let mut extra_keys = 0;
+        if let Some((bk, bv)) = &self.bias_kv {
+            k = Tensor::cat(&[&k, &bk.broadcast_as((b, 1, e))?], 1)?;
+            v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
+            extra_keys += 1;
+        }
+        // (B, H, T, hd)
+        let split = |t: &Tensor| -> Result<Tensor> {
+            let t_len = t.dim(1)?;
+            t.reshape((b, t_len, h, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, mut k, mut v) = (split(&q)?, split(&k)?, split(&v)?);
+        if cfg.add_zero_attn {
+            let zeros = Tensor::zeros((b, h, 1, hd), k.dtype(), k.device())?;
+            k = Tensor::cat(&[&k, &zeros], 2)?;
+            v = Tensor::cat(&[&v, &zeros], 2)?;
+            extra_keys += 1;
+        }
+        let padded;
+        let mask = if extra_keys > 0 && !mask.is_empty() {
+            // The appended keys are visible to every query (PyTorch pads its
+            // masks with zeros), so the mask is materialised over the
+            // original keys and padded.
+            padded = match mask.to_bias((b, h, l, s), query.device())? {
+                Some(bias) => {
+                    let (d0, d1, d2, _) = bias.dims4()?;
+                    let bias =
+                        bias.broadcast_as((d0, d1, d2, s))?
+                            .pad_with_zeros(D::Minus1, 0, extra_keys)?;
+                    Mask::new().with_attn(AttnMask::Additive(bias))
+                }
+                None => Mask::new(),
+            };
+            &padded
+        } else {
+            mask
+        };
+        let dropout = opts.train.then_some(cfg.dropout);
+        // (B, H, L, hd), (B, H, L, S')
+        let (out, weights) = sdpa_reference(&q, &k, &v, mask, cfg.scale, dropout)?;
+        // (B, L, E)
+        let out = out.transpose(1, 2)?.reshape((b, l, e))?;
+        let out = self.out_proj.forward(&out)?;
+        let weights = match opts.need_weights {
+            NeedWeights::No => None,
+            NeedWeights::PerHead => Some(weights),
+            NeedWeights::Averaged => Some(average_heads(&weights)?),
+        };
+        Ok((out, weights))
+    }
+}
+
+impl MultiheadAttention {
+    /// Self-attention, with dropout on the attention weights when `train`:
+    /// `(batch, seq, embed_dim)` → same.
+    ///
+    /// candle implements `ModuleT` for every `Module` by ignoring `train`,
+    /// so a generic `M: ModuleT` caller reaches the eval path; call this
+    /// method (or [`MultiheadAttention::forward_attn`] with
+    /// [`MhaOptions::with_train`]) to train with attention dropout.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let opts = MhaOptions::new().with_train(train);
+        Ok(self.forward_attn(xs, xs, xs, &opts)?.output)
+    }
+}
+
+/// Mean over the head dim of `(B, H, L, S)`, computed in f32.
+fn average_heads(weights: &Tensor) -> Result<Tensor> {
+    let dtype = weights.dtype();
+    weights.to_dtype(DType::F32)?.mean(1)?.to_dtype(dtype)
+}
+
+impl Module for MultiheadAttention {
+    /// Self-attention in eval mode: `(batch, seq, embed_dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_t(xs, false)
+    }
+}

@@ -1,0 +1,2 @@
+//! Models built on [`multihead_attention`]: the Vision Transformer and a
+//! transformer encoder–decoder, loading PyTorch-exported safetensors.
