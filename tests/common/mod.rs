@@ -1,0 +1,114 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle::{DType, Device, Tensor};
+
+/// `tests/fixtures/<sub>`.
+pub fn fixture_dir(sub: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(sub)
+}
+
+/// Every `*.safetensors` file in `dir`, sorted.
+pub fn fixture_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    files.retain(|p| p.extension().is_some_and(|e| e == "safetensors"));
+    files.sort();
+    Ok(files)
+}
+
+/// A fixture: its tensors and the JSON in its metadata under "case".
+pub struct Fixture {
+    pub name: String,
+    pub tensors: HashMap<String, Tensor>,
+    pub case: serde_json::Value,
+}
+
+impl Fixture {
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)?;
+        let case = meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get("case"))
+            .context("fixture has no 'case' metadata")?;
+        let case = serde_json::from_str(case)?;
+        let tensors = candle::safetensors::load_buffer(&bytes, device)?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(Self { name, tensors, case })
+    }
+
+    pub fn get(&self, name: &str) -> Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .with_context(|| format!("{}: no tensor '{name}'", self.name))
+    }
+
+    /// The tensors whose names start with `prefix.`, with the prefix removed.
+    pub fn with_prefix(&self, prefix: &str) -> HashMap<String, Tensor> {
+        let p = format!("{prefix}.");
+        self.tensors
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(&p).map(|k| (k.to_string(), v.clone())))
+            .collect()
+    }
+
+    pub fn str(&self, key: &str) -> Option<&str> {
+        self.case.get(key).and_then(|v| v.as_str())
+    }
+}
+
+/// Asserts that `a` equals `b` within relative error `rtol`, measured
+/// against the expected tensor's scale: `|a_i - b_i| <= rtol * max_j |b_j|`
+/// for every element (elementwise relative error is meaningless for the
+/// near-zero entries that cancellation produces). Names the worst element.
+pub fn assert_close(what: &str, a: &Tensor, b: &Tensor, rtol: f64) -> Result<()> {
+    if a.dims() != b.dims() {
+        bail!(
+            "{what}: shape {:?} differs from expected {:?}",
+            a.dims(),
+            b.dims()
+        )
+    }
+    let a: Vec<f32> = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let b: Vec<f32> = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let scale = b.iter().fold(0f64, |m, &y| m.max((y as f64).abs()));
+    let tol = rtol * scale.max(f64::MIN_POSITIVE);
+    let mut worst: Option<(usize, f64)> = None;
+    for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+        let err = (x as f64 - y as f64).abs();
+        // `!(err <= tol)` also catches NaN.
+        if !(err <= tol) && worst.is_none_or(|(_, w)| err > w || err.is_nan()) {
+            worst = Some((i, err));
+        }
+    }
+    if let Some((i, err)) = worst {
+        bail!(
+            "{what}: element {i} is {} but expected {}: error {err:.3e} > {rtol:e} x max|expected| {scale:.3e}",
+            a[i],
+            b[i]
+        )
+    }
+    Ok(())
+}
+
+/// The largest absolute difference between two tensors of the same shape.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar()?)
+}
