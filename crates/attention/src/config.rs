@@ -40,6 +40,17 @@ pub struct MhaConfig {
     /// Score scale (default `1 / sqrt(head_dim)`).
     #[serde(default)]
     pub scale: Option<f64>,
+    /// LayerNorm over `head_dim` on queries and keys after the head split
+    /// (timm's `qk_norm=True`: `q_norm`, `k_norm`).
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// Epsilon of the qk-norm LayerNorms (timm ViT: 1e-6).
+    #[serde(default = "default_qk_norm_eps")]
+    pub qk_norm_eps: f64,
+}
+
+fn default_qk_norm_eps() -> f64 {
+    1e-6
 }
 
 fn default_true() -> bool {
@@ -61,6 +72,8 @@ impl MhaConfig {
             kdim: None,
             vdim: None,
             scale: None,
+            qk_norm: false,
+            qk_norm_eps: default_qk_norm_eps(),
         }
     }
 
@@ -98,6 +111,12 @@ impl MhaConfig {
     /// Sets the score scale.
     pub fn with_scale(mut self, scale: f64) -> Self {
         self.scale = Some(scale);
+        self
+    }
+
+    /// Enables timm's qk-norm.
+    pub fn with_qk_norm(mut self, qk_norm: bool) -> Self {
+        self.qk_norm = qk_norm;
         self
     }
 

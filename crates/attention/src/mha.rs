@@ -4,7 +4,7 @@
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
 use candle::{bail, DType, Result, Tensor, D};
-use candle_nn::{Init, Linear, Module, VarBuilder};
+use candle_nn::{Init, LayerNorm, Linear, Module, VarBuilder};
 
 use crate::config::MhaConfig;
 use crate::layout::WeightLayout;
@@ -142,6 +142,23 @@ impl InProjection {
             }
         }
     }
+
+    fn forward_q(&self, q: &Tensor, e: usize) -> Result<Tensor> {
+        match self {
+            InProjection::Fused { weight, bias } => Self::fused_part(weight, bias, 0, e)?.forward(q),
+            InProjection::Separate { q: pq, .. } => pq.forward(q),
+        }
+    }
+
+    fn forward_kv(&self, k: &Tensor, v: &Tensor, e: usize) -> Result<(Tensor, Tensor)> {
+        match self {
+            InProjection::Fused { weight, bias } => Ok((
+                Self::fused_part(weight, bias, 1, e)?.forward(k)?,
+                Self::fused_part(weight, bias, 2, e)?.forward(v)?,
+            )),
+            InProjection::Separate { k: pk, v: pv, .. } => Ok((pk.forward(k)?, pv.forward(v)?)),
+        }
+    }
 }
 
 /// `bound = sqrt(6 / (fan_in + fan_out))`: PyTorch's `xavier_uniform_`.
@@ -174,6 +191,8 @@ pub struct MultiheadAttention {
     out_proj: Linear,
     /// `bias_k`, `bias_v`, each `(1, 1, E)`.
     bias_kv: Option<(Tensor, Tensor)>,
+    /// timm's `q_norm`, `k_norm` over `head_dim`.
+    qk_norm: Option<(LayerNorm, LayerNorm)>,
 }
 
 impl MultiheadAttention {
@@ -251,11 +270,23 @@ impl MultiheadAttention {
         } else {
             None
         };
+        let qk_norm = if cfg.qk_norm {
+            let norm = |name: &str| -> Result<LayerNorm> {
+                let hd = cfg.head_dim();
+                let w = vb.get_with_hints(hd, &format!("{name}.weight"), Init::Const(1.))?;
+                let b = vb.get_with_hints(hd, &format!("{name}.bias"), Init::Const(0.))?;
+                Ok(LayerNorm::new(w, b, cfg.qk_norm_eps))
+            };
+            Some((norm("q_norm")?, norm("k_norm")?))
+        } else {
+            None
+        };
         Ok(Self {
             cfg: cfg.clone(),
             in_proj,
             out_proj,
             bias_kv,
+            qk_norm,
         })
     }
 
@@ -339,13 +370,10 @@ impl MultiheadAttention {
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let cfg = &self.cfg;
-        let (e, h, hd) = (cfg.embed_dim, cfg.num_heads, cfg.head_dim());
-        let (b, l, qe) = query.dims3()?;
+        let (e, h) = (cfg.embed_dim, cfg.num_heads);
+        let (b, l) = self.check_query(query)?;
         let (kb, s, ke) = key.dims3()?;
         let (vb, vs, ve) = value.dims3()?;
-        if qe != e {
-            bail!("MultiheadAttention: query has {qe} features, expected embed_dim {e}")
-        }
         if ke != cfg.kdim() {
             bail!(
                 "MultiheadAttention: key has {ke} features, expected kdim {}",
@@ -375,13 +403,9 @@ impl MultiheadAttention {
             extra_keys += 1;
         }
         // (B, H, T, hd)
-        let split = |t: &Tensor| -> Result<Tensor> {
-            let t_len = t.dim(1)?;
-            t.reshape((b, t_len, h, hd))?.transpose(1, 2)?.contiguous()
-        };
-        let (q, mut k, mut v) = (split(&q)?, split(&k)?, split(&v)?);
+        let (q, mut k, mut v) = (self.split_q(&q)?, self.split_k(&k)?, self.split_heads(&v)?);
         if cfg.add_zero_attn {
-            let zeros = Tensor::zeros((b, h, 1, hd), k.dtype(), k.device())?;
+            let zeros = Tensor::zeros((b, h, 1, cfg.head_dim()), k.dtype(), k.device())?;
             k = Tensor::cat(&[&k, &zeros], 2)?;
             v = Tensor::cat(&[&v, &zeros], 2)?;
             extra_keys += 1;
@@ -405,13 +429,135 @@ impl MultiheadAttention {
         } else {
             mask
         };
-        let dropout = opts.train.then_some(cfg.dropout);
-        // (B, H, L, hd), (B, H, L, S')
-        let (out, weights) = sdpa_reference(&q, &k, &v, mask, cfg.scale, dropout)?;
+        self.attend(&q, &k, &v, mask, opts.need_weights, opts.train)
+    }
+
+    /// Projects keys and values and splits them into heads, for reuse across
+    /// calls: cross-attention over a fixed encoder memory, or a decoder's
+    /// self-attention cache (append along dim 2).
+    ///
+    /// # Shapes
+    /// - `key`: `(batch, kv_len, kdim)`, `value`: `(batch, kv_len, vdim)`
+    /// - returns `k`, `v`: `(batch, num_heads, kv_len, head_dim)` each
+    ///   (after qk-norm on `k` when configured)
+    pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.check_no_extra_keys("project_kv")?;
+        let (kb, s, ke) = key.dims3()?;
+        let (vb, vs, ve) = value.dims3()?;
+        if (ke, ve) != (self.cfg.kdim(), self.cfg.vdim()) {
+            bail!(
+                "MultiheadAttention::project_kv: key/value have {ke}/{ve} features, expected kdim {} / vdim {}",
+                self.cfg.kdim(),
+                self.cfg.vdim()
+            )
+        }
+        if (kb, s) != (vb, vs) {
+            bail!(
+                "MultiheadAttention::project_kv: key is {:?} but value is {:?}",
+                key.dims(),
+                value.dims()
+            )
+        }
+        let (k, v) = self.in_proj.forward_kv(key, value, self.cfg.embed_dim)?;
+        Ok((self.split_k(&k)?, self.split_heads(&v)?))
+    }
+
+    /// Attention of `query` over keys and values already projected by
+    /// [`MultiheadAttention::project_kv`] (eval mode, batch-first).
+    ///
+    /// # Shapes
+    /// - `query`: `(batch, q_len, embed_dim)`
+    /// - `k`, `v`: `(batch, num_heads, kv_len, head_dim)`
+    /// - output: `(batch, q_len, embed_dim)`; weights as [`NeedWeights`] says.
+    ///
+    /// For a decoder step over a cache holding earlier positions, pass
+    /// `Mask::causal(Causal::BottomRight)`.
+    pub fn forward_projected(
+        &self,
+        query: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Mask,
+        need_weights: NeedWeights,
+    ) -> Result<MhaOutput> {
+        self.check_no_extra_keys("forward_projected")?;
+        let (b, _) = self.check_query(query)?;
+        let (kb, kh, _, khd) = k.dims4()?;
+        let expected = (b, self.cfg.num_heads, self.cfg.head_dim());
+        if (kb, kh, khd) != expected {
+            bail!(
+                "MultiheadAttention::forward_projected: k is {:?}, expected (batch, heads, kv_len, head_dim) with {expected:?}",
+                k.dims()
+            )
+        }
+        let q = self.in_proj.forward_q(query, self.cfg.embed_dim)?;
+        let q = self.split_q(&q)?;
+        let (output, weights) = self.attend(&q, k, v, mask, need_weights, false)?;
+        Ok(MhaOutput { output, weights })
+    }
+
+    /// `(B, L)` of a `(B, L, E)` query, or an error naming the wrong size.
+    fn check_query(&self, query: &Tensor) -> Result<(usize, usize)> {
+        let (b, l, qe) = query.dims3()?;
+        if qe != self.cfg.embed_dim {
+            bail!(
+                "MultiheadAttention: query has {qe} features, expected embed_dim {}",
+                self.cfg.embed_dim
+            )
+        }
+        Ok((b, l))
+    }
+
+    fn check_no_extra_keys(&self, what: &str) -> Result<()> {
+        if self.cfg.add_bias_kv || self.cfg.add_zero_attn {
+            bail!("MultiheadAttention::{what}: not supported with add_bias_kv or add_zero_attn")
+        }
+        Ok(())
+    }
+
+    /// `(B, T, E)` → `(B, H, T, hd)`.
+    fn split_heads(&self, t: &Tensor) -> Result<Tensor> {
+        let (b, t_len, _) = t.dims3()?;
+        t.reshape((b, t_len, self.cfg.num_heads, self.cfg.head_dim()))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    fn split_q(&self, q: &Tensor) -> Result<Tensor> {
+        let q = self.split_heads(q)?;
+        match &self.qk_norm {
+            Some((qn, _)) => qn.forward(&q),
+            None => Ok(q),
+        }
+    }
+
+    fn split_k(&self, k: &Tensor) -> Result<Tensor> {
+        let k = self.split_heads(k)?;
+        match &self.qk_norm {
+            Some((_, kn)) => kn.forward(&k),
+            None => Ok(k),
+        }
+    }
+
+    /// Heads `(B, H, L, hd)`, `(B, H, S, hd)` → output projection of the
+    /// merged attention `(B, L, E)`, and the weights asked for.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Mask,
+        need_weights: NeedWeights,
+        train: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (b, _, l, _) = q.dims4()?;
+        let dropout = train.then_some(self.cfg.dropout);
+        // (B, H, L, hd), (B, H, L, S)
+        let (out, weights) = sdpa_reference(q, k, v, mask, self.cfg.scale, dropout)?;
         // (B, L, E)
-        let out = out.transpose(1, 2)?.reshape((b, l, e))?;
+        let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.embed_dim))?;
         let out = self.out_proj.forward(&out)?;
-        let weights = match opts.need_weights {
+        let weights = match need_weights {
             NeedWeights::No => None,
             NeedWeights::PerHead => Some(weights),
             NeedWeights::Averaged => Some(average_heads(&weights)?),

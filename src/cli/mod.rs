@@ -1,0 +1,4 @@
+//! The binary's subcommands, one module each.
+
+pub mod seq2seq;
+pub mod vit;
