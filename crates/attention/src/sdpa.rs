@@ -25,7 +25,8 @@ use crate::mask::Mask;
 /// multi-query). `scale` defaults to `1 / sqrt(head_dim)`.
 ///
 /// A query whose keys are all masked gets an all-zero output row (PyTorch
-/// gives NaN). f16 and bf16 scores are upcast to f32 for the softmax.
+/// gives NaN). For f16 and bf16 inputs the scores are computed and
+/// softmaxed in f32; the output is in the input dtype.
 pub fn scaled_dot_product_attention(
     q: &Tensor,
     k: &Tensor,
@@ -130,8 +131,9 @@ pub(crate) fn sdpa_reference(
     let scale = scale.unwrap_or(1. / (head_dim as f64).sqrt());
     let k = repeat_kv(k, h)?;
     let v = repeat_kv(v, h)?;
-    // (B, H, L, S)
-    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+    // (B, H, L, S), in f32: f16 products overflow past 65504 and half
+    // precision loses the small differences the softmax amplifies.
+    let scores = (q.to_dtype(DType::F32)?.matmul(&k.to_dtype(DType::F32)?.t()?)? * scale)?;
     let scores = match mask.to_bias((b, h, l, s), q.device())? {
         Some(bias) => scores.broadcast_add(&bias)?,
         None => scores,
