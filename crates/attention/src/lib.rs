@@ -40,6 +40,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod config;
 mod layout;
 mod mask;
