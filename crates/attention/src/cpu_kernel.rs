@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use crate::mask::Mask;
 
 /// Query rows per work unit.
-const BLOCK_Q: usize = 64;
+const BLOCK_Q: usize = 128;
 /// Keys per tile.
 const BLOCK_K: usize = 512;
 
@@ -294,7 +294,7 @@ mod simd {
         const LOG2E: f32 = std::f32::consts::LOG2_E;
         // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
         const MAGIC: f32 = 12_582_912.0;
-        let xc = x.max(-87.0);
+        let xc = if x > -87.0 { x } else { -87.0 };
         let t = xc * LOG2E;
         let r = t + MAGIC;
         let n = r - MAGIC;
@@ -319,21 +319,54 @@ mod simd {
         }
     }
 
+    /// Lanes of the explicit reductions: float sums and maxes only
+    /// vectorise when their order is spelled out as independent lanes.
+    const LANES: usize = 16;
+
+    #[inline(always)]
+    fn max_of(row: &[f32]) -> f32 {
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (m, &x) in lanes.iter_mut().zip(c) {
+                *m = if x > *m { x } else { *m };
+            }
+        }
+        let m = tail
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+        lanes.iter().fold(m, |m, &x| if x > m { x } else { m })
+    }
+
+    /// `row[j] = e^(row[j] - max)` in place; returns the sum.
+    #[inline(always)]
+    fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+        let mut lanes = [0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (s, x) in lanes.iter_mut().zip(c.iter_mut()) {
+                *x = exp_nonpositive(*x - max);
+                *s += *x;
+            }
+        }
+        let mut sum = 0f32;
+        for x in chunks.into_remainder() {
+            *x = exp_nonpositive(*x - max);
+            sum += *x;
+        }
+        sum + lanes.iter().sum::<f32>()
+    }
+
     #[inline(always)]
     fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-        let tile_max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let new_max = m.max(tile_max);
+        let new_max = m.max(max_of(row));
         if new_max == f32::NEG_INFINITY {
             // Every key so far is masked: weights 0, nothing to rescale.
             row.fill(0.);
             return;
         }
-        let mut sum = 0f32;
-        for x in row.iter_mut() {
-            let e = exp_nonpositive(*x - new_max);
-            *x = e;
-            sum += e;
-        }
+        let sum = exp_sub_sum(row, new_max);
         if *m != new_max {
             let alpha = exp_nonpositive(*m - new_max);
             *l *= alpha;

@@ -1,0 +1,162 @@
+//! Times attention paths on the shapes of the README's benchmark table and
+//! prints one JSON object per line (`scripts/bench_vs_pytorch.py` runs this
+//! beside PyTorch and prints the ratios).
+//!
+//! ```text
+//! cargo run --release --example bench_attention            # the table's shapes
+//! cargo run --release --example bench_attention -- --peak-rss 16384
+//! ```
+//!
+//! `--peak-rss N` runs one B1 H8 hd64 self-attention of N tokens through the
+//! default path and reports the process's peak resident memory.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle::{DType, Device, Module, Tensor, D};
+use candle_nn::attention::{flash_attn, AttnMask as CandleMask};
+use multihead::attention::{
+    scaled_dot_product_attention_via, AttnPath, Causal, Mask, MhaConfig, MultiheadAttention,
+};
+
+/// Median wall time of `f` over at least 5 runs and ~2 s, after 2 warm-ups.
+fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let mut times = vec![];
+    let start = Instant::now();
+    while times.len() < 5 || (start.elapsed() < Duration::from_secs(2) && times.len() < 200) {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn randn(shape: &[usize]) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?)
+}
+
+fn report(work: &str, path: &str, ms: f64) {
+    println!(r#"{{"work": "{work}", "path": "{path}", "median_ms": {ms:.4}}}"#);
+}
+
+/// What a candle user writes by hand: matmul, softmax, matmul.
+fn candle_matmul_softmax(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    let mut scores = (q.matmul(&k.t()?)? * scale)?;
+    if causal {
+        let (l, s) = (q.dim(2)?, k.dim(2)?);
+        let mask: Vec<f32> = (0..l)
+            .flat_map(|i| (0..s).map(move |j| if j + l > i + s { f32::NEG_INFINITY } else { 0. }))
+            .collect();
+        scores = scores.broadcast_add(&Tensor::from_vec(mask, (l, s), q.device())?)?;
+    }
+    let w = candle_nn::ops::softmax_last_dim(&scores)?;
+    Ok(w.matmul(v)?)
+}
+
+fn bench_sdpa(work: &str, (b, h, l, s, d): (usize, usize, usize, usize, usize), causal: bool) -> Result<()> {
+    let (q, k, v) = (
+        randn(&[b, h, l, d])?,
+        randn(&[b, h, s, d])?,
+        randn(&[b, h, s, d])?,
+    );
+    let mask = if causal {
+        Mask::causal(Causal::BottomRight)
+    } else {
+        Mask::new()
+    };
+    let scale = 1. / (d as f64).sqrt();
+    report(
+        work,
+        "ours",
+        median_ms(|| {
+            Ok(scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::Auto).map(drop)?)
+        })?,
+    );
+    report(
+        work,
+        "candle_matmul_softmax",
+        median_ms(|| candle_matmul_softmax(&q, &k, &v, scale, causal).map(drop))?,
+    );
+    // candle's CPU flash attention takes (B, S, H, D).
+    let t = |x: &Tensor| -> Result<Tensor> { Ok(x.transpose(1, 2)?.contiguous()?) };
+    let (qt, kt, vt) = (t(&q)?, t(&k)?, t(&v)?);
+    let cmask = || {
+        if causal {
+            CandleMask::causal_with_offset(s - l)
+        } else {
+            CandleMask::None
+        }
+    };
+    report(
+        work,
+        "candle_flash_attn",
+        median_ms(|| Ok(flash_attn::<f32>(&qt, &kt, &vt, scale as f32, cmask(), None, None).map(drop)?))?,
+    );
+    Ok(())
+}
+
+fn bench_mha(work: &str, (b, n, e, h): (usize, usize, usize, usize)) -> Result<()> {
+    // Plain tensors (as loaded from a checkpoint), not variables.
+    let weights = [
+        ("in_proj_weight", randn(&[3 * e, e])?),
+        ("in_proj_bias", randn(&[3 * e])?),
+        ("out_proj.weight", randn(&[e, e])?),
+        ("out_proj.bias", randn(&[e])?),
+    ];
+    let weights = weights
+        .into_iter()
+        .map(|(name, t)| Ok((name.to_string(), (t * 0.02)?)))
+        .collect::<Result<std::collections::HashMap<_, _>>>()?;
+    let mha = MultiheadAttention::new(
+        &MhaConfig::new(e, h),
+        candle_nn::VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu),
+    )?;
+    let x = randn(&[b, n, e])?;
+    report(work, "ours", median_ms(|| Ok(mha.forward(&x).map(drop)?))?);
+    Ok(())
+}
+
+fn peak_rss(n: usize) -> Result<()> {
+    let (q, k, v) = (
+        randn(&[1, 8, n, 64])?,
+        randn(&[1, 8, n, 64])?,
+        randn(&[1, 8, n, 64])?,
+    );
+    let t = Instant::now();
+    let out = scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), None, AttnPath::Auto)?;
+    let secs = t.elapsed().as_secs_f64();
+    let checksum = out.sum_keepdim(D::Minus1)?.sum_all()?.to_scalar::<f32>()?;
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let hwm_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    println!(
+        r#"{{"work": "B1 N{n} H8 hd64 peak RSS", "peak_rss_mib": {:.1}, "seconds": {secs:.2}, "checksum": {checksum}}}"#,
+        hwm_kb as f64 / 1024.
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [] => {}
+        [flag, n] if flag == "--peak-rss" => {
+            return peak_rss(n.parse().context("--peak-rss takes a length")?)
+        }
+        _ => bail!("usage: bench_attention [--peak-rss N]"),
+    }
+    bench_sdpa("sdpa B8 N197 H12 hd64", (8, 12, 197, 197, 64), false)?;
+    bench_sdpa("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false)?;
+    bench_sdpa("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false)?;
+    bench_sdpa("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true)?;
+    bench_sdpa("decode B1 H8 hd64 1 query x 2048 keys", (1, 8, 1, 2048, 64), true)?;
+    bench_mha("MHA B8 N197 D768 H12", (8, 197, 768, 12))?;
+    Ok(())
+}
