@@ -31,6 +31,6 @@ pub use block::{Block, LayerScale, Mlp};
 pub use config::{GlobalPool, Naming, VitConfig};
 pub use embed::PatchEmbed;
 pub use model::{VisionTransformer, VitOutput};
-pub use preprocess::preprocess;
+pub use preprocess::{preprocess, preprocess_to};
 pub use resample::{resample_abs_pos_embed, resize, resize_weights, Interpolation};
 pub use rollout::attention_rollout;
