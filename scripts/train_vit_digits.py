@@ -39,17 +39,17 @@ from timm.models.vision_transformer import VisionTransformer
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OUT = os.path.join(ROOT, "weights", "vit-digits")
 SEED = 0
-EPOCHS = 80
+EPOCHS = 120
 LR = 2e-3
 BATCH = 32
 PNG_SIZE = 64
 
 CONFIG = {
     "img_size": 16,
-    "patch_size": 2,
+    "patch_size": 4,
     "in_chans": 1,
     "num_classes": 10,
-    "embed_dim": 48,
+    "embed_dim": 64,
     "depth": 4,
     "num_heads": 4,
     "mlp_ratio": 2.0,

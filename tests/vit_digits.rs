@@ -64,7 +64,7 @@ fn binary_agrees_with_pytorch_on_every_heldout_image() -> Result<()> {
         reference["num_images"].as_u64().context("num_images")? as usize
     );
     assert!(
-        (acc - want_acc).abs() < 1e-9,
+        (acc - want_acc).abs() < 1e-6,
         "accuracy: ours {acc}, PyTorch {want_acc}"
     );
     assert!(acc >= 0.95, "held-out accuracy {acc} below 95%");
