@@ -15,6 +15,17 @@ use multihead::models::vit::{VisionTransformer, VitConfig};
 /// The bar for logits.
 const RTOL: f64 = 1e-4;
 
+/// The CPU, and every GPU this build has.
+fn devices() -> Result<Vec<Device>> {
+    #[allow(unused_mut)]
+    let mut devs = vec![Device::Cpu];
+    #[cfg(feature = "cuda")]
+    devs.push(Device::new_cuda(0)?);
+    #[cfg(feature = "metal")]
+    devs.push(Device::new_metal(0)?);
+    Ok(devs)
+}
+
 fn check(path: &Path, dev: &Device) -> Result<()> {
     let fx = Fixture::load(path, dev)?;
     let cfg: VitConfig = serde_json::from_value(fx.case["config"].clone()).context("config")?;
@@ -59,9 +70,11 @@ fn vit_matches_timm() -> Result<()> {
     let files = fixture_files(&fixture_dir("vit"))?;
     assert!(files.len() >= 9, "fixtures missing: {files:?}");
     let mut failures = Vec::new();
-    for f in &files {
-        if let Err(e) = check(f, &Device::Cpu) {
-            failures.push(format!("{e:#}"));
+    for dev in devices()? {
+        for f in &files {
+            if let Err(e) = check(f, &dev) {
+                failures.push(format!("{dev:?}: {e:#}"));
+            }
         }
     }
     if !failures.is_empty() {
@@ -71,6 +84,25 @@ fn vit_matches_timm() -> Result<()> {
             files.len(),
             failures.join("\n")
         )
+    }
+    Ok(())
+}
+
+/// f16 weights and activations stay close to timm's f32 logits (the
+/// attention softmax runs in f32).
+#[test]
+fn half_precision_is_close() -> Result<()> {
+    for name in ["timm_token", "timm_layerscale_avg", "hf_resized"] {
+        let fx = Fixture::load(
+            &fixture_dir("vit").join(format!("{name}.safetensors")),
+            &Device::Cpu,
+        )?;
+        let cfg: VitConfig = serde_json::from_value(fx.case["config"].clone())?;
+        let vb = VarBuilder::from_tensors(fx.with_prefix("model"), DType::F16, &Device::Cpu);
+        let vit = VisionTransformer::new(&cfg, vb)?;
+        let logits = vit.forward(&fx.get("input")?.to_dtype(DType::F16)?)?;
+        assert_eq!(logits.dtype(), DType::F16);
+        assert_close(&format!("{name}: f16 logits"), &logits, fx.get("logits")?, 2e-2)?;
     }
     Ok(())
 }
