@@ -16,7 +16,7 @@ Writes:
   weights/vit-digits/samples/*.png       a dozen held-out images, for `multihead vit` without arguments
   weights/vit-digits/pytorch_predictions.json  PyTorch's prediction and probabilities per held-out image
 
-Run (about 4 minutes on one core):
+Run (about 3 minutes on an idle core; single-threaded, seeded):
 
     .venv-ref/bin/python scripts/train_vit_digits.py
 """
