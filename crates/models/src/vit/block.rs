@@ -1,0 +1,171 @@
+//! The encoder block: pre-norm attention and MLP, each with an optional
+//! LayerScale, around residual connections.
+
+use candle::{Module, Result, Tensor};
+use candle_nn::{Init, LayerNorm, Linear, VarBuilder};
+use multihead_attention::{MhaConfig, MhaOptions, MultiheadAttention, NeedWeights, WeightLayout};
+
+use crate::vit::config::{Naming, VitConfig};
+
+/// The checkpoint names of one block's submodules.
+struct BlockNames {
+    norm1: &'static str,
+    attn: &'static str,
+    norm2: &'static str,
+    fc1: &'static str,
+    fc2: &'static str,
+}
+
+impl BlockNames {
+    fn of(naming: Naming) -> Self {
+        match naming {
+            Naming::Timm => Self {
+                norm1: "norm1",
+                attn: "attn",
+                norm2: "norm2",
+                fc1: "mlp.fc1",
+                fc2: "mlp.fc2",
+            },
+            // HF `ViTLayer`: `layernorm_before`, `attention`,
+            // `layernorm_after`, `intermediate.dense`, `output.dense`.
+            Naming::Hf => Self {
+                norm1: "layernorm_before",
+                attn: "attention",
+                norm2: "layernorm_after",
+                fc1: "intermediate.dense",
+                fc2: "output.dense",
+            },
+        }
+    }
+}
+
+/// A LayerNorm `<name>.weight`, `<name>.bias` of width `dim`.
+pub(crate) fn layer_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
+    let w = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
+    let b = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
+    Ok(LayerNorm::new(w, b, eps))
+}
+
+/// Per-channel learned scale on a residual branch, `gamma` `(dim)`.
+///
+/// Port of timm's `LayerScale` (`timm/models/vision_transformer.py`).
+#[derive(Debug, Clone)]
+pub struct LayerScale {
+    gamma: Tensor,
+}
+
+impl LayerScale {
+    /// Loads `gamma`, or initialises it to `init_values`.
+    pub fn new(dim: usize, init_values: f64, vb: VarBuilder) -> Result<Self> {
+        let gamma = vb.get_with_hints(dim, "gamma", Init::Const(init_values))?;
+        Ok(Self { gamma })
+    }
+}
+
+impl Module for LayerScale {
+    /// `(..., dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        xs.broadcast_mul(&self.gamma)
+    }
+}
+
+/// `fc2(gelu(fc1(x)))` with the exact (erf) GELU, as timm's `Mlp` and HF's
+/// `ViTIntermediate` + `ViTOutput` compute it.
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+}
+
+impl Mlp {
+    /// Loads the two linears at `fc1` and `fc2` under `vb`.
+    pub fn new(cfg: &VitConfig, (fc1, fc2): (&str, &str), vb: VarBuilder) -> Result<Self> {
+        let (d, hidden) = (cfg.embed_dim, cfg.mlp_hidden_dim());
+        Ok(Self {
+            fc1: candle_nn::linear(d, hidden, vb.pp(fc1))?,
+            fc2: candle_nn::linear(hidden, d, vb.pp(fc2))?,
+        })
+    }
+}
+
+impl Module for Mlp {
+    /// `(..., embed_dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.fc2.forward(&self.fc1.forward(xs)?.gelu_erf()?)
+    }
+}
+
+/// `x + ls1(attn(norm1(x)))`, then `x + ls2(mlp(norm2(x)))`.
+///
+/// Port of timm's `Block` (`timm/models/vision_transformer.py`) and HF's
+/// `ViTLayer`.
+#[derive(Debug, Clone)]
+pub struct Block {
+    norm1: LayerNorm,
+    attn: MultiheadAttention,
+    ls1: Option<LayerScale>,
+    norm2: LayerNorm,
+    mlp: Mlp,
+    ls2: Option<LayerScale>,
+}
+
+impl Block {
+    /// Loads one block; `vb` is `blocks.N` (timm) or
+    /// `vit.encoder.layer.N` (HF).
+    pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
+        let names = BlockNames::of(cfg.naming);
+        let d = cfg.embed_dim;
+        let mut mha_cfg = MhaConfig::new(d, cfg.num_heads).with_qk_norm(cfg.qk_norm);
+        mha_cfg.qkv_bias = Some(cfg.qkv_bias);
+        mha_cfg.qk_norm_eps = cfg.layer_norm_eps;
+        let layout = match cfg.naming {
+            Naming::Timm => WeightLayout::timm(),
+            Naming::Hf => WeightLayout::hf_vit(),
+        };
+        let ls = |name: &str| -> Result<Option<LayerScale>> {
+            cfg.init_values
+                .map(|v| LayerScale::new(d, v, vb.pp(name)))
+                .transpose()
+        };
+        Ok(Self {
+            norm1: layer_norm(d, cfg.layer_norm_eps, vb.pp(names.norm1))?,
+            attn: MultiheadAttention::new_with_layout(&mha_cfg, &layout, vb.pp(names.attn))?,
+            ls1: ls("ls1")?,
+            norm2: layer_norm(d, cfg.layer_norm_eps, vb.pp(names.norm2))?,
+            mlp: Mlp::new(cfg, (names.fc1, names.fc2), vb.clone())?,
+            ls2: ls("ls2")?,
+        })
+    }
+
+    /// The block's output, and its per-head attention weights when asked.
+    ///
+    /// # Shapes
+    /// - `xs`: `(batch, tokens, embed_dim)`
+    /// - returns `(batch, tokens, embed_dim)` and, with
+    ///   [`NeedWeights::PerHead`], `(batch, heads, tokens, tokens)`: timm's
+    ///   `attn.softmax(dim=-1)` output
+    pub fn forward_attn(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<(Tensor, Option<Tensor>)> {
+        let h = self.norm1.forward(xs)?;
+        let out = self
+            .attn
+            .forward_attn(&h, &h, &h, &MhaOptions::new().with_weights(need_weights))?;
+        let a = match &self.ls1 {
+            Some(ls) => ls.forward(&out.output)?,
+            None => out.output,
+        };
+        let xs = (xs + a)?;
+        let m = self.mlp.forward(&self.norm2.forward(&xs)?)?;
+        let m = match &self.ls2 {
+            Some(ls) => ls.forward(&m)?,
+            None => m,
+        };
+        Ok(((xs + m)?, out.weights))
+    }
+}
+
+impl Module for Block {
+    /// `(batch, tokens, embed_dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_attn(xs, NeedWeights::No)?.0)
+    }
+}

@@ -1,0 +1,355 @@
+//! The configuration of a [`crate::vit::VisionTransformer`]: timm's
+//! `VisionTransformer` constructor arguments, the checkpoint's naming
+//! scheme, and how images are preprocessed.
+
+use candle::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::vit::resample::Interpolation;
+
+/// Which names the checkpoint stores its tensors under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Naming {
+    /// timm `VisionTransformer`: `patch_embed.proj`, `cls_token`,
+    /// `pos_embed`, `blocks.N.{norm1,attn.qkv,attn.proj,ls1,norm2,mlp.fc1,mlp.fc2,ls2}`,
+    /// `norm`, `fc_norm`, `head`.
+    #[default]
+    Timm,
+    /// HF transformers `ViTForImageClassification`: `vit.embeddings.*`,
+    /// `vit.encoder.layer.N.*`, `vit.layernorm`, `classifier`.
+    Hf,
+}
+
+/// How the encoder's tokens become one feature vector for the head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GlobalPool {
+    /// The class token (timm `global_pool='token'`).
+    #[default]
+    Token,
+    /// The mean of the patch tokens, prefix tokens excluded (timm `'avg'`).
+    Avg,
+}
+
+/// A Vision Transformer, as timm's
+/// `timm.models.vision_transformer.VisionTransformer` is configured.
+///
+/// Deserialised from the `config.json` beside a checkpoint; fields other
+/// than the five architecture sizes have timm's defaults.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VitConfig {
+    /// Side of the square training image, in pixels. The position
+    /// embedding has one entry per patch of this grid; other input sizes
+    /// resample it (see [`crate::vit::resample_abs_pos_embed`]).
+    pub img_size: usize,
+    /// Side of the square patches (the patch embedding's kernel and stride).
+    pub patch_size: usize,
+    /// Image channels (3 for RGB, 1 for grayscale).
+    #[serde(default = "default_in_chans")]
+    pub in_chans: usize,
+    /// Number of classes; 0 means no head (the forward returns the pooled
+    /// features).
+    #[serde(default = "default_num_classes")]
+    pub num_classes: usize,
+    /// Token width.
+    pub embed_dim: usize,
+    /// Number of encoder blocks.
+    pub depth: usize,
+    /// Attention heads per block; must divide `embed_dim`.
+    pub num_heads: usize,
+    /// MLP hidden width over `embed_dim` (hidden = `floor(embed_dim * mlp_ratio)`).
+    #[serde(default = "default_mlp_ratio")]
+    pub mlp_ratio: f64,
+    /// Whether the fused qkv projection has a bias.
+    #[serde(default = "default_true")]
+    pub qkv_bias: bool,
+    /// LayerNorm over each head's queries and keys (timm `qk_norm=True`).
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// LayerScale's initial value; `Some` means each block has `ls1.gamma`
+    /// and `ls2.gamma` (timm `init_values`).
+    #[serde(default)]
+    pub init_values: Option<f64>,
+    /// Whether a class token is prepended.
+    #[serde(default = "default_true")]
+    pub class_token: bool,
+    /// Number of register tokens after the class token (timm `reg_tokens`).
+    #[serde(default)]
+    pub reg_tokens: usize,
+    /// Whether the position embedding covers only the patches, not the
+    /// prefix tokens (timm `no_embed_class`, DeiT-3).
+    #[serde(default)]
+    pub no_embed_class: bool,
+    /// Pooling before the head.
+    #[serde(default)]
+    pub global_pool: GlobalPool,
+    /// Whether the final norm is applied after pooling (`fc_norm`) instead
+    /// of before. `None`: timm's default, true for average pooling.
+    #[serde(default)]
+    pub fc_norm: Option<bool>,
+    /// Epsilon of every LayerNorm (timm: 1e-6; HF ViT checkpoints: 1e-12).
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// The checkpoint's naming scheme.
+    #[serde(default)]
+    pub naming: Naming,
+    /// Per-channel mean subtracted from pixels scaled to `[0, 1]`.
+    #[serde(default = "default_half")]
+    pub image_mean: Vec<f32>,
+    /// Per-channel standard deviation the centred pixels are divided by.
+    #[serde(default = "default_half")]
+    pub image_std: Vec<f32>,
+    /// Filter resizing input images to `img_size` (always antialiased, as
+    /// torchvision's `Resize` on tensors with `antialias=True`).
+    #[serde(default = "default_image_interpolation")]
+    pub image_interpolation: Interpolation,
+    /// Class names, one per class; printed instead of indices when present.
+    #[serde(default)]
+    pub labels: Option<Vec<String>>,
+}
+
+fn default_in_chans() -> usize {
+    3
+}
+fn default_num_classes() -> usize {
+    1000
+}
+fn default_mlp_ratio() -> f64 {
+    4.
+}
+fn default_true() -> bool {
+    true
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_half() -> Vec<f32> {
+    vec![0.5; 3]
+}
+fn default_image_interpolation() -> Interpolation {
+    Interpolation::Bicubic
+}
+
+impl VitConfig {
+    /// A config with timm's defaults around the given architecture sizes.
+    pub fn new(img_size: usize, patch_size: usize, embed_dim: usize, depth: usize, num_heads: usize) -> Self {
+        Self {
+            img_size,
+            patch_size,
+            in_chans: default_in_chans(),
+            num_classes: default_num_classes(),
+            embed_dim,
+            depth,
+            num_heads,
+            mlp_ratio: default_mlp_ratio(),
+            qkv_bias: true,
+            qk_norm: false,
+            init_values: None,
+            class_token: true,
+            reg_tokens: 0,
+            no_embed_class: false,
+            global_pool: GlobalPool::Token,
+            fc_norm: None,
+            layer_norm_eps: default_eps(),
+            naming: Naming::Timm,
+            image_mean: default_half(),
+            image_std: default_half(),
+            image_interpolation: default_image_interpolation(),
+            labels: None,
+        }
+    }
+
+    /// timm `vit_tiny_patch16_224`: width 192, 12 blocks, 3 heads.
+    pub fn tiny_patch16_224() -> Self {
+        Self::new(224, 16, 192, 12, 3)
+    }
+
+    /// timm `vit_small_patch16_224`: width 384, 12 blocks, 6 heads.
+    pub fn small_patch16_224() -> Self {
+        Self::new(224, 16, 384, 12, 6)
+    }
+
+    /// timm `vit_base_patch16_224`: width 768, 12 blocks, 12 heads.
+    pub fn base_patch16_224() -> Self {
+        Self::new(224, 16, 768, 12, 12)
+    }
+
+    /// Reads and validates a `config.json`.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let cfg: Self =
+            serde_json::from_str(json).map_err(|e| candle::Error::Msg(format!("VitConfig: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// MLP hidden width, timm's `int(embed_dim * mlp_ratio)`.
+    pub fn mlp_hidden_dim(&self) -> usize {
+        (self.embed_dim as f64 * self.mlp_ratio) as usize
+    }
+
+    /// Patches per side at the training size.
+    pub fn grid_size(&self) -> usize {
+        self.img_size / self.patch_size.max(1)
+    }
+
+    /// Class and register tokens in front of the patch tokens.
+    pub fn num_prefix_tokens(&self) -> usize {
+        usize::from(self.class_token) + self.reg_tokens
+    }
+
+    /// Whether the final norm runs after pooling, resolving timm's default.
+    pub fn use_fc_norm(&self) -> bool {
+        self.fc_norm.unwrap_or(self.global_pool == GlobalPool::Avg)
+    }
+
+    /// The label of class `i`, or `i` itself.
+    pub fn label(&self, i: usize) -> String {
+        self.labels
+            .as_ref()
+            .and_then(|l| l.get(i).cloned())
+            .unwrap_or_else(|| i.to_string())
+    }
+
+    /// Checks every value, naming the wrong one.
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("img_size", self.img_size),
+            ("patch_size", self.patch_size),
+            ("in_chans", self.in_chans),
+            ("embed_dim", self.embed_dim),
+            ("num_heads", self.num_heads),
+        ] {
+            if v == 0 {
+                bail!("VitConfig: {name} must be > 0")
+            }
+        }
+        if self.img_size % self.patch_size != 0 {
+            bail!(
+                "VitConfig: img_size ({}) must be divisible by patch_size ({})",
+                self.img_size,
+                self.patch_size
+            )
+        }
+        if self.embed_dim % self.num_heads != 0 {
+            bail!(
+                "VitConfig: embed_dim ({}) must be divisible by num_heads ({})",
+                self.embed_dim,
+                self.num_heads
+            )
+        }
+        if !(self.mlp_ratio.is_finite() && self.mlp_hidden_dim() > 0) {
+            bail!(
+                "VitConfig: mlp_ratio ({}) must give an MLP width > 0 (embed_dim {})",
+                self.mlp_ratio,
+                self.embed_dim
+            )
+        }
+        if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps > 0.) {
+            bail!(
+                "VitConfig: layer_norm_eps must be finite and > 0, found {}",
+                self.layer_norm_eps
+            )
+        }
+        if let Some(v) = self.init_values {
+            if !v.is_finite() {
+                bail!("VitConfig: init_values must be finite, found {v}")
+            }
+        }
+        if self.global_pool == GlobalPool::Token && !self.class_token {
+            bail!("VitConfig: global_pool 'token' needs class_token = true")
+        }
+        for (name, v) in [("image_mean", &self.image_mean), ("image_std", &self.image_std)] {
+            if v.len() != self.in_chans {
+                bail!(
+                    "VitConfig: {name} has {} values but in_chans is {}",
+                    v.len(),
+                    self.in_chans
+                )
+            }
+        }
+        if let Some(s) = self.image_std.iter().find(|s| !(s.is_finite() && **s > 0.)) {
+            bail!("VitConfig: image_std values must be finite and > 0, found {s}")
+        }
+        if let Some(labels) = &self.labels {
+            if labels.len() != self.num_classes {
+                bail!(
+                    "VitConfig: {} labels given for num_classes {}",
+                    labels.len(),
+                    self.num_classes
+                )
+            }
+        }
+        if self.naming == Naming::Hf {
+            // HF's ViTForImageClassification has none of these; a config that
+            // asks for them cannot describe an HF checkpoint.
+            let unsupported = [
+                ("init_values", self.init_values.is_some()),
+                ("qk_norm", self.qk_norm),
+                ("reg_tokens", self.reg_tokens > 0),
+                ("no_embed_class", self.no_embed_class),
+                ("global_pool 'avg'", self.global_pool == GlobalPool::Avg),
+                ("fc_norm", self.use_fc_norm()),
+                ("class_token = false", !self.class_token),
+            ];
+            if let Some((name, _)) = unsupported.iter().find(|(_, on)| *on) {
+                bail!("VitConfig: naming 'hf' (ViTForImageClassification) does not support {name}")
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_validate() -> Result<()> {
+        for cfg in [
+            VitConfig::tiny_patch16_224(),
+            VitConfig::small_patch16_224(),
+            VitConfig::base_patch16_224(),
+        ] {
+            cfg.validate()?;
+            assert_eq!(cfg.grid_size(), 14);
+            assert_eq!(cfg.mlp_hidden_dim(), 4 * cfg.embed_dim);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn errors_name_the_value() {
+        let mut cfg = VitConfig::new(30, 16, 64, 2, 4);
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("img_size (30)") && err.contains("patch_size (16)"),
+            "{err}"
+        );
+        cfg.img_size = 32;
+        cfg.num_heads = 5;
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("num_heads (5)"), "{err}");
+        cfg.num_heads = 4;
+        cfg.naming = Naming::Hf;
+        cfg.init_values = Some(1e-5);
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("init_values"), "{err}");
+    }
+
+    #[test]
+    fn json_defaults_and_unknown_fields() -> Result<()> {
+        let cfg = VitConfig::from_json(
+            r#"{"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}"#,
+        )?;
+        assert_eq!(cfg, VitConfig::new(32, 4, 64, 2, 4));
+        let err = VitConfig::from_json(
+            r#"{"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4, "dept": 3}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("dept"), "{err}");
+        Ok(())
+    }
+}

@@ -1,0 +1,36 @@
+//! The Vision Transformer (Dosovitskiy et al., 2021), loading timm and HF
+//! transformers checkpoints by their own tensor names.
+//!
+//! ```
+//! use candle::{DType, Device, Module, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use multihead_models::vit::{VisionTransformer, VitConfig};
+//!
+//! # fn main() -> candle::Result<()> {
+//! let mut cfg = VitConfig::new(32, 8, 64, 2, 4);
+//! cfg.num_classes = 10;
+//! let varmap = VarMap::new();
+//! let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//! let images = Tensor::zeros((2, 3, 32, 32), DType::F32, &Device::Cpu)?;
+//! assert_eq!(vit.forward(&images)?.dims(), &[2, 10]);
+//! // Another image size resamples the position embedding.
+//! let out = vit.forward_with_attention(&Tensor::zeros((1, 3, 48, 40), DType::F32, &Device::Cpu)?)?;
+//! assert_eq!(out.attentions[0].dims(), &[1, 4, 1 + 6 * 5, 1 + 6 * 5]);
+//! # Ok(()) }
+//! ```
+
+mod block;
+mod config;
+mod embed;
+mod model;
+mod preprocess;
+mod resample;
+mod rollout;
+
+pub use block::{Block, LayerScale, Mlp};
+pub use config::{GlobalPool, Naming, VitConfig};
+pub use embed::PatchEmbed;
+pub use model::{VisionTransformer, VitOutput};
+pub use preprocess::{preprocess, preprocess_to};
+pub use resample::{resample_abs_pos_embed, resize, resize_weights, Interpolation};
+pub use rollout::attention_rollout;

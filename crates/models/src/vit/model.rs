@@ -1,0 +1,274 @@
+//! The Vision Transformer: patch embedding, prefix tokens, position
+//! embedding, encoder blocks, norm, pooling and head.
+
+use candle::{bail, Module, Result, Tensor, D};
+use candle_nn::{Init, LayerNorm, Linear, VarBuilder};
+use multihead_attention::NeedWeights;
+
+use crate::vit::block::{layer_norm, Block};
+use crate::vit::config::{GlobalPool, Naming, VitConfig};
+use crate::vit::embed::PatchEmbed;
+use crate::vit::resample::resample_abs_pos_embed;
+
+/// Checkpoint names of the model-level tensors.
+struct ModelNames {
+    patch_embed: &'static str,
+    cls_token: &'static str,
+    pos_embed: &'static str,
+    blocks: &'static str,
+    norm: &'static str,
+    head: &'static str,
+}
+
+impl ModelNames {
+    fn of(naming: Naming) -> Self {
+        match naming {
+            Naming::Timm => Self {
+                patch_embed: "patch_embed",
+                cls_token: "cls_token",
+                pos_embed: "pos_embed",
+                blocks: "blocks",
+                norm: "norm",
+                head: "head",
+            },
+            Naming::Hf => Self {
+                patch_embed: "vit.embeddings.patch_embeddings",
+                cls_token: "vit.embeddings.cls_token",
+                pos_embed: "vit.embeddings.position_embeddings",
+                blocks: "vit.encoder.layer",
+                norm: "vit.layernorm",
+                head: "classifier",
+            },
+        }
+    }
+}
+
+/// What [`VisionTransformer::forward_with_attention`] returns.
+#[derive(Debug, Clone)]
+pub struct VitOutput {
+    /// `(batch, num_classes)`, or the pooled features `(batch, embed_dim)`
+    /// when the model has no head.
+    pub logits: Tensor,
+    /// One `(batch, heads, tokens, tokens)` tensor per block: the softmaxed
+    /// attention weights, prefix tokens first.
+    pub attentions: Vec<Tensor>,
+    /// The patch grid `(grid_h, grid_w)` of the input.
+    pub grid: (usize, usize),
+}
+
+/// A Vision Transformer classifier.
+///
+/// Port of timm's `VisionTransformer`
+/// (`timm/models/vision_transformer.py`); also loads HF transformers'
+/// `ViTForImageClassification` (`Naming::Hf`). Inputs of another size than
+/// `img_size` get a resampled position embedding, as timm does with
+/// `dynamic_img_size=True`.
+#[derive(Debug, Clone)]
+pub struct VisionTransformer {
+    cfg: VitConfig,
+    patch_embed: PatchEmbed,
+    /// `(1, 1, D)`.
+    cls_token: Option<Tensor>,
+    /// `(1, reg_tokens, D)`.
+    reg_token: Option<Tensor>,
+    /// `(1, [prefix +] grid², D)`.
+    pos_embed: Tensor,
+    blocks: Vec<Block>,
+    /// Before pooling; absent when `fc_norm` replaces it.
+    norm: Option<LayerNorm>,
+    /// After pooling.
+    fc_norm: Option<LayerNorm>,
+    head: Option<Linear>,
+}
+
+impl VisionTransformer {
+    /// Validates `cfg` and loads every tensor by its checkpoint name, or
+    /// initialises it when `vb` is backed by a `VarMap`.
+    pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let names = ModelNames::of(cfg.naming);
+        let d = cfg.embed_dim;
+        let patch_embed = PatchEmbed::new(cfg, vb.pp(names.patch_embed))?;
+        let cls_token = cfg
+            .class_token
+            .then(|| {
+                vb.get_with_hints(
+                    (1, 1, d),
+                    names.cls_token,
+                    Init::Randn {
+                        mean: 0.,
+                        stdev: 1e-6,
+                    },
+                )
+            })
+            .transpose()?;
+        let reg_token = (cfg.reg_tokens > 0)
+            .then(|| {
+                vb.get_with_hints(
+                    (1, cfg.reg_tokens, d),
+                    "reg_token",
+                    Init::Randn {
+                        mean: 0.,
+                        stdev: 1e-6,
+                    },
+                )
+            })
+            .transpose()?;
+        let g = cfg.grid_size();
+        let embed_len = g * g
+            + if cfg.no_embed_class {
+                0
+            } else {
+                cfg.num_prefix_tokens()
+            };
+        let pos_embed = vb.get_with_hints(
+            (1, embed_len, d),
+            names.pos_embed,
+            Init::Randn {
+                mean: 0.,
+                stdev: 0.02,
+            },
+        )?;
+        let blocks = (0..cfg.depth)
+            .map(|i| Block::new(cfg, vb.pp(names.blocks).pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let eps = cfg.layer_norm_eps;
+        let (norm, fc_norm) = if cfg.use_fc_norm() {
+            (None, Some(layer_norm(d, eps, vb.pp("fc_norm"))?))
+        } else {
+            (Some(layer_norm(d, eps, vb.pp(names.norm))?), None)
+        };
+        let head = (cfg.num_classes > 0)
+            .then(|| candle_nn::linear(d, cfg.num_classes, vb.pp(names.head)))
+            .transpose()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            patch_embed,
+            cls_token,
+            reg_token,
+            pos_embed,
+            blocks,
+            norm,
+            fc_norm,
+            head,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &VitConfig {
+        &self.cfg
+    }
+
+    /// Patch tokens with prefix tokens and position embedding added: the
+    /// encoder's input.
+    ///
+    /// # Shapes
+    /// - `xs`: `(batch, in_chans, H, W)`
+    /// - returns `(batch, prefix + grid_h * grid_w, embed_dim)` and the grid
+    pub fn embed(&self, xs: &Tensor) -> Result<(Tensor, (usize, usize))> {
+        let (x, grid) = self.patch_embed.forward_grid(xs)?;
+        let b = x.dim(0)?;
+        let g = self.cfg.grid_size();
+        let n_pos_prefix = if self.cfg.no_embed_class {
+            0
+        } else {
+            self.cfg.num_prefix_tokens()
+        };
+        let pos_embed = resample_abs_pos_embed(&self.pos_embed, grid, (g, g), n_pos_prefix)?;
+        let d = self.cfg.embed_dim;
+        let mut prefix = Vec::new();
+        if let Some(cls) = &self.cls_token {
+            prefix.push(cls.broadcast_as((b, 1, d))?);
+        }
+        if let Some(reg) = &self.reg_token {
+            prefix.push(reg.broadcast_as((b, self.cfg.reg_tokens, d))?);
+        }
+        let with_prefix = |x: Tensor| -> Result<Tensor> {
+            if prefix.is_empty() {
+                return Ok(x);
+            }
+            let mut parts = prefix.clone();
+            parts.push(x);
+            Tensor::cat(&parts, 1)
+        };
+        // DeiT-3's embedding skips the prefix tokens: add, then concatenate;
+        // the original ViT's covers them: concatenate, then add.
+        let x = if self.cfg.no_embed_class {
+            with_prefix(x.broadcast_add(&pos_embed)?)?
+        } else {
+            with_prefix(x)?.broadcast_add(&pos_embed)?
+        };
+        Ok((x, grid))
+    }
+
+    /// Runs the encoder and the head, keeping each block's attention
+    /// weights when `need_weights` is [`NeedWeights::PerHead`] or
+    /// [`NeedWeights::Averaged`].
+    ///
+    /// # Shapes
+    /// - `xs`: `(batch, in_chans, H, W)`, `H` and `W` multiples of the patch
+    ///   size
+    /// - logits: `(batch, num_classes)`
+    pub fn forward_with_weights(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<VitOutput> {
+        let (mut x, grid) = self.embed(xs)?;
+        let mut attentions = Vec::new();
+        for block in &self.blocks {
+            let (y, w) = block.forward_attn(&x, need_weights)?;
+            x = y;
+            attentions.extend(w);
+        }
+        if let Some(norm) = &self.norm {
+            x = norm.forward(&x)?;
+        }
+        let pooled = match self.cfg.global_pool {
+            GlobalPool::Token => x.narrow(1, 0, 1)?.squeeze(1)?,
+            GlobalPool::Avg => {
+                let p = self.cfg.num_prefix_tokens();
+                let n = x.dim(1)?;
+                if n <= p {
+                    bail!("VisionTransformer: average pooling needs at least one patch token")
+                }
+                x.narrow(1, p, n - p)?.mean(1)?
+            }
+        };
+        let pooled = match &self.fc_norm {
+            Some(n) => n.forward(&pooled)?,
+            None => pooled,
+        };
+        let logits = match &self.head {
+            Some(h) => h.forward(&pooled)?,
+            None => pooled,
+        };
+        Ok(VitOutput {
+            logits,
+            attentions,
+            grid,
+        })
+    }
+
+    /// Logits and every block's per-head attention weights, for maps.
+    ///
+    /// # Shapes
+    /// - `xs`: `(batch, in_chans, H, W)`
+    /// - `logits`: `(batch, num_classes)`; `attentions`: `depth` tensors
+    ///   `(batch, heads, tokens, tokens)`
+    pub fn forward_with_attention(&self, xs: &Tensor) -> Result<VitOutput> {
+        self.forward_with_weights(xs, NeedWeights::PerHead)
+    }
+
+    /// Class probabilities, softmax over the logits in f32.
+    ///
+    /// # Shapes
+    /// - `xs`: `(batch, in_chans, H, W)`; returns `(batch, num_classes)`
+    pub fn probabilities(&self, xs: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(xs)?.to_dtype(candle::DType::F32)?;
+        candle_nn::ops::softmax(&logits, D::Minus1)
+    }
+}
+
+impl Module for VisionTransformer {
+    /// `(batch, in_chans, H, W)` → logits `(batch, num_classes)`.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with_weights(xs, NeedWeights::No)?.logits)
+    }
+}

@@ -1,0 +1,305 @@
+//! `multihead vit`: classify images with a Vision Transformer, evaluate it
+//! on a class-per-subfolder directory, and draw where it attends.
+
+mod eval;
+mod image_io;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer, VitConfig};
+
+/// The shipped model, relative to the working directory or to the
+/// repository the binary was built from.
+const DEFAULT_MODEL_DIR: &str = "weights/vit-digits";
+
+/// Where to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// The CPU.
+    Cpu,
+    /// The first CUDA GPU (build with `--features cuda`).
+    Cuda,
+    /// The first Metal GPU (build with `--features metal`).
+    Metal,
+}
+
+/// Floating-point type of weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// How predictions are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Per image, the top-k classes with probabilities.
+    Text,
+    /// One JSON array: per image its path and top-k `{class, label, prob}`.
+    Json,
+}
+
+/// Arguments of `multihead vit`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Images to classify (PNG or JPEG, any size; resized as the config
+    /// says). Default: the shipped samples, weights/vit-digits/samples/.
+    images: Vec<PathBuf>,
+    /// Weights, a safetensors file with timm or HF names. Default: the
+    /// shipped digits model, weights/vit-digits/model.safetensors.
+    #[arg(long, value_name = "FILE")]
+    weights: Option<PathBuf>,
+    /// Model config (VitConfig JSON). Default: config.json beside the
+    /// weights.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// How many classes to print per image.
+    #[arg(long, default_value_t = 3)]
+    top_k: usize,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// Dtype of weights and activations.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    dtype: DtypeArg,
+    /// Side the images are resized to (default: the config's img_size);
+    /// another size resamples the position embedding.
+    #[arg(long, value_name = "PIXELS")]
+    image_size: Option<usize>,
+    /// Evaluate on DIR/<class>/*.png|jpg: accuracy and confusion matrix.
+    #[arg(long, value_name = "DIR", conflicts_with = "images")]
+    eval: Option<PathBuf>,
+    /// Write the input beside a heat map of where the class token attends
+    /// (attention rollout over all layers). With several images, one file
+    /// per image: OUT-<image name>.png.
+    #[arg(long, value_name = "OUT.png")]
+    attention_map: Option<PathBuf>,
+    /// Output format of the predictions.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+}
+
+/// A loaded model and how to feed it.
+pub(crate) struct Classifier {
+    pub vit: VisionTransformer,
+    pub cfg: VitConfig,
+    pub device: Device,
+    pub dtype: DType,
+    pub size: usize,
+}
+
+impl Classifier {
+    fn load(args: &Args) -> Result<Self> {
+        let weights = match &args.weights {
+            Some(w) => w.clone(),
+            None => default_model_dir()?.join("model.safetensors"),
+        };
+        let config = match &args.config {
+            Some(c) => c.clone(),
+            None => weights.with_file_name("config.json"),
+        };
+        let json = std::fs::read_to_string(&config)
+            .with_context(|| format!("reading config '{}'", config.display()))?;
+        let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", config.display()))?;
+        let size = args.image_size.unwrap_or(cfg.img_size);
+        if size == 0 || size % cfg.patch_size != 0 {
+            bail!(
+                "image size {size} is not a multiple of the patch size {}",
+                cfg.patch_size
+            )
+        }
+        let device = match args.device {
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::new_cuda(0).context("--device cuda")?,
+            DeviceArg::Metal => Device::new_metal(0).context("--device metal")?,
+        };
+        let dtype = match args.dtype {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::F16 => DType::F16,
+            DtypeArg::Bf16 => DType::BF16,
+        };
+        if dtype == DType::BF16 && device.is_cpu() {
+            bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
+        }
+        let bytes =
+            std::fs::read(&weights).with_context(|| format!("reading weights '{}'", weights.display()))?;
+        let vb = VarBuilder::from_buffered_safetensors(bytes, dtype, &device)
+            .with_context(|| format!("reading weights '{}'", weights.display()))?;
+        let vit = VisionTransformer::new(&cfg, vb).with_context(|| {
+            format!(
+                "weights '{}' do not match config '{}'",
+                weights.display(),
+                config.display()
+            )
+        })?;
+        Ok(Self {
+            vit,
+            cfg,
+            device,
+            dtype,
+            size,
+        })
+    }
+
+    /// The model input for one image: `(in_chans, size, size)` on the
+    /// device, in the model's dtype.
+    pub fn input(&self, img: &image::DynamicImage) -> Result<Tensor> {
+        let px = image_io::pixels(img, self.cfg.in_chans)?;
+        let x = preprocess_to(&self.cfg, &px, (self.size, self.size))?;
+        Ok(x.to_device(&self.device)?.to_dtype(self.dtype)?)
+    }
+
+    /// Class probabilities `(batch, num_classes)` in f32 on the CPU.
+    pub fn probabilities(&self, inputs: &[Tensor]) -> Result<Tensor> {
+        let x = Tensor::stack(inputs, 0)?;
+        Ok(self.vit.probabilities(&x)?.to_device(&Device::Cpu)?)
+    }
+}
+
+fn default_model_dir() -> Result<PathBuf> {
+    let here = Path::new(DEFAULT_MODEL_DIR);
+    if here.is_dir() {
+        return Ok(here.to_path_buf());
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_MODEL_DIR);
+    if built.is_dir() {
+        return Ok(built);
+    }
+    bail!("the shipped model is not in ./{DEFAULT_MODEL_DIR}; pass --weights")
+}
+
+/// The images of the shipped samples directory, sorted.
+fn default_images() -> Result<Vec<PathBuf>> {
+    let dir = default_model_dir()?.join("samples");
+    let mut files = image_files(&dir)?;
+    files.sort();
+    if files.is_empty() {
+        bail!("no images in '{}'", dir.display())
+    }
+    Ok(files)
+}
+
+/// The PNG and JPEG files directly in `dir`.
+pub(crate) fn image_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading directory '{}'", dir.display()))? {
+        let path = entry?.path();
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        if path.is_file() && matches!(ext.as_deref(), Some("png" | "jpg" | "jpeg")) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Indices and values of the `k` largest entries, largest first.
+pub(crate) fn top_k(probs: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut idx: Vec<(usize, f32)> = probs.iter().copied().enumerate().collect();
+    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    idx.truncate(k);
+    idx
+}
+
+/// Runs the command.
+pub fn run(args: Args) -> Result<()> {
+    run_inner(args).map_err(one_line)
+}
+
+/// The error chain as one line: candle appends a captured backtrace to its
+/// errors' messages when `RUST_BACKTRACE` is set, which a user-facing
+/// message must not carry.
+fn one_line(e: anyhow::Error) -> anyhow::Error {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let line = cause.to_string().lines().next().unwrap_or_default().to_string();
+        // Some errors repeat their source's message in their own.
+        if !parts.last().is_some_and(|p| p.contains(&line)) {
+            parts.push(line);
+        }
+    }
+    anyhow::anyhow!(parts.join(": "))
+}
+
+fn run_inner(args: Args) -> Result<()> {
+    if args.top_k == 0 {
+        bail!("--top-k must be at least 1")
+    }
+    let clf = Classifier::load(&args)?;
+    if let Some(dir) = &args.eval {
+        return eval::run(&clf, dir);
+    }
+    let paths = if args.images.is_empty() {
+        default_images()?
+    } else {
+        args.images.clone()
+    };
+    let k = args.top_k.min(clf.cfg.num_classes.max(1));
+    let width = (0..clf.cfg.num_classes)
+        .map(|i| clf.cfg.label(i).len())
+        .max()
+        .unwrap_or(1);
+    let mut json = Vec::new();
+    for path in &paths {
+        let img = image_io::open_image(path)?;
+        let x = clf.input(&img)?;
+        let probs: Vec<f32> = clf
+            .probabilities(std::slice::from_ref(&x))?
+            .squeeze(0)?
+            .to_vec1()?;
+        let best = top_k(&probs, k);
+        match args.format {
+            Format::Text => {
+                println!("{}", path.display());
+                for (c, p) in &best {
+                    println!("  {:<width$}  {:6.2}%", clf.cfg.label(*c), 100. * p);
+                }
+            }
+            Format::Json => json.push(serde_json::json!({
+                "path": path.display().to_string(),
+                "top_k": best.iter().map(|(c, p)| serde_json::json!({
+                    "class": c, "label": clf.cfg.label(*c), "prob": p,
+                })).collect::<Vec<_>>(),
+            })),
+        }
+        if let Some(out) = &args.attention_map {
+            let out = if paths.len() == 1 {
+                out.clone()
+            } else {
+                per_image_path(out, path)
+            };
+            write_attention_map(&clf, &img, &x, &out)?;
+            if args.format == Format::Text {
+                println!("  attention map: {}", out.display());
+            }
+        }
+    }
+    if args.format == Format::Json {
+        println!("{}", serde_json::to_string_pretty(&json)?);
+    }
+    Ok(())
+}
+
+/// `OUT-<image stem>.png` for `OUT.png`.
+fn per_image_path(out: &Path, image: &Path) -> PathBuf {
+    let stem = out.file_stem().map(|s| s.to_string_lossy()).unwrap_or_default();
+    let img = image.file_stem().map(|s| s.to_string_lossy()).unwrap_or_default();
+    out.with_file_name(format!("{stem}-{img}.png"))
+}
+
+fn write_attention_map(clf: &Classifier, img: &image::DynamicImage, x: &Tensor, out: &Path) -> Result<()> {
+    let res = clf.vit.forward_with_attention(&x.unsqueeze(0)?)?;
+    let rollout = attention_rollout(&res.attentions, clf.cfg.num_prefix_tokens(), res.grid)
+        .context("attention map")?
+        .squeeze(0)?
+        .to_device(&Device::Cpu)?;
+    let heat = image_io::heat_panel(&rollout)?;
+    image_io::write_attention_map(img, &heat, out)
+}

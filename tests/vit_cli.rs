@@ -1,0 +1,174 @@
+//! `multihead vit` as a user runs it: the default run, `--eval`,
+//! `--attention-map`, and one-line errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use anyhow::{Context, Result};
+
+fn model_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits")
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(name: &str) -> Result<PathBuf> {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("vit_cli").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn vit(args: &[&str]) -> Result<Output> {
+    Ok(Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .current_dir(model_dir())
+        .arg("vit")
+        .args(args)
+        .output()?)
+}
+
+/// Fails unless the run exited non-zero with one `error:` line containing
+/// `what`.
+fn assert_one_line_error(out: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "succeeded; stdout: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "not one line: {stderr}");
+    assert!(
+        lines[0].starts_with("error: ") && lines[0].contains(what),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn default_run_classifies_the_samples() -> Result<()> {
+    let out = vit(&[])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout)?;
+    let samples = std::fs::read_dir(model_dir().join("samples"))?.count();
+    assert!(samples >= 10);
+    assert_eq!(
+        stdout.lines().filter(|l| l.ends_with(".png")).count(),
+        samples,
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.lines().filter(|l| l.ends_with('%')).count(),
+        3 * samples,
+        "{stdout}"
+    );
+    Ok(())
+}
+
+#[test]
+fn eval_prints_accuracy_and_confusion() -> Result<()> {
+    let out = vit(&["--eval", "heldout"])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout)?;
+    assert!(stdout.starts_with("accuracy: "), "{stdout}");
+    assert!(stdout.contains("confusion matrix"), "{stdout}");
+    // Header and one row per class.
+    assert_eq!(stdout.lines().count(), 2 + 1 + 10, "{stdout}");
+    Ok(())
+}
+
+#[test]
+fn attention_map_is_written() -> Result<()> {
+    let dir = scratch("attention_map")?;
+    let out_png = dir.join("map.png");
+    let sample = std::fs::read_dir(model_dir().join("samples"))?
+        .next()
+        .context("no sample")??
+        .path();
+    let out = vit(&[
+        sample.to_str().context("path")?,
+        "--attention-map",
+        out_png.to_str().context("path")?,
+    ])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let img = image::open(&out_png)?;
+    assert_eq!((img.width(), img.height()), (2 * 256 + 8, 256));
+    Ok(())
+}
+
+#[test]
+fn other_dtypes_and_sizes_run() -> Result<()> {
+    for args in [&["--dtype", "f16"][..], &["--image-size", "24"]] {
+        let out = vit(args)?;
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn bf16_on_the_cpu_is_refused() -> Result<()> {
+    assert_one_line_error(&vit(&["--dtype", "bf16"])?, "bf16 needs");
+    Ok(())
+}
+
+#[test]
+fn missing_file() -> Result<()> {
+    assert_one_line_error(&vit(&["no-such-image.png"])?, "no-such-image.png");
+    Ok(())
+}
+
+#[test]
+fn not_an_image() -> Result<()> {
+    let dir = scratch("not_an_image")?;
+    let path = dir.join("notes.png");
+    std::fs::write(&path, "these are not pixels\n")?;
+    assert_one_line_error(&vit(&[path.to_str().context("path")?])?, "not a PNG or JPEG");
+    Ok(())
+}
+
+#[test]
+fn corrupt_image() -> Result<()> {
+    let dir = scratch("corrupt_image")?;
+    let good = std::fs::read_dir(model_dir().join("samples"))?
+        .next()
+        .context("no sample")??
+        .path();
+    let mut bytes = std::fs::read(good)?;
+    bytes.truncate(bytes.len() / 2);
+    let path = dir.join("truncated.png");
+    std::fs::write(&path, bytes)?;
+    assert_one_line_error(&vit(&[path.to_str().context("path")?])?, "decoding image");
+    Ok(())
+}
+
+#[test]
+fn weights_that_do_not_match_the_config() -> Result<()> {
+    let dir = scratch("mismatch")?;
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model_dir().join("config.json"))?)?;
+    cfg["embed_dim"] = serde_json::json!(32);
+    let path = dir.join("config.json");
+    std::fs::write(&path, cfg.to_string())?;
+    let out = vit(&["--config", path.to_str().context("path")?])?;
+    assert_one_line_error(&out, "do not match config");
+    Ok(())
+}
+
+#[test]
+fn size_the_patch_does_not_divide() -> Result<()> {
+    assert_one_line_error(&vit(&["--image-size", "15"])?, "not a multiple of the patch size");
+    let dir = scratch("bad_config")?;
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model_dir().join("config.json"))?)?;
+    cfg["patch_size"] = serde_json::json!(3);
+    let path = dir.join("config.json");
+    std::fs::write(&path, cfg.to_string())?;
+    assert_one_line_error(
+        &vit(&["--config", path.to_str().context("path")?])?,
+        "patch_size (3)",
+    );
+    Ok(())
+}
