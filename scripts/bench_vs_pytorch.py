@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Time our attention, candle's own paths and PyTorch on the same shapes, in
+one run, and print a Markdown table of medians and ratios.
+
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2]
+
+Our side is `cargo run --release --example bench_attention` (JSON lines);
+PyTorch runs here with the same thread count. Both take the median of at
+least 5 timed runs (~2 s per case) after 2 warm-ups. The machine is shared:
+compare ratios within one run, not times across runs.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def median_ms(fn):
+    for _ in range(2):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < 2 and len(times) < 200):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def torch_sdpa(b, h, l, s, d, causal):
+    q, k, v = torch.randn(b, h, l, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
+    kw = {}
+    if causal:
+        from torch.nn.attention.bias import causal_lower_right
+
+        kw["attn_mask"] = causal_lower_right(l, s)
+    with torch.no_grad():
+        return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, **kw))
+
+
+def torch_mha(b, n, e, h):
+    mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
+    x = torch.randn(b, n, e)
+    with torch.no_grad():
+        return median_ms(lambda: mha(x, x, x, need_weights=False))
+
+
+# work label (as bench_attention prints it) -> PyTorch function
+CASES = {
+    "sdpa B8 N197 H12 hd64": ("SDPA", lambda: torch_sdpa(8, 12, 197, 197, 64, False)),
+    "sdpa B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, False)),
+    "sdpa B1 N4096 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 4096, 4096, 64, False)),
+    "sdpa causal B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, True)),
+    "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, True)),
+    "MHA B8 N197 D768 H12": ("nn.MultiheadAttention", lambda: torch_mha(8, 197, 768, 12)),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
+    ours = subprocess.run(
+        [os.path.join(ROOT, "target", "release", "examples", "bench_attention")],
+        cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+    ).stdout
+    rust = {}
+    for line in ours.splitlines():
+        r = json.loads(line)
+        rust.setdefault(r["work"], {})[r["path"]] = r["median_ms"]
+    torch.set_num_threads(args.threads)
+    rss = subprocess.run(
+        [os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--peak-rss", "16384"],
+        cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+    ).stdout
+
+    print(f"torch {torch.__version__}, {args.threads} threads, f32, medians in ms")
+    print()
+    print("| work | PyTorch | ours | PyTorch / ours | candle matmul+softmax | candle flash_attn (CPU) |")
+    print("|---|---|---|---|---|---|")
+    for work, (what, fn) in CASES.items():
+        pt = fn()
+        r = rust.get(work, {})
+        o = r.get("ours", float("nan"))
+        cm = r.get("candle_matmul_softmax")
+        cf = r.get("candle_flash_attn")
+        fmt = lambda x: "–" if x is None else f"{x:.2f}"
+        print(f"| {work} | {what} {pt:.2f} | {o:.2f} | **{pt / o:.2f}×** | {fmt(cm)} | {fmt(cf)} |")
+    print()
+    r = json.loads(rss)
+    print(f"{r['work']}: {r['peak_rss_mib']:.0f} MiB peak RSS, {r['seconds']:.1f} s "
+          f"(the full score matrix alone would be {8 * 16384 * 16384 * 4 / 2**30:.1f} GiB)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
