@@ -47,6 +47,14 @@ fn default_true() -> bool {
 }
 
 impl Seq2SeqConfig {
+    /// Parses and validates `config.json`.
+    pub fn from_json(json: &str) -> Result<Self> {
+        let cfg: Self =
+            serde_json::from_str(json).map_err(|e| candle::Error::Msg(format!("config.json: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     /// Checks every value, naming the wrong one.
     pub fn validate(&self) -> Result<()> {
         self.transformer.validate()?;

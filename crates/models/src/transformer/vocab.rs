@@ -1,7 +1,7 @@
 //! Character vocabularies: the `vocab.json` that `scripts/train_dates.py`
 //! writes.
 
-use candle::{bail, Result};
+use candle::Result;
 use serde::{Deserialize, Serialize};
 
 /// Source and target characters by id. An entry longer than one character
@@ -38,10 +38,12 @@ impl CharVocab {
             .map(
                 |(pos, c)| match self.src.iter().position(|s| single_char(s) == Some(c)) {
                     Some(id) => Ok(id as u32),
-                    None => bail!(
+                    // A plain message, no backtrace: this is the user's
+                    // input, not a bug.
+                    None => Err(candle::Error::Msg(format!(
                         "character {c:?} (U+{:04X}) at position {pos} is not in the model's vocabulary",
                         c as u32
-                    ),
+                    ))),
                 },
             )
             .collect()
