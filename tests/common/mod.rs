@@ -89,8 +89,9 @@ pub fn assert_close(what: &str, a: &Tensor, b: &Tensor, rtol: f64) -> Result<()>
     let mut worst: Option<(usize, f64)> = None;
     for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
         let err = (x as f64 - y as f64).abs();
-        // `!(err <= tol)` also catches NaN.
-        if !(err <= tol) && worst.is_none_or(|(_, w)| err > w || err.is_nan()) {
+        // NaN compares false with everything, so it is checked first.
+        let bad = err.is_nan() || err > tol;
+        if bad && worst.is_none_or(|(_, w)| err.is_nan() || err > w) {
             worst = Some((i, err));
         }
     }

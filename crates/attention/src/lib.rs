@@ -40,7 +40,10 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod config;
+mod cpu_kernel;
 mod layout;
 mod mask;
 mod mha;
@@ -50,4 +53,7 @@ pub use config::MhaConfig;
 pub use layout::{SeparateNames, WeightLayout};
 pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::{MhaOptions, MhaOutput, MultiheadAttention, NeedWeights, SeqLayout};
-pub use sdpa::{scaled_dot_product_attention, scaled_dot_product_attention_with_weights};
+pub use sdpa::{
+    scaled_dot_product_attention, scaled_dot_product_attention_via,
+    scaled_dot_product_attention_with_weights, AttnPath,
+};

@@ -3,13 +3,13 @@
 //! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
-use candle::{bail, DType, Result, Tensor, D};
+use candle::{bail, DType, IndexOp, Result, Tensor, D};
 use candle_nn::{Init, LayerNorm, Linear, Module, VarBuilder};
 
 use crate::config::MhaConfig;
 use crate::layout::WeightLayout;
 use crate::mask::{AttnMask, KeyPaddingMask, Mask};
-use crate::sdpa::sdpa_reference;
+use crate::sdpa::{scaled_dot_product_attention_via, sdpa_reference, AttnPath};
 
 /// Which attention weights a forward call returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,6 +48,9 @@ pub struct MhaOptions {
     pub layout: SeqLayout,
     /// Training mode: dropout on the attention weights is applied only here.
     pub train: bool,
+    /// Which attention implementation to use (default: the fastest that
+    /// can serve the call).
+    pub path: AttnPath,
 }
 
 impl MhaOptions {
@@ -71,6 +74,12 @@ impl MhaOptions {
     /// Sets the input layout.
     pub fn with_layout(mut self, layout: SeqLayout) -> Self {
         self.layout = layout;
+        self
+    }
+
+    /// Forces an attention implementation.
+    pub fn with_path(mut self, path: AttnPath) -> Self {
+        self.path = path;
         self
     }
 
@@ -141,6 +150,31 @@ impl InProjection {
                 Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?))
             }
         }
+    }
+
+    /// For self-attention through the fused weight: one matmul, then q, k
+    /// and v as `(B, H, T, hd)` views of its output, without copies.
+    /// `None` when the inputs differ or the weights are separate.
+    fn self_attention_heads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        h: usize,
+    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+        let InProjection::Fused { weight, bias } = self else {
+            return Ok(None);
+        };
+        if q.id() != k.id() || k.id() != v.id() {
+            return Ok(None);
+        }
+        let (b, t, e) = q.dims3()?;
+        // (B, T, 3, H, hd)
+        let qkv = Linear::new(weight.clone(), bias.clone())
+            .forward(q)?
+            .reshape((b, t, 3, h, e / h))?;
+        let head = |i: usize| qkv.i((.., .., i))?.transpose(1, 2);
+        Ok(Some((head(0)?, head(1)?, head(2)?)))
     }
 
     fn forward_q(&self, q: &Tensor, e: usize) -> Result<Tensor> {
@@ -360,6 +394,18 @@ impl MultiheadAttention {
         Ok(MhaOutput { output: out, weights })
     }
 
+    /// Self-attention, with dropout on the attention weights when `train`:
+    /// `(batch, seq, embed_dim)` → same.
+    ///
+    /// candle implements `ModuleT` for every `Module` by ignoring `train`,
+    /// so a generic `M: ModuleT` caller reaches the eval path; call this
+    /// method (or [`MultiheadAttention::forward_attn`] with
+    /// [`MhaOptions::with_train`]) to train with attention dropout.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let opts = MhaOptions::new().with_train(train);
+        Ok(self.forward_attn(xs, xs, xs, &opts)?.output)
+    }
+
     /// `(B, L, E)`, `(B, S, kdim)`, `(B, S, vdim)` → `(B, L, E)` and weights.
     fn forward_batch_first(
         &self,
@@ -394,16 +440,26 @@ impl MultiheadAttention {
         }
         mask.validate(b, h, l, s)?;
 
-        // (B, L, E), (B, S, E), (B, S, E)
-        let (q, mut k, mut v) = self.in_proj.forward(query, key, value, e)?;
-        let mut extra_keys = 0;
-        if let Some((bk, bv)) = &self.bias_kv {
-            k = Tensor::cat(&[&k, &bk.broadcast_as((b, 1, e))?], 1)?;
-            v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
-            extra_keys += 1;
-        }
-        // (B, H, T, hd)
-        let (q, mut k, mut v) = (self.split_q(&q)?, self.split_k(&k)?, self.split_heads(&v)?);
+        // (B, H, T, hd) each
+        let (q, mut k, mut v) = match self.in_proj.self_attention_heads(query, key, value, h)? {
+            Some(heads) if self.bias_kv.is_none() => heads,
+            _ => {
+                // (B, L, E), (B, S, E), (B, S, E)
+                let (q, mut k, mut v) = self.in_proj.forward(query, key, value, e)?;
+                if let Some((bk, bv)) = &self.bias_kv {
+                    k = Tensor::cat(&[&k, &bk.broadcast_as((b, 1, e))?], 1)?;
+                    v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
+                }
+                (
+                    self.split_heads(&q)?,
+                    self.split_heads(&k)?,
+                    self.split_heads(&v)?,
+                )
+            }
+        };
+        let (q, k0) = (self.norm_q(&q)?, self.norm_k(&k)?);
+        k = k0;
+        let mut extra_keys = usize::from(self.bias_kv.is_some());
         if cfg.add_zero_attn {
             let zeros = Tensor::zeros((b, h, 1, cfg.head_dim()), k.dtype(), k.device())?;
             k = Tensor::cat(&[&k, &zeros], 2)?;
@@ -429,7 +485,7 @@ impl MultiheadAttention {
         } else {
             mask
         };
-        self.attend(&q, &k, &v, mask, opts.need_weights, opts.train)
+        self.attend(&q, &k, &v, mask, opts)
     }
 
     /// Projects keys and values and splits them into heads, for reuse across
@@ -459,7 +515,7 @@ impl MultiheadAttention {
             )
         }
         let (k, v) = self.in_proj.forward_kv(key, value, self.cfg.embed_dim)?;
-        Ok((self.split_k(&k)?, self.split_heads(&v)?))
+        Ok((self.norm_k(&self.split_heads(&k)?)?, self.split_heads(&v)?))
     }
 
     /// Attention of `query` over keys and values already projected by
@@ -491,8 +547,9 @@ impl MultiheadAttention {
             )
         }
         let q = self.in_proj.forward_q(query, self.cfg.embed_dim)?;
-        let q = self.split_q(&q)?;
-        let (output, weights) = self.attend(&q, k, v, mask, need_weights, false)?;
+        let q = self.norm_q(&self.split_heads(&q)?)?;
+        let opts = MhaOptions::new().with_weights(need_weights);
+        let (output, weights) = self.attend(&q, k, v, mask, &opts)?;
         Ok(MhaOutput { output, weights })
     }
 
@@ -515,68 +572,66 @@ impl MultiheadAttention {
         Ok(())
     }
 
-    /// `(B, T, E)` → `(B, H, T, hd)`.
+    /// `(B, T, E)` → `(B, H, T, hd)`, a view where `t` is contiguous.
     fn split_heads(&self, t: &Tensor) -> Result<Tensor> {
         let (b, t_len, _) = t.dims3()?;
         t.reshape((b, t_len, self.cfg.num_heads, self.cfg.head_dim()))?
-            .transpose(1, 2)?
-            .contiguous()
+            .transpose(1, 2)
     }
 
-    fn split_q(&self, q: &Tensor) -> Result<Tensor> {
-        let q = self.split_heads(q)?;
+    fn norm_q(&self, q: &Tensor) -> Result<Tensor> {
         match &self.qk_norm {
-            Some((qn, _)) => qn.forward(&q),
-            None => Ok(q),
+            Some((qn, _)) => qn.forward(q),
+            None => Ok(q.clone()),
         }
     }
 
-    fn split_k(&self, k: &Tensor) -> Result<Tensor> {
-        let k = self.split_heads(k)?;
+    fn norm_k(&self, k: &Tensor) -> Result<Tensor> {
         match &self.qk_norm {
-            Some((_, kn)) => kn.forward(&k),
-            None => Ok(k),
+            Some((_, kn)) => kn.forward(k),
+            None => Ok(k.clone()),
         }
     }
 
     /// Heads `(B, H, L, hd)`, `(B, H, S, hd)` → output projection of the
-    /// merged attention `(B, L, E)`, and the weights asked for.
+    /// merged attention `(B, L, E)`, and the weights asked for. Weights and
+    /// dropout need the reference path; otherwise `opts.path` decides.
     fn attend(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         mask: &Mask,
-        need_weights: NeedWeights,
-        train: bool,
+        opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (b, _, l, _) = q.dims4()?;
-        let dropout = train.then_some(self.cfg.dropout);
+        let dropout = (opts.train && self.cfg.dropout > 0.).then_some(self.cfg.dropout);
         // (B, H, L, hd), (B, H, L, S)
-        let (out, weights) = sdpa_reference(q, k, v, mask, self.cfg.scale, dropout)?;
+        let (out, weights) = if opts.need_weights == NeedWeights::No && dropout.is_none() {
+            (
+                scaled_dot_product_attention_via(q, k, v, mask, self.cfg.scale, opts.path)?,
+                None,
+            )
+        } else {
+            if !matches!(opts.path, AttnPath::Auto | AttnPath::Reference) {
+                bail!(
+                    "MultiheadAttention: the {:?} path returns no attention weights and applies no dropout; \
+                     use AttnPath::Auto or AttnPath::Reference",
+                    opts.path
+                )
+            }
+            let (out, weights) = sdpa_reference(q, k, v, mask, self.cfg.scale, dropout)?;
+            (out, Some(weights))
+        };
         // (B, L, E)
         let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.embed_dim))?;
         let out = self.out_proj.forward(&out)?;
-        let weights = match need_weights {
-            NeedWeights::No => None,
-            NeedWeights::PerHead => Some(weights),
-            NeedWeights::Averaged => Some(average_heads(&weights)?),
+        let weights = match (opts.need_weights, weights) {
+            (NeedWeights::PerHead, w) => w,
+            (NeedWeights::Averaged, Some(w)) => Some(average_heads(&w)?),
+            _ => None,
         };
         Ok((out, weights))
-    }
-}
-
-impl MultiheadAttention {
-    /// Self-attention, with dropout on the attention weights when `train`:
-    /// `(batch, seq, embed_dim)` → same.
-    ///
-    /// candle implements `ModuleT` for every `Module` by ignoring `train`,
-    /// so a generic `M: ModuleT` caller reaches the eval path; call this
-    /// method (or [`MultiheadAttention::forward_attn`] with
-    /// [`MhaOptions::with_train`]) to train with attention dropout.
-    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        let opts = MhaOptions::new().with_train(train);
-        Ok(self.forward_attn(xs, xs, xs, &opts)?.output)
     }
 }
 

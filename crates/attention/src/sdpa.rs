@@ -9,6 +9,7 @@
 
 use candle::{bail, DType, Result, Tensor, D};
 
+use crate::cpu_kernel;
 use crate::mask::Mask;
 
 /// `softmax(q kᵀ · scale + mask) v` on `(batch, heads, seq, head_dim)`
@@ -25,7 +26,11 @@ use crate::mask::Mask;
 /// multi-query). `scale` defaults to `1 / sqrt(head_dim)`.
 ///
 /// A query whose keys are all masked gets an all-zero output row (PyTorch
-/// gives NaN). f16 and bf16 scores are upcast to f32 for the softmax.
+/// gives NaN). For f16 and bf16 inputs the scores are computed and
+/// softmaxed in f32; the output is in the input dtype.
+///
+/// The computation goes through the fastest path that can serve it
+/// ([`AttnPath::Auto`]); [`scaled_dot_product_attention_via`] forces one.
 pub fn scaled_dot_product_attention(
     q: &Tensor,
     k: &Tensor,
@@ -33,7 +38,181 @@ pub fn scaled_dot_product_attention(
     mask: &Mask,
     scale: Option<f64>,
 ) -> Result<Tensor> {
-    Ok(sdpa_reference(q, k, v, mask, scale, None)?.0)
+    scaled_dot_product_attention_via(q, k, v, mask, scale, AttnPath::Auto)
+}
+
+/// Which implementation computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttnPath {
+    /// The fastest path that can serve the call: [`AttnPath::CpuTiled`] on
+    /// the CPU, [`AttnPath::FlashAttn`] or [`AttnPath::MetalFused`] where
+    /// built and applicable, else [`AttnPath::Reference`]. Calls that need
+    /// gradients, attention weights or dropout always take the reference
+    /// path.
+    #[default]
+    Auto,
+    /// Materialises the `(q_len, kv_len)` scores: returns weights, applies
+    /// dropout, backpropagates, runs on every device.
+    Reference,
+    /// The memory-efficient tiled CPU kernel (f32, f16, bf16 with f32
+    /// accumulation; every mask kind; grouped-query). Forward only.
+    CpuTiled,
+    /// `candle-flash-attn` on CUDA (f16/bf16; no mask but a causal rule),
+    /// with the `flash-attn` feature.
+    FlashAttn,
+    /// candle's fused Metal `sdpa` (no mask but a square causal rule), with
+    /// the `metal` feature.
+    MetalFused,
+}
+
+impl AttnPath {
+    /// Why `self` cannot serve this call, if it cannot. `Auto` always can.
+    fn refusal(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Option<String> {
+        let grads = q.track_op() || k.track_op() || v.track_op();
+        match self {
+            AttnPath::Auto | AttnPath::Reference => None,
+            _ if grads => Some("gradients are tracked and only the reference path backpropagates".into()),
+            AttnPath::CpuTiled => (!cpu_kernel::supports(q)).then(|| {
+                format!(
+                    "needs a CPU tensor of f32/f16/bf16, found {:?} on {:?}",
+                    q.dtype(),
+                    q.device()
+                )
+            }),
+            AttnPath::FlashAttn => flash::refusal(q, k, mask),
+            AttnPath::MetalFused => metal::refusal(q, k, mask),
+        }
+    }
+
+    /// The path `Auto` takes for this call.
+    fn resolve(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> AttnPath {
+        [AttnPath::FlashAttn, AttnPath::MetalFused, AttnPath::CpuTiled]
+            .into_iter()
+            .find(|p| p.refusal(q, k, v, mask).is_none())
+            .unwrap_or(AttnPath::Reference)
+    }
+}
+
+/// [`scaled_dot_product_attention`] through a chosen [`AttnPath`]; an error
+/// says why a forced path cannot serve the call.
+pub fn scaled_dot_product_attention_via(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: Option<f64>,
+    path: AttnPath,
+) -> Result<Tensor> {
+    check_qkv(q, k, v)?;
+    if let Some(why) = path.refusal(q, k, v, mask) {
+        bail!("sdpa: the {path:?} path cannot serve this call: {why}")
+    }
+    let path = match path {
+        AttnPath::Auto => AttnPath::resolve(q, k, v, mask),
+        p => p,
+    };
+    let scale = scale.unwrap_or(1. / (q.dim(3)? as f64).sqrt());
+    match path {
+        AttnPath::CpuTiled => cpu_kernel::sdpa_cpu(q, k, v, mask, scale),
+        AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
+        AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
+        AttnPath::Auto | AttnPath::Reference => Ok(sdpa_reference(q, k, v, mask, Some(scale), None)?.0),
+    }
+}
+
+/// `candle-flash-attn` dispatch; compiled only with the `flash-attn` feature.
+mod flash {
+    use candle::{Result, Tensor};
+
+    use crate::mask::Mask;
+
+    #[cfg(feature = "flash-attn")]
+    pub(super) fn refusal(q: &Tensor, k: &Tensor, mask: &Mask) -> Option<String> {
+        use candle::DType;
+        let (_, _, l, d) = q.dims4().ok()?;
+        let s = k.dim(2).ok()?;
+        if !q.device().is_cuda() {
+            return Some("needs a CUDA device".into());
+        }
+        if !matches!(q.dtype(), DType::F16 | DType::BF16) {
+            return Some(format!("needs f16 or bf16, found {:?}", q.dtype()));
+        }
+        if d > 256 || d % 8 != 0 {
+            return Some(format!("needs head_dim a multiple of 8 up to 256, found {d}"));
+        }
+        if mask.key_padding.is_some() || mask.attn.is_some() {
+            return Some("takes no mask tensor, only a causal rule".into());
+        }
+        // flash-attn aligns its causal mask to the bottom right.
+        match mask.causal {
+            None => None,
+            Some(c) if c.offset(l, s) == s as isize - l as isize => None,
+            Some(c) => Some(format!(
+                "its causal rule is bottom-right aligned, {c:?} is not for q_len {l}, kv_len {s}"
+            )),
+        }
+    }
+
+    #[cfg(feature = "flash-attn")]
+    pub(super) fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<Tensor> {
+        // flash-attn takes (batch, seq, heads, head_dim).
+        let t = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+        let out = candle_flash_attn::flash_attn(&t(q)?, &t(k)?, &t(v)?, scale as f32, mask.causal.is_some())?;
+        out.transpose(1, 2)
+    }
+
+    #[cfg(not(feature = "flash-attn"))]
+    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
+        Some("built without the `flash-attn` feature".into())
+    }
+
+    #[cfg(not(feature = "flash-attn"))]
+    pub(super) fn sdpa(_: &Tensor, _: &Tensor, _: &Tensor, _: &Mask, _: f64) -> Result<Tensor> {
+        candle::bail!("sdpa: built without the `flash-attn` feature")
+    }
+}
+
+/// candle's fused Metal kernel; compiled only with the `metal` feature.
+mod metal {
+    use candle::{Result, Tensor};
+
+    use crate::mask::Mask;
+
+    #[cfg(feature = "metal")]
+    pub(super) fn refusal(q: &Tensor, k: &Tensor, mask: &Mask) -> Option<String> {
+        let (_, _, l, d) = q.dims4().ok()?;
+        let s = k.dim(2).ok()?;
+        if !q.device().is_metal() {
+            return Some("needs a Metal device".into());
+        }
+        if ![32, 64, 72, 80, 96, 128, 256].contains(&d) {
+            return Some(format!(
+                "needs head_dim in 32, 64, 72, 80, 96, 128, 256, found {d}"
+            ));
+        }
+        if mask.key_padding.is_some() || mask.attn.is_some() {
+            return Some("takes no mask tensor here, only a causal rule".into());
+        }
+        match mask.causal {
+            Some(_) if l != s => Some("its causal rule needs q_len == kv_len".into()),
+            _ => None,
+        }
+    }
+
+    #[cfg(feature = "metal")]
+    pub(super) fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<Tensor> {
+        candle_nn::ops::sdpa(q, k, v, None, mask.causal.is_some(), scale as f32, 1.)
+    }
+
+    #[cfg(not(feature = "metal"))]
+    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
+        Some("built without the `metal` feature".into())
+    }
+
+    #[cfg(not(feature = "metal"))]
+    pub(super) fn sdpa(_: &Tensor, _: &Tensor, _: &Tensor, _: &Mask, _: f64) -> Result<Tensor> {
+        candle::bail!("sdpa: built without the `metal` feature")
+    }
 }
 
 /// [`scaled_dot_product_attention`] that also returns the attention
@@ -130,8 +309,11 @@ pub(crate) fn sdpa_reference(
     let scale = scale.unwrap_or(1. / (head_dim as f64).sqrt());
     let k = repeat_kv(k, h)?;
     let v = repeat_kv(v, h)?;
-    // (B, H, L, S)
-    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+    // (B, H, L, S), in f32: f16 products overflow past 65504 and half
+    // precision loses the small differences the softmax amplifies.
+    let q = q.to_dtype(DType::F32)?.contiguous()?;
+    let k = k.to_dtype(DType::F32)?.contiguous()?;
+    let scores = (q.matmul(&k.t()?)? * scale)?;
     let scores = match mask.to_bias((b, h, l, s), q.device())? {
         Some(bias) => scores.broadcast_add(&bias)?,
         None => scores,

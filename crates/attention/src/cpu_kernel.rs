@@ -1,0 +1,400 @@
+//! The memory-efficient CPU attention kernel.
+//!
+//! FlashAttention's algorithm (Dao et al., 2022) on the CPU: queries are cut
+//! into blocks of rows, keys into blocks of columns; each query block keeps a
+//! running row max, row sum and output accumulator, so the `(q_len, kv_len)`
+//! score matrix never exists, only one `(BLOCK_Q, BLOCK_K)` tile per thread.
+//! The two products per tile go through the `gemm` crate (the one candle's
+//! CPU matmul uses, here with its AVX-512 kernels enabled), the softmax
+//! through a vectorised `exp` compiled for the best instruction set the
+//! processor has. Work is spread over rayon's pool by (batch, head, query
+//! block).
+//!
+//! Inputs are read in place through their strides (only the last dim must be
+//! contiguous), so `(batch, seq, heads, head_dim)` views from a projection
+//! need no transposing copy; the output is written as
+//! `(batch, q_len, heads, v_head_dim)`, the layout the output projection
+//! wants.
+
+use candle::{bail, DType, Layout, Result, Storage, Tensor};
+use gemm::{gemm, Parallelism};
+use rayon::prelude::*;
+
+use crate::mask::Mask;
+
+/// Query rows per work unit.
+const BLOCK_Q: usize = 64;
+/// Keys per tile.
+const BLOCK_K: usize = 512;
+
+/// A read-only 4-D f32 view: base slice and element strides.
+struct View<'a> {
+    data: &'a [f32],
+    stride: [usize; 4],
+}
+
+impl View<'_> {
+    /// Offset of element `(b, h, i, 0)`.
+    fn offset(&self, b: usize, h: usize, i: usize) -> usize {
+        b * self.stride[0] + h * self.stride[1] + i * self.stride[2]
+    }
+}
+
+/// Borrows the f32 data of a CPU tensor with a contiguous last dim.
+fn with_view<R>(t: &Tensor, what: &str, f: impl FnOnce(View) -> Result<R>) -> Result<R> {
+    let (storage, layout): (_, &Layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("cpu attention kernel: {what} is not on the CPU")
+    };
+    let data = cpu.as_slice::<f32>()?;
+    let stride = layout.stride();
+    if stride.len() != 4 || (stride[3] != 1 && layout.dims()[3] > 1) {
+        bail!("cpu attention kernel: {what} needs a contiguous last dim, found strides {stride:?}")
+    }
+    let data = &data[layout.start_offset()..];
+    f(View {
+        data,
+        stride: [stride[0], stride[1], stride[2], 1],
+    })
+}
+
+/// Whether the kernel can serve these inputs.
+pub(crate) fn supports(q: &Tensor) -> bool {
+    q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// `softmax(q kᵀ · scale + mask) v` without materialising the scores.
+/// Shapes as [`crate::scaled_dot_product_attention`] (validated by the
+/// caller); returns `(batch, heads, q_len, v_head_dim)` in `q`'s dtype, a
+/// view of a `(batch, q_len, heads, v_head_dim)` buffer.
+pub(crate) fn sdpa_cpu(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<Tensor> {
+    let dtype = q.dtype();
+    if dtype != DType::F32 {
+        // Half precision: compute in f32 (f32 accumulation), cast back.
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        return sdpa_cpu(&f(q)?, &f(k)?, &f(v)?, mask, scale)?.to_dtype(dtype);
+    }
+    let (b, h, l, d) = q.dims4()?;
+    let (_, kh, s, _) = k.dims4()?;
+    let dv = v.dim(3)?;
+    // Key padding and attention masks become one additive bias in their own
+    // broadcast shape; the causal rule stays a rule, so tiles above the
+    // diagonal are skipped instead of computed and masked.
+    let bias_mask = Mask {
+        causal: None,
+        ..mask.clone()
+    };
+    let bias = match bias_mask.to_bias((b, h, l, s), q.device())? {
+        Some(bias) => {
+            let (d0, d1, d2, _) = bias.dims4()?;
+            Some(bias.broadcast_as((d0, d1, d2, s))?.contiguous()?)
+        }
+        None => None,
+    };
+    let causal = mask.causal.map(|c| c.offset(l, s));
+    let mut out = vec![0f32; b * l * h * dv];
+    let units: Vec<(usize, usize, usize)> = (0..b)
+        .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(BLOCK_Q).map(move |i0| (bi, hi, i0))))
+        .collect();
+    with_view(q, "q", |qv| {
+        with_view(k, "k", |kv| {
+            with_view(v, "v", |vv| {
+                let bias_view = match &bias {
+                    Some(t) => {
+                        let (d0, d1, d2, _) = t.dims4()?;
+                        Some((t.storage_and_layout(), [d0, d1, d2]))
+                    }
+                    None => None,
+                };
+                let bias_slice = match &bias_view {
+                    Some(((storage, layout), dims)) => {
+                        let Storage::Cpu(cpu) = &**storage else {
+                            bail!("cpu attention kernel: mask is not on the CPU")
+                        };
+                        let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
+                        // Broadcast dims get stride 0.
+                        let st = [
+                            if dims[0] > 1 { dims[1] * dims[2] * s } else { 0 },
+                            if dims[1] > 1 { dims[2] * s } else { 0 },
+                            if dims[2] > 1 { s } else { 0 },
+                        ];
+                        Some((data, st))
+                    }
+                    None => None,
+                };
+                let problem = Problem {
+                    q: &qv,
+                    k: &kv,
+                    v: &vv,
+                    bias: bias_slice,
+                    heads_per_kv: h / kh,
+                    dims: (l, s, d, dv),
+                    scale: scale as f32,
+                    causal,
+                };
+                let out_ptr = SyncPtr(out.as_mut_ptr());
+                units.par_iter().for_each(|&(bi, hi, i0)| {
+                    let rows = BLOCK_Q.min(l - i0);
+                    // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
+                    // every unit writes a disjoint set of rows.
+                    let base = (bi * l + i0) * h * dv + hi * dv;
+                    problem.run_block(bi, hi, i0, rows, out_ptr, base, h * dv);
+                });
+                Ok(())
+            })
+        })
+    })?;
+    Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)
+}
+
+/// A raw output pointer shared by the work units, which write disjoint rows.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: units write disjoint rows (see `run_block`); the pointer outlives
+// the parallel loop, which joins before the buffer is used.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+struct Problem<'a> {
+    q: &'a View<'a>,
+    k: &'a View<'a>,
+    v: &'a View<'a>,
+    /// Additive bias data and its (batch, head, row) strides; columns are
+    /// contiguous.
+    bias: Option<(&'a [f32], [usize; 3])>,
+    heads_per_kv: usize,
+    /// (q_len, kv_len, head_dim, v_head_dim)
+    dims: (usize, usize, usize, usize),
+    scale: f32,
+    /// Key `j` is visible to query `i` iff `j <= i + offset`.
+    causal: Option<isize>,
+}
+
+impl Problem<'_> {
+    /// Attention for query rows `i0..i0 + rows` of head `hi` in batch `bi`,
+    /// written to `out[base + r * out_rs ..][..dv]` for each row `r`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_block(
+        &self,
+        bi: usize,
+        hi: usize,
+        i0: usize,
+        rows: usize,
+        out: SyncPtr,
+        base: usize,
+        out_rs: usize,
+    ) {
+        let (_, s, d, dv) = self.dims;
+        let kvh = hi / self.heads_per_kv;
+        // The keys any row of this block may see.
+        let kv_end = match self.causal {
+            Some(off) => ((i0 + rows - 1) as isize + off + 1).clamp(0, s as isize) as usize,
+            None => s,
+        };
+        let mut acc = vec![0f32; rows * dv];
+        let mut row_max = vec![f32::NEG_INFINITY; rows];
+        let mut row_sum = vec![0f32; rows];
+        let bk = BLOCK_K.min(kv_end.max(1));
+        let mut tile = vec![0f32; rows * bk];
+        let q_off = self.q.offset(bi, hi, i0);
+        let mut j0 = 0;
+        while j0 < kv_end {
+            let cols = bk.min(kv_end - j0);
+            let k_off = self.k.offset(bi, kvh, j0);
+            // SAFETY: the offsets and strides come from the tensors' own
+            // layouts and stay inside their data for these row/col counts.
+            unsafe {
+                // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
+                gemm(
+                    rows,
+                    cols,
+                    d,
+                    tile.as_mut_ptr(),
+                    1,
+                    cols as isize,
+                    false,
+                    self.q.data.as_ptr().add(q_off),
+                    1,
+                    self.q.stride[2] as isize,
+                    self.k.data.as_ptr().add(k_off),
+                    self.k.stride[2] as isize,
+                    1,
+                    0.,
+                    self.scale,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+            for r in 0..rows {
+                let row = &mut tile[r * cols..(r + 1) * cols];
+                if let Some((data, st)) = self.bias {
+                    let off = bi * st[0] + hi * st[1] + (i0 + r) * st[2] + j0;
+                    simd::add_assign(row, &data[off..off + cols]);
+                }
+                if let Some(off) = self.causal {
+                    // Keys past i + offset are hidden from row i.
+                    let visible =
+                        ((i0 + r) as isize + off + 1 - j0 as isize).clamp(0, cols as isize) as usize;
+                    row[visible..].fill(f32::NEG_INFINITY);
+                }
+                let acc_row = &mut acc[r * dv..(r + 1) * dv];
+                simd::online_softmax_row(row, &mut row_max[r], &mut row_sum[r], acc_row);
+            }
+            let v_off = self.v.offset(bi, kvh, j0);
+            // SAFETY: as above.
+            unsafe {
+                // acc (rows, dv) += P (rows, cols) · V (cols, dv)
+                gemm(
+                    rows,
+                    dv,
+                    cols,
+                    acc.as_mut_ptr(),
+                    1,
+                    dv as isize,
+                    true,
+                    tile.as_ptr(),
+                    1,
+                    cols as isize,
+                    self.v.data.as_ptr().add(v_off),
+                    1,
+                    self.v.stride[2] as isize,
+                    1.,
+                    1.,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+            j0 += cols;
+        }
+        for r in 0..rows {
+            // A row that saw no key keeps sum 0 and an all-zero accumulator.
+            let inv = if row_sum[r] > 0. { 1. / row_sum[r] } else { 0. };
+            // SAFETY: row r of this unit lies in `out` and no other unit
+            // writes it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base + r * out_rs), dv) };
+            for (o, a) in dst.iter_mut().zip(&acc[r * dv..(r + 1) * dv]) {
+                *o = a * inv;
+            }
+        }
+    }
+}
+
+/// Vectorised row operations, compiled for AVX-512, AVX2+FMA and the
+/// baseline, and picked at run time.
+mod simd {
+    /// `e^x = 2^n · e^f` with `n = round(x / ln2)` and a degree-7 Taylor
+    /// polynomial for `e^f`, `|f| <= ln2 / 2`: relative error < 1e-6 for `x`
+    /// in `[-87, 0]`; exactly 0 below -87 (and for `-inf`).
+    #[inline(always)]
+    fn exp_nonpositive(x: f32) -> f32 {
+        const LOG2E: f32 = std::f32::consts::LOG2_E;
+        // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
+        const MAGIC: f32 = 12_582_912.0;
+        let xc = x.max(-87.0);
+        let t = xc * LOG2E;
+        let r = t + MAGIC;
+        let n = r - MAGIC;
+        // x - n·ln2 in two steps (Cody–Waite): C1 has few mantissa bits, so
+        // n·C1 is exact and the reduction keeps full relative accuracy.
+        const C1: f32 = 0.693_359_4;
+        const C2: f32 = -2.121_944_4e-4;
+        let f = xc - n * C1 - n * C2;
+        // e^f for |f| <= ln2/2, Taylor to degree 7.
+        let p = 1.0
+            + f * (1.0
+                + f * (0.5
+                    + f * (1.0 / 6.0
+                        + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
+        let ni = r.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+        let pow2n = f32::from_bits(((ni + 127) << 23) as u32);
+        let y = p * pow2n;
+        if x < -87.0 {
+            0.0
+        } else {
+            y
+        }
+    }
+
+    #[inline(always)]
+    fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+        let tile_max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let new_max = m.max(tile_max);
+        if new_max == f32::NEG_INFINITY {
+            // Every key so far is masked: weights 0, nothing to rescale.
+            row.fill(0.);
+            return;
+        }
+        let mut sum = 0f32;
+        for x in row.iter_mut() {
+            let e = exp_nonpositive(*x - new_max);
+            *x = e;
+            sum += e;
+        }
+        if *m != new_max {
+            let alpha = exp_nonpositive(*m - new_max);
+            *l *= alpha;
+            for a in acc.iter_mut() {
+                *a *= alpha;
+            }
+        }
+        *l += sum;
+        *m = new_max;
+    }
+
+    #[inline(always)]
+    fn add_assign_impl(row: &mut [f32], bias: &[f32]) {
+        for (x, b) in row.iter_mut().zip(bias) {
+            *x += b;
+        }
+    }
+
+    macro_rules! dispatch {
+        ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*)) => {
+            pub(super) fn $name($($arg: $ty),*) {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    #[target_feature(enable = "avx512f")]
+                    unsafe fn avx512($($arg: $ty),*) {
+                        $impl($($arg),*)
+                    }
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn avx2($($arg: $ty),*) {
+                        $impl($($arg),*)
+                    }
+                    if is_x86_feature_detected!("avx512f") {
+                        // SAFETY: the feature was detected at run time.
+                        return unsafe { avx512($($arg),*) };
+                    }
+                    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                        // SAFETY: the features were detected at run time.
+                        return unsafe { avx2($($arg),*) };
+                    }
+                }
+                $impl($($arg),*)
+            }
+        };
+    }
+
+    dispatch!(online_softmax_row, online_softmax_row_impl, (row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]));
+    dispatch!(add_assign, add_assign_impl, (row: &mut [f32], bias: &[f32]));
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn exp_matches_std_on_its_range() {
+            let mut worst = 0f64;
+            for i in 0..=87_000 {
+                let x = -(i as f32) / 1000.;
+                let (a, b) = (super::exp_nonpositive(x) as f64, (x as f64).exp());
+                worst = worst.max(((a - b) / b).abs());
+            }
+            assert!(worst < 1e-6, "worst relative error {worst:e}");
+            assert_eq!(super::exp_nonpositive(f32::NEG_INFINITY), 0.);
+            assert_eq!(super::exp_nonpositive(-100.), 0.);
+        }
+    }
+}
