@@ -38,7 +38,7 @@ fn batch(vocab: &CharVocab, texts: &[&str], dev: &Device) -> Res<Tensor> {
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
     let data: Vec<u32> = rows
         .iter()
-        .flat_map(|r| r.iter().copied().chain(std::iter::repeat(0).take(n - r.len())))
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, n - r.len())))
         .collect();
     Ok(Tensor::from_vec(data, (rows.len(), n), dev)?)
 }

@@ -163,6 +163,11 @@ class DateTranslator(nn.Module):
             norm_first=t["norm_first"],
         )
         self.generator = nn.Linear(d, cfg["tgt_vocab_size"])
+        # N(0, 1/d) embeddings, so that after the sqrt(d) scale tokens and
+        # positions have the same magnitude (with nn.Embedding's N(0, 1) the
+        # positions drown and the model cannot tell where a digit is).
+        for table in (self.src_embed, self.tgt_embed):
+            nn.init.normal_(table.weight, std=d**-0.5)
         self.drop = nn.Dropout(t["dropout"])
 
     def embed(self, table, ids):

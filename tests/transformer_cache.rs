@@ -96,7 +96,7 @@ fn padded(rows: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
     let n = rows.iter().map(Vec::len).max().context("no rows")?;
     let data: Vec<u32> = rows
         .iter()
-        .flat_map(|r| r.iter().copied().chain(std::iter::repeat(0).take(n - r.len())))
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, n - r.len())))
         .collect();
     Ok(Tensor::from_vec(data, (rows.len(), n), dev)?)
 }

@@ -144,7 +144,7 @@ pub fn padded(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<Tensor> {
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
     let data: Vec<u32> = rows
         .iter()
-        .flat_map(|r| r.iter().copied().chain(std::iter::repeat(pad).take(n - r.len())))
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(pad, n - r.len())))
         .collect();
     Ok(Tensor::from_vec(data, (rows.len(), n), device)?)
 }

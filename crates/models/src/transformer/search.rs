@@ -136,9 +136,7 @@ impl Seq2Seq {
         let dev = src.device();
         let enc = self.encode(src)?;
         // Every source repeated `beam` times: (B * K, ...).
-        let rows: Vec<u32> = (0..b as u32)
-            .flat_map(|i| std::iter::repeat(i).take(beam))
-            .collect();
+        let rows: Vec<u32> = (0..b as u32).flat_map(|i| std::iter::repeat_n(i, beam)).collect();
         let rows = Tensor::new(rows.as_slice(), dev)?;
         let enc = Encoded {
             memory: enc.memory.index_select(&rows, 0)?,
