@@ -56,7 +56,8 @@ impl DecoderCache {
     /// - `rows`: `(new_batch,)`
     pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
         let n = rows.dims1()?;
-        let pick = |t: &Tensor| t.index_select(rows, 0);
+        // Projected heads may be strided views; index_select needs contiguous.
+        let pick = |t: &Tensor| t.contiguous()?.index_select(rows, 0);
         for kv in self.memory.iter_mut().chain(self.self_kv.iter_mut().flatten()) {
             *kv = ProjectedKv {
                 k: pick(&kv.k)?,
