@@ -5,7 +5,7 @@
 
 use candle::{Result, Tensor};
 use candle_nn::{layer_norm, linear_b, LayerNorm, LayerNormConfig, Linear, Module, VarBuilder};
-use multihead_attention::{Mask, MhaOptions, MultiheadAttention, NeedWeights};
+use multihead_attention::{Causal, Mask, MhaOptions, MultiheadAttention, NeedWeights};
 
 use super::config::{Activation, TransformerConfig};
 
@@ -244,7 +244,7 @@ impl TransformerDecoderLayer {
                 },
             };
             // The new queries sit at the end of the cached keys.
-            let mask = Mask::causal(multihead_attention::Causal::BottomRight);
+            let mask = Mask::causal(Causal::BottomRight);
             let out = self
                 .self_attn
                 .forward_projected(x, &kv.k, &kv.v, &mask, NeedWeights::No)?;

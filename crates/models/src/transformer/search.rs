@@ -1,6 +1,7 @@
 //! Greedy and beam search over a [`Seq2Seq`] model.
 
 use candle::{bail, DType, Result, Tensor, D};
+use multihead_attention::KeyPaddingMask;
 
 use super::seq2seq::{Encoded, Seq2Seq};
 
@@ -139,14 +140,10 @@ impl Seq2Seq {
         let rows: Vec<u32> = (0..b as u32).flat_map(|i| std::iter::repeat_n(i, beam)).collect();
         let rows = Tensor::new(rows.as_slice(), dev)?;
         let enc = Encoded {
-            memory: enc.memory.index_select(&rows, 0)?,
+            memory: enc.memory.contiguous()?.index_select(&rows, 0)?,
             padding: match enc.padding {
-                multihead_attention::KeyPaddingMask::PadWhereTrue(t) => {
-                    multihead_attention::KeyPaddingMask::PadWhereTrue(t.index_select(&rows, 0)?)
-                }
-                multihead_attention::KeyPaddingMask::Additive(t) => {
-                    multihead_attention::KeyPaddingMask::Additive(t.index_select(&rows, 0)?)
-                }
+                KeyPaddingMask::PadWhereTrue(t) => KeyPaddingMask::PadWhereTrue(t.index_select(&rows, 0)?),
+                KeyPaddingMask::Additive(t) => KeyPaddingMask::Additive(t.index_select(&rows, 0)?),
             },
         };
         let mut cache = self.start(&enc)?;
