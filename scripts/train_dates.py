@@ -16,14 +16,15 @@ Conventions the data fixes, so that every input has one answer:
 The held-out split is by date: no held-out date appears in training, in any
 format.
 
-Writes, in weights/dates/ (about 1.3 MB in all):
+Writes, in weights/dates/ (about 1.1 MB in all):
 - model.safetensors: the state_dict, PyTorch's names, f32;
 - config.json: the architecture and the special tokens (Seq2SeqConfig);
 - vocab.json: source and target characters, by id;
 - heldout.json: the held-out inputs, their ISO answers and PyTorch's greedy
   outputs (what tests/seq2seq_dates.rs compares against).
 
-Regenerate (torch, safetensors; about 5 minutes on 2 CPU cores):
+Regenerate (torch, safetensors; one thread, about 0.27 s a step, so ~11 minutes
+on an idle 2-core machine, longer on a busy one):
 
     .venv-ref/bin/python scripts/train_dates.py
 """
