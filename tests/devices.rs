@@ -34,10 +34,18 @@ fn devices() -> Vec<Device> {
 #[test]
 fn pytorch_fixtures_on_every_device() -> Result<()> {
     for dev in devices() {
-        for case in ["self_basic", "cross_kdim_vdim", "causal_and_key_padding", "self_no_weights"] {
+        for case in [
+            "self_basic",
+            "cross_kdim_vdim",
+            "causal_and_key_padding",
+            "self_no_weights",
+        ] {
             let fx = Fixture::load(&fixture_dir("mha").join(format!("{case}.safetensors")), &dev)?;
             let cfg: MhaConfig = serde_json::from_value(fx.case["config"].clone())?;
-            let mha = MultiheadAttention::new(&cfg, VarBuilder::from_tensors(fx.with_prefix("mha"), DType::F32, &dev))?;
+            let mha = MultiheadAttention::new(
+                &cfg,
+                VarBuilder::from_tensors(fx.with_prefix("mha"), DType::F32, &dev),
+            )?;
             let q = fx.get("query")?;
             let (k, v) = match fx.tensors.get("key") {
                 Some(k) => (k, fx.get("value")?),
@@ -49,9 +57,18 @@ fn pytorch_fixtures_on_every_device() -> Result<()> {
                     .with_causal(Causal::TopLeft)
                     .with_key_padding(KeyPaddingMask::PadWhereTrue(fx.get("key_padding_mask")?.clone()));
             }
-            let weights = if fx.tensors.contains_key("weights") { NeedWeights::Averaged } else { NeedWeights::No };
+            let weights = if fx.tensors.contains_key("weights") {
+                NeedWeights::Averaged
+            } else {
+                NeedWeights::No
+            };
             let out = mha.forward_attn(q, k, v, &MhaOptions::new().with_mask(mask).with_weights(weights))?;
-            assert_close(&format!("{case} on {dev:?}"), &out.output, fx.get("output")?, 1e-5)?;
+            assert_close(
+                &format!("{case} on {dev:?}"),
+                &out.output,
+                fx.get("output")?,
+                1e-5,
+            )?;
         }
     }
     Ok(())
@@ -70,8 +87,20 @@ fn default_path_on_every_device_and_dtype() -> Result<()> {
     for dev in devices() {
         for (dtype, tol) in [(DType::F32, 1e-5), (DType::F16, 5e-3), (DType::BF16, 3e-2)] {
             let put = |t: &Tensor| t.to_device(&dev)?.to_dtype(dtype);
-            let out = scaled_dot_product_attention_via(&put(&q)?, &put(&k)?, &put(&v)?, &mask, None, AttnPath::Auto)?;
-            assert_close(&format!("{dtype:?} on {dev:?}"), &out.to_device(&cpu)?, &reference, tol)?;
+            let out = scaled_dot_product_attention_via(
+                &put(&q)?,
+                &put(&k)?,
+                &put(&v)?,
+                &mask,
+                None,
+                AttnPath::Auto,
+            )?;
+            assert_close(
+                &format!("{dtype:?} on {dev:?}"),
+                &out.to_device(&cpu)?,
+                &reference,
+                tol,
+            )?;
         }
     }
     Ok(())

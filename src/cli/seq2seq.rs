@@ -1,12 +1,210 @@
-//! `multihead seq2seq` (in progress).
+//! `multihead seq2seq`: translate text with the shipped encoder–decoder
+//! (by default the date normaliser of `scripts/train_dates.py`).
 
-use anyhow::{bail, Result};
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use multihead_models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+
+use super::heatmap;
+
+/// Sources translated per forward pass.
+const BATCH: usize = 64;
 
 /// Arguments of `multihead seq2seq`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Texts to translate, one output line each; without any, one input
+    /// per line is read from standard input.
+    pub inputs: Vec<String>,
+    /// Beam search with this many hypotheses (1: greedy decoding).
+    #[arg(long, default_value_t = 1)]
+    pub beam: usize,
+    /// Folder with model.safetensors, config.json and vocab.json.
+    #[arg(long, default_value_os_t = default_weights())]
+    pub weights: PathBuf,
+    /// cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Writes the cross-attention of the (single) input as a PNG heat map:
+    /// output characters down, input characters across.
+    #[arg(long, value_name = "OUT.png")]
+    pub attention_map: Option<PathBuf>,
+}
+
+fn default_weights() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/dates")
+}
+
+/// `cpu`, `cuda`, `cuda:N` or `metal` as a candle device.
+pub fn parse_device(s: &str) -> Result<Device> {
+    let dev = match s {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        "metal" => Device::new_metal(0)?,
+        s => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Device::new_cuda(n)?,
+            _ => bail!("unknown device {s:?}: expected cpu, cuda, cuda:N or metal"),
+        },
+    };
+    Ok(dev)
+}
+
+/// `f32`, `f16` or `bf16`.
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    Ok(match s {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        s => bail!("unknown dtype {s:?}: expected f32, f16 or bf16"),
+    })
+}
+
+/// The model, its vocabulary and the device it runs on.
+struct Translator {
+    model: Seq2Seq,
+    vocab: CharVocab,
+    device: Device,
+}
+
+impl Translator {
+    fn load(dir: &Path, device: Device, dtype: DType) -> Result<Self> {
+        let read = |name: &str| -> Result<String> {
+            let p = dir.join(name);
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+        };
+        let cfg = Seq2SeqConfig::from_json(&read("config.json")?)?;
+        let vocab = CharVocab::from_json(&read("vocab.json")?)?;
+        if vocab.src.len() != cfg.src_vocab_size || vocab.tgt.len() != cfg.tgt_vocab_size {
+            bail!(
+                "vocab.json has {} source and {} target entries but config.json says {} and {}",
+                vocab.src.len(),
+                vocab.tgt.len(),
+                cfg.src_vocab_size,
+                cfg.tgt_vocab_size
+            )
+        }
+        let path = dir.join("model.safetensors");
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let vb = VarBuilder::from_buffered_safetensors(bytes, dtype, &device)?;
+        let model = Seq2Seq::new(&cfg, vb).with_context(|| format!("loading {}", path.display()))?;
+        Ok(Self { model, vocab, device })
+    }
+
+    /// Source ids of one input, or why it cannot be translated.
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let n = text.chars().count();
+        let max = self.model.config().max_src_len;
+        if n == 0 {
+            bail!("empty input")
+        }
+        if n > max {
+            bail!("input is {n} characters long; the model reads at most {max}")
+        }
+        Ok(self.vocab.encode(text)?)
+    }
+
+    fn translate(&self, sources: &[Vec<u32>], beam: usize) -> Result<Vec<String>> {
+        let mut out = Vec::with_capacity(sources.len());
+        for chunk in sources.chunks(BATCH) {
+            let src = padded(chunk, self.model.config().pad_id, &self.device)?;
+            let ids = if beam == 1 {
+                self.model.greedy(&src, KvCache::Use)?
+            } else {
+                self.model
+                    .beam_search(&src, beam)?
+                    .into_iter()
+                    .map(|h| h.tokens)
+                    .collect()
+            };
+            out.extend(ids.iter().map(|ids| self.vocab.decode(ids)));
+        }
+        Ok(out)
+    }
+}
+
+/// The start of `text`, for messages about a long input.
+fn preview(text: &str) -> String {
+    const MAX: usize = 48;
+    if text.chars().count() <= MAX {
+        text.to_string()
+    } else {
+        text.chars().take(MAX).chain(['…']).collect()
+    }
+}
+
+/// Right-pads rows of ids to a `(rows, max_len)` tensor.
+pub fn padded(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<Tensor> {
+    let n = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let data: Vec<u32> = rows
+        .iter()
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(pad, n - r.len())))
+        .collect();
+    Ok(Tensor::from_vec(data, (rows.len(), n), device)?)
+}
 
 /// Runs the command.
-pub fn run(_args: Args) -> Result<()> {
-    bail!("'seq2seq' is not built yet")
+pub fn run(args: Args) -> Result<()> {
+    if args.beam == 0 {
+        bail!("--beam must be at least 1")
+    }
+    let inputs: Vec<String> = if args.inputs.is_empty() {
+        std::io::stdin()
+            .lock()
+            .lines()
+            .collect::<std::io::Result<_>>()
+            .context("reading standard input")?
+    } else {
+        args.inputs.clone()
+    };
+    if inputs.is_empty() {
+        bail!("no input: pass texts as arguments or one per line on standard input")
+    }
+    if args.attention_map.is_some() && inputs.len() != 1 {
+        bail!(
+            "--attention-map draws one input's attention, but {} inputs were given",
+            inputs.len()
+        )
+    }
+    let device = parse_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype)?;
+    let tr = Translator::load(&args.weights, device, dtype)?;
+    let sources = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            // Line endings and surrounding blanks are not part of a date.
+            tr.encode(text.trim())
+                .with_context(|| format!("input {} ({:?})", i + 1, preview(text)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for line in tr.translate(&sources, args.beam)? {
+        println!("{line}");
+    }
+    if let Some(path) = &args.attention_map {
+        write_attention_map(&tr, inputs[0].trim(), &sources[0], path)?;
+    }
+    Ok(())
+}
+
+fn write_attention_map(tr: &Translator, text: &str, src: &[u32], path: &Path) -> Result<()> {
+    let src = Tensor::new(src, &tr.device)?.unsqueeze(0)?;
+    let att = tr.model.greedy_with_attention(&src)?;
+    let weights: Vec<Vec<f32>> = att.attention.to_dtype(DType::F32)?.to_vec2()?;
+    // One label per step, '?' for a special token the model emitted.
+    let rows: Vec<char> = att
+        .tokens
+        .iter()
+        .map(|&t| tr.vocab.decode(&[t]).chars().next().unwrap_or('?'))
+        .collect();
+    let cols: Vec<char> = text.chars().collect();
+    heatmap::write_png(path, &weights, &rows, &cols)?;
+    eprintln!("attention map: {}", path.display());
+    Ok(())
 }

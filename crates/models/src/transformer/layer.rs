@@ -1,0 +1,264 @@
+//! One encoder layer and one decoder layer.
+//!
+//! Port of `TransformerEncoderLayer` and `TransformerDecoderLayer` in
+//! `torch/nn/modules/transformer.py` (eval mode: dropout is the identity).
+
+use candle::{Result, Tensor};
+use candle_nn::{layer_norm, linear_b, LayerNorm, LayerNormConfig, Linear, Module, VarBuilder};
+use multihead_attention::{Causal, Mask, MhaOptions, MultiheadAttention, NeedWeights};
+
+use super::config::{Activation, TransformerConfig};
+
+/// A LayerNorm over `d_model` with the config's epsilon; without a bias
+/// when `bias = false`, as PyTorch's `LayerNorm(bias=False)`.
+pub(crate) fn norm(cfg: &TransformerConfig, vb: VarBuilder) -> Result<LayerNorm> {
+    let ln = LayerNormConfig {
+        eps: cfg.layer_norm_eps,
+        remove_mean: true,
+        affine: cfg.bias,
+    };
+    layer_norm(cfg.d_model, ln, vb)
+}
+
+/// `linear2(activation(linear1(x)))`, the `_ff_block` both layers share.
+#[derive(Debug, Clone)]
+struct FeedForward {
+    linear1: Linear,
+    linear2: Linear,
+    activation: Activation,
+}
+
+impl FeedForward {
+    /// `linear1` `(dim_feedforward, d_model)`, `linear2` `(d_model,
+    /// dim_feedforward)`, directly under the layer's prefix.
+    fn new(cfg: &TransformerConfig, vb: &VarBuilder) -> Result<Self> {
+        let (d, ff) = (cfg.d_model, cfg.dim_feedforward);
+        Ok(Self {
+            linear1: linear_b(d, ff, cfg.bias, vb.pp("linear1"))?,
+            linear2: linear_b(ff, d, cfg.bias, vb.pp("linear2"))?,
+            activation: cfg.activation,
+        })
+    }
+}
+
+impl Module for FeedForward {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.linear2
+            .forward(&self.activation.apply(&self.linear1.forward(xs)?)?)
+    }
+}
+
+/// Self-attention then feed-forward, each in a residual block:
+/// `torch.nn.TransformerEncoderLayer`.
+///
+/// State-dict names: `self_attn.{in_proj_weight, in_proj_bias,
+/// out_proj.weight, out_proj.bias}`, `linear1.*`, `linear2.*`, `norm1.*`,
+/// `norm2.*`.
+#[derive(Debug, Clone)]
+pub struct TransformerEncoderLayer {
+    self_attn: MultiheadAttention,
+    ff: FeedForward,
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    cfg: TransformerConfig,
+}
+
+impl TransformerEncoderLayer {
+    /// Loads the layer's weights (or initialises them from a `VarMap`).
+    pub fn new(cfg: &TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            self_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("self_attn"))?,
+            ff: FeedForward::new(cfg, &vb)?,
+            norm1: norm(cfg, vb.pp("norm1"))?,
+            norm2: norm(cfg, vb.pp("norm2"))?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The layer's self-attention block.
+    pub fn self_attn(&self) -> &MultiheadAttention {
+        &self.self_attn
+    }
+
+    /// One layer over `src`; `mask` is PyTorch's `src_mask`,
+    /// `src_key_padding_mask` and `is_causal` in one.
+    ///
+    /// # Shapes
+    /// - `src`: `(batch, seq, d_model)` when `batch_first`, else
+    ///   `(seq, batch, d_model)`; or unbatched `(seq, d_model)`
+    /// - returns the same shape
+    pub fn forward(&self, src: &Tensor, mask: &Mask) -> Result<Tensor> {
+        let sa = |x: &Tensor| -> Result<Tensor> {
+            let opts = MhaOptions::new()
+                .with_mask(mask.clone())
+                .with_layout(self.cfg.layout());
+            // The same tensor three times: self-attention, one fused
+            // projection.
+            Ok(self.self_attn.forward_attn(x, x, x, &opts)?.output)
+        };
+        if self.cfg.norm_first {
+            let x = (src + sa(&self.norm1.forward(src)?)?)?;
+            &x + self.ff.forward(&self.norm2.forward(&x)?)?
+        } else {
+            let x = self.norm1.forward(&(src + sa(src)?)?)?;
+            self.norm2.forward(&(&x + self.ff.forward(&x)?)?)
+        }
+    }
+}
+
+/// Keys and values a decoder layer attends over, already projected:
+/// `(batch, heads, len, head_dim)` each.
+#[derive(Debug, Clone)]
+pub(crate) struct ProjectedKv {
+    pub k: Tensor,
+    pub v: Tensor,
+}
+
+/// Masked self-attention, cross-attention over the encoder memory, then
+/// feed-forward, each in a residual block: `torch.nn.TransformerDecoderLayer`.
+///
+/// State-dict names: `self_attn.*`, `multihead_attn.*` (the
+/// cross-attention), `linear1.*`, `linear2.*`, `norm1.*`, `norm2.*`,
+/// `norm3.*`.
+#[derive(Debug, Clone)]
+pub struct TransformerDecoderLayer {
+    self_attn: MultiheadAttention,
+    multihead_attn: MultiheadAttention,
+    ff: FeedForward,
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    norm3: LayerNorm,
+    cfg: TransformerConfig,
+}
+
+impl TransformerDecoderLayer {
+    /// Loads the layer's weights (or initialises them from a `VarMap`).
+    pub fn new(cfg: &TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Self {
+            self_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("self_attn"))?,
+            multihead_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("multihead_attn"))?,
+            ff: FeedForward::new(cfg, &vb)?,
+            norm1: norm(cfg, vb.pp("norm1"))?,
+            norm2: norm(cfg, vb.pp("norm2"))?,
+            norm3: norm(cfg, vb.pp("norm3"))?,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The masked self-attention block.
+    pub fn self_attn(&self) -> &MultiheadAttention {
+        &self.self_attn
+    }
+
+    /// The cross-attention block (PyTorch's `multihead_attn`).
+    pub fn multihead_attn(&self) -> &MultiheadAttention {
+        &self.multihead_attn
+    }
+
+    /// One layer over the whole target. `tgt_mask` is PyTorch's `tgt_mask`,
+    /// `tgt_key_padding_mask` and `tgt_is_causal` in one; `memory_mask` is
+    /// `memory_mask`, `memory_key_padding_mask` and `memory_is_causal`.
+    ///
+    /// # Shapes
+    /// - `tgt`: `(batch, tgt_len, d_model)` when `batch_first`, else
+    ///   `(tgt_len, batch, d_model)`; or unbatched `(tgt_len, d_model)`
+    /// - `memory`: `(batch, src_len, d_model)` in the same layout
+    /// - returns the shape of `tgt`
+    pub fn forward(
+        &self,
+        tgt: &Tensor,
+        memory: &Tensor,
+        tgt_mask: &Mask,
+        memory_mask: &Mask,
+    ) -> Result<Tensor> {
+        let layout = self.cfg.layout();
+        let sa = |x: &Tensor| -> Result<Tensor> {
+            let opts = MhaOptions::new().with_mask(tgt_mask.clone()).with_layout(layout);
+            Ok(self.self_attn.forward_attn(x, x, x, &opts)?.output)
+        };
+        let ca = |x: &Tensor| -> Result<Tensor> {
+            let opts = MhaOptions::new()
+                .with_mask(memory_mask.clone())
+                .with_layout(layout);
+            Ok(self.multihead_attn.forward_attn(x, memory, memory, &opts)?.output)
+        };
+        self.residuals(tgt, sa, ca)
+    }
+
+    /// The three residual blocks around the given self- and
+    /// cross-attention, pre- or post-norm.
+    fn residuals(
+        &self,
+        tgt: &Tensor,
+        sa: impl FnOnce(&Tensor) -> Result<Tensor>,
+        ca: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if self.cfg.norm_first {
+            let x = (tgt + sa(&self.norm1.forward(tgt)?)?)?;
+            let x = (&x + ca(&self.norm2.forward(&x)?)?)?;
+            &x + self.ff.forward(&self.norm3.forward(&x)?)?
+        } else {
+            let x = self.norm1.forward(&(tgt + sa(tgt)?)?)?;
+            let x = self.norm2.forward(&(&x + ca(&x)?)?)?;
+            self.norm3.forward(&(&x + self.ff.forward(&x)?)?)
+        }
+    }
+
+    /// Projects the encoder memory for the cross-attention, once per
+    /// sequence. `memory`: `(batch, src_len, d_model)`, batch-first.
+    pub(crate) fn project_memory(&self, memory: &Tensor) -> Result<ProjectedKv> {
+        let (k, v) = self.multihead_attn.project_kv(memory, memory)?;
+        Ok(ProjectedKv { k, v })
+    }
+
+    /// The layer over new target positions, appending their self-attention
+    /// keys and values to `cache` and attending over everything cached.
+    /// Returns the output and, when asked, the cross-attention weights.
+    ///
+    /// # Shapes
+    /// - `tgt`: `(batch, new_len, d_model)`, batch-first
+    /// - `cache`: `(batch, heads, past_len, head_dim)` each, or `None`
+    ///   before the first step; afterwards `past_len + new_len`
+    /// - `memory`: projected memory, `(batch, heads, src_len, head_dim)`
+    /// - returns `(batch, new_len, d_model)` and
+    ///   `(batch, new_len, src_len)` weights (averaged over heads)
+    pub(crate) fn forward_step(
+        &self,
+        tgt: &Tensor,
+        cache: &mut Option<ProjectedKv>,
+        memory: &ProjectedKv,
+        memory_mask: &Mask,
+        need_weights: NeedWeights,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let mut weights = None;
+        let sa = |x: &Tensor| -> Result<Tensor> {
+            let (k, v) = self.self_attn.project_kv(x, x)?;
+            let kv = match cache.take() {
+                None => ProjectedKv { k, v },
+                // (B, H, past + new, hd)
+                Some(past) => ProjectedKv {
+                    k: Tensor::cat(&[&past.k, &k], 2)?,
+                    v: Tensor::cat(&[&past.v, &v], 2)?,
+                },
+            };
+            // The new queries sit at the end of the cached keys.
+            let mask = Mask::causal(Causal::BottomRight);
+            let out = self
+                .self_attn
+                .forward_projected(x, &kv.k, &kv.v, &mask, NeedWeights::No)?;
+            *cache = Some(kv);
+            Ok(out.output)
+        };
+        let ca = |x: &Tensor| -> Result<Tensor> {
+            let out =
+                self.multihead_attn
+                    .forward_projected(x, &memory.k, &memory.v, memory_mask, need_weights)?;
+            weights = out.weights;
+            Ok(out.output)
+        };
+        let out = self.residuals(tgt, sa, ca)?;
+        Ok((out, weights))
+    }
+}

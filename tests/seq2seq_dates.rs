@@ -1,0 +1,90 @@
+//! The shipped date normaliser: our greedy output equals PyTorch's on every
+//! held-out example (`weights/dates/heldout.json`, written by
+//! `scripts/train_dates.py`), with and without the KV cache.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use candle::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use multihead::models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+use serde_json::Value;
+
+fn weights_dir() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/weights/dates"))
+}
+
+fn load(dir: &Path, dev: &Device) -> Result<(Seq2Seq, CharVocab)> {
+    let cfg = Seq2SeqConfig::from_json(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let vocab = CharVocab::from_json(&std::fs::read_to_string(dir.join("vocab.json"))?)?;
+    let bytes = std::fs::read(dir.join("model.safetensors"))?;
+    let vb = VarBuilder::from_buffered_safetensors(bytes, DType::F32, dev)?;
+    Ok((Seq2Seq::new(&cfg, vb)?, vocab))
+}
+
+fn padded(rows: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
+    let n = rows.iter().map(Vec::len).max().context("no rows")?;
+    let data: Vec<u32> = rows
+        .iter()
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, n - r.len())))
+        .collect();
+    Ok(Tensor::from_vec(data, (rows.len(), n), dev)?)
+}
+
+#[test]
+fn greedy_equals_pytorch_on_every_heldout_example() -> Result<()> {
+    let dev = Device::Cpu;
+    let dir = weights_dir();
+    let (model, vocab) = load(dir, &dev)?;
+    let heldout: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("heldout.json"))?)?;
+    let examples = heldout["examples"].as_array().context("examples")?;
+    assert!(examples.len() >= 500, "only {} held-out examples", examples.len());
+    let field = |e: &Value, k: &str| -> Result<String> {
+        Ok(e[k]
+            .as_str()
+            .with_context(|| format!("example without {k}"))?
+            .to_string())
+    };
+    let (mut ours_correct, mut torch_correct) = (0, 0);
+    for (i, chunk) in examples.chunks(100).enumerate() {
+        let src: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|e| Ok(vocab.encode(&field(e, "input")?)?))
+            .collect::<Result<_>>()?;
+        let src = padded(&src, &dev)?;
+        let cached = model.greedy(&src, KvCache::Use)?;
+        // The uncached reference on the first chunk only: it is slower.
+        if i == 0 {
+            assert_eq!(model.greedy(&src, KvCache::Recompute)?, cached);
+        }
+        for (e, ids) in chunk.iter().zip(&cached) {
+            let ours = vocab.decode(ids);
+            let (torch, target) = (field(e, "pytorch")?, field(e, "target")?);
+            assert_eq!(ours, torch, "input {:?}", field(e, "input")?);
+            ours_correct += usize::from(ours == target);
+            torch_correct += usize::from(torch == target);
+        }
+    }
+    let acc = ours_correct as f64 / examples.len() as f64;
+    println!(
+        "held-out exact match: ours {ours_correct}/{n}, PyTorch {torch_correct}/{n}",
+        n = examples.len()
+    );
+    assert!(acc >= 0.98, "exact match {acc} < 0.98");
+    Ok(())
+}
+
+#[test]
+fn beam_search_normalises_a_date() -> Result<()> {
+    let dev = Device::Cpu;
+    let (model, vocab) = load(weights_dir(), &dev)?;
+    let src = padded(
+        &[vocab.encode("March 3, 2021")?, vocab.encode("3rd of March 2021")?],
+        &dev,
+    )?;
+    for h in model.beam_search(&src, 4)? {
+        assert_eq!(vocab.decode(&h.tokens), "2021-03-03");
+        assert!(h.score <= 0. && h.score.is_finite());
+    }
+    Ok(())
+}
