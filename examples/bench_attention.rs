@@ -19,14 +19,19 @@ use multihead::attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, Mask, MhaConfig, MultiheadAttention,
 };
 
-/// Median wall time of `f` over at least 5 runs and ~2 s, after 2 warm-ups.
+/// Median wall time of `f` over at least 5 runs and ~2 s, after one
+/// warm-up (3 runs when one takes over a second).
 fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..2 {
-        f()?;
-    }
+    let t = Instant::now();
+    f()?;
+    let min_runs = if t.elapsed() > Duration::from_secs(1) {
+        3
+    } else {
+        5
+    };
     let mut times = vec![];
     let start = Instant::now();
-    while times.len() < 5 || (start.elapsed() < Duration::from_secs(2) && times.len() < 200) {
+    while times.len() < min_runs || (start.elapsed() < Duration::from_secs(2) && times.len() < 200) {
         let t = Instant::now();
         f()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);

@@ -6,7 +6,8 @@ one run, and print a Markdown table of medians and ratios.
 
 Our side is `cargo run --release --example bench_attention` (JSON lines);
 PyTorch runs here with the same thread count. Both take the median of at
-least 5 timed runs (~2 s per case) after 2 warm-ups. The machine is shared:
+least 5 timed runs (3 for runs over a second; ~2 s per case) after a
+warm-up. The machine is shared:
 compare ratios within one run, not times across runs.
 """
 
@@ -25,11 +26,12 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def median_ms(fn):
-    for _ in range(2):
-        fn()
+    t = time.perf_counter()
+    fn()
+    min_runs = 3 if time.perf_counter() - t > 1 else 5
     times = []
     start = time.perf_counter()
-    while len(times) < 5 or (time.perf_counter() - start < 2 and len(times) < 200):
+    while len(times) < min_runs or (time.perf_counter() - start < 2 and len(times) < 200):
         t = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t) * 1e3)

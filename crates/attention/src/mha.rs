@@ -457,8 +457,8 @@ impl MultiheadAttention {
                 )
             }
         };
-        let (q, k0) = (self.norm_q(&q)?, self.norm_k(&k)?);
-        k = k0;
+        let q = self.norm_q(&q)?;
+        k = self.norm_k(&k)?;
         let mut extra_keys = usize::from(self.bias_kv.is_some());
         if cfg.add_zero_attn {
             let zeros = Tensor::zeros((b, h, 1, cfg.head_dim()), k.dtype(), k.device())?;
