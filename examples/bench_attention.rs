@@ -86,6 +86,10 @@ fn bench_sdpa(work: &str, (b, h, l, s, d): (usize, usize, usize, usize, usize), 
         "candle_matmul_softmax",
         median_ms(|| candle_matmul_softmax(&q, &k, &v, scale, causal).map(drop))?,
     );
+    if l * s > 2048 * 2048 {
+        // candle's CPU flash attention takes tens of seconds a call here.
+        return Ok(());
+    }
     // candle's CPU flash attention takes (B, S, H, D).
     let t = |x: &Tensor| -> Result<Tensor> { Ok(x.transpose(1, 2)?.contiguous()?) };
     let (qt, kt, vt) = (t(&q)?, t(&k)?, t(&v)?);
@@ -161,7 +165,7 @@ fn main() -> Result<()> {
     bench_sdpa("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false)?;
     bench_sdpa("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false)?;
     bench_sdpa("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true)?;
-    bench_sdpa("decode B1 H8 hd64 1 query x 2048 keys", (1, 8, 1, 2048, 64), true)?;
+    bench_sdpa("decode B1 H8 hd64 1 query x 2048 keys", (1, 8, 1, 2048, 64), false)?;
     bench_mha("MHA B8 N197 D768 H12", (8, 197, 768, 12))?;
     Ok(())
 }

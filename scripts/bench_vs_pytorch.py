@@ -62,7 +62,7 @@ CASES = {
     "sdpa B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, False)),
     "sdpa B1 N4096 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 4096, 4096, 64, False)),
     "sdpa causal B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, True)),
-    "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, True)),
+    "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, False)),
     "MHA B8 N197 D768 H12": ("nn.MultiheadAttention", lambda: torch_mha(8, 197, 768, 12)),
 }
 
