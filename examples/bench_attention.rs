@@ -165,7 +165,11 @@ fn main() -> Result<()> {
     bench_sdpa("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false)?;
     bench_sdpa("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false)?;
     bench_sdpa("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true)?;
-    bench_sdpa("decode B1 H8 hd64 1 query x 2048 keys", (1, 8, 1, 2048, 64), false)?;
+    bench_sdpa(
+        "decode B1 H8 hd64 1 query x 2048 keys",
+        (1, 8, 1, 2048, 64),
+        false,
+    )?;
     bench_mha("MHA B8 N197 D768 H12", (8, 197, 768, 12))?;
     Ok(())
 }

@@ -47,12 +47,15 @@ mod cpu_kernel;
 mod layout;
 mod mask;
 mod mha;
+mod options;
+mod projection;
 mod sdpa;
 
 pub use config::MhaConfig;
 pub use layout::{SeparateNames, WeightLayout};
 pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
-pub use mha::{MhaOptions, MhaOutput, MultiheadAttention, NeedWeights, SeqLayout};
+pub use mha::MultiheadAttention;
+pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 pub use sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_via,
     scaled_dot_product_attention_with_weights, AttnPath,
