@@ -2,7 +2,7 @@
 //! LayerScale, around residual connections.
 
 use candle::{Module, Result, Tensor};
-use candle_nn::{Init, LayerNorm, Linear, VarBuilder};
+use candle_nn::{Init, Linear, VarBuilder};
 use multihead_attention::{
     HydraAttention, HydraConfig, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights, WeightLayout,
 };
@@ -43,9 +43,33 @@ impl BlockNames {
 
 /// A LayerNorm `<name>.weight`, `<name>.bias` of width `dim`.
 pub(crate) fn layer_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
-    let w = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
-    let b = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
-    Ok(LayerNorm::new(w, b, eps))
+    let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
+    let bias = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
+    Ok(LayerNorm { weight, bias, eps })
+}
+
+/// LayerNorm over the last dim that trains: candle-nn's `LayerNorm` runs
+/// its fused kernel on contiguous inputs, and that kernel has no backward
+/// (`apply_op3_no_bwd`), so the gradient stops there. When the input or
+/// the weights track gradients this takes candle-nn's op-by-op
+/// `layer_norm_slow`, otherwise the fused kernel.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl Module for LayerNorm {
+    /// `(..., dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let eps = self.eps as f32;
+        if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
+            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
+        } else {
+            candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
+        }
+    }
 }
 
 /// Per-channel learned scale on a residual branch, `gamma` `(dim)`.

@@ -2,10 +2,10 @@
 //! embedding, encoder blocks, norm, pooling and head.
 
 use candle::{bail, Module, Result, Tensor, D};
-use candle_nn::{Init, LayerNorm, Linear, VarBuilder};
+use candle_nn::{Init, Linear, VarBuilder};
 use multihead_attention::NeedWeights;
 
-use crate::vit::block::{layer_norm, Block};
+use crate::vit::block::{layer_norm, Block, LayerNorm};
 use crate::vit::config::{GlobalPool, Naming, VitConfig};
 use crate::vit::embed::PatchEmbed;
 use crate::vit::resample::resample_abs_pos_embed;
