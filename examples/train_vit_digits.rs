@@ -262,12 +262,16 @@ fn main() -> Result<()> {
             bar.inc(1);
         }
         let acc = accuracy(&model, &heldout, s)?;
-        bar.println(format!(
-            "epoch {epoch}: loss {:.3}, train acc {:.3}, held-out acc {acc:.4}, {:.0}s",
-            loss_sum / n as f64,
-            correct as f64 / n as f64,
-            t0.elapsed().as_secs_f64()
-        ));
+        // Through `suspend`, not `bar.println`: the latter prints nothing
+        // when the bar is hidden (output not a terminal, e.g. a log file).
+        bar.suspend(|| {
+            println!(
+                "epoch {epoch}: loss {:.3}, train acc {:.3}, held-out acc {acc:.4}, {:.0}s",
+                loss_sum / n as f64,
+                correct as f64 / n as f64,
+                t0.elapsed().as_secs_f64()
+            )
+        });
         bar.set_message(format!("held-out {acc:.3}"));
     }
     bar.finish_and_clear();

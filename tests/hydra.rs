@@ -54,8 +54,9 @@ fn direct(
 ) -> Result<Tensor> {
     let (b, l, d) = q.dims3()?;
     let s = k.dim(1)?;
-    let (q, k, v): (Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>) =
-        (q.to_vec3()?, k.to_vec3()?, v.to_vec3()?);
+    let q: Vec<Vec<Vec<f32>>> = q.to_vec3()?;
+    let k: Vec<Vec<Vec<f32>>> = k.to_vec3()?;
+    let v: Vec<Vec<Vec<f32>>> = v.to_vec3()?;
     let mut out = vec![0f32; b * l * d];
     for bi in 0..b {
         for i in 0..l {
