@@ -9,6 +9,8 @@
 //!   timm's fused `qkv`).
 //! - [`scaled_dot_product_attention`]: the function every path ends in, on
 //!   `(batch, heads, seq, head_dim)` tensors.
+//! - [`HydraAttention`]: Hydra attention (Bolya et al., 2022), as many
+//!   heads as features, O(N·D), on the same `qkv`/`proj` weights.
 //! - [`Mask`]: causal rules, key padding and attention masks whose boolean
 //!   polarity is part of their type.
 //!
@@ -44,6 +46,7 @@
 
 mod config;
 mod cpu_kernel;
+mod hydra;
 mod layout;
 mod mask;
 mod mha;
@@ -52,6 +55,7 @@ mod projection;
 mod sdpa;
 
 pub use config::MhaConfig;
+pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
 pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::MultiheadAttention;

@@ -2,10 +2,12 @@
 //! LayerScale, around residual connections.
 
 use candle::{Module, Result, Tensor};
-use candle_nn::{Init, LayerNorm, Linear, VarBuilder};
-use multihead_attention::{MhaConfig, MhaOptions, MultiheadAttention, NeedWeights, WeightLayout};
+use candle_nn::{Init, Linear, VarBuilder};
+use multihead_attention::{
+    HydraAttention, HydraConfig, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights, WeightLayout,
+};
 
-use crate::vit::config::{Naming, VitConfig};
+use crate::vit::config::{AttentionKind, Naming, VitConfig};
 
 /// The checkpoint names of one block's submodules.
 struct BlockNames {
@@ -41,9 +43,33 @@ impl BlockNames {
 
 /// A LayerNorm `<name>.weight`, `<name>.bias` of width `dim`.
 pub(crate) fn layer_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
-    let w = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
-    let b = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
-    Ok(LayerNorm::new(w, b, eps))
+    let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
+    let bias = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
+    Ok(LayerNorm { weight, bias, eps })
+}
+
+/// LayerNorm over the last dim that trains: candle-nn's `LayerNorm` runs
+/// its fused kernel on contiguous inputs, and that kernel has no backward
+/// (`apply_op3_no_bwd`), so the gradient stops there. When the input or
+/// the weights track gradients this takes candle-nn's op-by-op
+/// `layer_norm_slow`, otherwise the fused kernel.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl Module for LayerNorm {
+    /// `(..., dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let eps = self.eps as f32;
+        if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
+            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
+        } else {
+            candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
+        }
+    }
 }
 
 /// Per-channel learned scale on a residual branch, `gamma` `(dim)`.
@@ -102,17 +128,30 @@ impl Module for Mlp {
 #[derive(Debug, Clone)]
 pub struct Block {
     norm1: LayerNorm,
-    attn: MultiheadAttention,
+    attn: Attention,
     ls1: Option<LayerScale>,
     norm2: LayerNorm,
     mlp: Mlp,
     ls2: Option<LayerScale>,
 }
 
+/// A block's attention; both load `attn.qkv` and `attn.proj` in timm
+/// checkpoints.
+#[derive(Debug, Clone)]
+enum Attention {
+    Softmax(MultiheadAttention),
+    Hydra(HydraAttention),
+}
+
 impl Block {
-    /// Loads one block; `vb` is `blocks.N` (timm) or
+    /// Loads one softmax-attention block; `vb` is `blocks.N` (timm) or
     /// `vit.encoder.layer.N` (HF).
     pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with_attention(cfg, AttentionKind::Softmax, vb)
+    }
+
+    /// Loads one block with the given attention.
+    pub fn new_with_attention(cfg: &VitConfig, kind: AttentionKind, vb: VarBuilder) -> Result<Self> {
         let names = BlockNames::of(cfg.naming);
         let d = cfg.embed_dim;
         let mut mha_cfg = MhaConfig::new(d, cfg.num_heads).with_qk_norm(cfg.qk_norm);
@@ -129,7 +168,24 @@ impl Block {
         };
         Ok(Self {
             norm1: layer_norm(d, cfg.layer_norm_eps, vb.pp(names.norm1))?,
-            attn: MultiheadAttention::new_with_layout(&mha_cfg, &layout, vb.pp(names.attn))?,
+            attn: match kind {
+                AttentionKind::Softmax => Attention::Softmax(MultiheadAttention::new_with_layout(
+                    &mha_cfg,
+                    &layout,
+                    vb.pp(names.attn),
+                )?),
+                AttentionKind::Hydra => {
+                    let hydra_cfg = HydraConfig {
+                        qkv_bias: cfg.qkv_bias,
+                        ..HydraConfig::new(d)
+                    };
+                    Attention::Hydra(HydraAttention::new_with_layout(
+                        &hydra_cfg,
+                        &layout,
+                        vb.pp(names.attn),
+                    )?)
+                }
+            },
             ls1: ls("ls1")?,
             norm2: layer_norm(d, cfg.layer_norm_eps, vb.pp(names.norm2))?,
             mlp: Mlp::new(cfg, (names.fc1, names.fc2), vb.clone())?,
@@ -143,15 +199,19 @@ impl Block {
     /// - `xs`: `(batch, tokens, embed_dim)`
     /// - returns `(batch, tokens, embed_dim)` and, with
     ///   [`NeedWeights::PerHead`], `(batch, heads, tokens, tokens)`: timm's
-    ///   `attn.softmax(dim=-1)` output
+    ///   `attn.softmax(dim=-1)` output; a Hydra block returns no weights
     pub fn forward_attn(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.norm1.forward(xs)?;
-        let out = self
-            .attn
-            .forward_attn(&h, &h, &h, &MhaOptions::new().with_weights(need_weights))?;
+        let (a, weights) = match &self.attn {
+            Attention::Softmax(mha) => {
+                let out = mha.forward_attn(&h, &h, &h, &MhaOptions::new().with_weights(need_weights))?;
+                (out.output, out.weights)
+            }
+            Attention::Hydra(hydra) => (hydra.forward(&h)?, None),
+        };
         let a = match &self.ls1 {
-            Some(ls) => ls.forward(&out.output)?,
-            None => out.output,
+            Some(ls) => ls.forward(&a)?,
+            None => a,
         };
         let xs = (xs + a)?;
         let m = self.mlp.forward(&self.norm2.forward(&xs)?)?;
@@ -159,7 +219,7 @@ impl Block {
             Some(ls) => ls.forward(&m)?,
             None => m,
         };
-        Ok(((xs + m)?, out.weights))
+        Ok(((xs + m)?, weights))
     }
 }
 

@@ -108,6 +108,21 @@ pub struct VitConfig {
     /// Class names, one per class; printed instead of indices when present.
     #[serde(default)]
     pub labels: Option<Vec<String>>,
+    /// Indices of the blocks whose attention is Hydra attention
+    /// ([`multihead_attention::HydraAttention`], on the same `qkv`/`proj`
+    /// weights) instead of softmax attention. Empty (the default): a plain
+    /// ViT.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hydra_layers: Vec<usize>,
+}
+
+/// Which attention a block computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Multi-head softmax attention (timm `Attention`).
+    Softmax,
+    /// Hydra attention: as many heads as features, linear in the tokens.
+    Hydra,
 }
 
 fn default_in_chans() -> usize {
@@ -158,6 +173,7 @@ impl VitConfig {
             image_std: default_half(),
             image_interpolation: default_image_interpolation(),
             labels: None,
+            hydra_layers: Vec::new(),
         }
     }
 
@@ -202,6 +218,15 @@ impl VitConfig {
     /// Whether the final norm runs after pooling, resolving timm's default.
     pub fn use_fc_norm(&self) -> bool {
         self.fc_norm.unwrap_or(self.global_pool == GlobalPool::Avg)
+    }
+
+    /// The attention of block `layer`.
+    pub fn attention_kind(&self, layer: usize) -> AttentionKind {
+        if self.hydra_layers.contains(&layer) {
+            AttentionKind::Hydra
+        } else {
+            AttentionKind::Softmax
+        }
     }
 
     /// The label of class `i`, or `i` itself.
@@ -281,6 +306,16 @@ impl VitConfig {
                 )
             }
         }
+        if let Some(l) = self.hydra_layers.iter().find(|&&l| l >= self.depth) {
+            bail!(
+                "VitConfig: hydra_layers names block {l}, but there are only {} (depth)",
+                self.depth
+            )
+        }
+        if !self.hydra_layers.is_empty() && (self.naming != Naming::Timm || self.qk_norm) {
+            // Hydra blocks load timm's fused qkv/proj and have no q/k norm.
+            bail!("VitConfig: hydra_layers needs naming 'timm' and qk_norm = false")
+        }
         if self.naming == Naming::Hf {
             // HF's ViTForImageClassification has none of these; a config that
             // asks for them cannot describe an HF checkpoint.
@@ -350,6 +385,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("dept"), "{err}");
+        let mut cfg = VitConfig::new(32, 4, 64, 2, 4);
+        cfg.hydra_layers = vec![1, 2];
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("block 2"), "{err}");
+        cfg.hydra_layers = vec![1];
+        let back = VitConfig::from_json(&serde_json::to_string(&cfg).map_err(candle::Error::wrap)?)?;
+        assert_eq!(back.attention_kind(1), AttentionKind::Hydra);
+        assert_eq!(back.attention_kind(0), AttentionKind::Softmax);
         Ok(())
     }
 }

@@ -28,7 +28,7 @@ mod resample;
 mod rollout;
 
 pub use block::{Block, LayerScale, Mlp};
-pub use config::{GlobalPool, Naming, VitConfig};
+pub use config::{AttentionKind, GlobalPool, Naming, VitConfig};
 pub use embed::PatchEmbed;
 pub use model::{VisionTransformer, VitOutput};
 pub use preprocess::{preprocess, preprocess_to};

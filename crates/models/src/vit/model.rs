@@ -2,10 +2,10 @@
 //! embedding, encoder blocks, norm, pooling and head.
 
 use candle::{bail, Module, Result, Tensor, D};
-use candle_nn::{Init, LayerNorm, Linear, VarBuilder};
+use candle_nn::{Init, Linear, VarBuilder};
 use multihead_attention::NeedWeights;
 
-use crate::vit::block::{layer_norm, Block};
+use crate::vit::block::{layer_norm, Block, LayerNorm};
 use crate::vit::config::{GlobalPool, Naming, VitConfig};
 use crate::vit::embed::PatchEmbed;
 use crate::vit::resample::resample_abs_pos_embed;
@@ -49,8 +49,9 @@ pub struct VitOutput {
     /// `(batch, num_classes)`, or the pooled features `(batch, embed_dim)`
     /// when the model has no head.
     pub logits: Tensor,
-    /// One `(batch, heads, tokens, tokens)` tensor per block: the softmaxed
-    /// attention weights, prefix tokens first.
+    /// One `(batch, heads, tokens, tokens)` tensor per softmax block (Hydra
+    /// blocks have no weights): the softmaxed attention weights, prefix
+    /// tokens first.
     pub attentions: Vec<Tensor>,
     /// The patch grid `(grid_h, grid_w)` of the input.
     pub grid: (usize, usize),
@@ -130,7 +131,7 @@ impl VisionTransformer {
             },
         )?;
         let blocks = (0..cfg.depth)
-            .map(|i| Block::new(cfg, vb.pp(names.blocks).pp(i)))
+            .map(|i| Block::new_with_attention(cfg, cfg.attention_kind(i), vb.pp(names.blocks).pp(i)))
             .collect::<Result<Vec<_>>>()?;
         let eps = cfg.layer_norm_eps;
         let (norm, fc_norm) = if cfg.use_fc_norm() {
