@@ -50,6 +50,7 @@ mod hydra;
 mod layout;
 mod mask;
 mod mha;
+mod norm;
 mod options;
 mod projection;
 mod sdpa;
@@ -59,6 +60,7 @@ pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
 pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::MultiheadAttention;
+pub use norm::LayerNorm;
 pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 pub use sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_via,

@@ -4,7 +4,9 @@
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
 use candle::{bail, DType, Result, Tensor, D};
-use candle_nn::{Init, LayerNorm, Linear, Module, VarBuilder};
+use candle_nn::{Init, Linear, Module, VarBuilder};
+
+use crate::norm::LayerNorm;
 
 use crate::config::MhaConfig;
 use crate::layout::WeightLayout;
@@ -105,12 +107,7 @@ impl MultiheadAttention {
             None
         };
         let qk_norm = if cfg.qk_norm {
-            let norm = |name: &str| -> Result<LayerNorm> {
-                let hd = cfg.head_dim();
-                let w = vb.get_with_hints(hd, &format!("{name}.weight"), Init::Const(1.))?;
-                let b = vb.get_with_hints(hd, &format!("{name}.bias"), Init::Const(0.))?;
-                Ok(LayerNorm::new(w, b, cfg.qk_norm_eps))
-            };
+            let norm = |name: &str| LayerNorm::new(cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
             Some((norm("q_norm")?, norm("k_norm")?))
         } else {
             None

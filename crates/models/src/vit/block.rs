@@ -4,7 +4,8 @@
 use candle::{Module, Result, Tensor};
 use candle_nn::{Init, Linear, VarBuilder};
 use multihead_attention::{
-    HydraAttention, HydraConfig, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights, WeightLayout,
+    HydraAttention, HydraConfig, LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights,
+    WeightLayout,
 };
 
 use crate::vit::config::{AttentionKind, Naming, VitConfig};
@@ -37,37 +38,6 @@ impl BlockNames {
                 fc1: "intermediate.dense",
                 fc2: "output.dense",
             },
-        }
-    }
-}
-
-/// A LayerNorm `<name>.weight`, `<name>.bias` of width `dim`.
-pub(crate) fn layer_norm(dim: usize, eps: f64, vb: VarBuilder) -> Result<LayerNorm> {
-    let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
-    let bias = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
-    Ok(LayerNorm { weight, bias, eps })
-}
-
-/// LayerNorm over the last dim that trains: candle-nn's `LayerNorm` runs
-/// its fused kernel on contiguous inputs, and that kernel has no backward
-/// (`apply_op3_no_bwd`), so the gradient stops there. When the input or
-/// the weights track gradients this takes candle-nn's op-by-op
-/// `layer_norm_slow`, otherwise the fused kernel.
-#[derive(Debug, Clone)]
-pub(crate) struct LayerNorm {
-    weight: Tensor,
-    bias: Tensor,
-    eps: f64,
-}
-
-impl Module for LayerNorm {
-    /// `(..., dim)` → same.
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let eps = self.eps as f32;
-        if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
-            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
-        } else {
-            candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
         }
     }
 }
@@ -167,7 +137,7 @@ impl Block {
                 .transpose()
         };
         Ok(Self {
-            norm1: layer_norm(d, cfg.layer_norm_eps, vb.pp(names.norm1))?,
+            norm1: LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm1))?,
             attn: match kind {
                 AttentionKind::Softmax => Attention::Softmax(MultiheadAttention::new_with_layout(
                     &mha_cfg,
@@ -187,7 +157,7 @@ impl Block {
                 }
             },
             ls1: ls("ls1")?,
-            norm2: layer_norm(d, cfg.layer_norm_eps, vb.pp(names.norm2))?,
+            norm2: LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm2))?,
             mlp: Mlp::new(cfg, (names.fc1, names.fc2), vb.clone())?,
             ls2: ls("ls2")?,
         })

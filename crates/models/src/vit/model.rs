@@ -5,10 +5,11 @@ use candle::{bail, Module, Result, Tensor, D};
 use candle_nn::{Init, Linear, VarBuilder};
 use multihead_attention::NeedWeights;
 
-use crate::vit::block::{layer_norm, Block, LayerNorm};
+use crate::vit::block::Block;
 use crate::vit::config::{GlobalPool, Naming, VitConfig};
 use crate::vit::embed::PatchEmbed;
 use crate::vit::resample::resample_abs_pos_embed;
+use multihead_attention::LayerNorm;
 
 /// Checkpoint names of the model-level tensors.
 struct ModelNames {
@@ -135,9 +136,9 @@ impl VisionTransformer {
             .collect::<Result<Vec<_>>>()?;
         let eps = cfg.layer_norm_eps;
         let (norm, fc_norm) = if cfg.use_fc_norm() {
-            (None, Some(layer_norm(d, eps, vb.pp("fc_norm"))?))
+            (None, Some(LayerNorm::new(d, eps, vb.pp("fc_norm"))?))
         } else {
-            (Some(layer_norm(d, eps, vb.pp(names.norm))?), None)
+            (Some(LayerNorm::new(d, eps, vb.pp(names.norm))?), None)
         };
         let head = (cfg.num_classes > 0)
             .then(|| candle_nn::linear(d, cfg.num_classes, vb.pp(names.head)))
