@@ -222,7 +222,7 @@ impl Checkpoint {
         let wanted = wanted_tensors(&names, &build)?;
         let report = Preflight::check(self, &wanted, true)?;
         if let Some(summary) = report.summary() {
-            candle::bail!("weights '{}' do not fit the model: {summary}", self.label())
+            candle::bail!("weights '{}' do not match the model: {summary}", self.label())
         }
         let vb = VarBuilder::from_slice_safetensors(self.bytes(), dtype, device)?;
         build(vb)
