@@ -121,7 +121,8 @@ impl<'a> Names<'a> {
             .iter()
             .find_map(|t| t.name.strip_suffix(suffix).map(str::to_string))
     }
-    /// Distinct `N` in `{stem}N.…`.
+    /// One more than the largest `N` in `{stem}N.…` (layers are numbered
+    /// from 0; a gap shows up as missing tensors against a config).
     fn count_indexed(&self, stem: &str) -> usize {
         let idx: BTreeSet<usize> = self
             .0
@@ -129,7 +130,7 @@ impl<'a> Names<'a> {
             .filter_map(|t| t.name.strip_prefix(stem))
             .filter_map(|rest| rest.split('.').next()?.parse().ok())
             .collect();
-        idx.len()
+        idx.last().map_or(0, |n| n + 1)
     }
 }
 
