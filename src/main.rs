@@ -2,6 +2,7 @@
 //!
 //! - `multihead vit [IMAGES…]`: classify images with a Vision Transformer.
 //! - `multihead seq2seq [TEXT…]`: translate with the encoder–decoder.
+//! - `multihead inspect FILE.safetensors`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +25,8 @@ enum Command {
     Vit(cli::vit::Args),
     /// Translate text with the transformer encoder–decoder (default: the shipped date normaliser).
     Seq2seq(cli::seq2seq::Args),
+    /// List a checkpoint's tensors, recognise its layout, check it against a config.
+    Inspect(cli::inspect::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -31,13 +34,29 @@ fn main() -> std::process::ExitCode {
     let res = match cli.command {
         Command::Vit(args) => cli::vit::run(args),
         Command::Seq2seq(args) => cli::seq2seq::run(args),
+        Command::Inspect(args) => cli::inspect::run(args),
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            // One line, no backtrace: the chain of contexts says what is wrong.
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The error chain as one line. candle appends a captured backtrace to its
+/// errors' messages when `RUST_BACKTRACE` is set, and some messages span
+/// lines; a user-facing message keeps the first line of each cause.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        let line = text.lines().next().unwrap_or_default().trim().to_string();
+        // Some errors repeat their source's message in their own.
+        if !line.is_empty() && !parts.last().is_some_and(|p| p.contains(&line)) {
+            parts.push(line);
+        }
+    }
+    parts.join(": ")
 }

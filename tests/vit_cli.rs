@@ -153,7 +153,7 @@ fn weights_that_do_not_match_the_config() -> Result<()> {
     let path = dir.join("config.json");
     std::fs::write(&path, cfg.to_string())?;
     let out = vit(&["--config", path.to_str().context("path")?])?;
-    assert_one_line_error(&out, "do not match config");
+    assert_one_line_error(&out, "do not match the model");
     Ok(())
 }
 

@@ -1,5 +1,6 @@
 //! The binary's subcommands, one module each.
 
 mod heatmap;
+pub mod inspect;
 pub mod seq2seq;
 pub mod vit;

@@ -4,21 +4,16 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle::{Device, Tensor};
-use image::{imageops::FilterType, DynamicImage, GrayImage, ImageFormat, Rgb, RgbImage};
+use image::{imageops::FilterType, DynamicImage, GrayImage, Rgb, RgbImage};
 
-/// Decodes a PNG or JPEG, recognised by its bytes, not its extension.
+/// Decodes a PNG or JPEG, recognised by its bytes, not its extension,
+/// under the size limits of [`multihead::models::image_input`].
 pub fn open_image(path: &Path) -> Result<DynamicImage> {
     let bytes = std::fs::read(path).with_context(|| format!("reading image '{}'", path.display()))?;
-    let format = match image::guess_format(&bytes) {
-        Ok(f @ (ImageFormat::Png | ImageFormat::Jpeg)) => f,
-        _ => bail!("'{}' is not a PNG or JPEG image", path.display()),
-    };
-    let img = image::load_from_memory_with_format(&bytes, format)
-        .with_context(|| format!("decoding image '{}'", path.display()))?;
-    if img.width() == 0 || img.height() == 0 {
-        bail!("image '{}' is empty", path.display())
-    }
-    Ok(img)
+    Ok(multihead::models::image_input::decode_image(
+        &bytes,
+        &path.display().to_string(),
+    )?)
 }
 
 /// The image's pixels as a `(channels, H, W)` u8 tensor: luma for one

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
+use multihead::models::checkpoint::Checkpoint;
 use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer, VitConfig};
 
 /// The shipped model, relative to the working directory or to the
@@ -125,17 +125,10 @@ impl Classifier {
         if dtype == DType::BF16 && device.is_cpu() {
             bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
         }
-        let bytes =
-            std::fs::read(&weights).with_context(|| format!("reading weights '{}'", weights.display()))?;
-        let vb = VarBuilder::from_buffered_safetensors(bytes, dtype, &device)
-            .with_context(|| format!("reading weights '{}'", weights.display()))?;
-        let vit = VisionTransformer::new(&cfg, vb).with_context(|| {
-            format!(
-                "weights '{}' do not match config '{}'",
-                weights.display(),
-                config.display()
-            )
-        })?;
+        let ckpt = Checkpoint::read(&weights)?;
+        let vit = ckpt
+            .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
+            .with_context(|| format!("with config '{}'", config.display()))?;
         Ok(Self {
             vit,
             cfg,
@@ -210,25 +203,6 @@ pub(crate) fn top_k(probs: &[f32], k: usize) -> Vec<(usize, f32)> {
 
 /// Runs the command.
 pub fn run(args: Args) -> Result<()> {
-    run_inner(args).map_err(one_line)
-}
-
-/// The error chain as one line: candle appends a captured backtrace to its
-/// errors' messages when `RUST_BACKTRACE` is set, which a user-facing
-/// message must not carry.
-fn one_line(e: anyhow::Error) -> anyhow::Error {
-    let mut parts: Vec<String> = Vec::new();
-    for cause in e.chain() {
-        let line = cause.to_string().lines().next().unwrap_or_default().to_string();
-        // Some errors repeat their source's message in their own.
-        if !parts.last().is_some_and(|p| p.contains(&line)) {
-            parts.push(line);
-        }
-    }
-    anyhow::anyhow!(parts.join(": "))
-}
-
-fn run_inner(args: Args) -> Result<()> {
     if args.top_k == 0 {
         bail!("--top-k must be at least 1")
     }

@@ -1,0 +1,16 @@
+//! Checkpoints from strangers: a safetensors file validated before use,
+//! compared with what a model needs before it is built, and described by
+//! [`crate::inspect`].
+//!
+//! ```
+//! use multihead_models::checkpoint::Checkpoint;
+//!
+//! let err = Checkpoint::from_bytes(vec![1, 2, 3], "x.safetensors").unwrap_err();
+//! assert!(err.to_string().contains("truncated"));
+//! ```
+
+mod file;
+mod preflight;
+
+pub use file::{Checkpoint, TensorInfo};
+pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};

@@ -1,0 +1,230 @@
+//! What a model needs from a checkpoint, found by building it once
+//! against a recording `VarBuilder`, and the comparison with what the
+//! file holds: every missing, unexpected, mis-shaped, non-float and
+//! non-finite tensor at once, before any weight is loaded.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use candle::{DType, Device, Result, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
+use serde::Serialize;
+
+use crate::checkpoint::file::{natural_cmp, Checkpoint};
+
+/// A tensor a model asks for: its name and shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Wanted {
+    /// The checkpoint name.
+    pub name: String,
+    /// The shape the model expects.
+    pub shape: Vec<usize>,
+}
+
+/// Answers every `vb.get` with zeros (one element broadcast, so a large
+/// model costs no memory) and writes down what was asked.
+struct Recorder {
+    present: HashSet<String>,
+    wanted: Arc<Mutex<Vec<Wanted>>>,
+}
+
+impl SimpleBackend for Recorder {
+    fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        if let Ok(mut w) = self.wanted.lock() {
+            w.push(Wanted {
+                name: name.to_string(),
+                shape: s.dims().to_vec(),
+            });
+        }
+        Tensor::zeros(1, dtype, dev)?.broadcast_as(s)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
+        candle::bail!("preflight: the model asks for '{name}' without a shape, which cannot be checked")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        // Optional parts follow the file, as they will when loading.
+        self.present.contains(name)
+    }
+}
+
+/// The tensors `build` asks for when it constructs its model, in order,
+/// each once. `present` answers `vb.contains_tensor`.
+pub fn wanted_tensors<T>(
+    present: &[&str],
+    build: impl FnOnce(VarBuilder) -> Result<T>,
+) -> Result<Vec<Wanted>> {
+    let wanted = Arc::new(Mutex::new(Vec::new()));
+    let recorder = Recorder {
+        present: present.iter().map(|s| s.to_string()).collect(),
+        wanted: wanted.clone(),
+    };
+    build(VarBuilder::from_backend(
+        Box::new(recorder),
+        DType::F32,
+        Device::Cpu,
+    ))?;
+    let wanted: Vec<Wanted> = wanted
+        .lock()
+        .map_err(|_| candle::Error::Msg("preflight: recorder poisoned".into()))?
+        .clone();
+    let mut seen = HashSet::new();
+    Ok(wanted
+        .into_iter()
+        .filter(|w| seen.insert(w.name.clone()))
+        .collect())
+}
+
+/// A tensor whose stored shape is not the one the model needs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Misshaped {
+    /// The checkpoint name.
+    pub name: String,
+    /// What the model needs.
+    pub expected: Vec<usize>,
+    /// What the file holds.
+    pub found: Vec<usize>,
+}
+
+/// A tensor stored in a dtype that is not a float.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NotFloat {
+    /// The checkpoint name.
+    pub name: String,
+    /// The stored dtype, e.g. `I64`.
+    pub dtype: String,
+}
+
+/// A float tensor holding NaN or infinity.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NonFinite {
+    /// The checkpoint name.
+    pub name: String,
+    /// How many elements are NaN.
+    pub nan: usize,
+    /// How many elements are ±infinity.
+    pub inf: usize,
+}
+
+/// A checkpoint compared with what a model needs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Preflight {
+    /// Needed but absent.
+    pub missing: Vec<Wanted>,
+    /// In the file but not needed (PyTorch's `strict=True` refuses these).
+    pub unexpected: Vec<String>,
+    /// Present with another shape.
+    pub misshaped: Vec<Misshaped>,
+    /// Present but stored as integers or booleans.
+    pub not_float: Vec<NotFloat>,
+    /// Present, float, but with NaN or infinity.
+    pub non_finite: Vec<NonFinite>,
+}
+
+impl Preflight {
+    /// Compares `ckpt` with `wanted`; scans the needed float tensors for
+    /// NaN and infinity only when `scan_values` (it reads every weight).
+    pub fn check(ckpt: &Checkpoint, wanted: &[Wanted], scan_values: bool) -> Result<Self> {
+        let mut report = Self::default();
+        let needed: HashSet<&str> = wanted.iter().map(|w| w.name.as_str()).collect();
+        for w in wanted {
+            match ckpt.info(&w.name) {
+                None => report.missing.push(w.clone()),
+                Some(info) => {
+                    if info.shape != w.shape {
+                        report.misshaped.push(Misshaped {
+                            name: w.name.clone(),
+                            expected: w.shape.clone(),
+                            found: info.shape.clone(),
+                        });
+                    }
+                    if !info.is_float() {
+                        report.not_float.push(NotFloat {
+                            name: w.name.clone(),
+                            dtype: info.dtype.clone(),
+                        });
+                    }
+                }
+            }
+        }
+        report.unexpected = ckpt
+            .tensors()
+            .iter()
+            .filter(|t| !needed.contains(t.name.as_str()))
+            .map(|t| t.name.clone())
+            .collect();
+        report.missing.sort_by(|a, b| natural_cmp(&a.name, &b.name));
+        if scan_values && report.misshaped.is_empty() && report.not_float.is_empty() {
+            report.non_finite = ckpt
+                .non_finite(wanted.iter().map(|w| w.name.as_str()))?
+                .into_iter()
+                .map(|(name, nan, inf)| NonFinite { name, nan, inf })
+                .collect();
+        }
+        Ok(report)
+    }
+
+    /// Whether nothing is wrong.
+    pub fn is_clean(&self) -> bool {
+        self.missing.is_empty()
+            && self.unexpected.is_empty()
+            && self.misshaped.is_empty()
+            && self.not_float.is_empty()
+            && self.non_finite.is_empty()
+    }
+
+    /// One line naming every problem, or `None` when clean.
+    pub fn summary(&self) -> Option<String> {
+        fn list<T>(out: &mut Vec<String>, what: &str, items: &[T], show: impl Fn(&T) -> String) {
+            if !items.is_empty() {
+                let shown: Vec<String> = items.iter().map(show).collect();
+                out.push(format!("{} {what}: {}", items.len(), shown.join(", ")));
+            }
+        }
+        let mut parts = Vec::new();
+        list(&mut parts, "missing", &self.missing, |w| {
+            format!("{} {:?}", w.name, w.shape)
+        });
+        list(&mut parts, "unexpected", &self.unexpected, |n| n.clone());
+        list(&mut parts, "mis-shaped", &self.misshaped, |m| {
+            format!("{} expected {:?} found {:?}", m.name, m.expected, m.found)
+        });
+        list(
+            &mut parts,
+            "not float (integer or bool where a float weight belongs)",
+            &self.not_float,
+            |n| format!("{} is {}", n.name, n.dtype),
+        );
+        list(&mut parts, "with NaN/Inf", &self.non_finite, |n| {
+            format!("{} ({} NaN, {} Inf)", n.name, n.nan, n.inf)
+        });
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+impl Checkpoint {
+    /// Builds a model from this checkpoint after a pre-flight check: the
+    /// tensors `build` asks for are compared with the file first, and
+    /// every missing, unexpected, mis-shaped, integer-typed or non-finite
+    /// tensor is reported in one error. Weights stored as f32, f16 or
+    /// bf16 are converted to `dtype`.
+    ///
+    /// `build` runs twice: once against a recorder, once for real.
+    pub fn load<T>(
+        &self,
+        dtype: DType,
+        device: &Device,
+        build: impl Fn(VarBuilder) -> Result<T>,
+    ) -> Result<T> {
+        let names: Vec<&str> = self.tensors().iter().map(|t| t.name.as_str()).collect();
+        let wanted = wanted_tensors(&names, &build)?;
+        let report = Preflight::check(self, &wanted, true)?;
+        if let Some(summary) = report.summary() {
+            candle::bail!("weights '{}' do not match the model: {summary}", self.label())
+        }
+        let vb = VarBuilder::from_slice_safetensors(self.bytes(), dtype, device)?;
+        build(vb)
+    }
+}

@@ -1,0 +1,308 @@
+//! What a checkpoint is, from its tensor names and shapes alone: timm or
+//! HF ViT, a PyTorch `nn.MultiheadAttention` or `nn.Transformer`, and
+//! the sizes each layout reveals.
+
+use std::collections::BTreeSet;
+
+use serde::Serialize;
+
+use crate::checkpoint::TensorInfo;
+
+/// Sizes of a Vision Transformer read off its tensors.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VitFacts {
+    /// `timm` or `hf`: the value of `VitConfig::naming`.
+    pub naming: String,
+    /// Token width (the patch projection's output channels).
+    pub embed_dim: usize,
+    /// Number of encoder blocks.
+    pub depth: usize,
+    /// Heads, when the weights reveal them (timm's qk-norm stores
+    /// `head_dim`); otherwise a config must say.
+    pub num_heads: Option<usize>,
+    /// Side of the patches.
+    pub patch_size: usize,
+    /// Image channels.
+    pub in_chans: usize,
+    /// Side of the training image, when the position table is a square
+    /// grid.
+    pub img_size: Option<usize>,
+    /// Classes of the head; 0 when there is none.
+    pub num_classes: usize,
+    /// MLP hidden width.
+    pub mlp_hidden_dim: Option<usize>,
+    /// Whether a class token is stored.
+    pub class_token: bool,
+    /// Register tokens.
+    pub reg_tokens: usize,
+    /// Whether the qkv projection has a bias.
+    pub qkv_bias: bool,
+    /// Whether the blocks have LayerScale.
+    pub layer_scale: bool,
+}
+
+/// Sizes of an `nn.MultiheadAttention` read off its tensors.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MhaFacts {
+    /// The module's name prefix (empty at the root).
+    pub prefix: String,
+    /// Model width.
+    pub embed_dim: usize,
+    /// Key and value feature sizes.
+    pub kdim: usize,
+    /// Value feature size.
+    pub vdim: usize,
+    /// Whether the projections have biases.
+    pub bias: bool,
+    /// Whether `bias_k`/`bias_v` are stored.
+    pub add_bias_kv: bool,
+}
+
+/// Sizes of an `nn.Transformer` (or its encoder or decoder) read off its
+/// tensors.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TransformerFacts {
+    /// Name prefix in front of `encoder.`/`decoder.`.
+    pub prefix: String,
+    /// Model width.
+    pub d_model: usize,
+    /// Encoder layers.
+    pub num_encoder_layers: usize,
+    /// Decoder layers.
+    pub num_decoder_layers: usize,
+    /// Feed-forward width.
+    pub dim_feedforward: Option<usize>,
+}
+
+/// The recognised layout.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Layout {
+    /// timm `VisionTransformer`.
+    TimmVit(VitFacts),
+    /// HF transformers `ViTForImageClassification` / `ViTModel`.
+    HfVit(VitFacts),
+    /// `torch.nn.Transformer`, `TransformerEncoder` or `TransformerDecoder`.
+    Transformer(TransformerFacts),
+    /// One `torch.nn.MultiheadAttention` (the first if several).
+    MultiheadAttention(MhaFacts),
+    /// None of the above.
+    Unknown,
+}
+
+impl Layout {
+    /// A human name.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Layout::TimmVit(_) => "timm VisionTransformer",
+            Layout::HfVit(_) => "HF transformers ViT",
+            Layout::Transformer(_) => "torch.nn.Transformer",
+            Layout::MultiheadAttention(_) => "torch.nn.MultiheadAttention",
+            Layout::Unknown => "unknown",
+        }
+    }
+}
+
+struct Names<'a>(&'a [TensorInfo]);
+
+impl<'a> Names<'a> {
+    fn shape(&self, name: &str) -> Option<&'a [usize]> {
+        self.0.iter().find(|t| t.name == name).map(|t| t.shape.as_slice())
+    }
+    fn has(&self, name: &str) -> bool {
+        self.shape(name).is_some()
+    }
+    fn dim(&self, name: &str, i: usize) -> Option<usize> {
+        self.shape(name).and_then(|s| s.get(i).copied())
+    }
+    /// The first name ending in `suffix`, with the part in front.
+    fn prefix_of(&self, suffix: &str) -> Option<String> {
+        self.0
+            .iter()
+            .find_map(|t| t.name.strip_suffix(suffix).map(str::to_string))
+    }
+    /// One more than the largest `N` in `{stem}N.…` (layers are numbered
+    /// from 0; a gap shows up as missing tensors against a config).
+    fn count_indexed(&self, stem: &str) -> usize {
+        let idx: BTreeSet<usize> = self
+            .0
+            .iter()
+            .filter_map(|t| t.name.strip_prefix(stem))
+            .filter_map(|rest| rest.split('.').next()?.parse().ok())
+            .collect();
+        idx.last().map_or(0, |n| n + 1)
+    }
+}
+
+/// Recognises the layout of `tensors`.
+pub fn recognise(tensors: &[TensorInfo]) -> Layout {
+    let n = Names(tensors);
+    if let Some(f) = timm_vit(&n) {
+        return Layout::TimmVit(f);
+    }
+    if let Some(f) = hf_vit(&n) {
+        return Layout::HfVit(f);
+    }
+    if let Some(f) = transformer(&n) {
+        return Layout::Transformer(f);
+    }
+    if let Some(f) = mha(&n) {
+        return Layout::MultiheadAttention(f);
+    }
+    Layout::Unknown
+}
+
+/// The image side for a position table of `len` entries over a square
+/// grid of `patch`-pixel patches with `prefix` tokens (or none).
+fn img_size(len: usize, prefix: usize, patch: usize) -> Option<usize> {
+    let square = |n: usize| {
+        let g = (n as f64).sqrt().round() as usize;
+        (g * g == n && g > 0).then_some(g)
+    };
+    len.checked_sub(prefix)
+        .and_then(square)
+        .or_else(|| square(len))
+        .map(|g| g * patch)
+}
+
+fn timm_vit(n: &Names) -> Option<VitFacts> {
+    let w = n.shape("patch_embed.proj.weight")?;
+    let [d, c, p, _] = *w else { return None };
+    let class_token = n.has("cls_token");
+    let reg_tokens = n.dim("reg_token", 1).unwrap_or(0);
+    let prefix = usize::from(class_token) + reg_tokens;
+    Some(VitFacts {
+        naming: "timm".into(),
+        embed_dim: d,
+        depth: n.count_indexed("blocks."),
+        num_heads: n
+            .dim("blocks.0.attn.q_norm.weight", 0)
+            .filter(|&hd| hd > 0 && d % hd == 0)
+            .map(|hd| d / hd),
+        patch_size: p,
+        in_chans: c,
+        img_size: n.dim("pos_embed", 1).and_then(|l| img_size(l, prefix, p)),
+        num_classes: n.dim("head.weight", 0).unwrap_or(0),
+        mlp_hidden_dim: n.dim("blocks.0.mlp.fc1.weight", 0),
+        class_token,
+        reg_tokens,
+        qkv_bias: n.has("blocks.0.attn.qkv.bias"),
+        layer_scale: n.has("blocks.0.ls1.gamma"),
+    })
+}
+
+fn hf_vit(n: &Names) -> Option<VitFacts> {
+    let pre = n.prefix_of("embeddings.patch_embeddings.projection.weight")?;
+    let w = n.shape(&format!("{pre}embeddings.patch_embeddings.projection.weight"))?;
+    let [d, c, p, _] = *w else { return None };
+    let class_token = n.has(&format!("{pre}embeddings.cls_token"));
+    let layer = format!("{pre}encoder.layer.");
+    Some(VitFacts {
+        naming: "hf".into(),
+        embed_dim: d,
+        depth: n.count_indexed(&layer),
+        num_heads: None,
+        patch_size: p,
+        in_chans: c,
+        img_size: n
+            .dim(&format!("{pre}embeddings.position_embeddings"), 1)
+            .and_then(|l| img_size(l, usize::from(class_token), p)),
+        num_classes: n.dim("classifier.weight", 0).unwrap_or(0),
+        mlp_hidden_dim: n.dim(&format!("{layer}0.intermediate.dense.weight"), 0),
+        class_token,
+        reg_tokens: 0,
+        qkv_bias: n.has(&format!("{layer}0.attention.attention.query.bias")),
+        layer_scale: false,
+    })
+}
+
+fn transformer(n: &Names) -> Option<TransformerFacts> {
+    let enc = n.prefix_of("encoder.layers.0.self_attn.in_proj_weight");
+    let dec = n.prefix_of("decoder.layers.0.self_attn.in_proj_weight");
+    let prefix = enc.clone().or(dec.clone())?;
+    let part = if enc.is_some() { "encoder" } else { "decoder" };
+    let first = format!("{prefix}{part}.layers.0.");
+    Some(TransformerFacts {
+        d_model: n.dim(&format!("{first}self_attn.in_proj_weight"), 1)?,
+        num_encoder_layers: enc.map_or(0, |p| n.count_indexed(&format!("{p}encoder.layers."))),
+        num_decoder_layers: dec.map_or(0, |p| n.count_indexed(&format!("{p}decoder.layers."))),
+        dim_feedforward: n.dim(&format!("{first}linear1.weight"), 0),
+        prefix,
+    })
+}
+
+fn mha(n: &Names) -> Option<MhaFacts> {
+    let prefix = n.prefix_of("out_proj.weight")?;
+    let p = |s: &str| format!("{prefix}{s}");
+    let embed_dim = n.dim(&p("out_proj.weight"), 0)?;
+    let (kdim, vdim) = if n.has(&p("in_proj_weight")) {
+        (embed_dim, embed_dim)
+    } else {
+        (n.dim(&p("k_proj_weight"), 1)?, n.dim(&p("v_proj_weight"), 1)?)
+    };
+    Some(MhaFacts {
+        embed_dim,
+        kdim,
+        vdim,
+        bias: n.has(&p("in_proj_bias")),
+        add_bias_kv: n.has(&p("bias_k")),
+        prefix,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, shape: &[usize]) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            dtype: "F32".into(),
+            shape: shape.to_vec(),
+            bytes: 4 * shape.iter().product::<usize>(),
+        }
+    }
+
+    #[test]
+    fn recognises_each_layout() {
+        let timm = [
+            t("patch_embed.proj.weight", &[64, 1, 4, 4]),
+            t("cls_token", &[1, 1, 64]),
+            t("pos_embed", &[1, 17, 64]),
+            t("blocks.0.mlp.fc1.weight", &[128, 64]),
+            t("blocks.3.norm1.weight", &[64]),
+            t("head.weight", &[10, 64]),
+        ];
+        let Layout::TimmVit(f) = recognise(&timm) else {
+            panic!("not timm")
+        };
+        assert_eq!(
+            (f.embed_dim, f.depth, f.patch_size, f.img_size, f.num_classes),
+            (64, 4, 4, Some(16), 10)
+        );
+        let mha = [
+            t("in_proj_weight", &[48, 16]),
+            t("in_proj_bias", &[48]),
+            t("out_proj.weight", &[16, 16]),
+        ];
+        assert!(matches!(
+            recognise(&mha),
+            Layout::MultiheadAttention(MhaFacts { embed_dim: 16, .. })
+        ));
+        let tr = [
+            t("encoder.layers.0.self_attn.in_proj_weight", &[96, 32]),
+            t("encoder.layers.0.self_attn.out_proj.weight", &[32, 32]),
+            t("encoder.layers.0.linear1.weight", &[64, 32]),
+            t("encoder.layers.1.linear1.weight", &[64, 32]),
+            t("decoder.layers.0.self_attn.in_proj_weight", &[96, 32]),
+        ];
+        let Layout::Transformer(f) = recognise(&tr) else {
+            panic!("not a transformer")
+        };
+        assert_eq!(
+            (f.d_model, f.num_encoder_layers, f.num_decoder_layers),
+            (32, 2, 1)
+        );
+        assert_eq!(recognise(&[t("x", &[1])]), Layout::Unknown);
+    }
+}
