@@ -127,13 +127,26 @@ fn mha() -> Result<MultiheadAttention> {
 }
 
 #[test]
-fn empty_sequence_gives_an_empty_output_or_an_error() -> Result<()> {
+fn empty_sequences_are_refused_by_name() -> Result<()> {
     let m = mha()?;
-    let x = Tensor::zeros((2, 0, 8), DType::F32, &Device::Cpu)?;
-    // Either answer is acceptable; a panic is not.
-    if let Ok(y) = candle::Module::forward(&m, &x) {
-        assert_eq!(y.dims(), &[2, 0, 8]);
-    }
+    let empty = Tensor::zeros((2, 0, 8), DType::F32, &Device::Cpu)?;
+    let x = Tensor::zeros((2, 3, 8), DType::F32, &Device::Cpu)?;
+    assert_err(
+        candle::Module::forward(&m, &empty),
+        &["query is an empty sequence"],
+    );
+    let opts = multihead::attention::MhaOptions::new();
+    assert_err(
+        m.forward_attn(&x, &empty, &empty, &opts).map(|o| o.output),
+        &["key and value are empty sequences"],
+    );
+    let q = Tensor::zeros((1, 2, 3, 4), DType::F32, &Device::Cpu)?;
+    let kv = Tensor::zeros((1, 2, 0, 4), DType::F32, &Device::Cpu)?;
+    let mask = multihead::attention::Mask::new();
+    assert_err(
+        multihead::attention::scaled_dot_product_attention(&q, &kv, &kv, &mask, None),
+        &["empty sequence: q_len 3, kv_len 0"],
+    );
     Ok(())
 }
 

@@ -235,6 +235,9 @@ impl MultiheadAttention {
         if vs != s {
             bail!("MultiheadAttention: key has {s} positions but value has {vs}")
         }
+        if s == 0 {
+            bail!("MultiheadAttention: key and value are empty sequences (kv_len 0)")
+        }
         mask.validate(b, h, l, s)?;
 
         // (B, H, T, hd) each
@@ -353,6 +356,9 @@ impl MultiheadAttention {
     /// `(B, L)` of a `(B, L, E)` query, or an error naming the wrong size.
     fn check_query(&self, query: &Tensor) -> Result<(usize, usize)> {
         let (b, l, qe) = query.dims3()?;
+        if l == 0 {
+            bail!("MultiheadAttention: query is an empty sequence (q_len 0)")
+        }
         if qe != self.cfg.embed_dim {
             bail!(
                 "MultiheadAttention: query has {qe} features, expected embed_dim {}",

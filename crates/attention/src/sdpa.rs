@@ -253,6 +253,9 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, us
     if vs != s {
         bail!("sdpa: k has {s} keys but v has {vs} values")
     }
+    if l == 0 || s == 0 {
+        bail!("sdpa: empty sequence: q_len {l}, kv_len {s} (both must be > 0)")
+    }
     if kh == 0 || h % kh != 0 {
         bail!("sdpa: q heads ({h}) must be a multiple of k/v heads ({kh})")
     }
