@@ -2,11 +2,14 @@
 //! held-out example (`weights/dates/heldout.json`, written by
 //! `scripts/train_dates.py`), with and without the KV cache.
 
+mod common;
+
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use candle::{DType, Device, Tensor};
+use candle::{DType, Device};
 use candle_nn::VarBuilder;
+use common::padded;
 use multihead::models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
 use serde_json::Value;
 
@@ -20,15 +23,6 @@ fn load(dir: &Path, dev: &Device) -> Result<(Seq2Seq, CharVocab)> {
     let bytes = std::fs::read(dir.join("model.safetensors"))?;
     let vb = VarBuilder::from_buffered_safetensors(bytes, DType::F32, dev)?;
     Ok((Seq2Seq::new(&cfg, vb)?, vocab))
-}
-
-fn padded(rows: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
-    let n = rows.iter().map(Vec::len).max().context("no rows")?;
-    let data: Vec<u32> = rows
-        .iter()
-        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, n - r.len())))
-        .collect();
-    Ok(Tensor::from_vec(data, (rows.len(), n), dev)?)
 }
 
 #[test]

@@ -4,10 +4,10 @@
 
 mod common;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{assert_close, fixture_dir, Fixture};
+use common::{assert_close, fixture_dir, padded, Fixture};
 use multihead::attention::{Causal, KeyPaddingMask, Mask};
 use multihead::models::transformer::{
     Activation, KvCache, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig,
@@ -90,15 +90,6 @@ fn tiny_model(norm_first: bool, dev: &Device) -> Result<(Seq2Seq, Tensor, Vec<Ve
     let model = Seq2Seq::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, dev))?;
     let rows: Vec<Vec<u32>> = vec![vec![3, 4, 5, 6, 7, 8, 9, 10], vec![5, 3, 3], vec![10, 9, 8, 7, 6]];
     Ok((model, padded(&rows, dev)?, rows))
-}
-
-fn padded(rows: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
-    let n = rows.iter().map(Vec::len).max().context("no rows")?;
-    let data: Vec<u32> = rows
-        .iter()
-        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, n - r.len())))
-        .collect();
-    Ok(Tensor::from_vec(data, (rows.len(), n), dev)?)
 }
 
 #[test]

@@ -113,3 +113,13 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
         .max(0)?
         .to_scalar()?)
 }
+
+/// Token rows right-padded with 0 to the longest: `(rows, max_len)` u32.
+pub fn padded(rows: &[Vec<u32>], dev: &Device) -> Result<Tensor> {
+    let n = rows.iter().map(Vec::len).max().context("no rows")?;
+    let data: Vec<u32> = rows
+        .iter()
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, n - r.len())))
+        .collect();
+    Ok(Tensor::from_vec(data, (rows.len(), n), dev)?)
+}
