@@ -1,5 +1,9 @@
 //! Bad input ends in an error that names the problem, never a panic.
 
+mod common;
+
+use common::assert_err;
+
 use std::collections::HashMap;
 
 use anyhow::Result;
@@ -19,15 +23,6 @@ fn mha(cfg: &MhaConfig) -> Result<MultiheadAttention> {
 
 fn randn(shape: &[usize]) -> Tensor {
     Tensor::randn(0f32, 1., shape, &Device::Cpu).expect("randn")
-}
-
-/// Asserts `res` is an error whose message contains every one of `needles`.
-#[track_caller]
-fn assert_err<T: std::fmt::Debug>(res: candle::Result<T>, needles: &[&str]) {
-    let msg = format!("{}", res.expect_err("expected an error"));
-    for n in needles {
-        assert!(msg.contains(n), "error {msg:?} does not mention {n:?}");
-    }
 }
 
 #[test]

@@ -1,6 +1,10 @@
 //! Bad images, sequences and masks: each ends in an error that says what
 //! is wrong, never a panic or an allocation the header asked for.
 
+mod common;
+
+use common::assert_err;
+
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -8,17 +12,6 @@ use multihead::attention::{
     scaled_dot_product_attention, AttnMask, KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
 };
 use multihead::models::image_input::{decode_image, MAX_IMAGE_SIDE};
-
-#[track_caller]
-fn assert_err<T>(res: candle::Result<T>, needles: &[&str]) {
-    let msg = match res {
-        Ok(_) => panic!("expected an error mentioning {needles:?}"),
-        Err(e) => e.to_string().lines().next().unwrap_or_default().to_string(),
-    };
-    for n in needles {
-        assert!(msg.contains(n), "error {msg:?} does not mention {n:?}");
-    }
-}
 
 /// CRC-32 (IEEE), as PNG chunks carry it.
 fn crc32(bytes: &[u8]) -> u32 {

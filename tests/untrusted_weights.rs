@@ -1,6 +1,10 @@
 //! Bad weight files and configs: each ends in an error that says what is
 //! wrong, from the library, never a panic. Inputs are built in the test.
 
+mod common;
+
+use common::assert_err;
+
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -70,19 +74,6 @@ fn load(bytes: Vec<u8>) -> candle::Result<VisionTransformer> {
     ckpt.load(DType::F32, &Device::Cpu, |vb| {
         VisionTransformer::new(&tiny_cfg(), vb)
     })
-}
-
-#[track_caller]
-fn assert_err<T>(res: candle::Result<T>, needles: &[&str]) {
-    let msg = match res {
-        Ok(_) => panic!("expected an error mentioning {needles:?}"),
-        // candle appends a backtrace when RUST_BACKTRACE is set; the
-        // message is the first line.
-        Err(e) => e.to_string().lines().next().unwrap_or_default().to_string(),
-    };
-    for n in needles {
-        assert!(msg.contains(n), "error {msg:?} does not mention {n:?}");
-    }
 }
 
 fn with(
