@@ -22,8 +22,13 @@ use rayon::prelude::*;
 
 use crate::mask::Mask;
 
-/// Query rows per work unit.
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+/// Query rows per work unit, at most.
 const BLOCK_Q: usize = 128;
+/// The same for the AVX2 micro-kernels: 16 groups of their 6 rows.
+const AVX2_BLOCK_Q: usize = 96;
 /// Keys per tile.
 const BLOCK_K: usize = 512;
 
@@ -68,11 +73,46 @@ pub(crate) fn supports(q: &Tensor) -> bool {
 /// caller); returns `(batch, heads, q_len, v_head_dim)` in `q`'s dtype, a
 /// view of a `(batch, q_len, heads, v_head_dim)` buffer.
 pub(crate) fn sdpa_cpu(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<Tensor> {
+    sdpa_cpu_with(q, k, v, mask, scale, None)
+}
+
+/// How a tile's two products are computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tiles {
+    /// `gemm` calls on the strided inputs: any CPU, and the fastest where
+    /// `gemm` has AVX-512 kernels.
+    Gemm,
+    /// AVX2+FMA micro-kernels on packed keys and values.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx2,
+}
+
+impl Tiles {
+    /// The faster choice on this CPU for `q_len` query rows.
+    fn best(q_len: usize) -> Tiles {
+        #[cfg(target_arch = "x86_64")]
+        if q_len >= avx2::MIN_Q_LEN && avx2::preferred() {
+            return Tiles::Avx2;
+        }
+        let _ = q_len;
+        Tiles::Gemm
+    }
+}
+
+/// [`sdpa_cpu`] with the tile products forced (`None`: the best).
+fn sdpa_cpu_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: f64,
+    tiles: Option<Tiles>,
+) -> Result<Tensor> {
     let dtype = q.dtype();
     if dtype != DType::F32 {
         // Half precision: compute in f32 (f32 accumulation), cast back.
         let f = |t: &Tensor| t.to_dtype(DType::F32);
-        return sdpa_cpu(&f(q)?, &f(k)?, &f(v)?, mask, scale)?.to_dtype(dtype);
+        return sdpa_cpu_with(&f(q)?, &f(k)?, &f(v)?, mask, scale, tiles)?.to_dtype(dtype);
     }
     let (b, h, l, d) = q.dims4()?;
     let (_, kh, s, _) = k.dims4()?;
@@ -93,8 +133,15 @@ pub(crate) fn sdpa_cpu(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f
     };
     let causal = mask.causal.map(|c| c.offset(l, s));
     let mut out = vec![0f32; b * l * h * dv];
+    let tiles = tiles.unwrap_or_else(|| Tiles::best(l));
+    // Query blocks of at most `block` rows, as even as the length allows.
+    let block = match tiles {
+        Tiles::Gemm => BLOCK_Q,
+        Tiles::Avx2 => AVX2_BLOCK_Q,
+    };
+    let block = l.div_ceil(l.div_ceil(block));
     let units: Vec<(usize, usize, usize)> = (0..b)
-        .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(BLOCK_Q).map(move |i0| (bi, hi, i0))))
+        .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(block).map(move |i0| (bi, hi, i0))))
         .collect();
     with_view(q, "q", |qv| {
         with_view(k, "k", |kv| {
@@ -133,11 +180,20 @@ pub(crate) fn sdpa_cpu(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f
                     causal,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
+                #[cfg(target_arch = "x86_64")]
+                let packed = (tiles == Tiles::Avx2).then(|| avx2::Packed::new(&problem, b, kh));
                 units.par_iter().for_each(|&(bi, hi, i0)| {
-                    let rows = BLOCK_Q.min(l - i0);
+                    let rows = block.min(l - i0);
                     // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
                     // every unit writes a disjoint set of rows.
                     let base = (bi * l + i0) * h * dv + hi * dv;
+                    #[cfg(target_arch = "x86_64")]
+                    if let Some(packed) = &packed {
+                        // SAFETY: `Tiles::Avx2` is only chosen where
+                        // `avx2::available()`; `out` as for `run_block`.
+                        unsafe { avx2::run_block(&problem, packed, bi, hi, i0, rows, out_ptr, base, h * dv) };
+                        return;
+                    }
                     problem.run_block(bi, hi, i0, rows, out_ptr, base, h * dv);
                 });
                 Ok(())
@@ -270,15 +326,29 @@ impl Problem<'_> {
             }
             j0 += cols;
         }
-        for r in 0..rows {
-            // A row that saw no key keeps sum 0 and an all-zero accumulator.
-            let inv = if row_sum[r] > 0. { 1. / row_sum[r] } else { 0. };
-            // SAFETY: row r of this unit lies in `out` and no other unit
-            // writes it.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base + r * out_rs), dv) };
-            for (o, a) in dst.iter_mut().zip(&acc[r * dv..(r + 1) * dv]) {
-                *o = a * inv;
-            }
+        write_rows(&acc, dv, dv, &row_sum, out, base, out_rs);
+    }
+}
+
+/// Writes the unit's normalised rows: row `r`'s first `dv` accumulators
+/// (of `acc_rs`) over its sum to `out[base + r * out_rs ..][..dv]`.
+fn write_rows(
+    acc: &[f32],
+    acc_rs: usize,
+    dv: usize,
+    row_sum: &[f32],
+    out: SyncPtr,
+    base: usize,
+    out_rs: usize,
+) {
+    for (r, &sum) in row_sum.iter().enumerate() {
+        // A row that saw no key keeps sum 0 and an all-zero accumulator.
+        let inv = if sum > 0. { 1. / sum } else { 0. };
+        // SAFETY: row r of this unit lies in `out` and no other unit writes
+        // it (the callers' contract).
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base + r * out_rs), dv) };
+        for (o, a) in dst.iter_mut().zip(&acc[r * acc_rs..][..dv]) {
+            *o = a * inv;
         }
     }
 }
@@ -290,7 +360,7 @@ mod simd {
     /// polynomial for `e^f`, `|f| <= ln2 / 2`: relative error < 1e-6 for `x`
     /// in `[-87, 0]`; exactly 0 below -87 (and for `-inf`).
     #[inline(always)]
-    fn exp_nonpositive(x: f32) -> f32 {
+    pub(super) fn exp_nonpositive(x: f32) -> f32 {
         const LOG2E: f32 = std::f32::consts::LOG2_E;
         // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
         const MAGIC: f32 = 12_582_912.0;
@@ -429,5 +499,74 @@ mod simd {
             assert_eq!(super::exp_nonpositive(f32::NEG_INFINITY), 0.);
             assert_eq!(super::exp_nonpositive(-100.), 0.);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Result, Tensor};
+
+    use super::{sdpa_cpu_with, Tiles};
+    use crate::mask::{AttnMask, Causal, KeyPaddingMask, Mask};
+    use crate::sdpa::sdpa_reference;
+
+    fn randn(shape: &[usize]) -> Result<Tensor> {
+        Tensor::randn(0f32, 1., shape, &Device::Cpu)
+    }
+
+    /// Largest difference over the reference's largest magnitude.
+    fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
+        Ok(diff / scale)
+    }
+
+    /// Every tile implementation this CPU runs, forced, equals the reference
+    /// path, including shapes `Tiles::best` would not give it: single query
+    /// rows for the micro-kernels, partial row groups, key counts off the
+    /// panel and block sizes, value widths off the panel width.
+    #[test]
+    fn every_tile_implementation_equals_reference() -> Result<()> {
+        let mut tiles = vec![Tiles::Gemm];
+        #[cfg(target_arch = "x86_64")]
+        if super::avx2::available() {
+            tiles.push(Tiles::Avx2);
+        }
+        // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim)
+        let shapes = [
+            (1, 2, 2, 1, 300, 64, 64),
+            (2, 3, 1, 7, 17, 8, 8),
+            (1, 2, 2, 100, 257, 64, 24),
+            (2, 4, 2, 37, 530, 40, 72),
+            (1, 1, 1, 200, 5, 256, 256),
+        ];
+        for (b, h, kh, l, s, d, dv) in shapes {
+            let (q, k, v) = (
+                randn(&[b, h, l, d])?,
+                randn(&[b, kh, s, d])?,
+                randn(&[b, kh, s, dv])?,
+            );
+            let lengths: Vec<usize> = (0..b).map(|i| s - i * s / 2).collect();
+            let masks = [
+                Mask::new(),
+                Mask::causal(Causal::TopLeft),
+                Mask::causal(Causal::BottomRight),
+                Mask::causal(Causal::Offset(2)),
+                Mask::causal(Causal::TopLeft)
+                    .with_attn(AttnMask::Additive(randn(&[l, s])?))
+                    .with_key_padding(KeyPaddingMask::from_lengths(&lengths, s, &Device::Cpu)?),
+            ];
+            for (m, mask) in masks.iter().enumerate() {
+                let scale = 0.7 / (d as f64).sqrt();
+                let reference = sdpa_reference(&q, &k, &v, mask, Some(scale), None)?.0;
+                for &t in &tiles {
+                    let ours = sdpa_cpu_with(&q, &k, &v, mask, scale, Some(t))?;
+                    let err = rel_err(&ours, &reference)?;
+                    let what = format!("{t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
+                    assert!(err < 1e-5, "{what}: relative error {err:e}");
+                }
+            }
+        }
+        Ok(())
     }
 }

@@ -1,0 +1,483 @@
+//! The tile products as AVX2+FMA register-blocked micro-kernels over
+//! pre-packed keys and values: the path the kernel takes on x86-64 CPUs
+//! with AVX2 but no AVX-512 (where `gemm`'s own AVX-512 kernels win).
+//!
+//! Per call, every (batch, kv-head)'s keys are packed once into panels of
+//! [`NR`] keys, `Kᵀ` column-major within a panel, and its values into rows
+//! padded to a multiple of [`NR`]; every query block of every head sharing
+//! them reads them from there. A work unit walks key blocks of [`BLOCK_K`]
+//! (packed K and V for a block fit in L2) and, inside, groups of [`MR`]
+//! query rows: scores for the group (`MR × BLOCK_K`, in L1), its online
+//! softmax, then `P · V` into the group's accumulators. A micro-kernel keeps
+//! an `MR × NR` block of results in 12 `ymm` registers and issues 12 FMAs
+//! per 8 loads, so the tile products run near the FMA units' peak.
+
+use std::arch::x86_64::*;
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use super::{simd, Problem, SyncPtr};
+
+/// Query rows per micro-kernel.
+const MR: usize = 6;
+/// Keys (or value columns) per panel: two `ymm` registers.
+const NR: usize = 16;
+/// Keys per block: packed K and V of a block (2 · 256 keys · 64 dims · 4
+/// bytes = 128 KiB at head_dim 64) stay in L2 across the unit's row groups.
+const BLOCK_K: usize = 256;
+/// Fewer query rows than this and packing the keys costs about as much as
+/// the products it speeds up (a decode step): `gemm` serves those.
+pub(super) const MIN_Q_LEN: usize = 16;
+
+/// Whether this CPU runs the micro-kernels and `gemm` has nothing faster.
+pub(super) fn preferred() -> bool {
+    available() && !is_x86_feature_detected!("avx512f")
+}
+
+/// Whether this CPU runs the micro-kernels at all.
+pub(super) fn available() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// Keys and values of every (batch, kv-head), packed for the micro-kernels.
+pub(super) struct Packed {
+    /// Per (batch, kv-head): `ceil(kv_len / NR)` panels of `head_dim × NR`,
+    /// key `p·NR + c`'s dim `e` at `p·head_dim·NR + e·NR + c`; zero past
+    /// `kv_len`.
+    kt: Vec<f32>,
+    /// Per (batch, kv-head): `dvp / NR` panels of `kv_len × NR`, value row
+    /// `j`'s column `p·NR + c` at `p·kv_len·NR + j·NR + c`; zero past `dv`.
+    v: Vec<f32>,
+    kv_heads: usize,
+    kt_len: usize,
+    v_len: usize,
+    /// `v_head_dim` rounded up to a multiple of `NR`.
+    dvp: usize,
+}
+
+impl Packed {
+    pub(super) fn new(p: &Problem, batch: usize, kv_heads: usize) -> Packed {
+        let (_, s, d, dv) = p.dims;
+        let dvp = dv.div_ceil(NR) * NR;
+        let kt_len = s.div_ceil(NR) * NR * d;
+        let v_len = s * dvp;
+        let mut kt = scratch(batch * kv_heads * kt_len);
+        let mut v = scratch(batch * kv_heads * v_len);
+        kt.par_chunks_mut(kt_len).enumerate().for_each(|(i, dst)| {
+            let (bi, hi) = (i / kv_heads, i % kv_heads);
+            for j in 0..s {
+                let src = &p.k.data[p.k.offset(bi, hi, j)..][..d];
+                let panel = &mut dst[(j / NR) * d * NR + j % NR..];
+                for (e, &x) in src.iter().enumerate() {
+                    panel[e * NR] = x;
+                }
+            }
+        });
+        v.par_chunks_mut(v_len).enumerate().for_each(|(i, dst)| {
+            let (bi, hi) = (i / kv_heads, i % kv_heads);
+            for j in 0..s {
+                let src = &p.v.data[p.v.offset(bi, hi, j)..][..dv];
+                for (c, &x) in src.iter().enumerate() {
+                    dst[(c / NR) * s * NR + j * NR + c % NR] = x;
+                }
+            }
+        });
+        Packed {
+            kt,
+            v,
+            kv_heads,
+            kt_len,
+            v_len,
+            dvp,
+        }
+    }
+}
+
+impl Drop for Packed {
+    fn drop(&mut self) {
+        keep(std::mem::take(&mut self.kt));
+        keep(std::mem::take(&mut self.v));
+    }
+}
+
+/// Pack buffers kept for the next call: fresh pages cost a page fault
+/// each, about a tenth of a 1024-token call's time. Up to two buffers of at
+/// most [`KEEP_MAX`] floats are kept; larger ones (where the O(n²) work
+/// dwarfs their faults) go back to the allocator.
+static KEPT: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+const KEEP_MAX: usize = 4 << 20;
+
+/// A zeroed buffer of `len` floats, reusing a kept one where it can.
+fn scratch(len: usize) -> Vec<f32> {
+    let kept = KEPT.lock().ok().and_then(|mut kept| {
+        let i = kept.iter().position(|b| b.capacity() >= len)?;
+        Some(kept.swap_remove(i))
+    });
+    let mut buf = kept.unwrap_or_default();
+    buf.clear();
+    buf.resize(len, 0.);
+    buf
+}
+
+fn keep(buf: Vec<f32>) {
+    if buf.capacity() == 0 || buf.capacity() > KEEP_MAX {
+        return;
+    }
+    if let Ok(mut kept) = KEPT.lock() {
+        if kept.len() < 2 {
+            kept.push(buf);
+        } else if let Some(small) = kept.iter_mut().min_by_key(|b| b.capacity()) {
+            if small.capacity() < buf.capacity() {
+                *small = buf;
+            }
+        }
+    }
+}
+
+/// Attention for query rows `i0..i0 + rows` of head `hi` in batch `bi`, as
+/// [`Problem::run_block`] writes it, through the packed micro-kernels.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA ([`available`]); `packed` must come from
+/// this problem; `out` as for [`Problem::run_block`].
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn run_block(
+    p: &Problem,
+    packed: &Packed,
+    bi: usize,
+    hi: usize,
+    i0: usize,
+    rows: usize,
+    out: SyncPtr,
+    base: usize,
+    out_rs: usize,
+) {
+    let (_, s, d, dv) = p.dims;
+    let dvp = packed.dvp;
+    let pack = bi * packed.kv_heads + hi / p.heads_per_kv;
+    let kt = &packed.kt[pack * packed.kt_len..][..packed.kt_len];
+    let vp = &packed.v[pack * packed.v_len..][..packed.v_len];
+    // The block's queries, scaled, contiguous.
+    let mut q = vec![0f32; rows * d];
+    for r in 0..rows {
+        let src = &p.q.data[p.q.offset(bi, hi, i0 + r)..][..d];
+        for (x, &y) in q[r * d..(r + 1) * d].iter_mut().zip(src) {
+            *x = y * p.scale;
+        }
+    }
+    let mut acc = vec![0f32; rows * dvp];
+    let mut row_max = vec![f32::NEG_INFINITY; rows];
+    let mut row_sum = vec![0f32; rows];
+    let mut strip = vec![0f32; MR * BLOCK_K];
+    // One past the last key row `i` may see.
+    let visible_end = |i: usize| match p.causal {
+        Some(off) => (i as isize + off + 1).clamp(0, s as isize) as usize,
+        None => s,
+    };
+    let kv_end = visible_end(i0 + rows - 1);
+    for j0 in (0..kv_end).step_by(BLOCK_K) {
+        for g0 in (0..rows).step_by(MR) {
+            let gr = MR.min(rows - g0);
+            let cols = visible_end(i0 + g0 + gr - 1).min(j0 + BLOCK_K).saturating_sub(j0);
+            if cols == 0 {
+                continue;
+            }
+            // SAFETY: the group's `gr` query rows, `ceil(cols / NR)` panels
+            // from key `j0` (a multiple of NR) and `gr` strip rows of
+            // `BLOCK_K >= cols` floats all lie in their buffers.
+            unsafe {
+                scores(
+                    gr,
+                    q[g0 * d..].as_ptr(),
+                    d,
+                    kt[j0 * d..].as_ptr(),
+                    cols.div_ceil(NR),
+                    strip.as_mut_ptr(),
+                );
+            }
+            // Whole vectors: the strip's columns past `cols` are hidden too.
+            let width = cols.next_multiple_of(8);
+            for r in 0..gr {
+                let i = i0 + g0 + r;
+                let row = &mut strip[r * BLOCK_K..][..width];
+                if let Some((data, st)) = p.bias {
+                    let off = bi * st[0] + hi * st[1] + i * st[2] + j0;
+                    simd::add_assign(&mut row[..cols], &data[off..off + cols]);
+                }
+                let visible = visible_end(i).saturating_sub(j0).min(cols);
+                row[visible..].fill(f32::NEG_INFINITY);
+                let a = &mut acc[(g0 + r) * dvp..][..dvp];
+                // SAFETY: AVX2+FMA (the caller's contract); `width` and `dvp`
+                // are multiples of 8.
+                unsafe { online_softmax(row, &mut row_max[g0 + r], &mut row_sum[g0 + r], a) };
+            }
+            // SAFETY: `cols` value rows from `j0` in each of the `dvp / NR`
+            // panels of `s · NR` floats, the strip
+            // as above, and the group's accumulator rows.
+            unsafe {
+                weighted_values(
+                    gr,
+                    strip.as_ptr(),
+                    vp[j0 * NR..].as_ptr(),
+                    s * NR,
+                    dvp,
+                    cols,
+                    acc[g0 * dvp..].as_mut_ptr(),
+                );
+            }
+        }
+    }
+    super::write_rows(&acc, dvp, dv, &row_sum, out, base, out_rs);
+}
+
+/// Picks the micro-kernel instance for a group of `rows` (1..=MR).
+macro_rules! by_rows {
+    ($rows:expr, $f:ident($($arg:expr),*)) => {
+        match $rows {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            4 => $f::<4>($($arg),*),
+            5 => $f::<5>($($arg),*),
+            _ => $f::<MR>($($arg),*),
+        }
+    };
+}
+
+/// `strip[r·BLOCK_K + c] = Σₑ q[r·d + e] · Kᵀ[e, c]` for `rows` rows and
+/// `panels · NR` keys.
+///
+/// # Safety
+/// AVX2+FMA; the pointers cover those extents.
+unsafe fn scores(rows: usize, q: *const f32, d: usize, kt: *const f32, panels: usize, strip: *mut f32) {
+    // SAFETY: forwarded.
+    unsafe { by_rows!(rows, scores_rows(q, d, kt, panels, strip)) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_rows<const R: usize>(
+    q: *const f32,
+    d: usize,
+    kt: *const f32,
+    panels: usize,
+    strip: *mut f32,
+) {
+    for pi in 0..panels {
+        // SAFETY: (here and below) inside the extents the caller vouched for.
+        unsafe {
+            let kt = kt.add(pi * d * NR);
+            let mut c = [[_mm256_setzero_ps(); 2]; R];
+            for e in 0..d {
+                let k0 = _mm256_loadu_ps(kt.add(e * NR));
+                let k1 = _mm256_loadu_ps(kt.add(e * NR + 8));
+                for (r, c) in c.iter_mut().enumerate() {
+                    let a = _mm256_broadcast_ss(&*q.add(r * d + e));
+                    c[0] = _mm256_fmadd_ps(a, k0, c[0]);
+                    c[1] = _mm256_fmadd_ps(a, k1, c[1]);
+                }
+            }
+            for (r, c) in c.iter().enumerate() {
+                let dst = strip.add(r * BLOCK_K + pi * NR);
+                _mm256_storeu_ps(dst, c[0]);
+                _mm256_storeu_ps(dst.add(8), c[1]);
+            }
+        }
+    }
+}
+
+/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·BLOCK_K + j] · v[p·panel + j·NR +
+/// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels.
+///
+/// # Safety
+/// AVX2+FMA; the pointers cover those extents.
+unsafe fn weighted_values(
+    rows: usize,
+    strip: *const f32,
+    v: *const f32,
+    panel: usize,
+    dvp: usize,
+    cols: usize,
+    acc: *mut f32,
+) {
+    // SAFETY: forwarded.
+    unsafe { by_rows!(rows, weighted_values_rows(strip, v, panel, dvp, cols, acc)) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_values_rows<const R: usize>(
+    strip: *const f32,
+    v: *const f32,
+    panel: usize,
+    dvp: usize,
+    cols: usize,
+    acc: *mut f32,
+) {
+    for c0 in (0..dvp).step_by(NR) {
+        // SAFETY: (here and below) inside the extents the caller vouched for.
+        unsafe {
+            let mut c: [[__m256; 2]; R] = [[_mm256_setzero_ps(); 2]; R];
+            for (r, c) in c.iter_mut().enumerate() {
+                c[0] = _mm256_loadu_ps(acc.add(r * dvp + c0));
+                c[1] = _mm256_loadu_ps(acc.add(r * dvp + c0 + 8));
+            }
+            let v = v.add(c0 / NR * panel);
+            for j in 0..cols {
+                let v0 = _mm256_loadu_ps(v.add(j * NR));
+                let v1 = _mm256_loadu_ps(v.add(j * NR + 8));
+                for (r, c) in c.iter_mut().enumerate() {
+                    let a = _mm256_broadcast_ss(&*strip.add(r * BLOCK_K + j));
+                    c[0] = _mm256_fmadd_ps(a, v0, c[0]);
+                    c[1] = _mm256_fmadd_ps(a, v1, c[1]);
+                }
+            }
+            for (r, c) in c.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(r * dvp + c0), c[0]);
+                _mm256_storeu_ps(acc.add(r * dvp + c0 + 8), c[1]);
+            }
+        }
+    }
+}
+
+/// One key block of a row's online softmax: the new running max `m` takes
+/// the row's scores into account, the row becomes `e^(score - m)`, the sum
+/// `l` and the accumulator `acc` are rescaled to the new max and `l` gains
+/// the row's sum. All-hidden so far (`m` stays -inf): the row becomes 0.
+///
+/// # Safety
+/// AVX2+FMA; `row.len()` and `acc.len()` are multiples of 8.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    let n = row.len();
+    let x = row.as_mut_ptr();
+    // SAFETY: (here and below) whole vectors inside `row` and `acc`.
+    unsafe {
+        let mut mx = _mm256_set1_ps(*m);
+        for j in (0..n).step_by(8) {
+            mx = _mm256_max_ps(mx, _mm256_loadu_ps(x.add(j)));
+        }
+        let new_max = hmax(mx);
+        if new_max == f32::NEG_INFINITY {
+            row.fill(0.);
+            return;
+        }
+        let mv = _mm256_set1_ps(new_max);
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        // Two vectors a step: the exp is one long dependency chain.
+        let pairs = n / 16 * 16;
+        for j in (0..pairs).step_by(16) {
+            let e0 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x.add(j)), mv));
+            let e1 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x.add(j + 8)), mv));
+            _mm256_storeu_ps(x.add(j), e0);
+            _mm256_storeu_ps(x.add(j + 8), e1);
+            s0 = _mm256_add_ps(s0, e0);
+            s1 = _mm256_add_ps(s1, e1);
+        }
+        if pairs < n {
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x.add(pairs)), mv));
+            _mm256_storeu_ps(x.add(pairs), e);
+            s0 = _mm256_add_ps(s0, e);
+        }
+        let sum = _mm256_add_ps(s0, s1);
+        if *m != new_max {
+            let scale = simd::exp_nonpositive(*m - new_max);
+            let alpha = _mm256_set1_ps(scale);
+            *l *= scale;
+            let a = acc.as_mut_ptr();
+            for j in (0..acc.len()).step_by(8) {
+                _mm256_storeu_ps(a.add(j), _mm256_mul_ps(_mm256_loadu_ps(a.add(j)), alpha));
+            }
+        }
+        *l += hsum(sum);
+        *m = new_max;
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn hmax(v: __m256) -> f32 {
+    let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    let h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    _mm_cvtss_f32(h)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn hsum(v: __m256) -> f32 {
+    let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    _mm_cvtss_f32(h)
+}
+
+/// `e^x` for `x <= 0` (and `-inf`), 8 lanes: Cephes' `expf` scheme, `x =
+/// n·ln2 + r` with `|r| <= ln2/2` and a degree-6 polynomial for `e^r`;
+/// relative error < 1e-6, exactly 0 below -87.
+#[target_feature(enable = "avx2,fma")]
+fn exp_nonpositive(x: __m256) -> __m256 {
+    let floor = _mm256_set1_ps(-87.0);
+    let xc = _mm256_max_ps(x, floor);
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        xc,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // x - n·ln2 in two steps (Cody–Waite), as the scalar version.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), xc);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+    let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    )));
+    _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(x, floor), _mm256_mul_ps(y, pow2n))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::arch::x86_64::{_mm256_loadu_ps, _mm256_storeu_ps};
+
+    #[test]
+    fn vector_exp_matches_std_on_its_range() {
+        if !super::available() {
+            return;
+        }
+        let mut worst = 0f64;
+        let xs: Vec<f32> = (0..=87_000).map(|i| -(i as f32) / 1000.).collect();
+        for chunk in xs.chunks_exact(8) {
+            let mut out = [0f32; 8];
+            // SAFETY: AVX2+FMA checked above; 8 floats in and out.
+            unsafe {
+                _mm256_storeu_ps(
+                    out.as_mut_ptr(),
+                    super::exp_nonpositive(_mm256_loadu_ps(chunk.as_ptr())),
+                )
+            };
+            for (&x, &y) in chunk.iter().zip(&out) {
+                let e = (x as f64).exp();
+                worst = worst.max(((y as f64 - e) / e).abs());
+            }
+        }
+        assert!(worst < 1e-6, "worst relative error {worst:e}");
+        let mut out = [1f32; 8];
+        let special = [f32::NEG_INFINITY, -100., -87.5, -1e30, 0., -0., -1e-30, -88.];
+        // SAFETY: as above.
+        unsafe {
+            _mm256_storeu_ps(
+                out.as_mut_ptr(),
+                super::exp_nonpositive(_mm256_loadu_ps(special.as_ptr())),
+            )
+        };
+        assert_eq!(out[..4], [0.; 4]);
+        assert_eq!(out[4..7], [1.; 3]);
+        assert_eq!(out[7], 0.);
+    }
+}
