@@ -21,6 +21,9 @@ fn devices() -> Vec<Device> {
     #[cfg(feature = "cuda")]
     match Device::new_cuda(0) {
         Ok(d) => devices.push(d),
+        // scripts/gpu-check.sh sets this on the GPU machine, where a
+        // missing device is a failure, not a skip.
+        Err(e) if std::env::var_os("MULTIHEAD_REQUIRE_CUDA").is_some() => panic!("no CUDA device: {e}"),
         Err(e) => eprintln!("no CUDA device: {e}"),
     }
     #[cfg(feature = "metal")]

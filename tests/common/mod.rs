@@ -7,10 +7,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 
-/// `tests/fixtures/<sub>`.
+/// `tests/fixtures/<sub>`; `MULTIHEAD_FIXTURES` names another fixtures folder
+/// (test binaries carried to a machine where the checkout lives elsewhere).
 pub fn fixture_dir(sub: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+    std::env::var_os("MULTIHEAD_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"))
         .join(sub)
 }
 

@@ -4,11 +4,12 @@
 //! into blocks of rows, keys into blocks of columns; each query block keeps a
 //! running row max, row sum and output accumulator, so the `(q_len, kv_len)`
 //! score matrix never exists, only one `(BLOCK_Q, BLOCK_K)` tile per thread.
-//! The two products per tile go through the `gemm` crate (the one candle's
-//! CPU matmul uses, here with its AVX-512 kernels enabled), the softmax
-//! through a vectorised `exp` compiled for the best instruction set the
-//! processor has. Work is spread over rayon's pool by (batch, head, query
-//! block).
+//! The two products per tile go, on x86-64 with AVX2 but no AVX-512, through
+//! register-blocked micro-kernels over packed keys and values (`avx2.rs`);
+//! elsewhere through the `gemm` crate (the one candle's CPU matmul uses, here
+//! with its AVX-512 kernels enabled). The softmax goes through a vectorised
+//! `exp` compiled for the best instruction set the processor has. Work is
+//! spread over rayon's pool by (batch, head, query block).
 //!
 //! Inputs are read in place through their strides (only the last dim must be
 //! contiguous), so `(batch, seq, heads, head_dim)` views from a projection
