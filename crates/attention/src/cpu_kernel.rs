@@ -133,7 +133,8 @@ fn sdpa_cpu_with(
         None => None,
     };
     let causal = mask.causal.map(|c| c.offset(l, s));
-    let mut out = vec![0f32; b * l * h * dv];
+    // Every (batch, row, head) slot is written by exactly one work unit.
+    let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
     let tiles = tiles.unwrap_or_else(|| Tiles::best(l));
     // Query blocks of at most `block` rows, as even as the length allows.
     let block = match tiles {
@@ -201,6 +202,8 @@ fn sdpa_cpu_with(
             })
         })
     })?;
+    // SAFETY: the units wrote all `b * l * h * dv` floats (`write_rows`).
+    unsafe { out.set_len(b * l * h * dv) };
     Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)
 }
 
@@ -345,11 +348,11 @@ fn write_rows(
     for (r, &sum) in row_sum.iter().enumerate() {
         // A row that saw no key keeps sum 0 and an all-zero accumulator.
         let inv = if sum > 0. { 1. / sum } else { 0. };
-        // SAFETY: row r of this unit lies in `out` and no other unit writes
-        // it (the callers' contract).
-        let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base + r * out_rs), dv) };
-        for (o, a) in dst.iter_mut().zip(&acc[r * acc_rs..][..dv]) {
-            *o = a * inv;
+        for (c, a) in acc[r * acc_rs..][..dv].iter().enumerate() {
+            // SAFETY: row r of this unit lies in `out`'s allocation and no
+            // other unit writes it (the callers' contract); written, not
+            // read, as it starts uninitialised.
+            unsafe { out.0.add(base + r * out_rs + c).write(a * inv) };
         }
     }
 }

@@ -64,13 +64,23 @@ impl Packed {
         let v_len = s * dvp;
         let mut kt = scratch(batch * kv_heads * kt_len);
         let mut v = scratch(batch * kv_heads * v_len);
+        // Every element is written, padding included: kept buffers hold
+        // the last call's data.
         kt.par_chunks_mut(kt_len).enumerate().for_each(|(i, dst)| {
             let (bi, hi) = (i / kv_heads, i % kv_heads);
-            for j in 0..s {
-                let src = &p.k.data[p.k.offset(bi, hi, j)..][..d];
-                let panel = &mut dst[(j / NR) * d * NR + j % NR..];
-                for (e, &x) in src.iter().enumerate() {
-                    panel[e * NR] = x;
+            for (pi, panel) in dst.chunks_exact_mut(d * NR).enumerate() {
+                for c in 0..NR {
+                    let j = pi * NR + c;
+                    if j < s {
+                        let src = &p.k.data[p.k.offset(bi, hi, j)..][..d];
+                        for (dims, &x) in panel.chunks_exact_mut(NR).zip(src) {
+                            dims[c] = x;
+                        }
+                    } else {
+                        for dims in panel.chunks_exact_mut(NR) {
+                            dims[c] = 0.;
+                        }
+                    }
                 }
             }
         });
@@ -78,8 +88,11 @@ impl Packed {
             let (bi, hi) = (i / kv_heads, i % kv_heads);
             for j in 0..s {
                 let src = &p.v.data[p.v.offset(bi, hi, j)..][..dv];
-                for (c, &x) in src.iter().enumerate() {
-                    dst[(c / NR) * s * NR + j * NR + c % NR] = x;
+                for (pc, panel) in dst.chunks_exact_mut(s * NR).enumerate() {
+                    let row = &mut panel[j * NR..][..NR];
+                    let cols = &src[(pc * NR).min(dv)..((pc + 1) * NR).min(dv)];
+                    row[..cols.len()].copy_from_slice(cols);
+                    row[cols.len()..].fill(0.);
                 }
             }
         });
@@ -108,14 +121,14 @@ impl Drop for Packed {
 static KEPT: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 const KEEP_MAX: usize = 4 << 20;
 
-/// A zeroed buffer of `len` floats, reusing a kept one where it can.
+/// A buffer of `len` floats, reusing a kept one where it can: its contents
+/// are stale, the caller writes them all.
 fn scratch(len: usize) -> Vec<f32> {
     let kept = KEPT.lock().ok().and_then(|mut kept| {
         let i = kept.iter().position(|b| b.capacity() >= len)?;
         Some(kept.swap_remove(i))
     });
     let mut buf = kept.unwrap_or_default();
-    buf.clear();
     buf.resize(len, 0.);
     buf
 }
