@@ -2,13 +2,16 @@
 """Time our attention, candle's own paths and PyTorch on the same shapes, in
 one run, and print a Markdown table of medians and ratios.
 
-    .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--rounds 3]
 
 Our side is `cargo run --release --example bench_attention` (JSON lines);
 PyTorch runs here with the same thread count. Both take the median of at
 least 5 timed runs (3 for runs over a second; ~2 s per case) after a
-warm-up. The machine is shared:
-compare ratios within one run, not times across runs.
+warm-up. The machine is shared and its speed drifts by tens of percent
+within minutes, so the two sides alternate: each round runs all of ours,
+then all of PyTorch's, and the table gives each time's median over the
+rounds and the median of the per-round ratios. Compare ratios within one
+run, not times across runs.
 """
 
 import argparse
@@ -67,38 +70,48 @@ CASES = {
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
-    subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
-    ours = subprocess.run(
+def run_ours(env):
+    out = subprocess.run(
         [os.path.join(ROOT, "target", "release", "examples", "bench_attention")],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
     rust = {}
-    for line in ours.splitlines():
+    for line in out.splitlines():
         r = json.loads(line)
         rust.setdefault(r["work"], {})[r["path"]] = r["median_ms"]
+    return rust
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
     torch.set_num_threads(args.threads)
+    rounds = []
+    for _ in range(args.rounds):
+        rust = run_ours(env)
+        rounds.append((rust, {work: fn() for work, (_, fn) in CASES.items()}))
     rss = subprocess.run(
         [os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--peak-rss", "16384"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
 
-    print(f"torch {torch.__version__}, {args.threads} threads, f32, medians in ms")
+    med = statistics.median
+    nan = float("nan")
+    print(f"torch {torch.__version__}, {args.threads} threads, f32, medians in ms over {args.rounds} rounds")
     print()
     print("| work | PyTorch | ours | PyTorch / ours | candle matmul+softmax | candle flash_attn (CPU) |")
     print("|---|---|---|---|---|---|")
-    for work, (what, fn) in CASES.items():
-        pt = fn()
-        r = rust.get(work, {})
-        o = r.get("ours", float("nan"))
-        cm = r.get("candle_matmul_softmax")
-        cf = r.get("candle_flash_attn")
-        fmt = lambda x: "–" if x is None else f"{x:.2f}"
-        print(f"| {work} | {what} {pt:.2f} | {o:.2f} | **{pt / o:.2f}×** | {fmt(cm)} | {fmt(cf)} |")
+    for work, (what, _) in CASES.items():
+        pt = [torch_ms[work] for _, torch_ms in rounds]
+        ours = [rust.get(work, {}).get("ours", nan) for rust, _ in rounds]
+        ratio = med([p / o for p, o in zip(pt, ours)])
+        paths = [[rust.get(work, {}).get(p) for rust, _ in rounds] for p in ("candle_matmul_softmax", "candle_flash_attn")]
+        fmt = lambda xs: "–" if None in xs else f"{med(xs):.2f}"
+        print(f"| {work} | {what} {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {fmt(paths[0])} | {fmt(paths[1])} |")
     print()
     r = json.loads(rss)
     print(f"{r['work']}: {r['peak_rss_mib']:.0f} MiB peak RSS, {r['seconds']:.1f} s "

@@ -89,13 +89,14 @@ enum Tiles {
 }
 
 impl Tiles {
-    /// The faster choice on this CPU for `q_len` query rows.
-    fn best(q_len: usize) -> Tiles {
+    /// The faster choice on this CPU for `q_len` query rows and these head
+    /// dims (the packed layout needs both non-zero).
+    fn best(q_len: usize, head_dim: usize, v_head_dim: usize) -> Tiles {
         #[cfg(target_arch = "x86_64")]
-        if q_len >= avx2::MIN_Q_LEN && avx2::preferred() {
+        if q_len >= avx2::MIN_Q_LEN && head_dim > 0 && v_head_dim > 0 && avx2::preferred() {
             return Tiles::Avx2;
         }
-        let _ = q_len;
+        let _ = (q_len, head_dim, v_head_dim);
         Tiles::Gemm
     }
 }
@@ -135,7 +136,7 @@ fn sdpa_cpu_with(
     let causal = mask.causal.map(|c| c.offset(l, s));
     // Every (batch, row, head) slot is written by exactly one work unit.
     let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
-    let tiles = tiles.unwrap_or_else(|| Tiles::best(l));
+    let tiles = tiles.unwrap_or_else(|| Tiles::best(l, d, dv));
     // Query blocks of at most `block` rows, as even as the length allows.
     let block = match tiles {
         Tiles::Gemm => BLOCK_Q,
@@ -561,7 +562,7 @@ mod tests {
                     .with_key_padding(KeyPaddingMask::from_lengths(&lengths, s, &Device::Cpu)?),
             ];
             for (m, mask) in masks.iter().enumerate() {
-                let scale = 0.7 / (d as f64).sqrt();
+                let scale = 0.7 / (d as f64).sqrt().max(1.);
                 let reference = sdpa_reference(&q, &k, &v, mask, Some(scale), None)?.0;
                 for &t in &tiles {
                     let ours = sdpa_cpu_with(&q, &k, &v, mask, scale, Some(t))?;
@@ -569,6 +570,27 @@ mod tests {
                     let what = format!("{t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
                     assert!(err < 1e-5, "{what}: relative error {err:e}");
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Zero-width heads take the path that handles them: scores of 0 (a
+    /// plain average of the values), and an empty output.
+    #[test]
+    fn zero_width_heads_equal_reference() -> Result<()> {
+        for (d, dv) in [(0, 8), (8, 0), (0, 0)] {
+            let (q, k, v) = (
+                randn(&[1, 2, 20, d])?,
+                randn(&[1, 2, 7, d])?,
+                randn(&[1, 2, 7, dv])?,
+            );
+            let mask = Mask::causal(Causal::TopLeft);
+            let reference = sdpa_reference(&q, &k, &v, &mask, Some(1.), None)?.0;
+            let ours = sdpa_cpu_with(&q, &k, &v, &mask, 1., None)?;
+            assert_eq!(ours.dims(), reference.dims());
+            if dv > 0 {
+                assert!(rel_err(&ours, &reference)? < 1e-6, "head dims ({d}, {dv})");
             }
         }
         Ok(())

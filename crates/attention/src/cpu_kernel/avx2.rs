@@ -3,9 +3,9 @@
 //! with AVX2 but no AVX-512 (where `gemm`'s own AVX-512 kernels win).
 //!
 //! Per call, every (batch, kv-head)'s keys are packed once into panels of
-//! [`NR`] keys, `Kᵀ` column-major within a panel, and its values into rows
-//! padded to a multiple of [`NR`]; every query block of every head sharing
-//! them reads them from there. A work unit walks key blocks of [`BLOCK_K`]
+//! [`NR`] keys (`Kᵀ` within a panel) and its values into panels of [`NR`]
+//! columns; every query block of every head sharing them reads them from
+//! there. A work unit walks key blocks of [`BLOCK_K`]
 //! (packed K and V for a block fit in L2) and, inside, groups of [`MR`]
 //! query rows: scores for the group (`MR × BLOCK_K`, in L1), its online
 //! softmax, then `P · V` into the group's accumulators. A micro-kernel keeps
