@@ -208,6 +208,57 @@ fn sdpa_cpu_with(
     Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)
 }
 
+/// `x · wᵀ + b`, candle's `Linear` (`w` is `(out, in)`), through the AVX2
+/// micro-kernels where they are the faster path: CPU f32 tensors that track
+/// no gradients, at least 16 rows, on an AVX2 CPU without AVX-512. `None`
+/// where they do not serve (the caller then uses candle's matmul, which
+/// also reports any shape mismatch).
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
+        if !(plain(x) && plain(w) && b.is_none_or(plain) && avx2::preferred()) {
+            return Ok(None);
+        }
+        let &[n, k] = w.dims() else { return Ok(None) };
+        let dims = x.dims();
+        if dims.last() != Some(&k) || b.is_some_and(|b| b.dims() != [n]) || k == 0 || n == 0 {
+            return Ok(None);
+        }
+        let m = x.elem_count() / k;
+        if m < avx2::MIN_Q_LEN {
+            return Ok(None);
+        }
+        let (x, w) = (x.contiguous()?, w.contiguous()?);
+        let b = b.map(|b| b.contiguous()).transpose()?;
+        let out = with_slice(&x, |xs| {
+            with_slice(&w, |ws| {
+                // SAFETY: `avx2::preferred()` held; k, n > 0.
+                let run = |bs: Option<&[f32]>| unsafe { avx2::linear(xs, m, k, ws, n, bs) };
+                match &b {
+                    Some(b) => with_slice(b, |bs| Ok(run(Some(bs)))),
+                    None => Ok(run(None)),
+                }
+            })
+        })?;
+        let mut shape = dims.to_vec();
+        shape[dims.len() - 1] = n;
+        return Ok(Some(Tensor::from_vec(out, shape, x.device())?));
+    }
+    #[allow(unreachable_code)]
+    Ok(None)
+}
+
+/// Borrows the f32 data of a contiguous CPU tensor.
+#[cfg(target_arch = "x86_64")]
+fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("cpu kernel: tensor is not on the CPU")
+    };
+    f(&cpu.as_slice::<f32>()?[layout.start_offset()..][..t.elem_count()])
+}
+
 /// A raw output pointer shared by the work units, which write disjoint rows.
 #[derive(Clone, Copy)]
 struct SyncPtr(*mut f32);
@@ -215,6 +266,14 @@ struct SyncPtr(*mut f32);
 // the parallel loop, which joins before the buffer is used.
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
+
+impl SyncPtr {
+    /// The pointer; a method, so that closures capture the `SyncPtr`
+    /// (`Send + Sync`), not its raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 struct Problem<'a> {
     q: &'a View<'a>,
@@ -572,6 +631,37 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The packed linear equals candle's `Linear` on shapes off the row
+    /// group, panel and unit sizes, with and without bias; under 16 rows
+    /// it declines.
+    #[test]
+    fn packed_linear_equals_candle_linear() -> Result<()> {
+        use candle_nn::{Linear, Module};
+        for (batch, rows, k, n, bias) in [
+            (2, 97, 33, 37, true),
+            (1, 16, 768, 2304, true),
+            (3, 250, 64, 16, false),
+        ] {
+            let x = randn(&[batch, rows, k])?;
+            let lin = Linear::new(randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
+            let expected = lin.forward(&x)?;
+            match super::linear(&x, lin.weight(), lin.bias())? {
+                Some(ours) => {
+                    assert_eq!(ours.dims(), expected.dims());
+                    let err = rel_err(&ours, &expected)?;
+                    assert!(
+                        err < 1e-5,
+                        "({batch}, {rows}, {k}) x ({n}, {k}): relative error {err:e}"
+                    );
+                }
+                // Only where the micro-kernels are not the faster path.
+                None => assert!(!cfg!(target_arch = "x86_64") || !super::avx2::preferred()),
+            }
+        }
+        assert!(super::linear(&randn(&[15, 8])?, &randn(&[4, 8])?, None)?.is_none());
         Ok(())
     }
 

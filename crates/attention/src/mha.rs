@@ -428,7 +428,7 @@ impl MultiheadAttention {
         };
         // (B, L, E)
         let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.embed_dim))?;
-        let out = self.out_proj.forward(&out)?;
+        let out = crate::projection::forward(&self.out_proj, &out)?;
         let weights = match (opts.need_weights, weights) {
             (NeedWeights::PerHead, w) => w,
             (NeedWeights::Averaged, Some(w)) => Some(average_heads(&w)?),

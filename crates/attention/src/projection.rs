@@ -39,7 +39,7 @@ impl InProjection {
                 if q.id() == k.id() && k.id() == v.id() {
                     // Self-attention: one matmul, as PyTorch does when
                     // `query is key is value`.
-                    let qkv = Linear::new(weight.clone(), bias.clone()).forward(q)?;
+                    let qkv = forward(&Linear::new(weight.clone(), bias.clone()), q)?;
                     Ok((
                         qkv.narrow(D::Minus1, 0, e)?,
                         qkv.narrow(D::Minus1, e, e)?,
@@ -47,14 +47,14 @@ impl InProjection {
                     ))
                 } else {
                     Ok((
-                        Self::fused_part(weight, bias, 0, e)?.forward(q)?,
-                        Self::fused_part(weight, bias, 1, e)?.forward(k)?,
-                        Self::fused_part(weight, bias, 2, e)?.forward(v)?,
+                        forward(&Self::fused_part(weight, bias, 0, e)?, q)?,
+                        forward(&Self::fused_part(weight, bias, 1, e)?, k)?,
+                        forward(&Self::fused_part(weight, bias, 2, e)?, v)?,
                     ))
                 }
             }
             InProjection::Separate { q: pq, k: pk, v: pv } => {
-                Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?))
+                Ok((forward(pq, q)?, forward(pk, k)?, forward(pv, v)?))
             }
         }
     }
@@ -77,28 +77,35 @@ impl InProjection {
         }
         let (b, t, e) = q.dims3()?;
         // (B, T, 3, H, hd)
-        let qkv = Linear::new(weight.clone(), bias.clone())
-            .forward(q)?
-            .reshape((b, t, 3, h, e / h))?;
+        let qkv = forward(&Linear::new(weight.clone(), bias.clone()), q)?.reshape((b, t, 3, h, e / h))?;
         let head = |i: usize| qkv.i((.., .., i))?.transpose(1, 2);
         Ok(Some((head(0)?, head(1)?, head(2)?)))
     }
 
     pub(crate) fn forward_q(&self, q: &Tensor, e: usize) -> Result<Tensor> {
         match self {
-            InProjection::Fused { weight, bias } => Self::fused_part(weight, bias, 0, e)?.forward(q),
-            InProjection::Separate { q: pq, .. } => pq.forward(q),
+            InProjection::Fused { weight, bias } => forward(&Self::fused_part(weight, bias, 0, e)?, q),
+            InProjection::Separate { q: pq, .. } => forward(pq, q),
         }
     }
 
     pub(crate) fn forward_kv(&self, k: &Tensor, v: &Tensor, e: usize) -> Result<(Tensor, Tensor)> {
         match self {
             InProjection::Fused { weight, bias } => Ok((
-                Self::fused_part(weight, bias, 1, e)?.forward(k)?,
-                Self::fused_part(weight, bias, 2, e)?.forward(v)?,
+                forward(&Self::fused_part(weight, bias, 1, e)?, k)?,
+                forward(&Self::fused_part(weight, bias, 2, e)?, v)?,
             )),
-            InProjection::Separate { k: pk, v: pv, .. } => Ok((pk.forward(k)?, pv.forward(v)?)),
+            InProjection::Separate { k: pk, v: pv, .. } => Ok((forward(pk, k)?, forward(pv, v)?)),
         }
+    }
+}
+
+/// `lin.forward(x)`, through the CPU kernel's packed products where they
+/// serve (`cpu_kernel::linear`).
+pub(crate) fn forward(lin: &Linear, x: &Tensor) -> Result<Tensor> {
+    match crate::cpu_kernel::linear(x, lin.weight(), lin.bias())? {
+        Some(y) => Ok(y),
+        None => lin.forward(x),
     }
 }
 

@@ -68,21 +68,7 @@ impl Packed {
         // the last call's data.
         kt.par_chunks_mut(kt_len).enumerate().for_each(|(i, dst)| {
             let (bi, hi) = (i / kv_heads, i % kv_heads);
-            for (pi, panel) in dst.chunks_exact_mut(d * NR).enumerate() {
-                for c in 0..NR {
-                    let j = pi * NR + c;
-                    if j < s {
-                        let src = &p.k.data[p.k.offset(bi, hi, j)..][..d];
-                        for (dims, &x) in panel.chunks_exact_mut(NR).zip(src) {
-                            dims[c] = x;
-                        }
-                    } else {
-                        for dims in panel.chunks_exact_mut(NR) {
-                            dims[c] = 0.;
-                        }
-                    }
-                }
-            }
+            pack_panels(dst, s, d, |j| &p.k.data[p.k.offset(bi, hi, j)..][..d]);
         });
         v.par_chunks_mut(v_len).enumerate().for_each(|(i, dst)| {
             let (bi, hi) = (i / kv_heads, i % kv_heads);
@@ -105,6 +91,119 @@ impl Packed {
             dvp,
         }
     }
+}
+
+/// Inputs per slice of the reduction in [`linear`].
+const LINEAR_KC: usize = 256;
+
+/// Sets `rows` rows (stride `rs`) of `out` to `bias`.
+///
+/// # Safety
+/// AVX2; `out` covers those rows of `bias.len()` floats, a multiple of 8.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fill_rows(out: *mut f32, rs: usize, rows: usize, bias: &[f32]) {
+    for r in 0..rows {
+        for j in (0..bias.len()).step_by(8) {
+            // SAFETY: inside the extents the caller vouched for.
+            unsafe { _mm256_storeu_ps(out.add(r * rs + j), _mm256_loadu_ps(&bias[j])) };
+        }
+    }
+}
+
+/// Packs `rows` rows of `d` floats (`row(j)`) into `dst`: panels of `NR`
+/// rows, transposed within a panel (`row(p·NR + c)[e]` at `p·d·NR + e·NR +
+/// c`), zero past `rows`. Writes every element of `dst`.
+fn pack_panels<'a>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -> &'a [f32]) {
+    for (pi, panel) in dst.chunks_exact_mut(d * NR).enumerate() {
+        for c in 0..NR {
+            let j = pi * NR + c;
+            if j < rows {
+                for (dims, &x) in panel.chunks_exact_mut(NR).zip(row(j)) {
+                    dims[c] = x;
+                }
+            } else {
+                for dims in panel.chunks_exact_mut(NR) {
+                    dims[c] = 0.;
+                }
+            }
+        }
+    }
+}
+
+/// `x · wᵀ + bias` for `x` of `m` rows of `k` floats and `w` of `n` rows of
+/// `k` floats (PyTorch's `(out, in)` layout), both contiguous: `w` packed
+/// as the keys are, the products by the scores micro-kernel. Returns `m`
+/// rows of `n` floats.
+///
+/// # Safety
+/// AVX2+FMA ([`available`]); `k > 0`, `n > 0`.
+pub(super) unsafe fn linear(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
+    let np = n.div_ceil(NR) * NR;
+    let mut wt = scratch(np * k);
+    wt.par_chunks_mut(16 * NR * k).enumerate().for_each(|(i, dst)| {
+        pack_panels(dst, n - (16 * NR * i).min(n), k, |j| {
+            &w[(16 * NR * i + j) * k..][..k]
+        })
+    });
+    let mut b = vec![0f32; np];
+    if let Some(bias) = bias {
+        b[..n].copy_from_slice(bias);
+    }
+    // Units of 16 row groups by 16 panels: a panel stays in L1/L2 across
+    // the row groups, the unit's rows in L2 across its panels.
+    let (rows_per_unit, panels_per_unit) = (16 * MR, 16);
+    let units: Vec<(usize, usize)> = (0..m)
+        .step_by(rows_per_unit)
+        .flat_map(|i0| (0..np / NR).step_by(panels_per_unit).map(move |p0| (i0, p0)))
+        .collect();
+    let mut out: Vec<f32> = Vec::with_capacity(m * np);
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    units.par_iter().for_each(|&(i0, p0)| {
+        let out_ptr = out_ptr.get();
+        let rows = rows_per_unit.min(m - i0);
+        let p1 = (p0 + panels_per_unit).min(np / NR);
+        // SAFETY: rows i0..i0+rows of x and of out, panels p0..p1 of wt and
+        // columns p0·NR..p1·NR of out are in bounds; units write disjoint
+        // blocks; AVX2+FMA is the caller's contract.
+        unsafe {
+            let out = out_ptr.add(i0 * np + p0 * NR);
+            fill_rows(out, np, rows, &b[p0 * NR..p1 * NR]);
+            for pi in p0..p1 {
+                // K in slices of LINEAR_KC: a panel's slice (16 KiB) stays in
+                // L1 across the unit's row groups.
+                for k0 in (0..k).step_by(LINEAR_KC) {
+                    let kc = LINEAR_KC.min(k - k0);
+                    for g0 in (0..rows).step_by(MR) {
+                        let i = i0 + g0;
+                        scores::<true>(
+                            MR.min(rows - g0),
+                            x[i * k + k0..].as_ptr(),
+                            k,
+                            kc,
+                            wt[pi * k * NR + k0 * NR..].as_ptr(),
+                            1,
+                            out_ptr.add(i * np + pi * NR),
+                            np,
+                        );
+                    }
+                }
+            }
+        }
+    });
+    // SAFETY: the units cover every (row, panel) block of the m × np output.
+    unsafe { out.set_len(m * np) };
+    keep(wt);
+    if np == n {
+        return out;
+    }
+    out.chunks_exact(np).flat_map(|row| &row[..n]).copied().collect()
 }
 
 impl Drop for Packed {
@@ -200,13 +299,15 @@ pub(super) unsafe fn run_block(
             // from key `j0` (a multiple of NR) and `gr` strip rows of
             // `BLOCK_K >= cols` floats all lie in their buffers.
             unsafe {
-                scores(
+                scores::<false>(
                     gr,
                     q[g0 * d..].as_ptr(),
+                    d,
                     d,
                     kt[j0 * d..].as_ptr(),
                     cols.div_ceil(NR),
                     strip.as_mut_ptr(),
+                    BLOCK_K,
                 );
             }
             // Whole vectors: the strip's columns past `cols` are hidden too.
@@ -246,52 +347,70 @@ pub(super) unsafe fn run_block(
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
 macro_rules! by_rows {
-    ($rows:expr, $f:ident($($arg:expr),*)) => {
+    ($rows:expr, $f:ident$(::<_, $acc:tt>)?($($arg:expr),*)) => {
         match $rows {
-            1 => $f::<1>($($arg),*),
-            2 => $f::<2>($($arg),*),
-            3 => $f::<3>($($arg),*),
-            4 => $f::<4>($($arg),*),
-            5 => $f::<5>($($arg),*),
-            _ => $f::<MR>($($arg),*),
+            1 => $f::<1 $(, $acc)?>($($arg),*),
+            2 => $f::<2 $(, $acc)?>($($arg),*),
+            3 => $f::<3 $(, $acc)?>($($arg),*),
+            4 => $f::<4 $(, $acc)?>($($arg),*),
+            5 => $f::<5 $(, $acc)?>($($arg),*),
+            _ => $f::<MR $(, $acc)?>($($arg),*),
         }
     };
 }
 
-/// `strip[r·BLOCK_K + c] = Σₑ q[r·d + e] · Kᵀ[e, c]` for `rows` rows and
-/// `panels · NR` keys.
+/// `out[r·out_rs + c] = Σₑ q[r·q_rs + e] · Kᵀ[e, c]` for `rows` rows, `d`
+/// dims and `panels · NR` keys (or output features), `+=` with `ACC`.
 ///
 /// # Safety
 /// AVX2+FMA; the pointers cover those extents.
-unsafe fn scores(rows: usize, q: *const f32, d: usize, kt: *const f32, panels: usize, strip: *mut f32) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores<const ACC: bool>(
+    rows: usize,
+    q: *const f32,
+    q_rs: usize,
+    d: usize,
+    kt: *const f32,
+    panels: usize,
+    out: *mut f32,
+    out_rs: usize,
+) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(rows, scores_rows(q, d, kt, panels, strip)) }
+    unsafe { by_rows!(rows, scores_rows::<_, ACC>(q, q_rs, d, kt, panels, out, out_rs)) }
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_rows<const R: usize>(
+unsafe fn scores_rows<const R: usize, const ACC: bool>(
     q: *const f32,
+    q_rs: usize,
     d: usize,
     kt: *const f32,
     panels: usize,
     strip: *mut f32,
+    out_rs: usize,
 ) {
     for pi in 0..panels {
         // SAFETY: (here and below) inside the extents the caller vouched for.
         unsafe {
             let kt = kt.add(pi * d * NR);
             let mut c = [[_mm256_setzero_ps(); 2]; R];
+            if ACC {
+                for (r, c) in c.iter_mut().enumerate() {
+                    let src = strip.add(r * out_rs + pi * NR);
+                    *c = [_mm256_loadu_ps(src), _mm256_loadu_ps(src.add(8))];
+                }
+            }
             for e in 0..d {
                 let k0 = _mm256_loadu_ps(kt.add(e * NR));
                 let k1 = _mm256_loadu_ps(kt.add(e * NR + 8));
                 for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm256_broadcast_ss(&*q.add(r * d + e));
+                    let a = _mm256_broadcast_ss(&*q.add(r * q_rs + e));
                     c[0] = _mm256_fmadd_ps(a, k0, c[0]);
                     c[1] = _mm256_fmadd_ps(a, k1, c[1]);
                 }
             }
             for (r, c) in c.iter().enumerate() {
-                let dst = strip.add(r * BLOCK_K + pi * NR);
+                let dst = strip.add(r * out_rs + pi * NR);
                 _mm256_storeu_ps(dst, c[0]);
                 _mm256_storeu_ps(dst.add(8), c[1]);
             }
