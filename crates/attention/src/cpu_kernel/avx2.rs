@@ -26,6 +26,10 @@ const NR: usize = 16;
 /// Keys per block: packed K and V of a block (2 · 256 keys · 64 dims · 4
 /// bytes = 128 KiB at head_dim 64) stay in L2 across the unit's row groups.
 const BLOCK_K: usize = 256;
+/// Row stride of a group's score strip: one panel past `BLOCK_K`, so that
+/// its rows (read together by the `P · V` kernel) fall in different L1
+/// sets instead of every 4 KiB.
+const STRIP_RS: usize = BLOCK_K + NR;
 /// Fewer query rows than this and packing the keys costs about as much as
 /// the products it speeds up (a decode step): `gemm` serves those.
 pub(super) const MIN_Q_LEN: usize = 16;
@@ -281,7 +285,7 @@ pub(super) unsafe fn run_block(
     let mut acc = vec![0f32; rows * dvp];
     let mut row_max = vec![f32::NEG_INFINITY; rows];
     let mut row_sum = vec![0f32; rows];
-    let mut strip = vec![0f32; MR * BLOCK_K];
+    let mut strip = vec![0f32; MR * STRIP_RS];
     // One past the last key row `i` may see.
     let visible_end = |i: usize| match p.causal {
         Some(off) => (i as isize + off + 1).clamp(0, s as isize) as usize,
@@ -307,14 +311,14 @@ pub(super) unsafe fn run_block(
                     kt[j0 * d..].as_ptr(),
                     cols.div_ceil(NR),
                     strip.as_mut_ptr(),
-                    BLOCK_K,
+                    STRIP_RS,
                 );
             }
             // Whole vectors: the strip's columns past `cols` are hidden too.
             let width = cols.next_multiple_of(8);
             for r in 0..gr {
                 let i = i0 + g0 + r;
-                let row = &mut strip[r * BLOCK_K..][..width];
+                let row = &mut strip[r * STRIP_RS..][..width];
                 if let Some((data, st)) = p.bias {
                     let off = bi * st[0] + hi * st[1] + i * st[2] + j0;
                     simd::add_assign(&mut row[..cols], &data[off..off + cols]);
@@ -418,7 +422,7 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
     }
 }
 
-/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·BLOCK_K + j] · v[p·panel + j·NR +
+/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·NR +
 /// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels.
 ///
 /// # Safety
@@ -458,7 +462,7 @@ unsafe fn weighted_values_rows<const R: usize>(
                 let v0 = _mm256_loadu_ps(v.add(j * NR));
                 let v1 = _mm256_loadu_ps(v.add(j * NR + 8));
                 for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm256_broadcast_ss(&*strip.add(r * BLOCK_K + j));
+                    let a = _mm256_broadcast_ss(&*strip.add(r * STRIP_RS + j));
                     c[0] = _mm256_fmadd_ps(a, v0, c[0]);
                     c[1] = _mm256_fmadd_ps(a, v1, c[1]);
                 }
