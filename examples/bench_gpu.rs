@@ -74,26 +74,12 @@ fn main() -> Result<()> {
         } else {
             Mask::new()
         };
-        let ours = median_ms(&dev, || {
-            Ok(scaled_dot_product_attention_via(
-                &q,
-                &k,
-                &v,
-                &mask,
-                None,
-                AttnPath::Auto,
-            )?)
-        })?;
-        let reference = median_ms(&dev, || {
-            Ok(scaled_dot_product_attention_via(
-                &q,
-                &k,
-                &v,
-                &mask,
-                None,
-                AttnPath::Reference,
-            )?)
-        })?;
+        let time = |path| {
+            median_ms(&dev, || {
+                Ok(scaled_dot_product_attention_via(&q, &k, &v, &mask, None, path)?)
+            })
+        };
+        let (ours, reference) = (time(AttnPath::Auto)?, time(AttnPath::Reference)?);
         let t = |x: &Tensor| x.transpose(1, 2)?.contiguous();
         let (qt, kt, vt) = (t(&q)?, t(&k)?, t(&v)?);
         let scale = 1. / (d as f32).sqrt();

@@ -189,15 +189,23 @@ fn sdpa_cpu_with(
                     let rows = block.min(l - i0);
                     // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
                     // every unit writes a disjoint set of rows.
-                    let base = (bi * l + i0) * h * dv + hi * dv;
+                    let unit = Unit {
+                        bi,
+                        hi,
+                        i0,
+                        rows,
+                        out: out_ptr,
+                        base: (bi * l + i0) * h * dv + hi * dv,
+                        out_rs: h * dv,
+                    };
                     #[cfg(target_arch = "x86_64")]
                     if let Some(packed) = &packed {
                         // SAFETY: `Tiles::Avx2` is only chosen where
-                        // `avx2::available()`; `out` as for `run_block`.
-                        unsafe { avx2::run_block(&problem, packed, bi, hi, i0, rows, out_ptr, base, h * dv) };
+                        // `avx2::available()`; the unit's rows are its own.
+                        unsafe { avx2::run_block(&problem, packed, unit) };
                         return;
                     }
-                    problem.run_block(bi, hi, i0, rows, out_ptr, base, h * dv);
+                    problem.run_block(unit);
                 });
                 Ok(())
             })
@@ -277,6 +285,20 @@ impl SyncPtr {
     }
 }
 
+/// One work unit: query rows `i0..i0 + rows` of head `hi` in batch `bi`,
+/// row `r` written to `out[base + r * out_rs ..][..v_head_dim]`. Units
+/// write disjoint rows.
+#[derive(Clone, Copy)]
+struct Unit {
+    bi: usize,
+    hi: usize,
+    i0: usize,
+    rows: usize,
+    out: SyncPtr,
+    base: usize,
+    out_rs: usize,
+}
+
 struct Problem<'a> {
     q: &'a View<'a>,
     k: &'a View<'a>,
@@ -293,19 +315,9 @@ struct Problem<'a> {
 }
 
 impl Problem<'_> {
-    /// Attention for query rows `i0..i0 + rows` of head `hi` in batch `bi`,
-    /// written to `out[base + r * out_rs ..][..dv]` for each row `r`.
-    #[allow(clippy::too_many_arguments)]
-    fn run_block(
-        &self,
-        bi: usize,
-        hi: usize,
-        i0: usize,
-        rows: usize,
-        out: SyncPtr,
-        base: usize,
-        out_rs: usize,
-    ) {
+    /// Attention for one unit's query rows, written to its output rows.
+    fn run_block(&self, unit: Unit) {
+        let Unit { bi, hi, i0, rows, .. } = unit;
         let (_, s, d, dv) = self.dims;
         let kvh = hi / self.heads_per_kv;
         // The keys any row of this block may see.
@@ -392,21 +404,13 @@ impl Problem<'_> {
             }
             j0 += cols;
         }
-        write_rows(&acc, dv, dv, &row_sum, out, base, out_rs);
+        write_rows(&acc, dv, dv, &row_sum, unit);
     }
 }
 
 /// Writes the unit's normalised rows: row `r`'s first `dv` accumulators
-/// (of `acc_rs`) over its sum to `out[base + r * out_rs ..][..dv]`.
-fn write_rows(
-    acc: &[f32],
-    acc_rs: usize,
-    dv: usize,
-    row_sum: &[f32],
-    out: SyncPtr,
-    base: usize,
-    out_rs: usize,
-) {
+/// (of `acc_rs`) over its sum to the unit's output row `r`.
+fn write_rows(acc: &[f32], acc_rs: usize, dv: usize, row_sum: &[f32], unit: Unit) {
     for (r, &sum) in row_sum.iter().enumerate() {
         // A row that saw no key keeps sum 0 and an all-zero accumulator.
         let inv = if sum > 0. { 1. / sum } else { 0. };
@@ -414,7 +418,7 @@ fn write_rows(
             // SAFETY: row r of this unit lies in `out`'s allocation and no
             // other unit writes it (the callers' contract); written, not
             // read, as it starts uninitialised.
-            unsafe { out.0.add(base + r * out_rs + c).write(a * inv) };
+            unsafe { unit.out.get().add(unit.base + r * unit.out_rs + c).write(a * inv) };
         }
     }
 }

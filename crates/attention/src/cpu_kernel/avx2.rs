@@ -17,7 +17,7 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use super::{simd, Problem, SyncPtr};
+use super::{simd, Problem, SyncPtr, Unit};
 
 /// Query rows per micro-kernel.
 const MR: usize = 6;
@@ -251,24 +251,14 @@ fn keep(buf: Vec<f32>) {
     }
 }
 
-/// Attention for query rows `i0..i0 + rows` of head `hi` in batch `bi`, as
-/// [`Problem::run_block`] writes it, through the packed micro-kernels.
+/// Attention for one unit, as [`Problem::run_block`] computes it, through
+/// the packed micro-kernels.
 ///
 /// # Safety
 /// The CPU must have AVX2 and FMA ([`available`]); `packed` must come from
-/// this problem; `out` as for [`Problem::run_block`].
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn run_block(
-    p: &Problem,
-    packed: &Packed,
-    bi: usize,
-    hi: usize,
-    i0: usize,
-    rows: usize,
-    out: SyncPtr,
-    base: usize,
-    out_rs: usize,
-) {
+/// this problem; the unit's output rows are its own.
+pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
+    let Unit { bi, hi, i0, rows, .. } = unit;
     let (_, s, d, dv) = p.dims;
     let dvp = packed.dvp;
     let pack = bi * packed.kv_heads + hi / p.heads_per_kv;
@@ -346,7 +336,7 @@ pub(super) unsafe fn run_block(
             }
         }
     }
-    super::write_rows(&acc, dvp, dv, &row_sum, out, base, out_rs);
+    super::write_rows(&acc, dvp, dv, &row_sum, unit);
 }
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
