@@ -9,6 +9,14 @@
 //!
 //! `--peak-rss N` runs one B1 H8 hd64 self-attention of N tokens through the
 //! default path and reports the process's peak resident memory.
+//! `--only TEXT` times only our path, on the works whose label contains
+//! TEXT: what to run under a profiler, e.g.
+//!
+//! ```text
+//! RAYON_NUM_THREADS=1 perf record -e cpu-clock \
+//!     target/release/examples/bench_attention --only "B1 N1024 H8"
+//! perf report --sort sym
+//! ```
 
 use std::time::{Duration, Instant};
 
@@ -62,7 +70,12 @@ fn candle_matmul_softmax(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal:
     Ok(w.matmul(v)?)
 }
 
-fn bench_sdpa(work: &str, (b, h, l, s, d): (usize, usize, usize, usize, usize), causal: bool) -> Result<()> {
+fn bench_sdpa(
+    work: &str,
+    (b, h, l, s, d): (usize, usize, usize, usize, usize),
+    causal: bool,
+    ours_only: bool,
+) -> Result<()> {
     let (q, k, v) = (
         randn(&[b, h, l, d])?,
         randn(&[b, h, s, d])?,
@@ -81,6 +94,9 @@ fn bench_sdpa(work: &str, (b, h, l, s, d): (usize, usize, usize, usize, usize), 
             Ok(scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::Auto).map(drop)?)
         })?,
     );
+    if ours_only {
+        return Ok(());
+    }
     report(
         work,
         "candle_matmul_softmax",
@@ -154,22 +170,33 @@ fn peak_rss(n: usize) -> Result<()> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.as_slice() {
-        [] => {}
+    let only = match args.as_slice() {
+        [] => None,
         [flag, n] if flag == "--peak-rss" => {
             return peak_rss(n.parse().context("--peak-rss takes a length")?)
         }
-        _ => bail!("usage: bench_attention [--peak-rss N]"),
+        [flag, text] if flag == "--only" => Some(text.as_str()),
+        _ => bail!("usage: bench_attention [--peak-rss N | --only TEXT]"),
+    };
+    let run = |work: &str| only.is_none_or(|text| work.contains(text));
+    let sdpa_cases = [
+        ("sdpa B8 N197 H12 hd64", (8, 12, 197, 197, 64), false),
+        ("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false),
+        ("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false),
+        ("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true),
+        (
+            "decode B1 H8 hd64 1 query x 2048 keys",
+            (1, 8, 1, 2048, 64),
+            false,
+        ),
+    ];
+    for (work, dims, causal) in sdpa_cases {
+        if run(work) {
+            bench_sdpa(work, dims, causal, only.is_some())?;
+        }
     }
-    bench_sdpa("sdpa B8 N197 H12 hd64", (8, 12, 197, 197, 64), false)?;
-    bench_sdpa("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false)?;
-    bench_sdpa("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false)?;
-    bench_sdpa("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true)?;
-    bench_sdpa(
-        "decode B1 H8 hd64 1 query x 2048 keys",
-        (1, 8, 1, 2048, 64),
-        false,
-    )?;
-    bench_mha("MHA B8 N197 D768 H12", (8, 197, 768, 12))?;
+    if run("MHA B8 N197 D768 H12") {
+        bench_mha("MHA B8 N197 D768 H12", (8, 197, 768, 12))?;
+    }
     Ok(())
 }
