@@ -162,3 +162,185 @@ fn gradients_take_the_reference_path() -> Result<()> {
     assert!(err.to_string().contains("gradients"), "{err}");
     Ok(())
 }
+
+/// One poked value in a `(b, h, l, d)` tensor.
+fn poked(t: &Tensor, at: [usize; 4], x: f32) -> Result<Tensor> {
+    let (d0, d1, d2, d3) = t.dims4()?;
+    let mut data = t.flatten_all()?.to_vec1::<f32>()?;
+    data[((at[0] * d1 + at[1]) * d2 + at[2]) * d3 + at[3]] = x;
+    Ok(Tensor::from_vec(data, (d0, d1, d2, d3), &Device::Cpu)?)
+}
+
+/// `(row, column)` of every NaN in a `(1, 1, l, dv)` output.
+fn nan_positions(out: &Tensor) -> Result<Vec<(usize, usize)>> {
+    let rows = out.squeeze(0)?.squeeze(0)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .enumerate()
+        .flat_map(|(i, r)| {
+            r.iter()
+                .enumerate()
+                .filter(|(_, x)| x.is_nan())
+                .map(move |(c, _)| (i, c))
+        })
+        .collect())
+}
+
+/// NaN propagates as PyTorch propagates it, the same on every path and at
+/// decode and prefill lengths: a NaN query row or a NaN in a key some query
+/// sees makes that query's row NaN (its scores are NaN, and so its
+/// softmax); a NaN value reaches the one column of every query that sees
+/// its key; a key hidden by the mask takes no part at all, NaN or not
+/// (PyTorch's math path lets a hidden key's NaN through, its fused CPU
+/// kernel does not for causally skipped blocks; ours never does).
+#[test]
+fn nan_propagates_the_same_on_every_path() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[1, 1, 20, 8])?,
+        randn(&[1, 1, 20, 8])?,
+        randn(&[1, 1, 20, 8])?,
+    );
+    let causal = Mask::causal(Causal::TopLeft);
+    let padded = Mask::new().with_key_padding(KeyPaddingMask::from_lengths(&[15], 20, &Device::Cpu)?);
+    let all_cols = |rows: std::ops::Range<usize>| -> Vec<(usize, usize)> {
+        rows.flat_map(|i| (0..8).map(move |c| (i, c))).collect()
+    };
+    // (what, q, k, v, mask, expected NaN positions)
+    let cases = [
+        (
+            "NaN query row 2",
+            poked(&q, [0, 0, 2, 3], f32::NAN)?,
+            k.clone(),
+            v.clone(),
+            Mask::new(),
+            all_cols(2..3),
+        ),
+        (
+            "NaN in key 5, causal",
+            q.clone(),
+            poked(&k, [0, 0, 5, 1], f32::NAN)?,
+            v.clone(),
+            causal.clone(),
+            all_cols(5..20),
+        ),
+        (
+            "NaN in key 5, no mask",
+            q.clone(),
+            poked(&k, [0, 0, 5, 1], f32::NAN)?,
+            v.clone(),
+            Mask::new(),
+            all_cols(0..20),
+        ),
+        (
+            "+inf score from key 6",
+            q.clone(),
+            poked(&k, [0, 0, 6, 0], f32::INFINITY)?,
+            v.clone(),
+            causal.clone(),
+            {
+                // q[i, 0] > 0 makes score (i, 6) +inf: NaN row; < 0 makes it
+                // -inf: weight 0, a finite row.
+                let q0 = q.squeeze(0)?.squeeze(0)?.to_vec2::<f32>()?;
+                (6..20)
+                    .filter(|&i| q0[i][0] > 0.)
+                    .flat_map(|i| (0..8).map(move |c| (i, c)))
+                    .collect()
+            },
+        ),
+        (
+            "NaN value (5, 2), causal",
+            q.clone(),
+            k.clone(),
+            poked(&v, [0, 0, 5, 2], f32::NAN)?,
+            causal.clone(),
+            (5..20).map(|i| (i, 2)).collect(),
+        ),
+        (
+            "NaN in padded key 17",
+            q.clone(),
+            poked(&k, [0, 0, 17, 0], f32::NAN)?,
+            poked(&v, [0, 0, 17, 1], f32::NAN)?,
+            padded,
+            vec![],
+        ),
+    ];
+    for (what, q, k, v, mask, expected) in cases {
+        for l in [1, 20] {
+            // q_len 1: the last query alone, a decode step (bottom-right).
+            let (q, mask, expected) = if l == 1 {
+                let mask = match mask.causal {
+                    Some(_) => Mask::causal(Causal::BottomRight),
+                    None => mask.clone(),
+                };
+                let last: Vec<_> = expected
+                    .iter()
+                    .filter(|p| p.0 == 19)
+                    .map(|&(_, c)| (0, c))
+                    .collect();
+                (q.narrow(2, 19, 1)?, mask, last)
+            } else {
+                (q.clone(), mask.clone(), expected.clone())
+            };
+            for path in [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference] {
+                let out = scaled_dot_product_attention_via(&q, &k, &v, &mask, None, path)?;
+                assert_eq!(nan_positions(&out)?, expected, "{what}, q_len {l}, {path:?}");
+                let finite = out
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .filter(|x| x.is_finite())
+                    .count();
+                assert_eq!(
+                    finite + expected.len(),
+                    out.elem_count(),
+                    "{what}, q_len {l}, {path:?}: an infinity"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A scale that is NaN, infinite, zero or negative is refused on every
+/// path (a NaN scale used to give all zeros).
+#[test]
+fn invalid_scale_is_an_error_everywhere() -> Result<()> {
+    let (q, k, v) = (
+        randn(&[1, 2, 4, 8])?,
+        randn(&[1, 2, 5, 8])?,
+        randn(&[1, 2, 5, 8])?,
+    );
+    for scale in [f64::NAN, f64::INFINITY, 0., -1.] {
+        for path in [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference] {
+            let res = scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), Some(scale), path);
+            common::assert_err(res, &["scale", "finite and > 0"]);
+        }
+        let res = multihead::attention::scaled_dot_product_attention_with_weights(
+            &q,
+            &k,
+            &v,
+            &Mask::new(),
+            Some(scale),
+        );
+        common::assert_err(res, &["scale"]);
+    }
+    Ok(())
+}
+
+/// `Auto` serves any valid input: a query whose last dim is strided (a
+/// transposed view) is read through a copy, not refused.
+#[test]
+fn auto_serves_a_strided_last_dim() -> Result<()> {
+    let q = randn(&[1, 2, 16, 9])?.transpose(2, 3)?;
+    let k = randn(&[1, 2, 16, 11])?.transpose(2, 3)?;
+    let v = randn(&[1, 2, 11, 16])?;
+    assert_ne!(q.stride()[3], 1);
+    for path in [AttnPath::Auto, AttnPath::CpuTiled] {
+        let (fast, reference) = (
+            scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), None, path)?,
+            scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), None, AttnPath::Reference)?,
+        );
+        assert_close(&format!("{path:?}"), &fast, &reference, 1e-5)?;
+    }
+    Ok(())
+}

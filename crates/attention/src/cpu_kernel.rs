@@ -21,10 +21,11 @@ use candle::{bail, DType, Layout, Result, Storage, Tensor};
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
-use crate::mask::Mask;
+use crate::mask::{Mask, MaskPart};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod isa;
 
 /// Query rows per work unit, at most.
 const BLOCK_Q: usize = 128;
@@ -71,10 +72,18 @@ pub(crate) fn supports(q: &Tensor) -> bool {
 
 /// `softmax(q kᵀ · scale + mask) v` without materialising the scores.
 /// Shapes as [`crate::scaled_dot_product_attention`] (validated by the
-/// caller); returns `(batch, heads, q_len, v_head_dim)` in `q`'s dtype, a
-/// view of a `(batch, q_len, heads, v_head_dim)` buffer.
-pub(crate) fn sdpa_cpu(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<Tensor> {
-    sdpa_cpu_with(q, k, v, mask, scale, None)
+/// caller); the last `appended` keys lie outside the mask; returns
+/// `(batch, heads, q_len, v_head_dim)` in `q`'s dtype, a view of a
+/// `(batch, q_len, heads, v_head_dim)` buffer.
+pub(crate) fn sdpa_cpu(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    sdpa_cpu_with(q, k, v, mask, appended, scale, None)
 }
 
 /// How a tile's two products are computed.
@@ -101,12 +110,23 @@ impl Tiles {
     }
 }
 
+/// `t` with a contiguous last dim: the tensor itself where it has one.
+fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
+    let (stride, dims) = (t.stride(), t.dims());
+    if stride.last() == Some(&1) || dims.last().is_some_and(|&d| d <= 1) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
+}
+
 /// [`sdpa_cpu`] with the tile products forced (`None`: the best).
 fn sdpa_cpu_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: &Mask,
+    appended: usize,
     scale: f64,
     tiles: Option<Tiles>,
 ) -> Result<Tensor> {
@@ -114,26 +134,23 @@ fn sdpa_cpu_with(
     if dtype != DType::F32 {
         // Half precision: compute in f32 (f32 accumulation), cast back.
         let f = |t: &Tensor| t.to_dtype(DType::F32);
-        return sdpa_cpu_with(&f(q)?, &f(k)?, &f(v)?, mask, scale, tiles)?.to_dtype(dtype);
+        return sdpa_cpu_with(&f(q)?, &f(k)?, &f(v)?, mask, appended, scale, tiles)?.to_dtype(dtype);
     }
+    // The kernel reads rows in place; any other layout is copied once.
+    let (q, k, v) = (
+        last_dim_contiguous(q)?,
+        last_dim_contiguous(k)?,
+        last_dim_contiguous(v)?,
+    );
     let (b, h, l, d) = q.dims4()?;
     let (_, kh, s, _) = k.dims4()?;
     let dv = v.dim(3)?;
-    // Key padding and attention masks become one additive bias in their own
-    // broadcast shape; the causal rule stays a rule, so tiles above the
+    let masked_keys = s.saturating_sub(appended);
+    // Key padding and attention masks are read in their own shapes (bytes
+    // stay bytes); the causal rule stays a rule, so tiles above the
     // diagonal are skipped instead of computed and masked.
-    let bias_mask = Mask {
-        causal: None,
-        ..mask.clone()
-    };
-    let bias = match bias_mask.to_bias((b, h, l, s), q.device())? {
-        Some(bias) => {
-            let (d0, d1, d2, _) = bias.dims4()?;
-            Some(bias.broadcast_as((d0, d1, d2, s))?.contiguous()?)
-        }
-        None => None,
-    };
-    let causal = mask.causal.map(|c| c.offset(l, s));
+    let parts = mask.tensor_parts((b, h, l, masked_keys))?;
+    let causal = mask.causal.map(|c| c.offset(l, masked_keys));
     // Every (batch, row, head) slot is written by exactly one work unit.
     let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
     let tiles = tiles.unwrap_or_else(|| Tiles::best(l, d, dv));
@@ -146,41 +163,28 @@ fn sdpa_cpu_with(
     let units: Vec<(usize, usize, usize)> = (0..b)
         .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(block).map(move |i0| (bi, hi, i0))))
         .collect();
-    with_view(q, "q", |qv| {
-        with_view(k, "k", |kv| {
-            with_view(v, "v", |vv| {
-                let bias_view = match &bias {
-                    Some(t) => {
-                        let (d0, d1, d2, _) = t.dims4()?;
-                        Some((t.storage_and_layout(), [d0, d1, d2]))
-                    }
-                    None => None,
-                };
-                let bias_slice = match &bias_view {
-                    Some(((storage, layout), dims)) => {
-                        let Storage::Cpu(cpu) = &**storage else {
-                            bail!("cpu attention kernel: mask is not on the CPU")
-                        };
-                        let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
-                        // Broadcast dims get stride 0.
-                        let st = [
-                            if dims[0] > 1 { dims[1] * dims[2] * s } else { 0 },
-                            if dims[1] > 1 { dims[2] * s } else { 0 },
-                            if dims[2] > 1 { s } else { 0 },
-                        ];
-                        Some((data, st))
-                    }
-                    None => None,
-                };
+    let guards = parts
+        .iter()
+        .map(|p| p.tensor().storage_and_layout())
+        .collect::<Vec<_>>();
+    let part_views = parts
+        .iter()
+        .zip(&guards)
+        .map(|(part, (storage, layout))| PartView::new(part, storage, layout))
+        .collect::<Result<Vec<_>>>()?;
+    with_view(&q, "q", |qv| {
+        with_view(&k, "k", |kv| {
+            with_view(&v, "v", |vv| {
                 let problem = Problem {
                     q: &qv,
                     k: &kv,
                     v: &vv,
-                    bias: bias_slice,
+                    parts: &part_views,
                     heads_per_kv: h / kh,
                     dims: (l, s, d, dv),
                     scale: scale as f32,
                     causal,
+                    masked_keys,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
                 #[cfg(target_arch = "x86_64")]
@@ -211,9 +215,69 @@ fn sdpa_cpu_with(
             })
         })
     })?;
+    drop(part_views);
+    drop(guards);
     // SAFETY: the units wrote all `b * l * h * dv` floats (`write_rows`).
     unsafe { out.set_len(b * l * h * dv) };
+    // A non-finite output comes from a query whose row is NaN (a NaN or
+    // +inf score: right as it is) or from a non-finite value; the latter
+    // may sit in a hidden key that a tile still multiplied by its zero
+    // weight, so the reference path, which reads no hidden value, decides.
+    if !simd::all_finite(&out) && !all_finite_tensor(&v)? {
+        return Ok(crate::sdpa::sdpa_reference(&q, &k, &v, mask, appended, Some(scale), None)?.0);
+    }
     Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)
+}
+
+/// Whether every element of a CPU f32 tensor is finite.
+fn all_finite_tensor(t: &Tensor) -> Result<bool> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("cpu attention kernel: tensor is not on the CPU")
+    };
+    Ok(simd::all_finite(
+        &cpu.as_slice::<f32>()?[layout.start_offset()..][..t.elem_count()],
+    ))
+}
+
+/// A mask part's data as the kernel reads it, with its element strides
+/// over (batch, head, query, key); a broadcast dim has stride 0.
+struct PartView<'a> {
+    data: PartData<'a>,
+    stride: [usize; 4],
+}
+
+#[derive(Clone, Copy)]
+enum PartData<'a> {
+    HideWhereNonZero(&'a [u8]),
+    HideWhereZero(&'a [u8]),
+    Additive(&'a [f32]),
+}
+
+impl<'a> PartView<'a> {
+    fn new(part: &MaskPart, storage: &'a Storage, layout: &Layout) -> Result<Self> {
+        let Storage::Cpu(cpu) = storage else {
+            bail!("cpu attention kernel: mask is not on the CPU")
+        };
+        let dims = layout.dims();
+        let [_, d1, d2, d3] = *dims else {
+            bail!("cpu attention kernel: mask part must be 4-D, found {dims:?}")
+        };
+        // Parts are contiguous in their own shape (`Mask::tensor_parts`).
+        let dense = [d1 * d2 * d3, d2 * d3, d3, 1];
+        let mut stride = [0; 4];
+        for i in 0..4 {
+            stride[i] = if dims[i] > 1 { dense[i] } else { 0 };
+        }
+        let start = layout.start_offset();
+        let data = match part {
+            MaskPart::HideWhereNonZero(_) => PartData::HideWhereNonZero(&cpu.as_slice::<u8>()?[start..]),
+            MaskPart::HideWhereZero(_) => PartData::HideWhereZero(&cpu.as_slice::<u8>()?[start..]),
+            MaskPart::Additive(_) => PartData::Additive(&cpu.as_slice::<f32>()?[start..]),
+        };
+        Ok(Self { data, stride })
+    }
 }
 
 /// `x · wᵀ + b`, candle's `Linear` (`w` is `(out, in)`), through the AVX2
@@ -303,28 +367,85 @@ struct Problem<'a> {
     q: &'a View<'a>,
     k: &'a View<'a>,
     v: &'a View<'a>,
-    /// Additive bias data and its (batch, head, row) strides; columns are
-    /// contiguous.
-    bias: Option<(&'a [f32], [usize; 3])>,
+    /// Key padding and attention masks, over the first `masked_keys` keys.
+    parts: &'a [PartView<'a>],
     heads_per_kv: usize,
     /// (q_len, kv_len, head_dim, v_head_dim)
     dims: (usize, usize, usize, usize),
     scale: f32,
-    /// Key `j` is visible to query `i` iff `j <= i + offset`.
+    /// Key `j < masked_keys` is visible to query `i` iff `j <= i + offset`.
     causal: Option<isize>,
+    /// Keys past this (`add_bias_kv`, `add_zero_attn`) are never masked.
+    masked_keys: usize,
 }
 
 impl Problem<'_> {
+    /// One past the last masked key query `i` may see by the causal rule.
+    fn causal_end(&self, i: usize) -> usize {
+        match self.causal {
+            Some(off) => (i as isize + off + 1).clamp(0, self.masked_keys as isize) as usize,
+            None => self.masked_keys,
+        }
+    }
+
+    /// One past the last key query `i` sees: the keys a unit or group
+    /// whose last row is `i` must visit.
+    fn keys_end(&self, i: usize) -> usize {
+        if self.masked_keys < self.dims.1 {
+            self.dims.1
+        } else {
+            self.causal_end(i)
+        }
+    }
+
+    /// Applies the mask to `row`, the scores of query `i` (head `hi`,
+    /// batch `bi`) for keys `j0..j0 + row.len()`: additive parts add to
+    /// the visible keys, and hidden keys are set to `-inf` (set, not added,
+    /// so that a hidden key's NaN score cannot leak).
+    fn mask_row(&self, row: &mut [f32], bi: usize, hi: usize, i: usize, j0: usize) {
+        let masked = self.masked_keys.saturating_sub(j0).min(row.len());
+        let row = &mut row[..masked];
+        if row.is_empty() {
+            return;
+        }
+        let at = |p: &PartView| bi * p.stride[0] + hi * p.stride[1] + i * p.stride[2] + j0 * p.stride[3];
+        for p in self.parts {
+            if let PartData::Additive(data) = p.data {
+                let off = at(p);
+                match p.stride[3] {
+                    0 => simd::add_visible(row, &[data[off]], true),
+                    _ => simd::add_visible(row, &data[off..off + masked], false),
+                }
+            }
+        }
+        for p in self.parts {
+            let off = at(p);
+            match (p.data, p.stride[3]) {
+                (PartData::Additive(data), 0) => simd::hide_where_neg_inf(row, &[data[off]], true),
+                (PartData::Additive(data), _) => {
+                    simd::hide_where_neg_inf(row, &data[off..off + masked], false)
+                }
+                (PartData::HideWhereNonZero(data), 0) => simd::hide_where(row, &[data[off]], true, true),
+                (PartData::HideWhereNonZero(data), _) => {
+                    simd::hide_where(row, &data[off..off + masked], true, false)
+                }
+                (PartData::HideWhereZero(data), 0) => simd::hide_where(row, &[data[off]], false, true),
+                (PartData::HideWhereZero(data), _) => {
+                    simd::hide_where(row, &data[off..off + masked], false, false)
+                }
+            }
+        }
+        let visible = self.causal_end(i).saturating_sub(j0).min(masked);
+        row[visible..].fill(f32::NEG_INFINITY);
+    }
+
     /// Attention for one unit's query rows, written to its output rows.
     fn run_block(&self, unit: Unit) {
         let Unit { bi, hi, i0, rows, .. } = unit;
-        let (_, s, d, dv) = self.dims;
+        let (_, _, d, dv) = self.dims;
         let kvh = hi / self.heads_per_kv;
         // The keys any row of this block may see.
-        let kv_end = match self.causal {
-            Some(off) => ((i0 + rows - 1) as isize + off + 1).clamp(0, s as isize) as usize,
-            None => s,
-        };
+        let kv_end = self.keys_end(i0 + rows - 1);
         let mut acc = vec![0f32; rows * dv];
         let mut row_max = vec![f32::NEG_INFINITY; rows];
         let mut row_sum = vec![0f32; rows];
@@ -363,16 +484,7 @@ impl Problem<'_> {
             }
             for r in 0..rows {
                 let row = &mut tile[r * cols..(r + 1) * cols];
-                if let Some((data, st)) = self.bias {
-                    let off = bi * st[0] + hi * st[1] + (i0 + r) * st[2] + j0;
-                    simd::add_assign(row, &data[off..off + cols]);
-                }
-                if let Some(off) = self.causal {
-                    // Keys past i + offset are hidden from row i.
-                    let visible =
-                        ((i0 + r) as isize + off + 1 - j0 as isize).clamp(0, cols as isize) as usize;
-                    row[visible..].fill(f32::NEG_INFINITY);
-                }
+                self.mask_row(row, bi, hi, i0 + r, j0);
                 let acc_row = &mut acc[r * dv..(r + 1) * dv];
                 simd::online_softmax_row(row, &mut row_max[r], &mut row_sum[r], acc_row);
             }
@@ -412,8 +524,9 @@ impl Problem<'_> {
 /// (of `acc_rs`) over its sum to the unit's output row `r`.
 fn write_rows(acc: &[f32], acc_rs: usize, dv: usize, row_sum: &[f32], unit: Unit) {
     for (r, &sum) in row_sum.iter().enumerate() {
-        // A row that saw no key keeps sum 0 and an all-zero accumulator.
-        let inv = if sum > 0. { 1. / sum } else { 0. };
+        // A row that saw no key keeps sum 0 and an all-zero accumulator; a
+        // NaN row (`simd::poison`) keeps sum NaN and NaN accumulators.
+        let inv = if sum > 0. || sum.is_nan() { 1. / sum } else { 0. };
         for (c, a) in acc[r * acc_rs..][..dv].iter().enumerate() {
             // SAFETY: row r of this unit lies in `out`'s allocation and no
             // other unit writes it (the callers' contract); written, not
@@ -434,7 +547,8 @@ mod simd {
         const LOG2E: f32 = std::f32::consts::LOG2_E;
         // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
         const MAGIC: f32 = 12_582_912.0;
-        let xc = if x > -87.0 { x } else { -87.0 };
+        // NaN passes through (the caller detects it in the row's sum).
+        let xc = if x < -87.0 { -87.0 } else { x };
         let t = xc * LOG2E;
         let r = t + MAGIC;
         let n = r - MAGIC;
@@ -498,15 +612,43 @@ mod simd {
         sum + lanes.iter().sum::<f32>()
     }
 
+    /// Marks a row NaN for good (a NaN or `+inf` score, as PyTorch's
+    /// softmax gives): NaN max, sum and accumulator; the tile row becomes 0
+    /// so that the `P · V` product adds nothing to it.
+    pub(super) fn poison(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+        *m = f32::NAN;
+        *l = f32::NAN;
+        acc.fill(f32::NAN);
+        row.fill(0.);
+    }
+
     #[inline(always)]
     fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-        let new_max = m.max(max_of(row));
-        if new_max == f32::NEG_INFINITY {
-            // Every key so far is masked: weights 0, nothing to rescale.
+        if m.is_nan() {
             row.fill(0.);
             return;
         }
+        // `max_of` skips NaN; a NaN score shows in the sum below.
+        let new_max = m.max(max_of(row));
+        if new_max == f32::NEG_INFINITY {
+            // Every key so far is hidden or scores -inf (weights 0), unless
+            // a score is NaN.
+            if row.iter().any(|x| x.is_nan()) {
+                poison(row, m, l, acc);
+            } else {
+                row.fill(0.);
+            }
+            return;
+        }
+        if new_max == f32::INFINITY {
+            poison(row, m, l, acc);
+            return;
+        }
         let sum = exp_sub_sum(row, new_max);
+        if sum.is_nan() {
+            poison(row, m, l, acc);
+            return;
+        }
         if *m != new_max {
             let alpha = exp_nonpositive(*m - new_max);
             *l *= alpha;
@@ -518,33 +660,81 @@ mod simd {
         *m = new_max;
     }
 
+    /// `row[j] += data[j]` where `data[j]` is not `-inf` (a hiding entry,
+    /// applied by `hide_where_neg_inf`); `broadcast`: one entry for all.
     #[inline(always)]
-    fn add_assign_impl(row: &mut [f32], bias: &[f32]) {
-        for (x, b) in row.iter_mut().zip(bias) {
-            *x += b;
+    fn add_visible_impl(row: &mut [f32], data: &[f32], broadcast: bool) {
+        let add = |x: &mut f32, b: f32| *x += if b == f32::NEG_INFINITY { 0. } else { b };
+        if broadcast {
+            row.iter_mut().for_each(|x| add(x, data[0]));
+        } else {
+            row.iter_mut().zip(data).for_each(|(x, &b)| add(x, b));
         }
     }
 
+    /// `row[j] = -inf` where `data[j]` is `-inf`.
+    #[inline(always)]
+    fn hide_where_neg_inf_impl(row: &mut [f32], data: &[f32], broadcast: bool) {
+        let hide = |x: &mut f32, b: f32| *x = if b == f32::NEG_INFINITY { b } else { *x };
+        if broadcast {
+            row.iter_mut().for_each(|x| hide(x, data[0]));
+        } else {
+            row.iter_mut().zip(data).for_each(|(x, &b)| hide(x, b));
+        }
+    }
+
+    /// `row[j] = -inf` where `(bytes[j] != 0) == nonzero_hides`.
+    #[inline(always)]
+    fn hide_where_impl(row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool) {
+        let hide = |x: &mut f32, b: u8| {
+            *x = if (b != 0) == nonzero_hides {
+                f32::NEG_INFINITY
+            } else {
+                *x
+            }
+        };
+        if broadcast {
+            row.iter_mut().for_each(|x| hide(x, bytes[0]));
+        } else {
+            row.iter_mut().zip(bytes).for_each(|(x, &b)| hide(x, b));
+        }
+    }
+
+    /// Whether every element is finite: `x · 0` is 0 for finite `x` and
+    /// NaN otherwise, summed in independent lanes.
+    #[inline(always)]
+    fn all_finite_impl(xs: &[f32]) -> bool {
+        let mut lanes = [0f32; LANES];
+        let chunks = xs.chunks_exact(LANES);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for (s, &x) in lanes.iter_mut().zip(c) {
+                *s += x * 0.;
+            }
+        }
+        tail.iter().all(|x| x.is_finite()) && lanes.iter().all(|&s| s == 0.)
+    }
+
     macro_rules! dispatch {
-        ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*)) => {
-            pub(super) fn $name($($arg: $ty),*) {
+        ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
+            pub(super) fn $name($($arg: $ty),*) $(-> $ret)? {
                 #[cfg(target_arch = "x86_64")]
                 {
                     #[target_feature(enable = "avx512f")]
-                    unsafe fn avx512($($arg: $ty),*) {
+                    unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                         $impl($($arg),*)
                     }
                     #[target_feature(enable = "avx2,fma")]
-                    unsafe fn avx2($($arg: $ty),*) {
+                    unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                         $impl($($arg),*)
                     }
-                    if is_x86_feature_detected!("avx512f") {
-                        // SAFETY: the feature was detected at run time.
-                        return unsafe { avx512($($arg),*) };
-                    }
-                    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                        // SAFETY: the features were detected at run time.
-                        return unsafe { avx2($($arg),*) };
+                    use super::isa::{current, Isa};
+                    match current() {
+                        // SAFETY: `current` never exceeds what was detected.
+                        Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                        // SAFETY: as above.
+                        Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                        Isa::Portable => {}
                     }
                 }
                 $impl($($arg),*)
@@ -553,7 +743,10 @@ mod simd {
     }
 
     dispatch!(online_softmax_row, online_softmax_row_impl, (row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]));
-    dispatch!(add_assign, add_assign_impl, (row: &mut [f32], bias: &[f32]));
+    dispatch!(add_visible, add_visible_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
+    dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
+    dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
+    dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
 
     #[cfg(test)]
     mod tests {
@@ -628,9 +821,9 @@ mod tests {
             ];
             for (m, mask) in masks.iter().enumerate() {
                 let scale = 0.7 / (d as f64).sqrt().max(1.);
-                let reference = sdpa_reference(&q, &k, &v, mask, Some(scale), None)?.0;
+                let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(scale), None)?.0;
                 for &t in &tiles {
-                    let ours = sdpa_cpu_with(&q, &k, &v, mask, scale, Some(t))?;
+                    let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, scale, Some(t))?;
                     let err = rel_err(&ours, &reference)?;
                     let what = format!("{t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
                     assert!(err < 1e-5, "{what}: relative error {err:e}");
@@ -671,6 +864,129 @@ mod tests {
         Ok(())
     }
 
+    /// Whether `a` and `b` have NaN and infinities (with their signs) in
+    /// the same places and finite values within `tol` of `b`'s largest
+    /// finite magnitude; the first difference otherwise.
+    fn nan_aware_diff(a: &Tensor, b: &Tensor, tol: f32) -> Result<Option<String>> {
+        let a = a.flatten_all()?.to_vec1::<f32>()?;
+        let b = b.flatten_all()?.to_vec1::<f32>()?;
+        let scale = b
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(1e-30f32, |m, x| m.max(x.abs()));
+        for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+            let same = if x.is_finite() && y.is_finite() {
+                (x - y).abs() <= tol * scale
+            } else {
+                (x.is_nan() && y.is_nan()) || x == y
+            };
+            if !same {
+                return Ok(Some(format!("element {i}: {x} vs reference {y}")));
+            }
+        }
+        Ok(None)
+    }
+
+    /// NaN and infinities in q, k, v and additive masks give the same
+    /// result on every tile implementation and instruction set, at decode
+    /// and prefill lengths, as the reference path, NaN for NaN: a hidden
+    /// key takes no part, visible pairs follow IEEE arithmetic.
+    #[test]
+    fn non_finite_inputs_equal_reference_on_every_variant() -> Result<()> {
+        use super::isa::{force, supported};
+        let dev = Device::Cpu;
+        let (b, h, kh, s, d, dv) = (2, 2, 1, 40, 16, 24);
+        let mut tiles = vec![Tiles::Gemm];
+        #[cfg(target_arch = "x86_64")]
+        if super::avx2::available() {
+            tiles.push(Tiles::Avx2);
+        }
+        // (tensor, flat index, value): q is (b, h, l, d), k (b, kh, s, d),
+        // v (b, kh, s, dv), the additive mask (l, s). Key 33 is padding in
+        // batch 0 (length 30) and past the causal diagonal of early rows.
+        let pokes: &[(&str, [usize; 4], f32)] = &[
+            ("q", [0, 1, 2, 3], f32::NAN),
+            ("q", [1, 0, 0, 0], f32::INFINITY),
+            ("k", [0, 0, 5, 1], f32::NAN),
+            ("k", [1, 0, 9, 2], f32::INFINITY),
+            ("k", [0, 0, 33, 0], f32::NAN),
+            ("k", [1, 0, 3, 4], f32::NEG_INFINITY),
+            ("v", [0, 0, 5, 2], f32::NAN),
+            ("v", [1, 0, 7, 0], f32::INFINITY),
+            ("v", [0, 0, 33, 1], f32::NAN),
+            ("v", [0, 0, 2, 5], f32::NEG_INFINITY),
+            ("mask", [0, 0, 1, 4], f32::NAN),
+            ("mask", [0, 0, 0, 2], f32::INFINITY),
+            ("mask", [0, 0, 3, 6], f32::NEG_INFINITY),
+        ];
+        let poke = |t: &Tensor, at: [usize; 4], x: f32| -> Result<Tensor> {
+            let dims = t.dims4()?;
+            let mut data = t.flatten_all()?.to_vec1::<f32>()?;
+            let i = ((at[0] * dims.1 + at[1]) * dims.2 + at[2]) * dims.3 + at[3];
+            data[i] = x;
+            Tensor::from_vec(data, dims, &dev)
+        };
+        let mut checked = 0;
+        for l in [1, 3, 20, 40] {
+            let (q0, k0, v0) = (
+                randn(&[b, h, l, d])?,
+                randn(&[b, kh, s, d])?,
+                randn(&[b, kh, s, dv])?,
+            );
+            let m0 = randn(&[1, 1, l, s])?;
+            for &(what, at, x) in pokes {
+                let at = [
+                    at[0],
+                    at[1],
+                    at[2].min(if what == "q" || what == "mask" {
+                        l - 1
+                    } else {
+                        s - 1
+                    }),
+                    at[3],
+                ];
+                let (mut q, mut k, mut v, mut m) = (q0.clone(), k0.clone(), v0.clone(), m0.clone());
+                match what {
+                    "q" => q = poke(&q, at, x)?,
+                    "k" => k = poke(&k, at, x)?,
+                    "v" => v = poke(&v, at, x)?,
+                    _ => m = poke(&m, at, x)?,
+                }
+                let padding = KeyPaddingMask::from_lengths(&[30, s], s, &dev)?;
+                let masks = [
+                    Mask::new(),
+                    Mask::causal(Causal::BottomRight),
+                    Mask::new().with_key_padding(padding.clone()),
+                    Mask::causal(Causal::TopLeft)
+                        .with_key_padding(padding)
+                        .with_attn(AttnMask::Additive(m.clone())),
+                    Mask::new().with_attn(AttnMask::IgnoreWhereTrue(m.ge(1.)?)),
+                ];
+                for (mi, mask) in masks.iter().enumerate() {
+                    let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(0.5), None)?.0;
+                    for isa in supported() {
+                        force(Some(isa));
+                        for &t in &tiles {
+                            #[cfg(target_arch = "x86_64")]
+                            if t == Tiles::Avx2 && !super::avx2::available() {
+                                continue;
+                            }
+                            let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, 0.5, Some(t))?;
+                            if let Some(diff) = nan_aware_diff(&ours, &reference, 1e-5)? {
+                                force(None);
+                                panic!("{isa:?} {t:?} q_len {l}, {what}{at:?} = {x}, mask {mi}: {diff}");
+                            }
+                            checked += 1;
+                        }
+                    }
+                    force(None);
+                }
+            }
+        }
+        assert!(checked > 0);
+        Ok(())
+    }
+
     /// Zero-width heads take the path that handles them: scores of 0 (a
     /// plain average of the values), and an empty output.
     #[test]
@@ -682,8 +998,8 @@ mod tests {
                 randn(&[1, 2, 7, dv])?,
             );
             let mask = Mask::causal(Causal::TopLeft);
-            let reference = sdpa_reference(&q, &k, &v, &mask, Some(1.), None)?.0;
-            let ours = sdpa_cpu_with(&q, &k, &v, &mask, 1., None)?;
+            let reference = sdpa_reference(&q, &k, &v, &mask, 0, Some(1.), None)?.0;
+            let ours = sdpa_cpu_with(&q, &k, &v, &mask, 0, 1., None)?;
             assert_eq!(ours.dims(), reference.dims());
             if dv > 0 {
                 assert!(rel_err(&ours, &reference)? < 1e-6, "head dims ({d}, {dv})");

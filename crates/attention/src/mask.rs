@@ -236,6 +236,145 @@ impl Mask {
     }
 }
 
+/// One mask tensor as the tiled CPU kernel reads it: in its own broadcast
+/// shape (4-D, broadcastable to `(batch, heads, q_len, kv_len)`,
+/// contiguous), never expanded to the full score shape.
+#[derive(Debug, Clone)]
+pub(crate) enum MaskPart {
+    /// `u8`; a non-zero entry hides the pair.
+    HideWhereNonZero(Tensor),
+    /// `u8`; a zero entry hides the pair.
+    HideWhereZero(Tensor),
+    /// `f32`, added to the scores of visible pairs; `-inf` hides the pair.
+    Additive(Tensor),
+}
+
+impl MaskPart {
+    pub(crate) fn tensor(&self) -> &Tensor {
+        match self {
+            Self::HideWhereNonZero(t) | Self::HideWhereZero(t) | Self::Additive(t) => t,
+        }
+    }
+
+    /// `(hidden, added)`: `u8`, 1 where this part hides a pair, and the
+    /// `f32` values it adds to the visible pairs (`None` for boolean parts).
+    fn hidden_and_added(&self) -> Result<(Tensor, Option<Tensor>)> {
+        Ok(match self {
+            Self::HideWhereNonZero(t) => (t.ne(0f64)?, None),
+            Self::HideWhereZero(t) => (t.eq(0f64)?, None),
+            Self::Additive(a) => {
+                let hidden = a.eq(f64::NEG_INFINITY)?;
+                let added = hidden.where_cond(&a.zeros_like()?, a)?;
+                (hidden, Some(added))
+            }
+        })
+    }
+}
+
+impl Mask {
+    /// The key padding and attention masks as [`MaskPart`]s over
+    /// `(batch, heads, q_len, kv_len)`, validated; the causal rule is not
+    /// among them.
+    pub(crate) fn tensor_parts(
+        &self,
+        (batch, heads, q_len, kv_len): (usize, usize, usize, usize),
+    ) -> Result<Vec<MaskPart>> {
+        self.validate(batch, heads, q_len, kv_len)?;
+        let mut parts = Vec::new();
+        if let Some(kp) = &self.key_padding {
+            let kp4 = |t: Tensor| t.reshape((batch, 1, 1, kv_len))?.contiguous();
+            parts.push(match kp {
+                KeyPaddingMask::PadWhereTrue(t) => {
+                    MaskPart::HideWhereNonZero(kp4(as_u8(t, "key_padding_mask (PadWhereTrue)")?)?)
+                }
+                KeyPaddingMask::Additive(t) => {
+                    MaskPart::Additive(kp4(float_to_bias(t, "key_padding_mask (Additive)")?)?)
+                }
+            });
+        }
+        if let Some(am) = &self.attn {
+            let am4 = |t: Tensor| attn_mask_as_4d(&t, batch, heads, q_len, kv_len)?.contiguous();
+            parts.push(match am {
+                AttnMask::IgnoreWhereTrue(t) => {
+                    MaskPart::HideWhereNonZero(am4(as_u8(t, "attn_mask (IgnoreWhereTrue)")?)?)
+                }
+                AttnMask::AttendWhereTrue(t) => {
+                    MaskPart::HideWhereZero(am4(as_u8(t, "attn_mask (AttendWhereTrue)")?)?)
+                }
+                AttnMask::Additive(t) => MaskPart::Additive(am4(float_to_bias(t, "attn_mask (Additive)")?)?),
+            });
+        }
+        Ok(parts)
+    }
+
+    /// The mask as the reference path applies it, over `(batch, heads,
+    /// q_len, kv_len + appended)`: `hidden` (`u8`, 1 where any part or the
+    /// causal rule hides a pair) and `added` (`f32`, the sum of the
+    /// additive parts over the pairs no part hides), each broadcastable to
+    /// that shape, `None` where no part contributes. The last `appended`
+    /// keys (`add_bias_kv`, `add_zero_attn`) are visible to every query.
+    pub(crate) fn hidden_and_added(
+        &self,
+        (batch, heads, q_len, kv_len): (usize, usize, usize, usize),
+        appended: usize,
+        device: &Device,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut hidden: Option<Tensor> = None;
+        let mut added: Option<Tensor> = None;
+        let merge =
+            |acc: &mut Option<Tensor>, t: Tensor, f: fn(&Tensor, &Tensor) -> Result<Tensor>| -> Result<()> {
+                *acc = Some(match acc.take() {
+                    None => t,
+                    Some(a) => f(&a, &t)?,
+                });
+                Ok(())
+            };
+        if let Some(c) = self.causal {
+            let t = causal_hidden(c, q_len, kv_len, device)?.reshape((1, 1, q_len, kv_len))?;
+            merge(&mut hidden, t, Tensor::broadcast_maximum)?;
+        }
+        for part in self.tensor_parts((batch, heads, q_len, kv_len))? {
+            let (h, a) = part.hidden_and_added()?;
+            merge(&mut hidden, h, Tensor::broadcast_maximum)?;
+            if let Some(a) = a {
+                merge(&mut added, a, Tensor::broadcast_add)?;
+            }
+        }
+        let pad = |t: Option<Tensor>| -> Result<Option<Tensor>> {
+            match t {
+                Some(t) if appended > 0 => {
+                    let (d0, d1, d2, _) = t.dims4()?;
+                    Ok(Some(
+                        t.broadcast_as((d0, d1, d2, kv_len))?
+                            .pad_with_zeros(3, 0, appended)?,
+                    ))
+                }
+                t => Ok(t),
+            }
+        };
+        Ok((pad(hidden)?, pad(added)?))
+    }
+}
+
+/// `(q_len, kv_len)` `u8`: 1 above the causal diagonal.
+fn causal_hidden(c: Causal, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
+    let data: Vec<u8> = (0..q_len)
+        .flat_map(|i| (0..kv_len).map(move |j| u8::from(!c.allows(i, j, q_len, kv_len))))
+        .collect();
+    Tensor::from_vec(data, (q_len, kv_len), device)
+}
+
+/// A boolean (integer) mask as `u8`, non-zero = true: the tensor itself
+/// when it is `u8` already.
+fn as_u8(t: &Tensor, what: &str) -> Result<Tensor> {
+    check_bool(t, what)?;
+    if t.dtype() == DType::U8 {
+        Ok(t.clone())
+    } else {
+        t.ne(0f64)
+    }
+}
+
 /// `(q_len, kv_len)` bias: `0` where allowed, `-inf` above the diagonal.
 pub(crate) fn causal_bias(c: Causal, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
     let data: Vec<f32> = (0..q_len)
@@ -281,13 +420,7 @@ fn attn_mask_as_4d(t: &Tensor, batch: usize, heads: usize, q_len: usize, kv_len:
 /// Boolean (integer) mask to an `f32` bias; `masked_when` says which value
 /// of the mask removes the pair.
 fn bool_to_bias(t: &Tensor, what: &str, masked_when: bool) -> Result<Tensor> {
-    if !t.dtype().is_int() {
-        bail!(
-            "{what}: a boolean mask must be an integer tensor (u8/u32/i64, non-zero = true), \
-             found {:?}; use the Additive variant for a float mask",
-            t.dtype()
-        )
-    }
+    check_bool(t, what)?;
     let neg = Tensor::new(f32::NEG_INFINITY, t.device())?.broadcast_as(t.shape())?;
     let zero = Tensor::new(0f32, t.device())?.broadcast_as(t.shape())?;
     if masked_when {
@@ -295,6 +428,17 @@ fn bool_to_bias(t: &Tensor, what: &str, masked_when: bool) -> Result<Tensor> {
     } else {
         t.where_cond(&zero, &neg)
     }
+}
+
+fn check_bool(t: &Tensor, what: &str) -> Result<()> {
+    if !t.dtype().is_int() {
+        bail!(
+            "{what}: a boolean mask must be an integer tensor (u8/u32/i64, non-zero = true), \
+             found {:?}; use the Additive variant for a float mask",
+            t.dtype()
+        )
+    }
+    Ok(())
 }
 
 fn float_to_bias(t: &Tensor, what: &str) -> Result<Tensor> {

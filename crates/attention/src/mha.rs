@@ -3,17 +3,17 @@
 //! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
-use candle::{bail, DType, Result, Tensor, D};
+use candle::{bail, DType, Result, Tensor};
 use candle_nn::{Init, Linear, Module, VarBuilder};
 
 use crate::norm::LayerNorm;
 
 use crate::config::MhaConfig;
 use crate::layout::WeightLayout;
-use crate::mask::{AttnMask, KeyPaddingMask, Mask};
+use crate::mask::{KeyPaddingMask, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 use crate::projection::{linear, xavier_uniform, InProjection};
-use crate::sdpa::{scaled_dot_product_attention_via, sdpa_reference, AttnPath};
+use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 
 /// Multi-head attention, `torch.nn.MultiheadAttention`.
 ///
@@ -266,26 +266,9 @@ impl MultiheadAttention {
             v = Tensor::cat(&[&v, &zeros], 2)?;
             extra_keys += 1;
         }
-        let padded;
-        let mask = if extra_keys > 0 && !mask.is_empty() {
-            // The appended keys are visible to every query (PyTorch pads its
-            // masks with zeros), so the mask is materialised over the
-            // original keys and padded.
-            padded = match mask.to_bias((b, h, l, s), query.device())? {
-                Some(bias) => {
-                    let (d0, d1, d2, _) = bias.dims4()?;
-                    let bias =
-                        bias.broadcast_as((d0, d1, d2, s))?
-                            .pad_with_zeros(D::Minus1, 0, extra_keys)?;
-                    Mask::new().with_attn(AttnMask::Additive(bias))
-                }
-                None => Mask::new(),
-            };
-            &padded
-        } else {
-            mask
-        };
-        self.attend(&q, &k, &v, mask, opts)
+        // The appended keys are visible to every query (PyTorch pads its
+        // masks with zeros): the mask covers the keys before them.
+        self.attend(&q, &k, &v, mask, extra_keys, opts)
     }
 
     /// Projects keys and values and splits them into heads, for reuse across
@@ -349,7 +332,7 @@ impl MultiheadAttention {
         let q = self.in_proj.forward_q(query, self.cfg.embed_dim)?;
         let q = self.norm_q(&self.split_heads(&q)?)?;
         let opts = MhaOptions::new().with_weights(need_weights);
-        let (output, weights) = self.attend(&q, k, v, mask, &opts)?;
+        let (output, weights) = self.attend(&q, k, v, mask, 0, &opts)?;
         Ok(MhaOutput { output, weights })
     }
 
@@ -398,13 +381,15 @@ impl MultiheadAttention {
 
     /// Heads `(B, H, L, hd)`, `(B, H, S, hd)` → output projection of the
     /// merged attention `(B, L, E)`, and the weights asked for. Weights and
-    /// dropout need the reference path; otherwise `opts.path` decides.
+    /// dropout need the reference path; otherwise `opts.path` decides. The
+    /// last `appended` keys lie outside `mask`.
     fn attend(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         mask: &Mask,
+        appended: usize,
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (b, _, l, _) = q.dims4()?;
@@ -412,7 +397,7 @@ impl MultiheadAttention {
         // (B, H, L, hd), (B, H, L, S)
         let (out, weights) = if opts.need_weights == NeedWeights::No && dropout.is_none() {
             (
-                scaled_dot_product_attention_via(q, k, v, mask, self.cfg.scale, opts.path)?,
+                sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path)?,
                 None,
             )
         } else {
@@ -423,7 +408,7 @@ impl MultiheadAttention {
                     opts.path
                 )
             }
-            let (out, weights) = sdpa_reference(q, k, v, mask, self.cfg.scale, dropout)?;
+            let (out, weights) = sdpa_reference(q, k, v, mask, appended, self.cfg.scale, dropout)?;
             (out, Some(weights))
         };
         // (B, L, E)

@@ -66,8 +66,9 @@ pub enum AttnPath {
 }
 
 impl AttnPath {
-    /// Why `self` cannot serve this call, if it cannot. `Auto` always can.
-    fn refusal(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Option<String> {
+    /// Why `self` cannot serve this call, if it cannot. `Auto` and
+    /// `Reference` always can (the reference path serves every valid call).
+    fn refusal(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, appended: usize) -> Option<String> {
         let grads = q.track_op() || k.track_op() || v.track_op();
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
@@ -79,16 +80,20 @@ impl AttnPath {
                     q.device()
                 )
             }),
-            AttnPath::FlashAttn => flash::refusal(q, k, mask),
-            AttnPath::MetalFused => metal::refusal(q, k, mask),
+            _ if appended > 0 => Some(
+                "keys appended past the mask (add_bias_kv, add_zero_attn) need the reference or CPU path"
+                    .into(),
+            ),
+            AttnPath::FlashAttn => flash::refusal(q, k, v, mask),
+            AttnPath::MetalFused => metal::refusal(q, k, v, mask),
         }
     }
 
     /// The path `Auto` takes for this call.
-    fn resolve(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> AttnPath {
+    fn resolve(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, appended: usize) -> AttnPath {
         [AttnPath::FlashAttn, AttnPath::MetalFused, AttnPath::CpuTiled]
             .into_iter()
-            .find(|p| p.refusal(q, k, v, mask).is_none())
+            .find(|p| p.refusal(q, k, v, mask, appended).is_none())
             .unwrap_or(AttnPath::Reference)
     }
 }
@@ -103,20 +108,47 @@ pub fn scaled_dot_product_attention_via(
     scale: Option<f64>,
     path: AttnPath,
 ) -> Result<Tensor> {
+    sdpa_dispatch(q, k, v, mask, 0, scale, path)
+}
+
+/// The dispatch behind every attention call. The last `appended` keys
+/// (`add_bias_kv`, `add_zero_attn`) lie outside the mask: every query sees
+/// them, and `mask` covers the keys before them.
+pub(crate) fn sdpa_dispatch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: Option<f64>,
+    path: AttnPath,
+) -> Result<Tensor> {
     check_qkv(q, k, v)?;
-    if let Some(why) = path.refusal(q, k, v, mask) {
+    let scale = check_scale(scale, q.dim(3)?)?;
+    if let Some(why) = path.refusal(q, k, v, mask, appended) {
         bail!("sdpa: the {path:?} path cannot serve this call: {why}")
     }
     let path = match path {
-        AttnPath::Auto => AttnPath::resolve(q, k, v, mask),
+        AttnPath::Auto => AttnPath::resolve(q, k, v, mask, appended),
         p => p,
     };
-    let scale = scale.unwrap_or(1. / (q.dim(3)? as f64).sqrt());
     match path {
-        AttnPath::CpuTiled => cpu_kernel::sdpa_cpu(q, k, v, mask, scale),
+        AttnPath::CpuTiled => cpu_kernel::sdpa_cpu(q, k, v, mask, appended, scale),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
-        AttnPath::Auto | AttnPath::Reference => Ok(sdpa_reference(q, k, v, mask, Some(scale), None)?.0),
+        AttnPath::Auto | AttnPath::Reference => {
+            Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0)
+        }
+    }
+}
+
+/// The scale to use: `1 / sqrt(head_dim)` by default; a given one must be
+/// finite and positive (NaN would silently zero every output).
+pub(crate) fn check_scale(scale: Option<f64>, head_dim: usize) -> Result<f64> {
+    match scale {
+        None => Ok(1. / (head_dim.max(1) as f64).sqrt()),
+        Some(s) if s.is_finite() && s > 0. => Ok(s),
+        Some(s) => bail!("sdpa: scale must be finite and > 0, found {s}"),
     }
 }
 
@@ -127,10 +159,23 @@ mod flash {
     use crate::mask::Mask;
 
     #[cfg(feature = "flash-attn")]
-    pub(super) fn refusal(q: &Tensor, k: &Tensor, mask: &Mask) -> Option<String> {
+    pub(super) fn refusal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Option<String> {
         use candle::DType;
-        let (_, _, l, d) = q.dims4().ok()?;
-        let s = k.dim(2).ok()?;
+        // Fail closed: a shape that cannot be read is a refusal.
+        let (Ok((_, h, l, d)), Ok((_, kh, s, _)), Ok(dv)) = (q.dims4(), k.dims4(), v.dim(3)) else {
+            return Some(format!(
+                "needs 4-D q, k, v, found {:?}, {:?}, {:?}",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            ));
+        };
+        if dv != d {
+            return Some(format!("needs v's head_dim ({dv}) equal to q's ({d})"));
+        }
+        if kh == 0 || h % kh != 0 {
+            return Some(format!("needs q heads ({h}) a multiple of k/v heads ({kh})"));
+        }
         if !q.device().is_cuda() {
             return Some("needs a CUDA device".into());
         }
@@ -162,7 +207,7 @@ mod flash {
     }
 
     #[cfg(not(feature = "flash-attn"))]
-    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
+    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
         Some("built without the `flash-attn` feature".into())
     }
 
@@ -179,9 +224,21 @@ mod metal {
     use crate::mask::Mask;
 
     #[cfg(feature = "metal")]
-    pub(super) fn refusal(q: &Tensor, k: &Tensor, mask: &Mask) -> Option<String> {
-        let (_, _, l, d) = q.dims4().ok()?;
-        let s = k.dim(2).ok()?;
+    pub(super) fn refusal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Option<String> {
+        // Fail closed: a shape that cannot be read is a refusal.
+        let (Ok((_, h, l, d)), Ok((_, kh, s, _)), Ok(dv)) = (q.dims4(), k.dims4(), v.dim(3)) else {
+            return Some(format!(
+                "needs 4-D q, k, v, found {:?}, {:?}, {:?}",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            ));
+        };
+        if dv != d || kh != h {
+            return Some(format!(
+                "needs v's head_dim ({dv}) equal to q's ({d}) and as many k/v heads ({kh}) as q heads ({h})"
+            ));
+        }
         if !q.device().is_metal() {
             return Some("needs a Metal device".into());
         }
@@ -205,7 +262,7 @@ mod metal {
     }
 
     #[cfg(not(feature = "metal"))]
-    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
+    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
         Some("built without the `metal` feature".into())
     }
 
@@ -224,7 +281,9 @@ pub fn scaled_dot_product_attention_with_weights(
     mask: &Mask,
     scale: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
-    sdpa_reference(q, k, v, mask, scale, None)
+    check_qkv(q, k, v)?;
+    let scale = check_scale(scale, q.dim(3)?)?;
+    sdpa_reference(q, k, v, mask, 0, Some(scale), None)
 }
 
 /// The dims `(batch, heads, q_len, kv_len, kv_heads)` of a valid call, or an
@@ -298,35 +357,90 @@ pub(crate) fn masked_softmax_last_dim(scores: &Tensor) -> Result<Tensor> {
 
 /// The reference path: materialises the `(q_len, kv_len)` scores. Applies
 /// dropout with probability `dropout` to the weights when given. Returns
-/// the output and the weights.
+/// the output and the weights. The last `appended` keys lie outside the
+/// mask (see [`sdpa_dispatch`]).
+///
+/// It defines what every path computes where values are not finite: a pair
+/// hidden by the mask takes no part at all (its score is `-inf` and its
+/// value is not read), while visible pairs follow IEEE arithmetic as
+/// PyTorch does: a NaN or `+inf` score makes the query's row NaN, and a NaN
+/// or infinite value reaches every query that sees its key.
 pub(crate) fn sdpa_reference(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     mask: &Mask,
+    appended: usize,
     scale: Option<f64>,
     dropout: Option<f32>,
 ) -> Result<(Tensor, Tensor)> {
     let (b, h, l, s, _) = check_qkv(q, k, v)?;
-    let head_dim = q.dim(3)?;
-    let scale = scale.unwrap_or(1. / (head_dim as f64).sqrt());
+    let scale = check_scale(scale, q.dim(3)?)?;
+    let masked_len = s.saturating_sub(appended);
     let k = repeat_kv(k, h)?;
     let v = repeat_kv(v, h)?;
     // (B, H, L, S), in f32: f16 products overflow past 65504 and half
     // precision loses the small differences the softmax amplifies.
     let q = q.to_dtype(DType::F32)?.contiguous()?;
     let k = k.to_dtype(DType::F32)?.contiguous()?;
-    let scores = (q.matmul(&k.t()?)? * scale)?;
-    let scores = match mask.to_bias((b, h, l, s), q.device())? {
-        Some(bias) => scores.broadcast_add(&bias)?,
-        None => scores,
-    };
+    let mut scores = (q.matmul(&k.t()?)? * scale)?;
+    let (hidden, added) = mask.hidden_and_added((b, h, l, masked_len), appended, q.device())?;
+    if let Some(added) = &added {
+        scores = scores.broadcast_add(added)?;
+    }
+    let hidden = hidden.map(|m| m.broadcast_as(scores.shape())).transpose()?;
+    if let Some(hidden) = &hidden {
+        // Set, not added: a hidden pair's NaN score must not leak.
+        let neg = Tensor::new(f32::NEG_INFINITY, q.device())?.broadcast_as(scores.shape())?;
+        scores = hidden.where_cond(&neg, &scores)?;
+    }
     let mut weights = masked_softmax_last_dim(&scores)?;
     if let Some(p) = dropout.filter(|&p| p > 0.) {
         weights = candle_nn::ops::dropout(&weights, p)?;
     }
     let weights = weights.to_dtype(v.dtype())?;
     // (B, H, L, Dv)
-    let out = weights.matmul(&v.contiguous()?)?;
+    let out = weighted_values(&weights, hidden.as_ref(), &v.contiguous()?)?;
     Ok((out, weights))
+}
+
+/// `weights · v`, where a key hidden from a query contributes nothing to
+/// it even when its value is NaN or infinite (a plain product would give
+/// `0 · NaN = NaN`); visible keys follow IEEE arithmetic.
+///
+/// # Shapes
+/// - `weights`: `(B, H, L, S)`, `hidden`: `u8`, the same, `v`: `(B, H, S, Dv)`
+fn weighted_values(weights: &Tensor, hidden: Option<&Tensor>, v: &Tensor) -> Result<Tensor> {
+    let Some(hidden) = hidden.filter(|_| v.elem_count() > 0) else {
+        return weights.matmul(v);
+    };
+    // `x - x` is 0 for finite x and NaN otherwise.
+    let finite = v.sub(v)?.eq(0f64)?;
+    let all_finite = finite.flatten_all()?.min(0)?.to_scalar::<u8>()? == 1;
+    if all_finite {
+        return weights.matmul(v);
+    }
+    let dtype = v.dtype();
+    let zeros = v.zeros_like()?;
+    let out = weights.matmul(&finite.where_cond(v, &zeros)?)?;
+    // What the non-finite values add, counted through indicator products
+    // over the visible keys: any NaN, or an infinity times a zero weight,
+    // or infinities of both signs give NaN; else an infinity wins.
+    let f = |t: Tensor| t.to_dtype(dtype);
+    let visible = f(hidden.eq(0f64)?)?;
+    let positive = (&visible * f(weights.gt(0f64)?)?)?;
+    let zero = (&visible * f(weights.eq(0f64)?)?)?;
+    let nan = visible.matmul(&f(v.ne(v)?)?)?.gt(0f64)?;
+    let pos_inf = f(v.eq(f64::INFINITY)?)?;
+    let neg_inf = f(v.eq(f64::NEG_INFINITY)?)?;
+    let plus = positive.matmul(&pos_inf)?.gt(0f64)?;
+    let minus = positive.matmul(&neg_inf)?.gt(0f64)?;
+    let inf_times_zero = zero.matmul(&(pos_inf + neg_inf)?)?.gt(0f64)?;
+    let full = |x: f64| Tensor::full(x, out.shape(), out.device())?.to_dtype(dtype);
+    let out = minus.where_cond(&full(f64::NEG_INFINITY)?, &out)?;
+    let out = plus.where_cond(&full(f64::INFINITY)?, &out)?;
+    let nan = nan
+        .broadcast_maximum(&inf_times_zero)?
+        .broadcast_maximum(&plus.minimum(&minus)?)?;
+    nan.where_cond(&full(f64::NAN)?, &out)
 }

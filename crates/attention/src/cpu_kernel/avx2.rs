@@ -36,12 +36,13 @@ pub(super) const MIN_Q_LEN: usize = 16;
 
 /// Whether this CPU runs the micro-kernels and `gemm` has nothing faster.
 pub(super) fn preferred() -> bool {
-    available() && !is_x86_feature_detected!("avx512f")
+    super::isa::current() == super::isa::Isa::Avx2
 }
 
 /// Whether this CPU runs the micro-kernels at all.
+#[cfg(test)]
 pub(super) fn available() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    super::isa::current() >= super::isa::Isa::Avx2
 }
 
 /// Keys and values of every (batch, kv-head), packed for the micro-kernels.
@@ -276,16 +277,11 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
     let mut row_max = vec![f32::NEG_INFINITY; rows];
     let mut row_sum = vec![0f32; rows];
     let mut strip = vec![0f32; MR * STRIP_RS];
-    // One past the last key row `i` may see.
-    let visible_end = |i: usize| match p.causal {
-        Some(off) => (i as isize + off + 1).clamp(0, s as isize) as usize,
-        None => s,
-    };
-    let kv_end = visible_end(i0 + rows - 1);
+    let kv_end = p.keys_end(i0 + rows - 1);
     for j0 in (0..kv_end).step_by(BLOCK_K) {
         for g0 in (0..rows).step_by(MR) {
             let gr = MR.min(rows - g0);
-            let cols = visible_end(i0 + g0 + gr - 1).min(j0 + BLOCK_K).saturating_sub(j0);
+            let cols = p.keys_end(i0 + g0 + gr - 1).min(j0 + BLOCK_K).saturating_sub(j0);
             if cols == 0 {
                 continue;
             }
@@ -309,12 +305,10 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
             for r in 0..gr {
                 let i = i0 + g0 + r;
                 let row = &mut strip[r * STRIP_RS..][..width];
-                if let Some((data, st)) = p.bias {
-                    let off = bi * st[0] + hi * st[1] + i * st[2] + j0;
-                    simd::add_assign(&mut row[..cols], &data[off..off + cols]);
-                }
-                let visible = visible_end(i).saturating_sub(j0).min(cols);
-                row[visible..].fill(f32::NEG_INFINITY);
+                p.mask_row(&mut row[..cols], bi, hi, i, j0);
+                // Keys past the group's last row's, and the vector's tail.
+                let end = p.keys_end(i).saturating_sub(j0).min(cols);
+                row[end..].fill(f32::NEG_INFINITY);
                 let a = &mut acc[(g0 + r) * dvp..][..dvp];
                 // SAFETY: AVX2+FMA (the caller's contract); `width` and `dvp`
                 // are multiples of 8.
@@ -474,17 +468,31 @@ unsafe fn weighted_values_rows<const R: usize>(
 /// AVX2+FMA; `row.len()` and `acc.len()` are multiples of 8.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    if m.is_nan() {
+        row.fill(0.);
+        return;
+    }
     let n = row.len();
     let x = row.as_mut_ptr();
     // SAFETY: (here and below) whole vectors inside `row` and `acc`.
     unsafe {
+        // `max_ps` may drop a NaN (it returns its second operand when
+        // either is NaN); a NaN score still shows in the sum below.
         let mut mx = _mm256_set1_ps(*m);
         for j in (0..n).step_by(8) {
             mx = _mm256_max_ps(mx, _mm256_loadu_ps(x.add(j)));
         }
         let new_max = hmax(mx);
         if new_max == f32::NEG_INFINITY {
-            row.fill(0.);
+            if row.iter().any(|x| x.is_nan()) {
+                simd::poison(row, m, l, acc);
+            } else {
+                row.fill(0.);
+            }
+            return;
+        }
+        if new_max == f32::INFINITY {
+            simd::poison(row, m, l, acc);
             return;
         }
         let mv = _mm256_set1_ps(new_max);
@@ -504,7 +512,11 @@ unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f
             _mm256_storeu_ps(x.add(pairs), e);
             s0 = _mm256_add_ps(s0, e);
         }
-        let sum = _mm256_add_ps(s0, s1);
+        let sum = hsum(_mm256_add_ps(s0, s1));
+        if sum.is_nan() {
+            simd::poison(row, m, l, acc);
+            return;
+        }
         if *m != new_max {
             let scale = simd::exp_nonpositive(*m - new_max);
             let alpha = _mm256_set1_ps(scale);
@@ -514,7 +526,7 @@ unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f
                 _mm256_storeu_ps(a.add(j), _mm256_mul_ps(_mm256_loadu_ps(a.add(j)), alpha));
             }
         }
-        *l += hsum(sum);
+        *l += sum;
         *m = new_max;
     }
 }

@@ -1,0 +1,92 @@
+//! The one place that picks the instruction set the CPU code runs with.
+//!
+//! The best the processor has, unless `MULTIHEAD_CPU_ISA` (`avx512`,
+//! `avx2` or `portable`, read once) or [`force`] (tests) asks for less;
+//! asking for more than the processor has gets what it has.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+/// Instruction sets, weakest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Isa {
+    /// Plain Rust, compiled for the baseline target.
+    Portable,
+    /// AVX2 and FMA.
+    Avx2,
+    /// AVX-512F (with AVX2 and FMA).
+    Avx512,
+}
+
+impl Isa {
+    const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    fn parse(name: &str) -> Option<Isa> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "portable" => Some(Isa::Portable),
+            "avx2" => Some(Isa::Avx2),
+            "avx512" => Some(Isa::Avx512),
+            _ => None,
+        }
+    }
+}
+
+/// What the processor runs.
+fn detected() -> Isa {
+    static DETECTED: OnceLock<Isa> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return if is_x86_feature_detected!("avx512f") {
+                    Isa::Avx512
+                } else {
+                    Isa::Avx2
+                };
+            }
+        }
+        Isa::Portable
+    })
+}
+
+/// `MULTIHEAD_CPU_ISA`, read once; an unknown name is ignored with a
+/// warning on stderr.
+fn from_env() -> Option<Isa> {
+    static ENV: OnceLock<Option<Isa>> = OnceLock::new();
+    *ENV.get_or_init(|| {
+        let name = std::env::var("MULTIHEAD_CPU_ISA").ok()?;
+        let isa = Isa::parse(&name);
+        if isa.is_none() {
+            eprintln!("multihead: MULTIHEAD_CPU_ISA={name:?} is not avx512, avx2 or portable; ignored");
+        }
+        isa
+    })
+}
+
+/// 0: not forced; else 1 + the index in `Isa::ALL`.
+static FORCED: AtomicU8 = AtomicU8::new(0);
+
+/// The instruction set to run with now.
+pub(crate) fn current() -> Isa {
+    let forced = match FORCED.load(Ordering::Relaxed) {
+        0 => from_env(),
+        i => Isa::ALL.get(usize::from(i) - 1).copied(),
+    };
+    forced.map_or(detected(), |f| f.min(detected()))
+}
+
+/// Forces an instruction set (`None`: back to the default) for the whole
+/// process; tests use it to run every variant the processor supports.
+#[cfg(test)]
+pub(crate) fn force(isa: Option<Isa>) {
+    let i = isa.map_or(0, |isa| {
+        Isa::ALL.iter().position(|&x| x == isa).map_or(0, |i| i as u8 + 1)
+    });
+    FORCED.store(i, Ordering::Relaxed);
+}
+
+/// Every instruction set this processor runs, weakest first.
+#[cfg(test)]
+pub(crate) fn supported() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|&i| i <= detected()).collect()
+}
