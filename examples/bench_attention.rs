@@ -5,10 +5,16 @@
 //! ```text
 //! cargo run --release --example bench_attention            # the table's shapes
 //! cargo run --release --example bench_attention -- --peak-rss 16384
+//! cargo run --release --example bench_attention -- --mask-memory
 //! ```
 //!
 //! `--peak-rss N` runs one B1 H8 hd64 self-attention of N tokens through the
 //! default path and reports the process's peak resident memory.
+//! `--mask-memory` runs B4 H2 N4096 hd64 self-attention with each kind of
+//! mask and reports the memory each call adds at its peak (the peak
+//! resident set, reset before the call, less the resident set before it:
+//! inputs and the mask tensor itself are not counted), beside the
+//! unmasked call's.
 //! `--only TEXT` times only our path, on the works whose label contains
 //! TEXT: what to run under a profiler, e.g.
 //!
@@ -168,6 +174,87 @@ fn peak_rss(n: usize) -> Result<()> {
     Ok(())
 }
 
+/// A line of `/proc/self/status`, in MiB.
+fn status_mib(key: &str) -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {key} in /proc/self/status"))?;
+    Ok(kb as f64 / 1024.)
+}
+
+/// The masks `--mask-memory` compares, over `(b, n)`.
+fn memory_masks(b: usize, n: usize) -> Result<Vec<(&'static str, Mask)>> {
+    use multihead::attention::{AttnMask, KeyPaddingMask};
+    let dev = Device::Cpu;
+    let lengths: Vec<usize> = (0..b).map(|i| n - i * n / 8).collect();
+    let pairs = randn(&[n, n])?;
+    let padding = || KeyPaddingMask::from_lengths(&lengths, n, &dev);
+    Ok(vec![
+        ("none", Mask::new()),
+        ("causal", Mask::causal(Causal::TopLeft)),
+        ("key padding (B, S) u8", Mask::new().with_key_padding(padding()?)),
+        (
+            "attn (L, S) u8",
+            Mask::new().with_attn(AttnMask::IgnoreWhereTrue(pairs.ge(1.)?)),
+        ),
+        (
+            "attn (L, S) f32",
+            Mask::new().with_attn(AttnMask::Additive((pairs.ge(1.)?.to_dtype(DType::F32)? * -1e9)?)),
+        ),
+        (
+            "causal + key padding + attn (L, S) u8",
+            Mask::causal(Causal::TopLeft)
+                .with_key_padding(padding()?)
+                .with_attn(AttnMask::AttendWhereTrue(pairs.ge(-1.)?)),
+        ),
+    ])
+}
+
+/// One `--mask-memory` case, in a process of its own: the memory the call
+/// adds at its peak (the peak resident set, reset before the call, less
+/// the resident set before it) and the process's whole peak.
+fn mask_memory_case(case: usize) -> Result<()> {
+    let (b, h, n, d) = (4, 2, 4096, 64);
+    let (q, k, v) = (
+        randn(&[b, h, n, d])?,
+        randn(&[b, h, n, d])?,
+        randn(&[b, h, n, d])?,
+    );
+    let masks = memory_masks(b, n)?;
+    let (what, mask) = masks.get(case).context("no such mask case")?;
+    // Linux resets the peak resident set (VmHWM) to the current one when 5
+    // is written to clear_refs.
+    std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
+    let before = status_mib("VmRSS:")?;
+    let out = scaled_dot_product_attention_via(&q, &k, &v, mask, None, AttnPath::Auto)?;
+    let peak = status_mib("VmHWM:")?;
+    drop(out);
+    println!(
+        r#"{{"work": "B{b} H{h} N{n} hd{d} mask: {what}", "call_peak_mib": {:.1}, "process_peak_mib": {peak:.1}}}"#,
+        peak - before
+    );
+    Ok(())
+}
+
+/// Each mask case in a fresh process (a process reuses freed pages, which
+/// would hide a later call's allocations).
+fn mask_memory() -> Result<()> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    for case in 0..memory_masks(1, 8)?.len() {
+        let status = std::process::Command::new(&exe)
+            .args(["--mask-memory-case", &case.to_string()])
+            .status()
+            .context("running a mask case")?;
+        if !status.success() {
+            bail!("mask case {case} failed: {status}")
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let only = match args.as_slice() {
@@ -175,8 +262,12 @@ fn main() -> Result<()> {
         [flag, n] if flag == "--peak-rss" => {
             return peak_rss(n.parse().context("--peak-rss takes a length")?)
         }
+        [flag] if flag == "--mask-memory" => return mask_memory(),
+        [flag, case] if flag == "--mask-memory-case" => {
+            return mask_memory_case(case.parse().context("--mask-memory-case takes an index")?)
+        }
         [flag, text] if flag == "--only" => Some(text.as_str()),
-        _ => bail!("usage: bench_attention [--peak-rss N | --only TEXT]"),
+        _ => bail!("usage: bench_attention [--peak-rss N | --mask-memory | --only TEXT]"),
     };
     let run = |work: &str| only.is_none_or(|text| work.contains(text));
     let sdpa_cases = [
