@@ -27,7 +27,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle::{DType, Device, Module, Tensor, D};
+use candle::{DType, Device, Tensor, D};
 use candle_nn::attention::{flash_attn, AttnMask as CandleMask};
 use multihead::attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, Mask, MhaConfig, MultiheadAttention,

@@ -1,12 +1,18 @@
-//! Training through attention: every parameter of every attention module
-//! and of the ViT (softmax and Hydra blocks) gets a non-zero gradient, and
-//! dropout acts only in training.
+//! Training through attention: every parameter of every public module of
+//! both crates (the attention modules, the ViT with softmax and Hydra
+//! blocks, `nn.Transformer`'s stacks and the `Seq2Seq` model around them)
+//! gets a non-zero gradient, a short training run of the encoder–decoder
+//! lowers its loss, and dropout acts only in training, generic callers
+//! included.
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{
     HydraAttention, HydraConfig, Mask, MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
+};
+use multihead::models::transformer::{
+    Activation, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig, TransformerMasks,
 };
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
@@ -147,5 +153,149 @@ fn every_vit_parameter_gets_a_gradient_with_softmax_and_hydra_blocks() -> Result
     let logits = candle::Module::forward(&vit, &images)?;
     let loss = candle_nn::loss::cross_entropy(&logits, &labels)?;
     assert_all_grads("vit", &varmap, &loss)?;
+    Ok(())
+}
+
+/// A small `nn.Transformer` config, batch-first.
+fn small_transformer(norm_first: bool, bias: bool) -> TransformerConfig {
+    let mut cfg = TransformerConfig::new(16, 2)
+        .with_layers(2, 2)
+        .with_dim_feedforward(24)
+        .with_batch_first(true)
+        .with_norm_first(norm_first);
+    cfg.bias = bias;
+    if norm_first {
+        cfg = cfg.with_activation(Activation::Gelu);
+    }
+    cfg
+}
+
+#[test]
+fn every_transformer_parameter_gets_a_gradient() -> Result<()> {
+    // The layers used candle-nn's fused LayerNorm, which has no backward:
+    // no variable got a gradient, without an error.
+    let dev = Device::Cpu;
+    for (norm_first, bias) in [(false, true), (true, false)] {
+        let what = format!("transformer norm_first={norm_first} bias={bias}");
+        let varmap = VarMap::new();
+        let cfg = small_transformer(norm_first, bias);
+        let model = Transformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+        let src = Tensor::randn(0f32, 1., (2, 7, 16), &dev)?;
+        let tgt = Tensor::randn(0f32, 1., (2, 5, 16), &dev)?;
+        let padding = multihead::attention::KeyPaddingMask::from_lengths(&[7, 4], 7, &dev)?;
+        let masks = TransformerMasks {
+            src: Mask::new().with_key_padding(padding.clone()),
+            tgt: Mask::causal(multihead::attention::Causal::TopLeft),
+            memory: Mask::new().with_key_padding(padding),
+        };
+        let out = model.forward(&src, &tgt, &masks)?;
+        assert_all_grads(&what, &varmap, &weighted_sum(&out)?)?;
+    }
+    Ok(())
+}
+
+/// A small `Seq2Seq`: vocabularies of 12 (0 pad, 1 bos, 2 eos).
+fn small_seq2seq(varmap: &VarMap) -> Result<Seq2Seq> {
+    let cfg = Seq2SeqConfig {
+        transformer: small_transformer(false, true).with_layers(1, 1),
+        src_vocab_size: 12,
+        tgt_vocab_size: 12,
+        max_positions: 16,
+        max_src_len: 8,
+        max_tgt_len: 9,
+        pad_id: 0,
+        bos_id: 1,
+        eos_id: 2,
+        scale_embeddings: true,
+    };
+    Ok(Seq2Seq::new(
+        &cfg,
+        VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu),
+    )?)
+}
+
+/// Reversal of random sequences of tokens 3..12: sources `(n, 6)`,
+/// decoder inputs (bos + reversed) and targets (reversed + eos), `(n, 7)`.
+fn reversal_batch(n: usize, seed: u64) -> Result<(Tensor, Tensor, Tensor)> {
+    let mut state = seed;
+    let mut next = || {
+        // xorshift64: a fixed, dependency-free stream of tokens.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        3 + (state % 9) as u32
+    };
+    let (mut src, mut dec_in, mut dec_out) = (Vec::<u32>::new(), Vec::<u32>::new(), Vec::<u32>::new());
+    for _ in 0..n {
+        let seq: Vec<u32> = (0..6).map(|_| next()).collect();
+        let rev: Vec<u32> = seq.iter().rev().copied().collect();
+        src.extend(&seq);
+        dec_in.push(1);
+        dec_in.extend(&rev);
+        dec_out.extend(&rev);
+        dec_out.push(2);
+    }
+    let dev = Device::Cpu;
+    Ok((
+        Tensor::from_vec(src, (n, 6), &dev)?,
+        Tensor::from_vec(dec_in, (n, 7), &dev)?,
+        Tensor::from_vec(dec_out, (n, 7), &dev)?,
+    ))
+}
+
+#[test]
+fn every_seq2seq_parameter_gets_a_gradient_and_training_lowers_the_loss() -> Result<()> {
+    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    let varmap = VarMap::new();
+    let model = small_seq2seq(&varmap)?;
+    let loss_of = |batch: &(Tensor, Tensor, Tensor)| -> Result<Tensor> {
+        let (src, dec_in, dec_out) = batch;
+        let logits = model.decode_full(dec_in, &model.encode(src)?)?;
+        Ok(candle_nn::loss::cross_entropy(
+            &logits.flatten_to(1)?,
+            &dec_out.flatten_all()?,
+        )?)
+    };
+    let held_out = reversal_batch(64, 7)?;
+    assert_all_grads("seq2seq", &varmap, &loss_of(&held_out)?)?;
+    let before = loss_of(&held_out)?.to_scalar::<f32>()?;
+    let mut opt = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )?;
+    for step in 0..120 {
+        opt.backward_step(&loss_of(&reversal_batch(32, 100 + step)?)?)?;
+    }
+    let after = loss_of(&held_out)?.to_scalar::<f32>()?;
+    // The untrained model starts near 3.1-3.3 and 120 steps bring it to
+    // 1.3-1.6 (three runs); with the fused LayerNorm (no backward) nothing
+    // trained and the loss stayed where it was.
+    assert!(
+        after < 0.75 * before,
+        "held-out loss {before} -> {after} after 120 AdamW steps"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_generic_modulet_caller_gets_attention_dropout() -> Result<()> {
+    use candle_nn::ModuleT;
+    /// What a generic candle trainer does.
+    fn run<M: ModuleT>(m: &M, x: &Tensor, train: bool) -> candle::Result<Tensor> {
+        m.forward_t(x, train)
+    }
+    let dev = Device::Cpu;
+    let mha = MultiheadAttention::new(
+        &MhaConfig::new(16, 4).with_dropout(0.5),
+        VarBuilder::from_varmap(&VarMap::new(), DType::F32, &dev),
+    )?;
+    let x = Tensor::randn(0f32, 1., (2, 6, 16), &dev)?;
+    let eval: Vec<f32> = run(&mha, &x, false)?.flatten_all()?.to_vec1()?;
+    assert_eq!(eval, mha.forward(&x)?.flatten_all()?.to_vec1::<f32>()?);
+    let train: Vec<f32> = run(&mha, &x, true)?.flatten_all()?.to_vec1()?;
+    assert_ne!(eval, train, "ModuleT::forward_t(x, true) must apply dropout");
     Ok(())
 }

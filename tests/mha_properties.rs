@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 
 use anyhow::Result;
-use candle::{DType, Device, IndexOp, Module, Tensor, D};
+use candle::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use multihead::attention::{

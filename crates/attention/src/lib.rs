@@ -19,7 +19,7 @@
 //! f32.
 //!
 //! ```
-//! use candle::{DType, Device, Module, Tensor};
+//! use candle::{DType, Device, Tensor};
 //! use candle_nn::{VarBuilder, VarMap};
 //! use multihead_attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights};
 //!

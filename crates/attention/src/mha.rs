@@ -4,7 +4,7 @@
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
 use candle::{bail, DType, Result, Tensor};
-use candle_nn::{Init, Linear, Module, VarBuilder};
+use candle_nn::{Init, Linear, Module, ModuleT, VarBuilder};
 
 use crate::norm::LayerNorm;
 
@@ -17,9 +17,10 @@ use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 
 /// Multi-head attention, `torch.nn.MultiheadAttention`.
 ///
-/// Self-attention through [`Module`] (eval) and
-/// [`MultiheadAttention::forward_t`]; cross-attention, masks
-/// and attention weights through [`MultiheadAttention::forward_attn`].
+/// Self-attention through [`MultiheadAttention::forward`] (eval) and
+/// [`ModuleT`] / [`MultiheadAttention::forward_t`] (dropout when training);
+/// cross-attention, masks and attention weights through
+/// [`MultiheadAttention::forward_attn`].
 #[derive(Debug, Clone)]
 pub struct MultiheadAttention {
     cfg: MhaConfig,
@@ -191,13 +192,13 @@ impl MultiheadAttention {
         Ok(MhaOutput { output: out, weights })
     }
 
+    /// Self-attention in eval mode: `(batch, seq, embed_dim)` → same.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_t(xs, false)
+    }
+
     /// Self-attention, with dropout on the attention weights when `train`:
-    /// `(batch, seq, embed_dim)` → same.
-    ///
-    /// candle implements `ModuleT` for every `Module` by ignoring `train`,
-    /// so a generic `M: ModuleT` caller reaches the eval path; call this
-    /// method (or [`MultiheadAttention::forward_attn`] with
-    /// [`MhaOptions::with_train`]) to train with attention dropout.
+    /// `(batch, seq, embed_dim)` → same. The [`ModuleT`] implementation.
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
         let opts = MhaOptions::new().with_train(train);
         Ok(self.forward_attn(xs, xs, xs, &opts)?.output)
@@ -429,9 +430,12 @@ fn average_heads(weights: &Tensor) -> Result<Tensor> {
     weights.to_dtype(DType::F32)?.mean(1)?.to_dtype(dtype)
 }
 
-impl Module for MultiheadAttention {
-    /// Self-attention in eval mode: `(batch, seq, embed_dim)` → same.
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.forward_t(xs, false)
+/// `ModuleT`, not `Module`: candle implements `ModuleT` for every `Module`
+/// by ignoring `train`, so a generic trainer calling `forward_t(x, true)`
+/// would silently get no attention dropout. [`MultiheadAttention::forward`]
+/// is the eval-mode call.
+impl ModuleT for MultiheadAttention {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        MultiheadAttention::forward_t(self, xs, train)
     }
 }

@@ -4,20 +4,20 @@
 //! `torch/nn/modules/transformer.py` (eval mode: dropout is the identity).
 
 use candle::{Result, Tensor};
-use candle_nn::{layer_norm, linear_b, LayerNorm, LayerNormConfig, Linear, Module, VarBuilder};
-use multihead_attention::{Causal, Mask, MhaOptions, MultiheadAttention, NeedWeights};
+use candle_nn::{linear_b, Linear, Module, VarBuilder};
+use multihead_attention::{Causal, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights};
 
 use super::config::{Activation, TransformerConfig};
 
 /// A LayerNorm over `d_model` with the config's epsilon; without a bias
-/// when `bias = false`, as PyTorch's `LayerNorm(bias=False)`.
+/// when `bias = false`, as PyTorch's `LayerNorm(bias=False)`. The
+/// attention crate's, which trains (candle-nn's fused one has no backward).
 pub(crate) fn norm(cfg: &TransformerConfig, vb: VarBuilder) -> Result<LayerNorm> {
-    let ln = LayerNormConfig {
-        eps: cfg.layer_norm_eps,
-        remove_mean: true,
-        affine: cfg.bias,
-    };
-    layer_norm(cfg.d_model, ln, vb)
+    if cfg.bias {
+        LayerNorm::new(cfg.d_model, cfg.layer_norm_eps, vb)
+    } else {
+        LayerNorm::new_no_bias(cfg.d_model, cfg.layer_norm_eps, vb)
+    }
 }
 
 /// `linear2(activation(linear1(x)))`, the `_ff_block` both layers share.

@@ -4,7 +4,8 @@
 //! `torch/nn/modules/transformer.py` (eval mode).
 
 use candle::{bail, Result, Tensor};
-use candle_nn::{LayerNorm, Module, VarBuilder};
+use candle_nn::{Module, VarBuilder};
+use multihead_attention::LayerNorm;
 use multihead_attention::Mask;
 
 use super::config::TransformerConfig;
