@@ -16,7 +16,8 @@
 //!
 //! Differences from PyTorch, both deliberate: a query whose keys are all
 //! masked returns zeros (PyTorch: NaN), and f16/bf16 scores are softmaxed in
-//! f32.
+//! f32. NaN and infinities propagate as in PyTorch, the same on every path,
+//! except that a key the mask hides takes no part even when it is NaN.
 //!
 //! ```
 //! use candle::{DType, Device, Tensor};

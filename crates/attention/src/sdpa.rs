@@ -27,7 +27,10 @@ use crate::mask::Mask;
 ///
 /// A query whose keys are all masked gets an all-zero output row (PyTorch
 /// gives NaN). For f16 and bf16 inputs the scores are computed and
-/// softmaxed in f32; the output is in the input dtype.
+/// softmaxed in f32; the output is in the input dtype. A NaN or `+inf`
+/// score makes its query's row NaN and a non-finite value reaches every
+/// query that sees its key, as in PyTorch, on every path; a key the mask
+/// hides takes no part, NaN or not. `scale` must be finite and > 0.
 ///
 /// The computation goes through the fastest path that can serve it
 /// ([`AttnPath::Auto`]); [`scaled_dot_product_attention_via`] forces one.
