@@ -3,6 +3,14 @@
 one run, and print a Markdown table of medians and ratios.
 
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--rounds 3]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--rounds 3]
+
+`--models` times the models instead (`cargo run --release --example
+bench_models`): the machine's sgemm rate (2048², both libraries), then
+timm's `vit_base_patch16_224` at batch 1 and 8 on the same random weights
+(timm's state_dict, loaded by both), each row's FLOPs as a share of the
+measured sgemm rate, and the peak resident memory of one forward beside
+timm's.
 
 Our side is `cargo run --release --example bench_attention` (JSON lines);
 PyTorch runs here with the same thread count. Both take the median of at
@@ -82,12 +90,87 @@ def run_ours(env):
     return rust
 
 
+def forward_peak_mib(fn):
+    """Peak resident memory of one call of `fn`, in MiB (Linux: writing 5
+    to clear_refs resets VmHWM to the current resident set)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fn()
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+
+
+def models(args, env):
+    import tempfile
+
+    import timm
+    from safetensors.torch import save_file
+
+    exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
+    subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_base_patch16_224", pretrained=False).eval()
+    tmp = tempfile.mkdtemp()
+    weights = os.path.join(tmp, "vit_base_patch16_224.safetensors")
+    save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, weights)
+    vit_gflop = 35.1  # 2 * multiply-adds of one 224² image (timm's profile: 17.6 GMACs)
+    ours_cmd = {
+        "sgemm 2048": [exe, "sgemm", "2048"],
+        "vit_base_patch16_224 B1": [exe, "vit-b16", "1", weights],
+        "vit_base_patch16_224 B8": [exe, "vit-b16", "8", weights],
+    }
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    imgs = {1: torch.randn(1, 3, 224, 224), 8: torch.randn(8, 3, 224, 224)}
+    theirs_fn = {
+        "sgemm 2048": lambda: median_ms(lambda: a @ b),
+        "vit_base_patch16_224 B1": lambda: median_ms(lambda: vit(imgs[1])),
+        "vit_base_patch16_224 B8": lambda: median_ms(lambda: vit(imgs[8])),
+    }
+    rounds = []
+    with torch.no_grad():
+        rss_theirs = {n: forward_peak_mib(lambda: vit(imgs[n])) for n in (1, 8)}
+        for _ in range(args.rounds):
+            ours = {}
+            for work, cmd in ours_cmd.items():
+                out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
+                ours[work] = json.loads(out.splitlines()[-1])
+            rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
+    med = statistics.median
+    gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
+    rate = {
+        "ours": med([o["sgemm 2048"]["gflops"] for o, _ in rounds]),
+        "torch": med([gflop["sgemm 2048"] / (t["sgemm 2048"] * 1e-3) for _, t in rounds]),
+    }
+    print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32, "
+          f"medians in ms over {args.rounds} rounds")
+    print(f"sgemm 2048²: candle {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
+    print()
+    print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
+    print("|---|---|---|---|---|---|")
+    for work in ours_cmd:
+        pt = [t[work] for _, t in rounds]
+        ours = [o[work]["median_ms"] for o, _ in rounds]
+        ratio = med([p / o for p, o in zip(pt, ours)])
+        share = gflop[work] / (med(ours) * 1e-3) / rate["ours"] * 100
+        rss = "–"
+        if work.startswith("vit"):
+            n = int(work.split("B")[-1])
+            rss = f"{rss_theirs[n]:.0f} / {med([o[work]['peak_rss_mib'] for o, _ in rounds]):.0f}"
+        print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {share:.0f} % | {rss} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     args = ap.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
+    if args.models:
+        torch.set_num_threads(args.threads)
+        return models(args, env)
     subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
     torch.set_num_threads(args.threads)
     rounds = []

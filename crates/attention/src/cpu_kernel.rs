@@ -25,7 +25,10 @@ use crate::mask::{Mask, MaskPart};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-mod isa;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub(crate) mod isa;
+pub(crate) mod linear;
 
 /// Query rows per work unit, at most.
 const BLOCK_Q: usize = 128;
@@ -278,59 +281,6 @@ impl<'a> PartView<'a> {
         };
         Ok(Self { data, stride })
     }
-}
-
-/// `x · wᵀ + b`, candle's `Linear` (`w` is `(out, in)`), through the AVX2
-/// micro-kernels where they are the faster path: CPU f32 tensors that track
-/// no gradients, at least 16 rows, on an AVX2 CPU without AVX-512. `None`
-/// where they do not serve (the caller then uses candle's matmul, which
-/// also reports any shape mismatch).
-pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Option<Tensor>> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
-        if !(plain(x) && plain(w) && b.is_none_or(plain) && avx2::preferred()) {
-            return Ok(None);
-        }
-        let &[n, k] = w.dims() else { return Ok(None) };
-        let dims = x.dims();
-        if dims.last() != Some(&k) || b.is_some_and(|b| b.dims() != [n]) || k == 0 || n == 0 {
-            return Ok(None);
-        }
-        let m = x.elem_count() / k;
-        if m < avx2::MIN_Q_LEN {
-            return Ok(None);
-        }
-        let (x, w) = (x.contiguous()?, w.contiguous()?);
-        let b = b.map(|b| b.contiguous()).transpose()?;
-        let out = with_slice(&x, |xs| {
-            with_slice(&w, |ws| {
-                // SAFETY: `avx2::preferred()` held; k, n > 0.
-                let run = |bs: Option<&[f32]>| unsafe { avx2::linear(xs, m, k, ws, n, bs) };
-                match &b {
-                    Some(b) => with_slice(b, |bs| Ok(run(Some(bs)))),
-                    None => Ok(run(None)),
-                }
-            })
-        })?;
-        let mut shape = dims.to_vec();
-        shape[dims.len() - 1] = n;
-        return Ok(Some(Tensor::from_vec(out, shape, x.device())?));
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (x, w, b);
-    #[allow(unreachable_code)]
-    Ok(None)
-}
-
-/// Borrows the f32 data of a contiguous CPU tensor.
-#[cfg(target_arch = "x86_64")]
-fn with_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        bail!("cpu kernel: tensor is not on the CPU")
-    };
-    f(&cpu.as_slice::<f32>()?[layout.start_offset()..][..t.elem_count()])
 }
 
 /// A raw output pointer shared by the work units, which write disjoint rows.
@@ -700,6 +650,26 @@ mod simd {
         }
     }
 
+    /// `x · Φ(x)` in place, the exact GELU: `Φ(x) = (1 + erf(x / √2)) / 2`
+    /// with Abramowitz and Stegun's 7.1.26 for `erf` (absolute error below
+    /// 1.5e-7), written so that `1 + erf` for negative `x` is computed as
+    /// the small `erfc`, not as a difference. Branch-free, so it
+    /// vectorises; NaN stays NaN.
+    #[inline(always)]
+    fn gelu_erf_impl(xs: &mut [f32]) {
+        const P: f32 = 0.327_591_1;
+        const A: [f32; 5] = [0.254_829_6, -0.284_496_74, 1.421_413_8, -1.453_152, 1.061_405_4];
+        for x in xs.iter_mut() {
+            let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+            let t = 1. / (1. + P * z);
+            let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
+            // erfc(z) for z >= 0.
+            let erfc = poly * exp_nonpositive(-z * z);
+            let one_plus_erf = if *x < 0. { erfc } else { 2. - erfc };
+            *x = 0.5 * *x * one_plus_erf;
+        }
+    }
+
     /// Whether every element is finite: `x · 0` is 0 for finite `x` and
     /// NaN otherwise, summed in independent lanes.
     #[inline(always)]
@@ -747,9 +717,51 @@ mod simd {
     dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
     dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
     dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
+    dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
 
     #[cfg(test)]
     mod tests {
+        /// Against `x · (1 + erf(x / √2)) / 2` in f64, with `erf` from its
+        /// Taylor series (|x| <= 3) and continued fraction (beyond).
+        #[test]
+        fn gelu_matches_the_exact_gelu() {
+            fn erf(x: f64) -> f64 {
+                if x.abs() <= 3. {
+                    // erf(x) = 2/√π Σ (-1)^n x^(2n+1) / (n! (2n+1))
+                    let (mut term, mut sum) = (x, x);
+                    for n in 1..200 {
+                        term *= -x * x / n as f64;
+                        sum += term / (2 * n + 1) as f64;
+                    }
+                    sum * 2. / std::f64::consts::PI.sqrt()
+                } else {
+                    // erfc(x) = e^(-x²)/√π · 1/(x + 1/2/(x + 1/(x + 3/2/(x + ...))))
+                    let a = x.abs();
+                    let mut f = a;
+                    for n in (1..60).rev() {
+                        f = a + (n as f64 / 2.) / f;
+                    }
+                    let erfc = (-a * a).exp() / std::f64::consts::PI.sqrt() / f;
+                    x.signum() * (1. - erfc)
+                }
+            }
+            let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
+            let mut ys = xs.clone();
+            super::gelu_erf(&mut ys);
+            let mut worst = 0f64;
+            for (&x, &y) in xs.iter().zip(&ys) {
+                let x = x as f64;
+                let exact = 0.5 * x * (1. + erf(x / std::f64::consts::SQRT_2));
+                worst = worst.max((y as f64 - exact).abs() / x.abs().max(1.));
+            }
+            assert!(worst < 1e-6, "worst error {worst:e} (relative to max(1, |x|))");
+            let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
+            super::gelu_erf(&mut special);
+            // -inf · 0 is NaN, as candle's `gelu_erf` gives.
+            assert!(special[0].is_nan() && special[1].is_nan());
+            assert_eq!(special[2..], [f32::INFINITY, 0.]);
+        }
+
         #[test]
         fn exp_matches_std_on_its_range() {
             let mut worst = 0f64;
@@ -833,37 +845,6 @@ mod tests {
         Ok(())
     }
 
-    /// The packed linear equals candle's `Linear` on shapes off the row
-    /// group, panel and unit sizes, with and without bias; under 16 rows
-    /// it declines.
-    #[test]
-    fn packed_linear_equals_candle_linear() -> Result<()> {
-        use candle_nn::{Linear, Module};
-        for (batch, rows, k, n, bias) in [
-            (2, 97, 33, 37, true),
-            (1, 16, 768, 2304, true),
-            (3, 250, 64, 16, false),
-        ] {
-            let x = randn(&[batch, rows, k])?;
-            let lin = Linear::new(randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
-            let expected = lin.forward(&x)?;
-            match super::linear(&x, lin.weight(), lin.bias())? {
-                Some(ours) => {
-                    assert_eq!(ours.dims(), expected.dims());
-                    let err = rel_err(&ours, &expected)?;
-                    assert!(
-                        err < 1e-5,
-                        "({batch}, {rows}, {k}) x ({n}, {k}): relative error {err:e}"
-                    );
-                }
-                // Only where the micro-kernels are not the faster path.
-                None => assert!(!cfg!(target_arch = "x86_64") || !super::avx2::preferred()),
-            }
-        }
-        assert!(super::linear(&randn(&[15, 8])?, &randn(&[4, 8])?, None)?.is_none());
-        Ok(())
-    }
-
     /// Whether `a` and `b` have NaN and infinities (with their signs) in
     /// the same places and finite values within `tol` of `b`'s largest
     /// finite magnitude; the first difference otherwise.
@@ -893,7 +874,8 @@ mod tests {
     /// key takes no part, visible pairs follow IEEE arithmetic.
     #[test]
     fn non_finite_inputs_equal_reference_on_every_variant() -> Result<()> {
-        use super::isa::{force, supported};
+        use super::isa::{force, supported, FORCE_LOCK};
+        let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         let (b, h, kh, s, d, dv) = (2, 2, 1, 40, 16, 24);
         let mut tiles = vec![Tiles::Gemm];

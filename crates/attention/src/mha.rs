@@ -4,8 +4,9 @@
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
 use candle::{bail, DType, Result, Tensor};
-use candle_nn::{Init, Linear, Module, ModuleT, VarBuilder};
+use candle_nn::{Init, Module, ModuleT, VarBuilder};
 
+use crate::linear::PackedLinear;
 use crate::norm::LayerNorm;
 
 use crate::config::MhaConfig;
@@ -25,7 +26,7 @@ use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 pub struct MultiheadAttention {
     cfg: MhaConfig,
     in_proj: InProjection,
-    out_proj: Linear,
+    out_proj: PackedLinear,
     /// `bias_k`, `bias_v`, each `(1, 1, E)`.
     bias_kv: Option<(Tensor, Tensor)>,
     /// timm's `q_norm`, `k_norm` over `head_dim`.
@@ -57,12 +58,12 @@ impl MultiheadAttention {
                     .transpose()?;
                 let in_proj = if cfg.qkv_same_embed_dim() {
                     let weight = vb.get_with_hints((3 * e, e), "in_proj_weight", xavier_uniform(3 * e, e))?;
-                    InProjection::Fused { weight, bias }
+                    InProjection::Fused(PackedLinear::new(weight, bias)?)
                 } else {
-                    let part = |i: usize, name: &str, in_dim: usize| -> Result<Linear> {
+                    let part = |i: usize, name: &str, in_dim: usize| -> Result<PackedLinear> {
                         let w = vb.get_with_hints((e, in_dim), name, xavier_uniform(e, in_dim))?;
                         let b = bias.as_ref().map(|b| b.narrow(0, i * e, e)).transpose()?;
-                        Ok(Linear::new(w, b))
+                        PackedLinear::new(w, b)
                     };
                     InProjection::Separate {
                         q: part(0, "q_proj_weight", e)?,
@@ -86,11 +87,8 @@ impl MultiheadAttention {
                         "MhaConfig: the fused qkv layout needs kdim == vdim == embed_dim ({e}), found kdim {kdim}, vdim {vdim}"
                     )
                 }
-                let fused = linear(e, 3 * e, qkv_bias, xavier_uniform(3 * e, e), vb.pp(qkv))?;
-                let in_proj = InProjection::Fused {
-                    weight: fused.weight().clone(),
-                    bias: fused.bias().cloned(),
-                };
+                let in_proj =
+                    InProjection::Fused(linear(e, 3 * e, qkv_bias, xavier_uniform(3 * e, e), vb.pp(qkv))?);
                 (in_proj, linear(e, e, cfg.bias, out_init, vb.pp(proj))?)
             }
         };
@@ -414,7 +412,7 @@ impl MultiheadAttention {
         };
         // (B, L, E)
         let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.embed_dim))?;
-        let out = crate::projection::forward(&self.out_proj, &out)?;
+        let out = self.out_proj.forward(&out)?;
         let weights = match (opts.need_weights, weights) {
             (NeedWeights::PerHead, w) => w,
             (NeedWeights::Averaged, Some(w)) => Some(average_heads(&w)?),

@@ -1,31 +1,24 @@
 //! The input projection of a [`crate::MultiheadAttention`], fused or
 //! separate, and PyTorch's initialisation of its linears.
 
-use candle::{IndexOp, Result, Tensor, D};
-use candle_nn::{Init, Linear, Module, VarBuilder};
+use candle::{IndexOp, Module, Result, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use crate::linear::PackedLinear;
 
 #[derive(Debug, Clone)]
 pub(crate) enum InProjection {
-    /// `(3E, E)` weight and `(3E)` bias, split at forward time so that a
-    /// trained variable stays one tensor.
-    Fused {
-        weight: Tensor,
-        bias: Option<Tensor>,
-    },
+    /// `(3E, E)` weight and `(3E)` bias, one layer so that a trained
+    /// variable stays one tensor and self-attention projects in one call.
+    Fused(PackedLinear),
     Separate {
-        q: Linear,
-        k: Linear,
-        v: Linear,
+        q: PackedLinear,
+        k: PackedLinear,
+        v: PackedLinear,
     },
 }
 
 impl InProjection {
-    fn fused_part(weight: &Tensor, bias: &Option<Tensor>, i: usize, e: usize) -> Result<Linear> {
-        let w = weight.narrow(0, i * e, e)?;
-        let b = bias.as_ref().map(|b| b.narrow(0, i * e, e)).transpose()?;
-        Ok(Linear::new(w, b))
-    }
-
     /// Projects query, key and value; `(B, L, E)`, `(B, S, E)`, `(B, S, E)`.
     pub(crate) fn forward(
         &self,
@@ -35,11 +28,11 @@ impl InProjection {
         e: usize,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         match self {
-            InProjection::Fused { weight, bias } => {
+            InProjection::Fused(qkv) => {
                 if q.id() == k.id() && k.id() == v.id() {
                     // Self-attention: one matmul, as PyTorch does when
                     // `query is key is value`.
-                    let qkv = forward(&Linear::new(weight.clone(), bias.clone()), q)?;
+                    let qkv = qkv.forward(q)?;
                     Ok((
                         qkv.narrow(D::Minus1, 0, e)?,
                         qkv.narrow(D::Minus1, e, e)?,
@@ -47,14 +40,14 @@ impl InProjection {
                     ))
                 } else {
                     Ok((
-                        forward(&Self::fused_part(weight, bias, 0, e)?, q)?,
-                        forward(&Self::fused_part(weight, bias, 1, e)?, k)?,
-                        forward(&Self::fused_part(weight, bias, 2, e)?, v)?,
+                        qkv.forward_features(q, 0, e)?,
+                        qkv.forward_features(k, e, 2 * e)?,
+                        qkv.forward_features(v, 2 * e, 3 * e)?,
                     ))
                 }
             }
             InProjection::Separate { q: pq, k: pk, v: pv } => {
-                Ok((forward(pq, q)?, forward(pk, k)?, forward(pv, v)?))
+                Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?))
             }
         }
     }
@@ -69,7 +62,7 @@ impl InProjection {
         v: &Tensor,
         h: usize,
     ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-        let InProjection::Fused { weight, bias } = self else {
+        let InProjection::Fused(fused) = self else {
             return Ok(None);
         };
         if q.id() != k.id() || k.id() != v.id() {
@@ -77,35 +70,26 @@ impl InProjection {
         }
         let (b, t, e) = q.dims3()?;
         // (B, T, 3, H, hd)
-        let qkv = forward(&Linear::new(weight.clone(), bias.clone()), q)?.reshape((b, t, 3, h, e / h))?;
+        let qkv = fused.forward(q)?.reshape((b, t, 3, h, e / h))?;
         let head = |i: usize| qkv.i((.., .., i))?.transpose(1, 2);
         Ok(Some((head(0)?, head(1)?, head(2)?)))
     }
 
     pub(crate) fn forward_q(&self, q: &Tensor, e: usize) -> Result<Tensor> {
         match self {
-            InProjection::Fused { weight, bias } => forward(&Self::fused_part(weight, bias, 0, e)?, q),
-            InProjection::Separate { q: pq, .. } => forward(pq, q),
+            InProjection::Fused(qkv) => qkv.forward_features(q, 0, e),
+            InProjection::Separate { q: pq, .. } => pq.forward(q),
         }
     }
 
     pub(crate) fn forward_kv(&self, k: &Tensor, v: &Tensor, e: usize) -> Result<(Tensor, Tensor)> {
         match self {
-            InProjection::Fused { weight, bias } => Ok((
-                forward(&Self::fused_part(weight, bias, 1, e)?, k)?,
-                forward(&Self::fused_part(weight, bias, 2, e)?, v)?,
+            InProjection::Fused(qkv) => Ok((
+                qkv.forward_features(k, e, 2 * e)?,
+                qkv.forward_features(v, 2 * e, 3 * e)?,
             )),
-            InProjection::Separate { k: pk, v: pv, .. } => Ok((forward(pk, k)?, forward(pv, v)?)),
+            InProjection::Separate { k: pk, v: pv, .. } => Ok((pk.forward(k)?, pv.forward(v)?)),
         }
-    }
-}
-
-/// `lin.forward(x)`, through the CPU kernel's packed products where they
-/// serve (`cpu_kernel::linear`).
-pub(crate) fn forward(lin: &Linear, x: &Tensor) -> Result<Tensor> {
-    match crate::cpu_kernel::linear(x, lin.weight(), lin.bias())? {
-        Some(y) => Ok(y),
-        None => lin.forward(x),
     }
 }
 
@@ -125,10 +109,10 @@ pub(crate) fn linear(
     bias: bool,
     init: Init,
     vb: VarBuilder,
-) -> Result<Linear> {
+) -> Result<PackedLinear> {
     let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
     let b = bias
         .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
         .transpose()?;
-    Ok(Linear::new(w, b))
+    PackedLinear::new(w, b)
 }

@@ -106,7 +106,7 @@ impl Classifier {
             .with_context(|| format!("reading config '{}'", config.display()))?;
         let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", config.display()))?;
         let size = args.image_size.unwrap_or(cfg.img_size);
-        if size == 0 || size % cfg.patch_size != 0 {
+        if size == 0 || !size.is_multiple_of(cfg.patch_size) {
             bail!(
                 "image size {size} is not a multiple of the patch size {}",
                 cfg.patch_size

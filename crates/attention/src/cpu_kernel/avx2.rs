@@ -17,12 +17,12 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use super::{simd, Problem, SyncPtr, Unit};
+use super::{simd, Problem, Unit};
 
 /// Query rows per micro-kernel.
-const MR: usize = 6;
+pub(super) const MR: usize = 6;
 /// Keys (or value columns) per panel: two `ymm` registers.
-const NR: usize = 16;
+pub(super) const NR: usize = 16;
 /// Keys per block: packed K and V of a block (2 · 256 keys · 64 dims · 4
 /// bytes = 128 KiB at head_dim 64) stay in L2 across the unit's row groups.
 const BLOCK_K: usize = 256;
@@ -98,23 +98,6 @@ impl Packed {
     }
 }
 
-/// Inputs per slice of the reduction in [`linear`].
-const LINEAR_KC: usize = 256;
-
-/// Sets `rows` rows (stride `rs`) of `out` to `bias`.
-///
-/// # Safety
-/// AVX2; `out` covers those rows of `bias.len()` floats, a multiple of 8.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fill_rows(out: *mut f32, rs: usize, rows: usize, bias: &[f32]) {
-    for r in 0..rows {
-        for j in (0..bias.len()).step_by(8) {
-            // SAFETY: inside the extents the caller vouched for.
-            unsafe { _mm256_storeu_ps(out.add(r * rs + j), _mm256_loadu_ps(&bias[j])) };
-        }
-    }
-}
-
 /// Packs `rows` rows of `d` floats (`row(j)`) into `dst`: panels of `NR`
 /// rows, transposed within a panel (`row(p·NR + c)[e]` at `p·d·NR + e·NR +
 /// c`), zero past `rows`. Writes every element of `dst`.
@@ -133,82 +116,6 @@ fn pack_panels<'a>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -
             }
         }
     }
-}
-
-/// `x · wᵀ + bias` for `x` of `m` rows of `k` floats and `w` of `n` rows of
-/// `k` floats (PyTorch's `(out, in)` layout), both contiguous: `w` packed
-/// as the keys are, the products by the scores micro-kernel. Returns `m`
-/// rows of `n` floats.
-///
-/// # Safety
-/// AVX2+FMA ([`available`]); `k > 0`, `n > 0`.
-pub(super) unsafe fn linear(
-    x: &[f32],
-    m: usize,
-    k: usize,
-    w: &[f32],
-    n: usize,
-    bias: Option<&[f32]>,
-) -> Vec<f32> {
-    let np = n.div_ceil(NR) * NR;
-    let mut wt = scratch(np * k);
-    wt.par_chunks_mut(16 * NR * k).enumerate().for_each(|(i, dst)| {
-        pack_panels(dst, n - (16 * NR * i).min(n), k, |j| {
-            &w[(16 * NR * i + j) * k..][..k]
-        })
-    });
-    let mut b = vec![0f32; np];
-    if let Some(bias) = bias {
-        b[..n].copy_from_slice(bias);
-    }
-    // Units of 16 row groups by 16 panels: a panel stays in L1/L2 across
-    // the row groups, the unit's rows in L2 across its panels.
-    let (rows_per_unit, panels_per_unit) = (16 * MR, 16);
-    let units: Vec<(usize, usize)> = (0..m)
-        .step_by(rows_per_unit)
-        .flat_map(|i0| (0..np / NR).step_by(panels_per_unit).map(move |p0| (i0, p0)))
-        .collect();
-    let mut out: Vec<f32> = Vec::with_capacity(m * np);
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    units.par_iter().for_each(|&(i0, p0)| {
-        let out_ptr = out_ptr.get();
-        let rows = rows_per_unit.min(m - i0);
-        let p1 = (p0 + panels_per_unit).min(np / NR);
-        // SAFETY: rows i0..i0+rows of x and of out, panels p0..p1 of wt and
-        // columns p0·NR..p1·NR of out are in bounds; units write disjoint
-        // blocks; AVX2+FMA is the caller's contract.
-        unsafe {
-            let out = out_ptr.add(i0 * np + p0 * NR);
-            fill_rows(out, np, rows, &b[p0 * NR..p1 * NR]);
-            for pi in p0..p1 {
-                // K in slices of LINEAR_KC: a panel's slice (16 KiB) stays in
-                // L1 across the unit's row groups.
-                for k0 in (0..k).step_by(LINEAR_KC) {
-                    let kc = LINEAR_KC.min(k - k0);
-                    for g0 in (0..rows).step_by(MR) {
-                        let i = i0 + g0;
-                        scores::<true>(
-                            MR.min(rows - g0),
-                            x[i * k + k0..].as_ptr(),
-                            k,
-                            kc,
-                            wt[pi * k * NR + k0 * NR..].as_ptr(),
-                            1,
-                            out_ptr.add(i * np + pi * NR),
-                            np,
-                        );
-                    }
-                }
-            }
-        }
-    });
-    // SAFETY: the units cover every (row, panel) block of the m × np output.
-    unsafe { out.set_len(m * np) };
-    keep(wt);
-    if np == n {
-        return out;
-    }
-    out.chunks_exact(np).flat_map(|row| &row[..n]).copied().collect()
 }
 
 impl Drop for Packed {
@@ -353,7 +260,7 @@ macro_rules! by_rows {
 /// # Safety
 /// AVX2+FMA; the pointers cover those extents.
 #[allow(clippy::too_many_arguments)]
-unsafe fn scores<const ACC: bool>(
+pub(super) unsafe fn scores<const ACC: bool>(
     rows: usize,
     q: *const f32,
     q_rs: usize,

@@ -75,8 +75,14 @@ pub(crate) fn current() -> Isa {
     forced.map_or(detected(), |f| f.min(detected()))
 }
 
+/// Held by tests that [`force`] an instruction set, so that two of them
+/// do not interleave.
+#[cfg(test)]
+pub(crate) static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Forces an instruction set (`None`: back to the default) for the whole
-/// process; tests use it to run every variant the processor supports.
+/// process; tests use it (holding [`FORCE_LOCK`]) to run every variant the
+/// processor supports.
 #[cfg(test)]
 pub(crate) fn force(isa: Option<Isa>) {
     let i = isa.map_or(0, |isa| {

@@ -4,8 +4,10 @@
 //! `torch/nn/modules/transformer.py` (eval mode: dropout is the identity).
 
 use candle::{Result, Tensor};
-use candle_nn::{linear_b, Linear, Module, VarBuilder};
-use multihead_attention::{Causal, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights};
+use candle_nn::{linear_b, Module, VarBuilder};
+use multihead_attention::{
+    Causal, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
+};
 
 use super::config::{Activation, TransformerConfig};
 
@@ -23,8 +25,8 @@ pub(crate) fn norm(cfg: &TransformerConfig, vb: VarBuilder) -> Result<LayerNorm>
 /// `linear2(activation(linear1(x)))`, the `_ff_block` both layers share.
 #[derive(Debug, Clone)]
 struct FeedForward {
-    linear1: Linear,
-    linear2: Linear,
+    linear1: PackedLinear,
+    linear2: PackedLinear,
     activation: Activation,
 }
 
@@ -34,8 +36,8 @@ impl FeedForward {
     fn new(cfg: &TransformerConfig, vb: &VarBuilder) -> Result<Self> {
         let (d, ff) = (cfg.d_model, cfg.dim_feedforward);
         Ok(Self {
-            linear1: linear_b(d, ff, cfg.bias, vb.pp("linear1"))?,
-            linear2: linear_b(ff, d, cfg.bias, vb.pp("linear2"))?,
+            linear1: PackedLinear::from_linear(linear_b(d, ff, cfg.bias, vb.pp("linear1"))?)?,
+            linear2: PackedLinear::from_linear(linear_b(ff, d, cfg.bias, vb.pp("linear2"))?)?,
             activation: cfg.activation,
         })
     }
@@ -43,8 +45,12 @@ impl FeedForward {
 
 impl Module for FeedForward {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.linear2
-            .forward(&self.activation.apply(&self.linear1.forward(xs)?)?)
+        let hidden = match self.activation {
+            // Fused into linear1's write-out where the weight is packed.
+            Activation::Gelu => self.linear1.forward_gelu(xs)?,
+            Activation::Relu => self.linear1.forward(xs)?.relu()?,
+        };
+        self.linear2.forward(&hidden)
     }
 }
 

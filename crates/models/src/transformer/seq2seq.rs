@@ -5,8 +5,8 @@
 //! `multihead seq2seq` command ships.
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
-use candle_nn::{embedding, linear, Embedding, Linear, VarBuilder};
-use multihead_attention::{Causal, KeyPaddingMask, Mask};
+use candle_nn::{embedding, linear, Embedding, VarBuilder};
+use multihead_attention::{Causal, KeyPaddingMask, Mask, PackedLinear};
 use serde::{Deserialize, Serialize};
 
 use super::cache::DecoderCache;
@@ -140,7 +140,7 @@ pub struct Seq2Seq {
     tgt_embed: Embedding,
     pe: Tensor,
     transformer: Transformer,
-    generator: Linear,
+    generator: PackedLinear,
     cfg: Seq2SeqConfig,
 }
 
@@ -159,7 +159,7 @@ impl Seq2Seq {
             tgt_embed: embedding(cfg.tgt_vocab_size, d, vb.pp("tgt_embed"))?,
             pe,
             transformer: Transformer::new(&cfg.transformer, vb.pp("transformer"))?,
-            generator: linear(d, cfg.tgt_vocab_size, vb.pp("generator"))?,
+            generator: PackedLinear::from_linear(linear(d, cfg.tgt_vocab_size, vb.pp("generator"))?)?,
             cfg: cfg.clone(),
         })
     }

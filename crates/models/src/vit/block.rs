@@ -2,10 +2,10 @@
 //! LayerScale, around residual connections.
 
 use candle::{Module, Result, Tensor};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle_nn::{Init, VarBuilder};
 use multihead_attention::{
     HydraAttention, HydraConfig, LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights,
-    WeightLayout,
+    PackedLinear, WeightLayout,
 };
 
 use crate::vit::config::{AttentionKind, Naming, VitConfig};
@@ -69,8 +69,8 @@ impl Module for LayerScale {
 /// `ViTIntermediate` + `ViTOutput` compute it.
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    fc1: Linear,
-    fc2: Linear,
+    fc1: PackedLinear,
+    fc2: PackedLinear,
 }
 
 impl Mlp {
@@ -78,8 +78,8 @@ impl Mlp {
     pub fn new(cfg: &VitConfig, (fc1, fc2): (&str, &str), vb: VarBuilder) -> Result<Self> {
         let (d, hidden) = (cfg.embed_dim, cfg.mlp_hidden_dim());
         Ok(Self {
-            fc1: candle_nn::linear(d, hidden, vb.pp(fc1))?,
-            fc2: candle_nn::linear(hidden, d, vb.pp(fc2))?,
+            fc1: PackedLinear::from_linear(candle_nn::linear(d, hidden, vb.pp(fc1))?)?,
+            fc2: PackedLinear::from_linear(candle_nn::linear(hidden, d, vb.pp(fc2))?)?,
         })
     }
 }
@@ -87,7 +87,8 @@ impl Mlp {
 impl Module for Mlp {
     /// `(..., embed_dim)` → same.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&self.fc1.forward(xs)?.gelu_erf()?)
+        // The GELU is fused into fc1's write-out where the weight is packed.
+        self.fc2.forward(&self.fc1.forward_gelu(xs)?)
     }
 }
 

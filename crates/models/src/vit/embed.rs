@@ -1,20 +1,24 @@
 //! Patch embedding: images to tokens.
 
 use candle::{bail, Module, Result, Tensor};
-use candle_nn::{Conv2d, Conv2dConfig, VarBuilder};
+use candle_nn::{Init, VarBuilder};
+use multihead_attention::PackedLinear;
 
 use crate::vit::config::{Naming, VitConfig};
 
 /// Cuts the image into non-overlapping `patch_size` squares and projects
 /// each to `embed_dim`: a Conv2d whose kernel and stride are the patch
-/// size.
+/// size, computed as what it is, one linear layer over the unfolded
+/// patches (the conv weight `(D, C, p, p)` read as `(D, C·p·p)`), packed
+/// once like every linear of the model.
 ///
 /// Port of timm's `PatchEmbed` (`timm/layers/patch_embed.py`), also HF's
 /// `ViTPatchEmbeddings`. The convolution is `proj` (timm) or `projection`
 /// (HF) under `vb`.
 #[derive(Debug, Clone)]
 pub struct PatchEmbed {
-    proj: Conv2d,
+    /// `(embed_dim, in_chans · p · p)`.
+    proj: PackedLinear,
     patch_size: usize,
     in_chans: usize,
 }
@@ -27,11 +31,17 @@ impl PatchEmbed {
             Naming::Timm => "proj",
             Naming::Hf => "projection",
         };
-        let conv_cfg = Conv2dConfig {
-            stride: cfg.patch_size,
-            ..Default::default()
+        let (d, c, p) = (cfg.embed_dim, cfg.in_chans, cfg.patch_size);
+        // As candle_nn::conv2d initialises them.
+        let bound = 1. / (c as f64).sqrt();
+        let init = Init::Uniform {
+            lo: -bound,
+            up: bound,
         };
-        let proj = candle_nn::conv2d(cfg.in_chans, cfg.embed_dim, cfg.patch_size, conv_cfg, vb.pp(name))?;
+        let vb = vb.pp(name);
+        let weight = vb.get_with_hints((d, c, p, p), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+        let bias = vb.get_with_hints(d, "bias", init)?;
+        let proj = PackedLinear::new(weight.reshape((d, c * p * p))?, Some(bias))?;
         Ok(Self {
             proj,
             patch_size: cfg.patch_size,
@@ -57,10 +67,15 @@ impl PatchEmbed {
         if h % p != 0 || w % p != 0 || h == 0 || w == 0 {
             bail!("PatchEmbed: image size {h}x{w} is not a non-zero multiple of the patch size {p}")
         }
-        // (B, D, gh, gw) -> (B, gh*gw, D)
-        let x = self.proj.forward(xs)?;
-        let x = x.flatten_from(2)?.transpose(1, 2)?;
-        Ok((x, (h / p, w / p)))
+        let (b, (gh, gw)) = (xs.dim(0)?, (h / p, w / p));
+        // (B, C, gh, p, gw, p) -> (B, gh, gw, C, p, p) -> (B, gh*gw, C*p*p)
+        let patches = xs
+            .reshape((b, c, gh, p, gw, p))?
+            .permute((0, 2, 4, 1, 3, 5))?
+            .contiguous()?
+            .reshape((b, gh * gw, c * p * p))?;
+        // (B, gh*gw, D)
+        Ok((self.proj.forward(&patches)?, (gh, gw)))
     }
 }
 

@@ -2,14 +2,14 @@
 //! embedding, encoder blocks, norm, pooling and head.
 
 use candle::{bail, Module, Result, Tensor, D};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle_nn::{Init, VarBuilder};
 use multihead_attention::NeedWeights;
 
 use crate::vit::block::Block;
 use crate::vit::config::{GlobalPool, Naming, VitConfig};
 use crate::vit::embed::PatchEmbed;
 use crate::vit::resample::resample_abs_pos_embed;
-use multihead_attention::LayerNorm;
+use multihead_attention::{LayerNorm, PackedLinear};
 
 /// Checkpoint names of the model-level tensors.
 struct ModelNames {
@@ -80,7 +80,7 @@ pub struct VisionTransformer {
     norm: Option<LayerNorm>,
     /// After pooling.
     fc_norm: Option<LayerNorm>,
-    head: Option<Linear>,
+    head: Option<PackedLinear>,
 }
 
 impl VisionTransformer {
@@ -141,7 +141,7 @@ impl VisionTransformer {
             (Some(LayerNorm::new(d, eps, vb.pp(names.norm))?), None)
         };
         let head = (cfg.num_classes > 0)
-            .then(|| candle_nn::linear(d, cfg.num_classes, vb.pp(names.head)))
+            .then(|| PackedLinear::from_linear(candle_nn::linear(d, cfg.num_classes, vb.pp(names.head))?))
             .transpose()?;
         Ok(Self {
             cfg: cfg.clone(),

@@ -1,0 +1,293 @@
+//! Linear layers whose weight is packed once, when the layer is built, into
+//! the micro-kernels' panel layout: `x · wᵀ + b` without the per-call
+//! packing a general GEMM does, with the bias and optionally the exact GELU
+//! applied while the output block is still in cache.
+//!
+//! The weight `(n, k)` (PyTorch's `(out, in)`) becomes `ceil(n / NR)`
+//! panels of `k × NR` floats, output feature `p·NR + c`'s input `e` at
+//! `p·k·NR + e·NR + c`, zero past `n`; `NR` is 32 for the AVX-512 kernel
+//! (`avx512.rs`, 12 rows × 2 `zmm`) and 16 for the AVX2 one (`avx2.rs`,
+//! 6 rows × 2 `ymm`). A work unit is a block of rows by a block of panels;
+//! inside it, each panel's slice of [`KC`] inputs stays in L1 while the
+//! unit's row groups stream past it from L2. Units run on rayon's pool.
+
+use rayon::prelude::*;
+
+use super::isa::Isa;
+use super::{simd, SyncPtr};
+
+/// Inputs per slice of the reduction: a panel slice of `KC · NR` floats
+/// (32 KiB at NR 32) stays in L1.
+const KC: usize = 256;
+/// Row groups and panels per work unit, at most: a unit reads each of its
+/// panels' weights once from L3 and reuses it from L1 across up to 32
+/// row groups (384 rows on AVX-512), whose packed inputs stay in L2.
+const GROUPS_PER_UNIT: usize = 32;
+const PANELS_PER_UNIT: usize = 4;
+
+/// What the write-out applies after the bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Epilogue {
+    /// Nothing.
+    Identity,
+    /// `x · Φ(x)`, the exact GELU (PyTorch's `approximate='none'`).
+    GeluErf,
+}
+
+/// A weight and bias in panel layout, for the instruction set it was
+/// packed for.
+pub(crate) struct PackedWeight {
+    data: Vec<f32>,
+    /// `np` floats, zero past `n` (all zero without a bias).
+    bias: Vec<f32>,
+    has_bias: bool,
+    n: usize,
+    k: usize,
+    isa: Isa,
+}
+
+impl std::fmt::Debug for PackedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedWeight")
+            .field("out", &self.n)
+            .field("in", &self.k)
+            .field("bias", &self.has_bias)
+            .field("isa", &self.isa)
+            .finish()
+    }
+}
+
+impl PackedWeight {
+    /// The instruction set a weight packed now would run with, if any
+    /// kernel serves this processor.
+    pub(crate) fn isa() -> Option<Isa> {
+        match super::isa::current() {
+            Isa::Portable => None,
+            isa => Some(isa),
+        }
+    }
+
+    fn nr(isa: Isa) -> usize {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => super::avx512::NR,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::avx2::NR,
+            _ => 16,
+        }
+    }
+
+    /// Packs `w`, `n` rows of `k` floats, and `bias` (`n` floats) for `isa`
+    /// (from [`PackedWeight::isa`]); `n, k > 0`.
+    pub(crate) fn new(w: &[f32], n: usize, k: usize, bias: Option<&[f32]>, isa: Isa) -> Self {
+        let nr = Self::nr(isa);
+        let np = n.div_ceil(nr) * nr;
+        let mut data = vec![0f32; np * k];
+        data.par_chunks_mut(k * nr).enumerate().for_each(|(p, panel)| {
+            for c in 0..nr.min(n.saturating_sub(p * nr)) {
+                let row = &w[(p * nr + c) * k..][..k];
+                for (e, &x) in row.iter().enumerate() {
+                    panel[e * nr + c] = x;
+                }
+            }
+        });
+        let mut b = vec![0f32; np];
+        if let Some(bias) = bias {
+            b[..n].copy_from_slice(bias);
+        }
+        PackedWeight {
+            data,
+            bias: b,
+            has_bias: bias.is_some(),
+            n,
+            k,
+            isa,
+        }
+    }
+
+    /// `(out_features, in_features)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The weight, `n` rows of `k` floats, and the bias.
+    pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
+        let nr = Self::nr(self.isa);
+        let mut w = vec![0f32; self.n * self.k];
+        for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
+            let panel = &self.data[(j / nr) * self.k * nr..];
+            for (e, x) in row.iter_mut().enumerate() {
+                *x = panel[e * nr + j % nr];
+            }
+        }
+        let bias = self.has_bias.then(|| self.bias[..self.n].to_vec());
+        (w, bias)
+    }
+
+    /// Whether output features `lo..hi` are whole panels (or end at `n`),
+    /// so that [`PackedWeight::forward`] can compute them alone.
+    pub(crate) fn serves_range(&self, lo: usize, hi: usize) -> bool {
+        let nr = Self::nr(self.isa);
+        lo < hi && hi <= self.n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == self.n)
+    }
+
+    /// `epilogue(x · wᵀ + b)` for output features `lo..hi` (see
+    /// [`PackedWeight::serves_range`]): `x` is `m` rows of `k` floats;
+    /// returns `m` rows of `hi - lo` floats.
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        (lo, hi): (usize, usize),
+        epilogue: Epilogue,
+    ) -> Vec<f32> {
+        let nr = Self::nr(self.isa);
+        debug_assert!(self.serves_range(lo, hi) && x.len() >= m * self.k);
+        let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
+        let width = (p_hi - p_lo) * nr;
+        let mr = match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => super::avx512::MR,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::avx2::MR,
+            _ => 1,
+        };
+        let rows_per_unit = GROUPS_PER_UNIT * mr;
+        let units: Vec<(usize, usize)> = (0..m)
+            .step_by(rows_per_unit)
+            .flat_map(|i0| (p_lo..p_hi).step_by(PANELS_PER_UNIT).map(move |p0| (i0, p0)))
+            .collect();
+        let mut out: Vec<f32> = Vec::with_capacity(m * width);
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        let k = self.k;
+        units.par_iter().for_each(|&(i0, p0)| {
+            let out = out_ptr.get();
+            let rows = rows_per_unit.min(m - i0);
+            let p1 = (p0 + PANELS_PER_UNIT).min(p_hi);
+            let cols = (p0 - p_lo) * nr..(p1 - p_lo) * nr;
+            // SAFETY: rows i0..i0+rows and columns `cols` of the m × width
+            // output are this unit's alone and in bounds; the kernels read
+            // rows i0.. of x (m · k floats) and panels p0..p1 of the packed
+            // weight; `self.isa` was current, so detected, when packing.
+            unsafe {
+                let block = out.add(i0 * width + cols.start);
+                for r in 0..rows {
+                    std::ptr::copy_nonoverlapping(
+                        self.bias[p0 * nr..].as_ptr(),
+                        block.add(r * width),
+                        cols.len(),
+                    );
+                }
+                match self.isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => self.unit_avx512(&x[i0 * k..], rows, (p0, p1), block, width),
+                    _ => {
+                        for p in p0..p1 {
+                            let dst = block.add((p - p0) * nr);
+                            for k0 in (0..k).step_by(KC) {
+                                let kc = KC.min(k - k0);
+                                let w = self.data[p * k * nr + k0 * nr..].as_ptr();
+                                for g0 in (0..rows).step_by(mr) {
+                                    let xs = x[(i0 + g0) * k + k0..].as_ptr();
+                                    self.panel(mr.min(rows - g0), xs, k, kc, w, dst.add(g0 * width), width);
+                                }
+                            }
+                        }
+                    }
+                }
+                if epilogue == Epilogue::GeluErf {
+                    for r in 0..rows {
+                        simd::gelu_erf(std::slice::from_raw_parts_mut(block.add(r * width), cols.len()));
+                    }
+                }
+            }
+        });
+        // SAFETY: the units cover every (row, panel) block of the output.
+        unsafe { out.set_len(m * width) };
+        let skip = lo - p_lo * nr;
+        if skip == 0 && width == hi - lo {
+            return out;
+        }
+        out.chunks_exact(width)
+            .flat_map(|row| &row[skip..skip + hi - lo])
+            .copied()
+            .collect()
+    }
+
+    /// One unit on the AVX-512 kernel: for each slice of [`KC`] inputs,
+    /// the unit's rows are packed input-major once (see
+    /// `avx512::pack_rows`) and every panel of the unit runs over them.
+    ///
+    /// # Safety
+    /// `x` holds the unit's `rows` rows of `k` floats; `block` covers
+    /// `rows` rows (stride `width`) of the unit's panels `p0..p1`;
+    /// AVX-512F runs here.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn unit_avx512(
+        &self,
+        x: &[f32],
+        rows: usize,
+        (p0, p1): (usize, usize),
+        block: *mut f32,
+        width: usize,
+    ) {
+        use super::avx512::{pack_rows, panel, MR, NR};
+        let k = self.k;
+        let groups = rows.div_ceil(MR);
+        let mut a = vec![0f32; groups * KC * MR];
+        for k0 in (0..k).step_by(KC) {
+            let kc = KC.min(k - k0);
+            for g in 0..groups {
+                let gr = MR.min(rows - g * MR);
+                pack_rows(&mut a[g * KC * MR..], &x[g * MR * k + k0..], k, gr, kc);
+            }
+            for p in p0..p1 {
+                let w = self.data[p * k * NR + k0 * NR..].as_ptr();
+                for g in 0..groups {
+                    let gr = MR.min(rows - g * MR);
+                    // SAFETY: the caller's extents; the packed group holds
+                    // `kc · MR` floats.
+                    unsafe {
+                        panel(
+                            gr,
+                            a[g * KC * MR..].as_ptr(),
+                            kc,
+                            w,
+                            block.add(g * MR * width + (p - p0) * NR),
+                            width,
+                        )
+                    };
+                }
+            }
+        }
+    }
+
+    /// One micro-kernel call: `rows` rows of outputs += their `kc` inputs
+    /// times one panel slice.
+    ///
+    /// # Safety
+    /// The extents are in bounds, and `self.isa` runs on this processor.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn panel(
+        &self,
+        rows: usize,
+        x: *const f32,
+        x_rs: usize,
+        kc: usize,
+        w: *const f32,
+        out: *mut f32,
+        out_rs: usize,
+    ) {
+        // SAFETY: forwarded.
+        unsafe {
+            match self.isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => super::avx2::scores::<true>(rows, x, x_rs, kc, w, 1, out, out_rs),
+                _ => {
+                    let _ = (rows, x, x_rs, kc, w, out, out_rs);
+                    unreachable!("weights are only packed for a SIMD instruction set")
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! A linear layer whose weight is packed for the CPU micro-kernels once,
+//! when it is built.
+
+use std::sync::Arc;
+
+use candle::{bail, DType, Module, Result, Storage, Tensor};
+
+use crate::cpu_kernel::linear::{Epilogue, PackedWeight};
+
+/// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
+/// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
+///
+/// Built from plain f32 CPU tensors on an x86-64 processor with AVX2+FMA
+/// or AVX-512F, it packs the weight into the micro-kernels' panel layout
+/// once and keeps only that copy (no second resident weight); every call
+/// then runs without the per-call packing a general GEMM does, with the
+/// bias and the GELU applied while the output is in cache. Anything else
+/// keeps candle's `Linear`: weights that track gradients (a `VarMap`'s
+/// variables, which a training step changes in place: a packed copy would
+/// go stale), other devices and dtypes, and calls whose input tracks
+/// gradients (computed through the unpacked weight, so gradients reach the
+/// input). Both give the same results within float rounding.
+#[derive(Debug, Clone)]
+pub struct PackedLinear {
+    inner: Inner,
+}
+
+#[derive(Debug, Clone)]
+enum Inner {
+    Candle(candle_nn::Linear),
+    Packed(Arc<PackedWeight>),
+}
+
+/// Whether a tensor can take part in the packed path.
+fn plain_cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op()
+}
+
+/// The contiguous f32 data of a CPU tensor.
+fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
+}
+
+impl PackedLinear {
+    /// A layer over `weight` `(out, in)` and `bias` `(out)`, packed where
+    /// the packed path serves them (see the type's docs).
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let (n, k) = weight.dims2()?;
+        if let Some(b) = &bias {
+            if b.dims() != [n] {
+                bail!("PackedLinear: bias has shape {:?}, expected ({n},)", b.dims())
+            }
+        }
+        let packable = plain_cpu_f32(&weight) && bias.as_ref().is_none_or(plain_cpu_f32) && n > 0 && k > 0;
+        let isa = PackedWeight::isa().filter(|_| packable);
+        let Some(isa) = isa else {
+            return Ok(Self {
+                inner: Inner::Candle(candle_nn::Linear::new(weight, bias)),
+            });
+        };
+        let w = cpu_f32(&weight)?;
+        let b = bias.as_ref().map(cpu_f32).transpose()?;
+        Ok(Self {
+            inner: Inner::Packed(Arc::new(PackedWeight::new(&w, n, k, b.as_deref(), isa))),
+        })
+    }
+
+    /// [`PackedLinear::new`] over a candle `Linear`'s weight and bias.
+    pub fn from_linear(linear: candle_nn::Linear) -> Result<Self> {
+        Self::new(linear.weight().clone(), linear.bias().cloned())
+    }
+
+    /// Whether the weight is held packed (the fast path serves plain
+    /// inputs).
+    pub fn is_packed(&self) -> bool {
+        matches!(self.inner, Inner::Packed(_))
+    }
+
+    /// `(out_features, in_features)`.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match &self.inner {
+            Inner::Candle(l) => l.weight().dims2(),
+            Inner::Packed(p) => Ok(p.dims()),
+        }
+    }
+
+    /// The weight `(out, in)`: the tensor itself, or an unpacked copy.
+    pub fn weight(&self) -> Result<Tensor> {
+        match &self.inner {
+            Inner::Candle(l) => Ok(l.weight().clone()),
+            Inner::Packed(p) => {
+                let (n, k) = p.dims();
+                Tensor::from_vec(p.unpack().0, (n, k), &candle::Device::Cpu)
+            }
+        }
+    }
+
+    /// The bias `(out)`, if any: the tensor itself, or an unpacked copy.
+    pub fn bias(&self) -> Result<Option<Tensor>> {
+        match &self.inner {
+            Inner::Candle(l) => Ok(l.bias().cloned()),
+            Inner::Packed(p) => {
+                let n = p.dims().0;
+                p.unpack()
+                    .1
+                    .map(|b| Tensor::from_vec(b, n, &candle::Device::Cpu))
+                    .transpose()
+            }
+        }
+    }
+
+    /// `gelu_erf(x · wᵀ + b)`, the GELU fused into the write-out where
+    /// the weight is packed.
+    pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, _) = self.dims()?;
+        self.forward_range(x, (0, n), Epilogue::GeluErf)
+    }
+
+    /// Output features `lo..hi` only: `x · w[lo..hi]ᵀ + b[lo..hi]`. For
+    /// the fused `(3E, E)` input projection, whose q, k and v rows a
+    /// cross-attention call needs one at a time.
+    pub(crate) fn forward_features(&self, x: &Tensor, lo: usize, hi: usize) -> Result<Tensor> {
+        self.forward_range(x, (lo, hi), Epilogue::Identity)
+    }
+
+    fn forward_range(&self, x: &Tensor, (lo, hi): (usize, usize), epilogue: Epilogue) -> Result<Tensor> {
+        let (n, k) = self.dims()?;
+        if !(lo < hi && hi <= n) {
+            bail!("PackedLinear: output features {lo}..{hi} out of 0..{n}")
+        }
+        let dims = x.dims();
+        if dims.last() != Some(&k) {
+            bail!("PackedLinear: input has shape {dims:?}, expected (..., {k}) features")
+        }
+        let epilogue_of = |y: Tensor| match epilogue {
+            Epilogue::Identity => Ok(y),
+            Epilogue::GeluErf => y.gelu_erf(),
+        };
+        let packed = match &self.inner {
+            Inner::Packed(p) if plain_cpu_f32(x) && p.serves_range(lo, hi) => p,
+            Inner::Packed(_) => {
+                let b = self.bias()?.map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
+                let lin = candle_nn::Linear::new(self.weight()?.narrow(0, lo, hi - lo)?, b);
+                return epilogue_of(lin.forward(x)?);
+            }
+            Inner::Candle(l) if (lo, hi) == (0, n) => return epilogue_of(l.forward(x)?),
+            Inner::Candle(l) => {
+                let b = l.bias().map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
+                let lin = candle_nn::Linear::new(l.weight().narrow(0, lo, hi - lo)?, b);
+                return epilogue_of(lin.forward(x)?);
+            }
+        };
+        let m = x.elem_count() / k.max(1);
+        let x = x.contiguous()?;
+        let out = {
+            let (storage, layout) = x.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else {
+                bail!("PackedLinear: input is not on the CPU")
+            };
+            let xs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * k];
+            packed.forward(xs, m, (lo, hi), epilogue)
+        };
+        let mut shape = dims.to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = hi - lo;
+        }
+        Tensor::from_vec(out, shape, x.device())
+    }
+}
+
+impl Module for PackedLinear {
+    /// `(..., in)` → `(..., out)`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, _) = self.dims()?;
+        self.forward_range(x, (0, n), Epilogue::Identity)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Module, Result, Tensor};
+
+    use super::PackedLinear;
+    use crate::cpu_kernel::isa::{force, supported, Isa};
+
+    fn randn(shape: &[usize]) -> Result<Tensor> {
+        Tensor::randn(0f32, 1., shape, &Device::Cpu)
+    }
+
+    /// Largest difference over the expected tensor's largest magnitude.
+    fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
+        Ok(diff / scale)
+    }
+
+    /// Packed for every instruction set the processor runs, the layer
+    /// equals candle's `Linear` (and `gelu_erf` after it) on shapes off the
+    /// row group, panel, unit and reduction-slice sizes, with and without
+    /// bias, for the whole output and for panel-aligned feature ranges.
+    #[test]
+    fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
+        let shapes = [
+            (2, 97, 33, 37, true),
+            (1, 197, 768, 2304, true),
+            (3, 250, 300, 16, false),
+            (1, 1, 8, 96, true),
+        ];
+        let _lock = crate::cpu_kernel::isa::FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            for (batch, rows, k, n, bias) in shapes {
+                let x = randn(&[batch, rows, k])?;
+                let (w, b) = (randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
+                let expected = candle_nn::Linear::new(w.clone(), b.clone()).forward(&x)?;
+                let ours = PackedLinear::new(w, b)?;
+                assert_eq!(ours.is_packed(), isa != Isa::Portable, "{isa:?}");
+                let what = format!("{isa:?} ({batch}, {rows}, {k}) x ({n}, {k})");
+                let y = ours.forward(&x)?;
+                assert_eq!(y.dims(), expected.dims(), "{what}");
+                assert!(
+                    rel_err(&y, &expected)? < 1e-5,
+                    "{what}: {:e}",
+                    rel_err(&y, &expected)?
+                );
+                let g = ours.forward_gelu(&x)?;
+                assert!(rel_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
+                // The unpacked weight is the weight.
+                assert_eq!(ours.weight()?.dims(), [n, k]);
+                if n >= 64 {
+                    let part = ours.forward_features(&x, 32, 64)?;
+                    assert!(
+                        rel_err(&part, &expected.narrow(2, 32, 32)?)? < 1e-5,
+                        "{what} features 32..64"
+                    );
+                }
+                let tail = ours.forward_features(&x, n - 5, n)?;
+                assert!(
+                    rel_err(&tail, &expected.narrow(2, n - 5, 5)?)? < 1e-5,
+                    "{what} last 5 features"
+                );
+            }
+        }
+        force(None);
+        Ok(())
+    }
+
+    /// Weights that track gradients are never packed: a training step
+    /// changes them in place, and a packed copy would go stale.
+    #[test]
+    fn variables_are_not_packed_and_inputs_with_gradients_get_them() -> Result<()> {
+        let w = candle::Var::from_tensor(&randn(&[8, 4])?)?;
+        let lin = PackedLinear::new(w.as_tensor().clone(), None)?;
+        assert!(!lin.is_packed());
+        let x = randn(&[3, 4])?;
+        let before = lin.forward(&x)?;
+        w.set(&(w.as_tensor() * 2.)?)?;
+        let after = lin.forward(&x)?;
+        assert!(
+            rel_err(&after, &(before * 2.)?)? < 1e-6,
+            "the layer must see the updated variable"
+        );
+        // A packed layer under an input that tracks gradients.
+        let packed = PackedLinear::new(randn(&[8, 4])?, Some(randn(&[8])?))?;
+        let xv = candle::Var::from_tensor(&x)?;
+        let grads = packed.forward(xv.as_tensor())?.sum_all()?.backward()?;
+        assert!(
+            grads.get(xv.as_tensor()).is_some(),
+            "no gradient reached the input"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,106 @@
+//! Times the models this workspace ships at the sizes people run, and
+//! prints one JSON object per line (`scripts/bench_vs_pytorch.py --models`
+//! runs it beside timm and PyTorch on the same weights):
+//!
+//! ```text
+//! cargo run --release --example bench_models -- vit-b16 1 [WEIGHTS.safetensors]
+//! cargo run --release --example bench_models -- sgemm 2048
+//! ```
+//!
+//! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
+//! given timm state_dict or on random weights, and the peak resident
+//! memory of a forward (the model and its input built, the peak reset). `sgemm N`: candle's `N × N` f32 matmul, the machine's
+//! measured rate that the other rows are judged against.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use multihead::models::vit::{VisionTransformer, VitConfig};
+
+/// Median wall time of `f` in ms over at least 5 runs (3 past a second)
+/// and ~2 s, after one warm-up run.
+fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let t = Instant::now();
+    f()?;
+    let min_runs = if t.elapsed().as_secs_f64() > 1. { 3 } else { 5 };
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < min_runs || (start.elapsed().as_secs_f64() < 2. && times.len() < 200) {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn peak_rss_mib() -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kb as f64 / 1024.)
+}
+
+/// A VarBuilder over `path`, or over random weights initialised as the
+/// modules initialise them, as plain tensors (a `VarMap`'s variables track
+/// gradients, which sends every op down the differentiable paths).
+fn weights(
+    path: Option<&str>,
+    build: impl Fn(VarBuilder) -> candle::Result<()>,
+) -> Result<VarBuilder<'static>> {
+    let dev = Device::Cpu;
+    if let Some(path) = path {
+        // SAFETY: the file is not modified while mapped (a benchmark's input).
+        return Ok(unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, &dev)? });
+    }
+    let varmap = VarMap::new();
+    build(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    let plain = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned VarMap lock"))?
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
+        .collect();
+    Ok(VarBuilder::from_tensors(plain, DType::F32, &dev))
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["sgemm", n] => {
+            let n: usize = n.parse().context("sgemm takes a size")?;
+            let a = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
+            let b = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
+            let ms = median_ms(|| Ok(a.matmul(&b).map(drop)?))?;
+            let gflops = 2. * (n as f64).powi(3) / (ms * 1e-3) / 1e9;
+            println!(r#"{{"work": "sgemm {n}", "median_ms": {ms:.3}, "gflops": {gflops:.1}}}"#);
+        }
+        ["vit-b16", batch, rest @ ..] => {
+            let batch: usize = batch.parse().context("vit-b16 takes a batch size")?;
+            let cfg = VitConfig::base_patch16_224();
+            let vb = weights(rest.first().copied(), |vb| {
+                VisionTransformer::new(&cfg, vb).map(drop)
+            })?;
+            let vit = VisionTransformer::new(&cfg, vb)?;
+            let x = Tensor::randn(0f32, 1., (batch, 3, 224, 224), &Device::Cpu)?;
+            // The forward's own peak: Linux resets the peak resident set
+            // (VmHWM) to the current one when 5 is written to clear_refs.
+            std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
+            vit.forward(&x)?;
+            let rss = peak_rss_mib()?;
+            let ms = median_ms(|| Ok(vit.forward(&x).map(drop)?))?;
+            println!(
+                r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}}}"#
+            );
+        }
+        _ => bail!("usage: bench_models (sgemm N | vit-b16 BATCH [WEIGHTS])"),
+    }
+    Ok(())
+}
