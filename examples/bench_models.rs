@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release --example bench_models -- vit-b16 1 [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- sgemm 2048
+//! cargo run --release --example bench_models -- linear 1576 768 2304
 //! ```
 //!
 //! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
@@ -82,6 +83,32 @@ fn main() -> Result<()> {
             let gflops = 2. * (n as f64).powi(3) / (ms * 1e-3) / 1e9;
             println!(r#"{{"work": "sgemm {n}", "median_ms": {ms:.3}, "gflops": {gflops:.1}}}"#);
         }
+        ["linear", m, k, n] => {
+            // One packed linear against candle's matmul on the same shapes.
+            let (m, k, n): (usize, usize, usize) = (m.parse()?, k.parse()?, n.parse()?);
+            let x = Tensor::randn(0f32, 1., (m, k), &Device::Cpu)?;
+            let w = Tensor::randn(0f32, 1., (n, k), &Device::Cpu)?;
+            let packed = multihead::attention::PackedLinear::new(w.clone(), None)?;
+            let linear = candle_nn::Linear::new(w.clone(), None);
+            let wt = w.t()?.contiguous()?;
+            let gflop = 2. * (m * k * n) as f64 / 1e9;
+            for (path, ms) in [
+                ("PackedLinear", median_ms(|| Ok(packed.forward(&x).map(drop)?))?),
+                (
+                    "candle_nn::Linear",
+                    median_ms(|| Ok(linear.forward(&x).map(drop)?))?,
+                ),
+                (
+                    "candle matmul, (k, n) weight",
+                    median_ms(|| Ok(x.matmul(&wt).map(drop)?))?,
+                ),
+            ] {
+                println!(
+                    r#"{{"work": "linear {m}x{k} -> {n}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}}}"#,
+                    gflop / (ms * 1e-3)
+                );
+            }
+        }
         ["vit-b16", batch, rest @ ..] => {
             let batch: usize = batch.parse().context("vit-b16 takes a batch size")?;
             let cfg = VitConfig::base_patch16_224();
@@ -100,7 +127,7 @@ fn main() -> Result<()> {
                 r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}}}"#
             );
         }
-        _ => bail!("usage: bench_models (sgemm N | vit-b16 BATCH [WEIGHTS])"),
+        _ => bail!("usage: bench_models (sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS])"),
     }
     Ok(())
 }

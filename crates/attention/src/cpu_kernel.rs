@@ -25,8 +25,6 @@ use crate::mask::{Mask, MaskPart};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 pub(crate) mod isa;
 pub(crate) mod linear;
 

@@ -3,25 +3,33 @@
 //! packing a general GEMM does, with the bias and optionally the exact GELU
 //! applied while the output block is still in cache.
 //!
-//! The weight `(n, k)` (PyTorch's `(out, in)`) becomes `ceil(n / NR)`
-//! panels of `k × NR` floats, output feature `p·NR + c`'s input `e` at
-//! `p·k·NR + e·NR + c`, zero past `n`; `NR` is 32 for the AVX-512 kernel
-//! (`avx512.rs`, 12 rows × 2 `zmm`) and 16 for the AVX2 one (`avx2.rs`,
-//! 6 rows × 2 `ymm`). A work unit is a block of rows by a block of panels;
-//! inside it, each panel's slice of [`KC`] inputs stays in L1 while the
-//! unit's row groups stream past it from L2. Units run on rayon's pool.
+//! Two layouts, by instruction set:
+//! - **AVX2**: the weight `(n, k)` (PyTorch's `(out, in)`) becomes
+//!   `ceil(n / 16)` panels of `k × 16` floats, output feature `p·16 + c`'s
+//!   input `e` at `p·k·16 + e·16 + c`, zero past `n`, for the attention's
+//!   6 × 16 micro-kernel (`avx2.rs`). A work unit is a block of rows by a
+//!   block of panels; inside it, each panel's slice of [`KC`] inputs stays
+//!   in L1 while the unit's row groups stream past it from L2. Units run on
+//!   rayon's pool. `gemm` has no AVX2 kernel that beats this one.
+//! - **AVX-512**: the weight transposed once to a contiguous `(k, n)`,
+//!   multiplied by `gemm`'s AVX-512 kernels (the fastest measured here: a
+//!   12 × 32 `zmm` kernel of ours over packed panels reached about 0.8×
+//!   of them on the Xeon, so it is not kept),
+//!   with the bias pre-filled into the output (`dst = dst + x · wᵀ`). What
+//!   it saves over candle's `Linear` is the strided read of the `(n, k)`
+//!   weight and the separate bias and GELU passes.
 
 use rayon::prelude::*;
 
 use super::isa::Isa;
 use super::{simd, SyncPtr};
 
-/// Inputs per slice of the reduction: a panel slice of `KC · NR` floats
-/// (32 KiB at NR 32) stays in L1.
+/// Inputs per slice of the reduction: a panel slice of `KC · 16` floats
+/// (16 KiB) stays in L1.
 const KC: usize = 256;
 /// Row groups and panels per work unit, at most: a unit reads each of its
 /// panels' weights once from L3 and reuses it from L1 across up to 32
-/// row groups (384 rows on AVX-512), whose packed inputs stay in L2.
+/// row groups (192 rows), whose inputs stay in L2.
 const GROUPS_PER_UNIT: usize = 32;
 const PANELS_PER_UNIT: usize = 4;
 
@@ -37,7 +45,11 @@ pub(crate) enum Epilogue {
 /// A weight and bias in panel layout, for the instruction set it was
 /// packed for.
 pub(crate) struct PackedWeight {
+    /// The panels (or the transposed weight) start at `data[start]`; panels
+    /// are 64-byte aligned, so that a panel row's two loads never straddle
+    /// a cache line.
     data: Vec<f32>,
+    start: usize,
     /// `np` floats, zero past `n` (all zero without a bias).
     bias: Vec<f32>,
     has_bias: bool,
@@ -67,42 +79,71 @@ impl PackedWeight {
         }
     }
 
-    fn nr(isa: Isa) -> usize {
-        match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => super::avx512::NR,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => super::avx2::NR,
-            _ => 16,
-        }
+    /// Whether this weight is `(k, n)` for `gemm` rather than panels.
+    fn transposed(&self) -> bool {
+        self.isa == Isa::Avx512
+    }
+
+    /// Output features per panel of the AVX2 layout (the transposed
+    /// AVX-512 layout pads only its bias to it).
+    fn nr(_isa: Isa) -> usize {
+        16
     }
 
     /// Packs `w`, `n` rows of `k` floats, and `bias` (`n` floats) for `isa`
     /// (from [`PackedWeight::isa`]); `n, k > 0`.
     pub(crate) fn new(w: &[f32], n: usize, k: usize, bias: Option<&[f32]>, isa: Isa) -> Self {
-        let nr = Self::nr(isa);
-        let np = n.div_ceil(nr) * nr;
-        let mut data = vec![0f32; np * k];
-        data.par_chunks_mut(k * nr).enumerate().for_each(|(p, panel)| {
-            for c in 0..nr.min(n.saturating_sub(p * nr)) {
-                let row = &w[(p * nr + c) * k..][..k];
-                for (e, &x) in row.iter().enumerate() {
-                    panel[e * nr + c] = x;
-                }
-            }
-        });
-        let mut b = vec![0f32; np];
+        let mut b = vec![0f32; n.next_multiple_of(Self::nr(isa))];
         if let Some(bias) = bias {
             b[..n].copy_from_slice(bias);
         }
+        if isa == Isa::Avx512 {
+            // (k, n): row e holds input e of every output feature.
+            let mut data = vec![0f32; k * n];
+            data.par_chunks_mut(n).enumerate().for_each(|(e, row)| {
+                for (j, x) in row.iter_mut().enumerate() {
+                    *x = w[j * k + e];
+                }
+            });
+            return PackedWeight {
+                data,
+                start: 0,
+                bias: b,
+                has_bias: bias.is_some(),
+                n,
+                k,
+                isa,
+            };
+        }
+        let nr = Self::nr(isa);
+        let np = n.div_ceil(nr) * nr;
+        let mut data = vec![0f32; np * k + 16];
+        let start = data.as_ptr().align_offset(64).min(16);
+        data[start..start + np * k]
+            .par_chunks_mut(k * nr)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                for c in 0..nr.min(n.saturating_sub(p * nr)) {
+                    let row = &w[(p * nr + c) * k..][..k];
+                    for (e, &x) in row.iter().enumerate() {
+                        panel[e * nr + c] = x;
+                    }
+                }
+            });
         PackedWeight {
             data,
+            start,
             bias: b,
             has_bias: bias.is_some(),
             n,
             k,
             isa,
         }
+    }
+
+    /// The packed panels.
+    fn panels(&self) -> &[f32] {
+        &self.data[self.start..]
     }
 
     /// `(out_features, in_features)`.
@@ -114,19 +155,30 @@ impl PackedWeight {
     pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
         let nr = Self::nr(self.isa);
         let mut w = vec![0f32; self.n * self.k];
+        let bias = self.has_bias.then(|| self.bias[..self.n].to_vec());
+        if self.transposed() {
+            for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
+                for (e, x) in row.iter_mut().enumerate() {
+                    *x = self.data[e * self.n + j];
+                }
+            }
+            return (w, bias);
+        }
         for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
-            let panel = &self.data[(j / nr) * self.k * nr..];
+            let panel = &self.panels()[(j / nr) * self.k * nr..];
             for (e, x) in row.iter_mut().enumerate() {
                 *x = panel[e * nr + j % nr];
             }
         }
-        let bias = self.has_bias.then(|| self.bias[..self.n].to_vec());
         (w, bias)
     }
 
     /// Whether output features `lo..hi` are whole panels (or end at `n`),
     /// so that [`PackedWeight::forward`] can compute them alone.
     pub(crate) fn serves_range(&self, lo: usize, hi: usize) -> bool {
+        if self.transposed() {
+            return lo < hi && hi <= self.n;
+        }
         let nr = Self::nr(self.isa);
         lo < hi && hi <= self.n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == self.n)
     }
@@ -141,17 +193,17 @@ impl PackedWeight {
         (lo, hi): (usize, usize),
         epilogue: Epilogue,
     ) -> Vec<f32> {
-        let nr = Self::nr(self.isa);
         debug_assert!(self.serves_range(lo, hi) && x.len() >= m * self.k);
+        if self.transposed() {
+            return self.forward_gemm(x, m, (lo, hi), epilogue);
+        }
+        let nr = Self::nr(self.isa);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let width = (p_hi - p_lo) * nr;
-        let mr = match self.isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => super::avx512::MR,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => super::avx2::MR,
-            _ => 1,
-        };
+        #[cfg(target_arch = "x86_64")]
+        let mr = super::avx2::MR;
+        #[cfg(not(target_arch = "x86_64"))]
+        let mr = 1;
         let rows_per_unit = GROUPS_PER_UNIT * mr;
         let units: Vec<(usize, usize)> = (0..m)
             .step_by(rows_per_unit)
@@ -178,20 +230,14 @@ impl PackedWeight {
                         cols.len(),
                     );
                 }
-                match self.isa {
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => self.unit_avx512(&x[i0 * k..], rows, (p0, p1), block, width),
-                    _ => {
-                        for p in p0..p1 {
-                            let dst = block.add((p - p0) * nr);
-                            for k0 in (0..k).step_by(KC) {
-                                let kc = KC.min(k - k0);
-                                let w = self.data[p * k * nr + k0 * nr..].as_ptr();
-                                for g0 in (0..rows).step_by(mr) {
-                                    let xs = x[(i0 + g0) * k + k0..].as_ptr();
-                                    self.panel(mr.min(rows - g0), xs, k, kc, w, dst.add(g0 * width), width);
-                                }
-                            }
+                for p in p0..p1 {
+                    let dst = block.add((p - p0) * nr);
+                    for k0 in (0..k).step_by(KC) {
+                        let kc = KC.min(k - k0);
+                        let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
+                        for g0 in (0..rows).step_by(mr) {
+                            let xs = x[(i0 + g0) * k + k0..].as_ptr();
+                            self.panel(mr.min(rows - g0), xs, k, kc, w, dst.add(g0 * width), width);
                         }
                     }
                 }
@@ -214,52 +260,50 @@ impl PackedWeight {
             .collect()
     }
 
-    /// One unit on the AVX-512 kernel: for each slice of [`KC`] inputs,
-    /// the unit's rows are packed input-major once (see
-    /// `avx512::pack_rows`) and every panel of the unit runs over them.
-    ///
-    /// # Safety
-    /// `x` holds the unit's `rows` rows of `k` floats; `block` covers
-    /// `rows` rows (stride `width`) of the unit's panels `p0..p1`;
-    /// AVX-512F runs here.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn unit_avx512(
-        &self,
-        x: &[f32],
-        rows: usize,
-        (p0, p1): (usize, usize),
-        block: *mut f32,
-        width: usize,
-    ) {
-        use super::avx512::{pack_rows, panel, MR, NR};
-        let k = self.k;
-        let groups = rows.div_ceil(MR);
-        let mut a = vec![0f32; groups * KC * MR];
-        for k0 in (0..k).step_by(KC) {
-            let kc = KC.min(k - k0);
-            for g in 0..groups {
-                let gr = MR.min(rows - g * MR);
-                pack_rows(&mut a[g * KC * MR..], &x[g * MR * k + k0..], k, gr, kc);
-            }
-            for p in p0..p1 {
-                let w = self.data[p * k * NR + k0 * NR..].as_ptr();
-                for g in 0..groups {
-                    let gr = MR.min(rows - g * MR);
-                    // SAFETY: the caller's extents; the packed group holds
-                    // `kc · MR` floats.
-                    unsafe {
-                        panel(
-                            gr,
-                            a[g * KC * MR..].as_ptr(),
-                            kc,
-                            w,
-                            block.add(g * MR * width + (p - p0) * NR),
-                            width,
-                        )
-                    };
-                }
-            }
+    /// [`PackedWeight::forward`] on the `(k, n)` weight through `gemm`:
+    /// the output starts as the bias and `gemm` adds `x · wᵀ` to it.
+    fn forward_gemm(&self, x: &[f32], m: usize, (lo, hi): (usize, usize), epilogue: Epilogue) -> Vec<f32> {
+        let (n, k, width) = (self.n, self.k, hi - lo);
+        let mut out: Vec<f32> = Vec::with_capacity(m * width);
+        for _ in 0..m {
+            out.extend_from_slice(&self.bias[lo..hi]);
         }
+        let threads = rayon::current_num_threads();
+        let parallelism = if threads > 1 && m * width * k > 1 << 16 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: dst is m × width (row stride width), lhs m × k (row
+        // stride k), rhs k × width read from column lo of the k × n weight
+        // (row stride n); all in bounds.
+        unsafe {
+            gemm::gemm(
+                m,
+                width,
+                k,
+                out.as_mut_ptr(),
+                1,
+                width as isize,
+                true,
+                x.as_ptr(),
+                1,
+                k as isize,
+                self.data[lo..].as_ptr(),
+                1,
+                n as isize,
+                1.,
+                1.,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+        }
+        if epilogue == Epilogue::GeluErf {
+            out.par_chunks_mut(width.max(1) * 16).for_each(simd::gelu_erf);
+        }
+        out
     }
 
     /// One micro-kernel call: `rows` rows of outputs += their `kc` inputs
