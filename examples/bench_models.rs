@@ -6,6 +6,7 @@
 //! cargo run --release --example bench_models -- vit-b16 1 [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- sgemm 2048
 //! cargo run --release --example bench_models -- linear 1576 768 2304
+//! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! ```
 //!
 //! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
@@ -18,6 +19,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use multihead::attention::{Causal, Mask};
+use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
 /// Median wall time of `f` in ms over at least 5 runs (3 past a second)
@@ -109,6 +112,35 @@ fn main() -> Result<()> {
                 );
             }
         }
+        ["transformer", rest @ ..] => {
+            // nn.Transformer(d_model=512, nhead=8, 6 + 6 layers,
+            // batch_first=True): a B8 S64 T64 forward with a causal target
+            // mask, and 32 greedy steps with the cache (each step's output
+            // fed back as the next input).
+            let mut cfg = TransformerConfig::new(512, 8).with_batch_first(true);
+            cfg.dropout = 0.;
+            let vb = weights(rest.first().copied(), |vb| Transformer::new(&cfg, vb).map(drop))?;
+            let model = Transformer::new(&cfg, vb)?;
+            let dev = Device::Cpu;
+            let src = Tensor::randn(0f32, 1., (8, 64, 512), &dev)?;
+            let tgt = Tensor::randn(0f32, 1., (8, 64, 512), &dev)?;
+            let masks = TransformerMasks {
+                tgt: Mask::causal(Causal::TopLeft),
+                ..Default::default()
+            };
+            let ms = median_ms(|| Ok(model.forward(&src, &tgt, &masks).map(drop)?))?;
+            println!(r#"{{"work": "nn.Transformer B8 S64 T64 forward", "median_ms": {ms:.2}}}"#);
+            let ms = median_ms(|| {
+                let memory = model.encoder().forward(&src, &Mask::new())?;
+                let mut cache = model.decoder().start(&memory, None)?;
+                let mut x = Tensor::zeros((8, 1, 512), DType::F32, &dev)?;
+                for _ in 0..32 {
+                    x = model.decoder().step(&x, &mut cache)?;
+                }
+                Ok(())
+            })?;
+            println!(r#"{{"work": "nn.Transformer B8 S64 encode + 32 greedy steps", "median_ms": {ms:.2}}}"#);
+        }
         ["vit-b16", batch, rest @ ..] => {
             let batch: usize = batch.parse().context("vit-b16 takes a batch size")?;
             let cfg = VitConfig::base_patch16_224();
@@ -127,7 +159,9 @@ fn main() -> Result<()> {
                 r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}}}"#
             );
         }
-        _ => bail!("usage: bench_models (sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS])"),
+        _ => bail!(
+            "usage: bench_models (sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS])"
+        ),
     }
     Ok(())
 }

@@ -116,10 +116,28 @@ def models(args, env):
     weights = os.path.join(tmp, "vit_base_patch16_224.safetensors")
     save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, weights)
     vit_gflop = 35.1  # 2 * multiply-adds of one 224² image (timm's profile: 17.6 GMACs)
+    torch.manual_seed(0)
+    tr = torch.nn.Transformer(d_model=512, nhead=8, num_encoder_layers=6, num_decoder_layers=6,
+                              dim_feedforward=2048, dropout=0.0, batch_first=True).eval()
+    tr_weights = os.path.join(tmp, "transformer.safetensors")
+    save_file({k: v.contiguous() for k, v in tr.state_dict().items()}, tr_weights)
+    src, tgt = torch.randn(8, 64, 512), torch.randn(8, 64, 512)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(64)
+
+    def torch_decode():
+        # PyTorch's decoder has no cache: each step runs over the prefix.
+        memory = tr.encoder(src)
+        y = torch.zeros(8, 1, 512)
+        for _ in range(32):
+            n = y.shape[1]
+            out = tr.decoder(y, memory, tgt_mask=torch.nn.Transformer.generate_square_subsequent_mask(n),
+                             tgt_is_causal=True)
+            y = torch.cat([y, out[:, -1:]], dim=1)
     ours_cmd = {
         "sgemm 2048": [exe, "sgemm", "2048"],
         "vit_base_patch16_224 B1": [exe, "vit-b16", "1", weights],
         "vit_base_patch16_224 B8": [exe, "vit-b16", "8", weights],
+        "transformer": [exe, "transformer", tr_weights],
     }
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     imgs = {1: torch.randn(1, 3, 224, 224), 8: torch.randn(8, 3, 224, 224)}
@@ -127,15 +145,20 @@ def models(args, env):
         "sgemm 2048": lambda: median_ms(lambda: a @ b),
         "vit_base_patch16_224 B1": lambda: median_ms(lambda: vit(imgs[1])),
         "vit_base_patch16_224 B8": lambda: median_ms(lambda: vit(imgs[8])),
+        "nn.Transformer B8 S64 T64 forward": lambda: median_ms(
+            lambda: tr(src, tgt, tgt_mask=causal, tgt_is_causal=True)),
+        "nn.Transformer B8 S64 encode + 32 greedy steps": lambda: median_ms(torch_decode),
     }
     rounds = []
     with torch.no_grad():
         rss_theirs = {n: forward_peak_mib(lambda: vit(imgs[n])) for n in (1, 8)}
         for _ in range(args.rounds):
             ours = {}
-            for work, cmd in ours_cmd.items():
+            for cmd in ours_cmd.values():
                 out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-                ours[work] = json.loads(out.splitlines()[-1])
+                for line in out.splitlines():
+                    r = json.loads(line)
+                    ours[r["work"]] = r
             rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
     med = statistics.median
     gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
@@ -149,16 +172,16 @@ def models(args, env):
     print()
     print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
     print("|---|---|---|---|---|---|")
-    for work in ours_cmd:
+    for work in theirs_fn:
         pt = [t[work] for _, t in rounds]
         ours = [o[work]["median_ms"] for o, _ in rounds]
         ratio = med([p / o for p, o in zip(pt, ours)])
-        share = gflop[work] / (med(ours) * 1e-3) / rate["ours"] * 100
+        share = f"{gflop[work] / (med(ours) * 1e-3) / rate['ours'] * 100:.0f} %" if work in gflop else "–"
         rss = "–"
         if work.startswith("vit"):
             n = int(work.split("B")[-1])
             rss = f"{rss_theirs[n]:.0f} / {med([o[work]['peak_rss_mib'] for o, _ in rounds]):.0f}"
-        print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {share:.0f} % | {rss} |")
+        print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {share} | {rss} |")
 
 
 def main():

@@ -46,7 +46,7 @@
 #![warn(missing_docs)]
 
 mod config;
-mod cpu_kernel;
+mod cpu;
 mod hydra;
 mod layout;
 mod linear;

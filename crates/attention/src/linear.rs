@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use candle::{bail, DType, Module, Result, Storage, Tensor};
 
-use crate::cpu_kernel::linear::{Epilogue, PackedWeight};
+use crate::cpu::linear::{Epilogue, PackedWeight};
 
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
 /// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
@@ -181,7 +181,7 @@ mod tests {
     use candle::{Device, Module, Result, Tensor};
 
     use super::PackedLinear;
-    use crate::cpu_kernel::isa::{force, supported, Isa};
+    use crate::cpu::isa::{force, supported, Isa};
 
     fn randn(shape: &[usize]) -> Result<Tensor> {
         Tensor::randn(0f32, 1., shape, &Device::Cpu)
@@ -206,7 +206,7 @@ mod tests {
             (3, 250, 300, 16, false),
             (1, 1, 8, 96, true),
         ];
-        let _lock = crate::cpu_kernel::isa::FORCE_LOCK.lock();
+        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
         for isa in supported() {
             force(Some(isa));
             for (batch, rows, k, n, bias) in shapes {

@@ -9,7 +9,7 @@
 
 use candle::{bail, DType, Result, Tensor, D};
 
-use crate::cpu_kernel;
+use crate::cpu;
 use crate::mask::Mask;
 
 /// `softmax(q kᵀ · scale + mask) v` on `(batch, heads, seq, head_dim)`
@@ -76,7 +76,7 @@ impl AttnPath {
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
             _ if grads => Some("gradients are tracked and only the reference path backpropagates".into()),
-            AttnPath::CpuTiled => (!cpu_kernel::supports(q)).then(|| {
+            AttnPath::CpuTiled => (!cpu::supports(q)).then(|| {
                 format!(
                     "needs a CPU tensor of f32/f16/bf16, found {:?} on {:?}",
                     q.dtype(),
@@ -136,7 +136,7 @@ pub(crate) fn sdpa_dispatch(
         p => p,
     };
     match path {
-        AttnPath::CpuTiled => cpu_kernel::sdpa_cpu(q, k, v, mask, appended, scale),
+        AttnPath::CpuTiled => cpu::sdpa_cpu(q, k, v, mask, appended, scale),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
         AttnPath::Auto | AttnPath::Reference => {

@@ -21,8 +21,9 @@
 
 use rayon::prelude::*;
 
+use super::attention::SyncPtr;
 use super::isa::Isa;
-use super::{simd, SyncPtr};
+use super::simd;
 
 /// Inputs per slice of the reduction: a panel slice of `KC · 16` floats
 /// (16 KiB) stays in L1.

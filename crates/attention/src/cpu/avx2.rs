@@ -17,7 +17,8 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use super::{simd, Problem, Unit};
+use super::attention::{Problem, Unit};
+use super::simd;
 
 /// Query rows per micro-kernel.
 pub(super) const MR: usize = 6;
@@ -237,7 +238,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
             }
         }
     }
-    super::write_rows(&acc, dvp, dv, &row_sum, unit);
+    super::attention::write_rows(&acc, dvp, dv, &row_sum, unit);
 }
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).

@@ -1,0 +1,291 @@
+//! Vectorised row operations: the online softmax and its `exp`, the mask
+//! application, the exact GELU, a finiteness check. Each is written once
+//! as plain Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
+//! instruction set is picked at run time (`isa.rs`).
+
+/// `e^x = 2^n · e^f` with `n = round(x / ln2)` and a degree-7 Taylor
+/// polynomial for `e^f`, `|f| <= ln2 / 2`: relative error < 1e-6 for `x`
+/// in `[-87, 0]`; exactly 0 below -87 (and for `-inf`).
+#[inline(always)]
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    // NaN passes through (the caller detects it in the row's sum).
+    let xc = if x < -87.0 { -87.0 } else { x };
+    let t = xc * LOG2E;
+    let r = t + MAGIC;
+    let n = r - MAGIC;
+    // x - n·ln2 in two steps (Cody–Waite): C1 has few mantissa bits, so
+    // n·C1 is exact and the reduction keeps full relative accuracy.
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    let f = xc - n * C1 - n * C2;
+    // e^f for |f| <= ln2/2, Taylor to degree 7.
+    let p = 1.0
+        + f * (1.0
+            + f * (0.5
+                + f * (1.0 / 6.0
+                    + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
+    let ni = r.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    let pow2n = f32::from_bits(((ni + 127) << 23) as u32);
+    let y = p * pow2n;
+    if x < -87.0 {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// Lanes of the explicit reductions: float sums and maxes only
+/// vectorise when their order is spelled out as independent lanes.
+const LANES: usize = 16;
+
+#[inline(always)]
+fn max_of(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let m = tail
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    lanes.iter().fold(m, |m, &x| if x > m { x } else { m })
+}
+
+/// `row[j] = e^(row[j] - max)` in place; returns the sum.
+#[inline(always)]
+fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (s, x) in lanes.iter_mut().zip(c.iter_mut()) {
+            *x = exp_nonpositive(*x - max);
+            *s += *x;
+        }
+    }
+    let mut sum = 0f32;
+    for x in chunks.into_remainder() {
+        *x = exp_nonpositive(*x - max);
+        sum += *x;
+    }
+    sum + lanes.iter().sum::<f32>()
+}
+
+/// Marks a row NaN for good (a NaN or `+inf` score, as PyTorch's
+/// softmax gives): NaN max, sum and accumulator; the tile row becomes 0
+/// so that the `P · V` product adds nothing to it.
+pub(crate) fn poison(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    *m = f32::NAN;
+    *l = f32::NAN;
+    acc.fill(f32::NAN);
+    row.fill(0.);
+}
+
+#[inline(always)]
+fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    if m.is_nan() {
+        row.fill(0.);
+        return;
+    }
+    // `max_of` skips NaN; a NaN score shows in the sum below.
+    let new_max = m.max(max_of(row));
+    if new_max == f32::NEG_INFINITY {
+        // Every key so far is hidden or scores -inf (weights 0), unless
+        // a score is NaN.
+        if row.iter().any(|x| x.is_nan()) {
+            poison(row, m, l, acc);
+        } else {
+            row.fill(0.);
+        }
+        return;
+    }
+    if new_max == f32::INFINITY {
+        poison(row, m, l, acc);
+        return;
+    }
+    let sum = exp_sub_sum(row, new_max);
+    if sum.is_nan() {
+        poison(row, m, l, acc);
+        return;
+    }
+    if *m != new_max {
+        let alpha = exp_nonpositive(*m - new_max);
+        *l *= alpha;
+        for a in acc.iter_mut() {
+            *a *= alpha;
+        }
+    }
+    *l += sum;
+    *m = new_max;
+}
+
+/// `row[j] += data[j]` where `data[j]` is not `-inf` (a hiding entry,
+/// applied by `hide_where_neg_inf`); `broadcast`: one entry for all.
+#[inline(always)]
+fn add_visible_impl(row: &mut [f32], data: &[f32], broadcast: bool) {
+    let add = |x: &mut f32, b: f32| *x += if b == f32::NEG_INFINITY { 0. } else { b };
+    if broadcast {
+        row.iter_mut().for_each(|x| add(x, data[0]));
+    } else {
+        row.iter_mut().zip(data).for_each(|(x, &b)| add(x, b));
+    }
+}
+
+/// `row[j] = -inf` where `data[j]` is `-inf`.
+#[inline(always)]
+fn hide_where_neg_inf_impl(row: &mut [f32], data: &[f32], broadcast: bool) {
+    let hide = |x: &mut f32, b: f32| *x = if b == f32::NEG_INFINITY { b } else { *x };
+    if broadcast {
+        row.iter_mut().for_each(|x| hide(x, data[0]));
+    } else {
+        row.iter_mut().zip(data).for_each(|(x, &b)| hide(x, b));
+    }
+}
+
+/// `row[j] = -inf` where `(bytes[j] != 0) == nonzero_hides`.
+#[inline(always)]
+fn hide_where_impl(row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool) {
+    let hide = |x: &mut f32, b: u8| {
+        *x = if (b != 0) == nonzero_hides {
+            f32::NEG_INFINITY
+        } else {
+            *x
+        }
+    };
+    if broadcast {
+        row.iter_mut().for_each(|x| hide(x, bytes[0]));
+    } else {
+        row.iter_mut().zip(bytes).for_each(|(x, &b)| hide(x, b));
+    }
+}
+
+/// `x · Φ(x)` in place, the exact GELU: `Φ(x) = (1 + erf(x / √2)) / 2`
+/// with Abramowitz and Stegun's 7.1.26 for `erf` (absolute error below
+/// 1.5e-7), written so that `1 + erf` for negative `x` is computed as
+/// the small `erfc`, not as a difference. Branch-free, so it
+/// vectorises; NaN stays NaN.
+#[inline(always)]
+fn gelu_erf_impl(xs: &mut [f32]) {
+    const P: f32 = 0.327_591_1;
+    const A: [f32; 5] = [0.254_829_6, -0.284_496_74, 1.421_413_8, -1.453_152, 1.061_405_4];
+    for x in xs.iter_mut() {
+        let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+        let t = 1. / (1. + P * z);
+        let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
+        // erfc(z) for z >= 0.
+        let erfc = poly * exp_nonpositive(-z * z);
+        let one_plus_erf = if *x < 0. { erfc } else { 2. - erfc };
+        *x = 0.5 * *x * one_plus_erf;
+    }
+}
+
+/// Whether every element is finite: `x · 0` is 0 for finite `x` and
+/// NaN otherwise, summed in independent lanes.
+#[inline(always)]
+fn all_finite_impl(xs: &[f32]) -> bool {
+    let mut lanes = [0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (s, &x) in lanes.iter_mut().zip(c) {
+            *s += x * 0.;
+        }
+    }
+    tail.iter().all(|x| x.is_finite()) && lanes.iter().all(|&s| s == 0.)
+}
+
+macro_rules! dispatch {
+    ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
+        pub(crate) fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $impl($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    $impl($($arg),*)
+                }
+                use crate::cpu::isa::{current, Isa};
+                match current() {
+                    // SAFETY: `current` never exceeds what was detected.
+                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    // SAFETY: as above.
+                    Isa::Avx2 => return unsafe { avx2($($arg),*) },
+                    Isa::Portable => {}
+                }
+            }
+            $impl($($arg),*)
+        }
+    };
+}
+
+dispatch!(online_softmax_row, online_softmax_row_impl, (row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]));
+dispatch!(add_visible, add_visible_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
+dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
+dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
+dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
+dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
+
+#[cfg(test)]
+mod tests {
+    /// Against `x · (1 + erf(x / √2)) / 2` in f64, with `erf` from its
+    /// Taylor series (|x| <= 3) and continued fraction (beyond).
+    #[test]
+    fn gelu_matches_the_exact_gelu() {
+        fn erf(x: f64) -> f64 {
+            if x.abs() <= 3. {
+                // erf(x) = 2/√π Σ (-1)^n x^(2n+1) / (n! (2n+1))
+                let (mut term, mut sum) = (x, x);
+                for n in 1..200 {
+                    term *= -x * x / n as f64;
+                    sum += term / (2 * n + 1) as f64;
+                }
+                sum * 2. / std::f64::consts::PI.sqrt()
+            } else {
+                // erfc(x) = e^(-x²)/√π · 1/(x + 1/2/(x + 1/(x + 3/2/(x + ...))))
+                let a = x.abs();
+                let mut f = a;
+                for n in (1..60).rev() {
+                    f = a + (n as f64 / 2.) / f;
+                }
+                let erfc = (-a * a).exp() / std::f64::consts::PI.sqrt() / f;
+                x.signum() * (1. - erfc)
+            }
+        }
+        let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
+        let mut ys = xs.clone();
+        super::gelu_erf(&mut ys);
+        let mut worst = 0f64;
+        for (&x, &y) in xs.iter().zip(&ys) {
+            let x = x as f64;
+            let exact = 0.5 * x * (1. + erf(x / std::f64::consts::SQRT_2));
+            worst = worst.max((y as f64 - exact).abs() / x.abs().max(1.));
+        }
+        assert!(worst < 1e-6, "worst error {worst:e} (relative to max(1, |x|))");
+        let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
+        super::gelu_erf(&mut special);
+        // -inf · 0 is NaN, as candle's `gelu_erf` gives.
+        assert!(special[0].is_nan() && special[1].is_nan());
+        assert_eq!(special[2..], [f32::INFINITY, 0.]);
+    }
+
+    #[test]
+    fn exp_matches_std_on_its_range() {
+        let mut worst = 0f64;
+        for i in 0..=87_000 {
+            let x = -(i as f32) / 1000.;
+            let (a, b) = (super::exp_nonpositive(x) as f64, (x as f64).exp());
+            worst = worst.max(((a - b) / b).abs());
+        }
+        assert!(worst < 1e-6, "worst relative error {worst:e}");
+        assert_eq!(super::exp_nonpositive(f32::NEG_INFINITY), 0.);
+        assert_eq!(super::exp_nonpositive(-100.), 0.);
+    }
+}
