@@ -11,8 +11,9 @@ use super::avx2;
 use super::simd;
 
 /// Query rows per work unit, at most.
-const BLOCK_Q: usize = 128;
-/// The same for the AVX2 micro-kernels: 16 groups of their 6 rows.
+const BLOCK_Q: usize = 384;
+/// The same for the packed micro-kernels: 16 groups of the AVX2 kernels' 6
+/// rows, 8 of the AVX-512 kernels' 12.
 const AVX2_BLOCK_Q: usize = 96;
 /// Keys per tile.
 const BLOCK_K: usize = 512;
@@ -72,12 +73,14 @@ pub(crate) fn sdpa_cpu(
 /// How a tile's two products are computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tiles {
-    /// `gemm` calls on the strided inputs: any CPU, and the fastest where
-    /// `gemm` has AVX-512 kernels.
+    /// `gemm` calls on the strided inputs: any CPU, and decode-sized calls.
     Gemm,
     /// AVX2+FMA micro-kernels on packed keys and values.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Avx2,
+    /// AVX-512F micro-kernels on the same packed keys and values.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Avx512,
 }
 
 impl Tiles {
@@ -85,8 +88,12 @@ impl Tiles {
     /// dims (the packed layout needs both non-zero).
     fn best(q_len: usize, head_dim: usize, v_head_dim: usize) -> Tiles {
         #[cfg(target_arch = "x86_64")]
-        if q_len >= avx2::MIN_Q_LEN && head_dim > 0 && v_head_dim > 0 && avx2::preferred() {
-            return Tiles::Avx2;
+        if q_len >= avx2::MIN_Q_LEN && head_dim > 0 && v_head_dim > 0 {
+            match super::isa::current() {
+                super::isa::Isa::Avx512 => return Tiles::Avx512,
+                super::isa::Isa::Avx2 => return Tiles::Avx2,
+                super::isa::Isa::Portable => {}
+            }
         }
         let _ = (q_len, head_dim, v_head_dim);
         Tiles::Gemm
@@ -140,7 +147,7 @@ fn sdpa_cpu_with(
     // Query blocks of at most `block` rows, as even as the length allows.
     let block = match tiles {
         Tiles::Gemm => BLOCK_Q,
-        Tiles::Avx2 => AVX2_BLOCK_Q,
+        Tiles::Avx2 | Tiles::Avx512 => AVX2_BLOCK_Q,
     };
     let block = l.div_ceil(l.div_ceil(block));
     let units: Vec<(usize, usize, usize)> = (0..b)
@@ -171,7 +178,11 @@ fn sdpa_cpu_with(
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
                 #[cfg(target_arch = "x86_64")]
-                let packed = (tiles == Tiles::Avx2).then(|| avx2::Packed::new(&problem, b, kh));
+                let packed = match tiles {
+                    Tiles::Avx2 => Some((avx2::Packed::new(&problem, b, kh), avx2::Kernels::Avx2)),
+                    Tiles::Avx512 => Some((avx2::Packed::new(&problem, b, kh), avx2::Kernels::Avx512)),
+                    Tiles::Gemm => None,
+                };
                 units.par_iter().for_each(|&(bi, hi, i0)| {
                     let rows = block.min(l - i0);
                     // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
@@ -186,10 +197,11 @@ fn sdpa_cpu_with(
                         out_rs: h * dv,
                     };
                     #[cfg(target_arch = "x86_64")]
-                    if let Some(packed) = &packed {
-                        // SAFETY: `Tiles::Avx2` is only chosen where
-                        // `avx2::available()`; the unit's rows are its own.
-                        unsafe { avx2::run_block(&problem, packed, unit) };
+                    if let Some((packed, kernels)) = &packed {
+                        // SAFETY: `Tiles::Avx2` and `Tiles::Avx512` are only
+                        // chosen (or forced by tests) where the processor
+                        // runs them; the unit's rows are its own.
+                        unsafe { avx2::run_block(&problem, packed, unit, *kernels) };
                         return;
                     }
                     problem.run_block(unit);
@@ -478,6 +490,19 @@ mod tests {
         Tensor::randn(0f32, 1., shape, &Device::Cpu)
     }
 
+    /// Every tile implementation the processor runs under the current ISA.
+    fn runnable_tiles() -> Vec<Tiles> {
+        use crate::cpu::isa::{current, Isa};
+        let mut tiles = vec![Tiles::Gemm];
+        if cfg!(target_arch = "x86_64") && current() >= Isa::Avx2 {
+            tiles.push(Tiles::Avx2);
+        }
+        if cfg!(target_arch = "x86_64") && current() >= Isa::Avx512 {
+            tiles.push(Tiles::Avx512);
+        }
+        tiles
+    }
+
     /// Largest difference over the reference's largest magnitude.
     fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
         let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
@@ -491,11 +516,7 @@ mod tests {
     /// panel and block sizes, value widths off the panel width.
     #[test]
     fn every_tile_implementation_equals_reference() -> Result<()> {
-        let mut tiles = vec![Tiles::Gemm];
-        #[cfg(target_arch = "x86_64")]
-        if super::avx2::available() {
-            tiles.push(Tiles::Avx2);
-        }
+        let tiles = runnable_tiles();
         // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim)
         let shapes = [
             (1, 2, 2, 1, 300, 64, 64),
@@ -567,11 +588,7 @@ mod tests {
         let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         let (b, h, kh, s, d, dv) = (2, 2, 1, 40, 16, 24);
-        let mut tiles = vec![Tiles::Gemm];
-        #[cfg(target_arch = "x86_64")]
-        if super::avx2::available() {
-            tiles.push(Tiles::Avx2);
-        }
+        let tiles = runnable_tiles();
         // (tensor, flat index, value): q is (b, h, l, d), k (b, kh, s, d),
         // v (b, kh, s, dv), the additive mask (l, s). Key 33 is padding in
         // batch 0 (length 30) and past the causal diagonal of early rows.
@@ -638,8 +655,8 @@ mod tests {
                     for isa in supported() {
                         force(Some(isa));
                         for &t in &tiles {
-                            #[cfg(target_arch = "x86_64")]
-                            if t == Tiles::Avx2 && !super::avx2::available() {
+                            // Under a forced ISA, only the tiles it runs.
+                            if !runnable_tiles().contains(&t) {
                                 continue;
                             }
                             let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, 0.5, Some(t))?;

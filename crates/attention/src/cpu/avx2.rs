@@ -35,11 +35,6 @@ const STRIP_RS: usize = BLOCK_K + NR;
 /// the products it speeds up (a decode step): `gemm` serves those.
 pub(super) const MIN_Q_LEN: usize = 16;
 
-/// Whether this CPU runs the micro-kernels and `gemm` has nothing faster.
-pub(super) fn preferred() -> bool {
-    super::isa::current() == super::isa::Isa::Avx2
-}
-
 /// Whether this CPU runs the micro-kernels at all.
 #[cfg(test)]
 pub(super) fn available() -> bool {
@@ -160,13 +155,34 @@ fn keep(buf: Vec<f32>) {
     }
 }
 
+/// Which micro-kernels compute a unit's two products (the online softmax
+/// between them is this file's, AVX2, for both).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kernels {
+    /// 6 rows × 16 keys in `ymm` registers (this file).
+    Avx2,
+    /// 12 rows × 32 keys in `zmm` registers (`avx512.rs`).
+    Avx512,
+}
+
+impl Kernels {
+    /// Query rows per micro-kernel call.
+    pub(super) fn rows(self) -> usize {
+        match self {
+            Kernels::Avx2 => MR,
+            Kernels::Avx512 => super::avx512::MR,
+        }
+    }
+}
+
 /// Attention for one unit, as [`Problem::run_block`] computes it, through
 /// the packed micro-kernels.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA ([`available`]); `packed` must come from
-/// this problem; the unit's output rows are its own.
-pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
+/// The CPU must have AVX2 and FMA ([`available`]), and AVX-512F for
+/// [`Kernels::Avx512`]; `packed` must come from this problem; the unit's
+/// output rows are its own.
+pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels: Kernels) {
     let Unit { bi, hi, i0, rows, .. } = unit;
     let (_, s, d, dv) = p.dims;
     let dvp = packed.dvp;
@@ -184,11 +200,12 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
     let mut acc = vec![0f32; rows * dvp];
     let mut row_max = vec![f32::NEG_INFINITY; rows];
     let mut row_sum = vec![0f32; rows];
-    let mut strip = vec![0f32; MR * STRIP_RS];
+    let mr = kernels.rows();
+    let mut strip = vec![0f32; mr * STRIP_RS];
     let kv_end = p.keys_end(i0 + rows - 1);
     for j0 in (0..kv_end).step_by(BLOCK_K) {
-        for g0 in (0..rows).step_by(MR) {
-            let gr = MR.min(rows - g0);
+        for g0 in (0..rows).step_by(mr) {
+            let gr = mr.min(rows - g0);
             let cols = p.keys_end(i0 + g0 + gr - 1).min(j0 + BLOCK_K).saturating_sub(j0);
             if cols == 0 {
                 continue;
@@ -197,16 +214,13 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
             // from key `j0` (a multiple of NR) and `gr` strip rows of
             // `BLOCK_K >= cols` floats all lie in their buffers.
             unsafe {
-                scores::<false>(
-                    gr,
-                    q[g0 * d..].as_ptr(),
-                    d,
-                    d,
-                    kt[j0 * d..].as_ptr(),
-                    cols.div_ceil(NR),
-                    strip.as_mut_ptr(),
-                    STRIP_RS,
-                );
+                let (q, kt, panels) = (q[g0 * d..].as_ptr(), kt[j0 * d..].as_ptr(), cols.div_ceil(NR));
+                match kernels {
+                    Kernels::Avx2 => scores::<false>(gr, q, d, d, kt, panels, strip.as_mut_ptr(), STRIP_RS),
+                    Kernels::Avx512 => {
+                        super::avx512::scores(gr, q, d, d, kt, panels, strip.as_mut_ptr(), STRIP_RS)
+                    }
+                }
             }
             // Whole vectors: the strip's columns past `cols` are hidden too.
             let width = cols.next_multiple_of(8);
@@ -226,15 +240,13 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit) {
             // panels of `s · NR` floats, the strip
             // as above, and the group's accumulator rows.
             unsafe {
-                weighted_values(
-                    gr,
-                    strip.as_ptr(),
-                    vp[j0 * NR..].as_ptr(),
-                    s * NR,
-                    dvp,
-                    cols,
-                    acc[g0 * dvp..].as_mut_ptr(),
-                );
+                let (v, a) = (vp[j0 * NR..].as_ptr(), acc[g0 * dvp..].as_mut_ptr());
+                match kernels {
+                    Kernels::Avx2 => weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a),
+                    Kernels::Avx512 => {
+                        super::avx512::weighted_values(gr, strip.as_ptr(), STRIP_RS, v, s * NR, dvp, cols, a)
+                    }
+                }
             }
         }
     }

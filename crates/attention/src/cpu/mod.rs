@@ -22,13 +22,17 @@
 //!   the `gemm`-tile path and the dispatch to the AVX2 tiles);
 //! - `linear.rs`: linear layers packed once ([`crate::PackedLinear`]);
 //! - `simd.rs`: softmax, `exp`, mask rows, GELU, compiled per ISA;
-//! - `avx2.rs`: the AVX2+FMA micro-kernels (attention tiles and linears);
+//! - `avx2.rs`: the AVX2+FMA micro-kernels (attention tiles and linears),
+//!   and the packed unit both tile kinds share;
+//! - `avx512.rs`: the AVX-512F attention tile micro-kernels;
 //! - `isa.rs`: the one place that picks the instruction set
 //!   (`MULTIHEAD_CPU_ISA=avx512|avx2|portable` caps it).
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub(crate) mod isa;
 pub(crate) mod linear;
 mod simd;
