@@ -142,7 +142,10 @@ fn mha_fast_path_equals_reference_path() -> Result<()> {
     // tiled kernel takes them past the mask instead of a dense bias.
     let cfg = MhaConfig::new(64, 8).with_bias_kv(true).with_zero_attn(true);
     let varmap = candle_nn::VarMap::new();
-    MultiheadAttention::new(&cfg, candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+    MultiheadAttention::new(
+        &cfg,
+        candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+    )?;
     // Plain copies of the initialised weights: variables would force the
     // reference path.
     let plain = varmap
@@ -152,14 +155,28 @@ fn mha_fast_path_equals_reference_path() -> Result<()> {
         .iter()
         .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
         .collect();
-    let extra = MultiheadAttention::new(&cfg, candle_nn::VarBuilder::from_tensors(plain, DType::F32, &Device::Cpu))?;
+    let extra = MultiheadAttention::new(
+        &cfg,
+        candle_nn::VarBuilder::from_tensors(plain, DType::F32, &Device::Cpu),
+    )?;
     let masks = [
         Mask::causal(Causal::TopLeft),
-        Mask::causal(Causal::TopLeft).with_key_padding(KeyPaddingMask::from_lengths(&[77, 40], 77, &Device::Cpu)?),
+        Mask::causal(Causal::TopLeft).with_key_padding(KeyPaddingMask::from_lengths(
+            &[77, 40],
+            77,
+            &Device::Cpu,
+        )?),
         Mask::new().with_attn(AttnMask::IgnoreWhereTrue(randn(&[77, 77])?.ge(0.5)?)),
     ];
     for (i, mask) in masks.into_iter().enumerate() {
-        let run = |path| extra.forward_attn(&x, &x, &x, &MhaOptions::new().with_mask(mask.clone()).with_path(path));
+        let run = |path| {
+            extra.forward_attn(
+                &x,
+                &x,
+                &x,
+                &MhaOptions::new().with_mask(mask.clone()).with_path(path),
+            )
+        };
         let (fast, reference) = (run(AttnPath::CpuTiled)?, run(AttnPath::Reference)?);
         let what = format!("bias_kv + zero_attn, mask {i}");
         assert_close(&what, &fast.output, &reference.output, 1e-5)?;
