@@ -332,6 +332,10 @@ pub fn run(args: Args) -> Result<()> {
     if !(g.min_prob.is_finite() && (0.0..=1.0).contains(&g.min_prob)) {
         bail!("--min-prob must be in [0, 1], found {}", g.min_prob)
     }
+    // Refuse bad sampling settings before loading anything.
+    g.temperature.map(Temperature::new).transpose()?;
+    g.top_k.map(TopK::new).transpose()?;
+    g.top_p.map(TopP::new).transpose()?;
     let order = if g.day_first {
         DateOrder::DayFirst
     } else {
