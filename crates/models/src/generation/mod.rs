@@ -11,6 +11,7 @@
 //!   [`Pattern`].
 
 mod constraint;
+mod parse;
 mod pattern;
 mod processors;
 mod rng;

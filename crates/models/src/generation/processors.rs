@@ -275,6 +275,7 @@ impl LogitsProcessor for ForcedEos {
 
 /// HF's `prefix_allowed_tokens_fn`: `f(source, prefix)` lists the tokens
 /// allowed next; every other token is forbidden.
+#[derive(Clone)]
 pub struct PrefixAllowedTokens<F>(pub F);
 
 impl<F> std::fmt::Debug for PrefixAllowedTokens<F> {
