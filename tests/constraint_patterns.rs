@@ -270,7 +270,13 @@ fn any_string_compiles_or_is_refused_without_panicking() {
         "\\d", "\\w", "\\D", ".", "2", "9", "{2}", "{1,3}", "{999}", "{3,1}", "[a-", "é", "\u{0}",
     ];
     let vocab = vocab();
-    for _ in 0..3000 {
+    // MULTIHEAD_PATTERN_SOUP=N runs N strings instead (a longer hunt, like
+    // the fuzz target's, without nightly).
+    let n = std::env::var("MULTIHEAD_PATTERN_SOUP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
+    for _ in 0..n {
         let s: String = (0..rng.below(14))
             .map(|_| atoms[rng.below(atoms.len())])
             .collect();
@@ -335,4 +341,30 @@ fn multi_character_tokens_follow_the_pattern() -> Result<()> {
     // Three tokens left (two and the end): only "ab" can start.
     assert_eq!(c.allowed(&[], 3), [6]);
     Ok(())
+}
+
+#[test]
+fn a_big_vocabulary_times_a_big_automaton_is_refused_not_allocated() {
+    // 69,904 tokens (every string of 1 to 4 letters a-p) and a pattern of
+    // 4,000 letters: 4,001 states × 69,904 tokens is 280 M table entries,
+    // past the 16 M limit.
+    let letters: Vec<char> = ('a'..='p').collect();
+    let mut vocab: Vec<Option<String>> = vec![None];
+    let mut layer = vec![String::new()];
+    for _ in 0..4 {
+        layer = layer
+            .iter()
+            .flat_map(|p| letters.iter().map(move |c| format!("{p}{c}")))
+            .collect();
+        vocab.extend(layer.iter().cloned().map(Some));
+    }
+    assert_eq!(vocab.len(), 69_905);
+    let err = TokenConstraint::from_pattern("(?:[a-p]{1000}){4}", &vocab, 0)
+        .err()
+        .map(|e| e.to_string());
+    assert!(
+        err.as_deref()
+            .is_some_and(|e| e.contains("too large for a vocabulary")),
+        "{err:?}"
+    );
 }

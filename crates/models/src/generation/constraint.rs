@@ -12,6 +12,9 @@ use super::processors::{LogitsProcessor, StepContext};
 
 /// No transition.
 const DEAD: u32 = u32::MAX;
+/// Most entries of the state × token table (64 MiB of `u32`): a big
+/// vocabulary times a big automaton is refused rather than allocated.
+const MAX_TABLE: usize = 16 << 20;
 
 /// An allowed-token automaton: which tokens may follow a prefix so that the
 /// output can still match a pattern.
@@ -58,6 +61,12 @@ impl TokenConstraint {
         let mut next: Vec<u32> = Vec::new();
         let mut i = 0;
         while i < order.len() {
+            if (i + 1).saturating_mul(v) > MAX_TABLE {
+                bail!(
+                    "pattern {:?} is too large for a vocabulary of {v} tokens: its token automaton would exceed {MAX_TABLE} entries",
+                    pattern.as_str()
+                )
+            }
             let s = order[i];
             for (id, tok) in tokens.iter().enumerate() {
                 let to = match tok {

@@ -3,13 +3,15 @@
 //! row at every step.
 
 use candle::{bail, DType, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
 
 use super::processors::{softmax, LogitsProcessor, StepContext};
 use super::rng::SplitMix64;
 use super::step::StepModel;
 
 /// How the next token is picked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Decoding {
     /// The best processed score.
     Greedy,
@@ -27,8 +29,11 @@ pub enum Decoding {
     },
 }
 
-/// What [`generate`] does.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What [`generate`] does: HF's `GenerationConfig`, reduced to what the
+/// search itself needs (processors are passed beside it). Checked by
+/// [`GenerateConfig::validate`] before every search.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GenerateConfig {
     /// Most tokens generated per row, the end token included; no search runs
     /// longer.
