@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_nn::VarBuilder;
 use common::padded;
+use multihead::models::dates::{encode_source, DateOrder};
 use multihead::models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
 use serde_json::Value;
 
@@ -43,7 +44,15 @@ fn greedy_equals_pytorch_on_every_heldout_example() -> Result<()> {
     for (i, chunk) in examples.chunks(100).enumerate() {
         let src: Vec<Vec<u32>> = chunk
             .iter()
-            .map(|e| Ok(vocab.encode(&field(e, "input")?)?))
+            .map(|e| {
+                // A model trained with reading tokens has each example's
+                // token in `prefix` (`<mdy>`/`<dmy>`); older ones have none.
+                let order = match e["prefix"].as_str() {
+                    Some("<dmy>") => DateOrder::DayFirst,
+                    _ => DateOrder::MonthFirst,
+                };
+                Ok(encode_source(&vocab, &field(e, "input")?, order)?)
+            })
             .collect::<Result<_>>()?;
         let src = padded(&src, &dev)?;
         let cached = model.greedy(&src, KvCache::Use)?;
@@ -73,7 +82,10 @@ fn beam_search_normalises_a_date() -> Result<()> {
     let dev = Device::Cpu;
     let (model, vocab) = load(weights_dir(), &dev)?;
     let src = padded(
-        &[vocab.encode("March 3, 2021")?, vocab.encode("3rd of March 2021")?],
+        &[
+            encode_source(&vocab, "March 3, 2021", DateOrder::MonthFirst)?,
+            encode_source(&vocab, "3rd of March 2021", DateOrder::MonthFirst)?,
+        ],
         &dev,
     )?;
     for h in model.beam_search(&src, 4)? {

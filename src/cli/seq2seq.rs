@@ -7,6 +7,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use multihead_models::dates::{self, DateOrder, DateReading};
+use multihead_models::generation::{
+    Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
+};
 use multihead_models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
 
 use super::heatmap;
@@ -36,6 +40,55 @@ pub struct Args {
     /// output characters down, input characters across.
     #[arg(long, value_name = "OUT.png")]
     pub attention_map: Option<PathBuf>,
+    #[command(flatten)]
+    pub generation: GenerationArgs,
+}
+
+/// How outputs are generated: sampling, several outputs, constraints.
+#[derive(Debug, clap::Args)]
+pub struct GenerationArgs {
+    /// Sample each token from the model's distribution instead of taking
+    /// the best (reproducible: see --seed).
+    #[arg(long)]
+    pub sample: bool,
+    /// Sampling temperature (> 0; below 1 sharper, above 1 flatter).
+    #[arg(long, requires = "sample")]
+    pub temperature: Option<f32>,
+    /// Sample only among the K most likely tokens.
+    #[arg(long, value_name = "K", requires = "sample")]
+    pub top_k: Option<usize>,
+    /// Sample only among the most likely tokens whose probabilities sum to P.
+    #[arg(long, value_name = "P", requires = "sample")]
+    pub top_p: Option<f32>,
+    /// Seed of the samples: the same seed gives the same outputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Outputs per input, each with its log-probability: the N best beams
+    /// (beam search widens to N), or N samples with --sample.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub num_return: usize,
+    /// `date`: every output is a real calendar date (constrained decoding
+    /// plus a final check), or the input is reported unreadable; `none`:
+    /// the model's raw output.
+    #[arg(long, value_enum, default_value_t = Constraint::Date)]
+    pub constraint: Constraint,
+    /// Read ambiguous numeric dates ("03/04/2021") day first (April 3rd);
+    /// month first (March 4th) by default, as dateutil does.
+    #[arg(long)]
+    pub day_first: bool,
+    /// With `--constraint date`: below this probability the best real date
+    /// is not trusted and the input is reported unreadable.
+    #[arg(long, value_name = "P", default_value_t = 0.5)]
+    pub min_prob: f32,
+}
+
+/// What outputs must look like.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Constraint {
+    /// `YYYY-MM-DD`, a day that exists.
+    Date,
+    /// Anything the model says.
+    None,
 }
 
 fn default_weights() -> PathBuf {
@@ -98,16 +151,116 @@ impl Translator {
     }
 
     /// Source ids of one input, or why it cannot be translated.
-    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+    fn encode(&self, text: &str, order: DateOrder) -> Result<Vec<u32>> {
         let n = text.chars().count();
-        let max = self.model.config().max_src_len;
+        let ids = dates::encode_source(&self.vocab, text, order)?;
+        // The reading's prefix token, when the model has one, counts too.
+        let max = self.model.config().max_src_len - (ids.len() - n);
         if n == 0 {
             bail!("empty input")
         }
         if n > max {
             bail!("input is {n} characters long; the model reads at most {max}")
         }
-        Ok(self.vocab.encode(text)?)
+        Ok(ids)
+    }
+
+    /// Generates per `g` and prints one line per input (N with
+    /// --num-return); returns the messages of the inputs that could not be
+    /// read as a date.
+    fn generate_and_print(
+        &self,
+        sources: &[Vec<u32>],
+        beam: usize,
+        g: &GenerationArgs,
+    ) -> Result<Vec<(usize, String)>> {
+        let decoding = if g.sample {
+            Decoding::Sample { seed: g.seed }
+        } else if beam > 1 || g.num_return > 1 {
+            Decoding::Beam {
+                beams: beam.max(g.num_return),
+            }
+        } else {
+            Decoding::Greedy
+        };
+        let cfg = self
+            .model
+            .generation_config()
+            .with_decoding(decoding)
+            .with_num_return(g.num_return);
+        let constraint = match g.constraint {
+            Constraint::Date => Some(
+                TokenConstraint::from_pattern(dates::ISO_DATE_PATTERN, &self.vocab.tgt_tokens(), cfg.eos_id)
+                    .context("the date constraint does not fit this model's vocabulary")?,
+            ),
+            Constraint::None => None,
+        };
+        let temperature = g.temperature.map(Temperature::new).transpose()?;
+        let top_k = g.top_k.map(TopK::new).transpose()?;
+        let top_p = g.top_p.map(TopP::new).transpose()?;
+        let mut processors: Vec<&dyn LogitsProcessor> = Vec::new();
+        // The constraint first: the warpers then renormalise over the
+        // tokens it leaves.
+        processors.extend(constraint.as_ref().map(|c| c as &dyn LogitsProcessor));
+        processors.extend(temperature.as_ref().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(top_k.as_ref().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(top_p.as_ref().map(|p| p as &dyn LogitsProcessor));
+        let mut unreadable = Vec::new();
+        let mut i = 0;
+        for chunk in sources.chunks(BATCH) {
+            let src = padded(chunk, self.model.config().pad_id, &self.device)?;
+            for hyps in self.model.generate(&src, &cfg, &processors)? {
+                if let Some(msg) = self.print_outputs(&hyps, g) {
+                    unreadable.push((i, msg));
+                }
+                i += 1;
+            }
+        }
+        Ok(unreadable)
+    }
+
+    /// Prints one input's outputs; `Some(why)` when it is unreadable as a
+    /// date (an empty line keeps the output aligned with the inputs).
+    fn print_outputs(&self, hyps: &[Generated], g: &GenerationArgs) -> Option<String> {
+        let mut kept: Vec<(String, f32)> = hyps
+            .iter()
+            .map(|h| (self.vocab.decode(&h.tokens), h.score))
+            .collect();
+        if g.constraint == Constraint::Date {
+            // A sample is a draw, not a claim of the best reading: only its
+            // validity counts.
+            let min_prob = if g.sample { 0. } else { g.min_prob };
+            match dates::read_date(hyps, &self.vocab, min_prob) {
+                DateReading::Date { .. } => {
+                    // Every real date among the outputs, best first.
+                    let real: Vec<(String, f32)> = hyps
+                        .iter()
+                        .filter(|h| h.finished)
+                        .map(|h| (self.vocab.decode(&h.tokens), h.score))
+                        .filter(|(t, _)| dates::is_calendar_date(t))
+                        .collect();
+                    kept = real;
+                }
+                DateReading::Unreadable { best } => {
+                    println!();
+                    return Some(match best {
+                        Some((text, p)) => format!(
+                            "cannot read a date: the best real date, {text}, has probability {p:.3} (below --min-prob {})",
+                            g.min_prob
+                        ),
+                        None => "cannot read a date: no output is a real date".to_string(),
+                    });
+                }
+            }
+        }
+        if g.num_return == 1 {
+            println!("{}", kept.first().map_or("", |(t, _)| t.as_str()));
+        } else {
+            for (text, score) in &kept {
+                println!("{text}\t{score:.4}");
+            }
+        }
+        None
     }
 
     fn translate(&self, sources: &[Vec<u32>], beam: usize) -> Result<Vec<String>> {
@@ -172,6 +325,22 @@ pub fn run(args: Args) -> Result<()> {
             inputs.len()
         )
     }
+    let g = &args.generation;
+    if g.num_return == 0 {
+        bail!("--num-return must be at least 1")
+    }
+    if !(g.min_prob.is_finite() && (0.0..=1.0).contains(&g.min_prob)) {
+        bail!("--min-prob must be in [0, 1], found {}", g.min_prob)
+    }
+    // Refuse bad sampling settings before loading anything.
+    g.temperature.map(Temperature::new).transpose()?;
+    g.top_k.map(TopK::new).transpose()?;
+    g.top_p.map(TopP::new).transpose()?;
+    let order = if g.day_first {
+        DateOrder::DayFirst
+    } else {
+        DateOrder::MonthFirst
+    };
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let tr = Translator::load(&args.weights, device, dtype)?;
@@ -180,12 +349,32 @@ pub fn run(args: Args) -> Result<()> {
         .enumerate()
         .map(|(i, text)| {
             // Line endings and surrounding blanks are not part of a date.
-            tr.encode(text.trim())
+            tr.encode(text.trim(), order)
                 .with_context(|| format!("input {} ({:?})", i + 1, preview(text)))
         })
         .collect::<Result<Vec<_>>>()?;
-    for line in tr.translate(&sources, args.beam)? {
-        println!("{line}");
+    let unreadable = if g.constraint == Constraint::None && !g.sample && g.num_return == 1 {
+        // The plain model output, as before the constraints existed.
+        for line in tr.translate(&sources, args.beam)? {
+            println!("{line}");
+        }
+        Vec::new()
+    } else {
+        tr.generate_and_print(&sources, args.beam, g)?
+    };
+    match unreadable.as_slice() {
+        [] => {}
+        [(i, msg)] if inputs.len() == 1 => bail!("input {} ({:?}): {msg}", i + 1, preview(&inputs[*i])),
+        all => {
+            for (i, msg) in all {
+                eprintln!("input {} ({:?}): {msg}", i + 1, preview(&inputs[*i]));
+            }
+            bail!(
+                "{} of {} inputs could not be read as a date",
+                all.len(),
+                inputs.len()
+            )
+        }
     }
     if let Some(path) = &args.attention_map {
         write_attention_map(&tr, inputs[0].trim(), &sources[0], path)?;
@@ -203,7 +392,10 @@ fn write_attention_map(tr: &Translator, text: &str, src: &[u32], path: &Path) ->
         .iter()
         .map(|&t| tr.vocab.decode(&[t]).chars().next().unwrap_or('?'))
         .collect();
-    let cols: Vec<char> = text.chars().collect();
+    // A reading prefix token (`<mdy>`/`<dmy>`) the model was given first
+    // is labelled '*'.
+    let prefixed = src.dim(1)?.saturating_sub(text.chars().count());
+    let cols: Vec<char> = std::iter::repeat_n('*', prefixed).chain(text.chars()).collect();
     heatmap::write_png(path, &weights, &rows, &cols)?;
     eprintln!("attention map: {}", path.display());
     Ok(())

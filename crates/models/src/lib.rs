@@ -5,6 +5,8 @@
 //! [`image_input`] (images); [`inspect`] describes a checkpoint.
 
 pub mod checkpoint;
+pub mod dates;
+pub mod generation;
 pub mod image_input;
 pub mod inspect;
 pub mod transformer;

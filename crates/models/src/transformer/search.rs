@@ -1,9 +1,10 @@
 //! Greedy and beam search over a [`Seq2Seq`] model.
 
-use candle::{bail, DType, Result, Tensor, D};
-use multihead_attention::KeyPaddingMask;
+use candle::{bail, DType, Device, Result, Tensor, D};
 
-use super::seq2seq::{Encoded, Seq2Seq};
+use super::cache::DecoderCache;
+use super::seq2seq::Seq2Seq;
+use crate::generation::{generate, Decoding, GenerateConfig, Generated, LogitsProcessor, StepModel};
 
 /// Whether decoding keeps the decoder's keys and values between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -124,7 +125,8 @@ impl Seq2Seq {
 
     /// Beam search with `beam` hypotheses per source; returns the best
     /// finished one per source, by total log-probability (no length
-    /// penalty). `beam = 1` is greedy decoding.
+    /// penalty). `beam = 1` is greedy decoding. [`Seq2Seq::generate`] with
+    /// no processors.
     ///
     /// # Shapes
     /// - `src`: `(batch, src_len)`, `u32`
@@ -132,129 +134,70 @@ impl Seq2Seq {
         if beam == 0 {
             bail!("Seq2Seq::beam_search: beam must be >= 1")
         }
-        let cfg = self.config();
-        let (b, _) = src.dims2()?;
-        let dev = src.device();
-        let enc = self.encode(src)?;
-        // Every source repeated `beam` times: (B * K, ...).
-        let rows: Vec<u32> = (0..b as u32).flat_map(|i| std::iter::repeat_n(i, beam)).collect();
-        let rows = Tensor::new(rows.as_slice(), dev)?;
-        let enc = Encoded {
-            memory: enc.memory.contiguous()?.index_select(&rows, 0)?,
-            padding: match enc.padding {
-                KeyPaddingMask::PadWhereTrue(t) => KeyPaddingMask::PadWhereTrue(t.index_select(&rows, 0)?),
-                KeyPaddingMask::Additive(t) => KeyPaddingMask::Additive(t.index_select(&rows, 0)?),
-            },
-        };
-        let mut cache = self.start(&enc)?;
-        // Only the first beam of each source is live at the start, so the
-        // first step's top `beam` tokens become distinct hypotheses.
-        let mut beams: Vec<Beam> = (0..b * beam)
-            .map(|i| Beam {
-                tokens: Vec::new(),
-                score: if i % beam == 0 { 0. } else { f32::NEG_INFINITY },
-                done: false,
-            })
-            .collect();
-        let mut next = Tensor::full(cfg.bos_id, (b * beam, 1), dev)?;
-        for _ in 0..cfg.max_tgt_len {
-            let logits = self.step(&next, &mut cache)?;
-            let logp: Vec<Vec<f32>> =
-                candle_nn::ops::log_softmax(&logits.squeeze(1)?.to_dtype(DType::F32)?, D::Minus1)?
-                    .to_vec2()?;
-            let mut new_beams = Vec::with_capacity(b * beam);
-            let mut parents = Vec::with_capacity(b * beam);
-            for g in 0..b {
-                let mut cands: Vec<(f32, usize, Option<u32>)> = Vec::new();
-                for p in g * beam..(g + 1) * beam {
-                    let bm = &beams[p];
-                    if bm.score == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    if bm.done {
-                        cands.push((bm.score, p, None));
-                    } else {
-                        cands.extend(
-                            logp[p]
-                                .iter()
-                                .enumerate()
-                                .map(|(v, &lp)| (bm.score + lp, p, Some(v as u32))),
-                        );
-                    }
-                }
-                // Stable: among equal scores the earlier beam and the lower
-                // id win, as in greedy's argmax.
-                cands.sort_by(|a, b| b.0.total_cmp(&a.0));
-                cands.truncate(beam);
-                for j in 0..beam {
-                    let Some(&(score, p, tok)) = cands.get(j) else {
-                        // Fewer candidates than beams (tiny vocabularies):
-                        // a dead beam that never wins.
-                        new_beams.push(Beam {
-                            tokens: Vec::new(),
-                            score: f32::NEG_INFINITY,
-                            done: true,
-                        });
-                        parents.push((g * beam) as u32);
-                        continue;
-                    };
-                    let mut bm = Beam {
-                        tokens: beams[p].tokens.clone(),
-                        score,
-                        done: beams[p].done,
-                    };
-                    match tok {
-                        Some(t) if t == cfg.eos_id => bm.done = true,
-                        Some(t) => bm.tokens.push(t),
-                        None => {}
-                    }
-                    new_beams.push(bm);
-                    parents.push(p as u32);
-                }
-            }
-            beams = new_beams;
-            if beams.iter().all(|bm| bm.done) {
-                break;
-            }
-            cache.select_rows(&Tensor::new(parents.as_slice(), dev)?)?;
-            let fed: Vec<u32> = beams
-                .iter()
-                .map(|bm| match (bm.done, bm.tokens.last()) {
-                    (true, _) => cfg.pad_id,
-                    (false, Some(&t)) => t,
-                    (false, None) => cfg.bos_id,
-                })
-                .collect();
-            next = Tensor::from_vec(fed, (b * beam, 1), dev)?;
-        }
-        let best = beams
-            .chunks(beam)
-            .map(|group| {
-                // Finished hypotheses first, then the best score.
-                let bm = group
-                    .iter()
-                    .max_by(|x, y| {
-                        (x.done, x.score)
-                            .partial_cmp(&(y.done, y.score))
-                            .unwrap_or(std::cmp::Ordering::Equal)
-                    })
-                    .map(|bm| Hypothesis {
-                        tokens: bm.tokens.clone(),
-                        score: bm.score,
-                    });
-                bm.unwrap_or(Hypothesis {
+        let cfg = self
+            .generation_config()
+            .with_decoding(Decoding::Beam { beams: beam });
+        Ok(self
+            .generate(src, &cfg, &[])?
+            .into_iter()
+            .map(|hyps| match hyps.into_iter().next() {
+                Some(h) => Hypothesis {
+                    tokens: h.tokens,
+                    score: h.score,
+                },
+                None => Hypothesis {
                     tokens: Vec::new(),
                     score: f32::NEG_INFINITY,
-                })
+                },
             })
-            .collect();
-        Ok(best)
+            .collect())
+    }
+
+    /// Greedy decoding with the model's special tokens and `max_tgt_len`:
+    /// the [`GenerateConfig`] to start from.
+    pub fn generation_config(&self) -> GenerateConfig {
+        let c = self.config();
+        GenerateConfig::greedy(c.max_tgt_len, c.bos_id, c.eos_id, c.pad_id)
+    }
+
+    /// Encodes `src` and runs [`generate`] over the cached decoder:
+    /// greedy, sampling or beam search as `cfg` says, every processor
+    /// applied to every row at every step.
+    ///
+    /// # Shapes
+    /// - `src`: `(batch, src_len)`, `u32`
+    /// - returns `batch` lists of outputs
+    pub fn generate(
+        &self,
+        src: &Tensor,
+        cfg: &GenerateConfig,
+        processors: &[&dyn LogitsProcessor],
+    ) -> Result<Vec<Vec<Generated>>> {
+        let (b, _) = src.dims2()?;
+        let cache = self.start(&self.encode(src)?)?;
+        generate(self, cache, b, cfg, processors)
     }
 }
 
-#[derive(Debug, Clone)]
-struct Beam {
-    tokens: Vec<u32>,
-    score: f32,
-    done: bool,
+/// Cached decoding: one target token per row and step.
+impl StepModel for Seq2Seq {
+    type Cache = DecoderCache;
+
+    fn step(&self, tokens: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        // (B, new_len, V) -> the last position's (B, V).
+        let logits = Seq2Seq::step(self, tokens, cache)?;
+        logits.narrow(1, logits.dim(1)? - 1, 1)?.squeeze(1)
+    }
+
+    fn select_rows(&self, cache: &mut DecoderCache, rows: &Tensor) -> Result<()> {
+        cache.select_rows(rows)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config().tgt_vocab_size
+    }
+
+    fn device(&self) -> &Device {
+        Seq2Seq::device(self)
+    }
 }

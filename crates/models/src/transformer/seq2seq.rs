@@ -169,6 +169,11 @@ impl Seq2Seq {
         &self.cfg
     }
 
+    /// Where the weights live.
+    pub fn device(&self) -> &Device {
+        self.pe.device()
+    }
+
     /// The encoder–decoder.
     pub fn transformer(&self) -> &Transformer {
         &self.transformer

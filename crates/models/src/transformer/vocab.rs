@@ -56,6 +56,24 @@ impl CharVocab {
             .collect()
     }
 
+    /// The id of a special source entry such as `<dmy>`, if the
+    /// vocabulary has it.
+    pub fn src_special(&self, name: &str) -> Option<u32> {
+        if single_char(name).is_some() {
+            return None;
+        }
+        self.src.iter().position(|s| s == name).map(|i| i as u32)
+    }
+
+    /// Each target id's text, `None` for special tokens: what
+    /// [`crate::generation::TokenConstraint::new`] reads.
+    pub fn tgt_tokens(&self) -> Vec<Option<String>> {
+        self.tgt
+            .iter()
+            .map(|s| single_char(s).map(String::from))
+            .collect()
+    }
+
     /// The source entry of an id, for labels (`?` when out of range).
     pub fn src_token(&self, id: u32) -> &str {
         self.src.get(id as usize).map_or("?", String::as_str)

@@ -1,0 +1,166 @@
+//! The date normaliser's reading of its outputs: the ISO 8601 calendar-date
+//! pattern its decoding is constrained to, the final validity check across
+//! the beam, and the day-first/month-first source prefix.
+
+use candle::{bail, Result};
+
+use crate::generation::Generated;
+use crate::transformer::CharVocab;
+
+/// `YYYY-MM-DD` for exactly the dates of the proleptic Gregorian calendar:
+/// months 01–12, 31/30-day months told apart, February 28 days, and 29 in
+/// leap years (divisible by 4; of the centuries, only those divisible by
+/// 400). The leap years written out: `yy` in the last two digits is
+/// `0[48]|[2468][048]|[13579][26]` (4, 8, 12, …, 96), or the year is a
+/// century `CC00` with `CC` divisible by 4.
+pub const ISO_DATE_PATTERN: &str = concat!(
+    r"\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])",
+    r"|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)",
+    r"|02-(?:0[1-9]|1\d|2[0-8]))",
+    r"|(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)-02-29",
+);
+
+/// Whether `year` has a February 29th (Gregorian rule).
+pub fn is_leap_year(year: u32) -> bool {
+    (year % 4 == 0 && year % 100 != 0) || year % 400 == 0
+}
+
+/// Whether `text` is `YYYY-MM-DD` naming a day that exists: the check
+/// applied to every hypothesis, independent of the automaton.
+pub fn is_calendar_date(text: &str) -> bool {
+    let b = text.as_bytes();
+    if b.len() != 10 || b[4] != b'-' || b[7] != b'-' {
+        return false;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<u32> {
+        b[r].iter().try_fold(0u32, |acc, &c| {
+            c.is_ascii_digit().then(|| acc * 10 + u32::from(c - b'0'))
+        })
+    };
+    let (Some(y), Some(m), Some(d)) = (num(0..4), num(5..7), num(8..10)) else {
+        return false;
+    };
+    let days = match m {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if is_leap_year(y) => 29,
+        2 => 28,
+        _ => return false,
+    };
+    (1..=days).contains(&d)
+}
+
+/// How to read an all-numeric date whose first two parts are both 12 or
+/// less ("03/04/2021"): month first (dateutil's default, `dayfirst=False`)
+/// or day first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DateOrder {
+    /// "03/04/2021" is March 4th.
+    #[default]
+    MonthFirst,
+    /// "03/04/2021" is April 3rd.
+    DayFirst,
+}
+
+impl DateOrder {
+    /// The source token that tells the model this reading.
+    pub fn prefix_token(self) -> &'static str {
+        match self {
+            Self::MonthFirst => "<mdy>",
+            Self::DayFirst => "<dmy>",
+        }
+    }
+}
+
+/// Source ids of `text` for the date model: the reading's prefix token
+/// first when the vocabulary has one. A model trained without the prefixes
+/// knows one fixed reading, so asking it for day-first is an error.
+pub fn encode_source(vocab: &CharVocab, text: &str, order: DateOrder) -> Result<Vec<u32>> {
+    let ids = vocab.encode(text)?;
+    match vocab.src_special(order.prefix_token()) {
+        Some(p) => Ok(std::iter::once(p).chain(ids).collect()),
+        None if order == DateOrder::DayFirst => bail!(
+            "this model has no {} source token: it was trained without a day-first reading",
+            order.prefix_token()
+        ),
+        None => Ok(ids),
+    }
+}
+
+/// What the date model's hypotheses say.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DateReading {
+    /// The best hypothesis that is a real date, and its probability.
+    Date {
+        /// `YYYY-MM-DD`.
+        text: String,
+        /// `exp(score)`: the model's probability of this output.
+        probability: f32,
+    },
+    /// No real date with probability at least the threshold.
+    Unreadable {
+        /// The best real date found, if any, and its probability.
+        best: Option<(String, f32)>,
+    },
+}
+
+/// Picks the best finished hypothesis (they come best first) that is a
+/// real calendar date; unreadable when there is none or its probability is
+/// below `min_probability`.
+pub fn read_date(hypotheses: &[Generated], vocab: &CharVocab, min_probability: f32) -> DateReading {
+    let best = hypotheses
+        .iter()
+        .filter(|h| h.finished)
+        .map(|h| (vocab.decode(&h.tokens), h.score.exp()))
+        .find(|(text, _)| is_calendar_date(text));
+    match best {
+        Some((text, probability)) if probability >= min_probability => {
+            DateReading::Date { text, probability }
+        }
+        best => DateReading::Unreadable { best },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calendar_dates() {
+        for ok in [
+            "2021-03-03",
+            "2000-02-29",
+            "2024-02-29",
+            "1950-12-31",
+            "2049-04-30",
+            "0000-02-29",
+        ] {
+            assert!(is_calendar_date(ok), "{ok}");
+        }
+        // 1900 and 2100 are centuries not divisible by 400; month 19; day 31
+        // of a 30-day month; day 0; wrong shape.
+        for bad in [
+            "1900-02-29",
+            "2100-02-29",
+            "2021-02-29",
+            "2021-19-03",
+            "2021-04-31",
+            "2021-01-00",
+            "2021-00-10",
+            "21-03-03",
+            "2021-3-03",
+            "2021-03-3x",
+            "2021/03/03",
+            "",
+        ] {
+            assert!(!is_calendar_date(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn leap_years() {
+        // 1996, 2000, 2004 leap; 1900, 1999, 2100 not.
+        assert!(is_leap_year(1996) && is_leap_year(2000) && is_leap_year(2004));
+        assert!(!is_leap_year(1900) && !is_leap_year(1999) && !is_leap_year(2100));
+    }
+}

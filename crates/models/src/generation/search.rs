@@ -1,0 +1,399 @@
+//! Greedy decoding, seeded sampling and beam search over any
+//! [`StepModel`], each applying the caller's [`LogitsProcessor`]s to every
+//! row at every step.
+
+use candle::{bail, DType, Result, Tensor, D};
+use serde::{Deserialize, Serialize};
+
+use super::processors::{softmax, LogitsProcessor, StepContext};
+use super::rng::SplitMix64;
+use super::step::StepModel;
+
+/// How the next token is picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Decoding {
+    /// The best processed score.
+    Greedy,
+    /// Drawn from the softmax of the processed scores; `seed` fixes every
+    /// draw (each output row has its own stream, so the result does not
+    /// depend on how sources are batched).
+    Sample {
+        /// The seed of the draws.
+        seed: u64,
+    },
+    /// Beam search with this many hypotheses per source.
+    Beam {
+        /// Hypotheses kept per source, >= 1.
+        beams: usize,
+    },
+}
+
+/// What [`generate`] does: HF's `GenerationConfig`, reduced to what the
+/// search itself needs (processors are passed beside it). Checked by
+/// [`GenerateConfig::validate`] before every search.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateConfig {
+    /// Most tokens generated per row, the end token included; no search runs
+    /// longer.
+    pub max_len: usize,
+    /// Token fed at the first step (`<bos>` for an encoder–decoder).
+    pub start_id: u32,
+    /// Token that ends a row.
+    pub eos_id: u32,
+    /// Token fed to rows that have ended, while others run on.
+    pub pad_id: u32,
+    /// Greedy, sampling or beam search.
+    pub decoding: Decoding,
+    /// Outputs per source: 1 for greedy; samples drawn for
+    /// [`Decoding::Sample`]; best beams kept (at most `beams`) for
+    /// [`Decoding::Beam`].
+    pub num_return: usize,
+}
+
+impl GenerateConfig {
+    /// Greedy decoding of one output per source.
+    pub fn greedy(max_len: usize, start_id: u32, eos_id: u32, pad_id: u32) -> Self {
+        Self {
+            max_len,
+            start_id,
+            eos_id,
+            pad_id,
+            decoding: Decoding::Greedy,
+            num_return: 1,
+        }
+    }
+
+    /// The same, decoding with `decoding`.
+    pub fn with_decoding(mut self, decoding: Decoding) -> Self {
+        self.decoding = decoding;
+        self
+    }
+
+    /// The same, returning `n` outputs per source.
+    pub fn with_num_return(mut self, n: usize) -> Self {
+        self.num_return = n;
+        self
+    }
+
+    /// Checks the values against each other and a vocabulary size.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        if self.max_len == 0 {
+            bail!("generate: max_len must be >= 1")
+        }
+        if self.num_return == 0 {
+            bail!("generate: num_return must be >= 1")
+        }
+        for (name, id) in [
+            ("start_id", self.start_id),
+            ("eos_id", self.eos_id),
+            ("pad_id", self.pad_id),
+        ] {
+            if id as usize >= vocab_size {
+                bail!("generate: {name} ({id}) must be < the vocabulary size ({vocab_size})")
+            }
+        }
+        match self.decoding {
+            Decoding::Greedy if self.num_return != 1 => bail!(
+                "generate: greedy decoding has one output per source, but num_return is {} (sample or use beams)",
+                self.num_return
+            ),
+            Decoding::Beam { beams: 0 } => bail!("generate: beams must be >= 1"),
+            Decoding::Beam { beams } if self.num_return > beams => bail!(
+                "generate: num_return ({}) cannot exceed the number of beams ({beams})",
+                self.num_return
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// One output of [`generate`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    /// Output ids, without the start and end tokens.
+    pub tokens: Vec<u32>,
+    /// Sum of the processed log-probabilities of the tokens and of the end
+    /// token; with processors that only mask, the model's log-probability.
+    pub score: f32,
+    /// Whether the row ended with the end token (rather than being cut at
+    /// `max_len`, or left with no allowed token).
+    pub finished: bool,
+}
+
+/// Generates from `model` over `cache`, which holds `batch` sources.
+///
+/// Returns, per source, up to `num_return` outputs, best first for beam
+/// search, in draw order for sampling. Beam search returns fewer (none at
+/// all) when the processors leave fewer hypotheses alive.
+pub fn generate<M: StepModel>(
+    model: &M,
+    cache: M::Cache,
+    batch: usize,
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+) -> Result<Vec<Vec<Generated>>> {
+    cfg.validate(model.vocab_size())?;
+    for p in processors {
+        p.check(model.vocab_size(), cfg.max_len)?;
+    }
+    match cfg.decoding {
+        Decoding::Beam { beams } => beam(model, cache, batch, beams, cfg, processors),
+        Decoding::Greedy | Decoding::Sample { .. } => rowwise(model, cache, batch, cfg, processors),
+    }
+}
+
+/// The log-probabilities of the next token, `(rows, vocab)`, on the host.
+fn next_log_probs<M: StepModel>(model: &M, fed: Vec<u32>, cache: &mut M::Cache) -> Result<Vec<Vec<f32>>> {
+    let n = fed.len();
+    let tokens = Tensor::from_vec(fed, (n, 1), model.device())?;
+    let logits = model.step(&tokens, cache)?;
+    let (rows, v) = logits.dims2()?;
+    if rows != n || v != model.vocab_size() {
+        bail!(
+            "generate: the model's step returned logits {:?}, expected ({n}, {})",
+            logits.dims(),
+            model.vocab_size()
+        )
+    }
+    candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?.to_vec2()
+}
+
+fn apply(processors: &[&dyn LogitsProcessor], ctx: &StepContext<'_>, scores: &mut [f32]) -> Result<()> {
+    for p in processors {
+        p.process(ctx, scores)?;
+    }
+    Ok(())
+}
+
+/// The first index of the largest score, or `None` when all are `-inf` or
+/// NaN.
+fn argmax(scores: &[f32]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &s) in scores.iter().enumerate() {
+        if s > f32::NEG_INFINITY && best.is_none_or(|(_, b)| s > b) {
+            best = Some((i, s));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// A token drawn from the softmax of `scores`.
+fn draw(scores: &[f32], rng: &mut SplitMix64) -> Option<usize> {
+    let probs = softmax(scores);
+    let u = rng.next_f64();
+    let mut acc = 0f64;
+    let mut last = None;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0. {
+            acc += f64::from(p);
+            last = Some(i);
+            if u < acc {
+                return Some(i);
+            }
+        }
+    }
+    // Rounding left the cumulative sum just under `u`: the last possible one.
+    last
+}
+
+/// Greedy decoding and sampling: each row on its own.
+fn rowwise<M: StepModel>(
+    model: &M,
+    mut cache: M::Cache,
+    batch: usize,
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+) -> Result<Vec<Vec<Generated>>> {
+    let n = cfg.num_return;
+    if n > 1 {
+        let rows: Vec<u32> = (0..batch as u32)
+            .flat_map(|i| std::iter::repeat_n(i, n))
+            .collect();
+        model.select_rows(&mut cache, &Tensor::new(rows.as_slice(), model.device())?)?;
+    }
+    let rows = batch * n;
+    let mut rngs: Vec<SplitMix64> = match cfg.decoding {
+        Decoding::Sample { seed } => (0..rows as u64).map(|r| SplitMix64::for_row(seed, r)).collect(),
+        _ => Vec::new(),
+    };
+    let mut out: Vec<Generated> = (0..rows)
+        .map(|_| Generated {
+            tokens: Vec::new(),
+            score: 0.,
+            finished: false,
+        })
+        .collect();
+    let mut done = vec![false; rows];
+    let mut fed = vec![cfg.start_id; rows];
+    for _ in 0..cfg.max_len {
+        let mut scores = next_log_probs(model, fed.clone(), &mut cache)?;
+        for (r, row) in scores.iter_mut().enumerate() {
+            if done[r] {
+                fed[r] = cfg.pad_id;
+                continue;
+            }
+            let ctx = StepContext {
+                source: r / n,
+                prefix: &out[r].tokens,
+                max_len: cfg.max_len,
+            };
+            apply(processors, &ctx, row)?;
+            let pick = match rngs.get_mut(r) {
+                Some(rng) => draw(row, rng),
+                None => argmax(row),
+            };
+            let Some(t) = pick else {
+                // Every token forbidden: the row ends, unfinished.
+                done[r] = true;
+                fed[r] = cfg.pad_id;
+                continue;
+            };
+            out[r].score += row[t];
+            if t as u32 == cfg.eos_id {
+                out[r].finished = true;
+                done[r] = true;
+                fed[r] = cfg.pad_id;
+            } else {
+                out[r].tokens.push(t as u32);
+                fed[r] = t as u32;
+            }
+        }
+        if done.iter().all(|&d| d) {
+            break;
+        }
+    }
+    let mut grouped = Vec::with_capacity(batch);
+    let mut it = out.into_iter();
+    for _ in 0..batch {
+        grouped.push(it.by_ref().take(n).collect());
+    }
+    Ok(grouped)
+}
+
+#[derive(Debug, Clone)]
+struct Beam {
+    tokens: Vec<u32>,
+    score: f32,
+    done: bool,
+}
+
+/// Beam search: `beams` hypotheses per source, expanded by every token the
+/// processors leave, the best `beams` kept at each step. A finished
+/// hypothesis stays a candidate with its score; there is no length penalty.
+fn beam<M: StepModel>(
+    model: &M,
+    mut cache: M::Cache,
+    batch: usize,
+    beams: usize,
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+) -> Result<Vec<Vec<Generated>>> {
+    let dev = model.device().clone();
+    // Every source repeated `beams` times: (B * K, ...).
+    let rows: Vec<u32> = (0..batch as u32)
+        .flat_map(|i| std::iter::repeat_n(i, beams))
+        .collect();
+    model.select_rows(&mut cache, &Tensor::new(rows.as_slice(), &dev)?)?;
+    // Only the first beam of each source is live at the start, so the
+    // first step's best tokens become distinct hypotheses.
+    let mut state: Vec<Beam> = (0..batch * beams)
+        .map(|i| Beam {
+            tokens: Vec::new(),
+            score: if i % beams == 0 { 0. } else { f32::NEG_INFINITY },
+            done: false,
+        })
+        .collect();
+    let mut fed = vec![cfg.start_id; batch * beams];
+    for _ in 0..cfg.max_len {
+        let mut logp = next_log_probs(model, fed, &mut cache)?;
+        let mut next = Vec::with_capacity(batch * beams);
+        let mut parents = Vec::with_capacity(batch * beams);
+        for g in 0..batch {
+            let mut cands: Vec<(f32, usize, Option<u32>)> = Vec::new();
+            for p in g * beams..(g + 1) * beams {
+                let bm = &state[p];
+                if bm.score == f32::NEG_INFINITY {
+                    continue;
+                }
+                if bm.done {
+                    cands.push((bm.score, p, None));
+                    continue;
+                }
+                let ctx = StepContext {
+                    source: g,
+                    prefix: &bm.tokens,
+                    max_len: cfg.max_len,
+                };
+                apply(processors, &ctx, &mut logp[p])?;
+                cands.extend(
+                    logp[p]
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, &lp)| lp > f32::NEG_INFINITY)
+                        .map(|(v, &lp)| (bm.score + lp, p, Some(v as u32))),
+                );
+            }
+            // Stable: among equal scores the earlier beam and the lower id
+            // win, as greedy's argmax does.
+            cands.sort_by(|a, b| b.0.total_cmp(&a.0));
+            cands.truncate(beams);
+            for j in 0..beams {
+                let Some(&(score, p, tok)) = cands.get(j) else {
+                    // Fewer candidates than beams: a dead beam that never wins.
+                    next.push(Beam {
+                        tokens: Vec::new(),
+                        score: f32::NEG_INFINITY,
+                        done: true,
+                    });
+                    parents.push((g * beams) as u32);
+                    continue;
+                };
+                let mut bm = Beam {
+                    tokens: state[p].tokens.clone(),
+                    score,
+                    done: state[p].done,
+                };
+                match tok {
+                    Some(t) if t == cfg.eos_id => bm.done = true,
+                    Some(t) => bm.tokens.push(t),
+                    None => {}
+                }
+                next.push(bm);
+                parents.push(p as u32);
+            }
+        }
+        state = next;
+        if state.iter().all(|bm| bm.done) {
+            break;
+        }
+        model.select_rows(&mut cache, &Tensor::new(parents.as_slice(), &dev)?)?;
+        fed = state
+            .iter()
+            .map(|bm| match (bm.done, bm.tokens.last()) {
+                (true, _) => cfg.pad_id,
+                (false, Some(&t)) => t,
+                (false, None) => cfg.start_id,
+            })
+            .collect();
+    }
+    let out = state
+        .chunks(beams)
+        .map(|group| {
+            let mut alive: Vec<&Beam> = group.iter().filter(|bm| bm.score > f32::NEG_INFINITY).collect();
+            // Finished hypotheses first, then the best score; stable.
+            alive.sort_by(|x, y| y.done.cmp(&x.done).then(y.score.total_cmp(&x.score)));
+            alive
+                .into_iter()
+                .take(cfg.num_return)
+                .map(|bm| Generated {
+                    tokens: bm.tokens.clone(),
+                    score: bm.score,
+                    finished: bm.done,
+                })
+                .collect()
+        })
+        .collect();
+    Ok(out)
+}
