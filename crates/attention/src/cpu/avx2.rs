@@ -155,8 +155,8 @@ fn keep(buf: Vec<f32>) {
     }
 }
 
-/// Which micro-kernels compute a unit's two products (the online softmax
-/// between them is this file's, AVX2, for both).
+/// Which micro-kernels compute a unit's two products and the online
+/// softmax between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kernels {
     /// 6 rows × 16 keys in `ymm` registers (this file).
@@ -223,7 +223,10 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                 }
             }
             // Whole vectors: the strip's columns past `cols` are hidden too.
-            let width = cols.next_multiple_of(8);
+            let width = cols.next_multiple_of(match kernels {
+                Kernels::Avx2 => 8,
+                Kernels::Avx512 => 16,
+            });
             for r in 0..gr {
                 let i = i0 + g0 + r;
                 let row = &mut strip[r * STRIP_RS..][..width];
@@ -232,9 +235,15 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                 let end = p.keys_end(i).saturating_sub(j0).min(cols);
                 row[end..].fill(f32::NEG_INFINITY);
                 let a = &mut acc[(g0 + r) * dvp..][..dvp];
-                // SAFETY: AVX2+FMA (the caller's contract); `width` and `dvp`
-                // are multiples of 8.
-                unsafe { online_softmax(row, &mut row_max[g0 + r], &mut row_sum[g0 + r], a) };
+                let (m, l) = (&mut row_max[g0 + r], &mut row_sum[g0 + r]);
+                // SAFETY: the caller's instruction sets; `width` is a
+                // multiple of the vector, `dvp` of 16.
+                unsafe {
+                    match kernels {
+                        Kernels::Avx2 => online_softmax(row, m, l, a),
+                        Kernels::Avx512 => super::avx512::online_softmax(row, m, l, a),
+                    }
+                }
             }
             // SAFETY: `cols` value rows from `j0` in each of the `dvp / NR`
             // panels of `s · NR` floats, the strip

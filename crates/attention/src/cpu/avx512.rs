@@ -1,8 +1,8 @@
 //! The attention tiles' two products as AVX-512F micro-kernels, over the
 //! same packed keys and values as the AVX2 ones (`avx2.rs`, panels of 16):
 //! a group of [`MR`] query rows against two panels at a time, 24 `zmm`
-//! accumulators, 24 FMAs per 2 panel loads and 12 broadcasts. The online
-//! softmax between them is the AVX2 one (`avx2::online_softmax`).
+//! accumulators, 24 FMAs per 2 panel loads and 12 broadcasts; and the
+//! online softmax between them, 16 lanes at a time.
 
 use std::arch::x86_64::*;
 
@@ -177,5 +177,136 @@ unsafe fn weighted_values_rows<const R: usize>(
                 _mm512_storeu_ps(acc.add(r * dvp + pi * NR), *c);
             }
         }
+    }
+}
+
+/// `avx2::online_softmax` 16 lanes at a time: one key block of a row's
+/// online softmax (new running max, `e^(score - m)` in place, rescaled sum
+/// and accumulator; NaN rows poisoned as `simd::poison` says).
+///
+/// # Safety
+/// AVX-512F; `row.len()` and `acc.len()` are multiples of 16.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    if m.is_nan() {
+        row.fill(0.);
+        return;
+    }
+    let n = row.len();
+    let x = row.as_mut_ptr();
+    // SAFETY: (here and below) whole vectors inside `row` and `acc`.
+    unsafe {
+        // `max_ps` may drop a NaN; a NaN score still shows in the sum.
+        let mut mx = _mm512_set1_ps(*m);
+        for j in (0..n).step_by(16) {
+            mx = _mm512_max_ps(mx, _mm512_loadu_ps(x.add(j)));
+        }
+        let new_max = _mm512_reduce_max_ps(mx);
+        if new_max == f32::NEG_INFINITY {
+            if row.iter().any(|x| x.is_nan()) {
+                super::simd::poison(row, m, l, acc);
+            } else {
+                row.fill(0.);
+            }
+            return;
+        }
+        if new_max == f32::INFINITY {
+            super::simd::poison(row, m, l, acc);
+            return;
+        }
+        let mv = _mm512_set1_ps(new_max);
+        let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        // Two vectors a step: the exp is one long dependency chain.
+        let pairs = n / 32 * 32;
+        for j in (0..pairs).step_by(32) {
+            let e0 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x.add(j)), mv));
+            let e1 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x.add(j + 16)), mv));
+            _mm512_storeu_ps(x.add(j), e0);
+            _mm512_storeu_ps(x.add(j + 16), e1);
+            s0 = _mm512_add_ps(s0, e0);
+            s1 = _mm512_add_ps(s1, e1);
+        }
+        if pairs < n {
+            let e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x.add(pairs)), mv));
+            _mm512_storeu_ps(x.add(pairs), e);
+            s0 = _mm512_add_ps(s0, e);
+        }
+        let sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+        if sum.is_nan() {
+            super::simd::poison(row, m, l, acc);
+            return;
+        }
+        if *m != new_max {
+            let scale = super::simd::exp_nonpositive(*m - new_max);
+            let alpha = _mm512_set1_ps(scale);
+            *l *= scale;
+            let a = acc.as_mut_ptr();
+            for j in (0..acc.len()).step_by(16) {
+                _mm512_storeu_ps(a.add(j), _mm512_mul_ps(_mm512_loadu_ps(a.add(j)), alpha));
+            }
+        }
+        *l += sum;
+        *m = new_max;
+    }
+}
+
+/// `e^x` for `x <= 0` (and `-inf`), 16 lanes: `avx2::exp_nonpositive`'s
+/// reduction and degree-5 polynomial; exactly 0 below -87, NaN stays NaN.
+#[target_feature(enable = "avx512f")]
+fn exp_nonpositive(x: __m512) -> __m512 {
+    let magic = _mm512_set1_ps(12_582_912.0);
+    let big = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), magic);
+    let n = _mm512_sub_ps(big, magic);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(std::f32::consts::LN_2), x);
+    let mut p = _mm512_set1_ps(8.290_317e-3);
+    for c in [4.189_793e-2, 1.666_763_6e-1, 4.999_915e-1, 9.999_997e-1, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let pow2n = _mm512_castsi512_ps(_mm512_add_epi32(
+        _mm512_slli_epi32::<23>(_mm512_castps_si512(big)),
+        _mm512_set1_epi32(127 << 23),
+    ));
+    let hidden = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-87.0));
+    _mm512_maskz_mov_ps(!hidden, _mm512_mul_ps(p, pow2n))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
+
+    #[test]
+    fn vector_exp_matches_std_on_its_range() {
+        if crate::cpu::isa::current() < crate::cpu::isa::Isa::Avx512 {
+            return;
+        }
+        let mut worst = 0f64;
+        let xs: Vec<f32> = (0..=87_007).map(|i| -(i as f32) / 1000.).collect();
+        let mut out = [0f32; 16];
+        for chunk in xs.chunks_exact(16) {
+            // SAFETY: AVX-512F checked above; 16 floats in and out.
+            unsafe {
+                _mm512_storeu_ps(
+                    out.as_mut_ptr(),
+                    super::exp_nonpositive(_mm512_loadu_ps(chunk.as_ptr())),
+                )
+            };
+            for (&x, &y) in chunk.iter().zip(&out) {
+                let e = (x as f64).exp();
+                worst = worst.max(((y as f64 - e) / e).abs());
+            }
+        }
+        assert!(worst < 5e-7, "worst relative error {worst:e}");
+        let mut special = [0f32; 16];
+        special[..6].copy_from_slice(&[f32::NEG_INFINITY, -100., -87.5, 0., -0., f32::NAN]);
+        // SAFETY: as above.
+        unsafe {
+            _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                super::exp_nonpositive(_mm512_loadu_ps(special.as_ptr())),
+            )
+        };
+        assert_eq!(out[..3], [0.; 3]);
+        assert_eq!(out[3..5], [1.; 2]);
+        assert!(out[5].is_nan());
     }
 }
