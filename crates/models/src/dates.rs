@@ -22,7 +22,7 @@ pub const ISO_DATE_PATTERN: &str = concat!(
 
 /// Whether `year` has a February 29th (Gregorian rule).
 pub fn is_leap_year(year: u32) -> bool {
-    (year % 4 == 0 && year % 100 != 0) || year % 400 == 0
+    (year.is_multiple_of(4) && !year.is_multiple_of(100)) || year.is_multiple_of(400)
 }
 
 /// Whether `text` is `YYYY-MM-DD` naming a day that exists: the check
