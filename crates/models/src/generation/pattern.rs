@@ -34,7 +34,7 @@ struct NState {
     on: Option<(usize, usize)>,
 }
 
-/// A parsed pattern, compiled to an NFA; [`Pattern::dfa`] specialises it
+/// A parsed pattern, compiled to an NFA; `Pattern::dfa` specialises it
 /// to an alphabet.
 #[derive(Debug, Clone)]
 pub struct Pattern {
