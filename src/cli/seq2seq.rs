@@ -1,12 +1,12 @@
 //! `multihead seq2seq`: translate text with the shipped encoder–decoder
 //! (by default the date normaliser of `scripts/train_dates.py`).
 
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
+use multihead_models::checkpoint::Checkpoint;
 use multihead_models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
 
 use super::heatmap;
@@ -14,13 +14,18 @@ use super::heatmap;
 /// Sources translated per forward pass.
 const BATCH: usize = 64;
 
+/// Largest `--beam`: each source decodes `beam` rows at once, and past a
+/// few dozen hypotheses a beam finds nothing greedy-ish decoding misses.
+const MAX_BEAM: usize = 64;
+
 /// Arguments of `multihead seq2seq`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Texts to translate, one output line each; without any, one input
     /// per line is read from standard input.
     pub inputs: Vec<String>,
-    /// Beam search with this many hypotheses (1: greedy decoding).
+    /// Beam search with this many hypotheses (1: greedy decoding; at
+    /// most 64).
     #[arg(long, default_value_t = 1)]
     pub beam: usize,
     /// Folder with model.safetensors, config.json and vocab.json.
@@ -79,8 +84,9 @@ impl Translator {
             let p = dir.join(name);
             std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
         };
-        let cfg = Seq2SeqConfig::from_json(&read("config.json")?)?;
-        let vocab = CharVocab::from_json(&read("vocab.json")?)?;
+        let at = |name: &str| format!("'{}'", dir.join(name).display());
+        let cfg = Seq2SeqConfig::from_json(&read("config.json")?).with_context(|| at("config.json"))?;
+        let vocab = CharVocab::from_json(&read("vocab.json")?).with_context(|| at("vocab.json"))?;
         if vocab.src.len() != cfg.src_vocab_size || vocab.tgt.len() != cfg.tgt_vocab_size {
             bail!(
                 "vocab.json has {} source and {} target entries but config.json says {} and {}",
@@ -90,10 +96,16 @@ impl Translator {
                 cfg.tgt_vocab_size
             )
         }
-        let path = dir.join("model.safetensors");
-        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        let vb = VarBuilder::from_buffered_safetensors(bytes, dtype, &device)?;
-        let model = Seq2Seq::new(&cfg, vb).with_context(|| format!("loading {}", path.display()))?;
+        // The checked path `vit` uses: header validated, the config's
+        // sizes bounded by what the file holds, then every missing,
+        // unexpected, mis-shaped and NaN/Inf tensor reported at once.
+        let ckpt = Checkpoint::read(&dir.join("model.safetensors"))?;
+        let config = dir.join("config.json");
+        ckpt.ensure_holds(&cfg.min_weights()?)
+            .with_context(|| format!("config '{}'", config.display()))?;
+        let model = ckpt
+            .load(dtype, &device, |vb| Seq2Seq::new(&cfg, vb))
+            .with_context(|| format!("with config '{}'", config.display()))?;
         Ok(Self { model, vocab, device })
     }
 
@@ -139,6 +151,12 @@ fn preview(text: &str) -> String {
     }
 }
 
+/// The first line of a message (candle appends a backtrace to some when
+/// `RUST_BACKTRACE` is set).
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().trim().to_string()
+}
+
 /// Right-pads rows of ids to a `(rows, max_len)` tensor.
 pub fn padded(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<Tensor> {
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
@@ -149,12 +167,28 @@ pub fn padded(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(data, (rows.len(), n), device)?)
 }
 
-/// Runs the command.
-pub fn run(args: Args) -> Result<()> {
-    if args.beam == 0 {
-        bail!("--beam must be at least 1")
+/// Where an input came from, for messages: `input 2` (an argument) or
+/// `line 2` (standard input).
+fn input_label(from_stdin: bool, i: usize) -> String {
+    if from_stdin {
+        format!("line {}", i + 1)
+    } else {
+        format!("input {}", i + 1)
     }
-    let inputs: Vec<String> = if args.inputs.is_empty() {
+}
+
+/// Runs the command.
+///
+/// A batch goes on past a bad input: each one is reported on standard
+/// error (`line N: why`), gets an empty output line so outputs stay one per
+/// input, and the command exits 1 at the end. When no input can be
+/// translated, one error line says why and nothing is printed.
+pub fn run(args: Args) -> Result<()> {
+    if args.beam == 0 || args.beam > MAX_BEAM {
+        bail!("--beam must be in 1..={MAX_BEAM}, found {}", args.beam)
+    }
+    let from_stdin = args.inputs.is_empty();
+    let inputs: Vec<String> = if from_stdin {
         std::io::stdin()
             .lock()
             .lines()
@@ -175,20 +209,62 @@ pub fn run(args: Args) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let tr = Translator::load(&args.weights, device, dtype)?;
-    let sources = inputs
+    // Line endings and surrounding blanks are not part of a date.
+    let encoded: Vec<Result<Vec<u32>>> = inputs.iter().map(|text| tr.encode(text.trim())).collect();
+    let good: Vec<Vec<u32>> = encoded.iter().filter_map(|e| e.as_ref().ok()).cloned().collect();
+    let bad: Vec<(usize, String)> = encoded
         .iter()
         .enumerate()
-        .map(|(i, text)| {
-            // Line endings and surrounding blanks are not part of a date.
-            tr.encode(text.trim())
-                .with_context(|| format!("input {} ({:?})", i + 1, preview(text)))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    for line in tr.translate(&sources, args.beam)? {
-        println!("{line}");
+        .filter_map(|(i, e)| e.as_ref().err().map(|e| (i, first_line(&format!("{e:#}")))))
+        .collect();
+    if good.is_empty() {
+        let (i, why) = &bad[0];
+        let more = if bad.len() > 1 {
+            format!(" (and {} more inputs, none translatable)", bad.len() - 1)
+        } else {
+            String::new()
+        };
+        bail!(
+            "{} ({:?}): {why}{more}",
+            input_label(from_stdin, *i),
+            preview(&inputs[*i])
+        )
     }
-    if let Some(path) = &args.attention_map {
-        write_attention_map(&tr, inputs[0].trim(), &sources[0], path)?;
+    for (i, why) in &bad {
+        eprintln!(
+            "{} ({:?}): {why}",
+            input_label(from_stdin, *i),
+            preview(&inputs[*i])
+        );
+    }
+    let mut translated = tr.translate(&good, args.beam)?.into_iter();
+    let mut out = std::io::stdout().lock();
+    for e in &encoded {
+        let line = match e {
+            Ok(_) => translated.next().unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        writeln!(out, "{line}")?;
+    }
+    out.flush()?;
+    if let (Some(path), Some(Ok(src))) = (&args.attention_map, encoded.first()) {
+        write_attention_map(&tr, inputs[0].trim(), src, path)?;
+    }
+    if !bad.is_empty() {
+        let which: Vec<String> = bad.iter().take(10).map(|(i, _)| (i + 1).to_string()).collect();
+        bail!(
+            "{} of {} inputs could not be translated ({} {}{}; empty output lines in their place)",
+            bad.len(),
+            inputs.len(),
+            match (from_stdin, bad.len()) {
+                (true, 1) => "line",
+                (true, _) => "lines",
+                (false, 1) => "input",
+                (false, _) => "inputs",
+            },
+            which.join(", "),
+            if bad.len() > 10 { ", …" } else { "" }
+        )
     }
     Ok(())
 }
