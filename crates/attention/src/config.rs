@@ -154,7 +154,7 @@ impl MhaConfig {
         if self.num_heads == 0 {
             bail!("MhaConfig: num_heads must be > 0")
         }
-        if self.embed_dim % self.num_heads != 0 {
+        if !self.embed_dim.is_multiple_of(self.num_heads) {
             bail!(
                 "MhaConfig: embed_dim ({}) must be divisible by num_heads ({})",
                 self.embed_dim,

@@ -167,7 +167,7 @@ fn checked_image_size(size: usize, cfg: &VitConfig) -> Result<usize> {
     if size < p {
         bail!("--image-size must be at least the patch size {p}, found {size}")
     }
-    if size % p != 0 {
+    if !size.is_multiple_of(p) {
         bail!("--image-size {size} is not a multiple of the patch size {p}")
     }
     let grid = size / p;

@@ -216,7 +216,7 @@ impl TransformerConfig {
                 self.nhead
             )
         }
-        if self.d_model % self.nhead != 0 {
+        if !self.d_model.is_multiple_of(self.nhead) {
             bail!(
                 "TransformerConfig: d_model ({}) must be divisible by nhead ({})",
                 self.d_model,

@@ -105,6 +105,13 @@ impl Seq2SeqConfig {
                 self.src_vocab_size
             )
         }
+        if checked_product(&[self.max_positions, self.transformer.d_model]).is_none() {
+            bail!(
+                "Seq2SeqConfig: max_positions ({}) x d_model ({}) overflows",
+                self.max_positions,
+                self.transformer.d_model
+            )
+        }
         if self.max_src_len == 0 || self.max_src_len > self.max_positions {
             bail!(
                 "Seq2SeqConfig: max_src_len ({}) must be in 1..=max_positions ({})",

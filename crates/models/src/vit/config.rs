@@ -302,14 +302,14 @@ impl VitConfig {
                 bail!("VitConfig: {name} must be > 0")
             }
         }
-        if self.img_size % self.patch_size != 0 {
+        if !self.img_size.is_multiple_of(self.patch_size) {
             bail!(
                 "VitConfig: img_size ({}) must be divisible by patch_size ({})",
                 self.img_size,
                 self.patch_size
             )
         }
-        if self.embed_dim % self.num_heads != 0 {
+        if !self.embed_dim.is_multiple_of(self.num_heads) {
             bail!(
                 "VitConfig: embed_dim ({}) must be divisible by num_heads ({})",
                 self.embed_dim,
