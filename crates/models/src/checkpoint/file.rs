@@ -217,6 +217,21 @@ impl Checkpoint {
             .get(name)
             .map(|&i| (&self.tensors[i], &self.data[i]))
             .ok_or_else(|| candle::Error::Msg(format!("weights '{}': no tensor '{name}'", self.label)))?;
+        // An empty tensor may have other dims whose product overflows
+        // (`[0, 2^40, 2^40]` is valid safetensors): candle's strides would.
+        if info
+            .shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none()
+        {
+            candle::bail!(
+                "weights '{}': tensor '{name}' has shape {:?}, whose strides overflow",
+                self.label,
+                info.shape
+            )
+        }
         let view = TensorView::new(*dtype, info.shape.clone(), &self.bytes[range.clone()])
             .map_err(|e| candle::Error::Msg(format!("weights '{}': tensor '{name}': {e}", self.label)))?;
         candle::safetensors::Load::load(&view, device)
@@ -335,6 +350,20 @@ mod tests {
             .collect();
         assert_eq!(count_non_finite(Dtype::BF16, &bf16s), (1, 1));
         assert_eq!(count_non_finite(Dtype::I32, &f32s), (0, 0));
+    }
+
+    /// Valid safetensors, zero elements, but dims whose product overflows:
+    /// an error, not an overflow in candle's strides.
+    #[test]
+    fn empty_tensor_with_huge_dims() -> Result<()> {
+        let header = br#"{"e":{"dtype":"F32","shape":[0,1099511627776,1099511627776],"data_offsets":[0,0]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        let ckpt = Checkpoint::from_bytes(bytes, "e.safetensors")?;
+        assert_eq!(ckpt.total_params(), 0);
+        let err = ckpt.tensor("e", &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("strides overflow"), "{err}");
+        Ok(())
     }
 
     #[test]
