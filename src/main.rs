@@ -38,11 +38,25 @@ fn main() -> std::process::ExitCode {
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // `multihead inspect FILE | head -3`: the reader has all it wants.
+        // Rust ignores SIGPIPE, so the write fails instead of killing the
+        // process; end quietly and successfully, as `head` users expect.
+        Err(e) if stdout_closed(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", one_line(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `e` comes from writing to a standard output whose reader has
+/// gone (the only writes that can fail with a broken pipe here: files are
+/// written whole, and reading never breaks a pipe).
+fn stdout_closed(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 /// The error chain as one line. candle appends a captured backtrace to its

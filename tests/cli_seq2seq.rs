@@ -78,8 +78,32 @@ fn refuses_out_of_vocabulary_characters() -> Result<()> {
 #[test]
 fn refuses_empty_input() -> Result<()> {
     assert_refused(&run(&[""], None)?, "empty input");
-    assert_refused(&run(&[], Some("March 3, 2021\n\n"))?, "empty input");
+    assert_refused(&run(&[], Some("\n  \n"))?, "line 1 (\"\"): empty input");
     assert_refused(&run(&[], Some(""))?, "no input");
+    Ok(())
+}
+
+/// One blank line used to abort the whole batch with no output. Now the
+/// good lines are translated, each bad one gets an empty output line and a
+/// message naming its line, and the exit status says something was wrong.
+#[test]
+fn a_bad_line_does_not_stop_the_batch() -> Result<()> {
+    let o = run(&[], Some("March 3, 2021\n\n4 May 2020\nMarch ☃\n"))?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(stdout(&o), "2021-03-03\n\n2020-05-04\n\n", "{err}");
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 3, "{err}");
+    assert!(lines[0].starts_with("line 2 (\"\"): empty input"), "{err}");
+    assert!(
+        lines[1].starts_with("line 4 (\"March ☃\"): character '☃'"),
+        "{err}"
+    );
+    assert!(
+        lines[2].starts_with("error: 2 of 4 inputs could not be translated (lines 2, 4;"),
+        "{err}"
+    );
     Ok(())
 }
 

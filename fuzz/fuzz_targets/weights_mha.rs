@@ -10,5 +10,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(ckpt) = Checkpoint::from_bytes(data.to_vec(), "fuzz.safetensors") else {
         return;
     };
-    let _ = ckpt.load(DType::F32, &Device::Cpu, |vb| MultiheadAttention::new(&MhaConfig::new(8, 2), vb));
+    let _ = ckpt.load(DType::F32, &Device::Cpu, |vb| {
+        MultiheadAttention::new(&MhaConfig::new(8, 2), vb)
+    });
 });

@@ -2,13 +2,19 @@
 //! is, and whether it fits a config.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use multihead::attention::{MhaConfig, MultiheadAttention};
-use multihead::models::checkpoint::{wanted_tensors, Checkpoint, NonFinite, Preflight};
+use multihead::models::checkpoint::{wanted_tensors, Checkpoint, MinWeights, NonFinite, Preflight};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
+use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
 use multihead::models::vit::{VisionTransformer, VitConfig};
+
+/// Entries of each list the text output shows without `--all`: a header
+/// of 100,000 tensors prints a screenful and a count, not 100,000 lines.
+const LISTED: usize = 200;
 
 /// Arguments of `multihead inspect`.
 #[derive(Debug, clap::Args)]
@@ -20,9 +26,13 @@ pub struct Args {
     /// beside the file, when there is one (the multihead model directory).
     #[arg(long, value_name = "CONFIG.json")]
     config: Option<PathBuf>,
-    /// Print one JSON object instead of text.
+    /// Print one JSON object instead of text (always with every entry).
     #[arg(long)]
     json: bool,
+    /// List every tensor, metadata entry and mismatch; without it the
+    /// text output shows the first 200 of each and how many more there are.
+    #[arg(long)]
+    all: bool,
 }
 
 /// The config a checkpoint was compared with.
@@ -44,16 +54,43 @@ pub fn run(args: Args) -> Result<()> {
         .map(|(name, nan, inf)| NonFinite { name, nan, inf })
         .collect();
     let beside = args.file.with_file_name("config.json");
+    // A config.json beside the file that cannot be used (another kind, or
+    // sizes the file cannot hold) does not fail the inspection, but is not
+    // passed over in silence either.
+    let mut beside_note = None;
     let check = match &args.config {
         Some(path) => Some(check_config(&ckpt, &layout, path, false)?),
-        None if beside.is_file() => check_config(&ckpt, &layout, &beside, true).ok(),
+        None if beside.is_file() => match check_config(&ckpt, &layout, &beside, true) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                let why = format!("{e:#}");
+                let why = why.lines().next().unwrap_or_default().to_string();
+                beside_note = Some(format!("{} (beside the file) not used: {why}", beside.display()));
+                None
+            }
+        },
         None => None,
     };
+    // Buffered: a long listing is one write per buffer, not per line. A
+    // closed pipe (`| head`) surfaces as an error `main` ends quietly on.
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     if args.json {
-        print_json(&ckpt, &layout, &non_finite, check.as_ref())?;
+        print_json(
+            &mut out,
+            &ckpt,
+            &layout,
+            &non_finite,
+            check.as_ref(),
+            beside_note.as_deref(),
+        )?;
     } else {
-        print_text(&ckpt, &layout, &non_finite, check.as_ref());
+        let limit = if args.all { usize::MAX } else { LISTED };
+        print_text(&mut out, limit, &ckpt, &layout, &non_finite, check.as_ref())?;
+        if let Some(note) = &beside_note {
+            writeln!(out, "config: {note}")?;
+        }
     }
+    out.flush()?;
     if let Some(c) = &check {
         if let Some(summary) = c.report.summary() {
             bail!(
@@ -73,15 +110,26 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
     let value: serde_json::Value =
         serde_json::from_str(&json).with_context(|| format!("config '{}' is not JSON", path.display()))?;
     let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
+    let ctx = || format!("config '{}'", path.display());
+    // Every config's sizes are checked against what the file can hold
+    // before its model is recorded: `depth: 300000` costs nothing.
     let (kind, wanted) = if value.get("img_size").is_some() || value.get("patch_size").is_some() {
-        let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", path.display()))?;
+        let cfg = VitConfig::from_json(&json).with_context(ctx)?;
+        ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
         (
             "VitConfig",
-            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb))?,
+            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb)).with_context(ctx)?,
+        )
+    } else if value.get("transformer").is_some() {
+        let cfg = Seq2SeqConfig::from_json(&json).with_context(ctx)?;
+        ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
+        (
+            "Seq2SeqConfig",
+            wanted_tensors(&names, |vb| Seq2Seq::new(&cfg, vb)).with_context(ctx)?,
         )
     } else if value.get("embed_dim").is_some() {
-        let cfg: MhaConfig =
-            serde_json::from_str(&json).with_context(|| format!("config '{}': MhaConfig", path.display()))?;
+        let cfg: MhaConfig = serde_json::from_str(&json).with_context(|| format!("{}: MhaConfig", ctx()))?;
+        ckpt.ensure_holds(&mha_min_weights(&cfg)?).with_context(ctx)?;
         let prefix = match layout {
             Layout::MultiheadAttention(f) => f.prefix.trim_end_matches('.').to_string(),
             _ => String::new(),
@@ -90,11 +138,12 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
             let vb = if prefix.is_empty() { vb } else { vb.pp(&prefix) };
             MultiheadAttention::new(&cfg, vb)
         })
-        .with_context(|| format!("config '{}'", path.display()))?;
+        .with_context(ctx)?;
         ("MhaConfig", wanted)
     } else {
         bail!(
-            "config '{}' is neither a VitConfig (img_size, patch_size, ...) nor an MhaConfig (embed_dim, num_heads, ...)",
+            "config '{}' is neither a VitConfig (img_size, patch_size, ...), a Seq2SeqConfig (transformer, ...) \
+             nor an MhaConfig (embed_dim, num_heads, ...)",
             path.display()
         )
     };
@@ -105,6 +154,31 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
         beside,
         report,
     })
+}
+
+/// The fewest weights an `nn.MultiheadAttention` of `cfg` stores: the
+/// query, key, value and output projections.
+fn mha_min_weights(cfg: &MhaConfig) -> Result<MinWeights> {
+    let e = cfg.embed_dim;
+    let mut m = MinWeights::new("MhaConfig");
+    m.add(format!("q_proj and out_proj (2 x embed_dim {e}²)"), &[2, e, e])?;
+    m.add(
+        format!("k_proj (embed_dim {e} x kdim {})", cfg.kdim()),
+        &[e, cfg.kdim()],
+    )?;
+    m.add(
+        format!("v_proj (embed_dim {e} x vdim {})", cfg.vdim()),
+        &[e, cfg.vdim()],
+    )?;
+    Ok(m)
+}
+
+/// `… N more` after the first `limit` of `total` entries, or nothing.
+fn more(out: &mut impl Write, indent: &str, total: usize, limit: usize, what: &str) -> Result<()> {
+    if total > limit {
+        writeln!(out, "{indent}… {} more {what} (--all lists them)", total - limit)?;
+    }
+    Ok(())
 }
 
 fn human_bytes(n: usize) -> String {
@@ -151,103 +225,120 @@ fn vit_line(f: &VitFacts) -> String {
     )
 }
 
-fn print_text(ckpt: &Checkpoint, layout: &Layout, non_finite: &[NonFinite], check: Option<&ConfigCheck>) {
-    let w = ckpt
-        .tensors()
-        .iter()
-        .map(|t| t.name.len())
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    println!("{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape");
-    for t in ckpt.tensors() {
+fn print_text(
+    out: &mut impl Write,
+    limit: usize,
+    ckpt: &Checkpoint,
+    layout: &Layout,
+    non_finite: &[NonFinite],
+    check: Option<&ConfigCheck>,
+) -> Result<()> {
+    let shown = &ckpt.tensors()[..ckpt.tensors().len().min(limit)];
+    let w = shown.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
+    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
+    for t in shown {
         let shape = format!("{:?}", t.shape);
-        println!(
+        writeln!(
+            out,
             "{:<w$}  {:<5}  {:<20}  {}",
             t.name,
             t.dtype,
             shape,
             human_bytes(t.bytes)
-        );
+        )?;
     }
+    more(out, "", ckpt.tensors().len(), limit, "tensors")?;
     let dtypes: Vec<String> = dtype_counts(ckpt)
         .iter()
         .map(|(d, n)| format!("{n} {d}"))
         .collect();
-    println!(
+    writeln!(
+        out,
         "total: {} tensors ({}), {} parameters, {} of data, file {}",
         ckpt.tensors().len(),
         dtypes.join(", "),
         ckpt.total_params(),
         human_bytes(ckpt.tensors().iter().map(|t| t.bytes).sum()),
         human_bytes(ckpt.file_size()),
-    );
-    for (k, v) in ckpt.metadata() {
-        println!("metadata: {k} = {v}");
+    )?;
+    for (k, v) in ckpt.metadata().iter().take(limit) {
+        writeln!(out, "metadata: {k} = {v}")?;
     }
-    println!("layout: {}", layout.describe());
+    more(out, "metadata: ", ckpt.metadata().len(), limit, "entries")?;
+    writeln!(out, "layout: {}", layout.describe())?;
     match layout {
-        Layout::TimmVit(f) | Layout::HfVit(f) => println!("  {}", vit_line(f)),
-        Layout::Transformer(f) => println!(
+        Layout::TimmVit(f) | Layout::HfVit(f) => writeln!(out, "  {}", vit_line(f))?,
+        Layout::Transformer(f) => writeln!(
+            out,
             "  d_model {}, encoder layers {}, decoder layers {}, feed-forward {}, heads ? (not stored in the weights)",
             f.d_model,
             f.num_encoder_layers,
             f.num_decoder_layers,
             f.dim_feedforward.map_or("?".into(), |v| v.to_string())
-        ),
-        Layout::MultiheadAttention(f) => println!(
+        )?,
+        Layout::MultiheadAttention(f) => writeln!(
+            out,
             "  at '{}': embed_dim {}, kdim {}, vdim {}, bias {}, bias_kv {}, heads ? (not stored in the weights)",
             f.prefix, f.embed_dim, f.kdim, f.vdim, f.bias, f.add_bias_kv
-        ),
+        )?,
         Layout::Unknown => {}
     }
     if non_finite.is_empty() {
-        println!("values: all finite");
+        writeln!(out, "values: all finite")?;
     }
-    for n in non_finite {
-        println!("values: {} has {} NaN and {} Inf", n.name, n.nan, n.inf);
+    for n in non_finite.iter().take(limit) {
+        writeln!(out, "values: {} has {} NaN and {} Inf", n.name, n.nan, n.inf)?;
     }
+    more(out, "values: ", non_finite.len(), limit, "tensors with NaN/Inf")?;
     if let Some(c) = check {
         let whose = if c.beside {
             " (beside the file: a multihead model directory)"
         } else {
             ""
         };
-        println!("config: {} {}{whose}", c.kind, c.path.display());
+        writeln!(out, "config: {} {}{whose}", c.kind, c.path.display())?;
         let r = &c.report;
         if r.is_clean() {
-            println!("  every tensor matches");
+            writeln!(out, "  every tensor matches")?;
         }
-        for m in &r.missing {
-            println!("  missing     {} {:?}", m.name, m.shape);
+        for m in r.missing.iter().take(limit) {
+            writeln!(out, "  missing     {} {:?}", m.name, m.shape)?;
         }
-        for u in &r.unexpected {
-            println!("  unexpected  {u}");
+        more(out, "  ", r.missing.len(), limit, "missing")?;
+        for u in r.unexpected.iter().take(limit) {
+            writeln!(out, "  unexpected  {u}")?;
         }
-        for m in &r.misshaped {
-            println!(
+        more(out, "  ", r.unexpected.len(), limit, "unexpected")?;
+        for m in r.misshaped.iter().take(limit) {
+            writeln!(
+                out,
                 "  mis-shaped  {} expected {:?} found {:?}",
                 m.name, m.expected, m.found
-            );
+            )?;
         }
-        for n in &r.not_float {
-            println!("  not float   {} is {}", n.name, n.dtype);
+        more(out, "  ", r.misshaped.len(), limit, "mis-shaped")?;
+        for n in r.not_float.iter().take(limit) {
+            writeln!(out, "  not float   {} is {}", n.name, n.dtype)?;
         }
+        more(out, "  ", r.not_float.len(), limit, "not float")?;
     }
+    Ok(())
 }
 
 fn print_json(
+    out: &mut impl Write,
     ckpt: &Checkpoint,
     layout: &Layout,
     non_finite: &[NonFinite],
     check: Option<&ConfigCheck>,
+    config_note: Option<&str>,
 ) -> Result<()> {
     let metadata: BTreeMap<&str, &str> = ckpt
         .metadata()
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    let out = serde_json::json!({
+    let json = serde_json::json!({
         "file": ckpt.label(),
         "file_size": ckpt.file_size(),
         "num_tensors": ckpt.tensors().len(),
@@ -268,7 +359,10 @@ fn print_json(
             "misshaped": c.report.misshaped,
             "not_float": c.report.not_float,
         })),
+        "config_note": config_note,
     });
-    println!("{}", serde_json::to_string_pretty(&out)?);
+    // Formatted first: serde_json's writer errors hide the io::Error that
+    // tells a closed pipe from a real failure.
+    writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
     Ok(())
 }

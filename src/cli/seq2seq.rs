@@ -1,12 +1,12 @@
 //! `multihead seq2seq`: translate text with the shipped encoder–decoder
 //! (by default the date normaliser of `scripts/train_dates.py`).
 
-use std::io::BufRead;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
+use multihead_models::checkpoint::Checkpoint;
 use multihead_models::dates::{self, DateOrder, DateReading};
 use multihead_models::generation::{
     Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
@@ -18,13 +18,18 @@ use super::heatmap;
 /// Sources translated per forward pass.
 const BATCH: usize = 64;
 
+/// Largest `--beam`: each source decodes `beam` rows at once, and past a
+/// few dozen hypotheses a beam finds nothing greedy-ish decoding misses.
+const MAX_BEAM: usize = 64;
+
 /// Arguments of `multihead seq2seq`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Texts to translate, one output line each; without any, one input
     /// per line is read from standard input.
     pub inputs: Vec<String>,
-    /// Beam search with this many hypotheses (1: greedy decoding).
+    /// Beam search with this many hypotheses (1: greedy decoding; at
+    /// most 64).
     #[arg(long, default_value_t = 1)]
     pub beam: usize,
     /// Folder with model.safetensors, config.json and vocab.json.
@@ -132,8 +137,9 @@ impl Translator {
             let p = dir.join(name);
             std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
         };
-        let cfg = Seq2SeqConfig::from_json(&read("config.json")?)?;
-        let vocab = CharVocab::from_json(&read("vocab.json")?)?;
+        let at = |name: &str| format!("'{}'", dir.join(name).display());
+        let cfg = Seq2SeqConfig::from_json(&read("config.json")?).with_context(|| at("config.json"))?;
+        let vocab = CharVocab::from_json(&read("vocab.json")?).with_context(|| at("vocab.json"))?;
         if vocab.src.len() != cfg.src_vocab_size || vocab.tgt.len() != cfg.tgt_vocab_size {
             bail!(
                 "vocab.json has {} source and {} target entries but config.json says {} and {}",
@@ -143,10 +149,16 @@ impl Translator {
                 cfg.tgt_vocab_size
             )
         }
-        let path = dir.join("model.safetensors");
-        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        let vb = VarBuilder::from_buffered_safetensors(bytes, dtype, &device)?;
-        let model = Seq2Seq::new(&cfg, vb).with_context(|| format!("loading {}", path.display()))?;
+        // The checked path `vit` uses: header validated, the config's
+        // sizes bounded by what the file holds, then every missing,
+        // unexpected, mis-shaped and NaN/Inf tensor reported at once.
+        let ckpt = Checkpoint::read(&dir.join("model.safetensors"))?;
+        let config = dir.join("config.json");
+        ckpt.ensure_holds(&cfg.min_weights()?)
+            .with_context(|| format!("config '{}'", config.display()))?;
+        let model = ckpt
+            .load(dtype, &device, |vb| Seq2Seq::new(&cfg, vb))
+            .with_context(|| format!("with config '{}'", config.display()))?;
         Ok(Self { model, vocab, device })
     }
 
@@ -165,15 +177,15 @@ impl Translator {
         Ok(ids)
     }
 
-    /// Generates per `g` and prints one line per input (N with
-    /// --num-return); returns the messages of the inputs that could not be
-    /// read as a date.
-    fn generate_and_print(
+    /// Generates per `g`: for each source its output lines (N with
+    /// --num-return, each with its log-probability), or why it could not
+    /// be read as a date.
+    fn generate(
         &self,
         sources: &[Vec<u32>],
         beam: usize,
         g: &GenerationArgs,
-    ) -> Result<Vec<(usize, String)>> {
+    ) -> Result<Vec<std::result::Result<Vec<String>, String>>> {
         let decoding = if g.sample {
             Decoding::Sample { seed: g.seed }
         } else if beam > 1 || g.num_return > 1 {
@@ -205,23 +217,18 @@ impl Translator {
         processors.extend(temperature.as_ref().map(|p| p as &dyn LogitsProcessor));
         processors.extend(top_k.as_ref().map(|p| p as &dyn LogitsProcessor));
         processors.extend(top_p.as_ref().map(|p| p as &dyn LogitsProcessor));
-        let mut unreadable = Vec::new();
-        let mut i = 0;
+        let mut outputs = Vec::with_capacity(sources.len());
         for chunk in sources.chunks(BATCH) {
             let src = padded(chunk, self.model.config().pad_id, &self.device)?;
             for hyps in self.model.generate(&src, &cfg, &processors)? {
-                if let Some(msg) = self.print_outputs(&hyps, g) {
-                    unreadable.push((i, msg));
-                }
-                i += 1;
+                outputs.push(self.outputs(&hyps, g));
             }
         }
-        Ok(unreadable)
+        Ok(outputs)
     }
 
-    /// Prints one input's outputs; `Some(why)` when it is unreadable as a
-    /// date (an empty line keeps the output aligned with the inputs).
-    fn print_outputs(&self, hyps: &[Generated], g: &GenerationArgs) -> Option<String> {
+    /// One input's output lines, or why it is unreadable as a date.
+    fn outputs(&self, hyps: &[Generated], g: &GenerationArgs) -> std::result::Result<Vec<String>, String> {
         let mut kept: Vec<(String, f32)> = hyps
             .iter()
             .map(|h| (self.vocab.decode(&h.tokens), h.score))
@@ -233,17 +240,15 @@ impl Translator {
             match dates::read_date(hyps, &self.vocab, min_prob) {
                 DateReading::Date { .. } => {
                     // Every real date among the outputs, best first.
-                    let real: Vec<(String, f32)> = hyps
+                    kept = hyps
                         .iter()
                         .filter(|h| h.finished)
                         .map(|h| (self.vocab.decode(&h.tokens), h.score))
                         .filter(|(t, _)| dates::is_calendar_date(t))
                         .collect();
-                    kept = real;
                 }
                 DateReading::Unreadable { best } => {
-                    println!();
-                    return Some(match best {
+                    return Err(match best {
                         Some((text, p)) => format!(
                             "cannot read a date: the best real date, {text}, has probability {p:.3} (below --min-prob {})",
                             g.min_prob
@@ -253,14 +258,13 @@ impl Translator {
                 }
             }
         }
-        if g.num_return == 1 {
-            println!("{}", kept.first().map_or("", |(t, _)| t.as_str()));
+        Ok(if g.num_return == 1 {
+            vec![kept.first().map_or(String::new(), |(t, _)| t.clone())]
         } else {
-            for (text, score) in &kept {
-                println!("{text}\t{score:.4}");
-            }
-        }
-        None
+            kept.iter()
+                .map(|(text, score)| format!("{text}\t{score:.4}"))
+                .collect()
+        })
     }
 
     fn translate(&self, sources: &[Vec<u32>], beam: usize) -> Result<Vec<String>> {
@@ -292,6 +296,12 @@ fn preview(text: &str) -> String {
     }
 }
 
+/// The first line of a message (candle appends a backtrace to some when
+/// `RUST_BACKTRACE` is set).
+fn first_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().trim().to_string()
+}
+
 /// Right-pads rows of ids to a `(rows, max_len)` tensor.
 pub fn padded(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<Tensor> {
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
@@ -302,12 +312,28 @@ pub fn padded(rows: &[Vec<u32>], pad: u32, device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_vec(data, (rows.len(), n), device)?)
 }
 
-/// Runs the command.
-pub fn run(args: Args) -> Result<()> {
-    if args.beam == 0 {
-        bail!("--beam must be at least 1")
+/// Where an input came from, for messages: `input 2` (an argument) or
+/// `line 2` (standard input).
+fn input_label(from_stdin: bool, i: usize) -> String {
+    if from_stdin {
+        format!("line {}", i + 1)
+    } else {
+        format!("input {}", i + 1)
     }
-    let inputs: Vec<String> = if args.inputs.is_empty() {
+}
+
+/// Runs the command.
+///
+/// A batch goes on past a bad input: each one is reported on standard
+/// error (`line N: why`), gets an empty output line so outputs stay one per
+/// input, and the command exits 1 at the end. When no input can be
+/// translated, one error line says why and nothing is printed.
+pub fn run(args: Args) -> Result<()> {
+    if args.beam == 0 || args.beam > MAX_BEAM {
+        bail!("--beam must be in 1..={MAX_BEAM}, found {}", args.beam)
+    }
+    let from_stdin = args.inputs.is_empty();
+    let inputs: Vec<String> = if from_stdin {
         std::io::stdin()
             .lock()
             .lines()
@@ -344,40 +370,106 @@ pub fn run(args: Args) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let tr = Translator::load(&args.weights, device, dtype)?;
-    let sources = inputs
+    // Line endings and surrounding blanks are not part of a date.
+    let encoded: Vec<Result<Vec<u32>>> = inputs.iter().map(|text| tr.encode(text.trim(), order)).collect();
+    let good: Vec<Vec<u32>> = encoded.iter().filter_map(|e| e.as_ref().ok()).cloned().collect();
+    let bad: Vec<(usize, String)> = encoded
         .iter()
         .enumerate()
-        .map(|(i, text)| {
-            // Line endings and surrounding blanks are not part of a date.
-            tr.encode(text.trim(), order)
-                .with_context(|| format!("input {} ({:?})", i + 1, preview(text)))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let unreadable = if g.constraint == Constraint::None && !g.sample && g.num_return == 1 {
-        // The plain model output, as before the constraints existed.
-        for line in tr.translate(&sources, args.beam)? {
-            println!("{line}");
-        }
-        Vec::new()
-    } else {
-        tr.generate_and_print(&sources, args.beam, g)?
-    };
-    match unreadable.as_slice() {
-        [] => {}
-        [(i, msg)] if inputs.len() == 1 => bail!("input {} ({:?}): {msg}", i + 1, preview(&inputs[*i])),
-        all => {
-            for (i, msg) in all {
-                eprintln!("input {} ({:?}): {msg}", i + 1, preview(&inputs[*i]));
+        .filter_map(|(i, e)| e.as_ref().err().map(|e| (i, first_line(&format!("{e:#}")))))
+        .collect();
+    if good.is_empty() {
+        let (i, why) = &bad[0];
+        let more = if bad.len() > 1 {
+            format!(" (and {} more inputs, none translatable)", bad.len() - 1)
+        } else {
+            String::new()
+        };
+        bail!(
+            "{} ({:?}): {why}{more}",
+            input_label(from_stdin, *i),
+            preview(&inputs[*i])
+        )
+    }
+    for (i, why) in &bad {
+        eprintln!(
+            "{} ({:?}): {why}",
+            input_label(from_stdin, *i),
+            preview(&inputs[*i])
+        );
+    }
+    // One entry per good input: its output lines, or why it is unreadable.
+    let outputs: Vec<std::result::Result<Vec<String>, String>> =
+        if g.constraint == Constraint::None && !g.sample && g.num_return == 1 {
+            // The plain model output, as before the constraints existed.
+            tr.translate(&good, args.beam)?
+                .into_iter()
+                .map(|line| Ok(vec![line]))
+                .collect()
+        } else {
+            tr.generate(&good, args.beam, g)?
+        };
+    let mut outputs = outputs.into_iter();
+    let mut unreadable = Vec::new();
+    let mut out = std::io::stdout().lock();
+    for (i, e) in encoded.iter().enumerate() {
+        // A bad or unreadable input gets an empty line: output lines stay
+        // aligned with the inputs.
+        match (e, e.is_ok().then(|| outputs.next()).flatten()) {
+            (Ok(_), Some(Ok(lines))) => {
+                for line in lines {
+                    writeln!(out, "{line}")?;
+                }
             }
-            bail!(
-                "{} of {} inputs could not be read as a date",
-                all.len(),
-                inputs.len()
-            )
+            (Ok(_), Some(Err(why))) => {
+                writeln!(out)?;
+                unreadable.push((i, why));
+            }
+            _ => writeln!(out)?,
         }
     }
-    if let Some(path) = &args.attention_map {
-        write_attention_map(&tr, inputs[0].trim(), &sources[0], path)?;
+    out.flush()?;
+    match unreadable.as_slice() {
+        [] => {}
+        [(i, msg)] if inputs.len() == 1 => {
+            bail!(
+                "{} ({:?}): {msg}",
+                input_label(from_stdin, *i),
+                preview(&inputs[*i])
+            )
+        }
+        all => {
+            for (i, msg) in all {
+                eprintln!(
+                    "{} ({:?}): {msg}",
+                    input_label(from_stdin, *i),
+                    preview(&inputs[*i])
+                );
+            }
+        }
+    }
+    if let (Some(path), Some(Ok(src))) = (&args.attention_map, encoded.first()) {
+        write_attention_map(&tr, inputs[0].trim(), src, path)?;
+    }
+    if !bad.is_empty() || !unreadable.is_empty() {
+        let mut failed: Vec<usize> = bad.iter().chain(&unreadable).map(|(i, _)| *i).collect();
+        failed.sort_unstable();
+        let which: Vec<String> = failed.iter().take(10).map(|i| (i + 1).to_string()).collect();
+        // Inputs the model could not take, and outputs that are no date.
+        let what = if bad.is_empty() { "read as a date" } else { "translated" };
+        bail!(
+            "{} of {} inputs could not be {what} ({} {}{}; empty output lines in their place)",
+            failed.len(),
+            inputs.len(),
+            match (from_stdin, failed.len()) {
+                (true, 1) => "line",
+                (true, _) => "lines",
+                (false, 1) => "input",
+                (false, _) => "inputs",
+            },
+            which.join(", "),
+            if failed.len() > 10 { ", …" } else { "" }
+        )
     }
     Ok(())
 }

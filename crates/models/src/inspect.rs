@@ -130,7 +130,8 @@ impl<'a> Names<'a> {
             .filter_map(|t| t.name.strip_prefix(stem))
             .filter_map(|rest| rest.split('.').next()?.parse().ok())
             .collect();
-        idx.last().map_or(0, |n| n + 1)
+        // A hostile name (`blocks.18446744073709551615.x`) must not overflow.
+        idx.last().map_or(0, |n| n.saturating_add(1))
     }
 }
 
@@ -155,14 +156,15 @@ pub fn recognise(tensors: &[TensorInfo]) -> Layout {
 /// The image side for a position table of `len` entries over a square
 /// grid of `patch`-pixel patches with `prefix` tokens (or none).
 fn img_size(len: usize, prefix: usize, patch: usize) -> Option<usize> {
+    // Sizes come from a stranger's header: every product is checked.
     let square = |n: usize| {
         let g = (n as f64).sqrt().round() as usize;
-        (g * g == n && g > 0).then_some(g)
+        (g > 0 && g.checked_mul(g) == Some(n)).then_some(g)
     };
     len.checked_sub(prefix)
         .and_then(square)
         .or_else(|| square(len))
-        .map(|g| g * patch)
+        .and_then(|g| g.checked_mul(patch))
 }
 
 fn timm_vit(n: &Names) -> Option<VitFacts> {
@@ -170,7 +172,7 @@ fn timm_vit(n: &Names) -> Option<VitFacts> {
     let [d, c, p, _] = *w else { return None };
     let class_token = n.has("cls_token");
     let reg_tokens = n.dim("reg_token", 1).unwrap_or(0);
-    let prefix = usize::from(class_token) + reg_tokens;
+    let prefix = usize::from(class_token).saturating_add(reg_tokens);
     Some(VitFacts {
         naming: "timm".into(),
         embed_dim: d,
@@ -259,7 +261,7 @@ mod tests {
             name: name.into(),
             dtype: "F32".into(),
             shape: shape.to_vec(),
-            bytes: 4 * shape.iter().product::<usize>(),
+            bytes: shape.iter().fold(4usize, |n, &d| n.saturating_mul(d)),
         }
     }
 
@@ -304,5 +306,25 @@ mod tests {
             (32, 2, 1)
         );
         assert_eq!(recognise(&[t("x", &[1])]), Layout::Unknown);
+    }
+
+    /// Sizes from a hostile header: no product or sum may overflow (this
+    /// panicked in debug builds).
+    #[test]
+    fn hostile_sizes_do_not_overflow() {
+        let big = usize::MAX;
+        let timm = [
+            t("patch_embed.proj.weight", &[1, 1, big, 1]),
+            t("reg_token", &[1, big, 0]),
+            t("cls_token", &[1, 1, 1]),
+            t("pos_embed", &[1, big, 0]),
+            t(&format!("blocks.{big}.norm1.weight"), &[0]),
+        ];
+        let Layout::TimmVit(f) = recognise(&timm) else {
+            panic!("not timm")
+        };
+        assert_eq!((f.depth, f.img_size), (big, None));
+        assert_eq!(img_size(big, 0, 1), None);
+        assert_eq!(img_size(16, 0, big), None);
     }
 }

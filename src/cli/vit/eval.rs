@@ -1,6 +1,7 @@
 //! `multihead vit --eval DIR`: accuracy and confusion matrix on a
 //! class-per-subfolder directory.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -79,25 +80,28 @@ pub fn run(clf: &Classifier, dir: &Path) -> Result<()> {
     bar.finish_and_clear();
     let correct: usize = (0..n).map(|i| confusion[i][i]).sum();
     let total = images.len();
-    println!(
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
         "accuracy: {:.2}% ({correct}/{total}) on '{}'",
         100. * correct as f64 / total as f64,
         dir.display()
-    );
+    )?;
     let labels: Vec<String> = (0..n).map(|i| clf.cfg.label(i)).collect();
     let w = labels.iter().map(String::len).max().unwrap_or(1).max(4);
-    println!("confusion matrix (rows: true class, columns: predicted)");
-    print!("{:>w$} ", "");
+    writeln!(out, "confusion matrix (rows: true class, columns: predicted)")?;
+    write!(out, "{:>w$} ", "")?;
     for l in &labels {
-        print!(" {l:>w$}");
+        write!(out, " {l:>w$}")?;
     }
-    println!();
+    writeln!(out)?;
     for (l, row) in labels.iter().zip(&confusion) {
-        print!("{l:>w$} ");
+        write!(out, "{l:>w$} ")?;
         for c in row {
-            print!(" {c:>w$}");
+            write!(out, " {c:>w$}")?;
         }
-        println!();
+        writeln!(out)?;
     }
+    out.flush()?;
     Ok(())
 }

@@ -16,24 +16,18 @@ pub fn open_image(path: &Path) -> Result<DynamicImage> {
     )?)
 }
 
-/// The image's pixels as a `(channels, H, W)` u8 tensor: luma for one
-/// channel, RGB for three.
-pub fn pixels(img: &DynamicImage, channels: usize) -> Result<Tensor> {
-    let (w, h) = (img.width() as usize, img.height() as usize);
-    match channels {
-        1 => Ok(Tensor::from_vec(
-            img.to_luma8().into_raw(),
-            (1, h, w),
-            &Device::Cpu,
-        )?),
-        // (H, W, 3) -> (3, H, W)
-        3 => Ok(
-            Tensor::from_vec(img.to_rgb8().into_raw(), (h, w, 3), &Device::Cpu)?
-                .permute((2, 0, 1))?
-                .contiguous()?,
-        ),
-        c => bail!("images can be read as 1 or 3 channels, the model has {c}"),
-    }
+/// The image's pixels as a `(channels, H, W)` u8 tensor (luma for one
+/// channel, RGB for three), ready to be resized to `size` x `size`: a
+/// large image is block-averaged in 8 bits first
+/// ([`multihead::models::image_input::pixels_u8`]), so no full-size float
+/// copy of it is ever made.
+pub fn pixels(img: &DynamicImage, channels: usize, size: usize) -> Result<Tensor> {
+    let px = multihead::models::image_input::pixels_u8(img, channels, (size, size))?;
+    Ok(Tensor::from_vec(
+        px.data,
+        (px.channels, px.height, px.width),
+        &Device::Cpu,
+    )?)
 }
 
 /// Jet-like colours from blue (0) through cyan, yellow, to red (1).

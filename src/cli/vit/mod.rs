@@ -4,6 +4,7 @@
 mod eval;
 mod image_io;
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -14,6 +15,11 @@ use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer
 /// The shipped model, relative to the working directory or to the
 /// repository the binary was built from.
 const DEFAULT_MODEL_DIR: &str = "weights/vit-digits";
+
+/// Most patches `--image-size` may ask for beyond the config's own grid: a
+/// 64 x 64 grid. Time grows with the square of the patches, and an
+/// attention map keeps every layer's `(patches + 1)²` weights.
+const MAX_PATCHES: usize = 64 * 64;
 
 /// Where to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -67,7 +73,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
     dtype: DtypeArg,
     /// Side the images are resized to (default: the config's img_size);
-    /// another size resamples the position embedding.
+    /// another size resamples the position embedding. A multiple of the
+    /// patch size, at most 64 x 64 patches (or the config's grid, if larger).
     #[arg(long, value_name = "PIXELS")]
     image_size: Option<usize>,
     /// Evaluate on DIR/<class>/*.png|jpg: accuracy and confusion matrix.
@@ -105,13 +112,10 @@ impl Classifier {
         let json = std::fs::read_to_string(&config)
             .with_context(|| format!("reading config '{}'", config.display()))?;
         let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", config.display()))?;
-        let size = args.image_size.unwrap_or(cfg.img_size);
-        if size == 0 || !size.is_multiple_of(cfg.patch_size) {
-            bail!(
-                "image size {size} is not a multiple of the patch size {}",
-                cfg.patch_size
-            )
-        }
+        let size = match args.image_size {
+            Some(size) => checked_image_size(size, &cfg)?,
+            None => cfg.img_size,
+        };
         let device = match args.device {
             DeviceArg::Cpu => Device::Cpu,
             DeviceArg::Cuda => Device::new_cuda(0).context("--device cuda")?,
@@ -126,6 +130,9 @@ impl Classifier {
             bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
         }
         let ckpt = Checkpoint::read(&weights)?;
+        // Sizes the file cannot hold are refused before anything is built.
+        ckpt.ensure_holds(&cfg.min_weights()?)
+            .with_context(|| format!("config '{}'", config.display()))?;
         let vit = ckpt
             .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
             .with_context(|| format!("with config '{}'", config.display()))?;
@@ -141,7 +148,7 @@ impl Classifier {
     /// The model input for one image: `(in_chans, size, size)` on the
     /// device, in the model's dtype.
     pub fn input(&self, img: &image::DynamicImage) -> Result<Tensor> {
-        let px = image_io::pixels(img, self.cfg.in_chans)?;
+        let px = image_io::pixels(img, self.cfg.in_chans, self.size)?;
         let x = preprocess_to(&self.cfg, &px, (self.size, self.size))?;
         Ok(x.to_device(&self.device)?.to_dtype(self.dtype)?)
     }
@@ -151,6 +158,29 @@ impl Classifier {
         let x = Tensor::stack(inputs, 0)?;
         Ok(self.vit.probabilities(&x)?.to_device(&Device::Cpu)?)
     }
+}
+
+/// `--image-size`, checked: a positive multiple of the patch size, with at
+/// most [`MAX_PATCHES`] patches (or the config's own grid, if larger).
+fn checked_image_size(size: usize, cfg: &VitConfig) -> Result<usize> {
+    let p = cfg.patch_size;
+    if size < p {
+        bail!("--image-size must be at least the patch size {p}, found {size}")
+    }
+    if !size.is_multiple_of(p) {
+        bail!("--image-size {size} is not a multiple of the patch size {p}")
+    }
+    let grid = size / p;
+    let most = MAX_PATCHES.max(cfg.grid_size().saturating_mul(cfg.grid_size()));
+    if grid.checked_mul(grid).is_none_or(|n| n > most) {
+        let side = (most as f64).sqrt() as usize;
+        bail!(
+            "--image-size {size} is {grid}x{grid} patches of {p} pixels; at most {most} patches \
+             ({side}x{side}, --image-size {}) are allowed",
+            side * p
+        )
+    }
+    Ok(size)
 }
 
 fn default_model_dir() -> Result<PathBuf> {
@@ -221,6 +251,7 @@ pub fn run(args: Args) -> Result<()> {
         .max()
         .unwrap_or(1);
     let mut json = Vec::new();
+    let mut out = std::io::stdout().lock();
     for path in &paths {
         let img = image_io::open_image(path)?;
         let x = clf.input(&img)?;
@@ -231,9 +262,9 @@ pub fn run(args: Args) -> Result<()> {
         let best = top_k(&probs, k);
         match args.format {
             Format::Text => {
-                println!("{}", path.display());
+                writeln!(out, "{}", path.display())?;
                 for (c, p) in &best {
-                    println!("  {:<width$}  {:6.2}%", clf.cfg.label(*c), 100. * p);
+                    writeln!(out, "  {:<width$}  {:6.2}%", clf.cfg.label(*c), 100. * p)?;
                 }
             }
             Format::Json => json.push(serde_json::json!({
@@ -243,21 +274,22 @@ pub fn run(args: Args) -> Result<()> {
                 })).collect::<Vec<_>>(),
             })),
         }
-        if let Some(out) = &args.attention_map {
-            let out = if paths.len() == 1 {
-                out.clone()
+        if let Some(map) = &args.attention_map {
+            let map = if paths.len() == 1 {
+                map.clone()
             } else {
-                per_image_path(out, path)
+                per_image_path(map, path)
             };
-            write_attention_map(&clf, &img, &x, &out)?;
+            write_attention_map(&clf, &img, &x, &map)?;
             if args.format == Format::Text {
-                println!("  attention map: {}", out.display());
+                writeln!(out, "  attention map: {}", map.display())?;
             }
         }
     }
     if args.format == Format::Json {
-        println!("{}", serde_json::to_string_pretty(&json)?);
+        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
     }
+    out.flush()?;
     Ok(())
 }
 

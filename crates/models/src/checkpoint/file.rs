@@ -1,9 +1,12 @@
 //! A safetensors file read from an untrusted source: its header checked
 //! before any tensor is touched, every error naming the file.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
 
-use candle::{DType, Device, Result, Tensor};
+use candle::{Device, Result, Tensor};
+use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde::Serialize;
 
@@ -21,9 +24,13 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// Number of elements.
+    /// Number of elements (`usize::MAX` if the shape overflows, which a
+    /// validated header never has).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .unwrap_or(usize::MAX)
     }
 
     /// Whether the dtype is one a float weight may be stored in (and is
@@ -95,6 +102,12 @@ pub struct Checkpoint {
     label: String,
     bytes: Vec<u8>,
     tensors: Vec<TensorInfo>,
+    /// Per entry of `tensors`: its dtype and where its data lies in
+    /// `bytes`, so that a tensor is read without parsing the header again.
+    data: Vec<(Dtype, Range<usize>)>,
+    /// Name -> index into `tensors`: lookups stay O(1) for headers with
+    /// hundreds of thousands of entries.
+    index: HashMap<String, usize>,
     metadata: Vec<(String, String)>,
 }
 
@@ -116,34 +129,50 @@ impl Checkpoint {
     }
 
     /// Parses `bytes`; `label` names the file in errors.
+    ///
+    /// Linear in the number of tensors (after the sort by name): the
+    /// header is parsed once and every later lookup goes through an index.
     pub fn from_bytes(bytes: Vec<u8>, label: &str) -> Result<Self> {
-        let (tensors, metadata) = match SafeTensors::read_metadata(&bytes) {
-            Ok((_, meta)) => {
-                // `deserialize` also checks every tensor's byte range.
-                let st = SafeTensors::deserialize(&bytes).map_err(|e| bad_file(label, &e, bytes.len()))?;
-                let mut tensors: Vec<TensorInfo> = st
-                    .tensors()
-                    .into_iter()
-                    .map(|(name, view)| TensorInfo {
-                        name,
-                        dtype: dtype_name(view.dtype()),
-                        shape: view.shape().to_vec(),
-                        bytes: view.data().len(),
-                    })
-                    .collect();
-                tensors.sort_by(|a, b| natural_cmp(&a.name, &b.name));
-                let mut metadata: Vec<(String, String)> =
-                    meta.metadata().clone().unwrap_or_default().into_iter().collect();
-                metadata.sort();
-                (tensors, metadata)
-            }
+        // `deserialize` checks the header and every tensor's byte range.
+        let st = match SafeTensors::deserialize(&bytes) {
+            Ok(st) => st,
             Err(_) if looks_like_pickle(&bytes) => return Err(pickle_error(label)),
             Err(e) => return Err(bad_file(label, &e, bytes.len())),
         };
+        let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad_file(label, &e, bytes.len()))?;
+        let base = bytes.as_ptr() as usize;
+        let mut entries: Vec<(TensorInfo, (Dtype, Range<usize>))> = st
+            .iter()
+            .map(|(name, view)| {
+                // The view borrows `bytes`: its offset is where it starts.
+                let start = view.data().as_ptr() as usize - base;
+                let info = TensorInfo {
+                    name: name.to_string(),
+                    dtype: dtype_name(view.dtype()),
+                    shape: view.shape().to_vec(),
+                    bytes: view.data().len(),
+                };
+                (info, (view.dtype(), start..start + view.data().len()))
+            })
+            .collect();
+        drop(st);
+        // One key per name, not one per comparison.
+        entries.sort_by_cached_key(|(info, _)| natural_key(&info.name));
+        let (tensors, data): (Vec<TensorInfo>, Vec<_>) = entries.into_iter().unzip();
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        let mut metadata: Vec<(String, String)> =
+            meta.metadata().clone().unwrap_or_default().into_iter().collect();
+        metadata.sort();
         Ok(Self {
             label: label.to_string(),
             bytes,
             tensors,
+            data,
+            index,
             metadata,
         })
     }
@@ -165,7 +194,7 @@ impl Checkpoint {
 
     /// The tensor named `name`.
     pub fn info(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensors.iter().find(|t| t.name == name)
+        self.index.get(name).map(|&i| &self.tensors[i])
     }
 
     /// Size of the file in bytes.
@@ -173,40 +202,54 @@ impl Checkpoint {
         self.bytes.len()
     }
 
-    /// Total number of elements over all tensors.
+    /// Total number of elements over all tensors (saturating; a
+    /// validated file holds at most a few elements per byte).
     pub fn total_params(&self) -> usize {
-        self.tensors.iter().map(TensorInfo::numel).sum()
+        self.tensors
+            .iter()
+            .fold(0usize, |n, t| n.saturating_add(t.numel()))
     }
 
     /// Tensor `name` on `device` in its stored dtype.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let st =
-            SafeTensors::deserialize(&self.bytes).map_err(|e| bad_file(&self.label, &e, self.bytes.len()))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| candle::Error::Msg(format!("weights '{}': {e}", self.label)))?;
+        let (info, (dtype, range)) = self
+            .index
+            .get(name)
+            .map(|&i| (&self.tensors[i], &self.data[i]))
+            .ok_or_else(|| candle::Error::Msg(format!("weights '{}': no tensor '{name}'", self.label)))?;
+        // An empty tensor may have other dims whose product overflows
+        // (`[0, 2^40, 2^40]` is valid safetensors): candle's strides would.
+        if info
+            .shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none()
+        {
+            candle::bail!(
+                "weights '{}': tensor '{name}' has shape {:?}, whose strides overflow",
+                self.label,
+                info.shape
+            )
+        }
+        let view = TensorView::new(*dtype, info.shape.clone(), &self.bytes[range.clone()])
+            .map_err(|e| candle::Error::Msg(format!("weights '{}': tensor '{name}': {e}", self.label)))?;
         candle::safetensors::Load::load(&view, device)
     }
 
     /// The named float tensors holding NaN or infinity, with the counts:
-    /// `(name, nan, inf)`. Integer tensors are skipped.
+    /// `(name, nan, inf)`. Integer tensors and names not in the file are
+    /// skipped. Reads the stored bytes in place: no copy, no allocation
+    /// per tensor.
     pub fn non_finite<'a>(
         &self,
         names: impl IntoIterator<Item = &'a str>,
     ) -> Result<Vec<(String, usize, usize)>> {
         let mut bad = Vec::new();
         for name in names {
-            let Some(info) = self.info(name) else { continue };
-            if !info.is_float() || info.numel() == 0 {
-                continue;
-            }
-            let v: Vec<f32> = self
-                .tensor(name, &Device::Cpu)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?;
-            let nan = v.iter().filter(|x| x.is_nan()).count();
-            let inf = v.iter().filter(|x| x.is_infinite()).count();
+            let Some(&i) = self.index.get(name) else { continue };
+            let (dtype, range) = &self.data[i];
+            let (nan, inf) = count_non_finite(*dtype, &self.bytes[range.clone()]);
             if nan + inf > 0 {
                 bad.push((name.to_string(), nan, inf));
             }
@@ -231,15 +274,102 @@ fn dtype_name(d: Dtype) -> String {
     format!("{d:?}")
 }
 
-/// Orders `a.2.b` before `a.10.b`: digit runs compare as numbers.
-pub(crate) fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
-    fn parts(s: &str) -> Vec<(u8, u64, &str)> {
-        s.split('.')
-            .map(|p| match p.parse::<u64>() {
-                Ok(n) => (0, n, ""),
-                Err(_) => (1, 0, p),
-            })
-            .collect()
+/// `(NaN, ±Inf)` counts of little-endian float `data`; `(0, 0)` for
+/// dtypes that are not F64, F32, F16 or BF16.
+fn count_non_finite(dtype: Dtype, data: &[u8]) -> (usize, usize) {
+    // A float is non-finite when its exponent bits are all ones; NaN when
+    // its mantissa is then non-zero.
+    fn count<const N: usize>(data: &[u8], exp: u64, man: u64) -> (usize, usize) {
+        let (mut nan, mut inf) = (0, 0);
+        for c in data.chunks_exact(N) {
+            let mut b = [0u8; 8];
+            b[..N].copy_from_slice(c);
+            let bits = u64::from_le_bytes(b);
+            if bits & exp == exp {
+                if bits & man != 0 {
+                    nan += 1;
+                } else {
+                    inf += 1;
+                }
+            }
+        }
+        (nan, inf)
     }
-    parts(a).cmp(&parts(b))
+    match dtype {
+        Dtype::F64 => count::<8>(data, 0x7ff0_0000_0000_0000, 0x000f_ffff_ffff_ffff),
+        Dtype::F32 => count::<4>(data, 0x7f80_0000, 0x007f_ffff),
+        Dtype::F16 => count::<2>(data, 0x7c00, 0x03ff),
+        Dtype::BF16 => count::<2>(data, 0x7f80, 0x007f),
+        _ => (0, 0),
+    }
+}
+
+/// One dot-separated part of a name, for [`natural_key`].
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum NamePart {
+    /// Digits, compared as a number (before any text).
+    Number(u64),
+    /// Anything else, compared as text.
+    Text(String),
+}
+
+/// The key that orders `a.2.b` before `a.10.b`: digit runs compare as
+/// numbers.
+pub(crate) fn natural_key(s: &str) -> Vec<NamePart> {
+    s.split('.')
+        .map(|p| match p.parse::<u64>() {
+            Ok(n) => NamePart::Number(n),
+            Err(_) => NamePart::Text(p.to_string()),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_non_finite_in_every_float_dtype() {
+        let f32s: Vec<u8> = [1f32, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::F32, &f32s), (1, 2));
+        let f64s: Vec<u8> = [f64::NAN, 2.].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(count_non_finite(Dtype::F64, &f64s), (1, 0));
+        // f16: 0x7c00 = +Inf, 0x7e00 = NaN, 0x3c00 = 1.0.
+        let f16s: Vec<u8> = [0x7c00u16, 0x7e00, 0x3c00]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::F16, &f16s), (1, 1));
+        // bf16: 0xff80 = -Inf, 0x7fc0 = NaN, 0x3f80 = 1.0.
+        let bf16s: Vec<u8> = [0xff80u16, 0x7fc0, 0x3f80]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_non_finite(Dtype::BF16, &bf16s), (1, 1));
+        assert_eq!(count_non_finite(Dtype::I32, &f32s), (0, 0));
+    }
+
+    /// Valid safetensors, zero elements, but dims whose product overflows:
+    /// an error, not an overflow in candle's strides.
+    #[test]
+    fn empty_tensor_with_huge_dims() -> Result<()> {
+        let header = br#"{"e":{"dtype":"F32","shape":[0,1099511627776,1099511627776],"data_offsets":[0,0]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        let ckpt = Checkpoint::from_bytes(bytes, "e.safetensors")?;
+        assert_eq!(ckpt.total_params(), 0);
+        let err = ckpt.tensor("e", &Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("strides overflow"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn natural_order() {
+        let mut names = vec!["blocks.10.x", "blocks.2.x", "blocks.2", "a"];
+        names.sort_by_cached_key(|n| natural_key(n));
+        assert_eq!(names, ["a", "blocks.2", "blocks.2.x", "blocks.10.x"]);
+    }
 }

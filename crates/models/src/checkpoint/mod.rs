@@ -9,8 +9,12 @@
 //! assert!(err.to_string().contains("truncated"));
 //! ```
 
+mod capacity;
 mod file;
 mod preflight;
 
+pub use capacity::{checked_product, MinWeights, CAPACITY_SLACK};
 pub use file::{Checkpoint, TensorInfo};
-pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
+pub use preflight::{
+    wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, EXTRA_WANTED, SUMMARY_ITEMS,
+};

@@ -11,7 +11,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use serde::Serialize;
 
-use crate::checkpoint::file::{natural_cmp, Checkpoint};
+use crate::checkpoint::file::{natural_key, Checkpoint};
 
 /// A tensor a model asks for: its name and shape.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -27,16 +27,39 @@ pub struct Wanted {
 struct Recorder {
     present: HashSet<String>,
     wanted: Arc<Mutex<Vec<Wanted>>>,
+    /// Most requests answered: a config whose sizes the file cannot hold
+    /// (`depth: 300000`) stops here instead of recording millions.
+    limit: usize,
 }
 
 impl SimpleBackend for Recorder {
     fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
-        if let Ok(mut w) = self.wanted.lock() {
-            w.push(Wanted {
-                name: name.to_string(),
-                shape: s.dims().to_vec(),
-            });
+        if s.dims()
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none()
+        {
+            candle::bail!(
+                "the model asks for '{name}' of shape {:?}, whose size overflows: a size in its config is absurd",
+                s.dims()
+            )
         }
+        let mut w = self
+            .wanted
+            .lock()
+            .map_err(|_| candle::Error::Msg("preflight: recorder poisoned".into()))?;
+        if w.len() >= self.limit {
+            candle::bail!(
+                "the model asks for more than {} tensors but the file holds {}: a size in its config \
+                 (depth, layers, ...) is larger than this file can hold",
+                self.limit,
+                self.present.len()
+            )
+        }
+        w.push(Wanted {
+            name: name.to_string(),
+            shape: s.dims().to_vec(),
+        });
         Tensor::zeros(1, dtype, dev)?.broadcast_as(s)
     }
 
@@ -50,8 +73,18 @@ impl SimpleBackend for Recorder {
     }
 }
 
+/// How many more tensors than the file holds a model may ask for before
+/// [`wanted_tensors`] gives up: a config a few layers off still gets its
+/// full list of missing tensors.
+pub const EXTRA_WANTED: usize = 256;
+
 /// The tensors `build` asks for when it constructs its model, in order,
 /// each once. `present` answers `vb.contains_tensor`.
+///
+/// Stops with an error when the model asks for more than twice as many
+/// tensors as `present` holds, plus [`EXTRA_WANTED`], or for a shape whose
+/// size overflows: such a model cannot be in the file, and recording it
+/// would cost time and memory in proportion to the config, not the file.
 pub fn wanted_tensors<T>(
     present: &[&str],
     build: impl FnOnce(VarBuilder) -> Result<T>,
@@ -60,6 +93,7 @@ pub fn wanted_tensors<T>(
     let recorder = Recorder {
         present: present.iter().map(|s| s.to_string()).collect(),
         wanted: wanted.clone(),
+        limit: present.len().saturating_mul(2).saturating_add(EXTRA_WANTED),
     };
     build(VarBuilder::from_backend(
         Box::new(recorder),
@@ -108,6 +142,9 @@ pub struct NonFinite {
     pub inf: usize,
 }
 
+/// How many entries of each kind [`Preflight::summary`] names.
+pub const SUMMARY_ITEMS: usize = 20;
+
 /// A checkpoint compared with what a model needs.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Preflight {
@@ -155,7 +192,7 @@ impl Preflight {
             .filter(|t| !needed.contains(t.name.as_str()))
             .map(|t| t.name.clone())
             .collect();
-        report.missing.sort_by(|a, b| natural_cmp(&a.name, &b.name));
+        report.missing.sort_by_cached_key(|w| natural_key(&w.name));
         if scan_values && report.misshaped.is_empty() && report.not_float.is_empty() {
             report.non_finite = ckpt
                 .non_finite(wanted.iter().map(|w| w.name.as_str()))?
@@ -175,11 +212,15 @@ impl Preflight {
             && self.non_finite.is_empty()
     }
 
-    /// One line naming every problem, or `None` when clean.
+    /// One line naming every problem (the first [`SUMMARY_ITEMS`] of
+    /// each kind, and how many more), or `None` when clean.
     pub fn summary(&self) -> Option<String> {
         fn list<T>(out: &mut Vec<String>, what: &str, items: &[T], show: impl Fn(&T) -> String) {
             if !items.is_empty() {
-                let shown: Vec<String> = items.iter().map(show).collect();
+                let mut shown: Vec<String> = items.iter().take(SUMMARY_ITEMS).map(show).collect();
+                if items.len() > SUMMARY_ITEMS {
+                    shown.push(format!("and {} more", items.len() - SUMMARY_ITEMS));
+                }
                 out.push(format!("{} {what}: {}", items.len(), shown.join(", ")));
             }
         }

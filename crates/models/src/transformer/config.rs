@@ -5,6 +5,8 @@ use candle::{bail, Result, Tensor};
 use multihead_attention::{MhaConfig, SeqLayout};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::{checked_product, MinWeights};
+
 /// The feed-forward activation: PyTorch's `activation="relu"` or `"gelu"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -164,6 +166,45 @@ impl TransformerConfig {
         MhaConfig::new(self.d_model, self.nhead)
             .with_bias(self.bias)
             .with_dropout(self.dropout)
+    }
+
+    /// Adds the fewest weights an `nn.Transformer` of this config stores
+    /// (weight matrices only) to `m`, with checked arithmetic.
+    pub fn add_min_weights(&self, m: &mut MinWeights) -> Result<()> {
+        let (d, ff) = (self.d_model, self.dim_feedforward);
+        // Self-attention (4 d x d), feed-forward (2 d x ff); the decoder's
+        // cross-attention adds 4 d x d.
+        let layer = |attn: usize| {
+            checked_product(&[attn, d, d])
+                .zip(checked_product(&[2, d, ff]))
+                .and_then(|(a, b)| a.checked_add(b))
+        };
+        let (Some(enc), Some(dec)) = (layer(4), layer(8)) else {
+            bail!("TransformerConfig: one layer's weights overflow (d_model {d}, dim_feedforward {ff})")
+        };
+        m.add(
+            format!(
+                "encoder (num_encoder_layers {} x {enc} each)",
+                self.num_encoder_layers
+            ),
+            &[self.num_encoder_layers, enc],
+        )?;
+        m.add(
+            format!(
+                "decoder (num_decoder_layers {} x {dec} each)",
+                self.num_decoder_layers
+            ),
+            &[self.num_decoder_layers, dec],
+        )?;
+        Ok(())
+    }
+
+    /// The fewest weights a checkpoint of this config stores; see
+    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        let mut m = MinWeights::new("TransformerConfig");
+        self.add_min_weights(&mut m)?;
+        Ok(m)
     }
 
     /// Checks every value, naming the wrong one.

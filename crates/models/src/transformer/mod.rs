@@ -25,5 +25,5 @@ pub use config::{Activation, TransformerConfig};
 pub use layer::{TransformerDecoderLayer, TransformerEncoderLayer};
 pub use model::{FinalNorm, Transformer, TransformerDecoder, TransformerEncoder, TransformerMasks};
 pub use search::{Attended, Hypothesis, KvCache};
-pub use seq2seq::{sinusoidal_positions, Encoded, Seq2Seq, Seq2SeqConfig};
+pub use seq2seq::{sinusoidal_positions, Encoded, Seq2Seq, Seq2SeqConfig, MAX_COMPUTED_POSITIONS};
 pub use vocab::CharVocab;

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::cache::DecoderCache;
 use super::config::TransformerConfig;
 use super::model::Transformer;
+use crate::checkpoint::{checked_product, MinWeights};
 
 /// Architecture and special tokens of a [`Seq2Seq`] model; the
 /// `config.json` that `scripts/train_dates.py` writes.
@@ -55,6 +56,27 @@ impl Seq2SeqConfig {
         Ok(cfg)
     }
 
+    /// The fewest weights a checkpoint of this config stores (the
+    /// positional table is optional and not counted), with checked
+    /// arithmetic; see [`crate::checkpoint::Checkpoint::ensure_holds`].
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        let d = self.transformer.d_model;
+        let mut m = MinWeights::new("Seq2SeqConfig");
+        m.add(
+            format!("src_embed (src_vocab_size {} x d_model {d})", self.src_vocab_size),
+            &[self.src_vocab_size, d],
+        )?;
+        m.add(
+            format!(
+                "tgt_embed and generator (2 x tgt_vocab_size {} x d_model {d})",
+                self.tgt_vocab_size
+            ),
+            &[2, self.tgt_vocab_size, d],
+        )?;
+        self.transformer.add_min_weights(&mut m)?;
+        Ok(m)
+    }
+
     /// Checks every value, naming the wrong one.
     pub fn validate(&self) -> Result<()> {
         self.transformer.validate()?;
@@ -83,6 +105,13 @@ impl Seq2SeqConfig {
                 self.src_vocab_size
             )
         }
+        if checked_product(&[self.max_positions, self.transformer.d_model]).is_none() {
+            bail!(
+                "Seq2SeqConfig: max_positions ({}) x d_model ({}) overflows",
+                self.max_positions,
+                self.transformer.d_model
+            )
+        }
         if self.max_src_len == 0 || self.max_src_len > self.max_positions {
             bail!(
                 "Seq2SeqConfig: max_src_len ({}) must be in 1..=max_positions ({})",
@@ -101,10 +130,18 @@ impl Seq2SeqConfig {
     }
 }
 
+/// Most rows of a positional table [`Seq2Seq::new`] computes when the
+/// weights do not store `pos_encoding.pe` (a stored table is bounded by
+/// the file instead).
+pub const MAX_COMPUTED_POSITIONS: usize = 1 << 16;
+
 /// The sinusoidal table of "Attention Is All You Need" computed as
 /// `scripts/train_dates.py` does (in f32): `(max_len, d_model)`.
 pub fn sinusoidal_positions(max_len: usize, d_model: usize, device: &Device) -> Result<Tensor> {
-    let mut pe = vec![0f32; max_len * d_model];
+    let Some(n) = checked_product(&[max_len, d_model]) else {
+        bail!("sinusoidal_positions: {max_len} positions x {d_model} features overflows")
+    };
+    let mut pe = vec![0f32; n];
     for pos in 0..max_len {
         for i in (0..d_model).step_by(2) {
             // PyTorch multiplies the f32 `arange` by the scalar rounded to f32.
@@ -151,6 +188,12 @@ impl Seq2Seq {
         let d = cfg.transformer.d_model;
         let pe = if vb.contains_tensor("pos_encoding.pe") {
             vb.get((cfg.max_positions, d), "pos_encoding.pe")?
+        } else if cfg.max_positions > MAX_COMPUTED_POSITIONS {
+            bail!(
+                "Seq2Seq: max_positions ({}) is over {MAX_COMPUTED_POSITIONS} and the weights store no \
+                 pos_encoding.pe, so the table would be computed that large",
+                cfg.max_positions
+            )
         } else {
             sinusoidal_positions(cfg.max_positions, d, vb.device())?.to_dtype(vb.dtype())?
         };
@@ -183,10 +226,12 @@ impl Seq2Seq {
     /// `(batch, len, d_model)`.
     fn embed(&self, table: &Embedding, ids: &Tensor, offset: usize) -> Result<Tensor> {
         let (_, len) = ids.dims2()?;
-        if offset + len > self.cfg.max_positions {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.cfg.max_positions)
+        {
             bail!(
-                "Seq2Seq: positions {offset}..{} exceed the model's {} positions",
-                offset + len,
+                "Seq2Seq: {len} positions from {offset} exceed the model's {} positions",
                 self.cfg.max_positions
             )
         }

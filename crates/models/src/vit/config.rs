@@ -5,6 +5,7 @@
 use candle::{bail, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::{checked_product, MinWeights};
 use crate::vit::resample::Interpolation;
 
 /// Which names the checkpoint stores its tensors under.
@@ -235,6 +236,57 @@ impl VitConfig {
             .as_ref()
             .and_then(|l| l.get(i).cloned())
             .unwrap_or_else(|| i.to_string())
+    }
+
+    /// The fewest weights a checkpoint of this config stores (weight
+    /// matrices only, no biases or norms), computed with checked arithmetic
+    /// so that an absurd size is an error naming it; see
+    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        let d = self.embed_dim;
+        let p = self.patch_size;
+        let mut m = MinWeights::new("VitConfig");
+        m.add(
+            format!(
+                "patch_embed (embed_dim {d} x in_chans {} x patch_size {p}²)",
+                self.in_chans
+            ),
+            &[d, self.in_chans, p, p],
+        )?;
+        let grid = self.grid_size();
+        let prefix = if self.no_embed_class {
+            0
+        } else {
+            self.num_prefix_tokens()
+        };
+        let Some(len) = checked_product(&[grid, grid]).and_then(|n| n.checked_add(prefix)) else {
+            bail!(
+                "VitConfig: img_size {} over patch_size {p} gives a position table whose length overflows",
+                self.img_size
+            )
+        };
+        m.add(format!("pos_embed ({len} positions x embed_dim {d})"), &[len, d])?;
+        m.add(
+            format!("reg_token ({} x embed_dim {d})", self.reg_tokens),
+            &[self.reg_tokens, d],
+        )?;
+        // qkv (3d x d) and proj (d x d), fc1 and fc2 (hidden x d each).
+        let hidden = self.mlp_hidden_dim();
+        let Some(per_block) = checked_product(&[4, d, d])
+            .zip(checked_product(&[2, d, hidden]))
+            .and_then(|(a, b)| a.checked_add(b))
+        else {
+            bail!("VitConfig: one block's weights overflow (embed_dim {d}, MLP width {hidden})")
+        };
+        m.add(
+            format!("blocks (depth {} x {per_block} each)", self.depth),
+            &[self.depth, per_block],
+        )?;
+        m.add(
+            format!("head (num_classes {} x embed_dim {d})", self.num_classes),
+            &[self.num_classes, d],
+        )?;
+        Ok(m)
     }
 
     /// Checks every value, naming the wrong one.

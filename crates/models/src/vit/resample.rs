@@ -40,8 +40,13 @@ fn triangle(x: f64) -> f64 {
     (1. - x.abs()).max(0.)
 }
 
-/// The `(n_out, n_in)` matrix that resizes one axis.
+/// The `(n_out, n_in)` matrix that resizes one axis; empty when either
+/// size is 0 (there is nothing to take from or to fill).
 pub fn resize_weights(n_in: usize, n_out: usize, mode: Interpolation, antialias: bool) -> Vec<f32> {
+    // With no input pixel the border clamps below would index -1.
+    if n_in == 0 || n_out == 0 {
+        return Vec::new();
+    }
     let mut w = vec![0f64; n_out * n_in];
     let scale = n_in as f64 / n_out as f64;
     let last = n_in as i64 - 1;
@@ -137,6 +142,13 @@ pub fn resize(
     if (h, w) == (height, width) {
         return Ok(xs.clone());
     }
+    if h == 0 || w == 0 {
+        bail!("resize: the input is empty (shape {dims:?}): there is nothing to resize")
+    }
+    // The weight matrices are `(height, h)` and `(width, w)` on the host.
+    if height.checked_mul(h).zip(width.checked_mul(w)).is_none() {
+        bail!("resize: {h}x{w} to {height}x{width} overflows")
+    }
     let dtype = xs.dtype();
     let dev = xs.device();
     let wy = Tensor::from_vec(resize_weights(h, height, mode, antialias), (height, h), dev)?;
@@ -197,6 +209,28 @@ mod tests {
 
     fn rows_sum_to_one(w: &[f32], n_in: usize) -> bool {
         w.chunks(n_in).all(|r| (r.iter().sum::<f32>() - 1.).abs() < 1e-6)
+    }
+
+    /// Empty inputs are an error, not an index out of bounds.
+    #[test]
+    fn empty_inputs_are_refused() -> Result<()> {
+        let dev = Device::Cpu;
+        for shape in [(1, 0, 4), (1, 4, 0), (1, 0, 0)] {
+            let x = Tensor::zeros(shape, DType::F32, &dev)?;
+            for mode in [Interpolation::Bilinear, Interpolation::Bicubic] {
+                for aa in [false, true] {
+                    let err = resize(&x, (3, 3), mode, aa).unwrap_err().to_string();
+                    assert!(err.contains("empty"), "{shape:?} {mode:?} {aa}: {err}");
+                }
+            }
+        }
+        for mode in [Interpolation::Bilinear, Interpolation::Bicubic] {
+            for aa in [false, true] {
+                assert!(resize_weights(0, 3, mode, aa).is_empty());
+                assert!(resize_weights(3, 0, mode, aa).is_empty());
+            }
+        }
+        Ok(())
     }
 
     #[test]
