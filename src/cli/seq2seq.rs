@@ -456,7 +456,11 @@ pub fn run(args: Args) -> Result<()> {
         failed.sort_unstable();
         let which: Vec<String> = failed.iter().take(10).map(|i| (i + 1).to_string()).collect();
         // Inputs the model could not take, and outputs that are no date.
-        let what = if bad.is_empty() { "read as a date" } else { "translated" };
+        let what = if bad.is_empty() {
+            "read as a date"
+        } else {
+            "translated"
+        };
         bail!(
             "{} of {} inputs could not be {what} ({} {}{}; empty output lines in their place)",
             failed.len(),
