@@ -1,6 +1,8 @@
 //! `multihead inspect`, and bad input through the binary: one `error:`
 //! line, a non-zero exit, no panic, no backtrace even with RUST_BACKTRACE.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -29,23 +31,6 @@ fn multihead(args: &[&str]) -> Result<Output> {
 
 fn s(p: &Path) -> Result<&str> {
     p.to_str().context("path")
-}
-
-#[track_caller]
-fn assert_one_line_error(out: &Output, what: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "succeeded: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "not one line: {stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
-    for w in what {
-        assert!(lines[0].contains(w), "{stderr} does not mention {w:?}");
-    }
 }
 
 #[test]
@@ -89,7 +74,7 @@ fn inspect_lists_every_mismatch_against_a_config() -> Result<()> {
         "{stdout}"
     );
     assert!(stdout.contains("unexpected  head.weight"), "{stdout}");
-    assert_one_line_error(&out, &["does not fit config", "12 missing", "2 unexpected"]);
+    common::assert_one_line_error(&out, &["does not fit config", "12 missing", "2 unexpected"]);
     Ok(())
 }
 
@@ -99,12 +84,12 @@ fn inspect_a_truncated_file() -> Result<()> {
     let bytes = std::fs::read(model_dir().join("model.safetensors"))?;
     let path = dir.join("cut.safetensors");
     std::fs::write(&path, &bytes[..bytes.len() / 2])?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &multihead(&["inspect", s(&path)?])?,
         &["cut.safetensors", "do not end where the file ends"],
     );
     std::fs::write(&path, &bytes[..5])?;
-    assert_one_line_error(&multihead(&["inspect", s(&path)?])?, &["truncated"]);
+    common::assert_one_line_error(&multihead(&["inspect", s(&path)?])?, &["truncated"]);
     Ok(())
 }
 
@@ -113,7 +98,7 @@ fn inspect_refuses_a_pickle() -> Result<()> {
     let dir = scratch("pickle")?;
     let path = dir.join("pytorch_model.bin");
     std::fs::write(&path, b"\x80\x02}q\x00.")?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &multihead(&["inspect", s(&path)?])?,
         &["PyTorch pickle", "save_file"],
     );
@@ -122,7 +107,7 @@ fn inspect_refuses_a_pickle() -> Result<()> {
 
 #[test]
 fn inspect_a_missing_file() -> Result<()> {
-    assert_one_line_error(
+    common::assert_one_line_error(
         &multihead(&["inspect", "nope.safetensors"])?,
         &["reading weights 'nope.safetensors'"],
     );
@@ -146,7 +131,7 @@ fn poisoned_weights(dir: &Path, value: f32) -> Result<PathBuf> {
 fn vit_refuses_nan_weights() -> Result<()> {
     let dir = scratch("nan")?;
     let w = poisoned_weights(&dir, f32::NAN)?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &multihead(&["vit", "--weights", s(&w)?])?,
         &["do not match the model", "head.bias (1 NaN, 0 Inf)"],
     );
@@ -166,7 +151,7 @@ fn vit_refuses_a_decompression_bomb() -> Result<()> {
     png.extend_from_slice(&0u32.to_be_bytes()); // CRC (checked after the limits or not at all)
     let path = dir.join("bomb.png");
     std::fs::write(&path, &png)?;
-    assert_one_line_error(&multihead(&["vit", s(&path)?])?, &["bomb.png"]);
+    common::assert_one_line_error(&multihead(&["vit", s(&path)?])?, &["bomb.png"]);
     Ok(())
 }
 
@@ -175,6 +160,6 @@ fn vit_refuses_an_empty_image_file() -> Result<()> {
     let dir = scratch("empty")?;
     let path = dir.join("empty.png");
     std::fs::write(&path, b"")?;
-    assert_one_line_error(&multihead(&["vit", s(&path)?])?, &["empty.png", "empty file"]);
+    common::assert_one_line_error(&multihead(&["vit", s(&path)?])?, &["empty.png", "empty file"]);
     Ok(())
 }

@@ -6,6 +6,8 @@
 //! Every input is generated here (the largest, the 100,000-tensor header,
 //! is 6 MB and written to the target directory).
 
+mod common;
+
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -35,23 +37,6 @@ fn multihead(args: &[&str]) -> Result<Output> {
         .env("RUST_BACKTRACE", "1")
         .args(args)
         .output()?)
-}
-
-#[track_caller]
-fn assert_one_line_error(out: &Output, what: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "succeeded: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "not one line: {stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
-    for w in what {
-        assert!(lines[0].contains(w), "{stderr} does not mention {w:?}");
-    }
 }
 
 /// A safetensors file of `n` one-element F32 tensors named `t.0`, `t.1`, ...
@@ -121,10 +106,10 @@ fn a_config_deeper_than_its_file_is_refused_before_building() -> Result<()> {
     let w = deep_vit(&dir, 300_000)?;
     let cfg = dir.join("config.json");
     let out = multihead(&["vit", "--weights", s(&w)?])?;
-    assert_one_line_error(&out, &["depth 300000", "larger than this file can hold"]);
+    common::assert_one_line_error(&out, &["depth 300000", "larger than this file can hold"]);
     assert!(out.stderr.len() < 1000, "a long error line");
     let out = multihead(&["inspect", s(&w)?, "--config", s(&cfg)?])?;
-    assert_one_line_error(&out, &["depth 300000", "larger than this file can hold"]);
+    common::assert_one_line_error(&out, &["depth 300000", "larger than this file can hold"]);
     // Beside the file, the config is not used, and inspect says why.
     let out = multihead(&["inspect", s(&w)?])?;
     assert!(out.status.success());
@@ -135,7 +120,7 @@ fn a_config_deeper_than_its_file_is_refused_before_building() -> Result<()> {
     v["embed_dim"] = serde_json::json!(1u64 << 40);
     v["num_heads"] = serde_json::json!(1);
     std::fs::write(&cfg, v.to_string())?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &multihead(&["vit", "--weights", s(&w)?])?,
         &["embed_dim 1099511627776", "overflow"],
     );
@@ -177,7 +162,7 @@ fn seq2seq_refuses_nan_weights() -> Result<()> {
         },
     )?;
     let out = multihead(&["seq2seq", "--weights", s(&dir)?, "March 3, 2021"])?;
-    assert_one_line_error(&out, &["do not match the model", "generator.bias (1 NaN, 0 Inf)"]);
+    common::assert_one_line_error(&out, &["do not match the model", "generator.bias (1 NaN, 0 Inf)"]);
     assert!(out.stdout.is_empty());
     Ok(())
 }
@@ -190,7 +175,7 @@ fn seq2seq_refuses_absurd_max_positions() -> Result<()> {
     let huge = |c: &mut serde_json::Value| c["max_positions"] = serde_json::json!(1u64 << 62);
     dates_dir(&dir, huge, |_| Ok(()))?;
     let out = multihead(&["seq2seq", "--weights", s(&dir)?, "March 3, 2021"])?;
-    assert_one_line_error(&out, &["max_positions (4611686018427387904)", "overflows"]);
+    common::assert_one_line_error(&out, &["max_positions (4611686018427387904)", "overflows"]);
     // No stored table: a billion rows would be computed.
     let billion = |c: &mut serde_json::Value| c["max_positions"] = serde_json::json!(1_000_000_000);
     let no_pe = |t: &mut std::collections::HashMap<String, Tensor>| {
@@ -199,11 +184,11 @@ fn seq2seq_refuses_absurd_max_positions() -> Result<()> {
     };
     dates_dir(&dir, billion, no_pe)?;
     let out = multihead(&["seq2seq", "--weights", s(&dir)?, "March 3, 2021"])?;
-    assert_one_line_error(&out, &["max_positions (1000000000)", "pos_encoding.pe"]);
+    common::assert_one_line_error(&out, &["max_positions (1000000000)", "pos_encoding.pe"]);
     // Stored, but not that long: the table is mis-shaped.
     dates_dir(&dir, billion, |_| Ok(()))?;
     let out = multihead(&["seq2seq", "--weights", s(&dir)?, "March 3, 2021"])?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &out,
         &["pos_encoding.pe expected [1000000000, 64] found [64, 64]"],
     );
@@ -212,7 +197,7 @@ fn seq2seq_refuses_absurd_max_positions() -> Result<()> {
         |c: &mut serde_json::Value| c["transformer"]["num_encoder_layers"] = serde_json::json!(100_000);
     dates_dir(&dir, deep, |_| Ok(()))?;
     let out = multihead(&["seq2seq", "--weights", s(&dir)?, "March 3, 2021"])?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &out,
         &["num_encoder_layers 100000", "larger than this file can hold"],
     );
@@ -286,16 +271,16 @@ fn a_16384_pixel_png_is_reduced_in_8_bits() -> Result<()> {
 fn size_flags_have_bounds() -> Result<()> {
     let sample = repo("weights/vit-digits/samples/digit4_1221.png");
     let out = multihead(&["vit", s(&sample)?, "--image-size", "16384"])?;
-    assert_one_line_error(
+    common::assert_one_line_error(
         &out,
         &["--image-size 16384", "at most 4096 patches", "--image-size 256"],
     );
     let out = multihead(&["vit", s(&sample)?, "--image-size", "0"])?;
-    assert_one_line_error(&out, &["--image-size must be at least the patch size 4, found 0"]);
+    common::assert_one_line_error(&out, &["--image-size must be at least the patch size 4, found 0"]);
     let out = multihead(&["vit", s(&sample)?, "--image-size", "256"])?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = multihead(&["seq2seq", "--beam", "1000000000", "March 3, 2021"])?;
-    assert_one_line_error(&out, &["--beam must be in 1..=64"]);
+    common::assert_one_line_error(&out, &["--beam must be in 1..=64"]);
     Ok(())
 }
 

@@ -139,3 +139,22 @@ pub fn assert_err<T>(res: candle::Result<T>, needles: &[&str]) {
         assert!(msg.contains(n), "error {msg:?} does not mention {n:?}");
     }
 }
+
+/// Asserts a command failed with exactly one `error: ...` line on stderr
+/// (no panic, no backtrace) that mentions every one of `what`.
+#[track_caller]
+pub fn assert_one_line_error(out: &std::process::Output, what: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "succeeded: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "not one line: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    for w in what {
+        assert!(lines[0].contains(w), "{stderr} does not mention {w:?}");
+    }
+}
