@@ -25,7 +25,13 @@ use super::attention::SyncPtr;
 use super::isa::Isa;
 use super::simd;
 
-/// Inputs per slice of the reduction: a panel slice of `KC · 16` floats
+/// Output features per panel of the AVX2 layout (the transposed AVX-512
+/// layout pads only its bias to it).
+const NR: usize = 16;
+// The AVX2 kernel reads panels of its own width.
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(NR == super::avx2::NR);
+/// Inputs per slice of the reduction: a panel slice of `KC · NR` floats
 /// (16 KiB) stays in L1.
 const KC: usize = 256;
 /// Row groups and panels per work unit, at most: a unit reads each of its
@@ -85,16 +91,10 @@ impl PackedWeight {
         self.isa == Isa::Avx512
     }
 
-    /// Output features per panel of the AVX2 layout (the transposed
-    /// AVX-512 layout pads only its bias to it).
-    fn nr(_isa: Isa) -> usize {
-        16
-    }
-
     /// Packs `w`, `n` rows of `k` floats, and `bias` (`n` floats) for `isa`
     /// (from [`PackedWeight::isa`]); `n, k > 0`.
     pub(crate) fn new(w: &[f32], n: usize, k: usize, bias: Option<&[f32]>, isa: Isa) -> Self {
-        let mut b = vec![0f32; n.next_multiple_of(Self::nr(isa))];
+        let mut b = vec![0f32; n.next_multiple_of(NR)];
         if let Some(bias) = bias {
             b[..n].copy_from_slice(bias);
         }
@@ -116,7 +116,7 @@ impl PackedWeight {
                 isa,
             };
         }
-        let nr = Self::nr(isa);
+        let nr = NR;
         let np = n.div_ceil(nr) * nr;
         let mut data = vec![0f32; np * k + 16];
         let start = data.as_ptr().align_offset(64).min(16);
@@ -154,7 +154,7 @@ impl PackedWeight {
 
     /// The weight, `n` rows of `k` floats, and the bias.
     pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
-        let nr = Self::nr(self.isa);
+        let nr = NR;
         let mut w = vec![0f32; self.n * self.k];
         let bias = self.has_bias.then(|| self.bias[..self.n].to_vec());
         if self.transposed() {
@@ -180,7 +180,7 @@ impl PackedWeight {
         if self.transposed() {
             return lo < hi && hi <= self.n;
         }
-        let nr = Self::nr(self.isa);
+        let nr = NR;
         lo < hi && hi <= self.n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == self.n)
     }
 
@@ -198,7 +198,7 @@ impl PackedWeight {
         if self.transposed() {
             return self.forward_gemm(x, m, (lo, hi), epilogue);
         }
-        let nr = Self::nr(self.isa);
+        let nr = NR;
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let width = (p_hi - p_lo) * nr;
         #[cfg(target_arch = "x86_64")]
