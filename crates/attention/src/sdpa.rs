@@ -71,7 +71,8 @@ pub enum AttnPath {
 impl AttnPath {
     /// Why `self` cannot serve this call, if it cannot. `Auto` and
     /// `Reference` always can (the reference path serves every valid call).
-    fn refusal(self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, appended: usize) -> Option<String> {
+    fn refusal(self, call: &Call, mask: &Mask, appended: usize) -> Option<String> {
+        let Call { q, k, v, .. } = *call;
         let grads = q.track_op() || k.track_op() || v.track_op();
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
@@ -87,18 +88,38 @@ impl AttnPath {
                 "keys appended past the mask (add_bias_kv, add_zero_attn) need the reference or CPU path"
                     .into(),
             ),
-            AttnPath::FlashAttn => flash::refusal(q, k, v, mask),
-            AttnPath::MetalFused => metal::refusal(q, k, v, mask),
+            AttnPath::FlashAttn => flash::refusal(call, mask),
+            AttnPath::MetalFused => metal::refusal(call, mask),
         }
     }
 
     /// The path `Auto` takes for this call.
-    fn resolve(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, appended: usize) -> AttnPath {
+    fn resolve(call: &Call, mask: &Mask, appended: usize) -> AttnPath {
         [AttnPath::FlashAttn, AttnPath::MetalFused, AttnPath::CpuTiled]
             .into_iter()
-            .find(|p| p.refusal(q, k, v, mask, appended).is_none())
+            .find(|p| p.refusal(call, mask, appended).is_none())
             .unwrap_or(AttnPath::Reference)
     }
+}
+
+/// A call's q, k and v and their dims, checked once by [`check_qkv`]: the
+/// paths' refusals read the dims from here instead of re-reading shapes.
+#[derive(Clone, Copy)]
+pub(crate) struct Call<'a> {
+    pub(crate) q: &'a Tensor,
+    pub(crate) k: &'a Tensor,
+    pub(crate) v: &'a Tensor,
+    pub(crate) batch: usize,
+    pub(crate) heads: usize,
+    /// Read only by the Metal refusal.
+    #[cfg_attr(not(feature = "metal"), allow(dead_code))]
+    pub(crate) kv_heads: usize,
+    pub(crate) q_len: usize,
+    pub(crate) kv_len: usize,
+    pub(crate) head_dim: usize,
+    /// Read only by the flash-attn and Metal refusals.
+    #[cfg_attr(not(any(feature = "flash-attn", feature = "metal")), allow(dead_code))]
+    pub(crate) v_head_dim: usize,
 }
 
 /// [`scaled_dot_product_attention`] through a chosen [`AttnPath`]; an error
@@ -126,13 +147,13 @@ pub(crate) fn sdpa_dispatch(
     scale: Option<f64>,
     path: AttnPath,
 ) -> Result<Tensor> {
-    check_qkv(q, k, v)?;
-    let scale = check_scale(scale, q.dim(3)?)?;
-    if let Some(why) = path.refusal(q, k, v, mask, appended) {
+    let call = check_qkv(q, k, v)?;
+    let scale = check_scale(scale, call.head_dim)?;
+    if let Some(why) = path.refusal(&call, mask, appended) {
         bail!("sdpa: the {path:?} path cannot serve this call: {why}")
     }
     let path = match path {
-        AttnPath::Auto => AttnPath::resolve(q, k, v, mask, appended),
+        AttnPath::Auto => AttnPath::resolve(&call, mask, appended),
         p => p,
     };
     match path {
@@ -159,25 +180,15 @@ pub(crate) fn check_scale(scale: Option<f64>, head_dim: usize) -> Result<f64> {
 mod flash {
     use candle::{Result, Tensor};
 
+    use super::Call;
     use crate::mask::Mask;
 
     #[cfg(feature = "flash-attn")]
-    pub(super) fn refusal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Option<String> {
+    pub(super) fn refusal(call: &Call, mask: &Mask) -> Option<String> {
         use candle::DType;
-        // Fail closed: a shape that cannot be read is a refusal.
-        let (Ok((_, h, l, d)), Ok((_, kh, s, _)), Ok(dv)) = (q.dims4(), k.dims4(), v.dim(3)) else {
-            return Some(format!(
-                "needs 4-D q, k, v, found {:?}, {:?}, {:?}",
-                q.dims(),
-                k.dims(),
-                v.dims()
-            ));
-        };
+        let (q, l, s, d, dv) = (call.q, call.q_len, call.kv_len, call.head_dim, call.v_head_dim);
         if dv != d {
             return Some(format!("needs v's head_dim ({dv}) equal to q's ({d})"));
-        }
-        if kh == 0 || h % kh != 0 {
-            return Some(format!("needs q heads ({h}) a multiple of k/v heads ({kh})"));
         }
         if !q.device().is_cuda() {
             return Some("needs a CUDA device".into());
@@ -210,7 +221,7 @@ mod flash {
     }
 
     #[cfg(not(feature = "flash-attn"))]
-    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
+    pub(super) fn refusal(_: &Call, _: &Mask) -> Option<String> {
         Some("built without the `flash-attn` feature".into())
     }
 
@@ -224,19 +235,13 @@ mod flash {
 mod metal {
     use candle::{Result, Tensor};
 
+    use super::Call;
     use crate::mask::Mask;
 
     #[cfg(feature = "metal")]
-    pub(super) fn refusal(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Option<String> {
-        // Fail closed: a shape that cannot be read is a refusal.
-        let (Ok((_, h, l, d)), Ok((_, kh, s, _)), Ok(dv)) = (q.dims4(), k.dims4(), v.dim(3)) else {
-            return Some(format!(
-                "needs 4-D q, k, v, found {:?}, {:?}, {:?}",
-                q.dims(),
-                k.dims(),
-                v.dims()
-            ));
-        };
+    pub(super) fn refusal(call: &Call, mask: &Mask) -> Option<String> {
+        let (q, h, kh, l, s) = (call.q, call.heads, call.kv_heads, call.q_len, call.kv_len);
+        let (d, dv) = (call.head_dim, call.v_head_dim);
         if dv != d || kh != h {
             return Some(format!(
                 "needs v's head_dim ({dv}) equal to q's ({d}) and as many k/v heads ({kh}) as q heads ({h})"
@@ -265,7 +270,7 @@ mod metal {
     }
 
     #[cfg(not(feature = "metal"))]
-    pub(super) fn refusal(_: &Tensor, _: &Tensor, _: &Tensor, _: &Mask) -> Option<String> {
+    pub(super) fn refusal(_: &Call, _: &Mask) -> Option<String> {
         Some("built without the `metal` feature".into())
     }
 
@@ -284,14 +289,11 @@ pub fn scaled_dot_product_attention_with_weights(
     mask: &Mask,
     scale: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
-    check_qkv(q, k, v)?;
-    let scale = check_scale(scale, q.dim(3)?)?;
-    sdpa_reference(q, k, v, mask, 0, Some(scale), None)
+    sdpa_reference(q, k, v, mask, 0, scale, None)
 }
 
-/// The dims `(batch, heads, q_len, kv_len, kv_heads)` of a valid call, or an
-/// error that names the mismatch.
-pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+/// The dims of a valid call, or an error that names the mismatch.
+pub(crate) fn check_qkv<'a>(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor) -> Result<Call<'a>> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.rank() != 4 {
             bail!(
@@ -302,7 +304,7 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, us
     }
     let (b, h, l, d) = q.dims4()?;
     let (kb, kh, s, kd) = k.dims4()?;
-    let (vb, vh, vs, _) = v.dims4()?;
+    let (vb, vh, vs, dv) = v.dims4()?;
     if kb != b || vb != b {
         bail!("sdpa: batch sizes differ: q {b}, k {kb}, v {vb}")
     }
@@ -329,7 +331,18 @@ pub(crate) fn check_qkv(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, us
             v.dtype()
         )
     }
-    Ok((b, h, l, s, kh))
+    Ok(Call {
+        q,
+        k,
+        v,
+        batch: b,
+        heads: h,
+        kv_heads: kh,
+        q_len: l,
+        kv_len: s,
+        head_dim: d,
+        v_head_dim: dv,
+    })
 }
 
 /// Repeats each of `kv_heads` heads `heads / kv_heads` times along dim 1.
@@ -377,8 +390,15 @@ pub(crate) fn sdpa_reference(
     scale: Option<f64>,
     dropout: Option<f32>,
 ) -> Result<(Tensor, Tensor)> {
-    let (b, h, l, s, _) = check_qkv(q, k, v)?;
-    let scale = check_scale(scale, q.dim(3)?)?;
+    let Call {
+        batch: b,
+        heads: h,
+        q_len: l,
+        kv_len: s,
+        head_dim,
+        ..
+    } = check_qkv(q, k, v)?;
+    let scale = check_scale(scale, head_dim)?;
     let masked_len = s.saturating_sub(appended);
     let k = repeat_kv(k, h)?;
     let v = repeat_kv(v, h)?;
