@@ -178,21 +178,11 @@ impl Module for PackedLinear {
 
 #[cfg(test)]
 mod tests {
-    use candle::{Device, Module, Result, Tensor};
+    use candle::{Module, Result};
 
     use super::PackedLinear;
     use crate::cpu::isa::{force, supported, Isa};
-
-    fn randn(shape: &[usize]) -> Result<Tensor> {
-        Tensor::randn(0f32, 1., shape, &Device::Cpu)
-    }
-
-    /// Largest difference over the expected tensor's largest magnitude.
-    fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
-        Ok(diff / scale)
-    }
+    use crate::cpu::testing::{randn, rel_err};
 
     /// Packed for every instruction set the processor runs, the layer
     /// equals candle's `Linear` (and `gelu_erf` after it) on shapes off the

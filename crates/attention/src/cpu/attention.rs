@@ -483,12 +483,9 @@ mod tests {
     use candle::{Device, Result, Tensor};
 
     use super::{sdpa_cpu_with, Tiles};
+    use crate::cpu::testing::{randn, rel_err};
     use crate::mask::{AttnMask, Causal, KeyPaddingMask, Mask};
     use crate::sdpa::sdpa_reference;
-
-    fn randn(shape: &[usize]) -> Result<Tensor> {
-        Tensor::randn(0f32, 1., shape, &Device::Cpu)
-    }
 
     /// Every tile implementation the processor runs under the current ISA.
     fn runnable_tiles() -> Vec<Tiles> {
@@ -501,13 +498,6 @@ mod tests {
             tiles.push(Tiles::Avx512);
         }
         tiles
-    }
-
-    /// Largest difference over the reference's largest magnitude.
-    fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
-        Ok(diff / scale)
     }
 
     /// Every tile implementation this CPU runs, forced, equals the reference
