@@ -388,44 +388,50 @@ unsafe fn weighted_values_rows<const R: usize>(
     }
 }
 
-/// One key block of a row's online softmax: the new running max `m` takes
-/// the row's scores into account, the row becomes `e^(score - m)`, the sum
-/// `l` and the accumulator `acc` are rescaled to the new max and `l` gains
-/// the row's sum. All-hidden so far (`m` stays -inf): the row becomes 0.
+/// One key block of a row's online softmax ([`simd::online_softmax_block`])
+/// with 8-lane max and `exp`.
 ///
 /// # Safety
-/// AVX2+FMA; `row.len()` and `acc.len()` are multiples of 8.
+/// AVX2+FMA; `row.len()` is a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-    if m.is_nan() {
-        row.fill(0.);
-        return;
+    // SAFETY: this function's features; whole vectors of `row`.
+    simd::online_softmax_block(
+        row,
+        m,
+        l,
+        acc,
+        |r| unsafe { row_max(r) },
+        |r, mx| unsafe { exp_sub_sum(r, mx) },
+    );
+}
+
+/// The largest score of `row` (a multiple of 8 long); `max_ps` may skip a
+/// NaN (it returns its second operand when either is NaN).
+///
+/// # Safety
+/// AVX2+FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_max(row: &[f32]) -> f32 {
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    for j in (0..row.len()).step_by(8) {
+        // SAFETY: a whole vector inside `row`.
+        mx = _mm256_max_ps(mx, unsafe { _mm256_loadu_ps(row.as_ptr().add(j)) });
     }
-    let n = row.len();
-    let x = row.as_mut_ptr();
-    // SAFETY: (here and below) whole vectors inside `row` and `acc`.
+    hmax(mx)
+}
+
+/// `row[j] = e^(row[j] - max)` in place (a multiple of 8 long); the sum.
+///
+/// # Safety
+/// AVX2+FMA.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+    let (n, x) = (row.len(), row.as_mut_ptr());
+    let mv = _mm256_set1_ps(max);
+    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    // SAFETY: (here and below) whole vectors inside `row`.
     unsafe {
-        // `max_ps` may drop a NaN (it returns its second operand when
-        // either is NaN); a NaN score still shows in the sum below.
-        let mut mx = _mm256_set1_ps(*m);
-        for j in (0..n).step_by(8) {
-            mx = _mm256_max_ps(mx, _mm256_loadu_ps(x.add(j)));
-        }
-        let new_max = hmax(mx);
-        if new_max == f32::NEG_INFINITY {
-            if row.iter().any(|x| x.is_nan()) {
-                simd::poison(row, m, l, acc);
-            } else {
-                row.fill(0.);
-            }
-            return;
-        }
-        if new_max == f32::INFINITY {
-            simd::poison(row, m, l, acc);
-            return;
-        }
-        let mv = _mm256_set1_ps(new_max);
-        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         // Two vectors a step: the exp is one long dependency chain.
         let pairs = n / 16 * 16;
         for j in (0..pairs).step_by(16) {
@@ -441,23 +447,8 @@ unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f
             _mm256_storeu_ps(x.add(pairs), e);
             s0 = _mm256_add_ps(s0, e);
         }
-        let sum = hsum(_mm256_add_ps(s0, s1));
-        if sum.is_nan() {
-            simd::poison(row, m, l, acc);
-            return;
-        }
-        if *m != new_max {
-            let scale = simd::exp_nonpositive(*m - new_max);
-            let alpha = _mm256_set1_ps(scale);
-            *l *= scale;
-            let a = acc.as_mut_ptr();
-            for j in (0..acc.len()).step_by(8) {
-                _mm256_storeu_ps(a.add(j), _mm256_mul_ps(_mm256_loadu_ps(a.add(j)), alpha));
-            }
-        }
-        *l += sum;
-        *m = new_max;
     }
+    hsum(_mm256_add_ps(s0, s1))
 }
 
 #[target_feature(enable = "avx2,fma")]

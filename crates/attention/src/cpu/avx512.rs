@@ -180,42 +180,50 @@ unsafe fn weighted_values_rows<const R: usize>(
     }
 }
 
-/// `avx2::online_softmax` 16 lanes at a time: one key block of a row's
-/// online softmax (new running max, `e^(score - m)` in place, rescaled sum
-/// and accumulator; NaN rows poisoned as `simd::poison` says).
+/// One key block of a row's online softmax ([`super::simd::online_softmax_block`])
+/// with 16-lane max and `exp`.
 ///
 /// # Safety
-/// AVX-512F; `row.len()` and `acc.len()` are multiples of 16.
+/// AVX-512F; `row.len()` is a multiple of 16.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-    if m.is_nan() {
-        row.fill(0.);
-        return;
+    // SAFETY: this function's features; whole vectors of `row`.
+    super::simd::online_softmax_block(
+        row,
+        m,
+        l,
+        acc,
+        |r| unsafe { row_max(r) },
+        |r, mx| unsafe { exp_sub_sum(r, mx) },
+    );
+}
+
+/// The largest score of `row` (a multiple of 16 long); `max_ps` may skip a
+/// NaN.
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn row_max(row: &[f32]) -> f32 {
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    for j in (0..row.len()).step_by(16) {
+        // SAFETY: a whole vector inside `row`.
+        mx = _mm512_max_ps(mx, unsafe { _mm512_loadu_ps(row.as_ptr().add(j)) });
     }
-    let n = row.len();
-    let x = row.as_mut_ptr();
-    // SAFETY: (here and below) whole vectors inside `row` and `acc`.
+    _mm512_reduce_max_ps(mx)
+}
+
+/// `row[j] = e^(row[j] - max)` in place (a multiple of 16 long); the sum.
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+    let (n, x) = (row.len(), row.as_mut_ptr());
+    let mv = _mm512_set1_ps(max);
+    let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    // SAFETY: (here and below) whole vectors inside `row`.
     unsafe {
-        // `max_ps` may drop a NaN; a NaN score still shows in the sum.
-        let mut mx = _mm512_set1_ps(*m);
-        for j in (0..n).step_by(16) {
-            mx = _mm512_max_ps(mx, _mm512_loadu_ps(x.add(j)));
-        }
-        let new_max = _mm512_reduce_max_ps(mx);
-        if new_max == f32::NEG_INFINITY {
-            if row.iter().any(|x| x.is_nan()) {
-                super::simd::poison(row, m, l, acc);
-            } else {
-                row.fill(0.);
-            }
-            return;
-        }
-        if new_max == f32::INFINITY {
-            super::simd::poison(row, m, l, acc);
-            return;
-        }
-        let mv = _mm512_set1_ps(new_max);
-        let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         // Two vectors a step: the exp is one long dependency chain.
         let pairs = n / 32 * 32;
         for j in (0..pairs).step_by(32) {
@@ -231,23 +239,8 @@ pub(super) unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, a
             _mm512_storeu_ps(x.add(pairs), e);
             s0 = _mm512_add_ps(s0, e);
         }
-        let sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-        if sum.is_nan() {
-            super::simd::poison(row, m, l, acc);
-            return;
-        }
-        if *m != new_max {
-            let scale = super::simd::exp_nonpositive(*m - new_max);
-            let alpha = _mm512_set1_ps(scale);
-            *l *= scale;
-            let a = acc.as_mut_ptr();
-            for j in (0..acc.len()).step_by(16) {
-                _mm512_storeu_ps(a.add(j), _mm512_mul_ps(_mm512_loadu_ps(a.add(j)), alpha));
-            }
-        }
-        *l += sum;
-        *m = new_max;
     }
+    _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
 }
 
 /// `e^x` for `x <= 0` (and `-inf`), 16 lanes: `avx2::exp_nonpositive`'s

@@ -86,13 +86,27 @@ pub(crate) fn poison(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32])
     row.fill(0.);
 }
 
+/// One key block of a row's online softmax, the logic every instruction
+/// set shares: the new running max `m` takes the row's scores into account,
+/// the row becomes `e^(score - m)`, the sum `l` and the accumulator `acc`
+/// are rescaled to the new max and `l` gains the row's sum. A row with no
+/// visible key so far becomes 0; a NaN or `+inf` score poisons the row
+/// ([`poison`]). `max_of(row)` (which may skip NaN: a NaN score shows in the
+/// sum) and `exp_sub_sum(row, max)` (in place, returning the sum) are the
+/// caller's, vectorised for its instruction set.
 #[inline(always)]
-fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+pub(crate) fn online_softmax_block(
+    row: &mut [f32],
+    m: &mut f32,
+    l: &mut f32,
+    acc: &mut [f32],
+    max_of: impl FnOnce(&[f32]) -> f32,
+    exp_sub_sum: impl FnOnce(&mut [f32], f32) -> f32,
+) {
     if m.is_nan() {
         row.fill(0.);
         return;
     }
-    // `max_of` skips NaN; a NaN score shows in the sum below.
     let new_max = m.max(max_of(row));
     if new_max == f32::NEG_INFINITY {
         // Every key so far is hidden or scores -inf (weights 0), unless
@@ -122,6 +136,11 @@ fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut 
     }
     *l += sum;
     *m = new_max;
+}
+
+#[inline(always)]
+fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    online_softmax_block(row, m, l, acc, max_of, exp_sub_sum);
 }
 
 /// `row[j] += data[j]` where `data[j]` is not `-inf` (a hiding entry,
