@@ -17,12 +17,12 @@ pub fn open_image(path: &Path) -> Result<DynamicImage> {
 }
 
 /// The image's pixels as a `(channels, H, W)` u8 tensor (luma for one
-/// channel, RGB for three), ready to be resized to `size` x `size`: a
+/// channel, RGB for three), ready to be resized to `target`: a
 /// large image is block-averaged in 8 bits first
 /// ([`multihead::models::image_input::pixels_u8`]), so no full-size float
 /// copy of it is ever made.
-pub fn pixels(img: &DynamicImage, channels: usize, size: usize) -> Result<Tensor> {
-    let px = multihead::models::image_input::pixels_u8(img, channels, (size, size))?;
+pub fn pixels(img: &DynamicImage, channels: usize, target: (usize, usize)) -> Result<Tensor> {
+    let px = multihead::models::image_input::pixels_u8(img, channels, target)?;
     Ok(Tensor::from_vec(
         px.data,
         (px.channels, px.height, px.width),

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
-use multihead::models::checkpoint::Checkpoint;
-use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer, VitConfig};
+use multihead::models::vit::{
+    attention_rollout, decode_target, preprocess_to, ModelFolder, VisionTransformer, VitConfig,
+};
 
 /// The shipped model, relative to the working directory or to the
 /// repository the binary was built from.
@@ -55,12 +56,15 @@ pub struct Args {
     /// Images to classify (PNG or JPEG, any size; resized as the config
     /// says). Default: the shipped samples, weights/vit-digits/samples/.
     images: Vec<PathBuf>,
-    /// Weights, a safetensors file with timm or HF names. Default: the
-    /// shipped digits model, weights/vit-digits/model.safetensors.
-    #[arg(long, value_name = "FILE")]
+    /// A model folder as HF transformers (`save_pretrained`), timm
+    /// (`save_for_hf`) or multihead write them, or a weights file in one (a
+    /// .safetensors file or model.safetensors.index.json). The config.json
+    /// beside it says which. Default: the shipped digits model,
+    /// weights/vit-digits.
+    #[arg(long, value_name = "FOLDER|FILE")]
     weights: Option<PathBuf>,
-    /// Model config (VitConfig JSON). Default: config.json beside the
-    /// weights.
+    /// Model config (a VitConfig, HF or timm config.json). Default:
+    /// config.json beside the weights.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// How many classes to print per image.
@@ -92,6 +96,8 @@ pub struct Args {
 
 /// A loaded model and how to feed it.
 pub(crate) struct Classifier {
+    /// What was recognised in the folder, for the first line of output.
+    pub model: String,
     pub vit: VisionTransformer,
     pub cfg: VitConfig,
     pub device: Device,
@@ -105,13 +111,8 @@ impl Classifier {
             Some(w) => w.clone(),
             None => default_model_dir()?.join("model.safetensors"),
         };
-        let config = match &args.config {
-            Some(c) => c.clone(),
-            None => weights.with_file_name("config.json"),
-        };
-        let json = std::fs::read_to_string(&config)
-            .with_context(|| format!("reading config '{}'", config.display()))?;
-        let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", config.display()))?;
+        let folder = ModelFolder::open_with_config(&weights, args.config.as_deref())?;
+        let cfg = folder.config().clone();
         let size = match args.image_size {
             Some(size) => checked_image_size(size, &cfg)?,
             None => cfg.img_size,
@@ -129,14 +130,11 @@ impl Classifier {
         if dtype == DType::BF16 && device.is_cpu() {
             bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
         }
-        let ckpt = Checkpoint::read(&weights)?;
-        // Sizes the file cannot hold are refused before anything is built.
-        ckpt.ensure_holds(&cfg.min_weights()?)
-            .with_context(|| format!("config '{}'", config.display()))?;
-        let vit = ckpt
-            .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
-            .with_context(|| format!("with config '{}'", config.display()))?;
+        // Sizes the weights cannot hold are refused before anything is
+        // built; then every tensor is checked against the config.
+        let vit = folder.load(dtype, &device)?;
         Ok(Self {
+            model: folder.describe(),
             vit,
             cfg,
             device,
@@ -148,7 +146,9 @@ impl Classifier {
     /// The model input for one image: `(in_chans, size, size)` on the
     /// device, in the model's dtype.
     pub fn input(&self, img: &image::DynamicImage) -> Result<Tensor> {
-        let px = image_io::pixels(img, self.cfg.in_chans, self.size)?;
+        let (w, h) = (img.width() as usize, img.height() as usize);
+        let target = decode_target(&self.cfg, (h, w), (self.size, self.size))?;
+        let px = image_io::pixels(img, self.cfg.in_chans, target)?;
         let x = preprocess_to(&self.cfg, &px, (self.size, self.size))?;
         Ok(x.to_device(&self.device)?.to_dtype(self.dtype)?)
     }
@@ -252,6 +252,9 @@ pub fn run(args: Args) -> Result<()> {
         .unwrap_or(1);
     let mut json = Vec::new();
     let mut out = std::io::stdout().lock();
+    if args.weights.is_some() && args.format == Format::Text {
+        writeln!(out, "model: {}", clf.model)?;
+    }
     for path in &paths {
         let img = image_io::open_image(path)?;
         let x = clf.input(&img)?;

@@ -41,7 +41,7 @@ impl TensorInfo {
 }
 
 /// The one-line export a user can run on a pickle, for the error message.
-fn export_hint(path: &str) -> String {
+pub(crate) fn export_hint(path: &str) -> String {
     format!(
         "export it once with: python -c \"import torch; from safetensors.torch import save_file; \
          sd = torch.load('{path}', map_location='cpu', weights_only=True); \
@@ -49,7 +49,7 @@ fn export_hint(path: &str) -> String {
     )
 }
 
-fn pickle_error(label: &str) -> candle::Error {
+pub(crate) fn pickle_error(label: &str) -> candle::Error {
     candle::Error::Msg(format!(
         "'{label}' is a PyTorch pickle, not safetensors: loading a pickle can run arbitrary code, \
          so multihead does not read them; {}",
@@ -260,6 +260,21 @@ impl Checkpoint {
     /// The raw file, for a `VarBuilder`.
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
+    }
+
+    /// Every tensor as a view of the stored bytes, in natural name order.
+    pub(crate) fn views(&self) -> Result<Vec<(&str, TensorView<'_>)>> {
+        self.tensors
+            .iter()
+            .zip(&self.data)
+            .map(|(info, (dtype, range))| {
+                let view =
+                    TensorView::new(*dtype, info.shape.clone(), &self.bytes[range.clone()]).map_err(|e| {
+                        candle::Error::Msg(format!("weights '{}': tensor '{}': {e}", self.label, info.name))
+                    })?;
+                Ok((info.name.as_str(), view))
+            })
+            .collect()
     }
 }
 

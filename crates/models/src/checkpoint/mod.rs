@@ -10,11 +10,13 @@
 //! ```
 
 mod capacity;
-mod file;
+pub(crate) mod file;
 mod preflight;
+mod shards;
 
 pub use capacity::{checked_product, MinWeights, CAPACITY_SLACK};
 pub use file::{Checkpoint, TensorInfo};
 pub use preflight::{
     wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, EXTRA_WANTED, SUMMARY_ITEMS,
 };
+pub use shards::{read_index, MAX_SHARDS};

@@ -31,7 +31,7 @@ impl BlockNames {
             },
             // HF `ViTLayer`: `layernorm_before`, `attention`,
             // `layernorm_after`, `intermediate.dense`, `output.dense`.
-            Naming::Hf => Self {
+            Naming::Hf | Naming::HfDeit => Self {
                 norm1: "layernorm_before",
                 attn: "attention",
                 norm2: "layernorm_after",
@@ -130,7 +130,7 @@ impl Block {
         mha_cfg.qk_norm_eps = cfg.layer_norm_eps;
         let layout = match cfg.naming {
             Naming::Timm => WeightLayout::timm(),
-            Naming::Hf => WeightLayout::hf_vit(),
+            Naming::Hf | Naming::HfDeit => WeightLayout::hf_vit(),
         };
         let ls = |name: &str| -> Result<Option<LayerScale>> {
             cfg.init_values

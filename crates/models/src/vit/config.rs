@@ -6,6 +6,7 @@ use candle::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{checked_product, MinWeights};
+use crate::vit::preprocess::{ImageResize, Resampler};
 use crate::vit::resample::Interpolation;
 
 /// Which names the checkpoint stores its tensors under.
@@ -20,6 +21,12 @@ pub enum Naming {
     /// HF transformers `ViTForImageClassification`: `vit.embeddings.*`,
     /// `vit.encoder.layer.N.*`, `vit.layernorm`, `classifier`.
     Hf,
+    /// HF transformers `DeiTForImageClassification` and
+    /// `DeiTForImageClassificationWithTeacher`: `deit.embeddings.*` (with
+    /// `distillation_token`), `deit.encoder.layer.N.*` (named as HF ViT's),
+    /// `deit.layernorm`, and `classifier` or, with `head_dist`,
+    /// `cls_classifier` and `distillation_classifier`.
+    HfDeit,
 }
 
 /// How the encoder's tokens become one feature vector for the head.
@@ -76,6 +83,16 @@ pub struct VitConfig {
     /// Whether a class token is prepended.
     #[serde(default = "default_true")]
     pub class_token: bool,
+    /// A distillation token after the class token (DeiT: timm
+    /// `VisionTransformerDistilled`'s `dist_token`, HF's
+    /// `distillation_token`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dist_token: bool,
+    /// A second head, on the distillation token, whose logits are averaged
+    /// with the class token's head: timm's `head_dist` in eval mode, HF's
+    /// `DeiTForImageClassificationWithTeacher`. Needs `dist_token`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub head_dist: bool,
     /// Number of register tokens after the class token (timm `reg_tokens`).
     #[serde(default)]
     pub reg_tokens: usize,
@@ -106,6 +123,15 @@ pub struct VitConfig {
     /// torchvision's `Resize` on tensors with `antialias=True`).
     #[serde(default = "default_image_interpolation")]
     pub image_interpolation: Interpolation,
+    /// How images are brought to the input size: squashed (the default),
+    /// or resized and centre-cropped as timm's eval transform or HF's DeiT
+    /// processor do.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub image_resize: ImageResize,
+    /// PyTorch's float resampler (the default) or PIL's 8-bit one, as the
+    /// checkpoint's preprocessing ran.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub image_resampler: Resampler,
     /// Class names, one per class; printed instead of indices when present.
     #[serde(default)]
     pub labels: Option<Vec<String>>,
@@ -147,6 +173,12 @@ fn default_half() -> Vec<f32> {
 fn default_image_interpolation() -> Interpolation {
     Interpolation::Bicubic
 }
+fn is_false(b: &bool) -> bool {
+    !b
+}
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
 
 impl VitConfig {
     /// A config with timm's defaults around the given architecture sizes.
@@ -164,6 +196,8 @@ impl VitConfig {
             qk_norm: false,
             init_values: None,
             class_token: true,
+            dist_token: false,
+            head_dist: false,
             reg_tokens: 0,
             no_embed_class: false,
             global_pool: GlobalPool::Token,
@@ -173,6 +207,8 @@ impl VitConfig {
             image_mean: default_half(),
             image_std: default_half(),
             image_interpolation: default_image_interpolation(),
+            image_resize: ImageResize::Squash,
+            image_resampler: Resampler::Torch,
             labels: None,
             hydra_layers: Vec::new(),
         }
@@ -211,9 +247,10 @@ impl VitConfig {
         self.img_size / self.patch_size.max(1)
     }
 
-    /// Class and register tokens in front of the patch tokens.
+    /// Class, distillation and register tokens in front of the patch
+    /// tokens.
     pub fn num_prefix_tokens(&self) -> usize {
-        usize::from(self.class_token) + self.reg_tokens
+        usize::from(self.class_token) + usize::from(self.dist_token) + self.reg_tokens
     }
 
     /// Whether the final norm runs after pooling, resolving timm's default.
@@ -282,9 +319,13 @@ impl VitConfig {
             format!("blocks (depth {} x {per_block} each)", self.depth),
             &[self.depth, per_block],
         )?;
+        let heads = 1 + usize::from(self.head_dist);
         m.add(
-            format!("head (num_classes {} x embed_dim {d})", self.num_classes),
-            &[self.num_classes, d],
+            format!(
+                "head (num_classes {} x embed_dim {d}, {heads} heads)",
+                self.num_classes
+            ),
+            &[heads, self.num_classes, d],
         )?;
         Ok(m)
     }
@@ -337,6 +378,8 @@ impl VitConfig {
         if self.global_pool == GlobalPool::Token && !self.class_token {
             bail!("VitConfig: global_pool 'token' needs class_token = true")
         }
+        self.validate_distillation()?;
+        self.validate_image_resize()?;
         for (name, v) in [("image_mean", &self.image_mean), ("image_std", &self.image_std)] {
             if v.len() != self.in_chans {
                 bail!(
@@ -368,7 +411,7 @@ impl VitConfig {
             // Hydra blocks load timm's fused qkv/proj and have no q/k norm.
             bail!("VitConfig: hydra_layers needs naming 'timm' and qk_norm = false")
         }
-        if self.naming == Naming::Hf {
+        if matches!(self.naming, Naming::Hf | Naming::HfDeit) {
             // HF's ViTForImageClassification has none of these; a config that
             // asks for them cannot describe an HF checkpoint.
             let unsupported = [
@@ -381,7 +424,76 @@ impl VitConfig {
                 ("class_token = false", !self.class_token),
             ];
             if let Some((name, _)) = unsupported.iter().find(|(_, on)| *on) {
-                bail!("VitConfig: naming 'hf' (ViTForImageClassification) does not support {name}")
+                bail!("VitConfig: naming 'hf' / 'hf_deit' (HF ViT and DeiT) does not support {name}")
+            }
+        }
+        match (self.naming, self.dist_token) {
+            (Naming::HfDeit, false) => {
+                bail!("VitConfig: naming 'hf_deit' needs dist_token = true (HF's DeiT always has one)")
+            }
+            (Naming::Hf, true) => {
+                bail!("VitConfig: naming 'hf' (ViTForImageClassification) has no distillation token; use 'hf_deit'")
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// DeiT's distillation token and second head.
+    fn validate_distillation(&self) -> Result<()> {
+        if self.head_dist && !self.dist_token {
+            bail!("VitConfig: head_dist needs dist_token = true")
+        }
+        if self.dist_token {
+            let clash = [
+                ("class_token = false", !self.class_token),
+                ("reg_tokens", self.reg_tokens > 0),
+                ("no_embed_class", self.no_embed_class),
+                ("global_pool 'avg'", self.global_pool == GlobalPool::Avg),
+                ("hydra_layers", !self.hydra_layers.is_empty()),
+            ];
+            if let Some((name, _)) = clash.iter().find(|(_, on)| *on) {
+                bail!("VitConfig: dist_token (DeiT distillation) does not combine with {name}")
+            }
+        }
+        Ok(())
+    }
+
+    /// The resize before the centre crop must cover the input.
+    fn validate_image_resize(&self) -> Result<()> {
+        match self.image_resize {
+            ImageResize::Squash => {}
+            ImageResize::ShortSideCrop { short_side } => {
+                if short_side < self.img_size {
+                    bail!(
+                        "VitConfig: image_resize short_side ({short_side}) must be at least img_size ({}): \
+                         the centre crop would not fit (timm crop_pct > 1)",
+                        self.img_size
+                    )
+                }
+            }
+            ImageResize::SquashCrop { height, width } => {
+                if height < self.img_size || width < self.img_size {
+                    bail!(
+                        "VitConfig: image_resize {height}x{width} must be at least img_size ({}) on each side \
+                         for the centre crop",
+                        self.img_size
+                    )
+                }
+            }
+        }
+        // The crop sizes scale with the input; bound them like the input.
+        let most = 1 << 16;
+        if let ImageResize::ShortSideCrop { short_side: n } | ImageResize::SquashCrop { height: n, .. } =
+            self.image_resize
+        {
+            if n > most {
+                bail!("VitConfig: image_resize size {n} is over {most} pixels")
+            }
+        }
+        if let ImageResize::SquashCrop { width, .. } = self.image_resize {
+            if width > most {
+                bail!("VitConfig: image_resize width {width} is over {most} pixels")
             }
         }
         Ok(())

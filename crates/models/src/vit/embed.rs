@@ -29,7 +29,7 @@ impl PatchEmbed {
     pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
         let name = match cfg.naming {
             Naming::Timm => "proj",
-            Naming::Hf => "projection",
+            Naming::Hf | Naming::HfDeit => "projection",
         };
         let (d, c, p) = (cfg.embed_dim, cfg.in_chans, cfg.patch_size);
         // As candle_nn::conv2d initialises them.

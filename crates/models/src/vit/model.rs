@@ -15,30 +15,47 @@ use multihead_attention::{LayerNorm, PackedLinear};
 struct ModelNames {
     patch_embed: &'static str,
     cls_token: &'static str,
+    dist_token: &'static str,
     pos_embed: &'static str,
     blocks: &'static str,
     norm: &'static str,
     head: &'static str,
+    head_dist: &'static str,
 }
 
 impl ModelNames {
-    fn of(naming: Naming) -> Self {
+    fn of(naming: Naming, head_dist: bool) -> Self {
         match naming {
             Naming::Timm => Self {
                 patch_embed: "patch_embed",
                 cls_token: "cls_token",
+                dist_token: "dist_token",
                 pos_embed: "pos_embed",
                 blocks: "blocks",
                 norm: "norm",
                 head: "head",
+                head_dist: "head_dist",
             },
             Naming::Hf => Self {
                 patch_embed: "vit.embeddings.patch_embeddings",
                 cls_token: "vit.embeddings.cls_token",
+                dist_token: "vit.embeddings.distillation_token",
                 pos_embed: "vit.embeddings.position_embeddings",
                 blocks: "vit.encoder.layer",
                 norm: "vit.layernorm",
                 head: "classifier",
+                head_dist: "distillation_classifier",
+            },
+            // `DeiTForImageClassificationWithTeacher` renames its first head.
+            Naming::HfDeit => Self {
+                patch_embed: "deit.embeddings.patch_embeddings",
+                cls_token: "deit.embeddings.cls_token",
+                dist_token: "deit.embeddings.distillation_token",
+                pos_embed: "deit.embeddings.position_embeddings",
+                blocks: "deit.encoder.layer",
+                norm: "deit.layernorm",
+                head: if head_dist { "cls_classifier" } else { "classifier" },
+                head_dist: "distillation_classifier",
             },
         }
     }
@@ -62,15 +79,20 @@ pub struct VitOutput {
 ///
 /// Port of timm's `VisionTransformer`
 /// (`timm/models/vision_transformer.py`); also loads HF transformers'
-/// `ViTForImageClassification` (`Naming::Hf`). Inputs of another size than
-/// `img_size` get a resampled position embedding, as timm does with
-/// `dynamic_img_size=True`.
+/// `ViTForImageClassification` (`Naming::Hf`) and DeiT: timm's
+/// `VisionTransformerDistilled` (`timm/models/deit.py`) and HF's
+/// `DeiTForImageClassification[WithTeacher]` (`Naming::HfDeit`), with the
+/// distillation token and the second head averaged in. Inputs of another
+/// size than `img_size` get a resampled position embedding, as timm does
+/// with `dynamic_img_size=True`.
 #[derive(Debug, Clone)]
 pub struct VisionTransformer {
     cfg: VitConfig,
     patch_embed: PatchEmbed,
     /// `(1, 1, D)`.
     cls_token: Option<Tensor>,
+    /// `(1, 1, D)`, DeiT's distillation token.
+    dist_token: Option<Tensor>,
     /// `(1, reg_tokens, D)`.
     reg_token: Option<Tensor>,
     /// `(1, [prefix +] grid², D)`.
@@ -81,6 +103,8 @@ pub struct VisionTransformer {
     /// After pooling.
     fc_norm: Option<LayerNorm>,
     head: Option<PackedLinear>,
+    /// DeiT's head on the distillation token.
+    head_dist: Option<PackedLinear>,
 }
 
 impl VisionTransformer {
@@ -88,7 +112,7 @@ impl VisionTransformer {
     /// initialises it when `vb` is backed by a `VarMap`.
     pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let names = ModelNames::of(cfg.naming);
+        let names = ModelNames::of(cfg.naming, cfg.head_dist);
         let d = cfg.embed_dim;
         let patch_embed = PatchEmbed::new(cfg, vb.pp(names.patch_embed))?;
         let cls_token = cfg
@@ -97,6 +121,19 @@ impl VisionTransformer {
                 vb.get_with_hints(
                     (1, 1, d),
                     names.cls_token,
+                    Init::Randn {
+                        mean: 0.,
+                        stdev: 1e-6,
+                    },
+                )
+            })
+            .transpose()?;
+        let dist_token = cfg
+            .dist_token
+            .then(|| {
+                vb.get_with_hints(
+                    (1, 1, d),
+                    names.dist_token,
                     Init::Randn {
                         mean: 0.,
                         stdev: 1e-6,
@@ -140,19 +177,25 @@ impl VisionTransformer {
         } else {
             (Some(LayerNorm::new(d, eps, vb.pp(names.norm))?), None)
         };
-        let head = (cfg.num_classes > 0)
-            .then(|| PackedLinear::from_linear(candle_nn::linear(d, cfg.num_classes, vb.pp(names.head))?))
+        let linear = |name: &str| -> Result<PackedLinear> {
+            PackedLinear::from_linear(candle_nn::linear(d, cfg.num_classes, vb.pp(name))?)
+        };
+        let head = (cfg.num_classes > 0).then(|| linear(names.head)).transpose()?;
+        let head_dist = (cfg.num_classes > 0 && cfg.head_dist)
+            .then(|| linear(names.head_dist))
             .transpose()?;
         Ok(Self {
             cfg: cfg.clone(),
             patch_embed,
             cls_token,
+            dist_token,
             reg_token,
             pos_embed,
             blocks,
             norm,
             fc_norm,
             head,
+            head_dist,
         })
     }
 
@@ -181,6 +224,9 @@ impl VisionTransformer {
         let mut prefix = Vec::new();
         if let Some(cls) = &self.cls_token {
             prefix.push(cls.broadcast_as((b, 1, d))?);
+        }
+        if let Some(dist) = &self.dist_token {
+            prefix.push(dist.broadcast_as((b, 1, d))?);
         }
         if let Some(reg) = &self.reg_token {
             prefix.push(reg.broadcast_as((b, self.cfg.reg_tokens, d))?);
@@ -237,9 +283,17 @@ impl VisionTransformer {
             Some(n) => n.forward(&pooled)?,
             None => pooled,
         };
-        let logits = match &self.head {
-            Some(h) => h.forward(&pooled)?,
-            None => pooled,
+        let logits = match (&self.head, &self.head_dist) {
+            // DeiT: the class token's head and the distillation token's,
+            // averaged (timm in eval mode, HF's WithTeacher).
+            (Some(h), Some(hd)) => {
+                let dist = x.narrow(1, 1, 1)?.squeeze(1)?;
+                ((h.forward(&pooled)? + hd.forward(&dist)?)? / 2.)?
+            }
+            (Some(h), None) => h.forward(&pooled)?,
+            // timm's `pre_logits` of a distilled model averages the tokens.
+            (None, _) if self.cfg.head_dist => ((pooled + x.narrow(1, 1, 1)?.squeeze(1)?)? / 2.)?,
+            (None, _) => pooled,
         };
         Ok(VitOutput {
             logits,

@@ -1,16 +1,61 @@
-//! Pixels to model input, as the config says.
+//! Pixels to model input, as the config says: resize (and crop) with
+//! PyTorch's float resampler or PIL's 8-bit one, scale to `[0, 1]`,
+//! normalise per channel.
 
 use candle::{bail, DType, Result, Tensor};
+use serde::{Deserialize, Serialize};
 
 use crate::vit::config::VitConfig;
+use crate::vit::pil::resize_u8;
 use crate::vit::resample::resize;
 
+/// How an image is brought to the model's input size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum ImageResize {
+    /// Resize to the input size, aspect ratio not kept (HF
+    /// `ViTImageProcessor`; the shipped digits model).
+    #[default]
+    Squash,
+    /// timm's eval transform: resize the shorter side to `short_side`
+    /// keeping the aspect ratio (torchvision `Resize(int)`), then crop the
+    /// centre to the input size (torchvision `CenterCrop`, offsets rounded
+    /// half to even). timm's `short_side` is `floor(img_size / crop_pct)`.
+    ShortSideCrop {
+        /// The shorter side after resizing, at the config's `img_size`.
+        short_side: usize,
+    },
+    /// HF `DeiTImageProcessor`: resize to `height x width`, then crop the
+    /// centre to the input size (offsets rounded down, as transformers'
+    /// `center_crop`).
+    SquashCrop {
+        /// Height after resizing, at the config's `img_size`.
+        height: usize,
+        /// Width after resizing, at the config's `img_size`.
+        width: usize,
+    },
+}
+
+/// Which resampler resizes images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resampler {
+    /// PyTorch's `F.interpolate(x / 255, mode, antialias=True)` on floats
+    /// (torchvision `Resize` on tensors).
+    #[default]
+    Torch,
+    /// PIL's `Image.resize` on 8-bit pixels, rounded after each axis: what
+    /// timm's eval transform and transformers' PIL image processors run.
+    Pil,
+}
+
 /// Scales pixels to `[0, 1]`, resizes them to the config's `img_size`
-/// (antialiased, torchvision's `Resize(antialias=True)` on tensors) and
-/// normalises each channel with `image_mean` and `image_std`. See
-/// [`preprocess_to`] for another size.
+/// (as `image_resize` and `image_resampler` say) and normalises each
+/// channel with `image_mean` and `image_std`. See [`preprocess_to`] for
+/// another size.
 ///
-/// The PyTorch equivalent, which the shipped model's scripts use:
+/// The PyTorch equivalent of the default (`Squash`, `Torch`), which the
+/// shipped model's scripts use:
 /// `x = F.interpolate(x[None] / 255, (s, s), mode=..., antialias=True)[0]`,
 /// then `(x - mean) / std`.
 ///
@@ -21,11 +66,64 @@ pub fn preprocess(cfg: &VitConfig, pixels: &Tensor) -> Result<Tensor> {
     preprocess_to(cfg, pixels, (cfg.img_size, cfg.img_size))
 }
 
+/// The size an image of `(h, w)` pixels is resized to before the centre
+/// crop to `out`: `out` itself for `Squash`; for the crop modes their
+/// size, scaled by `out / img_size` when `out` is not the config's size.
+pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
+    let img = cfg.img_size.max(1);
+    let scale = |n: usize, o: usize| -> Result<usize> {
+        let Some(v) = n.checked_mul(o).map(|v| v / img) else {
+            bail!("preprocess: resize size {n} scaled to {o} overflows")
+        };
+        Ok(v.max(o))
+    };
+    Ok(match cfg.image_resize {
+        ImageResize::Squash => out,
+        ImageResize::SquashCrop { height, width } => (scale(height, out.0)?, scale(width, out.1)?),
+        ImageResize::ShortSideCrop { short_side } if out.0 == out.1 => {
+            let s = scale(short_side, out.0)?;
+            // torchvision: the long side is `int(size * long / short)`.
+            let long = |n: usize, short: usize| (s as f64 * n as f64 / short as f64) as usize;
+            if h <= w {
+                (s, long(w, h).max(s))
+            } else {
+                (long(h, w).max(s), s)
+            }
+        }
+        // timm resizes to `floor(size / crop_pct)` per side when the input
+        // is not square: no aspect ratio kept.
+        ImageResize::ShortSideCrop { short_side } => (scale(short_side, out.0)?, scale(short_side, out.1)?),
+    })
+}
+
+/// The size the CLI may reduce a decoded image to in 8 bits before
+/// [`preprocess_to`] (see [`crate::image_input::PREREDUCE_ABOVE`]): the
+/// resize size for the float resampler, the image itself for PIL's (which
+/// reads every pixel in 8 bits, so nothing is gained and exactness would
+/// be lost).
+pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
+    match cfg.image_resampler {
+        Resampler::Torch => resize_size(cfg, (h, w), out),
+        Resampler::Pil => Ok((h, w)),
+    }
+}
+
+/// The top-left corner of the centre crop of `crop` out of `size`.
+fn crop_offset(mode: ImageResize, size: usize, crop: usize) -> usize {
+    let d = size - crop;
+    match mode {
+        // Python's `round(d / 2)`: halves go to the even neighbour.
+        ImageResize::ShortSideCrop { .. } if d % 2 == 1 && (d / 2) % 2 == 1 => d / 2 + 1,
+        _ => d / 2,
+    }
+}
+
 /// [`preprocess`] to `(height, width)` instead of the config's `img_size`
 /// (the model resamples its position embedding to match).
 ///
 /// # Shapes
-/// - `pixels`: `(in_chans, H, W)`, values in `[0, 255]`
+/// - `pixels`: `(in_chans, H, W)`, values in `[0, 255]` (rounded to
+///   integers first for the PIL resampler)
 /// - returns `(in_chans, height, width)` in f32
 pub fn preprocess_to(cfg: &VitConfig, pixels: &Tensor, (height, width): (usize, usize)) -> Result<Tensor> {
     let (c, h, w) = pixels.dims3()?;
@@ -38,10 +136,70 @@ pub fn preprocess_to(cfg: &VitConfig, pixels: &Tensor, (height, width): (usize, 
     if h == 0 || w == 0 {
         bail!("preprocess: the image is empty ({h}x{w})")
     }
-    let x = (pixels.to_dtype(DType::F32)? / 255.)?;
-    let x = resize(&x, (height, width), cfg.image_interpolation, true)?;
-    let dev = x.device();
+    if height == 0 || width == 0 {
+        bail!("preprocess: output size must be > 0, found ({height}, {width})")
+    }
+    let (rh, rw) = resize_size(cfg, (h, w), (height, width))?;
+    let dev = pixels.device();
+    let x = match cfg.image_resampler {
+        Resampler::Torch => resize(
+            &(pixels.to_dtype(DType::F32)? / 255.)?,
+            (rh, rw),
+            cfg.image_interpolation,
+            true,
+        )?,
+        Resampler::Pil => {
+            let px: Vec<u8> = match pixels.dtype() {
+                DType::U8 => pixels.flatten_all()?.to_vec1()?,
+                _ => pixels
+                    .to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .into_iter()
+                    .map(|v| v.round().clamp(0., 255.) as u8)
+                    .collect(),
+            };
+            let out = resize_u8(&px, (c, h, w), (rh, rw), cfg.image_interpolation)?;
+            (Tensor::from_vec(out, (c, rh, rw), dev)?.to_dtype(DType::F32)? / 255.)?
+        }
+    };
+    let top = crop_offset(cfg.image_resize, rh, height);
+    let left = crop_offset(cfg.image_resize, rw, width);
+    let x = x.narrow(1, top, height)?.narrow(2, left, width)?;
     let mean = Tensor::from_slice(&cfg.image_mean, (c, 1, 1), dev)?;
     let std = Tensor::from_slice(&cfg.image_std, (c, 1, 1), dev)?;
     x.broadcast_sub(&mean)?.broadcast_div(&std)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crop_offsets_round_as_their_libraries_do() {
+        let timm = ImageResize::ShortSideCrop { short_side: 0 };
+        let hf = ImageResize::SquashCrop { height: 0, width: 0 };
+        // round(0.5) = 0, round(1.5) = 2, round(2.5) = 2, round(3.5) = 4.
+        for (d, want) in [(0, 0), (1, 0), (2, 1), (3, 2), (5, 2), (7, 4)] {
+            assert_eq!(crop_offset(timm, 10 + d, 10), want, "timm d={d}");
+            assert_eq!(crop_offset(hf, 10 + d, 10), d / 2, "hf d={d}");
+        }
+    }
+
+    #[test]
+    fn resize_sizes() -> Result<()> {
+        let mut cfg = VitConfig::new(224, 16, 64, 1, 4);
+        cfg.image_resize = ImageResize::ShortSideCrop { short_side: 248 };
+        // 640x480 (w x h): short side 480 -> 248, long int(248 * 640 / 480) = 330.
+        assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (248, 330));
+        assert_eq!(resize_size(&cfg, (640, 480), (224, 224))?, (330, 248));
+        // At twice the size, twice the short side.
+        assert_eq!(resize_size(&cfg, (480, 640), (448, 448))?.0, 496);
+        cfg.image_resize = ImageResize::SquashCrop {
+            height: 256,
+            width: 256,
+        };
+        assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (256, 256));
+        Ok(())
+    }
 }

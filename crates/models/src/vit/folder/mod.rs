@@ -1,0 +1,321 @@
+//! Model folders as they come: a folder (or a weights file in one) written
+//! by HF transformers' `save_pretrained`, by timm's `save_for_hf` /
+//! `push_to_hf_hub`, or by this project, recognised from the `config.json`
+//! beside the weights.
+//!
+//! ```no_run
+//! use candle::{DType, Device};
+//! use multihead_models::vit::ModelFolder;
+//!
+//! # fn main() -> candle::Result<()> {
+//! let folder = ModelFolder::open("deit-small-distilled/".as_ref())?; // HF, timm or our own
+//! let vit = folder.load(DType::F32, &Device::Cpu)?;
+//! println!("{}: {} classes", folder.describe(), folder.config().num_classes);
+//! # let _ = vit; Ok(()) }
+//! ```
+
+pub mod hf;
+pub mod json;
+pub mod timm;
+
+use std::path::{Path, PathBuf};
+
+use candle::{bail, DType, Device, Result};
+
+use crate::checkpoint::file::export_hint;
+use crate::checkpoint::Checkpoint;
+use crate::vit::config::VitConfig;
+use crate::vit::folder::hf::HfArchitecture;
+use crate::vit::folder::json::parse_object;
+use crate::vit::model::VisionTransformer;
+
+/// The index of a sharded checkpoint.
+pub const INDEX_NAME: &str = "model.safetensors.index.json";
+
+/// Largest `config.json` / `preprocessor_config.json` / index read, in
+/// bytes (real ones are a few KB; ImageNet-21k's `id2label` about 1 MB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// Where the weights are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Weights {
+    /// One safetensors file.
+    File(PathBuf),
+    /// `model.safetensors.index.json` and the shards it lists.
+    Sharded(PathBuf),
+}
+
+impl Weights {
+    /// The file to name in messages.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::File(p) | Self::Sharded(p) => p,
+        }
+    }
+}
+
+/// Which writer the `config.json` comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigKind {
+    /// This project's [`VitConfig`] JSON.
+    Multihead,
+    /// HF transformers, with the class it describes and whether a
+    /// `preprocessor_config.json` was read.
+    Hf {
+        /// The model class.
+        architecture: HfArchitecture,
+        /// `preprocessor_config.json` beside the config, if there was one.
+        preprocessor: Option<PathBuf>,
+    },
+    /// timm's hub format, with its `architecture` name.
+    Timm {
+        /// `architecture` as written (`vit_base_patch16_224`, ...).
+        architecture: String,
+    },
+}
+
+/// A model folder: where its weights are, and its config read as a
+/// [`VitConfig`] whatever format it came in.
+#[derive(Debug, Clone)]
+pub struct ModelFolder {
+    weights: Weights,
+    config_path: PathBuf,
+    kind: ConfigKind,
+    cfg: VitConfig,
+}
+
+/// Reads a small JSON file, refusing one over [`MAX_CONFIG_BYTES`].
+fn read_json(path: &Path, what: &str) -> Result<String> {
+    let err = |e: std::io::Error| candle::Error::Msg(format!("reading {what} '{}': {e}", path.display()));
+    let len = std::fs::metadata(path).map_err(err)?.len();
+    if len > MAX_CONFIG_BYTES {
+        bail!(
+            "{what} '{}' is {len} bytes, over the limit of {MAX_CONFIG_BYTES}",
+            path.display()
+        )
+    }
+    std::fs::read_to_string(path).map_err(err)
+}
+
+/// The weights in `dir`: the sharded index, `model.safetensors`, or the
+/// one `*.safetensors` file; a folder with only pickles is refused with
+/// the command that converts them.
+fn find_weights(dir: &Path) -> Result<Weights> {
+    let index = dir.join(INDEX_NAME);
+    if index.is_file() {
+        return Ok(Weights::Sharded(index));
+    }
+    let model = dir.join("model.safetensors");
+    if model.is_file() {
+        return Ok(Weights::File(model));
+    }
+    let mut safetensors = Vec::new();
+    let mut pickles = Vec::new();
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| candle::Error::Msg(format!("reading folder '{}': {e}", dir.display())))?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let ext = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        match ext.as_deref() {
+            Some("safetensors") => safetensors.push(path),
+            Some("bin" | "pt" | "pth" | "ckpt" | "pkl") => pickles.push(path),
+            _ => {}
+        }
+    }
+    safetensors.sort();
+    pickles.sort();
+    match (safetensors.as_slice(), pickles.first()) {
+        ([one], _) => Ok(Weights::File(one.clone())),
+        ([], Some(p)) => bail!(
+            "folder '{}' holds no safetensors, only the PyTorch pickle '{}' (loading a pickle can run \
+             arbitrary code, so multihead does not read them); {}",
+            dir.display(),
+            p.display(),
+            export_hint(&p.display().to_string())
+        ),
+        ([], None) => bail!(
+            "folder '{}' holds no weights (model.safetensors, {INDEX_NAME} or one *.safetensors file)",
+            dir.display()
+        ),
+        (many, _) => bail!(
+            "folder '{}' holds {} safetensors files and no model.safetensors or {INDEX_NAME}: pass the file",
+            dir.display(),
+            many.len()
+        ),
+    }
+}
+
+impl ModelFolder {
+    /// Opens a folder, or a weights file (`*.safetensors` or
+    /// `model.safetensors.index.json`) in one, with the `config.json`
+    /// beside it.
+    pub fn open(path: &Path) -> Result<Self> {
+        Self::open_with_config(path, None)
+    }
+
+    /// [`Self::open`] with the config at `config` instead of beside the
+    /// weights (any of the three formats).
+    pub fn open_with_config(path: &Path, config: Option<&Path>) -> Result<Self> {
+        let weights = if path.is_dir() {
+            find_weights(path)?
+        } else {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            if name.ends_with(".index.json") {
+                Weights::Sharded(path.to_path_buf())
+            } else if name.ends_with(".json") {
+                bail!(
+                    "'{}' is a JSON file, not weights: pass the folder, a .safetensors file or {INDEX_NAME}",
+                    path.display()
+                )
+            } else {
+                Weights::File(path.to_path_buf())
+            }
+        };
+        if let Weights::File(p) = &weights {
+            let ext = p
+                .extension()
+                .and_then(|e| e.to_str())
+                .map(str::to_ascii_lowercase);
+            if matches!(ext.as_deref(), Some("bin" | "pt" | "pth" | "ckpt" | "pkl")) {
+                // The same refusal reading it would give, before any config.
+                return Err(crate::checkpoint::file::pickle_error(&p.display().to_string()));
+            }
+        }
+        let dir = weights.path().parent().map(Path::to_path_buf).unwrap_or_default();
+        let config_path = config.map_or_else(|| dir.join("config.json"), Path::to_path_buf);
+        if config.is_none() && !config_path.is_file() {
+            bail!(
+                "no config.json beside weights '{}' (a VitConfig, HF transformers or timm config.json); \
+                 pass --config",
+                weights.path().display()
+            )
+        }
+        let text = read_json(&config_path, "config")?;
+        let label = config_path.display().to_string();
+        let map = parse_object(&text, &label)?;
+        let (cfg, kind) = if map.contains_key("model_type") || map.contains_key("architectures") {
+            let pre_path = config_path.with_file_name("preprocessor_config.json");
+            let pre_text = if pre_path.is_file() {
+                Some(read_json(&pre_path, "preprocessor config")?)
+            } else {
+                None
+            };
+            let pre_label = pre_path.display().to_string();
+            let pre = pre_text.as_deref().map(|t| (t, pre_label.as_str()));
+            let (cfg, architecture) = hf::parse(&text, &label, pre)?;
+            let preprocessor = pre_text.is_some().then_some(pre_path);
+            (
+                cfg,
+                ConfigKind::Hf {
+                    architecture,
+                    preprocessor,
+                },
+            )
+        } else if map.contains_key("architecture") {
+            let architecture = map
+                .get("architecture")
+                .and_then(|a| a.as_str())
+                .unwrap_or_default()
+                .to_string();
+            (timm::parse(&text, &label)?, ConfigKind::Timm { architecture })
+        } else {
+            let cfg = VitConfig::from_json(&text)
+                .map_err(|e| candle::Error::Msg(format!("config '{label}': {e}")))?;
+            (cfg, ConfigKind::Multihead)
+        };
+        cfg.validate()
+            .map_err(|e| candle::Error::Msg(format!("config '{label}': {e}")))?;
+        Ok(Self {
+            weights,
+            config_path,
+            kind,
+            cfg,
+        })
+    }
+
+    /// The config, whatever format it was read from.
+    pub fn config(&self) -> &VitConfig {
+        &self.cfg
+    }
+
+    /// Where the weights are.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// The config file read.
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// Which format the config was.
+    pub fn kind(&self) -> &ConfigKind {
+        &self.kind
+    }
+
+    /// One line saying what was recognised, e.g.
+    /// `HF transformers DeiTForImageClassificationWithTeacher (config.json, preprocessor_config.json)`.
+    pub fn describe(&self) -> String {
+        let files = |p: &Path| {
+            p.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        let shards = match &self.weights {
+            Weights::Sharded(_) => ", sharded",
+            Weights::File(_) => "",
+        };
+        match &self.kind {
+            ConfigKind::Multihead => format!("multihead VitConfig ({}{shards})", files(&self.config_path)),
+            ConfigKind::Hf {
+                architecture,
+                preprocessor,
+            } => format!(
+                "HF transformers {} ({}{}{shards})",
+                architecture.name(),
+                files(&self.config_path),
+                preprocessor
+                    .as_deref()
+                    .map(|p| format!(", {}", files(p)))
+                    .unwrap_or_else(|| ", no preprocessor_config.json: processor defaults".into())
+            ),
+            ConfigKind::Timm { architecture } => {
+                format!("timm {architecture} ({}{shards})", files(&self.config_path))
+            }
+        }
+    }
+
+    /// Reads the weights (merging shards) and validates the file.
+    pub fn checkpoint(&self) -> Result<Checkpoint> {
+        match &self.weights {
+            Weights::File(p) => Checkpoint::read(p),
+            Weights::Sharded(p) => Checkpoint::read_sharded(p),
+        }
+    }
+
+    /// Reads the weights and builds the model after the checks of
+    /// [`Checkpoint::ensure_holds`] and [`Checkpoint::load`]; a config that
+    /// disagrees with the weights is one error naming the config file and
+    /// every tensor that differs.
+    pub fn load(&self, dtype: DType, device: &Device) -> Result<VisionTransformer> {
+        self.load_checkpoint(&self.checkpoint()?, dtype, device)
+    }
+
+    /// [`Self::load`] from a checkpoint already read.
+    pub fn load_checkpoint(
+        &self,
+        ckpt: &Checkpoint,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<VisionTransformer> {
+        let label = self.config_path.display();
+        let with_config = |e: candle::Error| candle::Error::Msg(format!("config '{label}': {e}"));
+        ckpt.ensure_holds(&self.cfg.min_weights().map_err(with_config)?)
+            .map_err(with_config)?;
+        ckpt.load(dtype, device, |vb| VisionTransformer::new(&self.cfg, vb))
+            .map_err(with_config)
+    }
+}
