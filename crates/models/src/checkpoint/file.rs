@@ -41,7 +41,7 @@ impl TensorInfo {
 }
 
 /// The one-line export a user can run on a pickle, for the error message.
-pub(crate) fn export_hint(path: &str) -> String {
+fn export_hint(path: &str) -> String {
     format!(
         "export it once with: python -c \"import torch; from safetensors.torch import save_file; \
          sd = torch.load('{path}', map_location='cpu', weights_only=True); \

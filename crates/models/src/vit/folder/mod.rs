@@ -22,7 +22,6 @@ use std::path::{Path, PathBuf};
 
 use candle::{bail, DType, Device, Result};
 
-use crate::checkpoint::file::export_hint;
 use crate::checkpoint::Checkpoint;
 use crate::vit::config::VitConfig;
 use crate::vit::folder::hf::HfArchitecture;
@@ -131,10 +130,14 @@ fn find_weights(dir: &Path) -> Result<Weights> {
         ([one], _) => Ok(Weights::File(one.clone())),
         ([], Some(p)) => bail!(
             "folder '{}' holds no safetensors, only the PyTorch pickle '{}' (loading a pickle can run \
-             arbitrary code, so multihead does not read them); {}",
+             arbitrary code, so multihead does not read them); export it once with: python -c \"import torch; \
+             from safetensors.torch import save_file; sd = torch.load('{}', map_location='cpu', weights_only=True); \
+             sd = sd.get('state_dict', sd.get('model', sd)); \
+             save_file({{k: v.contiguous() for k, v in sd.items()}}, '{}')\"",
             dir.display(),
             p.display(),
-            export_hint(&p.display().to_string())
+            p.display(),
+            dir.join("model.safetensors").display()
         ),
         ([], None) => bail!(
             "folder '{}' holds no weights (model.safetensors, {INDEX_NAME} or one *.safetensors file)",
