@@ -203,7 +203,7 @@ fn preprocessor_config_json() -> Result<()> {
             "hf_deit",
             "size",
             serde_json::json!({"height": 16, "width": 16}),
-            &["field 'size'", "smaller than crop_size"],
+            &["field 'size'", "is not between crop_size"],
         ),
     ];
     for (i, (from, field, value, needles)) in cases.into_iter().enumerate() {
@@ -345,6 +345,22 @@ fn index_json() -> Result<()> {
         std::fs::write(dir.join(INDEX), text)?;
         refused(&dir, &[INDEX, needle])?;
     }
+    Ok(())
+}
+
+/// A 2000 x 1 strip: timm's short-side resize would make it 35 x 70000.
+#[test]
+fn extreme_aspect_ratio() -> Result<()> {
+    let dir = copy_of("", "strip")?;
+    let path = dir.join("strip.png");
+    image::RgbImage::from_pixel(2000, 1, image::Rgb([9, 99, 199])).save(&path)?;
+    let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .env("RUST_BACKTRACE", "1")
+        .args(["vit", "--weights"])
+        .arg(fixture_dir("folders").join("timm_vit"))
+        .arg(&path)
+        .output()?;
+    assert_one_line_error(&out, &["1x2000", "aspect ratio is too extreme"]);
     Ok(())
 }
 

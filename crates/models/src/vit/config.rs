@@ -379,7 +379,7 @@ impl VitConfig {
             bail!("VitConfig: global_pool 'token' needs class_token = true")
         }
         self.validate_distillation()?;
-        self.validate_image_resize()?;
+        self.image_resize.validate(self.img_size)?;
         for (name, v) in [("image_mean", &self.image_mean), ("image_std", &self.image_std)] {
             if v.len() != self.in_chans {
                 bail!(
@@ -454,46 +454,6 @@ impl VitConfig {
             ];
             if let Some((name, _)) = clash.iter().find(|(_, on)| *on) {
                 bail!("VitConfig: dist_token (DeiT distillation) does not combine with {name}")
-            }
-        }
-        Ok(())
-    }
-
-    /// The resize before the centre crop must cover the input.
-    fn validate_image_resize(&self) -> Result<()> {
-        match self.image_resize {
-            ImageResize::Squash => {}
-            ImageResize::ShortSideCrop { short_side } => {
-                if short_side < self.img_size {
-                    bail!(
-                        "VitConfig: image_resize short_side ({short_side}) must be at least img_size ({}): \
-                         the centre crop would not fit (timm crop_pct > 1)",
-                        self.img_size
-                    )
-                }
-            }
-            ImageResize::SquashCrop { height, width } => {
-                if height < self.img_size || width < self.img_size {
-                    bail!(
-                        "VitConfig: image_resize {height}x{width} must be at least img_size ({}) on each side \
-                         for the centre crop",
-                        self.img_size
-                    )
-                }
-            }
-        }
-        // The crop sizes scale with the input; bound them like the input.
-        let most = 1 << 16;
-        if let ImageResize::ShortSideCrop { short_side: n } | ImageResize::SquashCrop { height: n, .. } =
-            self.image_resize
-        {
-            if n > most {
-                bail!("VitConfig: image_resize size {n} is over {most} pixels")
-            }
-        }
-        if let ImageResize::SquashCrop { width, .. } = self.image_resize {
-            if width > most {
-                bail!("VitConfig: image_resize width {width} is over {most} pixels")
             }
         }
         Ok(())

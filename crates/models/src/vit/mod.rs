@@ -35,6 +35,9 @@ pub use embed::PatchEmbed;
 pub use folder::{ConfigKind, ModelFolder, Weights};
 pub use model::{VisionTransformer, VitOutput};
 pub use pil::resize_u8;
-pub use preprocess::{decode_target, preprocess, preprocess_to, resize_size, ImageResize, Resampler};
+pub use preprocess::{
+    decode_target, preprocess, preprocess_to, resize_size, ImageResize, Resampler, MAX_RESIZE_FACTOR,
+    PIL_EXACT_PIXELS,
+};
 pub use resample::{resample_abs_pos_embed, resize, resize_weights, Interpolation};
 pub use rollout::attention_rollout;

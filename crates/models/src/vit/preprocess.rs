@@ -36,6 +36,30 @@ pub enum ImageResize {
     },
 }
 
+/// Most times the input size a resize before the crop may be (timm's
+/// `crop_pct` down to 0.25).
+pub const MAX_RESIZE_FACTOR: usize = 4;
+
+impl ImageResize {
+    /// Checks that the resize before the centre crop covers an input of
+    /// `img_size` and is at most [`MAX_RESIZE_FACTOR`] times it.
+    pub fn validate(&self, img_size: usize) -> Result<()> {
+        let sides = match *self {
+            Self::Squash => return Ok(()),
+            Self::ShortSideCrop { short_side } => [short_side, short_side],
+            Self::SquashCrop { height, width } => [height, width],
+        };
+        let most = img_size.saturating_mul(MAX_RESIZE_FACTOR);
+        if let Some(s) = sides.iter().find(|&&s| s < img_size || s > most) {
+            bail!(
+                "VitConfig: image_resize size {s} must be between img_size ({img_size}) and \
+                 {MAX_RESIZE_FACTOR} times it ({most}) for the centre crop"
+            )
+        }
+        Ok(())
+    }
+}
+
 /// Which resampler resizes images.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -77,7 +101,7 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
         };
         Ok(v.max(o))
     };
-    Ok(match cfg.image_resize {
+    let size = match cfg.image_resize {
         ImageResize::Squash => out,
         ImageResize::SquashCrop { height, width } => (scale(height, out.0)?, scale(width, out.1)?),
         ImageResize::ShortSideCrop { short_side } if out.0 == out.1 => {
@@ -93,20 +117,43 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
         // timm resizes to `floor(size / crop_pct)` per side when the input
         // is not square: no aspect ratio kept.
         ImageResize::ShortSideCrop { short_side } => (scale(short_side, out.0)?, scale(short_side, out.1)?),
-    })
+    };
+    // The long side grows with the aspect ratio: a 1 x 16384 image would
+    // be resized to millions of pixels only for the crop to drop them.
+    let most = out.0.saturating_mul(out.1).saturating_mul(64);
+    if size.0.saturating_mul(size.1) > most {
+        bail!(
+            "preprocess: a {h}x{w} image would be resized to {}x{} for a {}x{} input: \
+             its aspect ratio is too extreme (over 64 times the input's pixels)",
+            size.0,
+            size.1,
+            out.0,
+            out.1
+        )
+    }
+    Ok(size)
 }
 
 /// The size the CLI may reduce a decoded image to in 8 bits before
 /// [`preprocess_to`] (see [`crate::image_input::PREREDUCE_ABOVE`]): the
-/// resize size for the float resampler, the image itself for PIL's (which
-/// reads every pixel in 8 bits, so nothing is gained and exactness would
-/// be lost).
+/// resize size for the float resampler; for PIL's, the image itself up to
+/// [`PIL_EXACT_PIXELS`].
 pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
+    let size = resize_size(cfg, (h, w), out)?;
     match cfg.image_resampler {
-        Resampler::Torch => resize_size(cfg, (h, w), out),
-        Resampler::Pil => Ok((h, w)),
+        Resampler::Torch => Ok(size),
+        // Up to PIL_EXACT_PIXELS the image is resized as it is; a larger
+        // one is box-averaged to at least four times the resize per side,
+        // a fraction of a gray level from PIL's own result.
+        Resampler::Pil if h.saturating_mul(w) <= PIL_EXACT_PIXELS => Ok((h, w)),
+        Resampler::Pil => Ok((size.0.saturating_mul(2), size.1.saturating_mul(2))),
     }
 }
+
+/// Images up to this many pixels (4096 x 4096) reach PIL's resampler as
+/// they are, so that the input is PIL's to the bit; larger ones are
+/// reduced in 8 bits first (see [`decode_target`]) to bound memory.
+pub const PIL_EXACT_PIXELS: usize = 4096 * 4096;
 
 /// The top-left corner of the centre crop of `crop` out of `size`.
 fn crop_offset(mode: ImageResize, size: usize, crop: usize) -> usize {
@@ -200,6 +247,14 @@ mod tests {
             width: 256,
         };
         assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (256, 256));
+        // A 1-pixel-high strip would become 248 x 3 million pixels.
+        cfg.image_resize = ImageResize::ShortSideCrop { short_side: 248 };
+        let err = resize_size(&cfg, (1, 16384), (224, 224)).unwrap_err().to_string();
+        assert!(err.contains("aspect ratio is too extreme"), "{err}");
+        for (bad, what) in [(223, "below"), (897, "above")] {
+            let r = ImageResize::ShortSideCrop { short_side: bad };
+            assert!(r.validate(224).is_err(), "{what}");
+        }
         Ok(())
     }
 }

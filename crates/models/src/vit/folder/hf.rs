@@ -11,7 +11,7 @@ use candle::Result;
 
 use crate::vit::config::{Naming, VitConfig};
 use crate::vit::folder::json::{parse_object, Fields};
-use crate::vit::preprocess::{ImageResize, Resampler};
+use crate::vit::preprocess::{ImageResize, Resampler, MAX_RESIZE_FACTOR};
 use crate::vit::resample::Interpolation;
 
 /// `IMAGENET_STANDARD_MEAN` / `_STD`: ViTImageProcessor's defaults.
@@ -266,10 +266,12 @@ fn preprocessor(cfg: &mut VitConfig, text: &str, file: &str, config_file: &str) 
             ));
         }
         let (height, width) = size.unwrap_or((256, 256));
-        if height < img || width < img {
+        if height < img || width < img || height.max(width) > img * MAX_RESIZE_FACTOR {
             return Err(f.error(
                 "size",
-                format!("{height}x{width} is smaller than crop_size {img}x{img}"),
+                format!(
+                    "{height}x{width} is not between crop_size {img}x{img} and {MAX_RESIZE_FACTOR} times it"
+                ),
             ));
         }
         cfg.image_resize = ImageResize::SquashCrop { height, width };

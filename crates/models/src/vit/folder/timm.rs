@@ -213,8 +213,8 @@ pub fn parse(text: &str, file: &str) -> Result<VitConfig> {
             }
         };
         if let Some(pct) = p.number("crop_pct")? {
-            if !(pct > 0. && pct <= 1.) {
-                return Err(p.error("crop_pct", format!("{pct} is not in (0, 1]")));
+            if !(0.25..=1.).contains(&pct) {
+                return Err(p.error("crop_pct", format!("{pct} is not in [0.25, 1]")));
             }
             crop_pct = pct;
         }
