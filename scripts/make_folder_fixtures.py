@@ -9,7 +9,8 @@ Random-init TINY models (width 32, 2 blocks, 2 heads, patch 8, image 32,
 - timm_vit/          timm vit_tiny_patch16_224 (overridden sizes) through save_for_hf
 - timm_deit_distilled/  timm deit_tiny_distilled_patch16_224 through save_for_hf
 
-and photo.png (64x48 RGB: gradients, a disc, a bar, noise), and per folder
+timm_names.json (what timm builds for each of the 34 standard names the
+Rust side maps to sizes), and photo.png (64x48 RGB: gradients, a disc, a bar, noise), and per folder
 expected/<name>.safetensors with the library's own preprocessing of
 photo.png (`input`, (1, 3, 32, 32)) and the model's logits for it
 (`logits`, (1, 5)); for the HF folders also `input_torchvision`, what
@@ -118,6 +119,32 @@ def timm_folder(tmp, img, name, arch):
     save_expected(tmp, name, x, logits)
 
 
+def timm_names(tmp):
+    """What timm builds for every standard ViT/DeiT name multihead maps to
+    sizes (on the meta device: no memory), for the Rust name parser."""
+    import re
+    pat = re.compile(r"^(vit|deit|deit3)_(tiny|small|medium|base|large|huge)(_distilled)?_patch(8|14|16|32)_(\d+)$")
+    out = {}
+    for name in sorted(n for n in timm.list_models() if pat.match(n)):
+        with torch.device("meta"):
+            m = timm.create_model(name, pretrained=False)
+        blk = m.blocks[0]
+        out[name] = dict(
+            embed_dim=m.embed_dim, depth=len(m.blocks), num_heads=blk.attn.num_heads,
+            patch_size=m.patch_embed.patch_size[0], img_size=m.patch_embed.img_size[0],
+            mlp_hidden=blk.mlp.fc1.out_features, qkv_bias=blk.attn.qkv.bias is not None,
+            qk_norm=not isinstance(blk.attn.q_norm, torch.nn.Identity),
+            layer_scale=not isinstance(blk.ls1, torch.nn.Identity),
+            no_embed_class=m.no_embed_class, num_prefix_tokens=m.num_prefix_tokens,
+            dist_token=getattr(m, "dist_token", None) is not None, global_pool=m.global_pool,
+            fc_norm=not isinstance(m.fc_norm, torch.nn.Identity), eps=blk.norm1.eps,
+            num_classes=m.num_classes)
+    assert len(out) >= 30, sorted(out)
+    with open(os.path.join(tmp, "timm_names.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"timm_names.json: {len(out)} names")
+
+
 def main():
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="folders-")
@@ -136,6 +163,7 @@ def main():
                   DeiTImageProcessorPil(**deit_proc), DeiTImageProcessor(**deit_proc), shard="40KB")
         timm_folder(tmp, img, "timm_vit", "vit_tiny_patch16_224")
         timm_folder(tmp, img, "timm_deit_distilled", "deit_tiny_distilled_patch16_224")
+        timm_names(tmp)
         shards = [f for f in os.listdir(os.path.join(tmp, "hf_deit_teacher")) if f.endswith(".safetensors")]
         assert len(shards) > 1, f"not sharded: {shards}"
         # Only the safetensors are kept (save_pretrained writes no pickles).

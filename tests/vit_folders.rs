@@ -195,3 +195,46 @@ fn our_own_folder() -> Result<()> {
     );
     Ok(())
 }
+
+/// Every standard ViT/DeiT name timm registers that the timm config reader
+/// maps to sizes, against what timm builds for it
+/// (`timm_names.json`, written by the fixture script on the meta device).
+#[test]
+fn timm_names_match_timm() -> Result<()> {
+    let text = std::fs::read_to_string(folders().join("timm_names.json"))?;
+    let names: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)?;
+    assert!(names.len() >= 30, "{} names", names.len());
+    for (name, t) in &names {
+        let cfg =
+            multihead::models::vit::VitConfig::from_timm_config(&format!(r#"{{"architecture": "{name}"}}"#))
+                .with_context(|| name.clone())?;
+        // num_classes is left out: hub configs always state it (timm's
+        // vit_huge_patch14_224 defaults to 0, the others to 1000).
+        let sizes = [
+            ("embed_dim", cfg.embed_dim),
+            ("depth", cfg.depth),
+            ("num_heads", cfg.num_heads),
+            ("patch_size", cfg.patch_size),
+            ("img_size", cfg.img_size),
+            ("mlp_hidden", cfg.mlp_hidden_dim()),
+            ("num_prefix_tokens", cfg.num_prefix_tokens()),
+        ];
+        for (k, ours) in sizes {
+            assert_eq!(t[k].as_u64(), Some(ours as u64), "{name}: {k}");
+        }
+        let flags = [
+            ("qkv_bias", cfg.qkv_bias),
+            ("qk_norm", cfg.qk_norm),
+            ("layer_scale", cfg.init_values.is_some()),
+            ("no_embed_class", cfg.no_embed_class),
+            ("dist_token", cfg.dist_token),
+            ("fc_norm", cfg.use_fc_norm()),
+        ];
+        for (k, ours) in flags {
+            assert_eq!(t[k].as_bool(), Some(ours), "{name}: {k}");
+        }
+        assert_eq!(t["global_pool"], "token", "{name}");
+        assert_eq!(t["eps"].as_f64(), Some(cfg.layer_norm_eps), "{name}");
+    }
+    Ok(())
+}
