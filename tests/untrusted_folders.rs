@@ -378,6 +378,10 @@ fn folders_without_usable_weights_or_config() -> Result<()> {
     )?;
     let dir = copy_of("", "empty")?;
     refused(&dir, &["holds no weights"])?;
+    refused(
+        &dir.join("nowhere"),
+        &["reading weights", "nowhere", "no such file or folder"],
+    )?;
     let dir = copy_of("timm_vit", "no_config")?;
     std::fs::remove_file(dir.join("config.json"))?;
     refused(&dir, &["no config.json beside"])?;

@@ -80,7 +80,7 @@ impl<'a> Fields<'a> {
         self.get(key).is_some()
     }
 
-    /// The keys present, in the file's order (sorted: serde_json's map).
+    /// The keys present (sorted: serde_json's default map).
     pub fn keys(&self) -> impl Iterator<Item = &'a String> {
         self.map.keys()
     }

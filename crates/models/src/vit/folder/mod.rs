@@ -162,6 +162,9 @@ impl ModelFolder {
     /// [`Self::open`] with the config at `config` instead of beside the
     /// weights (any of the three formats).
     pub fn open_with_config(path: &Path, config: Option<&Path>) -> Result<Self> {
+        if !path.exists() {
+            bail!("reading weights '{}': no such file or folder", path.display())
+        }
         let weights = if path.is_dir() {
             find_weights(path)?
         } else {
