@@ -250,17 +250,18 @@ impl TransformerDecoderLayer {
                 },
             };
             // The new queries sit at the end of the cached keys.
-            let mask = Mask::causal(Causal::BottomRight);
-            let out = self
-                .self_attn
-                .forward_projected(x, &kv.k, &kv.v, &mask, NeedWeights::No)?;
+            let opts = MhaOptions::new().with_mask(Mask::causal(Causal::BottomRight));
+            let out = self.self_attn.forward_projected(x, &kv.k, &kv.v, &opts)?;
             *cache = Some(kv);
             Ok(out.output)
         };
         let ca = |x: &Tensor| -> Result<Tensor> {
-            let out =
-                self.multihead_attn
-                    .forward_projected(x, &memory.k, &memory.v, memory_mask, need_weights)?;
+            let opts = MhaOptions::new()
+                .with_mask(memory_mask.clone())
+                .with_weights(need_weights);
+            let out = self
+                .multihead_attn
+                .forward_projected(x, &memory.k, &memory.v, &opts)?;
             weights = out.weights;
             Ok(out.output)
         };
