@@ -367,3 +367,20 @@ fn sdpa_masks_broadcast_as_in_pytorch() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn projected_keys_go_into_candle_nn_kv_cache() -> Result<()> {
+    // candle-nn's own cache copies in place and needs contiguous chunks.
+    let mha = random_mha(&MhaConfig::new(E, H), &WeightLayout::PyTorch)?;
+    let x = randn(&[1, 5, E])?;
+    let mut cache = candle_nn::kv_cache::KvCache::new(2, 16);
+    let (k, v) = mha.project_kv(&x.i((.., ..3))?, &x.i((.., ..3))?)?;
+    cache.append(&k, &v)?;
+    let (k, v) = mha.project_kv(&x.i((.., 3..))?, &x.i((.., 3..))?)?;
+    let (k, v) = cache.append(&k, &v)?;
+    let opts = MhaOptions::new().with_mask(Mask::causal(Causal::BottomRight));
+    let out = mha.forward_projected(&x.i((.., 3..))?, &k, &v, &opts)?.output;
+    let full = mha.forward_attn(&x, &x, &x, &causal())?.output;
+    assert_close("candle-nn cache", &out, &full.i((.., 3..))?, 1e-5)?;
+    Ok(())
+}

@@ -323,8 +323,8 @@ impl MultiheadAttention {
     ///
     /// # Shapes
     /// - `key`: `(batch, kv_len, kdim)`, `value`: `(batch, kv_len, vdim)`
-    /// - returns `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)` each
-    ///   (after qk-norm on `k` when configured)
+    /// - returns `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)` each,
+    ///   contiguous (after qk-norm on `k` when configured)
     ///
     /// No position encoding is applied: with rotary embeddings configured,
     /// use [`MultiheadAttention::forward_cached`], which places each key.
@@ -361,9 +361,11 @@ impl MultiheadAttention {
         }
         let (k, v) = self.in_proj.forward_kv(key, value)?;
         let kvh = self.cfg.kv_heads();
+        // Contiguous, so that caches which copy in place (candle-nn's
+        // `KvCache`, `slice_set`) take them as they are.
         Ok((
-            self.norm_k(&self.split_heads(&k, kvh)?)?,
-            self.split_heads(&v, kvh)?,
+            self.norm_k(&self.split_heads(&k, kvh)?)?.contiguous()?,
+            self.split_heads(&v, kvh)?.contiguous()?,
         ))
     }
 
