@@ -6,7 +6,7 @@
 use candle::{Result, Tensor};
 use candle_nn::{linear_b, Module, VarBuilder};
 use multihead_attention::{
-    Causal, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
+    KvCache, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
 };
 
 use super::config::{Activation, TransformerConfig};
@@ -233,27 +233,19 @@ impl TransformerDecoderLayer {
     pub(crate) fn forward_step(
         &self,
         tgt: &Tensor,
-        cache: &mut Option<ProjectedKv>,
+        cache: &mut KvCache,
         memory: &ProjectedKv,
         memory_mask: &Mask,
         need_weights: NeedWeights,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let mut weights = None;
+        // The new queries sit after the cached keys: the cache gives the
+        // causal offset.
         let sa = |x: &Tensor| -> Result<Tensor> {
-            let (k, v) = self.self_attn.project_kv(x, x)?;
-            let kv = match cache.take() {
-                None => ProjectedKv { k, v },
-                // (B, H, past + new, hd)
-                Some(past) => ProjectedKv {
-                    k: Tensor::cat(&[&past.k, &k], 2)?,
-                    v: Tensor::cat(&[&past.v, &v], 2)?,
-                },
-            };
-            // The new queries sit at the end of the cached keys.
-            let opts = MhaOptions::new().with_mask(Mask::causal(Causal::BottomRight));
-            let out = self.self_attn.forward_projected(x, &kv.k, &kv.v, &opts)?;
-            *cache = Some(kv);
-            Ok(out.output)
+            Ok(self
+                .self_attn
+                .forward_cached(x, cache, &MhaOptions::new())?
+                .output)
         };
         let ca = |x: &Tensor| -> Result<Tensor> {
             let opts = MhaOptions::new()
