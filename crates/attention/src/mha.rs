@@ -13,7 +13,7 @@ use crate::config::{MhaConfig, PositionEncoding};
 use crate::layout::WeightLayout;
 use crate::mask::{Alibi, KeyPaddingMask, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
-use crate::projection::{conv1d, linear, xavier_uniform, InKind, InProjection};
+use crate::projection::{linear, xavier_uniform, InKind, InProjection, Stored};
 use crate::rotary::Rotary;
 use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 
@@ -86,27 +86,69 @@ impl MultiheadAttention {
                         v: part(e + kvd, kvd, "v_proj_weight", vdim)?,
                     }
                 };
-                (kind, linear(e, e, cfg.bias, out_init, vb.pp("out_proj"))?)
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp("out_proj"))?,
+                )
             }
             WeightLayout::Separate(names) => {
                 let kind = InKind::Separate {
-                    q: linear(e, e, qkv_bias, xavier_uniform(e, e), vb.pp(&names.q))?,
-                    k: linear(kdim, kvd, qkv_bias, xavier_uniform(kvd, kdim), vb.pp(&names.k))?,
-                    v: linear(vdim, kvd, qkv_bias, xavier_uniform(kvd, vdim), vb.pp(&names.v))?,
+                    q: linear(
+                        (e, e),
+                        qkv_bias,
+                        xavier_uniform(e, e),
+                        Stored::OutIn,
+                        vb.pp(&names.q),
+                    )?,
+                    k: linear(
+                        (kdim, kvd),
+                        qkv_bias,
+                        xavier_uniform(kvd, kdim),
+                        Stored::OutIn,
+                        vb.pp(&names.k),
+                    )?,
+                    v: linear(
+                        (vdim, kvd),
+                        qkv_bias,
+                        xavier_uniform(kvd, vdim),
+                        Stored::OutIn,
+                        vb.pp(&names.v),
+                    )?,
                 };
-                (kind, linear(e, e, cfg.bias, out_init, vb.pp(&names.out))?)
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
+                )
             }
             WeightLayout::FusedQkv { qkv, proj } => {
                 fused_qkv_only("fused qkv")?;
                 let n = e + 2 * kvd;
-                let kind = InKind::Fused(linear(e, n, qkv_bias, xavier_uniform(n, e), vb.pp(qkv))?);
-                (kind, linear(e, e, cfg.bias, out_init, vb.pp(proj))?)
+                let kind = InKind::Fused(linear(
+                    (e, n),
+                    qkv_bias,
+                    xavier_uniform(n, e),
+                    Stored::OutIn,
+                    vb.pp(qkv),
+                )?);
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(proj))?,
+                )
             }
             WeightLayout::Conv1D { c_attn, c_proj } => {
                 fused_qkv_only("GPT-2 Conv1D")?;
                 let n = e + 2 * kvd;
-                let kind = InKind::Fused(conv1d(e, n, qkv_bias, xavier_uniform(n, e), vb.pp(c_attn))?);
-                (kind, conv1d(e, e, cfg.bias, out_init, vb.pp(c_proj))?)
+                let kind = InKind::Fused(linear(
+                    (e, n),
+                    qkv_bias,
+                    xavier_uniform(n, e),
+                    Stored::InOut,
+                    vb.pp(c_attn),
+                )?);
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::InOut, vb.pp(c_proj))?,
+                )
             }
         };
         let in_proj = InProjection {

@@ -109,33 +109,32 @@ pub(crate) fn xavier_uniform(fan_out: usize, fan_in: usize) -> Init {
     }
 }
 
-/// A linear layer `<name>.weight (out, in)`, `<name>.bias (out)`.
+/// How a checkpoint stores a linear layer's weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// `nn.Linear`: `(out, in)`.
+    OutIn,
+    /// GPT-2's `Conv1D`: `(in, out)`, transposed once on loading.
+    InOut,
+}
+
+/// A linear layer `<name>.weight` (stored as `stored` says), `<name>.bias (out)`.
 pub(crate) fn linear(
-    in_dim: usize,
-    out_dim: usize,
+    (in_dim, out_dim): (usize, usize),
     bias: bool,
     init: Init,
+    stored: Stored,
     vb: VarBuilder,
 ) -> Result<PackedLinear> {
-    let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
+    let w = match stored {
+        Stored::OutIn => vb.get_with_hints((out_dim, in_dim), "weight", init)?,
+        Stored::InOut => vb
+            .get_with_hints((in_dim, out_dim), "weight", init)?
+            .t()?
+            .contiguous()?,
+    };
     let b = bias
         .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
         .transpose()?;
     PackedLinear::new(w, b)
-}
-
-/// GPT-2's `Conv1D` `<name>.weight (in, out)`, `<name>.bias (out)`: a
-/// linear layer whose weight is stored transposed.
-pub(crate) fn conv1d(
-    in_dim: usize,
-    out_dim: usize,
-    bias: bool,
-    init: Init,
-    vb: VarBuilder,
-) -> Result<PackedLinear> {
-    let w = vb.get_with_hints((in_dim, out_dim), "weight", init)?;
-    let b = bias
-        .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
-        .transpose()?;
-    PackedLinear::new(w.t()?.contiguous()?, b)
 }
