@@ -7,6 +7,11 @@
 //!   `kdim`/`vdim`, dropout), loading PyTorch's own weight layouts
 //!   ([`WeightLayout`]: `in_proj_weight`, separate q/k/v/out linears,
 //!   timm's fused `qkv`).
+//! - Decoder self-attention: [`MultiheadAttention::forward_cached`] steps a
+//!   [`KvCache`] (prefill, chunks and single tokens alike), with
+//!   grouped-query heads, [`Rotary`] embeddings, [`Alibi`] and sliding
+//!   windows ([`MhaConfig`], [`PositionEncoding`]); GPT-2's `Conv1D` and
+//!   Llama's `q_proj`/`k_proj`/`v_proj`/`o_proj` layouts.
 //! - [`scaled_dot_product_attention`]: the function every path ends in, on
 //!   `(batch, heads, seq, head_dim)` tensors.
 //! - [`HydraAttention`]: Hydra attention (Bolya et al., 2022), as many

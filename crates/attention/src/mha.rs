@@ -208,7 +208,9 @@ impl MultiheadAttention {
     /// `(kv_len, vdim)` → `(q_len, embed_dim)`.
     ///
     /// Passing the same tensor as query, key and value is self-attention
-    /// and projects with one fused matmul.
+    /// and projects with one fused matmul. With rotary embeddings
+    /// configured, queries and keys sit at positions `0..`; the config's
+    /// sliding window and ALiBi join `opts.mask`.
     pub fn forward_attn(
         &self,
         query: &Tensor,
