@@ -53,6 +53,8 @@ from transformers import (  # noqa: E402
     GPTNeoXConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
 )
 from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
 from transformers.models.gptj import modeling_gptj  # noqa: E402
@@ -88,7 +90,22 @@ def llama_config():
     )
 
 
-MODELS = {"gpt2": (gpt2_config, GPT2LMHeadModel), "llama": (llama_config, LlamaForCausalLM)}
+def mistral_config():
+    # A window of 4 keys: shorter than the 7-token prompt, so it shapes
+    # every logit after the fourth position.
+    return MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128, sliding_window=4,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+    )
+
+
+MODELS = {
+    "gpt2": (gpt2_config, GPT2LMHeadModel),
+    "llama": (llama_config, LlamaForCausalLM),
+    "mistral": (mistral_config, MistralForCausalLM),
+}
 
 
 def randomize_norms_and_biases(model):
@@ -347,7 +364,10 @@ torch {torch} and transformers {transformers}. Remake with
   4 heads, 2 KV heads, vocab 128, rope_theta 50000, rms_norm_eps 1e-6,
   untied lm_head, no attention bias), saved the same way. Note that
   transformers 5 writes rope_theta inside `rope_parameters` in config.json.
-* `gpt2_expected.safetensors`, `llama_expected.safetensors`: `input_ids`
+* `mistral/`: `MistralForCausalLM` (as llama/, but 1 KV head (multi-query),
+  sliding_window 4, rope_theta 10000, tied lm_head), saved the same way.
+* `gpt2_expected.safetensors`, `llama_expected.safetensors`,
+  `mistral_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,
