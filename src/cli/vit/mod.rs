@@ -7,14 +7,14 @@ mod image_io;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use image_io::Input;
+
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 use multihead::models::checkpoint::Checkpoint;
 use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer, VitConfig};
 
-/// The shipped model, relative to the working directory or to the
-/// repository the binary was built from.
-const DEFAULT_MODEL_DIR: &str = "weights/vit-digits";
+use super::model_files::{self, Text};
 
 /// Most patches `--image-size` may ask for beyond the config's own grid: a
 /// 64 x 64 grid. Time grows with the square of the patches, and an
@@ -53,10 +53,11 @@ pub enum Format {
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Images to classify (PNG or JPEG, any size; resized as the config
-    /// says). Default: the shipped samples, weights/vit-digits/samples/.
+    /// says). Default: the samples built into the binary
+    /// (weights/vit-digits/samples/).
     images: Vec<PathBuf>,
     /// Weights, a safetensors file with timm or HF names. Default: the
-    /// shipped digits model, weights/vit-digits/model.safetensors.
+    /// digits model built into the binary (weights/vit-digits).
     #[arg(long, value_name = "FILE")]
     weights: Option<PathBuf>,
     /// Model config (VitConfig JSON). Default: config.json beside the
@@ -101,17 +102,19 @@ pub(crate) struct Classifier {
 
 impl Classifier {
     fn load(args: &Args) -> Result<Self> {
-        let weights = match &args.weights {
-            Some(w) => w.clone(),
-            None => default_model_dir()?.join("model.safetensors"),
+        // Without --weights, the digits model built into the binary.
+        let (config, ckpt) = match &args.weights {
+            None => model_files::vit_digits()?,
+            Some(w) => {
+                let config = Text::read(&w.with_file_name("config.json"), "config")?;
+                (config, Checkpoint::read(w)?)
+            }
         };
         let config = match &args.config {
-            Some(c) => c.clone(),
-            None => weights.with_file_name("config.json"),
+            Some(c) => Text::read(c, "config")?,
+            None => config,
         };
-        let json = std::fs::read_to_string(&config)
-            .with_context(|| format!("reading config '{}'", config.display()))?;
-        let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", config.display()))?;
+        let cfg = VitConfig::from_json(&config.text).with_context(|| format!("config {}", config.label))?;
         let size = match args.image_size {
             Some(size) => checked_image_size(size, &cfg)?,
             None => cfg.img_size,
@@ -129,13 +132,12 @@ impl Classifier {
         if dtype == DType::BF16 && device.is_cpu() {
             bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
         }
-        let ckpt = Checkpoint::read(&weights)?;
         // Sizes the file cannot hold are refused before anything is built.
         ckpt.ensure_holds(&cfg.min_weights()?)
-            .with_context(|| format!("config '{}'", config.display()))?;
+            .with_context(|| format!("config {}", config.label))?;
         let vit = ckpt
             .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
-            .with_context(|| format!("with config '{}'", config.display()))?;
+            .with_context(|| format!("with config {}", config.label))?;
         Ok(Self {
             vit,
             cfg,
@@ -183,29 +185,6 @@ fn checked_image_size(size: usize, cfg: &VitConfig) -> Result<usize> {
     Ok(size)
 }
 
-fn default_model_dir() -> Result<PathBuf> {
-    let here = Path::new(DEFAULT_MODEL_DIR);
-    if here.is_dir() {
-        return Ok(here.to_path_buf());
-    }
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_MODEL_DIR);
-    if built.is_dir() {
-        return Ok(built);
-    }
-    bail!("the shipped model is not in ./{DEFAULT_MODEL_DIR}; pass --weights")
-}
-
-/// The images of the shipped samples directory, sorted.
-fn default_images() -> Result<Vec<PathBuf>> {
-    let dir = default_model_dir()?.join("samples");
-    let mut files = image_files(&dir)?;
-    files.sort();
-    if files.is_empty() {
-        bail!("no images in '{}'", dir.display())
-    }
-    Ok(files)
-}
-
 /// The PNG and JPEG files directly in `dir`.
 pub(crate) fn image_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files = Vec::new();
@@ -240,10 +219,10 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(dir) = &args.eval {
         return eval::run(&clf, dir);
     }
-    let paths = if args.images.is_empty() {
-        default_images()?
+    let paths: Vec<Input> = if args.images.is_empty() {
+        Input::built_in_samples()
     } else {
-        args.images.clone()
+        args.images.iter().cloned().map(Input::File).collect()
     };
     let k = args.top_k.min(clf.cfg.num_classes.max(1));
     let width = (0..clf.cfg.num_classes)
@@ -252,8 +231,10 @@ pub fn run(args: Args) -> Result<()> {
         .unwrap_or(1);
     let mut json = Vec::new();
     let mut out = std::io::stdout().lock();
-    for path in &paths {
-        let img = image_io::open_image(path)?;
+    for input in &paths {
+        let img = input.open()?;
+        let path = input.path();
+        let path = path.as_path();
         let x = clf.input(&img)?;
         let probs: Vec<f32> = clf
             .probabilities(std::slice::from_ref(&x))?
