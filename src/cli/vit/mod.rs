@@ -3,11 +3,13 @@
 
 mod eval;
 mod image_io;
+mod polarity;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use image_io::Input;
+use polarity::Invert;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
@@ -86,6 +88,11 @@ pub struct Args {
     /// per image: OUT-<image name>.png.
     #[arg(long, value_name = "OUT.png")]
     attention_map: Option<PathBuf>,
+    /// Invert grayscale images (dark ink on light to light on dark, as
+    /// the digits model was trained). auto: when the image's border is
+    /// mostly light, for one-channel models only.
+    #[arg(long, value_enum, default_value_t = Invert::Auto)]
+    invert: Invert,
     /// Output format of the predictions.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
@@ -98,6 +105,7 @@ pub(crate) struct Classifier {
     pub device: Device,
     pub dtype: DType,
     pub size: usize,
+    pub invert: Invert,
 }
 
 impl Classifier {
@@ -138,12 +146,19 @@ impl Classifier {
         let vit = ckpt
             .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
             .with_context(|| format!("with config {}", config.label))?;
+        if args.invert == Invert::Always && cfg.in_chans != 1 {
+            bail!(
+                "--invert always is for one-channel models; this one takes {} channels",
+                cfg.in_chans
+            )
+        }
         Ok(Self {
             vit,
             cfg,
             device,
             dtype,
             size,
+            invert: args.invert,
         })
     }
 
@@ -151,6 +166,7 @@ impl Classifier {
     /// device, in the model's dtype.
     pub fn input(&self, img: &image::DynamicImage) -> Result<Tensor> {
         let px = image_io::pixels(img, self.cfg.in_chans, self.size)?;
+        let px = polarity::apply(px, self.invert)?;
         let x = preprocess_to(&self.cfg, &px, (self.size, self.size))?;
         Ok(x.to_device(&self.device)?.to_dtype(self.dtype)?)
     }
