@@ -131,13 +131,22 @@ fn weights_take_a_file_or_a_folder() -> Result<()> {
         built_in
     );
 
-    // vit: the built-in model and its file copy give the same output, but
-    // for the path printed.
+    // vit: the built-in model, its file copy and its folder give the same
+    // output.
     let sample = s(repo.join("vit-digits/samples/digit3_0705.png"));
     let built_in = ok(&run(bin, &cwd, &["vit", &sample])?)?;
     let file = s(models.join("vit-digits/renamed.safetensors"));
     assert_eq!(
         ok(&run(bin, &cwd, &["vit", &sample, "--weights", &file])?)?,
+        built_in
+    );
+    std::fs::rename(
+        models.join("vit-digits/renamed.safetensors"),
+        models.join("vit-digits/model.safetensors"),
+    )?;
+    let dir = s(models.join("vit-digits"));
+    assert_eq!(
+        ok(&run(bin, &cwd, &["vit", &sample, "--weights", &dir])?)?,
         built_in
     );
     Ok(())

@@ -16,7 +16,7 @@ use candle::{DType, Device, Tensor};
 use multihead::models::checkpoint::Checkpoint;
 use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer, VitConfig};
 
-use super::model_files::{self, Text};
+use super::model_files::{self, Text, WeightsPath};
 
 /// Most patches `--image-size` may ask for beyond the config's own grid: a
 /// 64 x 64 grid. Time grows with the square of the patches, and an
@@ -58,9 +58,10 @@ pub struct Args {
     /// says). Default: the samples built into the binary
     /// (weights/vit-digits/samples/).
     images: Vec<PathBuf>,
-    /// Weights, a safetensors file with timm or HF names. Default: the
-    /// digits model built into the binary (weights/vit-digits).
-    #[arg(long, value_name = "FILE")]
+    /// Weights: a safetensors file with timm or HF names (its config.json
+    /// beside it), or a folder with model.safetensors and config.json.
+    /// Default: the digits model built into the binary (weights/vit-digits).
+    #[arg(long, value_name = "FILE|DIR")]
     weights: Option<PathBuf>,
     /// Model config (VitConfig JSON). Default: config.json beside the
     /// weights.
@@ -114,8 +115,9 @@ impl Classifier {
         let (config, ckpt) = match &args.weights {
             None => model_files::vit_digits()?,
             Some(w) => {
-                let config = Text::read(&w.with_file_name("config.json"), "config")?;
-                (config, Checkpoint::read(w)?)
+                let at = WeightsPath::resolve(w)?;
+                let config = Text::read(&at.beside("config.json"), "config")?;
+                (config, Checkpoint::read(&at.file)?)
             }
         };
         let config = match &args.config {
