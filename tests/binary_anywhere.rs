@@ -151,3 +151,16 @@ fn weights_take_a_file_or_a_folder() -> Result<()> {
     );
     Ok(())
 }
+
+/// `inspect` takes the folder too, and finds the config in it.
+#[test]
+fn inspect_takes_a_folder() -> Result<()> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
+    let out = ok(&Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .arg("inspect")
+        .arg(&dir)
+        .output()?)?;
+    assert!(out.contains("layout: timm VisionTransformer"), "{out}");
+    assert!(out.contains("config: VitConfig"), "{out}");
+    Ok(())
+}

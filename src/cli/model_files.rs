@@ -53,12 +53,13 @@ impl WeightsPath {
     /// A folder means `DIR/model.safetensors` with its files beside it; a
     /// file means that file, with its config in the same folder.
     pub fn resolve(path: &Path) -> Result<Self> {
-        let meta = std::fs::metadata(path).with_context(|| format!("--weights '{}'", path.display()))?;
+        let meta =
+            std::fs::metadata(path).with_context(|| format!("reading weights '{}'", path.display()))?;
         if meta.is_dir() {
             let file = path.join(WEIGHTS_FILE);
             if !file.is_file() {
                 bail!(
-                    "--weights '{}' is a folder without {WEIGHTS_FILE}; pass the weights file itself",
+                    "weights '{}' is a folder without {WEIGHTS_FILE}; pass the weights file itself",
                     path.display()
                 )
             }
