@@ -164,3 +164,36 @@ fn inspect_takes_a_folder() -> Result<()> {
     assert!(out.contains("config: VitConfig"), "{out}");
     Ok(())
 }
+
+/// `vit --weights FILE --config CONFIG` needs no config beside the file.
+#[test]
+fn vit_config_elsewhere() -> Result<()> {
+    let dir = outside("config_elsewhere")?;
+    let _cleanup = Cleanup(vec![dir.clone()]);
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
+    std::fs::create_dir_all(dir.join("w"))?;
+    std::fs::copy(repo.join("model.safetensors"), dir.join("w/digits.safetensors"))?;
+    std::fs::copy(repo.join("config.json"), dir.join("digits.json"))?;
+    let bin = Path::new(env!("CARGO_BIN_EXE_multihead"));
+    let sample = repo.join("samples/digit3_0705.png");
+    let out = ok(&run(
+        bin,
+        &dir,
+        &[
+            "vit",
+            "--weights",
+            "w/digits.safetensors",
+            "--config",
+            "digits.json",
+            "--top-k",
+            "1",
+            &sample.display().to_string(),
+        ],
+    )?)?;
+    assert_eq!(
+        out.lines().nth(1).and_then(|l| l.split_whitespace().next()),
+        Some("3"),
+        "{out}"
+    );
+    Ok(())
+}

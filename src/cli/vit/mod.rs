@@ -111,20 +111,34 @@ pub(crate) struct Classifier {
 
 impl Classifier {
     fn load(args: &Args) -> Result<Self> {
-        // Without --weights, the digits model built into the binary.
+        // Without --weights, the digits model built into the binary; the
+        // config is --config's, else the one beside the weights.
+        let given = args
+            .config
+            .as_deref()
+            .map(|c| Text::read(c, "config"))
+            .transpose()?;
         let (config, ckpt) = match &args.weights {
-            None => model_files::vit_digits()?,
+            None => {
+                let (built_in, ckpt) = model_files::vit_digits()?;
+                (given.unwrap_or(built_in), ckpt)
+            }
             Some(w) => {
                 let at = WeightsPath::resolve(w)?;
-                let config = Text::read(&at.beside("config.json"), "config")?;
+                let config = match given {
+                    Some(c) => c,
+                    None => Text::read(&at.beside("config.json"), "config")?,
+                };
                 (config, Checkpoint::read(&at.file)?)
             }
         };
-        let config = match &args.config {
-            Some(c) => Text::read(c, "config")?,
-            None => config,
-        };
         let cfg = VitConfig::from_json(&config.text).with_context(|| format!("config {}", config.label))?;
+        if args.invert == Invert::Always && cfg.in_chans != 1 {
+            bail!(
+                "--invert always is for one-channel models; this one takes {} channels",
+                cfg.in_chans
+            )
+        }
         let size = match args.image_size {
             Some(size) => checked_image_size(size, &cfg)?,
             None => cfg.img_size,
@@ -148,12 +162,6 @@ impl Classifier {
         let vit = ckpt
             .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
             .with_context(|| format!("with config {}", config.label))?;
-        if args.invert == Invert::Always && cfg.in_chans != 1 {
-            bail!(
-                "--invert always is for one-channel models; this one takes {} channels",
-                cfg.in_chans
-            )
-        }
         Ok(Self {
             vit,
             cfg,
