@@ -45,6 +45,7 @@
 
 #![warn(missing_docs)]
 
+mod cache;
 mod config;
 mod cpu;
 mod hydra;
@@ -55,16 +56,19 @@ mod mha;
 mod norm;
 mod options;
 mod projection;
+mod rotary;
 mod sdpa;
 
-pub use config::MhaConfig;
+pub use cache::KvCache;
+pub use config::{MhaConfig, PositionEncoding, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
 pub use linear::PackedLinear;
-pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
+pub use mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::MultiheadAttention;
 pub use norm::LayerNorm;
 pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
+pub use rotary::Rotary;
 pub use sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_via,
     scaled_dot_product_attention_with_weights, AttnPath,
