@@ -30,11 +30,20 @@ impl Drop for Cleanup {
 /// The binary copied to `bin/` and run with the working directory `cwd`,
 /// no environment at all.
 fn run(bin: &Path, cwd: &Path, args: &[&str]) -> Result<Output> {
-    Ok(Command::new(bin)
-        .current_dir(cwd)
-        .env_clear()
-        .args(args)
-        .output()?)
+    // A binary just copied can be briefly "busy" (ETXTBSY): a child forked
+    // by another test thread while the copy's file was open for writing
+    // holds that descriptor until it execs. Wait it out.
+    const ETXTBSY: i32 = 26;
+    let mut tries = 0;
+    loop {
+        match Command::new(bin).current_dir(cwd).env_clear().args(args).output() {
+            Err(e) if e.raw_os_error() == Some(ETXTBSY) && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            res => return Ok(res?),
+        }
+    }
 }
 
 fn ok(out: &Output) -> Result<String> {
