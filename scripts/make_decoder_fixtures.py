@@ -27,7 +27,7 @@ reloaded with `from_pretrained` and must give the same logits bit for bit.
 Everything is written into a temporary folder next to the output, which
 replaces tests/fixtures/decoders only when all of it succeeded.
 
-Regenerate (torch, transformers, safetensors, numpy; offline, a few seconds):
+Regenerate (the venv of scripts/requirements.txt; offline, a few seconds):
 
     .venv-ref/bin/python scripts/make_decoder_fixtures.py
 """

@@ -13,7 +13,7 @@ key of a query, PyTorch's row is NaN (ours: zeros). The metadata "case" (JSON) l
 the cases with their mask shapes and dtypes.
 
 Writes a temporary file and renames it over the committed one only when every
-case ran. Regenerate:
+case ran. Regenerate (the venv of scripts/requirements.txt):
 
     .venv-ref/bin/python scripts/make_sdpa_mask_fixtures.py
 """

@@ -3,18 +3,20 @@
 
 mod eval;
 mod image_io;
+mod polarity;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use image_io::Input;
+use polarity::Invert;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 use multihead::models::checkpoint::Checkpoint;
 use multihead::models::vit::{attention_rollout, preprocess_to, VisionTransformer, VitConfig};
 
-/// The shipped model, relative to the working directory or to the
-/// repository the binary was built from.
-const DEFAULT_MODEL_DIR: &str = "weights/vit-digits";
+use super::model_files::{self, Text, WeightsPath};
 
 /// Most patches `--image-size` may ask for beyond the config's own grid: a
 /// 64 x 64 grid. Time grows with the square of the patches, and an
@@ -53,11 +55,13 @@ pub enum Format {
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Images to classify (PNG or JPEG, any size; resized as the config
-    /// says). Default: the shipped samples, weights/vit-digits/samples/.
+    /// says). Default: the samples built into the binary
+    /// (weights/vit-digits/samples/).
     images: Vec<PathBuf>,
-    /// Weights, a safetensors file with timm or HF names. Default: the
-    /// shipped digits model, weights/vit-digits/model.safetensors.
-    #[arg(long, value_name = "FILE")]
+    /// Weights: a safetensors file with timm or HF names (its config.json
+    /// beside it), or a folder with model.safetensors and config.json.
+    /// Default: the digits model built into the binary (weights/vit-digits).
+    #[arg(long, value_name = "FILE|DIR")]
     weights: Option<PathBuf>,
     /// Model config (VitConfig JSON). Default: config.json beside the
     /// weights.
@@ -85,6 +89,11 @@ pub struct Args {
     /// per image: OUT-<image name>.png.
     #[arg(long, value_name = "OUT.png")]
     attention_map: Option<PathBuf>,
+    /// Invert grayscale images (dark ink on light to light on dark, as
+    /// the digits model was trained). auto: when the image's border is
+    /// mostly light, for one-channel models only.
+    #[arg(long, value_enum, default_value_t = Invert::Auto)]
+    invert: Invert,
     /// Output format of the predictions.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
@@ -97,21 +106,39 @@ pub(crate) struct Classifier {
     pub device: Device,
     pub dtype: DType,
     pub size: usize,
+    pub invert: Invert,
 }
 
 impl Classifier {
     fn load(args: &Args) -> Result<Self> {
-        let weights = match &args.weights {
-            Some(w) => w.clone(),
-            None => default_model_dir()?.join("model.safetensors"),
+        // Without --weights, the digits model built into the binary; the
+        // config is --config's, else the one beside the weights.
+        let given = args
+            .config
+            .as_deref()
+            .map(|c| Text::read(c, "config"))
+            .transpose()?;
+        let (config, ckpt) = match &args.weights {
+            None => {
+                let (built_in, ckpt) = model_files::vit_digits()?;
+                (given.unwrap_or(built_in), ckpt)
+            }
+            Some(w) => {
+                let at = WeightsPath::resolve(w)?;
+                let config = match given {
+                    Some(c) => c,
+                    None => Text::read(&at.beside("config.json"), "config")?,
+                };
+                (config, Checkpoint::read(&at.file)?)
+            }
         };
-        let config = match &args.config {
-            Some(c) => c.clone(),
-            None => weights.with_file_name("config.json"),
-        };
-        let json = std::fs::read_to_string(&config)
-            .with_context(|| format!("reading config '{}'", config.display()))?;
-        let cfg = VitConfig::from_json(&json).with_context(|| format!("config '{}'", config.display()))?;
+        let cfg = VitConfig::from_json(&config.text).with_context(|| format!("config {}", config.label))?;
+        if args.invert == Invert::Always && cfg.in_chans != 1 {
+            bail!(
+                "--invert always is for one-channel models; this one takes {} channels",
+                cfg.in_chans
+            )
+        }
         let size = match args.image_size {
             Some(size) => checked_image_size(size, &cfg)?,
             None => cfg.img_size,
@@ -129,19 +156,19 @@ impl Classifier {
         if dtype == DType::BF16 && device.is_cpu() {
             bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
         }
-        let ckpt = Checkpoint::read(&weights)?;
         // Sizes the file cannot hold are refused before anything is built.
         ckpt.ensure_holds(&cfg.min_weights()?)
-            .with_context(|| format!("config '{}'", config.display()))?;
+            .with_context(|| format!("config {}", config.label))?;
         let vit = ckpt
             .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
-            .with_context(|| format!("with config '{}'", config.display()))?;
+            .with_context(|| format!("with config {}", config.label))?;
         Ok(Self {
             vit,
             cfg,
             device,
             dtype,
             size,
+            invert: args.invert,
         })
     }
 
@@ -149,6 +176,7 @@ impl Classifier {
     /// device, in the model's dtype.
     pub fn input(&self, img: &image::DynamicImage) -> Result<Tensor> {
         let px = image_io::pixels(img, self.cfg.in_chans, self.size)?;
+        let px = polarity::apply(px, self.invert)?;
         let x = preprocess_to(&self.cfg, &px, (self.size, self.size))?;
         Ok(x.to_device(&self.device)?.to_dtype(self.dtype)?)
     }
@@ -181,29 +209,6 @@ fn checked_image_size(size: usize, cfg: &VitConfig) -> Result<usize> {
         )
     }
     Ok(size)
-}
-
-fn default_model_dir() -> Result<PathBuf> {
-    let here = Path::new(DEFAULT_MODEL_DIR);
-    if here.is_dir() {
-        return Ok(here.to_path_buf());
-    }
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_MODEL_DIR);
-    if built.is_dir() {
-        return Ok(built);
-    }
-    bail!("the shipped model is not in ./{DEFAULT_MODEL_DIR}; pass --weights")
-}
-
-/// The images of the shipped samples directory, sorted.
-fn default_images() -> Result<Vec<PathBuf>> {
-    let dir = default_model_dir()?.join("samples");
-    let mut files = image_files(&dir)?;
-    files.sort();
-    if files.is_empty() {
-        bail!("no images in '{}'", dir.display())
-    }
-    Ok(files)
 }
 
 /// The PNG and JPEG files directly in `dir`.
@@ -240,10 +245,10 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(dir) = &args.eval {
         return eval::run(&clf, dir);
     }
-    let paths = if args.images.is_empty() {
-        default_images()?
+    let paths: Vec<Input> = if args.images.is_empty() {
+        Input::built_in_samples()
     } else {
-        args.images.clone()
+        args.images.iter().cloned().map(Input::File).collect()
     };
     let k = args.top_k.min(clf.cfg.num_classes.max(1));
     let width = (0..clf.cfg.num_classes)
@@ -252,8 +257,10 @@ pub fn run(args: Args) -> Result<()> {
         .unwrap_or(1);
     let mut json = Vec::new();
     let mut out = std::io::stdout().lock();
-    for path in &paths {
-        let img = image_io::open_image(path)?;
+    for input in &paths {
+        let img = input.open()?;
+        let path = input.path();
+        let path = path.as_path();
         let x = clf.input(&img)?;
         let probs: Vec<f32> = clf
             .probabilities(std::slice::from_ref(&x))?
