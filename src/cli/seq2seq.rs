@@ -11,7 +11,7 @@ use multihead_models::dates::{self, DateOrder, DateReading};
 use multihead_models::generation::{
     Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
 };
-use multihead_models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 
 use super::heatmap;
 use super::model_files::{self, Text, WeightsPath};
@@ -281,7 +281,7 @@ impl Translator {
         for chunk in sources.chunks(BATCH) {
             let src = padded(chunk, self.model.config().pad_id, &self.device)?;
             let ids = if beam == 1 {
-                self.model.greedy(&src, KvCache::Use)?
+                self.model.greedy(&src, CacheMode::Use)?
             } else {
                 self.model
                     .beam_search(&src, beam)?
