@@ -14,7 +14,7 @@ use std::path::Path;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use multihead::models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+use multihead::models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -58,12 +58,12 @@ fn dates(c: &mut Criterion) -> Res<()> {
         let src = batch(&vocab, &inputs, &dev)?;
         // Tokens generated, end tokens included.
         let tokens: usize = model
-            .greedy(&src, KvCache::Use)?
+            .greedy(&src, CacheMode::Use)?
             .iter()
             .map(|t| t.len() + 1)
             .sum();
         group.throughput(Throughput::Elements(tokens as u64));
-        for (name, cache) in [("cached", KvCache::Use), ("uncached", KvCache::Recompute)] {
+        for (name, cache) in [("cached", CacheMode::Use), ("uncached", CacheMode::Recompute)] {
             group.bench_with_input(BenchmarkId::new(name, format!("batch{n}")), &src, |b, src| {
                 b.iter(|| model.greedy(src, cache).map(|o| o.len()).unwrap_or(0))
             });

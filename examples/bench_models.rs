@@ -7,7 +7,12 @@
 //! cargo run --release --example bench_models -- sgemm 2048
 //! cargo run --release --example bench_models -- linear 1576 768 2304
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
+//! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
 //! ```
+//!
+//! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
+//! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
+//! positions, and prefill throughput of a `PROMPT_LEN` (512) token prompt.
 //!
 //! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
 //! given timm state_dict or on random weights, and the peak resident
@@ -20,6 +25,7 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{Causal, Mask};
+use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
@@ -141,6 +147,34 @@ fn main() -> Result<()> {
             })?;
             println!(r#"{{"work": "nn.Transformer B8 S64 encode + 32 greedy steps", "median_ms": {ms:.2}}}"#);
         }
+        ["decoder", dir, rest @ ..] => {
+            let dev = Device::Cpu;
+            let model = DecoderModel::from_folder(dir.as_ref(), &dev)?;
+            let cache_len: usize = rest.first().map_or(Ok(2048), |s| s.parse())?;
+            let prompt_len: usize = rest.get(1).map_or(Ok(512), |s| s.parse())?;
+            let vocab = model.vocab_size() as u32;
+            let ids = |n: usize| -> candle::Result<Tensor> {
+                let data: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+                Tensor::from_vec(data, (1, n), &dev)
+            };
+            // One step over `cache_len` cached positions, the cache cut
+            // back after each so every step sees the same length.
+            let mut cache = model.new_cache(vec![]);
+            model.forward(&ids(cache_len)?, &mut cache)?;
+            let token = ids(1)?;
+            let ms = median_ms(|| {
+                model.forward(&token, &mut cache)?;
+                cache.truncate(cache_len);
+                Ok(())
+            })?;
+            println!(r#"{{"work": "decode step, cache {cache_len}", "median_ms": {ms:.3}}}"#);
+            let prompt = ids(prompt_len)?;
+            let ms = median_ms(|| Ok(model.forward(&prompt, &mut model.new_cache(vec![])).map(drop)?))?;
+            let tok_s = prompt_len as f64 / (ms * 1e-3);
+            println!(
+                r#"{{"work": "prefill {prompt_len} tokens", "median_ms": {ms:.2}, "tokens_per_s": {tok_s:.0}}}"#
+            );
+        }
         ["vit-b16", batch, rest @ ..] => {
             let batch: usize = batch.parse().context("vit-b16 takes a batch size")?;
             let cfg = VitConfig::base_patch16_224();
@@ -160,7 +194,8 @@ fn main() -> Result<()> {
             );
         }
         _ => bail!(
-            "usage: bench_models (sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS])"
+            "usage: bench_models (sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
+             | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
     }
     Ok(())

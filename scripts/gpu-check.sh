@@ -19,10 +19,13 @@
 # `--flash-attn` also builds candle-flash-attn's kernels: CUTLASS headers
 # come from the nvidia-cutlass 3.5 wheel (the pinned commit is CUTLASS 3.5)
 # and are seeded where candle-flash-attn's build looks; its 53 kernels take
-# an hour or more on two cores (cached in target/ afterwards).
+# an hour or more on two cores (cached in target/cuda afterwards). The CUDA
+# build has its own target dir, target/cuda, so target/release (the CPU
+# build, `multihead` included) is never touched.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bundle="$root/target/gpu-bundle"
+cuda_target="$root/target/cuda"
 
 build() {
   local features=cuda
@@ -38,8 +41,11 @@ build() {
   local cuda
   cuda=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13"))')
   export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_PATH="$cuda" CUDA_COMPUTE_CAP=90
-  # The repo's own target dir: the CPU-only dependencies are already built.
-  export CARGO_TARGET_DIR="$root/target"
+  # A target dir of its own: `cargo test --test devices` also builds the
+  # `multihead` binary, which in target/ would replace the CPU build with
+  # one linked to libcuda.so.1 (unusable here). The first build there
+  # compiles every dependency once more.
+  export CARGO_TARGET_DIR="$cuda_target"
   if [ "$features" = cuda,flash-attn ]; then
     "$venv/bin/pip" install -q "nvidia-cutlass==3.5.*"
     local src commit=7d49e6c7e2f8896c47f586706e67e1fb215529dc
@@ -84,8 +90,8 @@ link_stubs() {
   local dir="$root/target/cuda-link-stubs"
   rm -rf "$dir" && mkdir -p "$dir"
   local syms
-  syms=$(for f in "$root"/target/release/deps/lib{cudarc,candle_core,candle_nn,candle_kernels,candle_flash_attn}-*.rlib \
-    "$root"/target/release/build/candle-{kernels,flash-attn}-*/out/*.a; do
+  syms=$(for f in "$cuda_target"/release/deps/lib{cudarc,candle_core,candle_nn,candle_kernels,candle_flash_attn}-*.rlib \
+    "$cuda_target"/release/build/candle-{kernels,flash-attn}-*/out/*.a; do
     if [ -f "$f" ]; then nm -u "$f" 2>/dev/null || true; fi
   done | awk '$1 == "U" {print $2}' | { grep -E '^(__cuda|cuda|cu[A-Z]|nvrtc|curand|cublas)' || true; } | sort -u)
   local lib soname pattern

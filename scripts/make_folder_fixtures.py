@@ -16,8 +16,9 @@ photo.png (`input`, (1, 3, 32, 32)) and the model's logits for it
 (`logits`, (1, 5)); for the HF folders also `input_torchvision`, what
 transformers 5's default (torchvision) ViTImageProcessor gives.
 
-Everything is written to a temporary folder first; tests/fixtures/folders
-is replaced only when all of it succeeded. No network.
+Everything is written to a temporary folder first (scripts/staging.py);
+tests/fixtures/folders is replaced only when all of it succeeded. No
+network. The venv of scripts/requirements.txt:
 
     .venv-ref/bin/python scripts/make_folder_fixtures.py
     .venv-ref/bin/python scripts/make_folder_fixtures.py --full target/full-folders   # 700 MB, not committed
@@ -25,9 +26,7 @@ is replaced only when all of it succeeded. No network.
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 import timm
@@ -36,6 +35,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 from timm.models import save_for_hf
+from staging import staged
 from transformers import (
     DeiTConfig,
     DeiTForImageClassification,
@@ -188,8 +188,7 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--full":
         return full(sys.argv[2])
     torch.manual_seed(0)
-    tmp = tempfile.mkdtemp(prefix="folders-")
-    try:
+    with staged(OUT) as tmp:
         img = photo()
         img.save(os.path.join(tmp, "photo.png"))
         size = {"height": 32, "width": 32}
@@ -214,18 +213,7 @@ def main():
         total = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp) for f in fs)
         print(f"total {total / 1024:.0f} KB")
         assert total < 1_500_000, "fixtures too large"
-        # Swap in by renames, so a failure leaves the committed files whole.
-        staging, old = OUT + ".new", OUT + ".old"
-        for d in (staging, old):
-            shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(tmp, staging)
-        if os.path.isdir(OUT):
-            os.rename(OUT, old)
-        os.rename(staging, OUT)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
+    # staged() has moved every folder and file over OUT (a folder replaces a folder whole).
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@
 it (Bolya et al., 2022, Algorithm 1), inside timm-style `qkv`/`proj`
 projections, computed in float64 from float32 inputs.
 
-    /work/main/.venv-ref/bin/python scripts/make_hydra_fixtures.py
+    .venv-ref/bin/python scripts/make_hydra_fixtures.py
 
 Writes tests/fixtures/hydra/<case>.safetensors: `x`, `attn.qkv.*`,
 `attn.proj.*`, optionally `key_padding` (uint8, 1 = padding key), and `out`;
@@ -16,7 +16,11 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from staging import staged
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hydra")
+# Where `case` writes: a temporary folder while `main` runs (see staging.py).
+DEST = OUT
 
 
 def hydra(q, k, v, causal=False, pad=None):
@@ -56,17 +60,23 @@ def case(name, b, n, e, causal=False, lengths=None, seed=0):
     })
     meta = {"causal": causal, "embed_dim": e}
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, os.path.join(OUT, f"{name}.safetensors"), metadata={"case": json.dumps(meta)})
+    save_file(tensors, os.path.join(DEST, f"{name}.safetensors"), metadata={"case": json.dumps(meta)})
 
 
 def main():
-    os.makedirs(OUT, exist_ok=True)
+    global DEST
+    # The committed fixtures are replaced only once every case is written.
+    with staged(OUT, replace_all=True) as DEST:
+        write_cases()
+    print("wrote", OUT)
+
+
+def write_cases():
     case("plain", 2, 17, 32, seed=1)
     # 150 positions: the running sum spans three blocks of 64.
     case("causal", 2, 150, 16, causal=True, seed=2)
     case("key_padding", 3, 11, 24, lengths=[11, 7, 1], seed=3)
     case("causal_key_padding", 2, 70, 16, causal=True, lengths=[70, 40], seed=4)
-    print("wrote", OUT)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ state_dict under `mha.` (PyTorch's own names), the inputs, the masks and
 PyTorch's outputs; the case's description (config and forward options) is a
 JSON string in the file's metadata under "case".
 
-Regenerate (needs torch and safetensors, nothing else; a few seconds):
+Regenerate (a few seconds; the venv of scripts/requirements.txt):
 
-    python3 -m venv .venv-ref && .venv-ref/bin/pip install torch safetensors
+    python3 -m venv .venv-ref && .venv-ref/bin/pip install -r scripts/requirements.txt
     .venv-ref/bin/python scripts/make_mha_fixtures.py
+
+The files are written to a temporary folder and replace the committed ones
+only when every case has been written.
 
 The Rust side is tests/mha_pytorch.rs.
 """
@@ -22,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from staging import staged
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "mha")
+# Where `save` writes: a temporary folder while `main` runs (see staging.py).
+DEST = OUT
 
 torch.manual_seed(0)
 
@@ -51,7 +58,7 @@ def save(name, tensors, case):
     for k, v in tensors.items():
         if v.dtype == torch.bool:
             tensors[k] = v.to(torch.uint8)
-    save_file(tensors, os.path.join(OUT, f"{name}.safetensors"), metadata={"case": json.dumps(case)})
+    save_file(tensors, os.path.join(DEST, f"{name}.safetensors"), metadata={"case": json.dumps(case)})
 
 
 def mha_case(
@@ -221,11 +228,16 @@ def sdpa_case(name, *, B=2, H=4, KH=None, L=5, S=7, D=8, Dv=None, mask=None, cau
 
 
 def main():
-    os.makedirs(OUT, exist_ok=True)
-    for f in os.listdir(OUT):
-        if f.endswith(".safetensors"):
-            os.remove(os.path.join(OUT, f))
+    global DEST
+    # The committed fixtures are replaced only once every case is written;
+    # cases no longer made are removed then.
+    with staged(OUT, replace_all=True) as DEST:
+        write_cases()
+    n = len([f for f in os.listdir(OUT) if f.endswith(".safetensors")])
+    print(f"wrote {n} cases to {os.path.normpath(OUT)}", file=sys.stderr)
 
+
+def write_cases():
     # Self-attention and weights.
     mha_case("self_basic")
     mha_case("self_per_head_weights", need_weights="per_head")
@@ -273,8 +285,6 @@ def main():
     sdpa_case("sdpa_scale", scale=0.7, D=16, Dv=12)
     sdpa_case("sdpa_gqa", H=6, KH=2, causal="top_left", L=7, S=7)
     sdpa_case("sdpa_mqa_decode", H=4, KH=1, L=1, S=9)
-    n = len([f for f in os.listdir(OUT) if f.endswith(".safetensors")])
-    print(f"wrote {n} cases to {os.path.normpath(OUT)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

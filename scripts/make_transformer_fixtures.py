@@ -17,9 +17,12 @@ Rust side replaces by `Causal::TopLeft`).
 PyTorch runs in eval mode with autograd on: that keeps it on the reference
 path (its fast path zeroes the encoder output at padded positions).
 
-Regenerate (torch, safetensors; a second):
+Regenerate (a second; the venv of scripts/requirements.txt):
 
     .venv-ref/bin/python scripts/make_transformer_fixtures.py
+
+The files are written to a temporary folder and replace the committed ones
+only when every case has been written.
 
 The Rust side is tests/transformer_pytorch.rs.
 """
@@ -31,7 +34,11 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from staging import staged
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "transformer")
+# Where `save` writes: a temporary folder while `main` runs (see staging.py).
+DEST = OUT
 
 torch.manual_seed(0)
 
@@ -78,7 +85,7 @@ def save(name, tensors, case):
     for k, v in tensors.items():
         if v.dtype == torch.bool:
             tensors[k] = v.to(torch.uint8)
-    save_file(tensors, os.path.join(OUT, f"{name}.safetensors"), metadata={"case": json.dumps(case)})
+    save_file(tensors, os.path.join(DEST, f"{name}.safetensors"), metadata={"case": json.dumps(case)})
 
 
 def case(name, *, norm_first, activation="relu", batch_first=True, bias=True, eps=1e-5,
@@ -136,7 +143,12 @@ def case(name, *, norm_first, activation="relu", batch_first=True, bias=True, ep
 
 
 def main():
-    os.makedirs(OUT, exist_ok=True)
+    global DEST
+    with staged(OUT, replace_all=True) as DEST:
+        write_cases()
+
+
+def write_cases():
     src_pad = padding(SRC_LENS, S)
     tgt_pad = padding(TGT_LENS, T)
     tgt_causal = causal(T, T)

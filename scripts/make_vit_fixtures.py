@@ -14,7 +14,8 @@ state_dict is renamed to HF's keys here (`to_hf_names`), following HF's own
 timm-to-HF conversion script (`convert_vit_timm_to_pytorch.py`): the fused
 `qkv` is split into `query`/`key`/`value`.
 
-Regenerate (needs torch, timm and safetensors; no download; seconds):
+Regenerate (the venv of scripts/requirements.txt; no download; seconds;
+the committed files are replaced only once every case is written):
 
     .venv-ref/bin/python scripts/make_vit_fixtures.py
 
@@ -39,9 +40,14 @@ import timm
 from timm.models.vision_transformer import VisionTransformer
 from safetensors.torch import save_file
 
+from staging import staged
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 OUT = os.path.join(ROOT, "tests", "fixtures", "vit")
 FULL_OUT = os.path.join(ROOT, "target", "vit-full-fixtures")
+# Where `make_case` writes: a temporary folder while the script runs, moved
+# over OUT or FULL_OUT once every case is written (see staging.py).
+DEST = OUT
 
 
 def randomize(model, scale):
@@ -87,7 +93,7 @@ def run_with_attention(model, x):
     return logits, attns
 
 
-def make_case(name, cfg, input_hw, *, out_dir=OUT, batch=2, scale=0.1, seed=0, attn_layers="all"):
+def make_case(name, cfg, input_hw, *, batch=2, scale=0.1, seed=0, attn_layers="all"):
     """cfg: the VitConfig JSON; it also builds the timm model."""
     torch.manual_seed(seed)
     eps = cfg.get("layer_norm_eps", 1e-6)
@@ -125,9 +131,8 @@ def make_case(name, cfg, input_hw, *, out_dir=OUT, batch=2, scale=0.1, seed=0, a
     for i in layers:
         tensors[f"attn.{i}"] = attns[i]
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    os.makedirs(out_dir, exist_ok=True)
     case = {"config": cfg, "input_hw": list(input_hw), "attn_layers": list(layers)}
-    save_file(tensors, os.path.join(out_dir, f"{name}.safetensors"), metadata={"case": json.dumps(case)})
+    save_file(tensors, os.path.join(DEST, f"{name}.safetensors"), metadata={"case": json.dumps(case)})
     n = sum(v.numel() for v in tensors.values())
     print(f"{name}: {n} values, logits {tuple(logits.shape)}")
 
@@ -165,16 +170,16 @@ def full_cases():
         # The registered architecture, to be sure these sizes are timm's.
         ref = timm.create_model(name, pretrained=False)
         assert (ref.embed_dim, len(ref.blocks), ref.blocks[0].attn.num_heads) == (kw["embed_dim"], 12, kw["num_heads"])
-        make_case(name, cfg, (224, 224), out_dir=FULL_OUT, batch=1, scale=0.02, attn_layers=[11])
+        make_case(name, cfg, (224, 224), batch=1, scale=0.02, attn_layers=[11])
     make_case("vit_tiny_patch16_224_320x256", dict(img_size=224, patch_size=16, num_classes=1000, depth=12,
-              embed_dim=192, num_heads=3), (320, 256), out_dir=FULL_OUT, batch=1, scale=0.02, attn_layers=[0])
+              embed_dim=192, num_heads=3), (320, 256), batch=1, scale=0.02, attn_layers=[0])
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--full", action="store_true", help="write the full-size architectures to target/vit-full-fixtures")
     args = ap.parse_args()
-    if args.full:
-        full_cases()
-    else:
-        small_cases()
+    # Files of this folder that this script does not write (other fixture
+    # scripts') are left alone.
+    with staged(FULL_OUT if args.full else OUT) as DEST:
+        full_cases() if args.full else small_cases()

@@ -9,16 +9,24 @@ evaluation read pixels exactly as `multihead vit` does: uint8 PNG pixels ->
 (`preprocess` below; `multihead_models::vit::preprocess` on the Rust side).
 The held-out evaluation reads the PNG files back from disk.
 
-Writes:
-  weights/vit-digits/model.safetensors   timm VisionTransformer state_dict (timm names)
-  weights/vit-digits/config.json         the VitConfig
-  weights/vit-digits/heldout/<class>/*.png   the held-out split (20 %, stratified)
-  weights/vit-digits/samples/*.png       a dozen held-out images, for `multihead vit` without arguments
-  weights/vit-digits/pytorch_predictions.json  PyTorch's prediction and probabilities per held-out image
+Writes, to --out (default target/vit-digits-retrained, so that the shipped
+model is never overwritten by accident; `--out weights/vit-digits` replaces
+it), through a temporary folder moved into place only once everything is
+written:
+  model.safetensors          timm VisionTransformer state_dict (timm names)
+  config.json                the VitConfig
+  heldout/<class>/*.png      the held-out split (20 %, stratified)
+  samples/*.png              a dozen held-out images, for `multihead vit` without arguments
+  pytorch_predictions.json   PyTorch's prediction and probabilities per held-out image
 
-Run (about 3 minutes on an idle core; single-threaded, seeded):
+Run (about 3 minutes on an idle core; the venv of scripts/requirements.txt):
 
     .venv-ref/bin/python scripts/train_vit_digits.py
+
+Seeded and single-threaded, but not bit-reproducible: a rerun (torch
+2.15.0, timm 1.0.31) reached 97.78 % held-out where the shipped model has
+98.61 %. The tests check the shipped model against the predictions saved
+with it, never against a retraining.
 """
 
 import argparse
@@ -36,8 +44,12 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from timm.models.vision_transformer import VisionTransformer
 
+from staging import staged
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-OUT = os.path.join(ROOT, "weights", "vit-digits")
+# Not the shipped model's folder: a retrained model is compared with it
+# before anyone copies it there (`--out weights/vit-digits` replaces it).
+OUT = os.path.join(ROOT, "target", "vit-digits-retrained")
 SEED = 0
 EPOCHS = 120
 LR = 2e-3
@@ -99,7 +111,9 @@ def augment(x, pad_value):
 def main():
     global OUT, EPOCHS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=OUT, help="output directory (default: weights/vit-digits)")
+    ap.add_argument("--out", default=OUT,
+                    help="output directory (default: target/vit-digits-retrained; "
+                         "weights/vit-digits replaces the shipped model)")
     ap.add_argument("--epochs", type=int, default=EPOCHS)
     ap.add_argument("--patch-size", type=int, default=CONFIG["patch_size"])
     ap.add_argument("--embed-dim", type=int, default=CONFIG["embed_dim"])
@@ -153,54 +167,59 @@ def main():
             print(f"epoch {epoch + 1}: loss {loss_sum / total:.3f}, train acc {correct / total:.3f}, "
                   f"{time.time() - t0:.0f}s", flush=True)
 
-    # Write the held-out split as PNGs, then evaluate from the files on disk.
-    for sub in ("heldout", "samples"):
-        shutil.rmtree(os.path.join(OUT, sub), ignore_errors=True)
-    files = []
-    for i in test_idx:
-        rel = os.path.join("heldout", str(labels[i]), f"{i:04d}.png")
-        os.makedirs(os.path.join(OUT, os.path.dirname(rel)), exist_ok=True)
-        Image.fromarray(pixels[i], mode="L").save(os.path.join(OUT, rel), optimize=True)
-        files.append((rel, int(labels[i])))
-    # A dozen samples: the first held-out image of each class, and two more.
-    os.makedirs(os.path.join(OUT, "samples"), exist_ok=True)
-    picked = []
-    for c in range(10):
-        picked.append(next(f for f in files if f[1] == c))
-    picked += [f for f in files if f not in picked][:2]
-    for rel, c in picked:
-        shutil.copy(os.path.join(OUT, rel), os.path.join(OUT, "samples", f"digit{c}_{os.path.basename(rel)}"))
+    # Everything is written to a temporary folder beside the output and
+    # moved over it only once all of it is written (see staging.py).
+    final_out = OUT
+    with staged(final_out) as OUT:
+        # Write the held-out split as PNGs, then evaluate from the files on disk.
+        for sub in ("heldout", "samples"):
+            shutil.rmtree(os.path.join(OUT, sub), ignore_errors=True)
+        files = []
+        for i in test_idx:
+            rel = os.path.join("heldout", str(labels[i]), f"{i:04d}.png")
+            os.makedirs(os.path.join(OUT, os.path.dirname(rel)), exist_ok=True)
+            Image.fromarray(pixels[i], mode="L").save(os.path.join(OUT, rel), optimize=True)
+            files.append((rel, int(labels[i])))
+        # A dozen samples: the first held-out image of each class, and two more.
+        os.makedirs(os.path.join(OUT, "samples"), exist_ok=True)
+        picked = []
+        for c in range(10):
+            picked.append(next(f for f in files if f[1] == c))
+        picked += [f for f in files if f not in picked][:2]
+        for rel, c in picked:
+            shutil.copy(os.path.join(OUT, rel), os.path.join(OUT, "samples", f"digit{c}_{os.path.basename(rel)}"))
 
-    model.eval()
-    sample_files = sorted(os.listdir(os.path.join(OUT, "samples")))
-    all_rel = [r for r, _ in files] + [os.path.join("samples", f) for f in sample_files]
-    read = np.stack([np.array(Image.open(os.path.join(OUT, r)).convert("L")) for r in all_rel])
-    with torch.no_grad():
-        probs = model(preprocess(read, mean, std)).softmax(-1)
-    preds = probs.argmax(-1)
-    truth = [c for _, c in files]
-    n = len(files)
-    acc = float((preds[:n] == torch.tensor(truth)).float().mean())
-    print(f"held-out accuracy (PyTorch, from the PNG files): {acc:.4f} ({int(round(acc * n))}/{n})")
+        model.eval()
+        sample_files = sorted(os.listdir(os.path.join(OUT, "samples")))
+        all_rel = [r for r, _ in files] + [os.path.join("samples", f) for f in sample_files]
+        read = np.stack([np.array(Image.open(os.path.join(OUT, r)).convert("L")) for r in all_rel])
+        with torch.no_grad():
+            probs = model(preprocess(read, mean, std)).softmax(-1)
+        preds = probs.argmax(-1)
+        truth = [c for _, c in files]
+        n = len(files)
+        acc = float((preds[:n] == torch.tensor(truth)).float().mean())
+        print(f"held-out accuracy (PyTorch, from the PNG files): {acc:.4f} ({int(round(acc * n))}/{n})")
 
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(sd, os.path.join(OUT, "model.safetensors"))
-    with open(os.path.join(OUT, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=2)
-        f.write("\n")
-    report = {
-        "accuracy": acc,
-        "num_images": n,
-        "seed": SEED,
-        "epochs": EPOCHS,
-        "predictions": {
-            r: {"pred": int(p), "probs": [round(float(v), 7) for v in pr]}
-            for r, p, pr in zip(all_rel, preds, probs)
-        },
-    }
-    with open(os.path.join(OUT, "pytorch_predictions.json"), "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
+        sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(sd, os.path.join(OUT, "model.safetensors"))
+        with open(os.path.join(OUT, "config.json"), "w") as f:
+            json.dump(CONFIG, f, indent=2)
+            f.write("\n")
+        report = {
+            "accuracy": acc,
+            "num_images": n,
+            "seed": SEED,
+            "epochs": EPOCHS,
+            "predictions": {
+                r: {"pred": int(p), "probs": [round(float(v), 7) for v in pr]}
+                for r, p, pr in zip(all_rel, preds, probs)
+            },
+        }
+        with open(os.path.join(OUT, "pytorch_predictions.json"), "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    OUT = final_out
     print(f"wrote {OUT}: {sum(v.numel() for v in sd.values())} parameters, {time.time() - t0:.0f}s")
 
 

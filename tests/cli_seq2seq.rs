@@ -123,7 +123,7 @@ fn refuses_bad_options() -> Result<()> {
     );
     assert_refused(
         &run(&["March 3, 2021", "--weights", "/nonexistent"], None)?,
-        "config.json",
+        "reading weights '/nonexistent'",
     );
     Ok(())
 }

@@ -12,7 +12,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use multihead::attention::{
     scaled_dot_product_attention, scaled_dot_product_attention_with_weights, Causal, KeyPaddingMask, Mask,
-    MhaConfig, MhaOptions, MultiheadAttention, NeedWeights, SeparateNames, WeightLayout,
+    MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
 };
 
 const E: usize = 16;
@@ -250,7 +250,8 @@ fn cached_decoding_equals_the_full_causal_pass() -> Result<()> {
             Some(c) => Tensor::cat(&[&c, &v], 2)?,
             None => v,
         };
-        let step = mha.forward_projected(&xt, &k, &v, &Mask::causal(Causal::BottomRight), NeedWeights::No)?;
+        let opts = MhaOptions::new().with_mask(Mask::causal(Causal::BottomRight));
+        let step = mha.forward_projected(&xt, &k, &v, &opts)?;
         assert_close(&format!("step {t}"), &step.output, &full.i((.., t..t + 1))?, 1e-6)?;
         (k_cache, v_cache) = (Some(k), Some(v));
     }

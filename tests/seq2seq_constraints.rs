@@ -13,7 +13,7 @@ use candle_nn::VarBuilder;
 use common::padded;
 use multihead::models::dates::{self, DateReading, ISO_DATE_PATTERN};
 use multihead::models::generation::{Decoding, LogitsProcessor, TokenConstraint};
-use multihead::models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+use multihead::models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 use serde_json::Value;
 
 fn weights_dir() -> &'static Path {
@@ -54,7 +54,7 @@ fn the_date_constraint_turns_impossible_outputs_into_real_dates() -> Result<()> 
     // ISO strings.
     let texts = ["Feb 29 2021", "31/04/2021", "2021-13-45"];
     let src = padded(&sources(&vocab, &texts)?, &dev)?;
-    let free = model.greedy(&src, KvCache::Use)?;
+    let free = model.greedy(&src, CacheMode::Use)?;
     for (t, ids) in texts.iter().zip(&free) {
         let out = vocab.decode(ids);
         assert!(
@@ -108,7 +108,7 @@ fn a_constraint_that_never_binds_changes_nothing_and_generate_is_greedy() -> Res
     let src = heldout_sources(&vocab, 200)?;
     for chunk in src.chunks(100) {
         let src = padded(chunk, &dev)?;
-        let reference = model.greedy(&src, KvCache::Use)?;
+        let reference = model.greedy(&src, CacheMode::Use)?;
         for decoding in [Decoding::Greedy, Decoding::Beam { beams: 3 }] {
             let cfg = model.generation_config().with_decoding(decoding);
             let free = model.generate(&src, &cfg, &[])?;

@@ -11,7 +11,7 @@ use candle::{DType, Device};
 use candle_nn::VarBuilder;
 use common::padded;
 use multihead::models::dates::{encode_source, DateOrder};
-use multihead::models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+use multihead::models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 use serde_json::Value;
 
 fn weights_dir() -> &'static Path {
@@ -55,10 +55,10 @@ fn greedy_equals_pytorch_on_every_heldout_example() -> Result<()> {
             })
             .collect::<Result<_>>()?;
         let src = padded(&src, &dev)?;
-        let cached = model.greedy(&src, KvCache::Use)?;
+        let cached = model.greedy(&src, CacheMode::Use)?;
         // The uncached reference on the first chunk only: it is slower.
         if i == 0 {
-            assert_eq!(model.greedy(&src, KvCache::Recompute)?, cached);
+            assert_eq!(model.greedy(&src, CacheMode::Recompute)?, cached);
         }
         for (e, ids) in chunk.iter().zip(&cached) {
             let ours = vocab.decode(ids);

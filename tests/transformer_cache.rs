@@ -10,7 +10,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, fixture_dir, padded, Fixture};
 use multihead::attention::{Causal, KeyPaddingMask, Mask};
 use multihead::models::transformer::{
-    Activation, KvCache, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig,
+    Activation, CacheMode, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig,
 };
 
 /// Cached and full passes do the same arithmetic in a different grouping
@@ -123,13 +123,13 @@ fn greedy_with_and_without_cache_agree_and_ignore_padding() -> Result<()> {
     let dev = Device::Cpu;
     for norm_first in [false, true] {
         let (model, src, rows) = tiny_model(norm_first, &dev)?;
-        let cached = model.greedy(&src, KvCache::Use)?;
-        let recomputed = model.greedy(&src, KvCache::Recompute)?;
+        let cached = model.greedy(&src, CacheMode::Use)?;
+        let recomputed = model.greedy(&src, CacheMode::Recompute)?;
         assert_eq!(cached, recomputed);
         // Padding changes nothing: each source alone, unpadded.
         for (row, expected) in rows.iter().zip(&cached) {
             let one = Tensor::new(row.as_slice(), &dev)?.unsqueeze(0)?;
-            assert_eq!(&model.greedy(&one, KvCache::Use)?[0], expected);
+            assert_eq!(&model.greedy(&one, CacheMode::Use)?[0], expected);
         }
         // Beam search with one beam is greedy search.
         let beam1: Vec<Vec<u32>> = model

@@ -6,7 +6,7 @@
 use candle::{DType, Device, Tensor};
 use libfuzzer_sys::fuzz_target;
 use multihead_models::checkpoint::Checkpoint;
-use multihead_models::transformer::{KvCache, Seq2Seq, Seq2SeqConfig};
+use multihead_models::transformer::{CacheMode, Seq2Seq, Seq2SeqConfig};
 
 static WEIGHTS: &[u8] = include_bytes!("../../weights/dates/model.safetensors");
 
@@ -30,6 +30,6 @@ fuzz_target!(|data: &[u8]| {
     let len = cfg.max_src_len.min(4);
     let ids: Vec<u32> = (0..len as u32).map(|i| 3 + i % 5).collect();
     if let Ok(src) = Tensor::from_vec(ids, (1, len), &Device::Cpu) {
-        let _ = model.greedy(&src, KvCache::Use);
+        let _ = model.greedy(&src, CacheMode::Use);
     }
 });

@@ -12,6 +12,8 @@ use multihead::models::inspect::{recognise, Layout, VitFacts};
 use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
+use super::model_files::WeightsPath;
+
 /// Entries of each list the text output shows without `--all`: a header
 /// of 100,000 tensors prints a screenful and a count, not 100,000 lines.
 const LISTED: usize = 200;
@@ -19,7 +21,9 @@ const LISTED: usize = 200;
 /// Arguments of `multihead inspect`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The checkpoint (safetensors; pickles are refused).
+    /// The checkpoint (safetensors; pickles are refused), or a folder
+    /// holding it as model.safetensors.
+    #[arg(value_name = "FILE|DIR")]
     file: PathBuf,
     /// A model config (VitConfig or MhaConfig JSON) to check the tensors
     /// against: missing, unexpected, mis-shaped. Default: config.json
@@ -45,7 +49,13 @@ struct ConfigCheck {
 
 /// Runs the command.
 pub fn run(args: Args) -> Result<()> {
-    let ckpt = Checkpoint::read(&args.file)?;
+    // A folder means its model.safetensors, as `--weights DIR` does.
+    let file = if args.file.is_dir() {
+        WeightsPath::resolve(&args.file)?.file
+    } else {
+        args.file.clone()
+    };
+    let ckpt = Checkpoint::read(&file)?;
     let layout = recognise(ckpt.tensors());
     let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
     let non_finite: Vec<NonFinite> = ckpt
@@ -53,7 +63,7 @@ pub fn run(args: Args) -> Result<()> {
         .into_iter()
         .map(|(name, nan, inf)| NonFinite { name, nan, inf })
         .collect();
-    let beside = args.file.with_file_name("config.json");
+    let beside = file.with_file_name("config.json");
     // A config.json beside the file that cannot be used (another kind, or
     // sizes the file cannot hold) does not fail the inspection, but is not
     // passed over in silence either.

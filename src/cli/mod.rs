@@ -2,5 +2,6 @@
 
 mod heatmap;
 pub mod inspect;
+pub mod model_files;
 pub mod seq2seq;
 pub mod vit;

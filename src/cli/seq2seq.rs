@@ -11,9 +11,10 @@ use multihead_models::dates::{self, DateOrder, DateReading};
 use multihead_models::generation::{
     Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
 };
-use multihead_models::transformer::{CharVocab, KvCache, Seq2Seq, Seq2SeqConfig};
+use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 
 use super::heatmap;
+use super::model_files::{self, Text, WeightsPath};
 
 /// Sources translated per forward pass.
 const BATCH: usize = 64;
@@ -32,9 +33,12 @@ pub struct Args {
     /// most 64).
     #[arg(long, default_value_t = 1)]
     pub beam: usize,
-    /// Folder with model.safetensors, config.json and vocab.json.
-    #[arg(long, default_value_os_t = default_weights())]
-    pub weights: PathBuf,
+    /// Weights: a folder with model.safetensors, config.json and
+    /// vocab.json, or a safetensors file with config.json and vocab.json
+    /// beside it. Default: the date normaliser built into the binary
+    /// (weights/dates).
+    #[arg(long, value_name = "FILE|DIR")]
+    pub weights: Option<PathBuf>,
     /// cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -96,10 +100,6 @@ pub enum Constraint {
     None,
 }
 
-fn default_weights() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/dates")
-}
-
 /// `cpu`, `cuda`, `cuda:N` or `metal` as a candle device.
 pub fn parse_device(s: &str) -> Result<Device> {
     let dev = match s {
@@ -132,19 +132,26 @@ struct Translator {
 }
 
 impl Translator {
-    fn load(dir: &Path, device: Device, dtype: DType) -> Result<Self> {
-        let read = |name: &str| -> Result<String> {
-            let p = dir.join(name);
-            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+    /// The model of `--weights` (file or folder), or the built-in one.
+    fn load(weights: Option<&Path>, device: Device, dtype: DType) -> Result<Self> {
+        let (config, vocab, ckpt) = match weights {
+            None => model_files::dates()?,
+            Some(path) => {
+                let at = WeightsPath::resolve(path)?;
+                let config = Text::read(&at.beside("config.json"), "config")?;
+                let vocab = Text::read(&at.beside("vocab.json"), "vocab")?;
+                (config, vocab, Checkpoint::read(&at.file)?)
+            }
         };
-        let at = |name: &str| format!("'{}'", dir.join(name).display());
-        let cfg = Seq2SeqConfig::from_json(&read("config.json")?).with_context(|| at("config.json"))?;
-        let vocab = CharVocab::from_json(&read("vocab.json")?).with_context(|| at("vocab.json"))?;
-        if vocab.src.len() != cfg.src_vocab_size || vocab.tgt.len() != cfg.tgt_vocab_size {
+        let cfg = Seq2SeqConfig::from_json(&config.text).with_context(|| config.label.clone())?;
+        let vocab_map = CharVocab::from_json(&vocab.text).with_context(|| vocab.label.clone())?;
+        if vocab_map.src.len() != cfg.src_vocab_size || vocab_map.tgt.len() != cfg.tgt_vocab_size {
             bail!(
-                "vocab.json has {} source and {} target entries but config.json says {} and {}",
-                vocab.src.len(),
-                vocab.tgt.len(),
+                "vocab {} has {} source and {} target entries but config {} says {} and {}",
+                vocab.label,
+                vocab_map.src.len(),
+                vocab_map.tgt.len(),
+                config.label,
                 cfg.src_vocab_size,
                 cfg.tgt_vocab_size
             )
@@ -152,14 +159,16 @@ impl Translator {
         // The checked path `vit` uses: header validated, the config's
         // sizes bounded by what the file holds, then every missing,
         // unexpected, mis-shaped and NaN/Inf tensor reported at once.
-        let ckpt = Checkpoint::read(&dir.join("model.safetensors"))?;
-        let config = dir.join("config.json");
         ckpt.ensure_holds(&cfg.min_weights()?)
-            .with_context(|| format!("config '{}'", config.display()))?;
+            .with_context(|| format!("config {}", config.label))?;
         let model = ckpt
             .load(dtype, &device, |vb| Seq2Seq::new(&cfg, vb))
-            .with_context(|| format!("with config '{}'", config.display()))?;
-        Ok(Self { model, vocab, device })
+            .with_context(|| format!("with config {}", config.label))?;
+        Ok(Self {
+            model,
+            vocab: vocab_map,
+            device,
+        })
     }
 
     /// Source ids of one input, or why it cannot be translated.
@@ -272,7 +281,7 @@ impl Translator {
         for chunk in sources.chunks(BATCH) {
             let src = padded(chunk, self.model.config().pad_id, &self.device)?;
             let ids = if beam == 1 {
-                self.model.greedy(&src, KvCache::Use)?
+                self.model.greedy(&src, CacheMode::Use)?
             } else {
                 self.model
                     .beam_search(&src, beam)?
@@ -369,7 +378,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
-    let tr = Translator::load(&args.weights, device, dtype)?;
+    let tr = Translator::load(args.weights.as_deref(), device, dtype)?;
     // Line endings and surrounding blanks are not part of a date.
     let encoded: Vec<Result<Vec<u32>>> = inputs.iter().map(|text| tr.encode(text.trim(), order)).collect();
     let good: Vec<Vec<u32>> = encoded.iter().filter_map(|e| e.as_ref().ok()).cloned().collect();

@@ -44,7 +44,13 @@ impl Fixture {
             .and_then(|m| m.get("case"))
             .context("fixture has no 'case' metadata")?;
         let case = serde_json::from_str(case)?;
-        let tensors = candle::safetensors::load_buffer(&bytes, device)?;
+        // Through the checked reader, so that BOOL tensors load as u8.
+        let ckpt = multihead::models::checkpoint::Checkpoint::from_bytes(bytes, &path.display().to_string())?;
+        let tensors = ckpt
+            .tensors()
+            .iter()
+            .map(|t| Ok((t.name.clone(), ckpt.tensor(&t.name, device)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
         let name = path
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())

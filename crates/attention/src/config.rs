@@ -47,6 +47,91 @@ pub struct MhaConfig {
     /// Epsilon of the qk-norm LayerNorms (timm ViT: 1e-6).
     #[serde(default = "default_qk_norm_eps")]
     pub qk_norm_eps: f64,
+    /// Key/value heads (default `num_heads`): fewer is grouped-query
+    /// attention (Llama 2 70B, Mistral), one is multi-query. The key and
+    /// value projections then have `num_kv_heads * head_dim` outputs.
+    #[serde(default)]
+    pub num_kv_heads: Option<usize>,
+    /// Positions encoded after the projection: rotary on q and k, or an
+    /// ALiBi bias on the scores.
+    #[serde(default)]
+    pub position: PositionEncoding,
+    /// Sliding-window causal attention (Mistral's `sliding_window`): with a
+    /// causal rule, a query sees at most this many keys, the newest ones.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+}
+
+/// How token positions enter the attention, beside any mask.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PositionEncoding {
+    /// None here (learned or sinusoidal embeddings added to the input).
+    #[default]
+    None,
+    /// Rotary position embeddings on q and k after projection (and after
+    /// qk-norm), at each token's position: the cache length plus its index.
+    Rotary(RotaryConfig),
+    /// ALiBi (Press et al., 2022): `slope_h · (j - i)` added to the score
+    /// of query position `i` and key position `j`, with the paper's
+    /// geometric slopes per head, computed in the kernel without a matrix.
+    Alibi,
+}
+
+/// Which dims a rotary embedding pairs up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RotaryStyle {
+    /// Dim `i` with dim `i + rot/2` (GPT-NeoX, Llama, Mistral:
+    /// `rotate_half`).
+    #[default]
+    HalfSplit,
+    /// Dim `2i` with dim `2i + 1` (GPT-J, `rotate_every_two`).
+    Interleaved,
+}
+
+/// A rotary position embedding (Su et al., RoFormer).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RotaryConfig {
+    /// Base of the frequencies (HF `rope_theta`; 10000 for most models).
+    #[serde(default = "default_theta")]
+    pub theta: f64,
+    /// Leading dims of each head that rotate, even, at most `head_dim`
+    /// (default all; GPT-NeoX `rotary_pct`, GPT-J `rotary_dim`); the rest
+    /// pass through.
+    #[serde(default)]
+    pub dims: Option<usize>,
+    /// How dims pair up.
+    #[serde(default)]
+    pub style: RotaryStyle,
+}
+
+fn default_theta() -> f64 {
+    10_000.
+}
+
+impl RotaryConfig {
+    /// Half-split rotary over all dims with base `theta` (Llama).
+    pub fn new(theta: f64) -> Self {
+        Self {
+            theta,
+            dims: None,
+            style: RotaryStyle::HalfSplit,
+        }
+    }
+
+    /// The same, rotating only the first `dims` dims of each head.
+    pub fn with_dims(mut self, dims: usize) -> Self {
+        self.dims = Some(dims);
+        self
+    }
+
+    /// The same, pairing dims as `style` says.
+    pub fn with_style(mut self, style: RotaryStyle) -> Self {
+        self.style = style;
+        self
+    }
 }
 
 fn default_qk_norm_eps() -> f64 {
@@ -74,7 +159,28 @@ impl MhaConfig {
             scale: None,
             qk_norm: false,
             qk_norm_eps: default_qk_norm_eps(),
+            num_kv_heads: None,
+            position: PositionEncoding::None,
+            sliding_window: None,
         }
+    }
+
+    /// Sets the number of key/value heads (grouped-query attention).
+    pub fn with_kv_heads(mut self, num_kv_heads: usize) -> Self {
+        self.num_kv_heads = Some(num_kv_heads);
+        self
+    }
+
+    /// Sets the position encoding.
+    pub fn with_position(mut self, position: PositionEncoding) -> Self {
+        self.position = position;
+        self
+    }
+
+    /// Sets a sliding causal window of `window` keys.
+    pub fn with_sliding_window(mut self, window: usize) -> Self {
+        self.sliding_window = Some(window);
+        self
     }
 
     /// Sets `kdim` and `vdim` (cross-attention from another width).
@@ -125,6 +231,17 @@ impl MhaConfig {
         self.embed_dim / self.num_heads.max(1)
     }
 
+    /// Number of key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_kv_heads.unwrap_or(self.num_heads)
+    }
+
+    /// Output size of the key and value projections,
+    /// `num_kv_heads * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads() * self.head_dim()
+    }
+
     /// Feature size of the key input.
     pub fn kdim(&self) -> usize {
         self.kdim.unwrap_or(self.embed_dim)
@@ -166,6 +283,35 @@ impl MhaConfig {
         }
         if self.kdim == Some(0) || self.vdim == Some(0) {
             bail!("MhaConfig: kdim and vdim must be > 0 when set")
+        }
+        if let Some(kvh) = self.num_kv_heads {
+            if kvh == 0 || !self.num_heads.is_multiple_of(kvh) {
+                bail!(
+                    "MhaConfig: num_heads ({}) must be a multiple of num_kv_heads ({kvh})",
+                    self.num_heads
+                )
+            }
+            if kvh != self.num_heads && (self.add_bias_kv || self.add_zero_attn) {
+                bail!(
+                    "MhaConfig: num_kv_heads ({kvh}) != num_heads conflicts with add_bias_kv / add_zero_attn"
+                )
+            }
+        }
+        if let PositionEncoding::Rotary(r) = self.position {
+            let hd = self.head_dim();
+            let dims = r.dims.unwrap_or(hd);
+            if dims == 0 || !dims.is_multiple_of(2) || dims > hd {
+                bail!("MhaConfig: rotary dims must be even and in 1..=head_dim ({hd}), found {dims}")
+            }
+            if !r.theta.is_finite() || r.theta <= 1. {
+                bail!(
+                    "MhaConfig: rotary theta must be finite and > 1, found {}",
+                    r.theta
+                )
+            }
+        }
+        if self.sliding_window == Some(0) {
+            bail!("MhaConfig: sliding_window must be >= 1 when set")
         }
         if let Some(s) = self.scale {
             if !s.is_finite() || s <= 0. {

@@ -23,6 +23,16 @@ pub enum WeightLayout {
         /// Name of the output projection (timm: `proj`).
         proj: String,
     },
+    /// GPT-2's `Conv1D` modules (`transformers.pytorch_utils.Conv1D`):
+    /// fused `c_attn.weight` `(E, 3E)` and `c_proj.weight` `(E, E)`, stored
+    /// `(in, out)`, transposed from `nn.Linear`'s; biases as usual. Needs
+    /// `kdim == vdim == embed_dim`.
+    Conv1D {
+        /// Name of the fused input projection (GPT-2: `c_attn`).
+        c_attn: String,
+        /// Name of the output projection (GPT-2: `c_proj`).
+        c_proj: String,
+    },
 }
 
 impl WeightLayout {
@@ -32,6 +42,24 @@ impl WeightLayout {
             qkv: "qkv".into(),
             proj: "proj".into(),
         }
+    }
+
+    /// HF transformers GPT-2, relative to `transformer.h.N.attn`: `c_attn`
+    /// and `c_proj`.
+    pub fn gpt2() -> Self {
+        Self::Conv1D {
+            c_attn: "c_attn".into(),
+            c_proj: "c_proj".into(),
+        }
+    }
+
+    /// HF transformers Llama / Mistral, relative to
+    /// `model.layers.N.self_attn`: `q_proj`, `k_proj`, `v_proj`, `o_proj`.
+    pub fn llama() -> Self {
+        Self::Separate(SeparateNames {
+            out: "o_proj".into(),
+            ..SeparateNames::default()
+        })
     }
 
     /// HF transformers ViT, relative to `vit.encoder.layer.N.attention`.

@@ -7,6 +7,11 @@
 //!   `kdim`/`vdim`, dropout), loading PyTorch's own weight layouts
 //!   ([`WeightLayout`]: `in_proj_weight`, separate q/k/v/out linears,
 //!   timm's fused `qkv`).
+//! - Decoder self-attention: [`MultiheadAttention::forward_cached`] steps a
+//!   [`KvCache`] (prefill, chunks and single tokens alike), with
+//!   grouped-query heads, [`Rotary`] embeddings, [`Alibi`] and sliding
+//!   windows ([`MhaConfig`], [`PositionEncoding`]); GPT-2's `Conv1D` and
+//!   Llama's `q_proj`/`k_proj`/`v_proj`/`o_proj` layouts.
 //! - [`scaled_dot_product_attention`]: the function every path ends in, on
 //!   `(batch, heads, seq, head_dim)` tensors.
 //! - [`HydraAttention`]: Hydra attention (Bolya et al., 2022), as many
@@ -45,6 +50,7 @@
 
 #![warn(missing_docs)]
 
+mod cache;
 mod config;
 mod cpu;
 mod hydra;
@@ -55,16 +61,19 @@ mod mha;
 mod norm;
 mod options;
 mod projection;
+mod rotary;
 mod sdpa;
 
-pub use config::MhaConfig;
+pub use cache::KvCache;
+pub use config::{MhaConfig, PositionEncoding, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
 pub use linear::PackedLinear;
-pub use mask::{AttnMask, Causal, KeyPaddingMask, Mask};
+pub use mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::MultiheadAttention;
 pub use norm::LayerNorm;
 pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
+pub use rotary::Rotary;
 pub use sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_via,
     scaled_dot_product_attention_with_weights, AttnPath,

@@ -78,6 +78,21 @@ impl KeyPaddingMask {
         Ok(Self::PadWhereTrue(t))
     }
 
+    /// Padding mask for sequences of the given lengths, left-padded to
+    /// `kv_len` (as batched prompts are for decoder-only generation): key
+    /// `j` of batch element `b` is padding iff `j < kv_len - lengths[b]`.
+    pub fn from_lengths_left(lengths: &[usize], kv_len: usize, device: &Device) -> Result<Self> {
+        if let Some(&l) = lengths.iter().find(|&&l| l > kv_len) {
+            bail!("KeyPaddingMask::from_lengths_left: length {l} exceeds kv_len {kv_len}")
+        }
+        let data: Vec<u8> = lengths
+            .iter()
+            .flat_map(|&l| (0..kv_len).map(move |j| u8::from(j < kv_len - l)))
+            .collect();
+        let t = Tensor::from_vec(data, (lengths.len(), kv_len), device)?;
+        Ok(Self::PadWhereTrue(t))
+    }
+
     fn tensor(&self) -> &Tensor {
         match self {
             Self::PadWhereTrue(t) | Self::Additive(t) => t,
@@ -95,10 +110,14 @@ impl KeyPaddingMask {
 
 /// A mask over (query, key) pairs.
 ///
-/// Accepted shapes (with `L = q_len`, `S = kv_len`):
-/// - 2-D `(L, S)`: the same for every batch element and head;
+/// Accepted shapes (with `L = q_len`, `S = kv_len`; a dim of 1 broadcasts
+/// as in PyTorch):
+/// - 2-D `(L, S)`: the same for every batch element and head (`(L, 1)`
+///   and `(1, S)` broadcast);
 /// - 3-D `(batch * num_heads, L, S)`: PyTorch `nn.MultiheadAttention`'s
 ///   per-head layout (`(num_heads, L, S)` for unbatched input);
+/// - 3-D `(num_heads, L, S)` (or `(1, L, S)`) shared by the batch, as
+///   `F.scaled_dot_product_attention` broadcasts it;
 /// - 4-D, broadcastable to `(batch, num_heads, L, S)`.
 #[derive(Debug, Clone)]
 pub enum AttnMask {
@@ -152,6 +171,74 @@ pub struct Mask {
     pub key_padding: Option<KeyPaddingMask>,
     /// Per-pair mask; see [`AttnMask`] for the accepted shapes.
     pub attn: Option<AttnMask>,
+    /// Sliding window: with the causal rule, query `i` sees only the
+    /// `window` keys ending at its diagonal, `j > i + offset - window`.
+    /// Tiles wholly outside the window are skipped.
+    pub window: Option<usize>,
+    /// ALiBi: a per-head linear bias on the distance between query and key,
+    /// computed where the scores are, never as a matrix.
+    pub alibi: Option<Alibi>,
+}
+
+/// ALiBi's per-head slopes (Press et al., 2022, "Train short, test long").
+///
+/// Adds `slope_h · (j - (i + offset))` to the score of query `i` and key
+/// `j` in head `h`, where `offset` is the causal rule's (bottom-right,
+/// `kv_len - q_len`, without one): zero on the diagonal, more negative
+/// the further back a key lies. This differs from BLOOM's `slope_h · j` by
+/// a constant per query row, which the softmax cancels.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Alibi {
+    slopes: Vec<f32>,
+}
+
+impl Alibi {
+    /// The paper's slopes for `num_heads` heads: `2^(-8k/n)` for
+    /// `k = 1..=n` when `n` is a power of two; otherwise those of the
+    /// largest power of two below, then every other slope of the next
+    /// (as BLOOM's `build_alibi_tensor` and the reference code do).
+    pub fn new(num_heads: usize) -> Self {
+        let pow2 = |n: usize| -> Vec<f64> {
+            let start = 2f64.powf(-8. / n as f64);
+            (1..=n).map(|k| start.powi(k as i32)).collect()
+        };
+        let closest = if num_heads == 0 {
+            0
+        } else {
+            1usize << (usize::BITS - 1 - num_heads.leading_zeros())
+        };
+        let mut slopes = pow2(closest);
+        if closest < num_heads {
+            slopes.extend(pow2(2 * closest).into_iter().step_by(2).take(num_heads - closest));
+        }
+        Self {
+            slopes: slopes.into_iter().map(|s| s as f32).collect(),
+        }
+    }
+
+    /// Explicit slopes, one per head.
+    pub fn from_slopes(slopes: Vec<f32>) -> Self {
+        Self { slopes }
+    }
+
+    /// The slopes, one per head.
+    pub fn slopes(&self) -> &[f32] {
+        &self.slopes
+    }
+
+    /// `(1, heads, q_len, kv_len)` f32: the bias as the reference path adds it.
+    fn bias(&self, offset: isize, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
+        let data: Vec<f32> = self
+            .slopes
+            .iter()
+            .flat_map(|&m| {
+                (0..q_len).flat_map(move |i| {
+                    (0..kv_len).map(move |j| m * (j as isize - i as isize - offset) as f32)
+                })
+            })
+            .collect();
+        Tensor::from_vec(data, (1, self.slopes.len(), q_len, kv_len), device)
+    }
 }
 
 impl Mask {
@@ -183,13 +270,60 @@ impl Mask {
         self
     }
 
+    /// Adds (or replaces) a sliding window of `window` keys (needs a causal
+    /// rule).
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// Adds (or replaces) an ALiBi bias.
+    pub fn with_alibi(mut self, alibi: Alibi) -> Self {
+        self.alibi = Some(alibi);
+        self
+    }
+
     /// Whether no part is set.
     pub fn is_empty(&self) -> bool {
-        self.causal.is_none() && self.key_padding.is_none() && self.attn.is_none()
+        self.causal.is_none()
+            && self.key_padding.is_none()
+            && self.attn.is_none()
+            && self.window.is_none()
+            && self.alibi.is_none()
+    }
+
+    /// Whether the pair `(i, j)` passes the causal rule and the window.
+    pub(crate) fn rule_allows(&self, i: usize, j: usize, q_len: usize, kv_len: usize) -> bool {
+        let Some(c) = self.causal else { return true };
+        let diag = i as isize + c.offset(q_len, kv_len);
+        let j = j as isize;
+        j <= diag && self.window.is_none_or(|w| j > diag - w as isize)
+    }
+
+    /// The diagonal offset ALiBi measures distances from: the causal
+    /// rule's, else bottom-right.
+    pub(crate) fn alibi_offset(&self, q_len: usize, kv_len: usize) -> isize {
+        self.causal.unwrap_or(Causal::BottomRight).offset(q_len, kv_len)
     }
 
     /// Checks every part's shape against `(batch, heads, q_len, kv_len)`.
     pub fn validate(&self, batch: usize, heads: usize, q_len: usize, kv_len: usize) -> Result<()> {
+        match (self.window, self.causal) {
+            (Some(0), _) => bail!("Mask: the sliding window must be >= 1 key"),
+            (Some(w), None) => bail!("Mask: a sliding window ({w}) needs a causal rule to slide along"),
+            _ => {}
+        }
+        if let Some(a) = &self.alibi {
+            if a.slopes.len() != heads {
+                bail!(
+                    "Mask: ALiBi has {} slopes but the call has {heads} heads",
+                    a.slopes.len()
+                )
+            }
+            if let Some(m) = a.slopes.iter().find(|m| !m.is_finite()) {
+                bail!("Mask: ALiBi slope {m} is not finite")
+            }
+        }
         if let Some(kp) = &self.key_padding {
             let dims = kp.tensor().dims();
             if dims != [batch, kv_len] {
@@ -222,8 +356,13 @@ impl Mask {
             });
             Ok(())
         };
-        if let Some(c) = self.causal {
-            add(causal_bias(c, q_len, kv_len, device)?.reshape((1, 1, q_len, kv_len))?)?;
+        if self.causal.is_some() {
+            add(self
+                .rule_bias(q_len, kv_len, device)?
+                .reshape((1, 1, q_len, kv_len))?)?;
+        }
+        if let Some(a) = &self.alibi {
+            add(a.bias(self.alibi_offset(q_len, kv_len), q_len, kv_len, device)?)?;
         }
         if let Some(kp) = &self.key_padding {
             add(kp.bias()?.reshape((batch, 1, 1, kv_len))?)?;
@@ -329,9 +468,15 @@ impl Mask {
                 });
                 Ok(())
             };
-        if let Some(c) = self.causal {
-            let t = causal_hidden(c, q_len, kv_len, device)?.reshape((1, 1, q_len, kv_len))?;
+        if self.causal.is_some() {
+            let t = self
+                .rule_hidden(q_len, kv_len, device)?
+                .reshape((1, 1, q_len, kv_len))?;
             merge(&mut hidden, t, Tensor::broadcast_maximum)?;
+        }
+        if let Some(a) = &self.alibi {
+            let t = a.bias(self.alibi_offset(q_len, kv_len), q_len, kv_len, device)?;
+            merge(&mut added, t, Tensor::broadcast_add)?;
         }
         for part in self.tensor_parts((batch, heads, q_len, kv_len))? {
             let (h, a) = part.hidden_and_added()?;
@@ -356,12 +501,22 @@ impl Mask {
     }
 }
 
-/// `(q_len, kv_len)` `u8`: 1 above the causal diagonal.
-fn causal_hidden(c: Causal, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
-    let data: Vec<u8> = (0..q_len)
-        .flat_map(|i| (0..kv_len).map(move |j| u8::from(!c.allows(i, j, q_len, kv_len))))
-        .collect();
-    Tensor::from_vec(data, (q_len, kv_len), device)
+impl Mask {
+    /// `(q_len, kv_len)` `u8`: 1 where the causal rule or the window hides
+    /// the pair.
+    fn rule_hidden(&self, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
+        let data: Vec<u8> = (0..q_len)
+            .flat_map(|i| (0..kv_len).map(move |j| u8::from(!self.rule_allows(i, j, q_len, kv_len))))
+            .collect();
+        Tensor::from_vec(data, (q_len, kv_len), device)
+    }
+
+    /// `(q_len, kv_len)` bias: `0` where the causal rule and the window
+    /// allow the pair, `-inf` elsewhere.
+    fn rule_bias(&self, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
+        let hidden = self.rule_hidden(q_len, kv_len, device)?;
+        bool_to_bias(&hidden, "causal rule", true)
+    }
 }
 
 /// A boolean (integer) mask as `u8`, non-zero = true: the tensor itself
@@ -375,43 +530,28 @@ fn as_u8(t: &Tensor, what: &str) -> Result<Tensor> {
     }
 }
 
-/// `(q_len, kv_len)` bias: `0` where allowed, `-inf` above the diagonal.
-pub(crate) fn causal_bias(c: Causal, q_len: usize, kv_len: usize, device: &Device) -> Result<Tensor> {
-    let data: Vec<f32> = (0..q_len)
-        .flat_map(|i| {
-            (0..kv_len).map(move |j| {
-                if c.allows(i, j, q_len, kv_len) {
-                    0.
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(data, (q_len, kv_len), device)
-}
-
 /// Reshapes a 2-, 3- or 4-D attention mask to a 4-D tensor broadcastable to
 /// `(batch, heads, q_len, kv_len)`, or says why it cannot.
 fn attn_mask_as_4d(t: &Tensor, batch: usize, heads: usize, q_len: usize, kv_len: usize) -> Result<Tensor> {
     let dims = t.dims();
+    let fits = |n: usize, full: usize| n == 1 || n == full;
     match *dims {
-        [l, s] if l == q_len && s == kv_len => t.reshape((1, 1, q_len, kv_len)),
-        [bh, l, s] if bh == batch * heads && l == q_len && s == kv_len => {
-            t.reshape((batch, heads, q_len, kv_len))
+        // PyTorch broadcasting, aligned right, as F.scaled_dot_product_attention
+        // reads masks: (L, S), (L, 1), (1, S), ...
+        [l, s] if fits(l, q_len) && fits(s, kv_len) => t.reshape((1, 1, l, s)),
+        // nn.MultiheadAttention's per-head layout, batch-major.
+        [bh, l, s] if bh == batch * heads && fits(l, q_len) && fits(s, kv_len) => {
+            t.reshape((batch, heads, l, s))
         }
-        [b, h, l, s]
-            if (b == 1 || b == batch)
-                && (h == 1 || h == heads)
-                && (l == 1 || l == q_len)
-                && (s == 1 || s == kv_len) =>
-        {
+        // SDPA's (H, L, S) broadcast over the batch.
+        [h, l, s] if fits(h, heads) && fits(l, q_len) && fits(s, kv_len) => t.reshape((1, h, l, s)),
+        [b, h, l, s] if fits(b, batch) && fits(h, heads) && fits(l, q_len) && fits(s, kv_len) => {
             Ok(t.clone())
         }
         _ => bail!(
             "attn_mask: found shape {dims:?}, expected (q_len, kv_len) = ({q_len}, {kv_len}), \
              (batch*num_heads, q_len, kv_len) = ({}, {q_len}, {kv_len}), \
-             or 4-D broadcastable to ({batch}, {heads}, {q_len}, {kv_len})",
+             or 2- to 4-D broadcastable to ({batch}, {heads}, {q_len}, {kv_len})",
             batch * heads
         ),
     }

@@ -9,11 +9,12 @@ use candle_nn::{Init, Module, ModuleT, VarBuilder};
 use crate::linear::PackedLinear;
 use crate::norm::LayerNorm;
 
-use crate::config::MhaConfig;
+use crate::config::{MhaConfig, PositionEncoding};
 use crate::layout::WeightLayout;
-use crate::mask::{KeyPaddingMask, Mask};
+use crate::mask::{Alibi, KeyPaddingMask, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
-use crate::projection::{linear, xavier_uniform, InProjection};
+use crate::projection::{linear, xavier_uniform, InKind, InProjection, Stored};
+use crate::rotary::Rotary;
 use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 
 /// Multi-head attention, `torch.nn.MultiheadAttention`.
@@ -24,13 +25,15 @@ use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 /// [`MultiheadAttention::forward_attn`].
 #[derive(Debug, Clone)]
 pub struct MultiheadAttention {
-    cfg: MhaConfig,
-    in_proj: InProjection,
+    pub(crate) cfg: MhaConfig,
+    pub(crate) in_proj: InProjection,
     out_proj: PackedLinear,
     /// `bias_k`, `bias_v`, each `(1, 1, E)`.
     bias_kv: Option<(Tensor, Tensor)>,
     /// timm's `q_norm`, `k_norm` over `head_dim`.
     qk_norm: Option<(LayerNorm, LayerNorm)>,
+    /// Rotary embedding of q and k, when the config asks for one.
+    pub(crate) rotary: Option<Rotary>,
 }
 
 impl MultiheadAttention {
@@ -45,52 +48,113 @@ impl MultiheadAttention {
     /// backed by a `VarMap`.
     pub fn new_with_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
-        let (e, kdim, vdim) = (cfg.embed_dim, cfg.kdim(), cfg.vdim());
+        let (e, kdim, vdim, kvd) = (cfg.embed_dim, cfg.kdim(), cfg.vdim(), cfg.kv_dim());
         let qkv_bias = cfg.has_qkv_bias();
         let out_init = Init::Uniform {
             lo: -1. / (e as f64).sqrt(),
             up: 1. / (e as f64).sqrt(),
         };
-        let (in_proj, out_proj) = match layout {
+        let fused_qkv_only = |what: &str| -> Result<()> {
+            if !cfg.qkv_same_embed_dim() {
+                bail!(
+                    "MhaConfig: the {what} layout needs kdim == vdim == embed_dim ({e}), found kdim {kdim}, vdim {vdim}"
+                )
+            }
+            Ok(())
+        };
+        let (kind, out_proj) = match layout {
             WeightLayout::PyTorch => {
                 let bias = qkv_bias
-                    .then(|| vb.get_with_hints(3 * e, "in_proj_bias", Init::Const(0.)))
+                    .then(|| vb.get_with_hints(e + 2 * kvd, "in_proj_bias", Init::Const(0.)))
                     .transpose()?;
-                let in_proj = if cfg.qkv_same_embed_dim() {
-                    let weight = vb.get_with_hints((3 * e, e), "in_proj_weight", xavier_uniform(3 * e, e))?;
-                    InProjection::Fused(PackedLinear::new(weight, bias)?)
+                let kind = if cfg.qkv_same_embed_dim() {
+                    let weight = vb.get_with_hints(
+                        (e + 2 * kvd, e),
+                        "in_proj_weight",
+                        xavier_uniform(e + 2 * kvd, e),
+                    )?;
+                    InKind::Fused(PackedLinear::new(weight, bias)?)
                 } else {
-                    let part = |i: usize, name: &str, in_dim: usize| -> Result<PackedLinear> {
-                        let w = vb.get_with_hints((e, in_dim), name, xavier_uniform(e, in_dim))?;
-                        let b = bias.as_ref().map(|b| b.narrow(0, i * e, e)).transpose()?;
+                    let part = |from: usize, out: usize, name: &str, in_dim: usize| -> Result<PackedLinear> {
+                        let w = vb.get_with_hints((out, in_dim), name, xavier_uniform(out, in_dim))?;
+                        let b = bias.as_ref().map(|b| b.narrow(0, from, out)).transpose()?;
                         PackedLinear::new(w, b)
                     };
-                    InProjection::Separate {
-                        q: part(0, "q_proj_weight", e)?,
-                        k: part(1, "k_proj_weight", kdim)?,
-                        v: part(2, "v_proj_weight", vdim)?,
+                    InKind::Separate {
+                        q: part(0, e, "q_proj_weight", e)?,
+                        k: part(e, kvd, "k_proj_weight", kdim)?,
+                        v: part(e + kvd, kvd, "v_proj_weight", vdim)?,
                     }
                 };
-                (in_proj, linear(e, e, cfg.bias, out_init, vb.pp("out_proj"))?)
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp("out_proj"))?,
+                )
             }
             WeightLayout::Separate(names) => {
-                let in_proj = InProjection::Separate {
-                    q: linear(e, e, qkv_bias, xavier_uniform(e, e), vb.pp(&names.q))?,
-                    k: linear(kdim, e, qkv_bias, xavier_uniform(e, kdim), vb.pp(&names.k))?,
-                    v: linear(vdim, e, qkv_bias, xavier_uniform(e, vdim), vb.pp(&names.v))?,
+                let kind = InKind::Separate {
+                    q: linear(
+                        (e, e),
+                        qkv_bias,
+                        xavier_uniform(e, e),
+                        Stored::OutIn,
+                        vb.pp(&names.q),
+                    )?,
+                    k: linear(
+                        (kdim, kvd),
+                        qkv_bias,
+                        xavier_uniform(kvd, kdim),
+                        Stored::OutIn,
+                        vb.pp(&names.k),
+                    )?,
+                    v: linear(
+                        (vdim, kvd),
+                        qkv_bias,
+                        xavier_uniform(kvd, vdim),
+                        Stored::OutIn,
+                        vb.pp(&names.v),
+                    )?,
                 };
-                (in_proj, linear(e, e, cfg.bias, out_init, vb.pp(&names.out))?)
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
+                )
             }
             WeightLayout::FusedQkv { qkv, proj } => {
-                if !cfg.qkv_same_embed_dim() {
-                    bail!(
-                        "MhaConfig: the fused qkv layout needs kdim == vdim == embed_dim ({e}), found kdim {kdim}, vdim {vdim}"
-                    )
-                }
-                let in_proj =
-                    InProjection::Fused(linear(e, 3 * e, qkv_bias, xavier_uniform(3 * e, e), vb.pp(qkv))?);
-                (in_proj, linear(e, e, cfg.bias, out_init, vb.pp(proj))?)
+                fused_qkv_only("fused qkv")?;
+                let n = e + 2 * kvd;
+                let kind = InKind::Fused(linear(
+                    (e, n),
+                    qkv_bias,
+                    xavier_uniform(n, e),
+                    Stored::OutIn,
+                    vb.pp(qkv),
+                )?);
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(proj))?,
+                )
             }
+            WeightLayout::Conv1D { c_attn, c_proj } => {
+                fused_qkv_only("GPT-2 Conv1D")?;
+                let n = e + 2 * kvd;
+                let kind = InKind::Fused(linear(
+                    (e, n),
+                    qkv_bias,
+                    xavier_uniform(n, e),
+                    Stored::InOut,
+                    vb.pp(c_attn),
+                )?);
+                (
+                    kind,
+                    linear((e, e), cfg.bias, out_init, Stored::InOut, vb.pp(c_proj))?,
+                )
+            }
+        };
+        let in_proj = InProjection {
+            kind,
+            q_dim: e,
+            kv_dim: kvd,
         };
         let bias_kv = if cfg.add_bias_kv {
             // PyTorch: xavier_normal_ on (1, 1, E): fan_in = fan_out = E.
@@ -111,12 +175,17 @@ impl MultiheadAttention {
         } else {
             None
         };
+        let rotary = match &cfg.position {
+            PositionEncoding::Rotary(r) => Some(Rotary::new(r, cfg.head_dim())?),
+            _ => None,
+        };
         Ok(Self {
             cfg: cfg.clone(),
             in_proj,
             out_proj,
             bias_kv,
             qk_norm,
+            rotary,
         })
     }
 
@@ -139,7 +208,9 @@ impl MultiheadAttention {
     /// `(kv_len, vdim)` → `(q_len, embed_dim)`.
     ///
     /// Passing the same tensor as query, key and value is self-attention
-    /// and projects with one fused matmul.
+    /// and projects with one fused matmul. With rotary embeddings
+    /// configured, queries and keys sit at positions `0..`; the config's
+    /// sliding window and ALiBi join `opts.mask`.
     pub fn forward_attn(
         &self,
         query: &Tensor,
@@ -237,27 +308,34 @@ impl MultiheadAttention {
         if s == 0 {
             bail!("MultiheadAttention: key and value are empty sequences (kv_len 0)")
         }
+        let mask = self.with_config_rules(mask);
         mask.validate(b, h, l, s)?;
 
-        // (B, H, T, hd) each
+        // (B, H, L, hd), (B, Hkv, S, hd), (B, Hkv, S, hd)
         let (q, mut k, mut v) = match self.in_proj.self_attention_heads(query, key, value, h)? {
             Some(heads) if self.bias_kv.is_none() => heads,
             _ => {
-                // (B, L, E), (B, S, E), (B, S, E)
-                let (q, mut k, mut v) = self.in_proj.forward(query, key, value, e)?;
+                // (B, L, E), (B, S, kv_dim), (B, S, kv_dim)
+                let (q, mut k, mut v) = self.in_proj.forward(query, key, value)?;
                 if let Some((bk, bv)) = &self.bias_kv {
                     k = Tensor::cat(&[&k, &bk.broadcast_as((b, 1, e))?], 1)?;
                     v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
                 }
+                let kvh = cfg.kv_heads();
                 (
-                    self.split_heads(&q)?,
-                    self.split_heads(&k)?,
-                    self.split_heads(&v)?,
+                    self.split_heads(&q, h)?,
+                    self.split_heads(&k, kvh)?,
+                    self.split_heads(&v, kvh)?,
                 )
             }
         };
-        let q = self.norm_q(&q)?;
+        let mut q = self.norm_q(&q)?;
         k = self.norm_k(&k)?;
+        if let Some(rotary) = &self.rotary {
+            // Positions 0.. for the queries and for the keys.
+            q = rotary.apply(&q, &positions(b, 0, l, q.device())?)?;
+            k = rotary.apply(&k, &positions(b, 0, s, k.device())?)?;
+        }
         let mut extra_keys = usize::from(self.bias_kv.is_some());
         if cfg.add_zero_attn {
             let zeros = Tensor::zeros((b, h, 1, cfg.head_dim()), k.dtype(), k.device())?;
@@ -267,7 +345,20 @@ impl MultiheadAttention {
         }
         // The appended keys are visible to every query (PyTorch pads its
         // masks with zeros): the mask covers the keys before them.
-        self.attend(&q, &k, &v, mask, extra_keys, opts)
+        self.attend(&q, &k, &v, &mask, extra_keys, opts)
+    }
+
+    /// `mask` with the config's sliding window and ALiBi added where it
+    /// has none of its own.
+    pub(crate) fn with_config_rules(&self, mask: &Mask) -> Mask {
+        let mut mask = mask.clone();
+        if mask.window.is_none() {
+            mask.window = self.cfg.sliding_window;
+        }
+        if mask.alibi.is_none() && self.cfg.position == PositionEncoding::Alibi {
+            mask.alibi = Some(Alibi::new(self.cfg.num_heads));
+        }
+        mask
     }
 
     /// Projects keys and values and splits them into heads, for reuse across
@@ -276,10 +367,26 @@ impl MultiheadAttention {
     ///
     /// # Shapes
     /// - `key`: `(batch, kv_len, kdim)`, `value`: `(batch, kv_len, vdim)`
-    /// - returns `k`, `v`: `(batch, num_heads, kv_len, head_dim)` each
-    ///   (after qk-norm on `k` when configured)
+    /// - returns `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)` each,
+    ///   contiguous (after qk-norm on `k` when configured)
+    ///
+    /// No position encoding is applied: with rotary embeddings configured,
+    /// use [`MultiheadAttention::forward_cached`], which places each key.
     pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
         self.check_no_extra_keys("project_kv")?;
+        if self.rotary.is_some() {
+            bail!(
+                "MultiheadAttention::project_kv: rotary embeddings need each key's position; \
+                 use forward_cached with a KvCache"
+            )
+        }
+        if key.rank() != 3 || value.rank() != 3 {
+            bail!(
+                "MultiheadAttention::project_kv: key and value must be 3-D (batch, kv_len, features), found {:?} and {:?}",
+                key.dims(),
+                value.dims()
+            )
+        }
         let (kb, s, ke) = key.dims3()?;
         let (vb, vs, ve) = value.dims3()?;
         if (ke, ve) != (self.cfg.kdim(), self.cfg.vdim()) {
@@ -296,47 +403,96 @@ impl MultiheadAttention {
                 value.dims()
             )
         }
-        let (k, v) = self.in_proj.forward_kv(key, value, self.cfg.embed_dim)?;
-        Ok((self.norm_k(&self.split_heads(&k)?)?, self.split_heads(&v)?))
+        let (k, v) = self.in_proj.forward_kv(key, value)?;
+        let kvh = self.cfg.kv_heads();
+        // Contiguous, so that caches which copy in place (candle-nn's
+        // `KvCache`, `slice_set`) take them as they are.
+        Ok((
+            self.norm_k(&self.split_heads(&k, kvh)?)?.contiguous()?,
+            self.split_heads(&v, kvh)?.contiguous()?,
+        ))
     }
 
     /// Attention of `query` over keys and values already projected by
-    /// [`MultiheadAttention::project_kv`] (eval mode, batch-first).
+    /// [`MultiheadAttention::project_kv`], batch-first.
     ///
     /// # Shapes
-    /// - `query`: `(batch, q_len, embed_dim)`
-    /// - `k`, `v`: `(batch, num_heads, kv_len, head_dim)`
-    /// - output: `(batch, q_len, embed_dim)`; weights as [`NeedWeights`] says.
+    /// - `query`: `(batch, q_len, embed_dim)`, or unbatched `(q_len, embed_dim)`
+    /// - `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)`, or unbatched
+    ///   `(num_kv_heads, kv_len, head_dim)`
+    /// - output: the query's shape; weights as `opts.need_weights` says.
     ///
-    /// For a decoder step over a cache holding earlier positions, pass
-    /// `Mask::causal(Causal::BottomRight)`.
+    /// `opts.layout` must be batch-first. For a decoder step over a cache
+    /// holding earlier positions, use [`MultiheadAttention::forward_cached`],
+    /// or pass `Mask::causal(Causal::BottomRight)`.
     pub fn forward_projected(
         &self,
         query: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        mask: &Mask,
-        need_weights: NeedWeights,
+        opts: &MhaOptions,
     ) -> Result<MhaOutput> {
         self.check_no_extra_keys("forward_projected")?;
-        let (b, _) = self.check_query(query)?;
-        let (kb, kh, _, khd) = k.dims4()?;
-        let expected = (b, self.cfg.num_heads, self.cfg.head_dim());
-        if (kb, kh, khd) != expected {
+        if self.rotary.is_some() {
             bail!(
-                "MultiheadAttention::forward_projected: k is {:?}, expected (batch, heads, kv_len, head_dim) with {expected:?}",
-                k.dims()
+                "MultiheadAttention::forward_projected: rotary embeddings need each query's position; \
+                 use forward_cached with a KvCache"
             )
         }
-        let q = self.in_proj.forward_q(query, self.cfg.embed_dim)?;
-        let q = self.norm_q(&self.split_heads(&q)?)?;
-        let opts = MhaOptions::new().with_weights(need_weights);
-        let (output, weights) = self.attend(&q, k, v, mask, 0, &opts)?;
-        Ok(MhaOutput { output, weights })
+        if opts.layout != SeqLayout::BatchFirst {
+            bail!(
+                "MultiheadAttention::forward_projected: takes batch-first inputs only, found {:?}",
+                opts.layout
+            )
+        }
+        let unbatched = match (query.rank(), k.rank(), v.rank()) {
+            (3, 4, 4) => false,
+            (2, 3, 3) => true,
+            _ => bail!(
+                "MultiheadAttention::forward_projected: expected query (batch, q_len, embed_dim) with k, v \
+                 (batch, kv_heads, kv_len, head_dim), or all unbatched; found query {:?}, k {:?}, v {:?}",
+                query.dims(),
+                k.dims(),
+                v.dims()
+            ),
+        };
+        let batch = |t: &Tensor| if unbatched { t.unsqueeze(0) } else { Ok(t.clone()) };
+        let (query, k, v) = (batch(query)?, batch(k)?, batch(v)?);
+        let (b, l) = self.check_query(&query)?;
+        let expected = (b, self.cfg.kv_heads(), self.cfg.head_dim());
+        for (name, t) in [("k", &k), ("v", &v)] {
+            let (tb, th, _, thd) = t.dims4()?;
+            if (tb, th, thd) != expected {
+                bail!(
+                    "MultiheadAttention::forward_projected: {name} is {:?}, expected (batch, kv_heads, kv_len, head_dim) with {expected:?}",
+                    t.dims()
+                )
+            }
+        }
+        if k.dim(2)? != v.dim(2)? || k.dim(2)? == 0 {
+            bail!(
+                "MultiheadAttention::forward_projected: k has {} positions and v {} (equal and > 0 needed)",
+                k.dim(2)?,
+                v.dim(2)?
+            )
+        }
+        let mask = self.with_config_rules(&opts.mask);
+        mask.validate(b, self.cfg.num_heads, l, k.dim(2)?)?;
+        let q = self.in_proj.forward_q(&query)?;
+        let q = self.norm_q(&self.split_heads(&q, self.cfg.num_heads)?)?;
+        let (output, weights) = self.attend(&q, &k, &v, &mask, 0, opts)?;
+        Ok(if unbatched {
+            MhaOutput {
+                output: output.squeeze(0)?,
+                weights: weights.map(|w| w.squeeze(0)).transpose()?,
+            }
+        } else {
+            MhaOutput { output, weights }
+        })
     }
 
     /// `(B, L)` of a `(B, L, E)` query, or an error naming the wrong size.
-    fn check_query(&self, query: &Tensor) -> Result<(usize, usize)> {
+    pub(crate) fn check_query(&self, query: &Tensor) -> Result<(usize, usize)> {
         let (b, l, qe) = query.dims3()?;
         if l == 0 {
             bail!("MultiheadAttention: query is an empty sequence (q_len 0)")
@@ -350,28 +506,28 @@ impl MultiheadAttention {
         Ok((b, l))
     }
 
-    fn check_no_extra_keys(&self, what: &str) -> Result<()> {
+    pub(crate) fn check_no_extra_keys(&self, what: &str) -> Result<()> {
         if self.cfg.add_bias_kv || self.cfg.add_zero_attn {
             bail!("MultiheadAttention::{what}: not supported with add_bias_kv or add_zero_attn")
         }
         Ok(())
     }
 
-    /// `(B, T, E)` → `(B, H, T, hd)`, a view where `t` is contiguous.
-    fn split_heads(&self, t: &Tensor) -> Result<Tensor> {
+    /// `(B, T, heads * hd)` → `(B, heads, T, hd)`, a view where `t` is
+    /// contiguous.
+    pub(crate) fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
         let (b, t_len, _) = t.dims3()?;
-        t.reshape((b, t_len, self.cfg.num_heads, self.cfg.head_dim()))?
-            .transpose(1, 2)
+        t.reshape((b, t_len, heads, self.cfg.head_dim()))?.transpose(1, 2)
     }
 
-    fn norm_q(&self, q: &Tensor) -> Result<Tensor> {
+    pub(crate) fn norm_q(&self, q: &Tensor) -> Result<Tensor> {
         match &self.qk_norm {
             Some((qn, _)) => qn.forward(q),
             None => Ok(q.clone()),
         }
     }
 
-    fn norm_k(&self, k: &Tensor) -> Result<Tensor> {
+    pub(crate) fn norm_k(&self, k: &Tensor) -> Result<Tensor> {
         match &self.qk_norm {
             Some((_, kn)) => kn.forward(k),
             None => Ok(k.clone()),
@@ -382,7 +538,7 @@ impl MultiheadAttention {
     /// merged attention `(B, L, E)`, and the weights asked for. Weights and
     /// dropout need the reference path; otherwise `opts.path` decides. The
     /// last `appended` keys lie outside `mask`.
-    fn attend(
+    pub(crate) fn attend(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -420,6 +576,13 @@ impl MultiheadAttention {
         };
         Ok((out, weights))
     }
+}
+
+/// `(batch, len)` `u32` positions `start..start + len` in every row.
+pub(crate) fn positions(batch: usize, start: usize, len: usize, device: &candle::Device) -> Result<Tensor> {
+    Tensor::arange(start as u32, (start + len) as u32, device)?
+        .unsqueeze(0)?
+        .repeat((batch, 1))
 }
 
 /// Mean over the head dim of `(B, H, L, S)`, computed in f32.

@@ -1,14 +1,23 @@
 //! The input projection of a [`crate::MultiheadAttention`], fused or
 //! separate, and PyTorch's initialisation of its linears.
 
-use candle::{IndexOp, Module, Result, Tensor, D};
+use candle::{Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::linear::PackedLinear;
 
+/// The input projection with its output widths: `q_dim` (`embed_dim`)
+/// for queries, `kv_dim` (`num_kv_heads * head_dim`) for keys and values.
 #[derive(Debug, Clone)]
-pub(crate) enum InProjection {
-    /// `(3E, E)` weight and `(3E)` bias, one layer so that a trained
+pub(crate) struct InProjection {
+    pub(crate) kind: InKind,
+    pub(crate) q_dim: usize,
+    pub(crate) kv_dim: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum InKind {
+    /// `(q_dim + 2 kv_dim, E)` weight and bias, one layer so that a trained
     /// variable stays one tensor and self-attention projects in one call.
     Fused(PackedLinear),
     Separate {
@@ -19,42 +28,37 @@ pub(crate) enum InProjection {
 }
 
 impl InProjection {
-    /// Projects query, key and value; `(B, L, E)`, `(B, S, E)`, `(B, S, E)`.
-    pub(crate) fn forward(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        e: usize,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        match self {
-            InProjection::Fused(qkv) => {
+    /// Projects query, key and value; `(B, L, q_dim)`, `(B, S, kv_dim)`,
+    /// `(B, S, kv_dim)`.
+    pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (e, kvd) = (self.q_dim, self.kv_dim);
+        match &self.kind {
+            InKind::Fused(qkv) => {
                 if q.id() == k.id() && k.id() == v.id() {
                     // Self-attention: one matmul, as PyTorch does when
                     // `query is key is value`.
                     let qkv = qkv.forward(q)?;
                     Ok((
                         qkv.narrow(D::Minus1, 0, e)?,
-                        qkv.narrow(D::Minus1, e, e)?,
-                        qkv.narrow(D::Minus1, 2 * e, e)?,
+                        qkv.narrow(D::Minus1, e, kvd)?,
+                        qkv.narrow(D::Minus1, e + kvd, kvd)?,
                     ))
                 } else {
                     Ok((
                         qkv.forward_features(q, 0, e)?,
-                        qkv.forward_features(k, e, 2 * e)?,
-                        qkv.forward_features(v, 2 * e, 3 * e)?,
+                        qkv.forward_features(k, e, e + kvd)?,
+                        qkv.forward_features(v, e + kvd, e + 2 * kvd)?,
                     ))
                 }
             }
-            InProjection::Separate { q: pq, k: pk, v: pv } => {
-                Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?))
-            }
+            InKind::Separate { q: pq, k: pk, v: pv } => Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?)),
         }
     }
 
-    /// For self-attention through the fused weight: one matmul, then q, k
-    /// and v as `(B, H, T, hd)` views of its output, without copies.
-    /// `None` when the inputs differ or the weights are separate.
+    /// For self-attention through the fused weight: one matmul, then q
+    /// `(B, H, T, hd)` and k, v `(B, Hkv, T, hd)` as views of its output,
+    /// without copies. `None` when the inputs differ or the weights are
+    /// separate.
     pub(crate) fn self_attention_heads(
         &self,
         q: &Tensor,
@@ -62,33 +66,36 @@ impl InProjection {
         v: &Tensor,
         h: usize,
     ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-        let InProjection::Fused(fused) = self else {
+        let InKind::Fused(fused) = &self.kind else {
             return Ok(None);
         };
         if q.id() != k.id() || k.id() != v.id() {
             return Ok(None);
         }
-        let (b, t, e) = q.dims3()?;
-        // (B, T, 3, H, hd)
-        let qkv = fused.forward(q)?.reshape((b, t, 3, h, e / h))?;
-        let head = |i: usize| qkv.i((.., .., i))?.transpose(1, 2);
-        Ok(Some((head(0)?, head(1)?, head(2)?)))
+        let (b, t, _) = q.dims3()?;
+        let hd = self.q_dim / h;
+        let kvh = self.kv_dim / hd.max(1);
+        // (B, T, H + 2 Hkv, hd)
+        let qkv = fused.forward(q)?.reshape((b, t, h + 2 * kvh, hd))?;
+        let heads = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
+        Ok(Some((heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?)))
     }
 
-    pub(crate) fn forward_q(&self, q: &Tensor, e: usize) -> Result<Tensor> {
-        match self {
-            InProjection::Fused(qkv) => qkv.forward_features(q, 0, e),
-            InProjection::Separate { q: pq, .. } => pq.forward(q),
+    pub(crate) fn forward_q(&self, q: &Tensor) -> Result<Tensor> {
+        match &self.kind {
+            InKind::Fused(qkv) => qkv.forward_features(q, 0, self.q_dim),
+            InKind::Separate { q: pq, .. } => pq.forward(q),
         }
     }
 
-    pub(crate) fn forward_kv(&self, k: &Tensor, v: &Tensor, e: usize) -> Result<(Tensor, Tensor)> {
-        match self {
-            InProjection::Fused(qkv) => Ok((
-                qkv.forward_features(k, e, 2 * e)?,
-                qkv.forward_features(v, 2 * e, 3 * e)?,
+    pub(crate) fn forward_kv(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (e, kvd) = (self.q_dim, self.kv_dim);
+        match &self.kind {
+            InKind::Fused(qkv) => Ok((
+                qkv.forward_features(k, e, e + kvd)?,
+                qkv.forward_features(v, e + kvd, e + 2 * kvd)?,
             )),
-            InProjection::Separate { k: pk, v: pv, .. } => Ok((pk.forward(k)?, pv.forward(v)?)),
+            InKind::Separate { k: pk, v: pv, .. } => Ok((pk.forward(k)?, pv.forward(v)?)),
         }
     }
 }
@@ -102,15 +109,30 @@ pub(crate) fn xavier_uniform(fan_out: usize, fan_in: usize) -> Init {
     }
 }
 
-/// A linear layer `<name>.weight (out, in)`, `<name>.bias (out)`.
+/// How a checkpoint stores a linear layer's weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// `nn.Linear`: `(out, in)`.
+    OutIn,
+    /// GPT-2's `Conv1D`: `(in, out)`, transposed once on loading.
+    InOut,
+}
+
+/// A linear layer `<name>.weight` (stored as `stored` says), `<name>.bias (out)`.
 pub(crate) fn linear(
-    in_dim: usize,
-    out_dim: usize,
+    (in_dim, out_dim): (usize, usize),
     bias: bool,
     init: Init,
+    stored: Stored,
     vb: VarBuilder,
 ) -> Result<PackedLinear> {
-    let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
+    let w = match stored {
+        Stored::OutIn => vb.get_with_hints((out_dim, in_dim), "weight", init)?,
+        Stored::InOut => vb
+            .get_with_hints((in_dim, out_dim), "weight", init)?
+            .t()?
+            .contiguous()?,
+    };
     let b = bias
         .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
         .transpose()?;

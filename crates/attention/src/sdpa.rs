@@ -88,6 +88,9 @@ impl AttnPath {
                 "keys appended past the mask (add_bias_kv, add_zero_attn) need the reference or CPU path"
                     .into(),
             ),
+            _ if mask.window.is_some() || mask.alibi.is_some() => {
+                Some("a sliding window or ALiBi needs the reference or CPU path".into())
+            }
             AttnPath::FlashAttn => flash::refusal(call, mask),
             AttnPath::MetalFused => metal::refusal(call, mask),
         }

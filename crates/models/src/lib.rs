@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod dates;
+pub mod decoder;
 pub mod generation;
 #[cfg(feature = "image")]
 pub mod image_input;

@@ -1,10 +1,49 @@
 //! Reading images into pixel tensors, and writing the attention map.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{Device, Tensor};
 use image::{imageops::FilterType, DynamicImage, GrayImage, Rgb, RgbImage};
+
+/// An image to classify: a file, or one of the samples built into the
+/// binary.
+#[derive(Debug, Clone)]
+pub enum Input {
+    File(PathBuf),
+    BuiltIn(&'static str, &'static [u8]),
+}
+
+impl Input {
+    /// The shipped digit samples, sorted by name.
+    pub fn built_in_samples() -> Vec<Self> {
+        crate::cli::model_files::VIT_DIGIT_SAMPLES
+            .iter()
+            .map(|&(name, bytes)| Self::BuiltIn(name, bytes))
+            .collect()
+    }
+
+    /// What the output calls it: the file's path, or
+    /// `built-in/weights/vit-digits/samples/NAME`.
+    pub fn path(&self) -> PathBuf {
+        match self {
+            Self::File(p) => p.clone(),
+            Self::BuiltIn(name, _) => Path::new("built-in/weights/vit-digits/samples").join(name),
+        }
+    }
+
+    /// The decoded image.
+    pub fn open(&self) -> Result<DynamicImage> {
+        match self {
+            Self::File(p) => open_image(p),
+            Self::BuiltIn(name, bytes) => Ok(multihead::models::image_input::decode_image(
+                bytes,
+                &self.path().display().to_string(),
+            )
+            .with_context(|| format!("built-in sample {name}"))?),
+        }
+    }
+}
 
 /// Decodes a PNG or JPEG, recognised by its bytes, not its extension,
 /// under the size limits of [`multihead::models::image_input`].

@@ -3,9 +3,13 @@
 
 mod eval;
 mod image_io;
+mod polarity;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+use image_io::Input;
+use polarity::Invert;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
@@ -13,9 +17,9 @@ use multihead::models::vit::{
     attention_rollout, decode_target, preprocess_to, ModelFolder, VisionTransformer, VitConfig,
 };
 
-/// The shipped model, relative to the working directory or to the
-/// repository the binary was built from.
-const DEFAULT_MODEL_DIR: &str = "weights/vit-digits";
+use multihead::models::checkpoint::Checkpoint;
+
+use super::model_files::{self, Text};
 
 /// Most patches `--image-size` may ask for beyond the config's own grid: a
 /// 64 x 64 grid. Time grows with the square of the patches, and an
@@ -54,13 +58,14 @@ pub enum Format {
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Images to classify (PNG or JPEG, any size; resized as the config
-    /// says). Default: the shipped samples, weights/vit-digits/samples/.
+    /// says). Default: the samples built into the binary
+    /// (weights/vit-digits/samples/).
     images: Vec<PathBuf>,
     /// A model folder as HF transformers (`save_pretrained`), timm
     /// (`save_for_hf`) or multihead write them, or a weights file in one (a
     /// .safetensors file or model.safetensors.index.json). The config.json
-    /// beside it says which. Default: the shipped digits model,
-    /// weights/vit-digits.
+    /// beside it says which. Default: the digits model built into the
+    /// binary (weights/vit-digits).
     #[arg(long, value_name = "FOLDER|FILE")]
     weights: Option<PathBuf>,
     /// Model config (a VitConfig, HF or timm config.json). Default:
@@ -89,30 +94,67 @@ pub struct Args {
     /// per image: OUT-<image name>.png.
     #[arg(long, value_name = "OUT.png")]
     attention_map: Option<PathBuf>,
+    /// Invert grayscale images (dark ink on light to light on dark, as
+    /// the digits model was trained). auto: when the image's border is
+    /// mostly light, for one-channel models only.
+    #[arg(long, value_enum, default_value_t = Invert::Auto)]
+    invert: Invert,
     /// Output format of the predictions.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
 }
 
+/// Where the model comes from.
+enum Source {
+    /// `--weights`: a folder of any of the recognised formats.
+    Folder(ModelFolder),
+    /// The digits model built into the binary, with its config's label.
+    BuiltIn { label: String, ckpt: Checkpoint },
+}
+
 /// A loaded model and how to feed it.
 pub(crate) struct Classifier {
-    /// What was recognised in the folder, for the first line of output.
-    pub model: String,
     pub vit: VisionTransformer,
     pub cfg: VitConfig,
     pub device: Device,
     pub dtype: DType,
     pub size: usize,
+    pub invert: Invert,
 }
 
 impl Classifier {
     fn load(args: &Args) -> Result<Self> {
-        let weights = match &args.weights {
-            Some(w) => w.clone(),
-            None => default_model_dir()?.join("model.safetensors"),
+        // --weights: a model folder (HF, timm or ours) or a file in one,
+        // its config recognised by ModelFolder; without it, the digits
+        // model built into the binary, with --config's VitConfig if given.
+        let (cfg, source) = match &args.weights {
+            Some(w) => {
+                let folder = ModelFolder::open_with_config(w, args.config.as_deref())?;
+                (folder.config().clone(), Source::Folder(folder))
+            }
+            None => {
+                let (built_in, ckpt) = model_files::vit_digits()?;
+                let config = match &args.config {
+                    Some(c) => Text::read(c, "config")?,
+                    None => built_in,
+                };
+                let cfg =
+                    VitConfig::from_json(&config.text).with_context(|| format!("config {}", config.label))?;
+                (
+                    cfg,
+                    Source::BuiltIn {
+                        label: config.label,
+                        ckpt,
+                    },
+                )
+            }
         };
-        let folder = ModelFolder::open_with_config(&weights, args.config.as_deref())?;
-        let cfg = folder.config().clone();
+        if args.invert == Invert::Always && cfg.in_chans != 1 {
+            bail!(
+                "--invert always is for one-channel models; this one takes {} channels",
+                cfg.in_chans
+            )
+        }
         let size = match args.image_size {
             Some(size) => checked_image_size(size, &cfg)?,
             None => cfg.img_size,
@@ -132,14 +174,24 @@ impl Classifier {
         }
         // Sizes the weights cannot hold are refused before anything is
         // built; then every tensor is checked against the config.
-        let vit = folder.load(dtype, &device)?;
+        let vit = match &source {
+            Source::Folder(folder) => folder.load(dtype, &device)?,
+            Source::BuiltIn { label, ckpt } => {
+                ckpt.ensure_holds(&cfg.min_weights()?)
+                    .with_context(|| format!("config {label}"))?;
+                let vit = ckpt
+                    .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
+                    .with_context(|| format!("with config {label}"))?;
+                vit
+            }
+        };
         Ok(Self {
-            model: folder.describe(),
             vit,
             cfg,
             device,
             dtype,
             size,
+            invert: args.invert,
         })
     }
 
@@ -149,6 +201,7 @@ impl Classifier {
         let (w, h) = (img.width() as usize, img.height() as usize);
         let target = decode_target(&self.cfg, (h, w), (self.size, self.size))?;
         let px = image_io::pixels(img, self.cfg.in_chans, target)?;
+        let px = polarity::apply(px, self.invert)?;
         let x = preprocess_to(&self.cfg, &px, (self.size, self.size))?;
         Ok(x.to_device(&self.device)?.to_dtype(self.dtype)?)
     }
@@ -181,29 +234,6 @@ fn checked_image_size(size: usize, cfg: &VitConfig) -> Result<usize> {
         )
     }
     Ok(size)
-}
-
-fn default_model_dir() -> Result<PathBuf> {
-    let here = Path::new(DEFAULT_MODEL_DIR);
-    if here.is_dir() {
-        return Ok(here.to_path_buf());
-    }
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_MODEL_DIR);
-    if built.is_dir() {
-        return Ok(built);
-    }
-    bail!("the shipped model is not in ./{DEFAULT_MODEL_DIR}; pass --weights")
-}
-
-/// The images of the shipped samples directory, sorted.
-fn default_images() -> Result<Vec<PathBuf>> {
-    let dir = default_model_dir()?.join("samples");
-    let mut files = image_files(&dir)?;
-    files.sort();
-    if files.is_empty() {
-        bail!("no images in '{}'", dir.display())
-    }
-    Ok(files)
 }
 
 /// The PNG and JPEG files directly in `dir`.
@@ -240,10 +270,10 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(dir) = &args.eval {
         return eval::run(&clf, dir);
     }
-    let paths = if args.images.is_empty() {
-        default_images()?
+    let paths: Vec<Input> = if args.images.is_empty() {
+        Input::built_in_samples()
     } else {
-        args.images.clone()
+        args.images.iter().cloned().map(Input::File).collect()
     };
     let k = args.top_k.min(clf.cfg.num_classes.max(1));
     let width = (0..clf.cfg.num_classes)
@@ -252,11 +282,10 @@ pub fn run(args: Args) -> Result<()> {
         .unwrap_or(1);
     let mut json = Vec::new();
     let mut out = std::io::stdout().lock();
-    if args.weights.is_some() && args.format == Format::Text {
-        writeln!(out, "model: {}", clf.model)?;
-    }
-    for path in &paths {
-        let img = image_io::open_image(path)?;
+    for input in &paths {
+        let img = input.open()?;
+        let path = input.path();
+        let path = path.as_path();
         let x = clf.input(&img)?;
         let probs: Vec<f32> = clf
             .probabilities(std::slice::from_ref(&x))?

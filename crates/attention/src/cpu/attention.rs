@@ -141,6 +141,10 @@ fn sdpa_cpu_with(
     // diagonal are skipped instead of computed and masked.
     let parts = mask.tensor_parts((b, h, l, masked_keys))?;
     let causal = mask.causal.map(|c| c.offset(l, masked_keys));
+    let alibi = mask
+        .alibi
+        .as_ref()
+        .map(|a| (a.slopes(), mask.alibi_offset(l, masked_keys)));
     // Every (batch, row, head) slot is written by exactly one work unit.
     let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
     let tiles = tiles.unwrap_or_else(|| Tiles::best(l, d, dv));
@@ -174,6 +178,8 @@ fn sdpa_cpu_with(
                     dims: (l, s, d, dv),
                     scale: scale as f32,
                     causal,
+                    window: mask.window,
+                    alibi,
                     masked_keys,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
@@ -317,6 +323,11 @@ pub(super) struct Problem<'a> {
     pub(super) scale: f32,
     /// Key `j < masked_keys` is visible to query `i` iff `j <= i + offset`.
     pub(super) causal: Option<isize>,
+    /// With `causal`: and iff `j > i + offset - window`.
+    window: Option<usize>,
+    /// ALiBi: per-head slopes and the offset of the diagonal distances
+    /// are measured from.
+    alibi: Option<(&'a [f32], isize)>,
     /// Keys past this (`add_bias_kv`, `add_zero_attn`) are never masked.
     pub(super) masked_keys: usize,
 }
@@ -327,6 +338,17 @@ impl Problem<'_> {
         match self.causal {
             Some(off) => (i as isize + off + 1).clamp(0, self.masked_keys as isize) as usize,
             None => self.masked_keys,
+        }
+    }
+
+    /// The first key query `i` may see by the sliding window (0 without
+    /// one): tiles before it are skipped.
+    pub(super) fn keys_start(&self, i: usize) -> usize {
+        match (self.causal, self.window) {
+            (Some(off), Some(w)) => {
+                (i as isize + off + 1 - w as isize).clamp(0, self.masked_keys as isize) as usize
+            }
+            _ => 0,
         }
     }
 
@@ -349,6 +371,13 @@ impl Problem<'_> {
         let row = &mut row[..masked];
         if row.is_empty() {
             return;
+        }
+        if let Some((slopes, off)) = self.alibi {
+            let m = slopes[hi];
+            let base = j0 as isize - i as isize - off;
+            for (x, d) in row.iter_mut().zip(base..) {
+                *x += m * d as f32;
+            }
         }
         let at = |p: &PartView| bi * p.stride[0] + hi * p.stride[1] + i * p.stride[2] + j0 * p.stride[3];
         for p in self.parts {
@@ -379,6 +408,8 @@ impl Problem<'_> {
         }
         let visible = self.causal_end(i).saturating_sub(j0).min(masked);
         row[visible..].fill(f32::NEG_INFINITY);
+        let before = self.keys_start(i).saturating_sub(j0).min(visible);
+        row[..before].fill(f32::NEG_INFINITY);
     }
 
     /// Attention for one unit's query rows, written to its output rows.
@@ -394,7 +425,7 @@ impl Problem<'_> {
         let bk = BLOCK_K.min(kv_end.max(1));
         let mut tile = vec![0f32; rows * bk];
         let q_off = self.q.offset(bi, hi, i0);
-        let mut j0 = 0;
+        let mut j0 = self.keys_start(i0);
         while j0 < kv_end {
             let cols = bk.min(kv_end - j0);
             let k_off = self.k.offset(bi, kvh, j0);
@@ -484,7 +515,7 @@ mod tests {
 
     use super::{sdpa_cpu_with, Tiles};
     use crate::cpu::testing::{randn, rel_err};
-    use crate::mask::{AttnMask, Causal, KeyPaddingMask, Mask};
+    use crate::mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
     use crate::sdpa::sdpa_reference;
 
     /// Every tile implementation the processor runs under the current ISA.
@@ -530,6 +561,12 @@ mod tests {
                 Mask::causal(Causal::TopLeft)
                     .with_attn(AttnMask::Additive(randn(&[l, s])?))
                     .with_key_padding(KeyPaddingMask::from_lengths(&lengths, s, &Device::Cpu)?),
+                // Windows narrower and wider than a key block and a panel.
+                Mask::causal(Causal::BottomRight).with_window(3),
+                Mask::causal(Causal::BottomRight)
+                    .with_window(70)
+                    .with_alibi(Alibi::new(h)),
+                Mask::new().with_alibi(Alibi::new(h)),
             ];
             for (m, mask) in masks.iter().enumerate() {
                 let scale = 0.7 / (d as f64).sqrt().max(1.);

@@ -203,7 +203,10 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
     let mr = kernels.rows();
     let mut strip = vec![0f32; mr * STRIP_RS];
     let kv_end = p.keys_end(i0 + rows - 1);
-    for j0 in (0..kv_end).step_by(BLOCK_K) {
+    // Panels start at multiples of NR; keys before the first row's window
+    // are skipped whole.
+    let start = p.keys_start(i0) / NR * NR;
+    for j0 in (start..kv_end).step_by(BLOCK_K) {
         for g0 in (0..rows).step_by(mr) {
             let gr = mr.min(rows - g0);
             let cols = p.keys_end(i0 + g0 + gr - 1).min(j0 + BLOCK_K).saturating_sub(j0);

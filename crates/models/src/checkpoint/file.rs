@@ -210,7 +210,10 @@ impl Checkpoint {
             .fold(0usize, |n, t| n.saturating_add(t.numel()))
     }
 
-    /// Tensor `name` on `device` in its stored dtype.
+    /// Tensor `name` on `device` in its stored dtype; a boolean tensor
+    /// (`BOOL`, what `safetensors.torch.save_file` writes for `torch.bool`,
+    /// one byte each) becomes `u8`, non-zero = true: candle has no bool
+    /// dtype, and the attention masks take `u8` for booleans.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
         let (info, (dtype, range)) = self
             .index
@@ -232,6 +235,10 @@ impl Checkpoint {
                 info.shape
             )
         }
+        let dtype = match dtype {
+            Dtype::BOOL => &Dtype::U8,
+            d => d,
+        };
         let view = TensorView::new(*dtype, info.shape.clone(), &self.bytes[range.clone()])
             .map_err(|e| candle::Error::Msg(format!("weights '{}': tensor '{name}': {e}", self.label)))?;
         candle::safetensors::Load::load(&view, device)

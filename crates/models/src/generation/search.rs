@@ -134,13 +134,33 @@ pub fn generate<M: StepModel>(
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
+    generate_from(model, cache, &vec![cfg.start_id; batch], cfg, processors)
+}
+
+/// [`generate`] where each source's first fed token is its own: for a
+/// decoder-only model, the last token of each prompt, whose earlier tokens
+/// are already in `cache` (`first.len()` sources). `cfg.start_id` is not
+/// fed.
+pub fn generate_from<M: StepModel>(
+    model: &M,
+    cache: M::Cache,
+    first: &[u32],
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+) -> Result<Vec<Vec<Generated>>> {
     cfg.validate(model.vocab_size())?;
     for p in processors {
         p.check(model.vocab_size(), cfg.max_len)?;
     }
+    if let Some(&t) = first.iter().find(|&&t| t as usize >= model.vocab_size()) {
+        bail!(
+            "generate: first token {t} must be < the vocabulary size ({})",
+            model.vocab_size()
+        )
+    }
     match cfg.decoding {
-        Decoding::Beam { beams } => beam(model, cache, batch, beams, cfg, processors),
-        Decoding::Greedy | Decoding::Sample { .. } => rowwise(model, cache, batch, cfg, processors),
+        Decoding::Beam { beams } => beam(model, cache, first, beams, cfg, processors),
+        Decoding::Greedy | Decoding::Sample { .. } => rowwise(model, cache, first, cfg, processors),
     }
 }
 
@@ -202,10 +222,11 @@ fn draw(scores: &[f32], rng: &mut SplitMix64) -> Option<usize> {
 fn rowwise<M: StepModel>(
     model: &M,
     mut cache: M::Cache,
-    batch: usize,
+    first: &[u32],
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
+    let batch = first.len();
     let n = cfg.num_return;
     if n > 1 {
         let rows: Vec<u32> = (0..batch as u32)
@@ -226,7 +247,7 @@ fn rowwise<M: StepModel>(
         })
         .collect();
     let mut done = vec![false; rows];
-    let mut fed = vec![cfg.start_id; rows];
+    let mut fed: Vec<u32> = (0..rows).map(|r| first[r / n]).collect();
     for _ in 0..cfg.max_len {
         let mut scores = next_log_probs(model, fed.clone(), &mut cache)?;
         for (r, row) in scores.iter_mut().enumerate() {
@@ -285,12 +306,13 @@ struct Beam {
 fn beam<M: StepModel>(
     model: &M,
     mut cache: M::Cache,
-    batch: usize,
+    first: &[u32],
     beams: usize,
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
     let dev = model.device().clone();
+    let batch = first.len();
     // Every source repeated `beams` times: (B * K, ...).
     let rows: Vec<u32> = (0..batch as u32)
         .flat_map(|i| std::iter::repeat_n(i, beams))
@@ -305,7 +327,7 @@ fn beam<M: StepModel>(
             done: false,
         })
         .collect();
-    let mut fed = vec![cfg.start_id; batch * beams];
+    let mut fed: Vec<u32> = (0..batch * beams).map(|r| first[r / beams]).collect();
     for _ in 0..cfg.max_len {
         let mut logp = next_log_probs(model, fed, &mut cache)?;
         let mut next = Vec::with_capacity(batch * beams);
@@ -371,10 +393,11 @@ fn beam<M: StepModel>(
         model.select_rows(&mut cache, &Tensor::new(parents.as_slice(), &dev)?)?;
         fed = state
             .iter()
-            .map(|bm| match (bm.done, bm.tokens.last()) {
+            .enumerate()
+            .map(|(r, bm)| match (bm.done, bm.tokens.last()) {
                 (true, _) => cfg.pad_id,
                 (false, Some(&t)) => t,
-                (false, None) => cfg.start_id,
+                (false, None) => first[r / beams],
             })
             .collect();
     }

@@ -5,13 +5,13 @@
 //! A step feeds only the new target positions. Each layer projects their
 //! keys and values, appends them to its cache along the sequence dim, and
 //! lets the new queries attend over the whole cache with the causal rule
-//! anchored at the bottom right ([`multihead_attention::Causal::BottomRight`]): query `i` of
-//! `new_len` sees the `past_len + i + 1` first keys, exactly the keys the
+//! anchored after the cached positions ([`multihead_attention::MultiheadAttention::forward_cached`]):
+//! query `i` of `new_len` sees the `past_len + i + 1` first keys, exactly the keys the
 //! full causal pass shows it. Everything else in a layer is position-wise,
 //! so the step's outputs equal the rows of the full pass.
 
 use candle::{bail, Result, Tensor};
-use multihead_attention::{KeyPaddingMask, Mask, NeedWeights, SeqLayout};
+use multihead_attention::{KeyPaddingMask, KvCache, Mask, NeedWeights, SeqLayout};
 
 use super::layer::ProjectedKv;
 use super::model::TransformerDecoder;
@@ -24,8 +24,8 @@ pub struct DecoderCache {
     /// head_dim)`.
     memory: Vec<ProjectedKv>,
     /// Per layer: the self-attention keys and values of every position fed
-    /// so far, `(batch, heads, len, head_dim)`; `None` before the first step.
-    self_kv: Vec<Option<ProjectedKv>>,
+    /// so far, `(batch, heads, len, head_dim)`, grown in place.
+    self_kv: Vec<KvCache>,
     /// Which memory positions are padding, `(batch, src_len)`.
     memory_key_padding: Option<KeyPaddingMask>,
     len: usize,
@@ -58,11 +58,14 @@ impl DecoderCache {
         let n = rows.dims1()?;
         // Projected heads may be strided views; index_select needs contiguous.
         let pick = |t: &Tensor| t.contiguous()?.index_select(rows, 0);
-        for kv in self.memory.iter_mut().chain(self.self_kv.iter_mut().flatten()) {
+        for kv in self.memory.iter_mut() {
             *kv = ProjectedKv {
                 k: pick(&kv.k)?,
                 v: pick(&kv.v)?,
             };
+        }
+        for kv in self.self_kv.iter_mut() {
+            kv.select_rows(rows)?;
         }
         self.memory_key_padding = match self.memory_key_padding.take() {
             None => None,
@@ -116,7 +119,7 @@ impl TransformerDecoder {
             .collect::<Result<_>>()?;
         Ok(DecoderCache {
             memory: projected,
-            self_kv: vec![None; self.layers.len()],
+            self_kv: vec![KvCache::new(64); self.layers.len()],
             memory_key_padding,
             len: 0,
             batch,

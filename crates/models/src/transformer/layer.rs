@@ -6,7 +6,7 @@
 use candle::{Result, Tensor};
 use candle_nn::{linear_b, Module, VarBuilder};
 use multihead_attention::{
-    Causal, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
+    KvCache, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
 };
 
 use super::config::{Activation, TransformerConfig};
@@ -233,34 +233,27 @@ impl TransformerDecoderLayer {
     pub(crate) fn forward_step(
         &self,
         tgt: &Tensor,
-        cache: &mut Option<ProjectedKv>,
+        cache: &mut KvCache,
         memory: &ProjectedKv,
         memory_mask: &Mask,
         need_weights: NeedWeights,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let mut weights = None;
+        // The new queries sit after the cached keys: the cache gives the
+        // causal offset.
         let sa = |x: &Tensor| -> Result<Tensor> {
-            let (k, v) = self.self_attn.project_kv(x, x)?;
-            let kv = match cache.take() {
-                None => ProjectedKv { k, v },
-                // (B, H, past + new, hd)
-                Some(past) => ProjectedKv {
-                    k: Tensor::cat(&[&past.k, &k], 2)?,
-                    v: Tensor::cat(&[&past.v, &v], 2)?,
-                },
-            };
-            // The new queries sit at the end of the cached keys.
-            let mask = Mask::causal(Causal::BottomRight);
-            let out = self
+            Ok(self
                 .self_attn
-                .forward_projected(x, &kv.k, &kv.v, &mask, NeedWeights::No)?;
-            *cache = Some(kv);
-            Ok(out.output)
+                .forward_cached(x, cache, &MhaOptions::new())?
+                .output)
         };
         let ca = |x: &Tensor| -> Result<Tensor> {
-            let out =
-                self.multihead_attn
-                    .forward_projected(x, &memory.k, &memory.v, memory_mask, need_weights)?;
+            let opts = MhaOptions::new()
+                .with_mask(memory_mask.clone())
+                .with_weights(need_weights);
+            let out = self
+                .multihead_attn
+                .forward_projected(x, &memory.k, &memory.v, &opts)?;
             weights = out.weights;
             Ok(out.output)
         };

@@ -24,6 +24,6 @@ pub use cache::{DecoderCache, DecoderStep};
 pub use config::{Activation, TransformerConfig};
 pub use layer::{TransformerDecoderLayer, TransformerEncoderLayer};
 pub use model::{FinalNorm, Transformer, TransformerDecoder, TransformerEncoder, TransformerMasks};
-pub use search::{Attended, Hypothesis, KvCache};
+pub use search::{Attended, CacheMode, Hypothesis};
 pub use seq2seq::{sinusoidal_positions, Encoded, Seq2Seq, Seq2SeqConfig, MAX_COMPUTED_POSITIONS};
 pub use vocab::CharVocab;

@@ -8,7 +8,7 @@ use crate::generation::{generate, Decoding, GenerateConfig, Generated, LogitsPro
 
 /// Whether decoding keeps the decoder's keys and values between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvCache {
+pub enum CacheMode {
     /// Feed one token per step through a [`super::DecoderCache`].
     #[default]
     Use,
@@ -49,7 +49,7 @@ impl Seq2Seq {
     /// # Shapes
     /// - `src`: `(batch, src_len)`, `u32`
     /// - returns `batch` id lists, without `bos_id` and `eos_id`
-    pub fn greedy(&self, src: &Tensor, cache: KvCache) -> Result<Vec<Vec<u32>>> {
+    pub fn greedy(&self, src: &Tensor, cache: CacheMode) -> Result<Vec<Vec<u32>>> {
         let cfg = self.config();
         let enc = self.encode(src)?;
         let b = src.dim(0)?;
@@ -58,8 +58,8 @@ impl Seq2Seq {
         let mut done = vec![false; b];
         let mut next = Tensor::full(cfg.bos_id, (b, 1), dev)?;
         let mut cached = match cache {
-            KvCache::Use => Some(self.start(&enc)?),
-            KvCache::Recompute => None,
+            CacheMode::Use => Some(self.start(&enc)?),
+            CacheMode::Recompute => None,
         };
         let mut prefix = next.clone();
         for _ in 0..cfg.max_tgt_len {

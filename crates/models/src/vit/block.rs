@@ -110,7 +110,7 @@ pub struct Block {
 /// checkpoints.
 #[derive(Debug, Clone)]
 enum Attention {
-    Softmax(MultiheadAttention),
+    Softmax(Box<MultiheadAttention>),
     Hydra(HydraAttention),
 }
 
@@ -140,11 +140,11 @@ impl Block {
         Ok(Self {
             norm1: LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm1))?,
             attn: match kind {
-                AttentionKind::Softmax => Attention::Softmax(MultiheadAttention::new_with_layout(
+                AttentionKind::Softmax => Attention::Softmax(Box::new(MultiheadAttention::new_with_layout(
                     &mha_cfg,
                     &layout,
                     vb.pp(names.attn),
-                )?),
+                )?)),
                 AttentionKind::Hydra => {
                     let hydra_cfg = HydraConfig {
                         qkv_bias: cfg.qkv_bias,

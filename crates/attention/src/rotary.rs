@@ -1,0 +1,102 @@
+//! Rotary position embeddings, in the two pairings real checkpoints use.
+//!
+//! Ports `apply_rotary_pos_emb` of HF transformers'
+//! `models/llama/modeling_llama.py` (half-split, `rotate_half`; GPT-NeoX's
+//! partial `rotary_pct` too) and `models/gptj/modeling_gptj.py`
+//! (interleaved, `rotate_every_two`, partial `rotary_dim`).
+
+use candle::{bail, DType, Result, Tensor, D};
+
+use crate::config::{RotaryConfig, RotaryStyle};
+
+/// A rotary embedding for heads of `head_dim` features.
+#[derive(Debug, Clone)]
+pub struct Rotary {
+    /// `theta^(-2i / dims)` for `i < dims / 2`, in f32 as HF computes it.
+    inv_freq: Vec<f32>,
+    dims: usize,
+    head_dim: usize,
+    style: RotaryStyle,
+}
+
+impl Rotary {
+    /// The embedding `cfg` describes over heads of `head_dim` features.
+    pub fn new(cfg: &RotaryConfig, head_dim: usize) -> Result<Self> {
+        let dims = cfg.dims.unwrap_or(head_dim);
+        if dims == 0 || !dims.is_multiple_of(2) || dims > head_dim {
+            bail!("Rotary: dims must be even and in 1..=head_dim ({head_dim}), found {dims}")
+        }
+        if !cfg.theta.is_finite() || cfg.theta <= 1. {
+            bail!("Rotary: theta must be finite and > 1, found {}", cfg.theta)
+        }
+        // HF: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
+        let theta = cfg.theta as f32;
+        let inv_freq = (0..dims / 2)
+            .map(|i| 1. / theta.powf((2 * i) as f32 / dims as f32))
+            .collect();
+        Ok(Self {
+            inv_freq,
+            dims,
+            head_dim,
+            style: cfg.style,
+        })
+    }
+
+    /// Rotates `x` at `positions`.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, heads, seq, head_dim)`
+    /// - `positions`: `(batch, seq)`, `u32`: each token's position (the
+    ///   cache length plus its index, less the row's left padding)
+    /// - returns the shape of `x`, in its dtype
+    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let (b, h, t, hd) = x.dims4()?;
+        if hd != self.head_dim {
+            bail!("Rotary: x has head_dim {hd}, expected {}", self.head_dim)
+        }
+        if positions.dims() != [b, t] {
+            bail!(
+                "Rotary: positions must be (batch, seq) = ({b}, {t}), found {:?}",
+                positions.dims()
+            )
+        }
+        let half = self.dims / 2;
+        let inv_freq = Tensor::new(self.inv_freq.as_slice(), x.device())?.reshape((1, 1, 1, half))?;
+        // (B, 1, T, rot/2): HF's `position_ids.float() @ inv_freq`, in f32.
+        let freqs = positions
+            .to_dtype(DType::F32)?
+            .reshape((b, 1, t, 1))?
+            .broadcast_mul(&inv_freq)?;
+        let (cos, sin) = (freqs.cos()?, freqs.sin()?);
+        let dtype = x.dtype();
+        let xf = x.to_dtype(DType::F32)?;
+        let rot = xf.narrow(D::Minus1, 0, self.dims)?;
+        // The two members of each rotated pair, (B, H, T, rot/2) each.
+        let (x1, x2) = match self.style {
+            RotaryStyle::HalfSplit => (
+                rot.narrow(D::Minus1, 0, half)?,
+                rot.narrow(D::Minus1, half, half)?,
+            ),
+            RotaryStyle::Interleaved => {
+                let pairs = rot.reshape((b, h, t, half, 2))?;
+                let member = |i: usize| pairs.narrow(D::Minus1, i, 1)?.squeeze(D::Minus1);
+                (member(0)?, member(1)?)
+            }
+        };
+        let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        let rotated = match self.style {
+            RotaryStyle::HalfSplit => Tensor::cat(&[&y1, &y2], D::Minus1)?,
+            RotaryStyle::Interleaved => Tensor::stack(&[&y1, &y2], D::Minus1)?.flatten_from(3)?,
+        };
+        let out = if self.dims < hd {
+            Tensor::cat(
+                &[&rotated, &xf.narrow(D::Minus1, self.dims, hd - self.dims)?],
+                D::Minus1,
+            )?
+        } else {
+            rotated
+        };
+        out.to_dtype(dtype)
+    }
+}

@@ -1,0 +1,317 @@
+//! The `config.json` HF transformers writes for GPT-2 and Llama, read as
+//! untrusted input: every value checked, every error naming the file and
+//! the field.
+
+use candle::{bail, Result};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Largest width, vocabulary, layer count or context a config may ask for:
+/// far beyond any released model, small enough that products of two of
+/// them cannot overflow.
+const MAX_DIM: usize = 1 << 24;
+
+/// A decoder's config, by `model_type`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HfDecoderConfig {
+    /// `gpt2`.
+    Gpt2(Gpt2Config),
+    /// `llama`, `mistral`.
+    Llama(LlamaConfig),
+}
+
+impl HfDecoderConfig {
+    /// Parses `config.json` text; `label` names the file in errors.
+    pub fn from_json(text: &str, label: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| candle::Error::Msg(format!("{label}: not valid JSON: {e}")))?;
+        let model_type = match value.get("model_type") {
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => bail!("{label}: field 'model_type' must be a string, found {other}"),
+            None => bail!("{label}: no field 'model_type' (is this a HF transformers config.json?)"),
+        };
+        match model_type.as_str() {
+            "gpt2" => {
+                let cfg: Gpt2Config = serde_json::from_value(value.clone())
+                    .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
+                cfg.validate(label)?;
+                Ok(Self::Gpt2(cfg))
+            }
+            "llama" | "mistral" => {
+                let mut cfg: LlamaConfig = serde_json::from_value(value.clone())
+                    .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
+                cfg.resolve_rope(&value, label)?;
+                cfg.validate(label)?;
+                Ok(Self::Llama(cfg))
+            }
+            other => {
+                bail!("{label}: model_type '{other}' is not a decoder this crate runs (gpt2, llama, mistral)")
+            }
+        }
+    }
+}
+
+fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {
+    for &(name, d) in dims {
+        if d == 0 || d > MAX_DIM {
+            bail!("{label}: field '{name}' must be in 1..={MAX_DIM}, found {d}")
+        }
+    }
+    Ok(())
+}
+
+fn check_eps(label: &str, name: &str, eps: f64) -> Result<()> {
+    if !(eps.is_finite() && eps > 0. && eps < 1.) {
+        bail!("{label}: field '{name}' must be in (0, 1), found {eps}")
+    }
+    Ok(())
+}
+
+/// HF `GPT2Config`, the fields that shape the model.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Gpt2Config {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Context length (learned position embeddings).
+    pub n_positions: usize,
+    /// Width.
+    pub n_embd: usize,
+    /// Blocks.
+    pub n_layer: usize,
+    /// Heads.
+    pub n_head: usize,
+    /// MLP width (default `4 * n_embd`).
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// `gelu_new` (tanh GELU, the default), `gelu_pytorch_tanh`, `gelu`,
+    /// `relu`, `silu`.
+    #[serde(default = "gelu_new")]
+    pub activation_function: String,
+    /// LayerNorm epsilon.
+    #[serde(default = "ln_eps")]
+    pub layer_norm_epsilon: f64,
+    /// Scores scaled by `1 / sqrt(head_dim)` (default true).
+    #[serde(default = "yes")]
+    pub scale_attn_weights: bool,
+    /// Scores also scaled by `1 / (layer_index + 1)`.
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    /// The output projection shares `wte` (default true).
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+}
+
+fn gelu_new() -> String {
+    "gelu_new".into()
+}
+
+fn ln_eps() -> f64 {
+    1e-5
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Gpt2Config {
+    fn validate(&self, label: &str) -> Result<()> {
+        check_dims(
+            label,
+            &[
+                ("vocab_size", self.vocab_size),
+                ("n_positions", self.n_positions),
+                ("n_embd", self.n_embd),
+                ("n_layer", self.n_layer),
+                ("n_head", self.n_head),
+                ("n_inner", self.n_inner()),
+            ],
+        )?;
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            bail!(
+                "{label}: n_embd ({}) must be divisible by n_head ({})",
+                self.n_embd,
+                self.n_head
+            )
+        }
+        check_eps(label, "layer_norm_epsilon", self.layer_norm_epsilon)?;
+        Activation::parse(&self.activation_function, label)?;
+        Ok(())
+    }
+
+    /// MLP width.
+    pub fn n_inner(&self) -> usize {
+        self.n_inner.unwrap_or(4 * self.n_embd)
+    }
+}
+
+/// The MLP activations the decoders support, by their HF names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Activation {
+    GeluTanh,
+    GeluErf,
+    Relu,
+    Silu,
+}
+
+impl Activation {
+    pub(crate) fn parse(name: &str, label: &str) -> Result<Self> {
+        Ok(match name {
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Self::GeluTanh,
+            "gelu" => Self::GeluErf,
+            "relu" => Self::Relu,
+            "silu" | "swish" => Self::Silu,
+            other => bail!(
+                "{label}: activation '{other}' is not supported (gelu_new, gelu_pytorch_tanh, gelu, relu, silu)"
+            ),
+        })
+    }
+
+    pub(crate) fn apply(self, x: &candle::Tensor) -> Result<candle::Tensor> {
+        match self {
+            Self::GeluTanh => x.gelu(),
+            Self::GeluErf => x.gelu_erf(),
+            Self::Relu => x.relu(),
+            Self::Silu => x.silu(),
+        }
+    }
+}
+
+/// HF `LlamaConfig` / `MistralConfig`, the fields that shape the model.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct LlamaConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (default `num_attention_heads`).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Per-head width; must be `hidden_size / num_attention_heads` when given.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// RMSNorm epsilon.
+    #[serde(default = "rms_eps")]
+    pub rms_norm_eps: f64,
+    /// Rotary base: the top-level `rope_theta` (transformers 4) or
+    /// `rope_parameters.rope_theta` (transformers 5); default 10000.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// Context length the model was trained for (not enforced: rotary
+    /// positions extrapolate).
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    /// Biases on q/k/v/o.
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Biases on the MLP.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// The output projection shares `embed_tokens`.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// `silu` (Llama, Mistral).
+    #[serde(default = "silu")]
+    pub hidden_act: String,
+    /// Mistral's sliding attention window, in keys.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+}
+
+fn rms_eps() -> f64 {
+    1e-6
+}
+
+fn silu() -> String {
+    "silu".into()
+}
+
+impl LlamaConfig {
+    /// Reads the rotary parameters from wherever this transformers
+    /// version put them, refusing scaled variants this crate does not
+    /// implement (rather than running them unscaled).
+    fn resolve_rope(&mut self, value: &Value, label: &str) -> Result<()> {
+        for key in ["rope_parameters", "rope_scaling"] {
+            let Some(p) = value.get(key).filter(|p| !p.is_null()) else {
+                continue;
+            };
+            let Some(p) = p.as_object() else {
+                bail!("{label}: field '{key}' must be an object, found {p}")
+            };
+            let kind = p
+                .get("rope_type")
+                .or_else(|| p.get("type"))
+                .and_then(Value::as_str);
+            if let Some(kind) = kind.filter(|k| *k != "default") {
+                bail!("{label}: {key}.rope_type '{kind}' (scaled rotary) is not supported; only 'default'")
+            }
+            if let Some(theta) = p.get("rope_theta") {
+                match theta.as_f64() {
+                    Some(t) => self.rope_theta = Some(t),
+                    None => bail!("{label}: field '{key}.rope_theta' must be a number, found {theta}"),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&self, label: &str) -> Result<()> {
+        check_dims(
+            label,
+            &[
+                ("vocab_size", self.vocab_size),
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("num_attention_heads", self.num_attention_heads),
+                ("num_key_value_heads", self.kv_heads()),
+            ],
+        )?;
+        let (h, kvh) = (self.num_attention_heads, self.kv_heads());
+        if !self.hidden_size.is_multiple_of(h) {
+            bail!(
+                "{label}: hidden_size ({}) must be divisible by num_attention_heads ({h})",
+                self.hidden_size
+            )
+        }
+        if !h.is_multiple_of(kvh) {
+            bail!("{label}: num_attention_heads ({h}) must be a multiple of num_key_value_heads ({kvh})")
+        }
+        if let Some(hd) = self.head_dim.filter(|&hd| hd != self.hidden_size / h) {
+            bail!(
+                "{label}: head_dim {hd} differs from hidden_size / num_attention_heads ({}); not supported",
+                self.hidden_size / h
+            )
+        }
+        check_eps(label, "rms_norm_eps", self.rms_norm_eps)?;
+        let theta = self.theta();
+        if !(theta.is_finite() && theta > 1.) {
+            bail!("{label}: field 'rope_theta' must be finite and > 1, found {theta}")
+        }
+        if self.sliding_window == Some(0) {
+            bail!("{label}: field 'sliding_window' must be >= 1 when set")
+        }
+        if self.hidden_act != "silu" {
+            bail!(
+                "{label}: hidden_act '{}' is not supported (silu)",
+                self.hidden_act
+            )
+        }
+        Ok(())
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Rotary base.
+    pub fn theta(&self) -> f64 {
+        self.rope_theta.unwrap_or(10_000.)
+    }
+}

@@ -1,0 +1,175 @@
+//! GPT-2, as HF transformers' `GPT2LMHeadModel`
+//! (`transformers/models/gpt2/modeling_gpt2.py`), on
+//! [`MultiheadAttention`] with GPT-2's `Conv1D` layout.
+
+use candle::{bail, DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, VarBuilder};
+use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
+
+use super::config::{Activation, Gpt2Config};
+use super::{check_ids, CausalLm, DecoderCache};
+use crate::checkpoint::Checkpoint;
+
+/// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
+fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
+    let w = vb.get((in_dim, out_dim), "weight")?;
+    let b = vb.get(out_dim, "bias")?;
+    PackedLinear::new(w.t()?.contiguous()?, Some(b))
+}
+
+/// `GPT2Block`: pre-norm attention and MLP, each added back.
+#[derive(Debug, Clone)]
+struct Block {
+    ln_1: LayerNorm,
+    attn: MultiheadAttention,
+    ln_2: LayerNorm,
+    c_fc: PackedLinear,
+    c_proj: PackedLinear,
+    act: Activation,
+}
+
+impl Block {
+    fn new(cfg: &Gpt2Config, layer: usize, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.n_embd;
+        let mut mha = MhaConfig::new(e, cfg.n_head);
+        let mut scale = if cfg.scale_attn_weights {
+            1. / ((e / cfg.n_head) as f64).sqrt()
+        } else {
+            1.
+        };
+        if cfg.scale_attn_by_inverse_layer_idx {
+            scale /= (layer + 1) as f64;
+        }
+        mha = mha.with_scale(scale);
+        let act = Activation::parse(&cfg.activation_function, "GPT-2 config")?;
+        Ok(Self {
+            ln_1: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
+            attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::gpt2(), vb.pp("attn"))?,
+            ln_2: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
+            c_fc: conv1d(e, cfg.n_inner(), vb.pp("mlp.c_fc"))?,
+            c_proj: conv1d(cfg.n_inner(), e, vb.pp("mlp.c_proj"))?,
+            act,
+        })
+    }
+
+    /// `(B, T, E)` → `(B, T, E)`, appending to `cache`.
+    fn forward(&self, x: &Tensor, cache: &mut multihead_attention::KvCache) -> Result<Tensor> {
+        let a = self
+            .attn
+            .forward_cached(&self.ln_1.forward(x)?, cache, &MhaOptions::new())?
+            .output;
+        let x = (x + a)?;
+        let h = self.act.apply(&self.c_fc.forward(&self.ln_2.forward(&x)?)?)?;
+        x + self.c_proj.forward(&h)?
+    }
+}
+
+/// GPT-2 with its language-model head.
+#[derive(Debug, Clone)]
+pub struct Gpt2 {
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    lm_head: PackedLinear,
+    cfg: Gpt2Config,
+    device: Device,
+}
+
+impl Gpt2 {
+    /// Builds the model from `vb` rooted where `wte`, `wpe`, `h.N` and
+    /// `ln_f` live (`transformer` in a `GPT2LMHeadModel` checkpoint);
+    /// `lm_head` is the head's own weight when the embeddings are untied.
+    pub fn new(cfg: &Gpt2Config, vb: VarBuilder, lm_head: Option<Tensor>) -> Result<Self> {
+        let e = cfg.n_embd;
+        let wte = candle_nn::embedding(cfg.vocab_size, e, vb.pp("wte"))?;
+        let wpe = candle_nn::embedding(cfg.n_positions, e, vb.pp("wpe"))?;
+        let blocks = (0..cfg.n_layer)
+            .map(|i| Block::new(cfg, i, vb.pp(format!("h.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_f"))?;
+        let head = lm_head.unwrap_or_else(|| wte.embeddings().clone());
+        Ok(Self {
+            lm_head: PackedLinear::new(head, None)?,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            cfg: cfg.clone(),
+            device: vb.device().clone(),
+        })
+    }
+
+    /// Builds the model from a `GPT2LMHeadModel` (names under
+    /// `transformer.`) or `GPT2Model` (bare names) checkpoint, after the
+    /// pre-flight check. The causal-mask buffers older exports carry
+    /// (`h.N.attn.bias`, `h.N.attn.masked_bias`) are ignored.
+    pub fn load(cfg: &Gpt2Config, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
+        let prefix = if ckpt.info("transformer.wte.weight").is_some() {
+            "transformer."
+        } else {
+            ""
+        };
+        let buffers: Vec<(String, Vec<usize>)> = ckpt
+            .tensors()
+            .iter()
+            .filter(|t| t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias"))
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        let untied = !cfg.tie_word_embeddings || ckpt.info("lm_head.weight").is_some();
+        ckpt.load(DType::F32, device, |vb| {
+            // Asked for, so the pre-flight counts them as used; never read.
+            for (name, shape) in &buffers {
+                vb.get(shape.as_slice(), name)?;
+            }
+            let head = untied
+                .then(|| vb.get((cfg.vocab_size, cfg.n_embd), "lm_head.weight"))
+                .transpose()?;
+            let root = if prefix.is_empty() {
+                vb.clone()
+            } else {
+                vb.pp("transformer")
+            };
+            Self::new(cfg, root, head)
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.cfg
+    }
+}
+
+impl CausalLm for Gpt2 {
+    fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        let (b, t) = check_ids(ids, self.cfg.vocab_size, "Gpt2")?;
+        // Learned positions: each row's count from its first real token.
+        let pos = cache.positions(b, t, &self.device)?;
+        let last = pos.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
+        if last >= self.cfg.n_positions {
+            bail!(
+                "Gpt2: position {last} is past the context of {} positions (n_positions)",
+                self.cfg.n_positions
+            )
+        }
+        // (B, T, E)
+        let mut x = (self.wte.forward(ids)? + self.wpe.forward(&pos)?)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = block.forward(&x, cache.layer(i)?)?;
+        }
+        // (B, T, V)
+        self.lm_head.forward(&self.ln_f.forward(&x)?)
+    }
+
+    fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
+        DecoderCache::new(self.blocks.len(), left_padding)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}

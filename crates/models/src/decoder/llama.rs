@@ -1,0 +1,159 @@
+//! Llama (and Mistral), as HF transformers' `LlamaForCausalLM`
+//! (`transformers/models/llama/modeling_llama.py`), on
+//! [`MultiheadAttention`] with grouped-query heads and rotary positions.
+
+use candle::{DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, RmsNorm, VarBuilder};
+use multihead_attention::{
+    KvCache, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, PositionEncoding, RotaryConfig,
+    WeightLayout,
+};
+
+use super::config::LlamaConfig;
+use super::{check_ids, CausalLm, DecoderCache};
+use crate::checkpoint::Checkpoint;
+
+fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<PackedLinear> {
+    let w = vb.get((out_dim, in_dim), "weight")?;
+    let b = bias.then(|| vb.get(out_dim, "bias")).transpose()?;
+    PackedLinear::new(w, b)
+}
+
+/// `LlamaMLP`: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: PackedLinear,
+    up_proj: PackedLinear,
+    down_proj: PackedLinear,
+}
+
+impl Mlp {
+    fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+        Ok(Self {
+            gate_proj: linear(e, i, bias, vb.pp("gate_proj"))?,
+            up_proj: linear(e, i, bias, vb.pp("up_proj"))?,
+            down_proj: linear(i, e, bias, vb.pp("down_proj"))?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+    }
+}
+
+/// `LlamaDecoderLayer`: pre-RMSNorm attention and MLP, each added back.
+#[derive(Debug, Clone)]
+struct Layer {
+    input_layernorm: RmsNorm,
+    self_attn: MultiheadAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl Layer {
+    fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.hidden_size;
+        let mut mha = MhaConfig::new(e, cfg.num_attention_heads)
+            .with_bias(cfg.attention_bias)
+            .with_kv_heads(cfg.kv_heads())
+            .with_position(PositionEncoding::Rotary(RotaryConfig::new(cfg.theta())));
+        if let Some(w) = cfg.sliding_window {
+            mha = mha.with_sliding_window(w);
+        }
+        Ok(Self {
+            input_layernorm: candle_nn::rms_norm(e, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            self_attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::llama(), vb.pp("self_attn"))?,
+            post_attention_layernorm: candle_nn::rms_norm(
+                e,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+        })
+    }
+
+    /// `(B, T, E)` → `(B, T, E)`, appending to `cache`.
+    fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let a = self
+            .self_attn
+            .forward_cached(&self.input_layernorm.forward(x)?, cache, &MhaOptions::new())?
+            .output;
+        let x = (x + a)?;
+        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?
+    }
+}
+
+/// Llama with its language-model head.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    embed_tokens: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: PackedLinear,
+    cfg: LlamaConfig,
+    device: Device,
+}
+
+impl Llama {
+    /// Builds the model from `vb` rooted at a `LlamaForCausalLM`
+    /// checkpoint's top (`model.*`, `lm_head.weight`).
+    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        let e = cfg.hidden_size;
+        let m = vb.pp("model");
+        let embed_tokens = candle_nn::embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| Layer::new(cfg, m.pp(format!("layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
+        let head = if cfg.tie_word_embeddings {
+            embed_tokens.embeddings().clone()
+        } else {
+            vb.get((cfg.vocab_size, e), "lm_head.weight")?
+        };
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head: PackedLinear::new(head, None)?,
+            cfg: cfg.clone(),
+            device: vb.device().clone(),
+        })
+    }
+
+    /// Builds the model from a checkpoint, after the pre-flight check.
+    pub fn load(cfg: &LlamaConfig, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
+        ckpt.load(DType::F32, device, |vb| Self::new(cfg, vb))
+    }
+
+    /// The config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+}
+
+impl CausalLm for Llama {
+    fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        check_ids(ids, self.cfg.vocab_size, "Llama")?;
+        // (B, T, E)
+        let mut x = self.embed_tokens.forward(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, cache.layer(i)?)?;
+        }
+        // (B, T, V)
+        self.lm_head.forward(&self.norm.forward(&x)?)
+    }
+
+    fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
+        DecoderCache::new(self.layers.len(), left_padding)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}

@@ -1,0 +1,266 @@
+//! Decoder-only language models on [`multihead_attention`]: GPT-2 and
+//! Llama (Mistral-style sliding windows too), loading the folders HF
+//! transformers' `save_pretrained` writes, decoded through the shared
+//! [`crate::generation`] API.
+//!
+//! Every attention layer is a [`MultiheadAttention`] stepping a
+//! [`KvCache`] through [`MultiheadAttention::forward_cached`]: a prompt,
+//! a chunk of one, or a single new token is the same call.
+//!
+//! ```no_run
+//! use multihead_models::decoder::{generate_from_prompts, DecoderModel};
+//! use multihead_models::generation::GenerateConfig;
+//! # fn main() -> candle::Result<()> {
+//! let model = DecoderModel::from_folder("tests/fixtures/decoders/llama".as_ref(), &candle::Device::Cpu)?;
+//! let cfg = GenerateConfig::greedy(10, 0, 1, 0);
+//! let out = generate_from_prompts(&model, &[vec![5, 6, 7], vec![8, 9]], 0, &cfg, &[])?;
+//! println!("{:?}", out[0][0].tokens);
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod gpt2;
+mod llama;
+
+use std::path::Path;
+
+use candle::{bail, Device, Result, Tensor};
+use multihead_attention::KvCache;
+#[cfg(doc)]
+use multihead_attention::MultiheadAttention;
+
+use crate::checkpoint::Checkpoint;
+use crate::generation::{generate_from, GenerateConfig, Generated, LogitsProcessor, StepModel};
+
+pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
+pub use gpt2::Gpt2;
+pub use llama::Llama;
+
+/// The self-attention caches of every layer, sharing one length and the
+/// rows' left padding.
+#[derive(Debug, Clone)]
+pub struct DecoderCache {
+    layers: Vec<KvCache>,
+}
+
+impl DecoderCache {
+    /// Empty caches for `n_layers` layers; `left_padding[b]` leading
+    /// positions of row `b` will be padding (empty: none).
+    pub fn new(n_layers: usize, left_padding: Vec<usize>) -> Self {
+        Self {
+            layers: (0..n_layers)
+                .map(|_| KvCache::with_left_padding(256, left_padding.clone()))
+                .collect(),
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets the positions from `len` on, in every layer.
+    pub fn truncate(&mut self, len: usize) {
+        self.layers.iter_mut().for_each(|c| c.truncate(len));
+    }
+
+    /// Keeps rows `rows` (`u32`, may repeat), in that order, in every layer.
+    pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|c| c.select_rows(rows))
+    }
+
+    /// `(batch, new)` `u32` positions of the next `new` tokens, counted
+    /// from each row's first real token.
+    pub fn positions(&self, batch: usize, new: usize, device: &Device) -> Result<Tensor> {
+        match self.layers.first() {
+            Some(c) => c.positions(batch, new, device),
+            None => KvCache::new(1).positions(batch, new, device),
+        }
+    }
+
+    /// The cache of layer `i`.
+    pub(crate) fn layer(&mut self, i: usize) -> Result<&mut KvCache> {
+        let n = self.layers.len();
+        match self.layers.get_mut(i) {
+            Some(c) => Ok(c),
+            None => bail!("DecoderCache: layer {i} of a cache for {n} layers"),
+        }
+    }
+}
+
+/// A causal language model: token ids through a cache to next-token
+/// logits. Every such model is a [`StepModel`], so [`crate::generation`]
+/// decodes it.
+pub trait CausalLm {
+    /// Logits for every fed position, appending them to `cache`.
+    ///
+    /// # Shapes
+    /// - `ids`: `(batch, new)`, `u32`
+    /// - returns `(batch, new, vocab_size)`, f32
+    fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor>;
+
+    /// An empty cache for this model, rows left-padded as given.
+    fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache;
+
+    /// Size of the vocabulary.
+    fn vocab_size(&self) -> usize;
+
+    /// Where the model's tensors live.
+    fn device(&self) -> &Device;
+}
+
+impl<M: CausalLm> StepModel for M {
+    type Cache = DecoderCache;
+
+    fn step(&self, tokens: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        CausalLm::forward(self, tokens, cache)?.squeeze(1)
+    }
+
+    fn select_rows(&self, cache: &mut DecoderCache, rows: &Tensor) -> Result<()> {
+        cache.select_rows(rows)
+    }
+
+    fn vocab_size(&self) -> usize {
+        CausalLm::vocab_size(self)
+    }
+
+    fn device(&self) -> &Device {
+        CausalLm::device(self)
+    }
+}
+
+/// Checks `(batch, new)` `u32` ids against the vocabulary.
+pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(usize, usize)> {
+    let (b, t) = match ids.dims() {
+        &[b, t] if t > 0 => (b, t),
+        dims => bail!("{what}: ids must be (batch, new) with new > 0, found {dims:?}"),
+    };
+    if ids.dtype() != candle::DType::U32 {
+        bail!("{what}: ids must be u32, found {:?}", ids.dtype())
+    }
+    let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+    if max as usize >= vocab_size {
+        bail!("{what}: token id {max} is out of the vocabulary ({vocab_size} tokens)")
+    }
+    Ok((b, t))
+}
+
+/// A decoder loaded from a model folder, whichever architecture its
+/// `config.json` names.
+#[derive(Debug, Clone)]
+pub enum DecoderModel {
+    /// `model_type` `gpt2`.
+    Gpt2(Gpt2),
+    /// `model_type` `llama` or `mistral`.
+    Llama(Llama),
+}
+
+impl DecoderModel {
+    /// Loads `dir/config.json` and `dir/model.safetensors` as HF
+    /// transformers' `save_pretrained` writes them, through the checked
+    /// loader (every missing, extra or mis-shaped tensor named at once).
+    pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
+        let config = dir.join("config.json");
+        let text = std::fs::read_to_string(&config)
+            .map_err(|e| candle::Error::Msg(format!("{}: cannot read: {e}", config.display())))?;
+        let cfg = HfDecoderConfig::from_json(&text, &config.display().to_string())?;
+        let weights = dir.join("model.safetensors");
+        if !weights.exists() {
+            if dir.join("model.safetensors.index.json").exists() {
+                bail!(
+                    "{}: sharded checkpoints (model.safetensors.index.json) are not read by the decoders yet; \
+                     merge the shards into model.safetensors",
+                    dir.display()
+                )
+            }
+            // A pickle gets the export command from the checkpoint reader.
+            let bin = dir.join("pytorch_model.bin");
+            if bin.exists() {
+                Checkpoint::read(&bin)?;
+            }
+            bail!("{}: no model.safetensors beside config.json", dir.display())
+        }
+        let ckpt = Checkpoint::read(&weights)?;
+        Self::from_checkpoint(&cfg, &ckpt, device)
+    }
+
+    /// Builds the model `cfg` describes from `ckpt`.
+    pub fn from_checkpoint(cfg: &HfDecoderConfig, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
+        Ok(match cfg {
+            HfDecoderConfig::Gpt2(c) => Self::Gpt2(Gpt2::load(c, ckpt, device)?),
+            HfDecoderConfig::Llama(c) => Self::Llama(Llama::load(c, ckpt, device)?),
+        })
+    }
+}
+
+impl CausalLm for DecoderModel {
+    fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        match self {
+            Self::Gpt2(m) => m.forward(ids, cache),
+            Self::Llama(m) => m.forward(ids, cache),
+        }
+    }
+
+    fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
+        match self {
+            Self::Gpt2(m) => m.new_cache(left_padding),
+            Self::Llama(m) => m.new_cache(left_padding),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        match self {
+            Self::Gpt2(m) => CausalLm::vocab_size(m),
+            Self::Llama(m) => CausalLm::vocab_size(m),
+        }
+    }
+
+    fn device(&self) -> &Device {
+        match self {
+            Self::Gpt2(m) => CausalLm::device(m),
+            Self::Llama(m) => CausalLm::device(m),
+        }
+    }
+}
+
+/// Prompts of different lengths, left-padded with `pad_id` into one
+/// batch, as HF's `generate` takes them: `(ids, left_padding)`.
+pub fn left_pad(prompts: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<(Tensor, Vec<usize>)> {
+    let len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+        bail!("left_pad: every prompt needs at least one token")
+    }
+    let pads: Vec<usize> = prompts.iter().map(|p| len - p.len()).collect();
+    let data: Vec<u32> = prompts
+        .iter()
+        .zip(&pads)
+        .flat_map(|(p, &n)| std::iter::repeat_n(pad_id, n).chain(p.iter().copied()))
+        .collect();
+    Ok((Tensor::from_vec(data, (prompts.len(), len), device)?, pads))
+}
+
+/// Generates a continuation of each prompt: prompts are left-padded into
+/// one batch, all but their last token prefilled in one call, and
+/// decoding starts from each prompt's last token, with `processors`
+/// applied at every step ([`crate::generation::generate_from`]).
+pub fn generate_from_prompts<M: CausalLm>(
+    model: &M,
+    prompts: &[Vec<u32>],
+    pad_id: u32,
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+) -> Result<Vec<Vec<Generated>>> {
+    let (ids, pads) = left_pad(prompts, pad_id, model.device())?;
+    let len = ids.dim(1)?;
+    let mut cache = model.new_cache(pads);
+    if len > 1 {
+        model.forward(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
+    }
+    let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
+    generate_from(model, cache, &last, cfg, processors)
+}

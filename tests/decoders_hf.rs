@@ -1,0 +1,144 @@
+//! GPT-2 and Llama decoders against HF transformers (fixtures written by
+//! `scripts/make_decoder_fixtures.py`: random-init `GPT2LMHeadModel` and
+//! `LlamaForCausalLM` with grouped-query heads and rope_theta 50000, saved
+//! by `save_pretrained`): the folder loads unchanged, the prompt's logits,
+//! every cached decoding step's logits and greedy generation (plain and
+//! left-padded batches) equal HF's.
+
+mod common;
+
+use anyhow::{Context, Result};
+use candle::{DType, Device, IndexOp, Tensor};
+use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
+use multihead::models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
+use multihead::models::generation::GenerateConfig;
+
+const MODELS: [&str; 3] = ["gpt2", "llama", "mistral"];
+
+fn load(name: &str) -> Result<(DecoderModel, Fixture)> {
+    let dev = Device::Cpu;
+    let dir = fixture_dir("decoders");
+    let model =
+        DecoderModel::from_folder(&dir.join(name), &dev).with_context(|| format!("loading {name}"))?;
+    let f = Fixture::load(&dir.join(format!("{name}_expected.safetensors")), &dev)?;
+    Ok((model, f))
+}
+
+fn ids(f: &Fixture, name: &str) -> Result<Tensor> {
+    Ok(f.get(name)?.to_dtype(DType::U32)?)
+}
+
+fn rows(t: &Tensor) -> Result<Vec<Vec<u32>>> {
+    Ok(t.to_dtype(DType::U32)?.to_vec2()?)
+}
+
+/// An end token greedy decoding never picks, so that every row runs to
+/// `max_new_tokens` as HF's did (its config has no eos).
+fn unused_token(f: &Fixture, vocab: usize) -> Result<u32> {
+    let used: Vec<u32> = ids(f, "greedy_ids")?.flatten_all()?.to_vec1()?;
+    let padded: Vec<u32> = ids(f, "padded_greedy_ids")?.flatten_all()?.to_vec1()?;
+    (0..vocab as u32)
+        .rev()
+        .find(|t| !used.contains(t) && !padded.contains(t))
+        .context("every token is used")
+}
+
+#[test]
+fn prompt_logits_equal_hf() -> Result<()> {
+    for name in MODELS {
+        let (model, f) = load(name)?;
+        let input = ids(&f, "input_ids")?;
+        let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
+        assert_close(&format!("{name} prompt logits"), &logits, f.get("logits")?, 1e-5)?;
+        eprintln!(
+            "{name}: max |ours - HF| over the prompt logits: {:.2e}",
+            max_abs_diff(&logits, f.get("logits")?)?
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn cached_steps_equal_hf_at_every_step() -> Result<()> {
+    for name in MODELS {
+        let (model, f) = load(name)?;
+        let greedy = ids(&f, "greedy_ids")?;
+        let expected = f.get("step_logits")?;
+        let steps = expected.dim(1)?;
+        // Chunked prefill (3 + 4), then one token at a time.
+        let mut cache = model.new_cache(vec![]);
+        model.forward(&greedy.i((.., ..3))?, &mut cache)?;
+        let mut logits = model.forward(&greedy.i((.., 3..7))?, &mut cache)?.i((.., 3))?;
+        for s in 0..steps {
+            assert_close(&format!("{name} step {s}"), &logits, &expected.i((.., s))?, 1e-5)?;
+            let next = greedy.i((.., 7 + s..8 + s))?;
+            logits = model.forward(&next, &mut cache)?.i((.., 0))?;
+        }
+        assert_eq!(cache.len(), 7 + steps);
+    }
+    Ok(())
+}
+
+#[test]
+fn greedy_generation_gives_hf_tokens() -> Result<()> {
+    for name in MODELS {
+        let (model, f) = load(name)?;
+        let eos = unused_token(&f, model.vocab_size())?;
+        let max_new = f.case["max_new_tokens"].as_u64().context("max_new_tokens")? as usize;
+        let cfg = GenerateConfig::greedy(max_new, 0, eos, 0);
+        // Equal-length prompts, then the left-padded batch (row 1 shorter).
+        for (prompt_ids, out_ids, mask) in [
+            ("input_ids", "greedy_ids", None),
+            ("padded_ids", "padded_greedy_ids", Some("padded_attention_mask")),
+        ] {
+            let mut prompts = rows(f.get(prompt_ids)?)?;
+            if let Some(mask) = mask {
+                let mask = rows(f.get(mask)?)?;
+                for (p, m) in prompts.iter_mut().zip(&mask) {
+                    *p = p
+                        .iter()
+                        .zip(m)
+                        .filter(|(_, &m)| m == 1)
+                        .map(|(&t, _)| t)
+                        .collect();
+                }
+            }
+            let prompt_len = f.get(prompt_ids)?.dim(1)?;
+            let out = generate_from_prompts(&model, &prompts, 0, &cfg, &[])?;
+            let expected = rows(f.get(out_ids)?)?;
+            for (r, (got, want)) in out.iter().zip(&expected).enumerate() {
+                assert_eq!(got[0].tokens, want[prompt_len..], "{name} {out_ids} row {r}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn left_padded_steps_equal_hf() -> Result<()> {
+    for name in MODELS {
+        let (model, f) = load(name)?;
+        let padded = ids(&f, "padded_ids")?;
+        let mask = rows(f.get("padded_attention_mask")?)?;
+        let pads: Vec<usize> = mask
+            .iter()
+            .map(|m| m.iter().filter(|&&x| x == 0).count())
+            .collect();
+        let greedy = ids(&f, "padded_greedy_ids")?;
+        let expected = f.get("padded_step_logits")?;
+        let mut cache = model.new_cache(pads);
+        let mut logits = model.forward(&padded, &mut cache)?.i((.., 6))?;
+        for s in 0..expected.dim(1)? {
+            assert_close(
+                &format!("{name} padded step {s}"),
+                &logits,
+                &expected.i((.., s))?,
+                1e-5,
+            )?;
+            logits = model
+                .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
+                .i((.., 0))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,154 @@
+//! Hostile or broken decoder folders: each gets one clear error naming the
+//! file and the field, never a panic or a model that runs wrong.
+
+mod common;
+
+use std::path::Path;
+
+use anyhow::Result;
+use candle::{Device, Tensor};
+use common::fixture_dir;
+use multihead::models::decoder::{CausalLm, DecoderModel, HfDecoderConfig};
+
+fn config_error(json: &str) -> String {
+    match HfDecoderConfig::from_json(json, "config.json") {
+        Ok(cfg) => panic!("accepted {json}: {cfg:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The Llama fixture's config with `edit` applied.
+fn llama_with(edit: impl FnOnce(&mut serde_json::Value)) -> Result<String> {
+    let text = std::fs::read_to_string(fixture_dir("decoders").join("llama/config.json"))?;
+    let mut v: serde_json::Value = serde_json::from_str(&text)?;
+    edit(&mut v);
+    Ok(v.to_string())
+}
+
+#[test]
+fn bad_configs_name_the_file_and_field() -> Result<()> {
+    let cases: Vec<(String, &str)> = vec![
+        ("not json".into(), "config.json: not valid JSON"),
+        ("{}".into(), "no field 'model_type'"),
+        (r#"{"model_type": 3}"#.into(), "'model_type' must be a string"),
+        (
+            r#"{"model_type": "bert"}"#.into(),
+            "model_type 'bert' is not a decoder",
+        ),
+        (
+            r#"{"model_type": "gpt2", "n_embd": 64}"#.into(),
+            "missing field `vocab_size`",
+        ),
+        (
+            llama_with(|v| v["hidden_size"] = "64".into())?,
+            "invalid type: string \"64\", expected usize",
+        ),
+        (
+            llama_with(|v| v["num_key_value_heads"] = 3.into())?,
+            "must be a multiple of num_key_value_heads (3)",
+        ),
+        (
+            llama_with(|v| v["vocab_size"] = 0.into())?,
+            "field 'vocab_size' must be in 1..=",
+        ),
+        (
+            llama_with(|v| v["num_hidden_layers"] = (1u64 << 40).into())?,
+            "field 'num_hidden_layers' must be in",
+        ),
+        (llama_with(|v| v["head_dim"] = 32.into())?, "head_dim 32 differs"),
+        (
+            llama_with(|v| v["rms_norm_eps"] = (-1.0).into())?,
+            "field 'rms_norm_eps' must be in (0, 1)",
+        ),
+        (
+            llama_with(|v| {
+                v["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "rope_theta": 5e5})
+            })?,
+            "rope_type 'llama3' (scaled rotary) is not supported",
+        ),
+        (
+            llama_with(|v| v["rope_parameters"] = serde_json::json!({"rope_theta": "big"}))?,
+            "'rope_parameters.rope_theta' must be a number",
+        ),
+        (
+            llama_with(|v| v["hidden_act"] = "gelu".into())?,
+            "hidden_act 'gelu' is not supported",
+        ),
+        (
+            llama_with(|v| v["sliding_window"] = 0.into())?,
+            "'sliding_window' must be >= 1",
+        ),
+    ];
+    for (json, want) in cases {
+        let err = config_error(&json);
+        assert!(err.starts_with("config.json: "), "{err}");
+        assert!(err.contains(want), "expected '{want}' in: {err}");
+    }
+    Ok(())
+}
+
+/// A copy of a fixture folder in a temporary directory, with `edit` applied.
+fn folder_with(name: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<std::path::PathBuf> {
+    let src = fixture_dir("decoders").join(name);
+    let dir = std::env::temp_dir().join(format!("multihead-decoder-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(file), dir.join(file))?;
+    }
+    edit(&dir)?;
+    Ok(dir)
+}
+
+#[test]
+fn a_config_that_disagrees_with_the_weights_is_refused_with_the_tensor() -> Result<()> {
+    // One more kv head than the weights hold: k_proj is (32, 64), not (64, 64).
+    let dir = folder_with("llama", |d| {
+        let text = std::fs::read_to_string(d.join("config.json"))?;
+        std::fs::write(
+            d.join("config.json"),
+            text.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
+        )?;
+        Ok(())
+    })?;
+    let err = DecoderModel::from_folder(&dir, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("k_proj.weight") && err.contains("[32, 64]"), "{err}");
+    std::fs::remove_dir_all(&dir)?;
+    // No weights at all; a pickle in their place gets the export command.
+    let dir = folder_with("gpt2", |d| {
+        std::fs::remove_file(d.join("model.safetensors"))?;
+        std::fs::write(d.join("pytorch_model.bin"), b"PK\x03\x04 not really")?;
+        Ok(())
+    })?;
+    let err = DecoderModel::from_folder(&dir, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pickle") && err.contains("save_file"), "{err}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn bad_token_ids_and_overlong_contexts_are_errors() -> Result<()> {
+    let dev = Device::Cpu;
+    let gpt2 = DecoderModel::from_folder(&fixture_dir("decoders").join("gpt2"), &dev)?;
+    let mut cache = gpt2.new_cache(vec![]);
+    let err = gpt2
+        .forward(&Tensor::new(&[[5u32, 128]], &dev)?, &mut cache)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("token id 128 is out of the vocabulary (128 tokens)"),
+        "{err}"
+    );
+    // n_positions is 64: the 65th position has no embedding.
+    let long = Tensor::zeros((1, 65), candle::DType::U32, &dev)?;
+    let err = gpt2
+        .forward(&long, &mut gpt2.new_cache(vec![]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("position 64 is past the context of 64"), "{err}");
+    Ok(())
+}
