@@ -161,6 +161,32 @@ fn folders_match_pytorch_through_the_cli() -> Result<()> {
     Ok(())
 }
 
+/// `inspect` checks a file against the HF or timm config.json beside it.
+#[test]
+fn inspect_reads_hf_and_timm_configs() -> Result<()> {
+    for (name, kind) in [
+        ("hf_vit", "config: HF transformers config"),
+        ("hf_deit", "config: HF transformers config"),
+        ("timm_deit_distilled", "config: timm config"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .arg("inspect")
+            .arg(folders().join(name).join("model.safetensors"))
+            .output()?;
+        let stdout = String::from_utf8(out.stdout)?;
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains(kind) && stdout.contains("every tensor matches"),
+            "{name}: {stdout}"
+        );
+    }
+    Ok(())
+}
+
 /// Our own format is a folder too now: `--weights weights/vit-digits`.
 #[test]
 fn our_own_folder() -> Result<()> {

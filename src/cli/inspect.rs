@@ -10,7 +10,7 @@ use multihead::attention::{MhaConfig, MultiheadAttention};
 use multihead::models::checkpoint::{wanted_tensors, Checkpoint, MinWeights, NonFinite, Preflight};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
 use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
-use multihead::models::vit::{VisionTransformer, VitConfig};
+use multihead::models::vit::{folder, VisionTransformer, VitConfig};
 
 use super::model_files::WeightsPath;
 
@@ -123,7 +123,28 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
     let ctx = || format!("config '{}'", path.display());
     // Every config's sizes are checked against what the file can hold
     // before its model is recorded: `depth: 300000` costs nothing.
-    let (kind, wanted) = if value.get("img_size").is_some() || value.get("patch_size").is_some() {
+    let hf_vit = matches!(
+        value.get("model_type").and_then(|t| t.as_str()),
+        Some("vit" | "deit")
+    );
+    let (kind, wanted) = if hf_vit || value.get("architecture").is_some() {
+        // HF transformers and timm hub configs, read as `vit --weights` reads them.
+        let label = path.display().to_string();
+        let (kind, cfg) = if hf_vit {
+            (
+                "HF transformers config",
+                folder::hf::parse(&json, &label, None)?.0,
+            )
+        } else {
+            ("timm config", folder::timm::parse(&json, &label)?)
+        };
+        cfg.validate().with_context(ctx)?;
+        ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
+        (
+            kind,
+            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb)).with_context(ctx)?,
+        )
+    } else if value.get("img_size").is_some() || value.get("patch_size").is_some() {
         let cfg = VitConfig::from_json(&json).with_context(ctx)?;
         ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
         (
@@ -301,10 +322,12 @@ fn print_text(
     }
     more(out, "values: ", non_finite.len(), limit, "tensors with NaN/Inf")?;
     if let Some(c) = check {
-        let whose = if c.beside {
-            " (beside the file: a multihead model directory)"
-        } else {
-            ""
+        let whose = match (c.beside, c.kind) {
+            (false, _) => "",
+            (true, "VitConfig" | "Seq2SeqConfig" | "MhaConfig") => {
+                " (beside the file: a multihead model directory)"
+            }
+            (true, _) => " (beside the file)",
         };
         writeln!(out, "config: {} {}{whose}", c.kind, c.path.display())?;
         let r = &c.report;
