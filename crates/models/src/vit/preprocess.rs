@@ -25,14 +25,18 @@ pub enum ImageResize {
         /// The shorter side after resizing, at the config's `img_size`.
         short_side: usize,
     },
-    /// HF `DeiTImageProcessor`: resize to `height x width`, then crop the
-    /// centre to the input size (offsets rounded down, as transformers'
-    /// `center_crop`).
+    /// HF `DeiTImageProcessor`, timm's `crop_mode='squash'`: resize to
+    /// `height x width`, then crop the centre to the input size.
     SquashCrop {
         /// Height after resizing, at the config's `img_size`.
         height: usize,
         /// Width after resizing, at the config's `img_size`.
         width: usize,
+        /// Round the crop offsets half to even, as torchvision's
+        /// `CenterCrop` (timm; transformers' `...Fast` processors), instead
+        /// of down, as transformers' PIL processors' `center_crop`.
+        #[serde(default, skip_serializing_if = "is_false")]
+        round_half_even: bool,
     },
 }
 
@@ -47,7 +51,7 @@ impl ImageResize {
         let sides = match *self {
             Self::Squash => return Ok(()),
             Self::ShortSideCrop { short_side } => [short_side, short_side],
-            Self::SquashCrop { height, width } => [height, width],
+            Self::SquashCrop { height, width, .. } => [height, width],
         };
         let most = img_size.saturating_mul(MAX_RESIZE_FACTOR);
         if let Some(s) = sides.iter().find(|&&s| s < img_size || s > most) {
@@ -58,6 +62,10 @@ impl ImageResize {
         }
         Ok(())
     }
+}
+
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 /// Which resampler resizes images.
@@ -103,7 +111,7 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
     };
     let size = match cfg.image_resize {
         ImageResize::Squash => out,
-        ImageResize::SquashCrop { height, width } => (scale(height, out.0)?, scale(width, out.1)?),
+        ImageResize::SquashCrop { height, width, .. } => (scale(height, out.0)?, scale(width, out.1)?),
         ImageResize::ShortSideCrop { short_side } if out.0 == out.1 => {
             let s = scale(short_side, out.0)?;
             // torchvision: the long side is `int(size * long / short)`.
@@ -160,7 +168,11 @@ fn crop_offset(mode: ImageResize, size: usize, crop: usize) -> usize {
     let d = size - crop;
     match mode {
         // Python's `round(d / 2)`: halves go to the even neighbour.
-        ImageResize::ShortSideCrop { .. } if d % 2 == 1 && (d / 2) % 2 == 1 => d / 2 + 1,
+        ImageResize::ShortSideCrop { .. }
+        | ImageResize::SquashCrop {
+            round_half_even: true,
+            ..
+        } if d % 2 == 1 && (d / 2) % 2 == 1 => d / 2 + 1,
         _ => d / 2,
     }
 }
@@ -225,11 +237,21 @@ mod tests {
     #[test]
     fn crop_offsets_round_as_their_libraries_do() {
         let timm = ImageResize::ShortSideCrop { short_side: 0 };
-        let hf = ImageResize::SquashCrop { height: 0, width: 0 };
+        let hf = ImageResize::SquashCrop {
+            height: 0,
+            width: 0,
+            round_half_even: false,
+        };
         // round(0.5) = 0, round(1.5) = 2, round(2.5) = 2, round(3.5) = 4.
         for (d, want) in [(0, 0), (1, 0), (2, 1), (3, 2), (5, 2), (7, 4)] {
             assert_eq!(crop_offset(timm, 10 + d, 10), want, "timm d={d}");
             assert_eq!(crop_offset(hf, 10 + d, 10), d / 2, "hf d={d}");
+            let squash = ImageResize::SquashCrop {
+                height: 0,
+                width: 0,
+                round_half_even: true,
+            };
+            assert_eq!(crop_offset(squash, 10 + d, 10), want, "torchvision squash d={d}");
         }
     }
 
@@ -245,6 +267,7 @@ mod tests {
         cfg.image_resize = ImageResize::SquashCrop {
             height: 256,
             width: 256,
+            round_half_even: false,
         };
         assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (256, 256));
         // A 1-pixel-high strip would become 248 x 3 million pixels.

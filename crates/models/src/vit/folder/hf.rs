@@ -167,7 +167,11 @@ pub fn parse(text: &str, file: &str, pre: Option<(&str, &str)>) -> Result<(VitCo
     if deit {
         cfg.image_interpolation = Interpolation::Bicubic;
         let s = img * 256 / 224;
-        cfg.image_resize = ImageResize::SquashCrop { height: s, width: s };
+        cfg.image_resize = ImageResize::SquashCrop {
+            height: s,
+            width: s,
+            round_half_even: false,
+        };
     } else {
         cfg.image_interpolation = Interpolation::Bilinear;
     }
@@ -274,7 +278,12 @@ fn preprocessor(cfg: &mut VitConfig, text: &str, file: &str, config_file: &str) 
                 ),
             ));
         }
-        cfg.image_resize = ImageResize::SquashCrop { height, width };
+        // torchvision's CenterCrop rounds half to even, transformers' down.
+        cfg.image_resize = ImageResize::SquashCrop {
+            height,
+            width,
+            round_half_even: cfg.image_resampler == Resampler::Torch,
+        };
     } else {
         let (h, w) = size.unwrap_or((img, img));
         if (h, w) != (img, img) {

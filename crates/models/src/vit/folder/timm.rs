@@ -244,6 +244,7 @@ pub fn parse(text: &str, file: &str) -> Result<VitConfig> {
         ImageResize::SquashCrop {
             height: scale,
             width: scale,
+            round_half_even: true,
         }
     } else {
         ImageResize::ShortSideCrop { short_side: scale }
@@ -309,6 +310,16 @@ mod tests {
         assert_eq!(cfg.num_classes, 1000);
         assert_eq!(cfg.image_resize, ImageResize::ShortSideCrop { short_side: 248 });
         assert_eq!(cfg.image_mean, [0.5; 3]);
+        // crop_mode 'squash': Resize((s, s)) then torchvision's CenterCrop.
+        let cfg = VitConfig::from_timm_config(
+            r#"{"architecture": "vit_base_patch16_224", "pretrained_cfg": {"crop_pct": 0.95, "crop_mode": "squash"}}"#,
+        )?;
+        let want = ImageResize::SquashCrop {
+            height: 235,
+            width: 235,
+            round_half_even: true,
+        };
+        assert_eq!(cfg.image_resize, want);
         Ok(())
     }
 
