@@ -68,6 +68,9 @@ impl Rotary {
             .reshape((b, 1, t, 1))?
             .broadcast_mul(&inv_freq)?;
         let (cos, sin) = (freqs.cos()?, freqs.sin()?);
+        if !x.track_op() && x.dtype() == DType::F32 {
+            return self.apply_fused(x, &cos, &sin);
+        }
         let dtype = x.dtype();
         let xf = x.to_dtype(DType::F32)?;
         let rot = xf.narrow(D::Minus1, 0, self.dims)?;
@@ -98,5 +101,56 @@ impl Rotary {
             rotated
         };
         out.to_dtype(dtype)
+    }
+
+    /// [`Rotary::apply`] through candle's fused kernels (`rope`,
+    /// `rope_i`; one pass, no temporaries), for f32 inputs that track no
+    /// gradients (the kernels have no backward). `cos`, `sin`:
+    /// `(B, 1, T, rot/2)`.
+    fn apply_fused(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let hd = x.dim(D::Minus1)?;
+        let cs = |t: &Tensor| t.squeeze(1)?.contiguous();
+        let (cos, sin) = (cs(cos)?, cs(sin)?);
+        let rot = x.narrow(D::Minus1, 0, self.dims)?.contiguous()?;
+        let rotated = match self.style {
+            RotaryStyle::HalfSplit => candle_nn::rotary_emb::rope(&rot, &cos, &sin)?,
+            RotaryStyle::Interleaved => candle_nn::rotary_emb::rope_i(&rot, &cos, &sin)?,
+        };
+        if self.dims == hd {
+            return Ok(rotated);
+        }
+        Tensor::cat(
+            &[&rotated, &x.narrow(D::Minus1, self.dims, hd - self.dims)?],
+            D::Minus1,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Result, Tensor, Var};
+
+    use super::Rotary;
+    use crate::config::{RotaryConfig, RotaryStyle};
+
+    /// The fused kernels (plain inputs) equal the tensor-op path (inputs
+    /// that track gradients), in both pairings, whole and partial, with
+    /// per-row positions.
+    #[test]
+    fn fused_equals_differentiable_path() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1., (2, 3, 5, 16), &dev)?;
+        let tracked = Var::from_tensor(&x)?;
+        let positions = Tensor::new(&[[0u32, 1, 2, 3, 4], [7, 8, 9, 10, 11]], &dev)?;
+        for style in [RotaryStyle::HalfSplit, RotaryStyle::Interleaved] {
+            for dims in [16, 8] {
+                let rotary = Rotary::new(&RotaryConfig::new(10_000.).with_dims(dims).with_style(style), 16)?;
+                let fused = rotary.apply(&x, &positions)?;
+                let slow = rotary.apply(tracked.as_tensor(), &positions)?;
+                let err = (fused - slow)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                assert!(err < 1e-6, "{style:?} dims {dims}: {err}");
+            }
+        }
+        Ok(())
     }
 }
