@@ -88,9 +88,10 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
 }
 
 /// A copy of a fixture folder in a temporary directory, with `edit` applied.
-fn folder_with(name: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<std::path::PathBuf> {
+/// `tag` keeps the folders of tests running in parallel apart.
+fn folder_with(name: &str, tag: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<std::path::PathBuf> {
     let src = fixture_dir("decoders").join(name);
-    let dir = std::env::temp_dir().join(format!("multihead-decoder-{name}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("multihead-decoder-{name}-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir)?;
     for file in ["config.json", "model.safetensors"] {
@@ -103,7 +104,7 @@ fn folder_with(name: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<std
 #[test]
 fn a_config_that_disagrees_with_the_weights_is_refused_with_the_tensor() -> Result<()> {
     // One more kv head than the weights hold: k_proj is (32, 64), not (64, 64).
-    let dir = folder_with("llama", |d| {
+    let dir = folder_with("llama", "kv-heads", |d| {
         let text = std::fs::read_to_string(d.join("config.json"))?;
         std::fs::write(
             d.join("config.json"),
@@ -117,7 +118,7 @@ fn a_config_that_disagrees_with_the_weights_is_refused_with_the_tensor() -> Resu
     assert!(err.contains("k_proj.weight") && err.contains("[32, 64]"), "{err}");
     std::fs::remove_dir_all(&dir)?;
     // No weights at all; a pickle in their place gets the export command.
-    let dir = folder_with("gpt2", |d| {
+    let dir = folder_with("gpt2", "pickle", |d| {
         std::fs::remove_file(d.join("model.safetensors"))?;
         std::fs::write(d.join("pytorch_model.bin"), b"PK\x03\x04 not really")?;
         Ok(())
@@ -126,6 +127,44 @@ fn a_config_that_disagrees_with_the_weights_is_refused_with_the_tensor() -> Resu
         .unwrap_err()
         .to_string();
     assert!(err.contains("pickle") && err.contains("save_file"), "{err}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+#[test]
+fn a_sharded_folder_loads_as_the_single_file_does() -> Result<()> {
+    // The Llama fixture split in two shards with an index, as
+    // save_pretrained writes a model past its max_shard_size.
+    let dev = Device::Cpu;
+    let src = fixture_dir("decoders").join("llama");
+    let bytes = std::fs::read(src.join("model.safetensors"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let dir = folder_with("llama", "sharded", |d| {
+        std::fs::remove_file(d.join("model.safetensors"))?;
+        let mut weight_map = serde_json::Map::new();
+        for (i, part) in names.chunks(names.len().div_ceil(2)).enumerate() {
+            let file = format!("model-0000{}-of-00002.safetensors", i + 1);
+            let views: Vec<(String, safetensors::tensor::TensorView)> = part
+                .iter()
+                .map(|n| Ok((n.clone(), st.tensor(n)?)))
+                .collect::<Result<_>>()?;
+            safetensors::serialize_to_file(views, None, &d.join(&file))?;
+            for n in part {
+                weight_map.insert(n.clone(), file.clone().into());
+            }
+        }
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(d.join("model.safetensors.index.json"), index.to_string())?;
+        Ok(())
+    })?;
+    let sharded = DecoderModel::from_folder(&dir, &dev)?;
+    let single = DecoderModel::from_folder(&src, &dev)?;
+    let ids = Tensor::new(&[[3u32, 1, 4, 1, 5]], &dev)?;
+    let a = sharded.forward(&ids, &mut sharded.new_cache(vec![]))?;
+    let b = single.forward(&ids, &mut single.new_cache(vec![]))?;
+    assert_eq!(common::max_abs_diff(&a, &b)?, 0.);
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -161,31 +161,33 @@ pub enum DecoderModel {
 }
 
 impl DecoderModel {
-    /// Loads `dir/config.json` and `dir/model.safetensors` as HF
-    /// transformers' `save_pretrained` writes them, through the checked
-    /// loader (every missing, extra or mis-shaped tensor named at once).
+    /// Loads `dir/config.json` and `dir/model.safetensors` (or the shards
+    /// `model.safetensors.index.json` lists) as HF transformers'
+    /// `save_pretrained` writes them, through the checked loader (every
+    /// missing, extra or mis-shaped tensor named at once).
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
         let config = dir.join("config.json");
         let text = std::fs::read_to_string(&config)
             .map_err(|e| candle::Error::Msg(format!("{}: cannot read: {e}", config.display())))?;
         let cfg = HfDecoderConfig::from_json(&text, &config.display().to_string())?;
         let weights = dir.join("model.safetensors");
-        if !weights.exists() {
-            if dir.join("model.safetensors.index.json").exists() {
-                bail!(
-                    "{}: sharded checkpoints (model.safetensors.index.json) are not read by the decoders yet; \
-                     merge the shards into model.safetensors",
-                    dir.display()
-                )
-            }
+        let index = dir.join("model.safetensors.index.json");
+        let ckpt = if weights.exists() {
+            Checkpoint::read(&weights)?
+        } else if index.exists() {
+            // Sharded, as save_pretrained writes models past its shard size.
+            Checkpoint::read_sharded(&index)?
+        } else {
             // A pickle gets the export command from the checkpoint reader.
             let bin = dir.join("pytorch_model.bin");
             if bin.exists() {
                 Checkpoint::read(&bin)?;
             }
-            bail!("{}: no model.safetensors beside config.json", dir.display())
-        }
-        let ckpt = Checkpoint::read(&weights)?;
+            bail!(
+                "{}: no model.safetensors or model.safetensors.index.json beside config.json",
+                dir.display()
+            )
+        };
         Self::from_checkpoint(&cfg, &ckpt, device)
     }
 
