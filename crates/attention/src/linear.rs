@@ -187,7 +187,8 @@ mod tests {
     /// Packed for every instruction set the processor runs, the layer
     /// equals candle's `Linear` (and `gelu_erf` after it) on shapes off the
     /// row group, panel, unit and reduction-slice sizes, with and without
-    /// bias, for the whole output and for panel-aligned feature ranges.
+    /// bias, for the whole output and for panel-aligned feature ranges,
+    /// single rows included.
     #[test]
     fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
         let shapes = [
@@ -195,6 +196,11 @@ mod tests {
             (1, 197, 768, 2304, true),
             (3, 250, 300, 16, false),
             (1, 1, 8, 96, true),
+            // One row (a decode step): AVX-512's one-row kernel, one task
+            // and two, with columns off its 128-wide blocks and 16 lanes.
+            (1, 1, 130, 261, false),
+            (1, 1, 512, 1408, true),
+            (1, 1, 300, 7, true),
         ];
         let _lock = crate::cpu::isa::FORCE_LOCK.lock();
         for isa in supported() {

@@ -263,6 +263,47 @@ fn exp_nonpositive(x: __m512) -> __m512 {
     _mm512_maskz_mov_ps(!hidden, _mm512_mul_ps(p, pow2n))
 }
 
+/// `out[c] += Σₑ x[e] · w[e·w_rs + c]` for `cols` columns: one row
+/// (a decoder's step) through a `(k, n)` weight, streamed once, 128
+/// columns at a time into 8 accumulators.
+///
+/// # Safety
+/// AVX-512F; the pointers cover those extents.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn one_row(
+    x: *const f32,
+    k: usize,
+    w: *const f32,
+    w_rs: usize,
+    cols: usize,
+    out: *mut f32,
+) {
+    const V: usize = 8;
+    for c0 in (0..cols).step_by(16 * V) {
+        // Lanes past `cols` are masked off: loaded as zero, never stored.
+        let masks: [__mmask16; V] = std::array::from_fn(|v| {
+            let left = cols.saturating_sub(c0 + 16 * v).min(16);
+            ((1u32 << left) - 1) as __mmask16
+        });
+        // SAFETY (this block): lanes within `cols` by the masks, e < k;
+        // the caller's extents.
+        unsafe {
+            let mut acc: [__m512; V] =
+                std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], out.add(c0 + 16 * v)));
+            for e in 0..k {
+                let wr = w.add(e * w_rs + c0);
+                let xb = _mm512_set1_ps(*x.add(e));
+                for (v, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(xb, _mm512_maskz_loadu_ps(masks[v], wr.add(16 * v)), *a);
+                }
+            }
+            for (v, a) in acc.iter().enumerate() {
+                _mm512_mask_storeu_ps(out.add(c0 + 16 * v), masks[v], *a);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};

@@ -269,6 +269,43 @@ impl PackedWeight {
         for _ in 0..m {
             out.extend_from_slice(&self.bias[lo..hi]);
         }
+        #[cfg(target_arch = "x86_64")]
+        if m == 1 {
+            // One row (a decoder's step): `gemm` prepares the weight on
+            // every call; streaming it once through `avx512::one_row`, one
+            // run of 128-column blocks per thread, made a Llama-shaped
+            // decode step about 1.5x faster (README, Figures).
+            let out_ptr = SyncPtr(out.as_mut_ptr());
+            let blocks = width.div_ceil(128);
+            let tasks = if width * k > 1 << 16 {
+                rayon::current_num_threads().min(blocks)
+            } else {
+                1
+            };
+            let per_task = blocks.div_ceil(tasks) * 128;
+            (0..width.div_ceil(per_task)).into_par_iter().for_each(|t| {
+                let c0 = t * per_task;
+                let cols = per_task.min(width - c0);
+                // SAFETY: this task's columns c0..c0+cols of the 1 × width
+                // output are its own; x is k floats, the weight k × n read
+                // from column lo + c0; `self.isa` is AVX-512, detected when
+                // packed.
+                unsafe {
+                    super::avx512::one_row(
+                        x.as_ptr(),
+                        k,
+                        self.data[lo + c0..].as_ptr(),
+                        n,
+                        cols,
+                        out_ptr.get().add(c0),
+                    )
+                };
+            });
+            if epilogue == Epilogue::GeluErf {
+                simd::gelu_erf(&mut out);
+            }
+            return out;
+        }
         let threads = rayon::current_num_threads();
         let parallelism = if threads > 1 && m * width * k > 1 << 16 {
             gemm::Parallelism::Rayon(threads)
