@@ -55,6 +55,8 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
 from transformers.models.gptj import modeling_gptj  # noqa: E402
@@ -101,10 +103,35 @@ def mistral_config():
     )
 
 
+def llama3_config():
+    # Llama 3.1's rope scaling with a short original context (32), so that
+    # the 8 frequencies of a 16-wide head fall in all three bands (kept,
+    # blended, divided by the factor).
+    cfg = llama_config()
+    cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 32}
+    return cfg
+
+
+def qwen2_config():
+    # Qwen2: biases on q, k, v only; a sliding_window value that
+    # use_sliding_window=False switches off.
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        sliding_window=4, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, attn_implementation="eager",
+    )
+
+
 MODELS = {
     "gpt2": (gpt2_config, GPT2LMHeadModel),
     "llama": (llama_config, LlamaForCausalLM),
     "mistral": (mistral_config, MistralForCausalLM),
+    "llama3": (llama3_config, LlamaForCausalLM),
+    "qwen2": (qwen2_config, Qwen2ForCausalLM),
 }
 
 
@@ -366,8 +393,13 @@ torch {torch} and transformers {transformers}. Remake with
   transformers 5 writes rope_theta inside `rope_parameters` in config.json.
 * `mistral/`: `MistralForCausalLM` (as llama/, but 1 KV head (multi-query),
   sliding_window 4, rope_theta 10000, tied lm_head), saved the same way.
-* `gpt2_expected.safetensors`, `llama_expected.safetensors`,
-  `mistral_expected.safetensors`: `input_ids`
+* `llama3/`: as llama/, with Llama 3.1's rope scaling (`rope_type`
+  llama3, factor 8, low/high freq factors 1/4, original context 32, so
+  the head's frequencies fall in all three bands), rope_theta 10000.
+* `qwen2/`: `Qwen2ForCausalLM` (biases on q/k/v only, rope_theta 1e6,
+  tied lm_head, `sliding_window` 4 switched off by `use_sliding_window`
+  false).
+* `{{gpt2,llama,mistral,llama3,qwen2}}_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,

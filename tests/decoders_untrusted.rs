@@ -61,10 +61,28 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
             "field 'rms_norm_eps' must be in (0, 1)",
         ),
         (
+            llama_with(|v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}))?,
+            "rope_parameters.rope_type 'yarn' is not supported",
+        ),
+        (
             llama_with(|v| {
                 v["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "rope_theta": 5e5})
             })?,
-            "rope_type 'llama3' (scaled rotary) is not supported",
+            "field 'rope_parameters.original_max_position_embeddings' is missing",
+        ),
+        (
+            llama_with(|v| {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                    "high_freq_factor": 1.0, "original_max_position_embeddings": 8192})
+            })?,
+            "high_freq_factor (1) must exceed low_freq_factor (4)",
+        ),
+        (
+            llama_with(|v| {
+                v["model_type"] = "qwen2".into();
+                v["use_sliding_window"] = true.into();
+            })?,
+            "use_sliding_window true",
         ),
         (
             llama_with(|v| v["rope_parameters"] = serde_json::json!({"rope_theta": "big"}))?,
@@ -99,6 +117,25 @@ fn folder_with(name: &str, tag: &str, edit: impl FnOnce(&Path) -> Result<()>) ->
     }
     edit(&dir)?;
     Ok(dir)
+}
+
+#[test]
+fn qwen2_reads_its_window_switch_and_biases() -> Result<()> {
+    // Real Qwen2.5 configs carry a sliding_window that use_sliding_window
+    // false switches off.
+    let json = llama_with(|v| {
+        v["model_type"] = "qwen2".into();
+        v["sliding_window"] = 32768.into();
+        v["use_sliding_window"] = false.into();
+    })?;
+    match HfDecoderConfig::from_json(&json, "config.json")? {
+        HfDecoderConfig::Llama(cfg) => {
+            assert_eq!(cfg.sliding_window, None);
+            assert!(cfg.qkv_bias);
+        }
+        other => panic!("read as {other:?}"),
+    }
+    Ok(())
 }
 
 #[test]

@@ -105,6 +105,96 @@ pub struct RotaryConfig {
     /// How dims pair up.
     #[serde(default)]
     pub style: RotaryStyle,
+    /// Frequency scaling for contexts past the training length (HF
+    /// `rope_scaling` / `rope_parameters`), none by default.
+    #[serde(default)]
+    pub scaling: Option<RopeScaling>,
+}
+
+/// How a rotary embedding's frequencies are rescaled, as HF transformers'
+/// `modeling_rope_utils` computes them (`rope_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept,
+    /// a smooth blend between (`_compute_llama3_parameters`).
+    Llama3 {
+        /// The divisor of the low frequencies (8 in Llama 3.1).
+        factor: f64,
+        /// Wavelengths past `original_max_position_embeddings /
+        /// low_freq_factor` count as low.
+        low_freq_factor: f64,
+        /// Wavelengths under `original_max_position_embeddings /
+        /// high_freq_factor` count as high.
+        high_freq_factor: f64,
+        /// The context the model was first trained for.
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// Checks the values, naming the wrong one.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |name: &str, v: f64| -> Result<()> {
+            if !(v.is_finite() && v > 0.) {
+                bail!("RopeScaling: {name} must be finite and > 0, found {v}")
+            }
+            Ok(())
+        };
+        match *self {
+            RopeScaling::Linear { factor } => positive("factor", factor),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    bail!(
+                        "RopeScaling: high_freq_factor ({high_freq_factor}) must exceed low_freq_factor ({low_freq_factor})"
+                    )
+                }
+                if original_max_position_embeddings == 0 {
+                    bail!("RopeScaling: original_max_position_embeddings must be > 0")
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// `inv_freq` rescaled, in f32 as HF computes it.
+    pub(crate) fn apply(&self, inv_freq: &mut [f32]) {
+        match *self {
+            RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor as f32),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
+                let (factor, low, high) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+                let old = original_max_position_embeddings as f32;
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2. * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        *f = (1. - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn default_theta() -> f64 {
@@ -118,7 +208,14 @@ impl RotaryConfig {
             theta,
             dims: None,
             style: RotaryStyle::HalfSplit,
+            scaling: None,
         }
+    }
+
+    /// The same, with its frequencies rescaled.
+    pub fn with_scaling(mut self, scaling: RopeScaling) -> Self {
+        self.scaling = Some(scaling);
+        self
     }
 
     /// The same, rotating only the first `dims` dims of each head.

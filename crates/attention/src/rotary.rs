@@ -31,9 +31,13 @@ impl Rotary {
         }
         // HF: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
         let theta = cfg.theta as f32;
-        let inv_freq = (0..dims / 2)
+        let mut inv_freq: Vec<f32> = (0..dims / 2)
             .map(|i| 1. / theta.powf((2 * i) as f32 / dims as f32))
             .collect();
+        if let Some(scaling) = &cfg.scaling {
+            scaling.validate()?;
+            scaling.apply(&mut inv_freq);
+        }
         Ok(Self {
             inv_freq,
             dims,

@@ -3,6 +3,7 @@
 //! the field.
 
 use candle::{bail, Result};
+use multihead_attention::RopeScaling;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -16,7 +17,7 @@ const MAX_DIM: usize = 1 << 24;
 pub enum HfDecoderConfig {
     /// `gpt2`.
     Gpt2(Gpt2Config),
-    /// `llama`, `mistral`.
+    /// `llama`, `mistral`, `qwen2`.
     Llama(LlamaConfig),
 }
 
@@ -37,10 +38,21 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Gpt2(cfg))
             }
-            "llama" | "mistral" => {
+            "llama" | "mistral" | "qwen2" => {
                 let mut cfg: LlamaConfig = serde_json::from_value(value.clone())
                     .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
                 cfg.resolve_rope(&value, label)?;
+                if model_type == "qwen2" {
+                    // Qwen2: biases on q, k and v only; its sliding window
+                    // applies only where `use_sliding_window` says so.
+                    cfg.qkv_bias = true;
+                    match value.get("use_sliding_window") {
+                        Some(Value::Bool(true)) => bail!(
+                            "{label}: use_sliding_window true (windows on some layers, max_window_layers) is not supported"
+                        ),
+                        _ => cfg.sliding_window = None,
+                    }
+                }
                 cfg.validate(label)?;
                 Ok(Self::Llama(cfg))
             }
@@ -221,6 +233,13 @@ pub struct LlamaConfig {
     /// Mistral's sliding attention window, in keys.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Rotary frequency scaling (`rope_type` `linear` or `llama3`), read
+    /// from `rope_parameters` or `rope_scaling`.
+    #[serde(skip)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Biases on q, k and v but not o (Qwen2), whatever `attention_bias` says.
+    #[serde(skip)]
+    pub qkv_bias: bool,
 }
 
 fn rms_eps() -> f64 {
@@ -243,18 +262,49 @@ impl LlamaConfig {
             let Some(p) = p.as_object() else {
                 bail!("{label}: field '{key}' must be an object, found {p}")
             };
+            let number = |name: &str| -> Result<f64> {
+                match p.get(name) {
+                    Some(v) => v.as_f64().ok_or_else(|| {
+                        candle::Error::Msg(format!(
+                            "{label}: field '{key}.{name}' must be a number, found {v}"
+                        ))
+                    }),
+                    None => bail!("{label}: field '{key}.{name}' is missing"),
+                }
+            };
             let kind = p
                 .get("rope_type")
                 .or_else(|| p.get("type"))
                 .and_then(Value::as_str);
-            if let Some(kind) = kind.filter(|k| *k != "default") {
-                bail!("{label}: {key}.rope_type '{kind}' (scaled rotary) is not supported; only 'default'")
-            }
-            if let Some(theta) = p.get("rope_theta") {
-                match theta.as_f64() {
-                    Some(t) => self.rope_theta = Some(t),
-                    None => bail!("{label}: field '{key}.rope_theta' must be a number, found {theta}"),
+            let scaling = match kind {
+                None | Some("default") => None,
+                Some("linear") => Some(RopeScaling::Linear { factor: number("factor")? }),
+                Some("llama3") => {
+                    let original = number("original_max_position_embeddings")?;
+                    if !(original >= 1. && original <= MAX_DIM as f64 && original.fract() == 0.) {
+                        bail!(
+                            "{label}: field '{key}.original_max_position_embeddings' must be a whole number in 1..={MAX_DIM}, found {original}"
+                        )
+                    }
+                    Some(RopeScaling::Llama3 {
+                        factor: number("factor")?,
+                        low_freq_factor: number("low_freq_factor")?,
+                        high_freq_factor: number("high_freq_factor")?,
+                        original_max_position_embeddings: original as usize,
+                    })
                 }
+                Some(kind) => bail!(
+                    "{label}: {key}.rope_type '{kind}' is not supported; only 'default', 'linear' and 'llama3'"
+                ),
+            };
+            if let Some(scaling) = scaling {
+                scaling
+                    .validate()
+                    .map_err(|e| candle::Error::Msg(format!("{label}: field '{key}': {e}")))?;
+                self.rope_scaling = Some(scaling);
+            }
+            if p.get("rope_theta").is_some() {
+                self.rope_theta = Some(number("rope_theta")?);
             }
         }
         Ok(())

@@ -55,10 +55,15 @@ struct Layer {
 impl Layer {
     fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
+        let mut rotary = RotaryConfig::new(cfg.theta());
+        rotary.scaling = cfg.rope_scaling;
         let mut mha = MhaConfig::new(e, cfg.num_attention_heads)
             .with_bias(cfg.attention_bias)
             .with_kv_heads(cfg.kv_heads())
-            .with_position(PositionEncoding::Rotary(RotaryConfig::new(cfg.theta())));
+            .with_position(PositionEncoding::Rotary(rotary));
+        if cfg.qkv_bias {
+            mha.qkv_bias = Some(true);
+        }
         if let Some(w) = cfg.sliding_window {
             mha = mha.with_sliding_window(w);
         }
