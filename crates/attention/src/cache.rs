@@ -1,5 +1,8 @@
-//! The key/value cache of a decoder's self-attention, and the one call that
-//! steps through it ([`MultiheadAttention::forward_cached`]).
+//! Keys and values kept across calls: the cache of a decoder's
+//! self-attention and the one call that steps through it
+//! ([`MultiheadAttention::forward_cached`]), and attention over keys and
+//! values projected once ([`MultiheadAttention::project_kv`],
+//! [`MultiheadAttention::forward_projected`]: a fixed encoder memory).
 //!
 //! Like candle-nn's `kv_cache::Cache`, keys and values live in a
 //! preallocated buffer written in place with `slice_set`; unlike it, the
@@ -245,6 +248,136 @@ fn grow(
 }
 
 impl MultiheadAttention {
+    /// Projects keys and values and splits them into heads, for reuse across
+    /// calls: cross-attention over a fixed encoder memory, or a decoder's
+    /// self-attention cache (append along dim 2).
+    ///
+    /// # Shapes
+    /// - `key`: `(batch, kv_len, kdim)`, `value`: `(batch, kv_len, vdim)`
+    /// - returns `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)` each,
+    ///   contiguous (after qk-norm on `k` when configured)
+    ///
+    /// No position encoding is applied: with rotary embeddings configured,
+    /// use [`MultiheadAttention::forward_cached`], which places each key.
+    pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.check_no_extra_keys("project_kv")?;
+        if self.rotary.is_some() {
+            bail!(
+                "MultiheadAttention::project_kv: rotary embeddings need each key's position; \
+                 use forward_cached with a KvCache"
+            )
+        }
+        if key.rank() != 3 || value.rank() != 3 {
+            bail!(
+                "MultiheadAttention::project_kv: key and value must be 3-D (batch, kv_len, features), found {:?} and {:?}",
+                key.dims(),
+                value.dims()
+            )
+        }
+        let (kb, s, ke) = key.dims3()?;
+        let (vb, vs, ve) = value.dims3()?;
+        if (ke, ve) != (self.cfg.kdim(), self.cfg.vdim()) {
+            bail!(
+                "MultiheadAttention::project_kv: key/value have {ke}/{ve} features, expected kdim {} / vdim {}",
+                self.cfg.kdim(),
+                self.cfg.vdim()
+            )
+        }
+        if (kb, s) != (vb, vs) {
+            bail!(
+                "MultiheadAttention::project_kv: key is {:?} but value is {:?}",
+                key.dims(),
+                value.dims()
+            )
+        }
+        let (k, v) = self.in_proj.forward_kv(key, value)?;
+        let kvh = self.cfg.kv_heads();
+        // Contiguous, so that caches which copy in place (candle-nn's
+        // `KvCache`, `slice_set`) take them as they are.
+        Ok((
+            self.norm_k(&self.split_heads(&k, kvh)?)?.contiguous()?,
+            self.split_heads(&v, kvh)?.contiguous()?,
+        ))
+    }
+
+    /// Attention of `query` over keys and values already projected by
+    /// [`MultiheadAttention::project_kv`], batch-first.
+    ///
+    /// # Shapes
+    /// - `query`: `(batch, q_len, embed_dim)`, or unbatched `(q_len, embed_dim)`
+    /// - `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)`, or unbatched
+    ///   `(num_kv_heads, kv_len, head_dim)`
+    /// - output: the query's shape; weights as `opts.need_weights` says.
+    ///
+    /// `opts.layout` must be batch-first. For a decoder step over a cache
+    /// holding earlier positions, use [`MultiheadAttention::forward_cached`],
+    /// or pass `Mask::causal(Causal::BottomRight)`.
+    pub fn forward_projected(
+        &self,
+        query: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &MhaOptions,
+    ) -> Result<MhaOutput> {
+        self.check_no_extra_keys("forward_projected")?;
+        if self.rotary.is_some() {
+            bail!(
+                "MultiheadAttention::forward_projected: rotary embeddings need each query's position; \
+                 use forward_cached with a KvCache"
+            )
+        }
+        if opts.layout != SeqLayout::BatchFirst {
+            bail!(
+                "MultiheadAttention::forward_projected: takes batch-first inputs only, found {:?}",
+                opts.layout
+            )
+        }
+        let unbatched = match (query.rank(), k.rank(), v.rank()) {
+            (3, 4, 4) => false,
+            (2, 3, 3) => true,
+            _ => bail!(
+                "MultiheadAttention::forward_projected: expected query (batch, q_len, embed_dim) with k, v \
+                 (batch, kv_heads, kv_len, head_dim), or all unbatched; found query {:?}, k {:?}, v {:?}",
+                query.dims(),
+                k.dims(),
+                v.dims()
+            ),
+        };
+        let batch = |t: &Tensor| if unbatched { t.unsqueeze(0) } else { Ok(t.clone()) };
+        let (query, k, v) = (batch(query)?, batch(k)?, batch(v)?);
+        let (b, l) = self.check_query(&query)?;
+        let expected = (b, self.cfg.kv_heads(), self.cfg.head_dim());
+        for (name, t) in [("k", &k), ("v", &v)] {
+            let (tb, th, _, thd) = t.dims4()?;
+            if (tb, th, thd) != expected {
+                bail!(
+                    "MultiheadAttention::forward_projected: {name} is {:?}, expected (batch, kv_heads, kv_len, head_dim) with {expected:?}",
+                    t.dims()
+                )
+            }
+        }
+        if k.dim(2)? != v.dim(2)? || k.dim(2)? == 0 {
+            bail!(
+                "MultiheadAttention::forward_projected: k has {} positions and v {} (equal and > 0 needed)",
+                k.dim(2)?,
+                v.dim(2)?
+            )
+        }
+        let mask = self.with_config_rules(&opts.mask);
+        mask.validate(b, self.cfg.num_heads, l, k.dim(2)?)?;
+        let q = self.in_proj.forward_q(&query)?;
+        let q = self.norm_q(&self.split_heads(&q, self.cfg.num_heads)?)?;
+        let (output, weights) = self.attend(&q, &k, &v, &mask, 0, opts)?;
+        Ok(if unbatched {
+            MhaOutput {
+                output: output.squeeze(0)?,
+                weights: weights.map(|w| w.squeeze(0)).transpose()?,
+            }
+        } else {
+            MhaOutput { output, weights }
+        })
+    }
+
     /// One decoder step of causal self-attention over `cache`: projects
     /// `x` once, applies qk-norm and the rotary embedding at the positions
     /// the cache gives, appends the keys and values, and attends causally

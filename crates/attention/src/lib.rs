@@ -50,6 +50,7 @@
 
 #![warn(missing_docs)]
 
+mod alibi;
 mod cache;
 mod config;
 mod cpu;
