@@ -120,35 +120,28 @@ impl MultiheadAttention {
                     linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
                 )
             }
-            WeightLayout::FusedQkv { qkv, proj } => {
-                fused_qkv_only("fused qkv")?;
-                let n = e + 2 * kvd;
-                let kind = InKind::Fused(linear(
-                    (e, n),
-                    qkv_bias,
-                    xavier_uniform(n, e),
-                    Stored::OutIn,
-                    vb.pp(qkv),
-                )?);
-                (
-                    kind,
-                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(proj))?,
-                )
+            WeightLayout::FusedQkv {
+                qkv: fused,
+                proj: out,
             }
-            WeightLayout::Conv1D { c_attn, c_proj } => {
-                fused_qkv_only("GPT-2 Conv1D")?;
+            | WeightLayout::Conv1D {
+                c_attn: fused,
+                c_proj: out,
+            } => {
+                let (what, stored) = match layout {
+                    WeightLayout::Conv1D { .. } => ("GPT-2 Conv1D", Stored::InOut),
+                    _ => ("fused qkv", Stored::OutIn),
+                };
+                fused_qkv_only(what)?;
                 let n = e + 2 * kvd;
                 let kind = InKind::Fused(linear(
                     (e, n),
                     qkv_bias,
                     xavier_uniform(n, e),
-                    Stored::InOut,
-                    vb.pp(c_attn),
+                    stored,
+                    vb.pp(fused),
                 )?);
-                (
-                    kind,
-                    linear((e, e), cfg.bias, out_init, Stored::InOut, vb.pp(c_proj))?,
-                )
+                (kind, linear((e, e), cfg.bias, out_init, stored, vb.pp(out))?)
             }
         };
         let in_proj = InProjection {
