@@ -57,6 +57,8 @@ from transformers import (  # noqa: E402
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
 from transformers.models.gptj import modeling_gptj  # noqa: E402
@@ -126,12 +128,25 @@ def qwen2_config():
     )
 
 
+def qwen3_config():
+    # Qwen3: an RMSNorm on each head of q and k, and heads wider than
+    # hidden / heads (head_dim 32 with hidden 64 and 4 heads: q is 128 wide).
+    return Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        attn_implementation="eager",
+    )
+
+
 MODELS = {
     "gpt2": (gpt2_config, GPT2LMHeadModel),
     "llama": (llama_config, LlamaForCausalLM),
     "mistral": (mistral_config, MistralForCausalLM),
     "llama3": (llama3_config, LlamaForCausalLM),
     "qwen2": (qwen2_config, Qwen2ForCausalLM),
+    "qwen3": (qwen3_config, Qwen3ForCausalLM),
 }
 
 
@@ -399,7 +414,9 @@ torch {torch} and transformers {transformers}. Remake with
 * `qwen2/`: `Qwen2ForCausalLM` (biases on q/k/v only, rope_theta 1e6,
   tied lm_head, `sliding_window` 4 switched off by `use_sliding_window`
   false).
-* `{{gpt2,llama,mistral,llama3,qwen2}}_expected.safetensors`: `input_ids`
+* `qwen3/`: `Qwen3ForCausalLM` (RMSNorm `q_norm`/`k_norm` per head,
+  head_dim 32 with hidden 64 and 4 heads, so q is 128 wide; tied lm_head).
+* `{{gpt2,llama,mistral,llama3,qwen2,qwen3}}_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,
@@ -445,7 +462,7 @@ def main():
                 total += size
                 print(f"  {os.path.relpath(os.path.join(root, n), tmp):40s} {size:9d} B")
         print(f"  total {total} B")
-        assert total < 2_500_000, f"fixtures too large: {total} B"
+        assert total < 2_900_000, f"fixtures too large: {total} B"
         for name, case in cases.items():
             print(f"{name}: seed {case['seed']}, greedy min margins {case['greedy_min_margin']}, "
                   f"padded {case['padded']['row1_equals_unpadded_tokens']} "

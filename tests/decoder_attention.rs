@@ -15,7 +15,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
 use multihead::attention::{
     scaled_dot_product_attention_via, Alibi, AttnMask, AttnPath, Causal, KvCache, Mask, MhaConfig,
-    MhaOptions, MultiheadAttention, PositionEncoding, RotaryConfig, RotaryStyle, WeightLayout,
+    MhaOptions, MultiheadAttention, NormKind, PositionEncoding, RotaryConfig, RotaryStyle, WeightLayout,
 };
 
 const E: usize = 32;
@@ -86,7 +86,25 @@ fn decoder_configs() -> Vec<(&'static str, MhaConfig, WeightLayout)> {
             WeightLayout::llama(),
         ),
         ("qk-norm", base.clone().with_qk_norm(true), WeightLayout::timm()),
+        (
+            "qwen3: wide heads, rms qk-norm, gqa, rope",
+            qwen3_like(),
+            WeightLayout::llama(),
+        ),
     ]
+}
+
+/// Heads wider than `E / H` (q is 4 × 16 = 64 wide for E = 32) with an
+/// RMSNorm on each head of q and k, as Qwen3 has.
+fn qwen3_like() -> MhaConfig {
+    let mut cfg = MhaConfig::new(E, H)
+        .with_bias(false)
+        .with_head_dim(16)
+        .with_kv_heads(2)
+        .with_qk_norm(true)
+        .with_position(PositionEncoding::Rotary(RotaryConfig::new(1e6)));
+    cfg.qk_norm_kind = NormKind::RmsNorm;
+    cfg
 }
 
 fn causal() -> MhaOptions {

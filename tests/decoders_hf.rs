@@ -13,7 +13,7 @@ use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
 use multihead::models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
 use multihead::models::generation::GenerateConfig;
 
-const MODELS: [&str; 5] = ["gpt2", "llama", "mistral", "llama3", "qwen2"];
+const MODELS: [&str; 6] = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3"];
 
 fn load(name: &str) -> Result<(DecoderModel, Fixture)> {
     let dev = Device::Cpu;

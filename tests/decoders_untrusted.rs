@@ -55,7 +55,10 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
             llama_with(|v| v["num_hidden_layers"] = (1u64 << 40).into())?,
             "field 'num_hidden_layers' must be in",
         ),
-        (llama_with(|v| v["head_dim"] = 32.into())?, "head_dim 32 differs"),
+        (
+            llama_with(|v| v["head_dim"] = 0.into())?,
+            "field 'head_dim' must be in 1..=",
+        ),
         (
             llama_with(|v| v["rms_norm_eps"] = (-1.0).into())?,
             "field 'rms_norm_eps' must be in (0, 1)",

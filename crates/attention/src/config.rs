@@ -47,6 +47,16 @@ pub struct MhaConfig {
     /// Epsilon of the qk-norm LayerNorms (timm ViT: 1e-6).
     #[serde(default = "default_qk_norm_eps")]
     pub qk_norm_eps: f64,
+    /// Width of each head (default `embed_dim / num_heads`); another value
+    /// makes the query projection `num_heads * head_dim` wide and the
+    /// output projection read that width back to `embed_dim` (Qwen3,
+    /// Gemma).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// How qk-norm normalises (with `qk_norm`): timm's LayerNorm (default)
+    /// or an RMSNorm with a weight only (Qwen3, OLMo 2).
+    #[serde(default)]
+    pub qk_norm_kind: NormKind,
     /// Key/value heads (default `num_heads`): fewer is grouped-query
     /// attention (Llama 2 70B, Mistral), one is multi-query. The key and
     /// value projections then have `num_kv_heads * head_dim` outputs.
@@ -60,6 +70,17 @@ pub struct MhaConfig {
     /// causal rule, a query sees at most this many keys, the newest ones.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+}
+
+/// A normalisation over the features of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// LayerNorm with weight and bias (timm: `q_norm`, `k_norm`).
+    #[default]
+    LayerNorm,
+    /// RMSNorm with a weight only (`Qwen3RMSNorm`).
+    RmsNorm,
 }
 
 /// How token positions enter the attention, beside any mask.
@@ -256,6 +277,8 @@ impl MhaConfig {
             scale: None,
             qk_norm: false,
             qk_norm_eps: default_qk_norm_eps(),
+            head_dim: None,
+            qk_norm_kind: NormKind::LayerNorm,
             num_kv_heads: None,
             position: PositionEncoding::None,
             sliding_window: None,
@@ -323,9 +346,22 @@ impl MhaConfig {
         self
     }
 
-    /// Feature size of each head, `embed_dim / num_heads`.
+    /// Feature size of each head: `head_dim` when set, else
+    /// `embed_dim / num_heads`.
     pub fn head_dim(&self) -> usize {
-        self.embed_dim / self.num_heads.max(1)
+        self.head_dim.unwrap_or(self.embed_dim / self.num_heads.max(1))
+    }
+
+    /// Output size of the query projection, `num_heads * head_dim`
+    /// (`embed_dim` unless `head_dim` says otherwise).
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim()
+    }
+
+    /// Sets the width of each head.
+    pub fn with_head_dim(mut self, head_dim: usize) -> Self {
+        self.head_dim = Some(head_dim);
+        self
     }
 
     /// Number of key/value heads.
@@ -368,7 +404,24 @@ impl MhaConfig {
         if self.num_heads == 0 {
             bail!("MhaConfig: num_heads must be > 0")
         }
-        if !self.embed_dim.is_multiple_of(self.num_heads) {
+        if self.head_dim == Some(0) {
+            bail!("MhaConfig: head_dim must be > 0 when set")
+        }
+        if self
+            .head_dim
+            .is_some_and(|hd| hd.checked_mul(self.num_heads).is_none())
+        {
+            bail!("MhaConfig: num_heads * head_dim overflows")
+        }
+        if self.q_dim() != self.embed_dim && (self.add_bias_kv || self.add_zero_attn) {
+            bail!(
+                "MhaConfig: head_dim {} (num_heads * head_dim = {} != embed_dim {}) conflicts with add_bias_kv / add_zero_attn",
+                self.head_dim(),
+                self.q_dim(),
+                self.embed_dim
+            )
+        }
+        if self.head_dim.is_none() && !self.embed_dim.is_multiple_of(self.num_heads) {
             bail!(
                 "MhaConfig: embed_dim ({}) must be divisible by num_heads ({})",
                 self.embed_dim,

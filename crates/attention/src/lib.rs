@@ -66,7 +66,7 @@ mod rotary;
 mod sdpa;
 
 pub use cache::KvCache;
-pub use config::{MhaConfig, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};
+pub use config::{MhaConfig, NormKind, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
 pub use linear::PackedLinear;

@@ -9,7 +9,7 @@ use candle_nn::{Init, Module, ModuleT, VarBuilder};
 use crate::linear::PackedLinear;
 use crate::norm::LayerNorm;
 
-use crate::config::{MhaConfig, PositionEncoding};
+use crate::config::{MhaConfig, NormKind, PositionEncoding};
 use crate::layout::WeightLayout;
 use crate::mask::{Alibi, KeyPaddingMask, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
@@ -30,8 +30,8 @@ pub struct MultiheadAttention {
     out_proj: PackedLinear,
     /// `bias_k`, `bias_v`, each `(1, 1, E)`.
     bias_kv: Option<(Tensor, Tensor)>,
-    /// timm's `q_norm`, `k_norm` over `head_dim`.
-    qk_norm: Option<(LayerNorm, LayerNorm)>,
+    /// `q_norm`, `k_norm` over `head_dim` (timm, Qwen3).
+    qk_norm: Option<(HeadNorm, HeadNorm)>,
     /// Rotary embedding of q and k, when the config asks for one.
     pub(crate) rotary: Option<Rotary>,
 }
@@ -49,6 +49,8 @@ impl MultiheadAttention {
     pub fn new_with_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let (e, kdim, vdim, kvd) = (cfg.embed_dim, cfg.kdim(), cfg.vdim(), cfg.kv_dim());
+        // Query width: `e` unless `head_dim` sets another.
+        let qd = cfg.q_dim();
         let qkv_bias = cfg.has_qkv_bias();
         let out_init = Init::Uniform {
             lo: -1. / (e as f64).sqrt(),
@@ -65,13 +67,13 @@ impl MultiheadAttention {
         let (kind, out_proj) = match layout {
             WeightLayout::PyTorch => {
                 let bias = qkv_bias
-                    .then(|| vb.get_with_hints(e + 2 * kvd, "in_proj_bias", Init::Const(0.)))
+                    .then(|| vb.get_with_hints(qd + 2 * kvd, "in_proj_bias", Init::Const(0.)))
                     .transpose()?;
                 let kind = if cfg.qkv_same_embed_dim() {
                     let weight = vb.get_with_hints(
-                        (e + 2 * kvd, e),
+                        (qd + 2 * kvd, e),
                         "in_proj_weight",
-                        xavier_uniform(e + 2 * kvd, e),
+                        xavier_uniform(qd + 2 * kvd, e),
                     )?;
                     InKind::Fused(PackedLinear::new(weight, bias)?)
                 } else {
@@ -81,22 +83,22 @@ impl MultiheadAttention {
                         PackedLinear::new(w, b)
                     };
                     InKind::Separate {
-                        q: part(0, e, "q_proj_weight", e)?,
-                        k: part(e, kvd, "k_proj_weight", kdim)?,
-                        v: part(e + kvd, kvd, "v_proj_weight", vdim)?,
+                        q: part(0, qd, "q_proj_weight", e)?,
+                        k: part(qd, kvd, "k_proj_weight", kdim)?,
+                        v: part(qd + kvd, kvd, "v_proj_weight", vdim)?,
                     }
                 };
                 (
                     kind,
-                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp("out_proj"))?,
+                    linear((qd, e), cfg.bias, out_init, Stored::OutIn, vb.pp("out_proj"))?,
                 )
             }
             WeightLayout::Separate(names) => {
                 let kind = InKind::Separate {
                     q: linear(
-                        (e, e),
+                        (e, qd),
                         qkv_bias,
-                        xavier_uniform(e, e),
+                        xavier_uniform(qd, e),
                         Stored::OutIn,
                         vb.pp(&names.q),
                     )?,
@@ -117,7 +119,7 @@ impl MultiheadAttention {
                 };
                 (
                     kind,
-                    linear((e, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
+                    linear((qd, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
                 )
             }
             WeightLayout::FusedQkv {
@@ -133,7 +135,7 @@ impl MultiheadAttention {
                     _ => ("fused qkv", Stored::OutIn),
                 };
                 fused_qkv_only(what)?;
-                let n = e + 2 * kvd;
+                let n = qd + 2 * kvd;
                 let kind = InKind::Fused(linear(
                     (e, n),
                     qkv_bias,
@@ -141,12 +143,12 @@ impl MultiheadAttention {
                     stored,
                     vb.pp(fused),
                 )?);
-                (kind, linear((e, e), cfg.bias, out_init, stored, vb.pp(out))?)
+                (kind, linear((qd, e), cfg.bias, out_init, stored, vb.pp(out))?)
             }
         };
         let in_proj = InProjection {
             kind,
-            q_dim: e,
+            q_dim: qd,
             kv_dim: kvd,
         };
         let bias_kv = if cfg.add_bias_kv {
@@ -163,7 +165,13 @@ impl MultiheadAttention {
             None
         };
         let qk_norm = if cfg.qk_norm {
-            let norm = |name: &str| LayerNorm::new(cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
+            let norm = |name: &str| -> Result<HeadNorm> {
+                let (hd, eps, vb) = (cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
+                Ok(match cfg.qk_norm_kind {
+                    NormKind::LayerNorm => HeadNorm::Layer(LayerNorm::new(hd, eps, vb)?),
+                    NormKind::RmsNorm => HeadNorm::Rms(candle_nn::rms_norm(hd, eps, vb)?),
+                })
+            };
             Some((norm("q_norm")?, norm("k_norm")?))
         } else {
             None
@@ -430,7 +438,7 @@ impl MultiheadAttention {
             (out, Some(weights))
         };
         // (B, L, E)
-        let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.embed_dim))?;
+        let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.q_dim()))?;
         let out = self.out_proj.forward(&out)?;
         let weights = match (opts.need_weights, weights) {
             (NeedWeights::PerHead, w) => w,
@@ -438,6 +446,22 @@ impl MultiheadAttention {
             _ => None,
         };
         Ok((out, weights))
+    }
+}
+
+/// qk-norm over the features of a head.
+#[derive(Debug, Clone)]
+pub(crate) enum HeadNorm {
+    Layer(LayerNorm),
+    Rms(candle_nn::RmsNorm),
+}
+
+impl Module for HeadNorm {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            HeadNorm::Layer(n) => n.forward(xs),
+            HeadNorm::Rms(n) => n.forward(xs),
+        }
     }
 }
 

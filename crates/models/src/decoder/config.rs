@@ -17,7 +17,7 @@ const MAX_DIM: usize = 1 << 24;
 pub enum HfDecoderConfig {
     /// `gpt2`.
     Gpt2(Gpt2Config),
-    /// `llama`, `mistral`, `qwen2`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`.
     Llama(LlamaConfig),
 }
 
@@ -38,14 +38,19 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Gpt2(cfg))
             }
-            "llama" | "mistral" | "qwen2" => {
+            "llama" | "mistral" | "qwen2" | "qwen3" => {
                 let mut cfg: LlamaConfig = serde_json::from_value(value.clone())
                     .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
                 cfg.resolve_rope(&value, label)?;
-                if model_type == "qwen2" {
-                    // Qwen2: biases on q, k and v only; its sliding window
+                if model_type == "qwen2" || model_type == "qwen3" {
+                    // Qwen2: biases on q, k and v only; Qwen3: an RMSNorm on
+                    // each head of q and k instead. Their sliding window
                     // applies only where `use_sliding_window` says so.
-                    cfg.qkv_bias = true;
+                    if model_type == "qwen2" {
+                        cfg.qkv_bias = true;
+                    } else {
+                        cfg.qk_norm = true;
+                    }
                     match value.get("use_sliding_window") {
                         Some(Value::Bool(true)) => bail!(
                             "{label}: use_sliding_window true (windows on some layers, max_window_layers) is not supported"
@@ -204,7 +209,8 @@ pub struct LlamaConfig {
     /// Key/value heads (default `num_attention_heads`).
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
-    /// Per-head width; must be `hidden_size / num_attention_heads` when given.
+    /// Per-head width (default `hidden_size / num_attention_heads`; Qwen3
+    /// and Gemma set another).
     #[serde(default)]
     pub head_dim: Option<usize>,
     /// RMSNorm epsilon.
@@ -240,6 +246,10 @@ pub struct LlamaConfig {
     /// Biases on q, k and v but not o (Qwen2), whatever `attention_bias` says.
     #[serde(skip)]
     pub qkv_bias: bool,
+    /// An RMSNorm over each head of q and k (`q_norm`, `k_norm`; Qwen3),
+    /// with `rms_norm_eps`.
+    #[serde(skip)]
+    pub qk_norm: bool,
 }
 
 fn rms_eps() -> f64 {
@@ -323,7 +333,7 @@ impl LlamaConfig {
             ],
         )?;
         let (h, kvh) = (self.num_attention_heads, self.kv_heads());
-        if !self.hidden_size.is_multiple_of(h) {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(h) {
             bail!(
                 "{label}: hidden_size ({}) must be divisible by num_attention_heads ({h})",
                 self.hidden_size
@@ -332,11 +342,8 @@ impl LlamaConfig {
         if !h.is_multiple_of(kvh) {
             bail!("{label}: num_attention_heads ({h}) must be a multiple of num_key_value_heads ({kvh})")
         }
-        if let Some(hd) = self.head_dim.filter(|&hd| hd != self.hidden_size / h) {
-            bail!(
-                "{label}: head_dim {hd} differs from hidden_size / num_attention_heads ({}); not supported",
-                self.hidden_size / h
-            )
+        if let Some(hd) = self.head_dim {
+            check_dims(label, &[("head_dim", hd)])?;
         }
         check_eps(label, "rms_norm_eps", self.rms_norm_eps)?;
         let theta = self.theta();

@@ -1,12 +1,12 @@
-//! Llama (and Mistral), as HF transformers' `LlamaForCausalLM`
+//! Llama (and Mistral, Qwen2, Qwen3), as HF transformers' `LlamaForCausalLM`
 //! (`transformers/models/llama/modeling_llama.py`), on
 //! [`MultiheadAttention`] with grouped-query heads and rotary positions.
 
 use candle::{DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use multihead_attention::{
-    KvCache, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, PositionEncoding, RotaryConfig,
-    WeightLayout,
+    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear, PositionEncoding,
+    RotaryConfig, WeightLayout,
 };
 
 use super::config::LlamaConfig;
@@ -63,6 +63,14 @@ impl Layer {
             .with_position(PositionEncoding::Rotary(rotary));
         if cfg.qkv_bias {
             mha.qkv_bias = Some(true);
+        }
+        if let Some(hd) = cfg.head_dim {
+            mha = mha.with_head_dim(hd);
+        }
+        if cfg.qk_norm {
+            mha = mha.with_qk_norm(true);
+            mha.qk_norm_kind = NormKind::RmsNorm;
+            mha.qk_norm_eps = cfg.rms_norm_eps;
         }
         if let Some(w) = cfg.sliding_window {
             mha = mha.with_sliding_window(w);
