@@ -203,6 +203,7 @@ def decoders(args, env):
     model = LlamaForCausalLM(cfg).eval()
     tmp = tempfile.mkdtemp()
     model.save_pretrained(tmp, safe_serialization=True)
+    print(f"weights: {tmp} (for target/release/examples/bench_models decoder {tmp})")
     cache_len, prompt_len = 2048, 512
     ids = lambda n: torch.tensor([[(i * 7919 + 13) % cfg.vocab_size for i in range(n)]])
 

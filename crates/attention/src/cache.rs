@@ -432,8 +432,7 @@ impl MultiheadAttention {
         let (mut q, mut k) = (self.norm_q(&q)?, self.norm_k(&k)?);
         if let Some(rotary) = &self.rotary {
             let pos = cache.positions(b, t, x.device())?;
-            q = rotary.apply(&q, &pos)?;
-            k = rotary.apply(&k, &pos)?;
+            (q, k) = rotary.apply_qk(&q, &k, &pos)?;
         }
         let (k, v) = cache.append(&k, &v)?;
         let s = cache.len();

@@ -334,8 +334,12 @@ impl MultiheadAttention {
         k = self.norm_k(&k)?;
         if let Some(rotary) = &self.rotary {
             // Positions 0.. for the queries and for the keys.
-            q = rotary.apply(&q, &positions(b, 0, l, q.device())?)?;
-            k = rotary.apply(&k, &positions(b, 0, s, k.device())?)?;
+            if l == s {
+                (q, k) = rotary.apply_qk(&q, &k, &positions(b, 0, l, q.device())?)?;
+            } else {
+                q = rotary.apply(&q, &positions(b, 0, l, q.device())?)?;
+                k = rotary.apply(&k, &positions(b, 0, s, k.device())?)?;
+            }
         }
         let mut extra_keys = usize::from(self.bias_kv.is_some());
         if cfg.add_zero_attn {

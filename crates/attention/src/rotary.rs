@@ -54,26 +54,47 @@ impl Rotary {
     ///   cache length plus its index, less the row's left padding)
     /// - returns the shape of `x`, in its dtype
     pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
-        let (b, h, t, hd) = x.dims4()?;
-        if hd != self.head_dim {
-            bail!("Rotary: x has head_dim {hd}, expected {}", self.head_dim)
-        }
-        if positions.dims() != [b, t] {
-            bail!(
-                "Rotary: positions must be (batch, seq) = ({b}, {t}), found {:?}",
-                positions.dims()
-            )
-        }
+        let (cos, sin) = self.cos_sin(positions, x.device())?;
+        self.rotate(x, &cos, &sin)
+    }
+
+    /// [`Rotary::apply`] to queries and keys at the same positions, the
+    /// angles computed once.
+    pub fn apply_qk(&self, q: &Tensor, k: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = self.cos_sin(positions, q.device())?;
+        Ok((self.rotate(q, &cos, &sin)?, self.rotate(k, &cos, &sin)?))
+    }
+
+    /// `(cos, sin)` of the angles at `positions` `(batch, seq)`, each
+    /// `(batch, 1, seq, rot/2)`: HF's `position_ids.float() @ inv_freq`,
+    /// in f32.
+    fn cos_sin(&self, positions: &Tensor, device: &candle::Device) -> Result<(Tensor, Tensor)> {
+        let (b, t) = match *positions.dims() {
+            [b, t] => (b, t),
+            ref dims => bail!("Rotary: positions must be (batch, seq), found {dims:?}"),
+        };
         let half = self.dims / 2;
-        let inv_freq = Tensor::new(self.inv_freq.as_slice(), x.device())?.reshape((1, 1, 1, half))?;
-        // (B, 1, T, rot/2): HF's `position_ids.float() @ inv_freq`, in f32.
+        let inv_freq = Tensor::new(self.inv_freq.as_slice(), device)?.reshape((1, 1, 1, half))?;
         let freqs = positions
             .to_dtype(DType::F32)?
             .reshape((b, 1, t, 1))?
             .broadcast_mul(&inv_freq)?;
-        let (cos, sin) = (freqs.cos()?, freqs.sin()?);
+        Ok((freqs.cos()?, freqs.sin()?))
+    }
+
+    /// Rotates `x` by the angles `cos`, `sin` from [`Rotary::cos_sin`].
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (b, h, t, hd) = x.dims4()?;
+        if hd != self.head_dim {
+            bail!("Rotary: x has head_dim {hd}, expected {}", self.head_dim)
+        }
+        let (cb, _, ct, _) = cos.dims4()?;
+        if (cb, ct) != (b, t) {
+            bail!("Rotary: positions must be (batch, seq) = ({b}, {t}), found ({cb}, {ct})")
+        }
+        let half = self.dims / 2;
         if !x.track_op() && x.dtype() == DType::F32 {
-            return self.apply_fused(x, &cos, &sin);
+            return self.apply_fused(x, cos, sin);
         }
         let dtype = x.dtype();
         let xf = x.to_dtype(DType::F32)?;
@@ -90,8 +111,8 @@ impl Rotary {
                 (member(0)?, member(1)?)
             }
         };
-        let y1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-        let y2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        let y1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+        let y2 = (x2.broadcast_mul(cos)? + x1.broadcast_mul(sin)?)?;
         let rotated = match self.style {
             RotaryStyle::HalfSplit => Tensor::cat(&[&y1, &y2], D::Minus1)?,
             RotaryStyle::Interleaved => Tensor::stack(&[&y1, &y2], D::Minus1)?.flatten_from(3)?,

@@ -3,7 +3,7 @@
 //! [`MultiheadAttention`] with grouped-query heads and rotary positions.
 
 use candle::{DType, Device, Module, Result, Tensor};
-use candle_nn::{Embedding, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, Embedding, RmsNorm, VarBuilder};
 use multihead_attention::{
     KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear, PositionEncoding,
     RotaryConfig, WeightLayout,
@@ -12,12 +12,6 @@ use multihead_attention::{
 use super::config::LlamaConfig;
 use super::{check_ids, CausalLm, DecoderCache};
 use crate::checkpoint::Checkpoint;
-
-fn linear(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Result<PackedLinear> {
-    let w = vb.get((out_dim, in_dim), "weight")?;
-    let b = bias.then(|| vb.get(out_dim, "bias")).transpose()?;
-    PackedLinear::new(w, b)
-}
 
 /// `LlamaMLP`: `down(silu(gate(x)) * up(x))`.
 #[derive(Debug, Clone)]
@@ -31,9 +25,9 @@ impl Mlp {
     fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         Ok(Self {
-            gate_proj: linear(e, i, bias, vb.pp("gate_proj"))?,
-            up_proj: linear(e, i, bias, vb.pp("up_proj"))?,
-            down_proj: linear(i, e, bias, vb.pp("down_proj"))?,
+            gate_proj: PackedLinear::from_linear(linear_b(e, i, bias, vb.pp("gate_proj"))?)?,
+            up_proj: PackedLinear::from_linear(linear_b(e, i, bias, vb.pp("up_proj"))?)?,
+            down_proj: PackedLinear::from_linear(linear_b(i, e, bias, vb.pp("down_proj"))?)?,
         })
     }
 
