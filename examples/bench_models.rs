@@ -46,6 +46,31 @@ fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(times[times.len() / 2])
 }
 
+/// Wall times in ms of each of `fs`, taken in turn (one run of each per
+/// round, after one warm-up round) for at least 5 rounds and ~3 s, so that
+/// the host's drift falls on all of them alike.
+fn alternating_ms(fs: &mut [&mut dyn FnMut() -> Result<()>]) -> Result<Vec<Vec<f64>>> {
+    for f in fs.iter_mut() {
+        f()?;
+    }
+    let mut times = vec![Vec::new(); fs.len()];
+    let start = Instant::now();
+    while times[0].len() < 5 || (start.elapsed().as_secs_f64() < 3. && times[0].len() < 300) {
+        for (f, times) in fs.iter_mut().zip(&mut times) {
+            let t = Instant::now();
+            f()?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok(times)
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut xs = xs.to_vec();
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
 fn peak_rss_mib() -> Result<f64> {
     let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let kb: u64 = status
@@ -101,20 +126,25 @@ fn main() -> Result<()> {
             let linear = candle_nn::Linear::new(w.clone(), None);
             let wt = w.t()?.contiguous()?;
             let gflop = 2. * (m * k * n) as f64 / 1e9;
-            for (path, ms) in [
-                ("PackedLinear", median_ms(|| Ok(packed.forward(&x).map(drop)?))?),
-                (
-                    "candle_nn::Linear",
-                    median_ms(|| Ok(linear.forward(&x).map(drop)?))?,
-                ),
-                (
-                    "candle matmul, (k, n) weight",
-                    median_ms(|| Ok(x.matmul(&wt).map(drop)?))?,
-                ),
-            ] {
+            // The three paths in turn, each round; the ratio is the median
+            // of the rounds' ratios to the (k, n) matmul.
+            let times = alternating_ms(&mut [
+                &mut || Ok(packed.forward(&x).map(drop)?),
+                &mut || Ok(linear.forward(&x).map(drop)?),
+                &mut || Ok(x.matmul(&wt).map(drop)?),
+            ])?;
+            let paths = [
+                "PackedLinear",
+                "candle_nn::Linear",
+                "candle matmul, (k, n) weight",
+            ];
+            for (path, path_times) in paths.iter().zip(&times) {
+                let ms = median(path_times);
+                let ratios: Vec<f64> = path_times.iter().zip(&times[2]).map(|(t, m)| m / t).collect();
                 println!(
-                    r#"{{"work": "linear {m}x{k} -> {n}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}}}"#,
-                    gflop / (ms * 1e-3)
+                    r#"{{"work": "linear {m}x{k} -> {n}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}, "speed_vs_matmul": {:.3}}}"#,
+                    gflop / (ms * 1e-3),
+                    median(&ratios)
                 );
             }
         }

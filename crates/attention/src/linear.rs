@@ -195,6 +195,10 @@ mod tests {
             (2, 97, 33, 37, true),
             (1, 197, 768, 2304, true),
             (3, 250, 300, 16, false),
+            // Past one unit's 384 rows and 4 panels, a last panel of 8
+            // features (AVX-512's 32-wide panels) and a short last slice.
+            (1, 400, 600, 200, true),
+            (2, 5, 40, 70, true),
             (1, 1, 8, 96, true),
             // One row (a decode step): AVX-512's one-row kernel, one task
             // and two, with columns off its 128-wide blocks and 16 lanes.

@@ -13,12 +13,12 @@
 //! per 8 loads, so the tile products run near the FMA units' peak.
 
 use std::arch::x86_64::*;
-use std::sync::Mutex;
 
 use rayon::prelude::*;
 
 use super::attention::{Problem, Unit};
 use super::simd;
+use super::KV_PACKS;
 
 /// Query rows per micro-kernel.
 pub(super) const MR: usize = 6;
@@ -63,8 +63,8 @@ impl Packed {
         let dvp = dv.div_ceil(NR) * NR;
         let kt_len = s.div_ceil(NR) * NR * d;
         let v_len = s * dvp;
-        let mut kt = scratch(batch * kv_heads * kt_len);
-        let mut v = scratch(batch * kv_heads * v_len);
+        let mut kt = KV_PACKS.take(batch * kv_heads * kt_len);
+        let mut v = KV_PACKS.take(batch * kv_heads * v_len);
         // Every element is written, padding included: kept buffers hold
         // the last call's data.
         kt.par_chunks_mut(kt_len).enumerate().for_each(|(i, dst)| {
@@ -116,42 +116,8 @@ fn pack_panels<'a>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -
 
 impl Drop for Packed {
     fn drop(&mut self) {
-        keep(std::mem::take(&mut self.kt));
-        keep(std::mem::take(&mut self.v));
-    }
-}
-
-/// Pack buffers kept for the next call: fresh pages cost a page fault
-/// each, about a tenth of a 1024-token call's time. Up to two buffers of at
-/// most [`KEEP_MAX`] floats are kept; larger ones (where the O(n²) work
-/// dwarfs their faults) go back to the allocator.
-static KEPT: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
-const KEEP_MAX: usize = 4 << 20;
-
-/// A buffer of `len` floats, reusing a kept one where it can: its contents
-/// are stale, the caller writes them all.
-fn scratch(len: usize) -> Vec<f32> {
-    let kept = KEPT.lock().ok().and_then(|mut kept| {
-        let i = kept.iter().position(|b| b.capacity() >= len)?;
-        Some(kept.swap_remove(i))
-    });
-    let mut buf = kept.unwrap_or_default();
-    buf.resize(len, 0.);
-    buf
-}
-
-fn keep(buf: Vec<f32>) {
-    if buf.capacity() == 0 || buf.capacity() > KEEP_MAX {
-        return;
-    }
-    if let Ok(mut kept) = KEPT.lock() {
-        if kept.len() < 2 {
-            kept.push(buf);
-        } else if let Some(small) = kept.iter_mut().min_by_key(|b| b.capacity()) {
-            if small.capacity() < buf.capacity() {
-                *small = buf;
-            }
-        }
+        KV_PACKS.keep(std::mem::take(&mut self.kt));
+        KV_PACKS.keep(std::mem::take(&mut self.v));
     }
 }
 

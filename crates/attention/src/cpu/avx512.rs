@@ -263,43 +263,149 @@ fn exp_nonpositive(x: __m512) -> __m512 {
     _mm512_maskz_mov_ps(!hidden, _mm512_mul_ps(p, pow2n))
 }
 
-/// `out[c] += Σₑ x[e] · w[e·w_rs + c]` for `cols` columns: one row
-/// (a decoder's step) through a `(k, n)` weight, streamed once, 128
-/// columns at a time into 8 accumulators.
+/// Output features per panel of the linear layers' AVX-512 layout: two
+/// `zmm` registers.
+pub(super) const LINEAR_NR: usize = 32;
+/// Rows per linear micro-kernel: 24 accumulators, 2 panel loads and 12
+/// broadcasts per 24 FMAs.
+pub(super) const LINEAR_MR: usize = 12;
+
+/// Lanes `0..n` of a 16-lane mask (`n` may exceed 16).
+fn lanes(n: usize) -> __mmask16 {
+    ((1u32 << n.min(16)) - 1) as __mmask16
+}
+
+/// One tile of a packed linear layer: for `rows` rows (1..=[`LINEAR_MR`])
+/// and the first `cols` (1..=[`LINEAR_NR`]) features of a panel,
+/// `out[r·out_rs + c] = init[c] + Σₑ x[e·LINEAR_MR + r] · w[e·LINEAR_NR +
+/// c]` over `kc` inputs; `init` is the bias, or, when null, the output
+/// itself (a later slice of the reduction adds to it).
 ///
 /// # Safety
-/// AVX-512F; the pointers cover those extents.
+/// AVX-512F; the pointers cover those extents (`x` holds `LINEAR_MR`
+/// floats per input, `w` a panel's `LINEAR_NR`, `init` `cols` floats).
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn linear_tile(
+    rows: usize,
+    cols: usize,
+    kc: usize,
+    x: *const f32,
+    w: *const f32,
+    init: *const f32,
+    out: *mut f32,
+    out_rs: usize,
+    prefetch: (*const f32, usize),
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        by_rows!(
+            rows,
+            linear_tile_rows(cols, kc, x, w, init, out, out_rs, prefetch)
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn linear_tile_rows<const R: usize>(
+    cols: usize,
+    kc: usize,
+    x: *const f32,
+    w: *const f32,
+    init: *const f32,
+    out: *mut f32,
+    out_rs: usize,
+    (pf, pf_lines): (*const f32, usize),
+) {
+    let (m0, m1) = (lanes(cols), lanes(cols.saturating_sub(16)));
+    // SAFETY: (the block) inside the extents the caller vouched for; lanes
+    // past `cols` are masked off.
+    unsafe {
+        let mut c = [[_mm512_setzero_ps(); 2]; R];
+        if init.is_null() {
+            for (r, c) in c.iter_mut().enumerate() {
+                c[0] = _mm512_maskz_loadu_ps(m0, out.add(r * out_rs));
+                c[1] = _mm512_maskz_loadu_ps(m1, out.add(r * out_rs + 16));
+            }
+        } else {
+            let b0 = _mm512_maskz_loadu_ps(m0, init);
+            let b1 = _mm512_maskz_loadu_ps(m1, init.add(16));
+            for c in c.iter_mut() {
+                *c = [b0, b1];
+            }
+        }
+        let (mut x, mut w) = (x, w);
+        for e in 0..kc {
+            if e < pf_lines {
+                _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 16) as *const i8);
+            }
+            let w0 = _mm512_load_ps(w);
+            let w1 = _mm512_load_ps(w.add(16));
+            for (r, c) in c.iter_mut().enumerate() {
+                let a = _mm512_set1_ps(*x.add(r));
+                c[0] = _mm512_fmadd_ps(a, w0, c[0]);
+                c[1] = _mm512_fmadd_ps(a, w1, c[1]);
+            }
+            x = x.add(LINEAR_MR);
+            w = w.add(LINEAR_NR);
+        }
+        for (r, c) in c.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(r * out_rs), m0, c[0]);
+            _mm512_mask_storeu_ps(out.add(r * out_rs + 16), m1, c[1]);
+        }
+    }
+}
+
+/// `out[c] = init[c] + Σₑ x[e] · w[p·k·LINEAR_NR + e·LINEAR_NR + c % 32]`
+/// (`p = c / 32`) for `cols` columns: one row (a decoder's step) through
+/// the packed panels, each streamed once, four inputs at a time into 8
+/// accumulators.
+///
+/// # Safety
+/// AVX-512F; `w` starts at a panel (64-byte aligned) and covers
+/// `ceil(cols / 32)` panels of `k` inputs, `x` holds `k` floats, `init`
+/// and `out` `cols`.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn one_row(
     x: *const f32,
     k: usize,
     w: *const f32,
-    w_rs: usize,
     cols: usize,
+    init: *const f32,
     out: *mut f32,
 ) {
-    const V: usize = 8;
-    for c0 in (0..cols).step_by(16 * V) {
-        // Lanes past `cols` are masked off: loaded as zero, never stored.
-        let masks: [__mmask16; V] = std::array::from_fn(|v| {
-            let left = cols.saturating_sub(c0 + 16 * v).min(16);
-            ((1u32 << left) - 1) as __mmask16
-        });
-        // SAFETY (this block): lanes within `cols` by the masks, e < k;
-        // the caller's extents.
+    for (p, c0) in (0..cols).step_by(LINEAR_NR).enumerate() {
+        let (m0, m1) = (lanes(cols - c0), lanes((cols - c0).saturating_sub(16)));
+        // SAFETY: (the block) panel p's k inputs, lanes within `cols`.
         unsafe {
-            let mut acc: [__m512; V] =
-                std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], out.add(c0 + 16 * v)));
-            for e in 0..k {
-                let wr = w.add(e * w_rs + c0);
-                let xb = _mm512_set1_ps(*x.add(e));
-                for (v, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(xb, _mm512_maskz_loadu_ps(masks[v], wr.add(16 * v)), *a);
+            let mut w = w.add(p * k * LINEAR_NR);
+            let mut acc = [_mm512_setzero_ps(); 8];
+            let mut e = 0;
+            while e + 4 <= k {
+                for (u, acc) in acc.chunks_exact_mut(2).enumerate() {
+                    let a = _mm512_set1_ps(*x.add(e + u));
+                    acc[0] = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(u * LINEAR_NR)), acc[0]);
+                    acc[1] = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(u * LINEAR_NR + 16)), acc[1]);
                 }
+                w = w.add(4 * LINEAR_NR);
+                e += 4;
             }
-            for (v, a) in acc.iter().enumerate() {
-                _mm512_mask_storeu_ps(out.add(c0 + 16 * v), masks[v], *a);
+            for e in e..k {
+                let a = _mm512_set1_ps(*x.add(e));
+                acc[0] = _mm512_fmadd_ps(a, _mm512_load_ps(w), acc[0]);
+                acc[1] = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(16)), acc[1]);
+                w = w.add(LINEAR_NR);
             }
+            let lo = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6]));
+            let hi = _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7]));
+            let dst = out.add(c0);
+            let b = init.add(c0);
+            _mm512_mask_storeu_ps(dst, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, b), lo));
+            _mm512_mask_storeu_ps(
+                dst.add(16),
+                m1,
+                _mm512_add_ps(_mm512_maskz_loadu_ps(m1, b.add(16)), hi),
+            );
         }
     }
 }

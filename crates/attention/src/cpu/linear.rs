@@ -3,42 +3,51 @@
 //! packing a general GEMM does, with the bias and optionally the exact GELU
 //! applied while the output block is still in cache.
 //!
-//! Two layouts, by instruction set:
-//! - **AVX2**: the weight `(n, k)` (PyTorch's `(out, in)`) becomes
-//!   `ceil(n / 16)` panels of `k × 16` floats, output feature `p·16 + c`'s
-//!   input `e` at `p·k·16 + e·16 + c`, zero past `n`, for the attention's
-//!   6 × 16 micro-kernel (`avx2.rs`). A work unit is a block of rows by a
-//!   block of panels; inside it, each panel's slice of [`KC`] inputs stays
-//!   in L1 while the unit's row groups stream past it from L2. Units run on
-//!   rayon's pool. `gemm` has no AVX2 kernel that beats this one.
-//! - **AVX-512**: the weight transposed once to a contiguous `(k, n)`,
-//!   multiplied by `gemm`'s AVX-512 kernels (the fastest measured here: a
-//!   12 × 32 `zmm` kernel of ours over packed panels reached about 0.8×
-//!   of them on the Xeon, so it is not kept),
-//!   with the bias pre-filled into the output (`dst = dst + x · wᵀ`). What
-//!   it saves over candle's `Linear` is the strided read of the `(n, k)`
-//!   weight and the separate bias and GELU passes.
+//! The weight `(n, k)` (PyTorch's `(out, in)`) becomes `ceil(n / nr)`
+//! panels of `k × nr` floats, output feature `p·nr + c`'s input `e` at
+//! `p·k·nr + e·nr + c`, zero past `n`, 64-byte aligned, where `nr` is the
+//! width of the instruction set's micro-kernel:
+//! - **AVX2**: panels of 16 for the attention's 6 × 16 micro-kernel
+//!   (`avx2.rs`), which reads the rows of `x` in place;
+//! - **AVX-512**: panels of 32 for a 12 × 32 `zmm` micro-kernel
+//!   (`avx512.rs`), which reads the rows of `x` packed per call into groups
+//!   of 12 (`[input][row]`, so each step broadcasts 12 consecutive floats),
+//!   and, for a single row (a decoder's step), `avx512::one_row`, which
+//!   streams each panel once.
+//!
+//! A work unit is a block of rows by a block of panels; inside it, each
+//! panel's slice of [`KC`] inputs stays in L1 while the unit's row groups
+//! stream past it from L2. Units run on rayon's pool. The bias starts the
+//! accumulators, and the GELU runs on each tile as its last slice is
+//! written, while it is in L1.
 
 use rayon::prelude::*;
 
 use super::attention::SyncPtr;
 use super::isa::Isa;
 use super::simd;
+use super::ROW_PACKS;
 
-/// Output features per panel of the AVX2 layout (the transposed AVX-512
-/// layout pads only its bias to it).
-const NR: usize = 16;
-// The AVX2 kernel reads panels of its own width.
-#[cfg(target_arch = "x86_64")]
-const _: () = assert!(NR == super::avx2::NR);
-/// Inputs per slice of the reduction: a panel slice of `KC · NR` floats
-/// (16 KiB) stays in L1.
+/// Inputs per slice of the reduction: a panel slice of `KC · nr` floats
+/// (16 KiB on AVX2, 32 KiB on AVX-512) stays in L1.
 const KC: usize = 256;
 /// Row groups and panels per work unit, at most: a unit reads each of its
-/// panels' weights once from L3 and reuses it from L1 across up to 32
-/// row groups (192 rows), whose inputs stay in L2.
+/// panels' weights once from L3 (prefetched into L2 while the previous
+/// slice runs) and reuses each slice from L1 across its row groups, whose
+/// inputs for one slice (at most 32 · 12 · 256 floats, 384 KiB) stay in L2.
 const GROUPS_PER_UNIT: usize = 32;
 const PANELS_PER_UNIT: usize = 4;
+
+/// Output features per panel for `isa`.
+fn panel_width(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => super::avx512::LINEAR_NR,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => super::avx2::NR,
+        _ => 16,
+    }
+}
 
 /// What the write-out applies after the bias.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,38 +95,20 @@ impl PackedWeight {
         }
     }
 
-    /// Whether this weight is `(k, n)` for `gemm` rather than panels.
-    fn transposed(&self) -> bool {
-        self.isa == Isa::Avx512
+    /// Output features per panel.
+    fn nr(&self) -> usize {
+        panel_width(self.isa)
     }
 
     /// Packs `w`, `n` rows of `k` floats, and `bias` (`n` floats) for `isa`
     /// (from [`PackedWeight::isa`]); `n, k > 0`.
     pub(crate) fn new(w: &[f32], n: usize, k: usize, bias: Option<&[f32]>, isa: Isa) -> Self {
-        let mut b = vec![0f32; n.next_multiple_of(NR)];
+        let nr = panel_width(isa);
+        let np = n.div_ceil(nr) * nr;
+        let mut b = vec![0f32; np];
         if let Some(bias) = bias {
             b[..n].copy_from_slice(bias);
         }
-        if isa == Isa::Avx512 {
-            // (k, n): row e holds input e of every output feature.
-            let mut data = vec![0f32; k * n];
-            data.par_chunks_mut(n).enumerate().for_each(|(e, row)| {
-                for (j, x) in row.iter_mut().enumerate() {
-                    *x = w[j * k + e];
-                }
-            });
-            return PackedWeight {
-                data,
-                start: 0,
-                bias: b,
-                has_bias: bias.is_some(),
-                n,
-                k,
-                isa,
-            };
-        }
-        let nr = NR;
-        let np = n.div_ceil(nr) * nr;
         let mut data = vec![0f32; np * k + 16];
         let start = data.as_ptr().align_offset(64).min(16);
         data[start..start + np * k]
@@ -154,17 +145,9 @@ impl PackedWeight {
 
     /// The weight, `n` rows of `k` floats, and the bias.
     pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
-        let nr = NR;
+        let nr = self.nr();
         let mut w = vec![0f32; self.n * self.k];
         let bias = self.has_bias.then(|| self.bias[..self.n].to_vec());
-        if self.transposed() {
-            for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
-                for (e, x) in row.iter_mut().enumerate() {
-                    *x = self.data[e * self.n + j];
-                }
-            }
-            return (w, bias);
-        }
         for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
             let panel = &self.panels()[(j / nr) * self.k * nr..];
             for (e, x) in row.iter_mut().enumerate() {
@@ -177,10 +160,7 @@ impl PackedWeight {
     /// Whether output features `lo..hi` are whole panels (or end at `n`),
     /// so that [`PackedWeight::forward`] can compute them alone.
     pub(crate) fn serves_range(&self, lo: usize, hi: usize) -> bool {
-        if self.transposed() {
-            return lo < hi && hi <= self.n;
-        }
-        let nr = NR;
+        let nr = self.nr();
         lo < hi && hi <= self.n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == self.n)
     }
 
@@ -195,181 +175,234 @@ impl PackedWeight {
         epilogue: Epilogue,
     ) -> Vec<f32> {
         debug_assert!(self.serves_range(lo, hi) && x.len() >= m * self.k);
-        if self.transposed() {
-            return self.forward_gemm(x, m, (lo, hi), epilogue);
-        }
-        let nr = NR;
-        let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
-        let width = (p_hi - p_lo) * nr;
-        #[cfg(target_arch = "x86_64")]
-        let mr = super::avx2::MR;
-        #[cfg(not(target_arch = "x86_64"))]
-        let mr = 1;
-        let rows_per_unit = GROUPS_PER_UNIT * mr;
-        let units: Vec<(usize, usize)> = (0..m)
-            .step_by(rows_per_unit)
-            .flat_map(|i0| (p_lo..p_hi).step_by(PANELS_PER_UNIT).map(move |p0| (i0, p0)))
-            .collect();
+        let (nr, k, width) = (self.nr(), self.k, hi - lo);
         let mut out: Vec<f32> = Vec::with_capacity(m * width);
-        let out_ptr = SyncPtr(out.as_mut_ptr());
-        let k = self.k;
-        units.par_iter().for_each(|&(i0, p0)| {
-            let out = out_ptr.get();
-            let rows = rows_per_unit.min(m - i0);
-            let p1 = (p0 + PANELS_PER_UNIT).min(p_hi);
-            let cols = (p0 - p_lo) * nr..(p1 - p_lo) * nr;
-            // SAFETY: rows i0..i0+rows and columns `cols` of the m × width
-            // output are this unit's alone and in bounds; the kernels read
-            // rows i0.. of x (m · k floats) and panels p0..p1 of the packed
-            // weight; `self.isa` was current, so detected, when packing.
-            unsafe {
-                let block = out.add(i0 * width + cols.start);
-                for r in 0..rows {
-                    std::ptr::copy_nonoverlapping(
-                        self.bias[p0 * nr..].as_ptr(),
-                        block.add(r * width),
-                        cols.len(),
-                    );
-                }
-                for p in p0..p1 {
-                    let dst = block.add((p - p0) * nr);
-                    for k0 in (0..k).step_by(KC) {
-                        let kc = KC.min(k - k0);
-                        let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
-                        for g0 in (0..rows).step_by(mr) {
-                            let xs = x[(i0 + g0) * k + k0..].as_ptr();
-                            self.panel(mr.min(rows - g0), xs, k, kc, w, dst.add(g0 * width), width);
-                        }
-                    }
-                }
-                if epilogue == Epilogue::GeluErf {
-                    for r in 0..rows {
-                        simd::gelu_erf(std::slice::from_raw_parts_mut(block.add(r * width), cols.len()));
-                    }
-                }
-            }
-        });
-        // SAFETY: the units cover every (row, panel) block of the output.
-        unsafe { out.set_len(m * width) };
-        let skip = lo - p_lo * nr;
-        if skip == 0 && width == hi - lo {
+        if m == 0 {
             return out;
         }
-        out.chunks_exact(width)
-            .flat_map(|row| &row[skip..skip + hi - lo])
-            .copied()
-            .collect()
-    }
-
-    /// [`PackedWeight::forward`] on the `(k, n)` weight through `gemm`:
-    /// the output starts as the bias and `gemm` adds `x · wᵀ` to it.
-    fn forward_gemm(&self, x: &[f32], m: usize, (lo, hi): (usize, usize), epilogue: Epilogue) -> Vec<f32> {
-        let (n, k, width) = (self.n, self.k, hi - lo);
-        let mut out: Vec<f32> = Vec::with_capacity(m * width);
-        for _ in 0..m {
-            out.extend_from_slice(&self.bias[lo..hi]);
-        }
         #[cfg(target_arch = "x86_64")]
-        if m == 1 {
-            // One row (a decoder's step): `gemm` prepares the weight on
-            // every call; streaming it once through `avx512::one_row`, one
-            // run of 128-column blocks per thread, made a Llama-shaped
-            // decode step about 1.5x faster (README, Figures).
-            let out_ptr = SyncPtr(out.as_mut_ptr());
-            let blocks = width.div_ceil(128);
-            let tasks = if width * k > 1 << 16 {
-                rayon::current_num_threads().min(blocks)
-            } else {
-                1
-            };
-            let per_task = blocks.div_ceil(tasks) * 128;
-            (0..width.div_ceil(per_task)).into_par_iter().for_each(|t| {
-                let c0 = t * per_task;
-                let cols = per_task.min(width - c0);
-                // SAFETY: this task's columns c0..c0+cols of the 1 × width
-                // output are its own; x is k floats, the weight k × n read
-                // from column lo + c0; `self.isa` is AVX-512, detected when
-                // packed.
-                unsafe {
-                    super::avx512::one_row(
-                        x.as_ptr(),
-                        k,
-                        self.data[lo + c0..].as_ptr(),
-                        n,
-                        cols,
-                        out_ptr.get().add(c0),
-                    )
-                };
-            });
+        if self.isa == Isa::Avx512 && m == 1 {
+            self.one_row(x, (lo, hi), &mut out);
+            // SAFETY: one_row wrote the row's `width` floats.
+            unsafe { out.set_len(width) };
             if epilogue == Epilogue::GeluErf {
                 simd::gelu_erf(&mut out);
             }
             return out;
         }
-        let threads = rayon::current_num_threads();
-        let parallelism = if threads > 1 && m * width * k > 1 << 16 {
-            gemm::Parallelism::Rayon(threads)
-        } else {
-            gemm::Parallelism::None
+        // AVX-512 reads x packed into groups of rows; AVX2 in place.
+        let (mr, packed_x) = match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => (
+                super::avx512::LINEAR_MR,
+                Some(pack_rows(x, m, k, super::avx512::LINEAR_MR)),
+            ),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => (super::avx2::MR, None),
+            _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
-        // SAFETY: dst is m × width (row stride width), lhs m × k (row
-        // stride k), rhs k × width read from column lo of the k × n weight
-        // (row stride n); all in bounds.
-        unsafe {
-            gemm::gemm(
-                m,
-                width,
-                k,
-                out.as_mut_ptr(),
-                1,
-                width as isize,
-                true,
-                x.as_ptr(),
-                1,
-                k as isize,
-                self.data[lo..].as_ptr(),
-                1,
-                n as isize,
-                1.,
-                1.,
-                false,
-                false,
-                false,
-                parallelism,
-            );
+        let groups = m.div_ceil(mr);
+        let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
+        let units: Vec<(usize, usize)> = (0..groups)
+            .step_by(GROUPS_PER_UNIT)
+            .flat_map(|g0| (p_lo..p_hi).step_by(PANELS_PER_UNIT).map(move |p0| (g0, p0)))
+            .collect();
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        let run = |&(g0, p0): &(usize, usize)| {
+            let out = out_ptr.get();
+            let g1 = (g0 + GROUPS_PER_UNIT).min(groups);
+            let p1 = (p0 + PANELS_PER_UNIT).min(p_hi);
+            // The unit's (input slice, panel) steps, slice-major: a
+            // slice's inputs stay in L2 across the unit's panels, each
+            // panel's slice in L1 across its row groups.
+            let steps: Vec<(usize, usize)> = (0..k)
+                .step_by(KC)
+                .flat_map(|k0| (p0..p1).map(move |p| (k0, p)))
+                .collect();
+            for (i, &(k0, p)) in steps.iter().enumerate() {
+                let (c0, cols) = ((p - p_lo) * nr, nr.min(hi - p * nr));
+                let kc = KC.min(k - k0);
+                let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
+                let next = steps
+                    .get(i + 1)
+                    .map(|&(k1, p)| self.panels()[p * k * nr + k1 * nr..].as_ptr());
+                for g in g0..g1 {
+                    let rows = mr.min(m - g * mr);
+                    // SAFETY: rows g·mr.. (`rows` of them) and columns
+                    // c0..c0 + cols of the m × width output are this unit's
+                    // alone and in bounds; the first slice writes them
+                    // before later ones read them; the kernels read
+                    // in-bounds inputs and panel p's slice; `self.isa` was
+                    // current, so detected, when packing.
+                    unsafe {
+                        let dst = out.add(g * mr * width + c0);
+                        let bias = if k0 == 0 {
+                            self.bias[p * nr..].as_ptr()
+                        } else {
+                            std::ptr::null()
+                        };
+                        // The next step's weights into L2, a share per
+                        // row group, while this slice's are in L1.
+                        let prefetch = match next {
+                            Some(next) => {
+                                let (lines, ng) = (KC.min(k - steps[i + 1].0) * nr / 16, g1 - g0);
+                                let (a, b) = (lines * (g - g0) / ng, lines * (g - g0 + 1) / ng);
+                                (next.wrapping_add(a * 16), (b - a).min(kc))
+                            }
+                            _ => (std::ptr::null(), 0),
+                        };
+                        match &packed_x {
+                            #[cfg(target_arch = "x86_64")]
+                            Some(xp) => super::avx512::linear_tile(
+                                rows,
+                                cols,
+                                kc,
+                                xp[(g * k + k0) * mr..].as_ptr(),
+                                w,
+                                bias,
+                                dst,
+                                width,
+                                prefetch,
+                            ),
+                            _ => self.avx2_tile(
+                                rows,
+                                cols,
+                                x[g * mr * k + k0..].as_ptr(),
+                                kc,
+                                w,
+                                bias,
+                                dst,
+                                width,
+                            ),
+                        }
+                        if k0 + kc == k && epilogue == Epilogue::GeluErf {
+                            for r in 0..rows {
+                                simd::gelu_erf(std::slice::from_raw_parts_mut(dst.add(r * width), cols));
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        if m * width * k > 1 << 16 {
+            units.par_iter().for_each(run);
+        } else {
+            units.iter().for_each(run);
         }
-        if epilogue == Epilogue::GeluErf {
-            out.par_chunks_mut(width.max(1) * 16).for_each(simd::gelu_erf);
+        if let Some(xp) = packed_x {
+            ROW_PACKS.keep(xp);
         }
+        // SAFETY: the units cover every (row, panel) block of the output.
+        unsafe { out.set_len(m * width) };
         out
     }
 
-    /// One micro-kernel call: `rows` rows of outputs += their `kc` inputs
-    /// times one panel slice.
+    /// One AVX2 micro-kernel call: `rows` rows of outputs = `bias` (or,
+    /// when null, themselves) + their `kc` inputs times one panel slice;
+    /// the AVX2 kernel writes whole panels, so a panel cut short by the
+    /// output's end goes through a buffer.
     ///
     /// # Safety
     /// The extents are in bounds, and `self.isa` runs on this processor.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn panel(
+    unsafe fn avx2_tile(
         &self,
         rows: usize,
+        cols: usize,
         x: *const f32,
-        x_rs: usize,
         kc: usize,
         w: *const f32,
+        bias: *const f32,
         out: *mut f32,
         out_rs: usize,
     ) {
-        // SAFETY: forwarded.
-        unsafe {
-            match self.isa {
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => super::avx2::scores::<true>(rows, x, x_rs, kc, w, 1, out, out_rs),
-                _ => {
-                    let _ = (rows, x, x_rs, kc, w, out, out_rs);
-                    unreachable!("weights are only packed for a SIMD instruction set")
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::avx2::{MR, NR};
+            debug_assert!(self.isa == Isa::Avx2 && rows <= MR);
+            // SAFETY: rows × cols of `out` and `cols` of `bias` are in
+            // bounds; the tile holds MR × NR.
+            unsafe {
+                if cols == NR {
+                    if !bias.is_null() {
+                        for r in 0..rows {
+                            std::ptr::copy_nonoverlapping(bias, out.add(r * out_rs), NR);
+                        }
+                    }
+                    super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs);
+                    return;
+                }
+                let mut tile = [0f32; MR * NR];
+                for r in 0..rows {
+                    let src = if bias.is_null() { out.add(r * out_rs) } else { bias };
+                    std::ptr::copy_nonoverlapping(src, tile.as_mut_ptr().add(r * NR), cols);
+                }
+                super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR);
+                for r in 0..rows {
+                    std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), out.add(r * out_rs), cols);
                 }
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (rows, cols, x, kc, w, bias, out, out_rs);
+            unreachable!("weights are only packed for a SIMD instruction set")
+        }
     }
+
+    /// `x · wᵀ + b` for one row and output features `lo..hi`, into `out`'s
+    /// spare capacity: the panels split into one run per thread.
+    #[cfg(target_arch = "x86_64")]
+    fn one_row(&self, x: &[f32], (lo, hi): (usize, usize), out: &mut Vec<f32>) {
+        let (nr, k, width) = (self.nr(), self.k, hi - lo);
+        debug_assert!(out.capacity() >= width);
+        let panels = width.div_ceil(nr);
+        let tasks = if width * k > 1 << 16 {
+            rayon::current_num_threads().min(panels)
+        } else {
+            1
+        };
+        let per_task = panels.div_ceil(tasks) * nr;
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        (0..width.div_ceil(per_task)).into_par_iter().for_each(|t| {
+            let c0 = t * per_task;
+            // SAFETY: this task's columns c0.. of the output are its own;
+            // x holds k floats; panels from (lo + c0) / nr on cover the
+            // columns; `self.isa` is AVX-512, detected when packed.
+            unsafe {
+                super::avx512::one_row(
+                    x.as_ptr(),
+                    k,
+                    self.panels()[(lo + c0) / nr * k * nr..].as_ptr(),
+                    per_task.min(width - c0),
+                    self.bias[lo + c0..].as_ptr(),
+                    out_ptr.get().add(c0),
+                )
+            };
+        });
+    }
+}
+
+/// The rows of `x` (`m` of `k` floats) in groups of `mr`, each group
+/// `[input][row]` (`k · mr` floats, zero past `m`), in a kept buffer.
+fn pack_rows(x: &[f32], m: usize, k: usize, mr: usize) -> Vec<f32> {
+    let mut xp = ROW_PACKS.take(m.div_ceil(mr) * mr * k);
+    let pack = |(g, dst): (usize, &mut [f32])| {
+        let rows = mr.min(m - g * mr);
+        let src = &x[g * mr * k..][..rows * k];
+        // Input-major, so that the writes run in order and each row's
+        // cache line serves 16 inputs.
+        for (e, dst) in dst.chunks_exact_mut(mr).enumerate() {
+            for (r, d) in dst[..rows].iter_mut().enumerate() {
+                *d = src[r * k + e];
+            }
+            dst[rows..].fill(0.);
+        }
+    };
+    if m * k > 1 << 16 {
+        xp.par_chunks_mut(k * mr).enumerate().for_each(pack);
+    } else {
+        xp.chunks_mut(k * mr).enumerate().for_each(pack);
+    }
+    xp
 }

@@ -24,7 +24,8 @@
 //! - `simd.rs`: softmax, `exp`, mask rows, GELU, compiled per ISA;
 //! - `avx2.rs`: the AVX2+FMA micro-kernels (attention tiles and linears),
 //!   and the packed unit both tile kinds share;
-//! - `avx512.rs`: the AVX-512F attention tile micro-kernels;
+//! - `avx512.rs`: the AVX-512F micro-kernels (attention tiles, the
+//!   linears' 12 × 32 tile and one-row kernel);
 //! - `isa.rs`: the one place that picks the instruction set
 //!   (`MULTIHEAD_CPU_ISA=avx512|avx2|portable` caps it).
 
@@ -38,6 +39,64 @@ pub(crate) mod linear;
 mod simd;
 
 pub(crate) use attention::{sdpa_cpu, supports};
+
+use std::sync::Mutex;
+
+/// Buffers kept for the next call: fresh pages cost a page fault each
+/// (about a tenth of a 1024-token attention call's time, a tenth of a
+/// ViT-B/16 B8 `fc2`'s), so per-call pack buffers come from a pool that
+/// keeps up to `slots` of them, each of at most `max` floats; larger ones
+/// go back to the allocator.
+pub(crate) struct Pool {
+    kept: Mutex<Vec<Vec<f32>>>,
+    slots: usize,
+    max: usize,
+}
+
+/// The attention's packed keys and values (two per call, up to 16 MiB
+/// each).
+pub(crate) static KV_PACKS: Pool = Pool::new(2, 4 << 20);
+/// The linears' packed rows (one per call, up to 32 MiB: a ViT-B/16 B8
+/// `fc2`'s input is 18.5 MiB).
+pub(crate) static ROW_PACKS: Pool = Pool::new(1, 8 << 20);
+
+impl Pool {
+    const fn new(slots: usize, max: usize) -> Pool {
+        Pool {
+            kept: Mutex::new(Vec::new()),
+            slots,
+            max,
+        }
+    }
+
+    /// A buffer of `len` floats, reusing a kept one where it can: its
+    /// contents are stale, the caller writes them all.
+    pub(crate) fn take(&self, len: usize) -> Vec<f32> {
+        let kept = self.kept.lock().ok().and_then(|mut kept| {
+            let i = kept.iter().position(|b| b.capacity() >= len)?;
+            Some(kept.swap_remove(i))
+        });
+        let mut buf = kept.unwrap_or_default();
+        buf.resize(len, 0.);
+        buf
+    }
+
+    /// Hands `buf` back for a later [`Pool::take`].
+    pub(crate) fn keep(&self, buf: Vec<f32>) {
+        if buf.capacity() == 0 || buf.capacity() > self.max {
+            return;
+        }
+        if let Ok(mut kept) = self.kept.lock() {
+            if kept.len() < self.slots {
+                kept.push(buf);
+            } else if let Some(small) = kept.iter_mut().min_by_key(|b| b.capacity()) {
+                if small.capacity() < buf.capacity() {
+                    *small = buf;
+                }
+            }
+        }
+    }
+}
 
 /// Helpers of the crate's unit tests.
 #[cfg(test)]
