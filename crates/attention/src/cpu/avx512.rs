@@ -317,21 +317,22 @@ unsafe fn linear_tile_rows<const R: usize>(
     out_rs: usize,
     (pf, pf_lines): (*const f32, usize),
 ) {
-    let (m0, m1) = (lanes(cols), lanes(cols.saturating_sub(16)));
+    const V: usize = LINEAR_NR / 16;
+    let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(cols.saturating_sub(16 * v)));
     // SAFETY: (the block) inside the extents the caller vouched for; lanes
     // past `cols` are masked off.
     unsafe {
-        let mut c = [[_mm512_setzero_ps(); 2]; R];
+        let mut c = [[_mm512_setzero_ps(); V]; R];
         if init.is_null() {
             for (r, c) in c.iter_mut().enumerate() {
-                c[0] = _mm512_maskz_loadu_ps(m0, out.add(r * out_rs));
-                c[1] = _mm512_maskz_loadu_ps(m1, out.add(r * out_rs + 16));
+                for (v, c) in c.iter_mut().enumerate() {
+                    *c = _mm512_maskz_loadu_ps(masks[v], out.add(r * out_rs + 16 * v));
+                }
             }
         } else {
-            let b0 = _mm512_maskz_loadu_ps(m0, init);
-            let b1 = _mm512_maskz_loadu_ps(m1, init.add(16));
+            let b: [__m512; V] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], init.add(16 * v)));
             for c in c.iter_mut() {
-                *c = [b0, b1];
+                *c = b;
             }
         }
         let (mut x, mut w) = (x, w);
@@ -339,19 +340,20 @@ unsafe fn linear_tile_rows<const R: usize>(
             if e < pf_lines {
                 _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 16) as *const i8);
             }
-            let w0 = _mm512_load_ps(w);
-            let w1 = _mm512_load_ps(w.add(16));
+            let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(w.add(16 * v)));
             for (r, c) in c.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*x.add(r));
-                c[0] = _mm512_fmadd_ps(a, w0, c[0]);
-                c[1] = _mm512_fmadd_ps(a, w1, c[1]);
+                for (c, &wv) in c.iter_mut().zip(&wv) {
+                    *c = _mm512_fmadd_ps(a, wv, *c);
+                }
             }
             x = x.add(LINEAR_MR);
             w = w.add(LINEAR_NR);
         }
         for (r, c) in c.iter().enumerate() {
-            _mm512_mask_storeu_ps(out.add(r * out_rs), m0, c[0]);
-            _mm512_mask_storeu_ps(out.add(r * out_rs + 16), m1, c[1]);
+            for (v, c) in c.iter().enumerate() {
+                _mm512_mask_storeu_ps(out.add(r * out_rs + 16 * v), masks[v], *c);
+            }
         }
     }
 }
@@ -374,38 +376,41 @@ pub(super) unsafe fn one_row(
     init: *const f32,
     out: *mut f32,
 ) {
+    const V: usize = LINEAR_NR / 16;
+    const U: usize = 8 / V;
     for (p, c0) in (0..cols).step_by(LINEAR_NR).enumerate() {
-        let (m0, m1) = (lanes(cols - c0), lanes((cols - c0).saturating_sub(16)));
+        let masks: [__mmask16; V] = std::array::from_fn(|v| lanes((cols - c0).saturating_sub(16 * v)));
         // SAFETY: (the block) panel p's k inputs, lanes within `cols`.
         unsafe {
             let mut w = w.add(p * k * LINEAR_NR);
-            let mut acc = [_mm512_setzero_ps(); 8];
+            // U inputs at a time into U sets of accumulators (8 in all).
+            let mut acc = [[_mm512_setzero_ps(); V]; U];
             let mut e = 0;
-            while e + 4 <= k {
-                for (u, acc) in acc.chunks_exact_mut(2).enumerate() {
+            while e + U <= k {
+                for (u, acc) in acc.iter_mut().enumerate() {
                     let a = _mm512_set1_ps(*x.add(e + u));
-                    acc[0] = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(u * LINEAR_NR)), acc[0]);
-                    acc[1] = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(u * LINEAR_NR + 16)), acc[1]);
+                    for (v, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(u * LINEAR_NR + 16 * v)), *acc);
+                    }
                 }
-                w = w.add(4 * LINEAR_NR);
-                e += 4;
+                w = w.add(U * LINEAR_NR);
+                e += U;
             }
             for e in e..k {
                 let a = _mm512_set1_ps(*x.add(e));
-                acc[0] = _mm512_fmadd_ps(a, _mm512_load_ps(w), acc[0]);
-                acc[1] = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(16)), acc[1]);
+                for (v, acc) in acc[0].iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(16 * v)), *acc);
+                }
                 w = w.add(LINEAR_NR);
             }
-            let lo = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6]));
-            let hi = _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7]));
-            let dst = out.add(c0);
-            let b = init.add(c0);
-            _mm512_mask_storeu_ps(dst, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, b), lo));
-            _mm512_mask_storeu_ps(
-                dst.add(16),
-                m1,
-                _mm512_add_ps(_mm512_maskz_loadu_ps(m1, b.add(16)), hi),
-            );
+            for v in 0..V {
+                let sum = acc
+                    .iter()
+                    .fold(_mm512_maskz_loadu_ps(masks[v], init.add(c0 + 16 * v)), |s, a| {
+                        _mm512_add_ps(s, a[v])
+                    });
+                _mm512_mask_storeu_ps(out.add(c0 + 16 * v), masks[v], sum);
+            }
         }
     }
 }
