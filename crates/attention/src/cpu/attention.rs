@@ -8,6 +8,9 @@ use crate::mask::{Mask, MaskPart};
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
+use super::isa::Isa;
+#[cfg(target_arch = "x86_64")]
+use super::lanes;
 use super::simd;
 
 /// Query rows per work unit, at most.
@@ -17,6 +20,9 @@ const BLOCK_Q: usize = 384;
 const AVX2_BLOCK_Q: usize = 96;
 /// Keys per tile.
 const BLOCK_K: usize = 512;
+/// Query blocks of fewer rows take the `lanes.rs` products on AVX2 and
+/// AVX-512 (each key and value read once per row, no packing).
+const DIRECT_ROWS: usize = 16;
 
 /// A read-only 4-D f32 view: base slice and element strides.
 pub(super) struct View<'a> {
@@ -425,35 +431,51 @@ impl Problem<'_> {
         let bk = BLOCK_K.min(kv_end.max(1));
         let mut tile = vec![0f32; rows * bk];
         let q_off = self.q.offset(bi, hi, i0);
+        // Decode-sized blocks (too few rows for `gemm` to pay for its
+        // packing) take the products read in place (`lanes.rs`).
+        let lanes = if rows < DIRECT_ROWS {
+            super::isa::current()
+        } else {
+            Isa::Portable
+        };
         let mut j0 = self.keys_start(i0);
         while j0 < kv_end {
             let cols = bk.min(kv_end - j0);
             let k_off = self.k.offset(bi, kvh, j0);
             // SAFETY: the offsets and strides come from the tensors' own
-            // layouts and stay inside their data for these row/col counts.
+            // layouts and stay inside their data for these row/col counts;
+            // `lanes` is at most what the processor runs.
             unsafe {
-                // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
-                gemm(
-                    rows,
-                    cols,
-                    d,
-                    tile.as_mut_ptr(),
-                    1,
-                    cols as isize,
-                    false,
-                    self.q.data.as_ptr().add(q_off),
-                    1,
-                    self.q.stride[2] as isize,
-                    self.k.data.as_ptr().add(k_off),
-                    self.k.stride[2] as isize,
-                    1,
-                    0.,
-                    self.scale,
-                    false,
-                    false,
-                    false,
-                    Parallelism::None,
-                );
+                let (q, k) = (self.q.data.as_ptr().add(q_off), self.k.data.as_ptr().add(k_off));
+                let (q_rs, k_rs) = (self.q.stride[2], self.k.stride[2]);
+                match lanes {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => lanes::zmm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => lanes::ymm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
+                    // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
+                    _ => gemm(
+                        rows,
+                        cols,
+                        d,
+                        tile.as_mut_ptr(),
+                        1,
+                        cols as isize,
+                        false,
+                        q,
+                        1,
+                        q_rs as isize,
+                        k,
+                        k_rs as isize,
+                        1,
+                        0.,
+                        self.scale,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    ),
+                }
             }
             for r in 0..rows {
                 let row = &mut tile[r * cols..(r + 1) * cols];
@@ -464,28 +486,35 @@ impl Problem<'_> {
             let v_off = self.v.offset(bi, kvh, j0);
             // SAFETY: as above.
             unsafe {
-                // acc (rows, dv) += P (rows, cols) · V (cols, dv)
-                gemm(
-                    rows,
-                    dv,
-                    cols,
-                    acc.as_mut_ptr(),
-                    1,
-                    dv as isize,
-                    true,
-                    tile.as_ptr(),
-                    1,
-                    cols as isize,
-                    self.v.data.as_ptr().add(v_off),
-                    1,
-                    self.v.stride[2] as isize,
-                    1.,
-                    1.,
-                    false,
-                    false,
-                    false,
-                    Parallelism::None,
-                );
+                let (v, v_rs) = (self.v.data.as_ptr().add(v_off), self.v.stride[2]);
+                match lanes {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => lanes::zmm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => lanes::ymm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
+                    // acc (rows, dv) += P (rows, cols) · V (cols, dv)
+                    _ => gemm(
+                        rows,
+                        dv,
+                        cols,
+                        acc.as_mut_ptr(),
+                        1,
+                        dv as isize,
+                        true,
+                        tile.as_ptr(),
+                        1,
+                        cols as isize,
+                        v,
+                        1,
+                        v_rs as isize,
+                        1.,
+                        1.,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    ),
+                }
             }
             j0 += cols;
         }
@@ -531,17 +560,31 @@ mod tests {
         tiles
     }
 
-    /// Every tile implementation this CPU runs, forced, equals the reference
-    /// path, including shapes `Tiles::best` would not give it: single query
-    /// rows for the micro-kernels, partial row groups, key counts off the
-    /// panel and block sizes, value widths off the panel width.
+    /// Every tile implementation this CPU runs, forced, under every
+    /// instruction set it runs, equals the reference path, including shapes
+    /// `Tiles::best` would not give it: single query rows for the
+    /// micro-kernels, partial row groups, key counts off the panel and
+    /// block sizes, value widths off the panel width; decode-sized blocks
+    /// (the `lanes.rs` products) with dims off the vector widths.
     #[test]
     fn every_tile_implementation_equals_reference() -> Result<()> {
+        use crate::cpu::isa::{force, supported, FORCE_LOCK};
+        let _lock = FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            every_tile_implementation_equals_reference_under(isa)?;
+        }
+        force(None);
+        Ok(())
+    }
+
+    fn every_tile_implementation_equals_reference_under(isa: crate::cpu::isa::Isa) -> Result<()> {
         let tiles = runnable_tiles();
         // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim)
         let shapes = [
             (1, 2, 2, 1, 300, 64, 64),
             (2, 3, 1, 7, 17, 8, 8),
+            (1, 4, 2, 3, 530, 37, 75),
             (1, 2, 2, 100, 257, 64, 24),
             (2, 4, 2, 37, 530, 40, 72),
             (1, 1, 1, 200, 5, 256, 256),
@@ -574,7 +617,7 @@ mod tests {
                 for &t in &tiles {
                     let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, scale, Some(t))?;
                     let err = rel_err(&ours, &reference)?;
-                    let what = format!("{t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
+                    let what = format!("{isa:?} {t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
                     assert!(err < 1e-5, "{what}: relative error {err:e}");
                 }
             }

@@ -26,6 +26,8 @@
 //!   and the packed unit both tile kinds share;
 //! - `avx512.rs`: the AVX-512F micro-kernels (attention tiles, the
 //!   linears' 12 × 32 tile and one-row kernel);
+//! - `lanes.rs`: kernels written once over the vector width (`ymm`,
+//!   `zmm`): the products of decode-sized tiles, read in place;
 //! - `isa.rs`: the one place that picks the instruction set
 //!   (`MULTIHEAD_CPU_ISA=avx512|avx2|portable` caps it).
 
@@ -35,6 +37,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub(crate) mod isa;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 pub(crate) mod linear;
 mod simd;
 

@@ -1,0 +1,358 @@
+//! Kernels written once over the vector width: a [`Lanes`] type per
+//! instruction set (`ymm` for AVX2+FMA, `zmm` for AVX-512F) and code
+//! generic over it, instantiated inside a `#[target_feature]` function per
+//! set, where the `#[inline(always)]` lane operations compile to that set's
+//! instructions.
+//!
+//! Here: the two products of a decode-sized attention tile (fewer query
+//! rows than the packed micro-kernels want, `avx2::MIN_Q_LEN`), read in
+//! place, each key and value row once.
+
+use std::arch::x86_64::*;
+
+const PF_KEYS: usize = 16;
+
+/// A vector of `f32` lanes.
+pub(super) trait Lanes: Copy {
+    const N: usize;
+    /// # Safety
+    /// The instruction set is enabled in the calling function.
+    unsafe fn zero() -> Self;
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn splat(x: f32) -> Self;
+    /// # Safety
+    /// As [`Lanes::zero`]; `p` holds `N` floats.
+    unsafe fn load(p: *const f32) -> Self;
+    /// # Safety
+    /// As [`Lanes::load`].
+    unsafe fn store(self, p: *mut f32);
+    /// `a · b + self`.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn fmadd(self, a: Self, b: Self) -> Self;
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn add(self, b: Self) -> Self;
+    /// The sum of the lanes.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn sum(self) -> f32;
+}
+
+/// AVX2+FMA: 8 lanes.
+#[derive(Clone, Copy)]
+pub(super) struct Ymm(__m256);
+
+/// AVX-512F: 16 lanes.
+#[derive(Clone, Copy)]
+pub(super) struct Zmm(__m512);
+
+impl Lanes for Ymm {
+    const N: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Ymm(_mm256_setzero_ps())
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Ymm(_mm256_set1_ps(x))
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's.
+        Ymm(unsafe { _mm256_loadu_ps(p) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's.
+        unsafe { _mm256_storeu_ps(p, self.0) }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
+        // SAFETY: the caller's.
+        Ymm(unsafe { _mm256_fmadd_ps(a.0, b.0, self.0) })
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        Ymm(_mm256_add_ps(self.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps::<1>(self.0));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+}
+
+impl Lanes for Zmm {
+    const N: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the caller's.
+        Zmm(unsafe { _mm512_setzero_ps() })
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller's.
+        Zmm(unsafe { _mm512_set1_ps(x) })
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's.
+        Zmm(unsafe { _mm512_loadu_ps(p) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's.
+        unsafe { _mm512_storeu_ps(p, self.0) }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
+        // SAFETY: the caller's.
+        Zmm(unsafe { _mm512_fmadd_ps(a.0, b.0, self.0) })
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        // SAFETY: the caller's.
+        Zmm(unsafe { _mm512_add_ps(self.0, b.0) })
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        // SAFETY: the caller's.
+        unsafe { _mm512_reduce_add_ps(self.0) }
+    }
+}
+
+/// `Σₑ a[e] · b[e]` over `d` floats, two accumulators of lanes and a scalar
+/// tail.
+///
+/// # Safety
+/// The instruction set of `V` is enabled; `a` and `b` hold `d` floats.
+#[inline(always)]
+unsafe fn dot<V: Lanes>(a: *const f32, b: *const f32, d: usize) -> f32 {
+    // SAFETY: (the block) e + N <= d inside the loops.
+    unsafe {
+        let (mut s0, mut s1) = (V::zero(), V::zero());
+        let mut e = 0;
+        while e + 2 * V::N <= d {
+            s0 = s0.fmadd(V::load(a.add(e)), V::load(b.add(e)));
+            s1 = s1.fmadd(V::load(a.add(e + V::N)), V::load(b.add(e + V::N)));
+            e += 2 * V::N;
+        }
+        if e + V::N <= d {
+            s0 = s0.fmadd(V::load(a.add(e)), V::load(b.add(e)));
+            e += V::N;
+        }
+        let mut s = s0.add(s1).sum();
+        for e in e..d {
+            s += *a.add(e) * *b.add(e);
+        }
+        s
+    }
+}
+
+/// `tile[r·cols + j] = scale · q_r · k_j` for `rows` query rows (row stride
+/// `q_rs`) and `cols` keys (row stride `k_rs`), `d` dims each.
+///
+/// # Safety
+/// The instruction set of `V` is enabled; the pointers cover the extents.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn scores<V: Lanes>(
+    rows: usize,
+    q: *const f32,
+    q_rs: usize,
+    k: *const f32,
+    k_rs: usize,
+    cols: usize,
+    d: usize,
+    scale: f32,
+    tile: &mut [f32],
+) {
+    for j in 0..cols {
+        if PF_KEYS > 0 && j + PF_KEYS < cols {
+            // SAFETY: key j + PF_KEYS < cols is in bounds.
+            let ahead = unsafe { k.add((j + PF_KEYS) * k_rs) };
+            for l in (0..d).step_by(16) {
+                // SAFETY: within the key's d floats.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8) };
+            }
+        }
+        for r in 0..rows {
+            // SAFETY: row r < rows, key j < cols, d dims each.
+            tile[r * cols + j] = scale * unsafe { dot::<V>(q.add(r * q_rs), k.add(j * k_rs), d) };
+        }
+    }
+}
+
+/// `acc[r·dv + c] += Σⱼ p[r·cols + j] · v[j·v_rs + c]` for `rows` rows,
+/// `cols` keys and `dv` columns: blocks of up to 4 vectors of columns kept
+/// in two sets of accumulators (even and odd keys) across the keys.
+///
+/// # Safety
+/// The instruction set of `V` is enabled; `v` covers `cols` rows of `dv`.
+#[inline(always)]
+unsafe fn weighted_values<V: Lanes>(
+    rows: usize,
+    p: &[f32],
+    cols: usize,
+    v: *const f32,
+    v_rs: usize,
+    dv: usize,
+    acc: &mut [f32],
+) {
+    /// Columns `c0..c0 + NV·N` of row r.
+    #[inline(always)]
+    unsafe fn block<V: Lanes, const NV: usize>(
+        p: &[f32],
+        v: *const f32,
+        v_rs: usize,
+        c0: usize,
+        acc: *mut f32,
+    ) {
+        // SAFETY: (the block) the caller's extents.
+        unsafe {
+            let mut a: [V; NV] = std::array::from_fn(|i| V::load(acc.add(c0 + i * V::N)));
+            let mut b: [V; NV] = [V::zero(); NV];
+            let mut pairs = p.chunks_exact(2);
+            let mut row = v.add(c0);
+            let mut j = 0;
+            for pj in &mut pairs {
+                if PF_KEYS > 0 && j + PF_KEYS < p.len() {
+                    for l in (0..NV * V::N).step_by(16) {
+                        _mm_prefetch::<_MM_HINT_T0>(row.add(PF_KEYS * v_rs + l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(row.add((PF_KEYS + 1) * v_rs + l) as *const i8);
+                    }
+                }
+                j += 2;
+                let (p0, p1) = (V::splat(pj[0]), V::splat(pj[1]));
+                for i in 0..NV {
+                    a[i] = a[i].fmadd(p0, V::load(row.add(i * V::N)));
+                    b[i] = b[i].fmadd(p1, V::load(row.add(v_rs + i * V::N)));
+                }
+                row = row.add(2 * v_rs);
+            }
+            if let [pj] = pairs.remainder() {
+                let p0 = V::splat(*pj);
+                for (i, a) in a.iter_mut().enumerate() {
+                    *a = a.fmadd(p0, V::load(row.add(i * V::N)));
+                }
+            }
+            for i in 0..NV {
+                a[i].add(b[i]).store(acc.add(c0 + i * V::N));
+            }
+        }
+    }
+    for r in 0..rows {
+        let (p, acc) = (&p[r * cols..][..cols], &mut acc[r * dv..][..dv]);
+        let mut c0 = 0;
+        // SAFETY: blocks stay within dv columns.
+        unsafe {
+            while c0 + 4 * V::N <= dv {
+                block::<V, 4>(p, v, v_rs, c0, acc.as_mut_ptr());
+                c0 += 4 * V::N;
+            }
+            while c0 + V::N <= dv {
+                block::<V, 1>(p, v, v_rs, c0, acc.as_mut_ptr());
+                c0 += V::N;
+            }
+        }
+        for (c, a) in acc.iter_mut().enumerate().skip(c0) {
+            // SAFETY: key j < cols, column c < dv.
+            *a += p
+                .iter()
+                .enumerate()
+                .map(|(j, &pj)| pj * unsafe { *v.add(j * v_rs + c) })
+                .sum::<f32>();
+        }
+    }
+}
+
+/// The AVX-512F instances.
+pub(super) mod zmm {
+    use super::Zmm;
+
+    /// [`super::scores`] on `zmm` lanes.
+    ///
+    /// # Safety
+    /// AVX-512F; as [`super::scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::cpu) unsafe fn scores(
+        rows: usize,
+        q: *const f32,
+        q_rs: usize,
+        k: *const f32,
+        k_rs: usize,
+        cols: usize,
+        d: usize,
+        scale: f32,
+        tile: &mut [f32],
+    ) {
+        // SAFETY: forwarded.
+        unsafe { super::scores::<Zmm>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
+    }
+
+    /// [`super::weighted_values`] on `zmm` lanes.
+    ///
+    /// # Safety
+    /// AVX-512F; as [`super::weighted_values`].
+    #[target_feature(enable = "avx512f")]
+    pub(in crate::cpu) unsafe fn weighted_values(
+        rows: usize,
+        p: &[f32],
+        cols: usize,
+        v: *const f32,
+        v_rs: usize,
+        dv: usize,
+        acc: &mut [f32],
+    ) {
+        // SAFETY: forwarded.
+        unsafe { super::weighted_values::<Zmm>(rows, p, cols, v, v_rs, dv, acc) }
+    }
+}
+
+/// The AVX2+FMA instances.
+pub(super) mod ymm {
+    use super::Ymm;
+
+    /// [`super::scores`] on `ymm` lanes.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; as [`super::scores`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(in crate::cpu) unsafe fn scores(
+        rows: usize,
+        q: *const f32,
+        q_rs: usize,
+        k: *const f32,
+        k_rs: usize,
+        cols: usize,
+        d: usize,
+        scale: f32,
+        tile: &mut [f32],
+    ) {
+        // SAFETY: forwarded.
+        unsafe { super::scores::<Ymm>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
+    }
+
+    /// [`super::weighted_values`] on `ymm` lanes.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; as [`super::weighted_values`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(in crate::cpu) unsafe fn weighted_values(
+        rows: usize,
+        p: &[f32],
+        cols: usize,
+        v: *const f32,
+        v_rs: usize,
+        dv: usize,
+        acc: &mut [f32],
+    ) {
+        // SAFETY: forwarded.
+        unsafe { super::weighted_values::<Ymm>(rows, p, cols, v, v_rs, dv, acc) }
+    }
+}
