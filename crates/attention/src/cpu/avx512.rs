@@ -266,58 +266,100 @@ fn exp_nonpositive(x: __m512) -> __m512 {
 /// Output features per panel of the linear layers' AVX-512 layout: two
 /// `zmm` registers.
 pub(super) const LINEAR_NR: usize = 32;
-/// Rows per linear micro-kernel: 24 accumulators, 2 panel loads and 12
-/// broadcasts per 24 FMAs.
-pub(super) const LINEAR_MR: usize = 12;
+
+/// The two linear micro-kernels, each 24 accumulators: tall (12 rows by
+/// a panel, 2 panel loads and 12 broadcasts per 24 FMAs) and wide (6 rows
+/// by two panels, 4 loads and 6 broadcasts). Over this Xeon's
+/// shapes, tall is about 5 % faster at 197 rows, wide 5 % faster at 512
+/// and more (`bench_models linear`, alternating with candle's matmul).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LinearTile {
+    Tall,
+    Wide,
+}
+
+impl LinearTile {
+    /// The kernel for a call of `m` rows.
+    pub(super) fn for_rows(m: usize) -> LinearTile {
+        if m > 256 {
+            LinearTile::Wide
+        } else {
+            LinearTile::Tall
+        }
+    }
+
+    /// `(rows, panels)` of a tile; the rows of `x` are packed in groups of
+    /// `rows`.
+    pub(super) fn shape(self) -> (usize, usize) {
+        match self {
+            LinearTile::Tall => (12, 1),
+            LinearTile::Wide => (6, 2),
+        }
+    }
+}
 
 /// Lanes `0..n` of a 16-lane mask (`n` may exceed 16).
 fn lanes(n: usize) -> __mmask16 {
     ((1u32 << n.min(16)) - 1) as __mmask16
 }
 
-/// One tile of a packed linear layer: for `rows` rows (1..=[`LINEAR_MR`])
-/// and the first `cols` (1..=[`LINEAR_NR`]) features of a panel,
-/// `out[r·out_rs + c] = init[c] + Σₑ x[e·LINEAR_MR + r] · w[e·LINEAR_NR +
-/// c]` over `kc` inputs; `init` is the bias, or, when null, the output
-/// itself (a later slice of the reduction adds to it).
+/// One tile of a packed linear layer: for `rows` rows (1..= the tile's)
+/// and the first `cols` (1..= `LINEAR_NR` times the tile's panels)
+/// features of the panel slice at `w` and, past `LINEAR_NR`, of the one at
+/// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[e·MR + r] ·
+/// w[e·LINEAR_NR + c]` over `kc` inputs (`MR` the tile's rows); `init` is
+/// the bias, or, when null, the output itself (a later slice of the
+/// reduction adds to it). The first `prefetch.1` steps each prefetch one
+/// line from `prefetch.0` on into L2.
 ///
 /// # Safety
-/// AVX-512F; the pointers cover those extents (`x` holds `LINEAR_MR`
-/// floats per input, `w` a panel's `LINEAR_NR`, `init` `cols` floats).
+/// AVX-512F; the pointers cover those extents (`x` holds `MR` floats per
+/// input, each panel slice `LINEAR_NR` per input, `init` `cols` floats);
+/// `w + w_next` is only read where `cols > LINEAR_NR`.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn linear_tile(
+    tile: LinearTile,
     rows: usize,
     cols: usize,
     kc: usize,
     x: *const f32,
-    w: *const f32,
+    (w, w_next): (*const f32, usize),
     init: *const f32,
     out: *mut f32,
     out_rs: usize,
     prefetch: (*const f32, usize),
 ) {
+    macro_rules! go {
+        ($mr:literal, $v:literal, $($r:literal)*) => {
+            match rows {
+                $($r => linear_tile_rows::<$r, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),)*
+                _ => linear_tile_rows::<$mr, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),
+            }
+        };
+    }
     // SAFETY: forwarded.
     unsafe {
-        by_rows!(
-            rows,
-            linear_tile_rows(cols, kc, x, w, init, out, out_rs, prefetch)
-        )
+        match tile {
+            LinearTile::Tall => go!(12, 2, 1 2 3 4 5 6 7 8 9 10 11),
+            LinearTile::Wide if cols > LINEAR_NR => go!(6, 4, 1 2 3 4 5),
+            // A last panel without its pair.
+            LinearTile::Wide => go!(6, 2, 1 2 3 4 5),
+        }
     }
 }
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn linear_tile_rows<const R: usize>(
+unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
     cols: usize,
     kc: usize,
     x: *const f32,
-    w: *const f32,
+    (w, w_next): (*const f32, usize),
     init: *const f32,
     out: *mut f32,
     out_rs: usize,
     (pf, pf_lines): (*const f32, usize),
 ) {
-    const V: usize = LINEAR_NR / 16;
     let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(cols.saturating_sub(16 * v)));
     // SAFETY: (the block) inside the extents the caller vouched for; lanes
     // past `cols` are masked off.
@@ -335,20 +377,21 @@ unsafe fn linear_tile_rows<const R: usize>(
                 *c = b;
             }
         }
-        let (mut x, mut w) = (x, w);
+        // Vector v of a step: panel v / 2, lanes (v % 2) · 16.
+        let wp: [*const f32; V] = std::array::from_fn(|v| w.wrapping_add((v / 2) * w_next + (v % 2) * 16));
+        let mut x = x;
         for e in 0..kc {
             if e < pf_lines {
                 _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 16) as *const i8);
             }
-            let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(w.add(16 * v)));
+            let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(wp[v].add(e * LINEAR_NR)));
             for (r, c) in c.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*x.add(r));
                 for (c, &wv) in c.iter_mut().zip(&wv) {
                     *c = _mm512_fmadd_ps(a, wv, *c);
                 }
             }
-            x = x.add(LINEAR_MR);
-            w = w.add(LINEAR_NR);
+            x = x.add(MR);
         }
         for (r, c) in c.iter().enumerate() {
             for (v, c) in c.iter().enumerate() {

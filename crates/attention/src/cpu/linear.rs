@@ -9,15 +9,17 @@
 //! width of the instruction set's micro-kernel:
 //! - **AVX2**: panels of 16 for the attention's 6 × 16 micro-kernel
 //!   (`avx2.rs`), which reads the rows of `x` in place;
-//! - **AVX-512**: panels of 32 for a 12 × 32 `zmm` micro-kernel
-//!   (`avx512.rs`), which reads the rows of `x` packed per call into groups
-//!   of 12 (`[input][row]`, so each step broadcasts 12 consecutive floats),
-//!   and, for a single row (a decoder's step), `avx512::one_row`, which
-//!   streams each panel once.
+//! - **AVX-512**: panels of 32 for two `zmm` micro-kernels (`avx512.rs`):
+//!   12 rows by one panel for calls of up to 256 rows, 6 rows by two
+//!   panels for more ([`super::avx512::LinearTile`]), which read the rows
+//!   of `x` packed per call into groups of 12 or 6 (`[input][row]`, so each
+//!   step broadcasts consecutive floats); for a single row (a decoder's
+//!   step), `avx512::one_row`, which streams each panel once.
 //!
 //! A work unit is a block of rows by a block of panels; inside it, each
-//! panel's slice of [`KC`] inputs stays in L1 while the unit's row groups
-//! stream past it from L2. Units run on rayon's pool. The bias starts the
+//! tile's panel slices ([`KC`] inputs in all) stay in L1 while the unit's
+//! row groups stream past them from L2, and the next slice is prefetched
+//! into L2. Units run on rayon's pool. The bias starts the
 //! accumulators, and the GELU runs on each tile as its last slice is
 //! written, while it is in L1.
 
@@ -190,17 +192,22 @@ impl PackedWeight {
             }
             return out;
         }
-        // AVX-512 reads x packed into groups of rows; AVX2 in place.
-        let (mr, packed_x) = match self.isa {
+        // AVX-512 reads x packed into groups of rows; AVX2 in place. A tile
+        // covers `tp` panels.
+        #[cfg(target_arch = "x86_64")]
+        let tile = super::avx512::LinearTile::for_rows(m);
+        let (mr, tp, packed_x) = match self.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => (
-                super::avx512::LINEAR_MR,
-                Some(pack_rows(x, m, k, super::avx512::LINEAR_MR)),
-            ),
+            Isa::Avx512 => {
+                let (mr, tp) = tile.shape();
+                (mr, tp, Some(pack_rows(x, m, k, mr)))
+            }
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => (super::avx2::MR, None),
+            Isa::Avx2 => (super::avx2::MR, 1, None),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
+        // The tile's panel slices (KC · nr floats each) stay in L1 together.
+        let kc_max = KC / tp;
         let groups = m.div_ceil(mr);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let units: Vec<(usize, usize)> = (0..groups)
@@ -214,26 +221,29 @@ impl PackedWeight {
             let p1 = (p0 + PANELS_PER_UNIT).min(p_hi);
             // The unit's (input slice, panel) steps, slice-major: a
             // slice's inputs stay in L2 across the unit's panels, each
-            // panel's slice in L1 across its row groups.
+            // tile's slice of a panel in L1 across its row groups.
             let steps: Vec<(usize, usize)> = (0..k)
-                .step_by(KC)
-                .flat_map(|k0| (p0..p1).map(move |p| (k0, p)))
+                .step_by(kc_max)
+                .flat_map(|k0| (p0..p1).step_by(tp).map(move |p| (k0, p)))
                 .collect();
             for (i, &(k0, p)) in steps.iter().enumerate() {
-                let (c0, cols) = ((p - p_lo) * nr, nr.min(hi - p * nr));
-                let kc = KC.min(k - k0);
-                let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
+                let kc = kc_max.min(k - k0);
+                // The next step's first panel slice (its second follows
+                // `k · nr` floats on and is prefetched by the hardware).
                 let next = steps
                     .get(i + 1)
                     .map(|&(k1, p)| self.panels()[p * k * nr + k1 * nr..].as_ptr());
+                let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
+                let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
                 for g in g0..g1 {
                     let rows = mr.min(m - g * mr);
                     // SAFETY: rows g·mr.. (`rows` of them) and columns
-                    // c0..c0 + cols of the m × width output are this unit's
-                    // alone and in bounds; the first slice writes them
-                    // before later ones read them; the kernels read
-                    // in-bounds inputs and panel p's slice; `self.isa` was
-                    // current, so detected, when packing.
+                    // c0..c0 + cols of the m × width output are this
+                    // unit's alone and in bounds; the first slice
+                    // writes them before later ones read them; the
+                    // kernels read in-bounds inputs and panel p's
+                    // slice; `self.isa` was current, so detected, when
+                    // packing.
                     unsafe {
                         let dst = out.add(g * mr * width + c0);
                         let bias = if k0 == 0 {
@@ -245,7 +255,7 @@ impl PackedWeight {
                         // row group, while this slice's are in L1.
                         let prefetch = match next {
                             Some(next) => {
-                                let (lines, ng) = (KC.min(k - steps[i + 1].0) * nr / 16, g1 - g0);
+                                let (lines, ng) = (kc_max.min(k - steps[i + 1].0) * nr / 16, g1 - g0);
                                 let (a, b) = (lines * (g - g0) / ng, lines * (g - g0 + 1) / ng);
                                 (next.wrapping_add(a * 16), (b - a).min(kc))
                             }
@@ -254,11 +264,12 @@ impl PackedWeight {
                         match &packed_x {
                             #[cfg(target_arch = "x86_64")]
                             Some(xp) => super::avx512::linear_tile(
+                                tile,
                                 rows,
                                 cols,
                                 kc,
                                 xp[(g * k + k0) * mr..].as_ptr(),
-                                w,
+                                (w, k * nr),
                                 bias,
                                 dst,
                                 width,
