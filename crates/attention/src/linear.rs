@@ -116,6 +116,13 @@ impl PackedLinear {
         self.forward_range(x, (0, n), Epilogue::GeluErf)
     }
 
+    /// `relu(x · wᵀ + b)`, the ReLU fused into the write-out where the
+    /// weight is packed (NaN stays NaN, as in PyTorch).
+    pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, _) = self.dims()?;
+        self.forward_range(x, (0, n), Epilogue::Relu)
+    }
+
     /// Output features `lo..hi` only: `x · w[lo..hi]ᵀ + b[lo..hi]`. For
     /// the fused `(3E, E)` input projection, whose q, k and v rows a
     /// cross-attention call needs one at a time.
@@ -135,6 +142,8 @@ impl PackedLinear {
         let epilogue_of = |y: Tensor| match epilogue {
             Epilogue::Identity => Ok(y),
             Epilogue::GeluErf => y.gelu_erf(),
+            // candle's `relu` turns NaN into 0; PyTorch's keeps it.
+            Epilogue::Relu => y.lt(0f32)?.where_cond(&y.zeros_like()?, &y),
         };
         let packed = match &self.inner {
             Inner::Packed(p) if plain_cpu_f32(x) && p.serves_range(lo, hi) => p,
@@ -225,6 +234,8 @@ mod tests {
                 );
                 let g = ours.forward_gelu(&x)?;
                 assert!(rel_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
+                let r = ours.forward_relu(&x)?;
+                assert!(rel_err(&r, &expected.relu()?)? < 1e-5, "{what} relu");
                 // The unpacked weight is the weight.
                 assert_eq!(ours.weight()?.dims(), [n, k]);
                 if n >= 64 {
@@ -240,6 +251,25 @@ mod tests {
                     "{what} last 5 features"
                 );
             }
+        }
+        force(None);
+        Ok(())
+    }
+
+    /// A NaN input reaches every output of its row through the fused ReLU,
+    /// as through PyTorch's `relu`, on every instruction set.
+    #[test]
+    fn fused_relu_keeps_nan() -> Result<()> {
+        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            let mut x = randn(&[3, 40])?.to_vec2::<f32>()?;
+            x[1][7] = f32::NAN;
+            let x = candle::Tensor::new(x, &candle::Device::Cpu)?;
+            let layer = PackedLinear::new(randn(&[70, 40])?, Some(randn(&[70])?))?;
+            let y = layer.forward_relu(&x)?.to_vec2::<f32>()?;
+            assert!(y[1].iter().all(|v| v.is_nan()), "{isa:?}");
+            assert!(y[0].iter().chain(&y[2]).all(|&v| v >= 0.), "{isa:?}");
         }
         force(None);
         Ok(())

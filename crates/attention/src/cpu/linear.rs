@@ -1,7 +1,7 @@
 //! Linear layers whose weight is packed once, when the layer is built, into
 //! the micro-kernels' panel layout: `x · wᵀ + b` without the per-call
 //! packing a general GEMM does, with the bias and optionally the exact GELU
-//! applied while the output block is still in cache.
+//! or ReLU applied while the output block is still in cache.
 //!
 //! The weight `(n, k)` (PyTorch's `(out, in)`) becomes `ceil(n / nr)`
 //! panels of `k × nr` floats, output feature `p·nr + c`'s input `e` at
@@ -58,6 +58,25 @@ pub(crate) enum Epilogue {
     Identity,
     /// `x · Φ(x)`, the exact GELU (PyTorch's `approximate='none'`).
     GeluErf,
+    /// `max(x, 0)`, NaN kept (PyTorch's `relu`).
+    Relu,
+}
+
+impl Epilogue {
+    /// Applies the epilogue to `xs` in place.
+    pub(crate) fn apply(self, xs: &mut [f32]) {
+        match self {
+            Epilogue::Identity => {}
+            Epilogue::GeluErf => simd::gelu_erf(xs),
+            Epilogue::Relu => {
+                for x in xs {
+                    if *x < 0. {
+                        *x = 0.;
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A weight and bias in panel layout, for the instruction set it was
@@ -187,9 +206,7 @@ impl PackedWeight {
             self.one_row(x, (lo, hi), &mut out);
             // SAFETY: one_row wrote the row's `width` floats.
             unsafe { out.set_len(width) };
-            if epilogue == Epilogue::GeluErf {
-                simd::gelu_erf(&mut out);
-            }
+            epilogue.apply(&mut out);
             return out;
         }
         // AVX-512 reads x packed into groups of rows; AVX2 in place. A tile
@@ -286,9 +303,9 @@ impl PackedWeight {
                                 width,
                             ),
                         }
-                        if k0 + kc == k && epilogue == Epilogue::GeluErf {
+                        if k0 + kc == k && epilogue != Epilogue::Identity {
                             for r in 0..rows {
-                                simd::gelu_erf(std::slice::from_raw_parts_mut(dst.add(r * width), cols));
+                                epilogue.apply(std::slice::from_raw_parts_mut(dst.add(r * width), cols));
                             }
                         }
                     }

@@ -187,7 +187,10 @@ impl Activation {
         match self {
             Self::GeluTanh => x.gelu(),
             Self::GeluErf => x.gelu_erf(),
-            Self::Relu => x.relu(),
+            Self::Relu => {
+                // candle's `relu` turns NaN into 0; PyTorch's keeps it.
+                x.lt(0f32)?.where_cond(&x.zeros_like()?, x)
+            }
             Self::Silu => x.silu(),
         }
     }

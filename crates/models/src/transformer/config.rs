@@ -23,7 +23,10 @@ impl Activation {
     /// Applies the activation elementwise.
     pub fn apply(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Activation::Relu => xs.relu(),
+            Activation::Relu => {
+                // candle's `relu` turns NaN into 0; PyTorch's keeps it.
+                xs.lt(0f32)?.where_cond(&xs.zeros_like()?, xs)
+            }
             Activation::Gelu => xs.gelu_erf(),
         }
     }
@@ -238,6 +241,23 @@ impl TransformerConfig {
                 self.layer_norm_eps
             )
         }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Tensor};
+
+    use super::Activation;
+
+    /// PyTorch's `relu` keeps NaN (candle's own turns it into 0).
+    #[test]
+    fn relu_keeps_nan() -> candle::Result<()> {
+        let x = Tensor::new(&[f32::NAN, -1., 2., f32::NEG_INFINITY, f32::INFINITY], &Device::Cpu)?;
+        let y = Activation::Relu.apply(&x)?.to_vec1::<f32>()?;
+        assert!(y[0].is_nan());
+        assert_eq!(y[1..], [0., 2., 0., f32::INFINITY]);
         Ok(())
     }
 }

@@ -48,7 +48,7 @@ impl Module for FeedForward {
         let hidden = match self.activation {
             // Fused into linear1's write-out where the weight is packed.
             Activation::Gelu => self.linear1.forward_gelu(xs)?,
-            Activation::Relu => self.linear1.forward(xs)?.relu()?,
+            Activation::Relu => self.linear1.forward_relu(xs)?,
         };
         self.linear2.forward(&hidden)
     }
