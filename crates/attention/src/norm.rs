@@ -1,7 +1,8 @@
 //! A LayerNorm that trains.
 
-use candle::{Result, Tensor};
+use candle::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, Module, VarBuilder};
+use rayon::prelude::*;
 
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
 /// and, unless built with [`LayerNorm::new_no_bias`], a bias.
@@ -50,6 +51,94 @@ impl LayerNorm {
     pub fn has_bias(&self) -> bool {
         self.has_bias
     }
+
+    /// `norm(xs + residual)`, a post-norm block's residual connection
+    /// (`nn.Transformer`'s default). On plain f32 CPU tensors of the same
+    /// shape, one pass with one output: the sum is never a tensor of its
+    /// own (which would cost a fresh buffer and a pass over it); anything
+    /// else (gradients, other devices and dtypes, broadcasting) adds, then
+    /// normalises.
+    pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
+        let dim = self.weight.dim(0)?;
+        if !(plain(xs) && plain(residual) && plain(&self.weight) && plain(&self.bias))
+            || xs.dims() != residual.dims()
+            || xs.dims().last() != Some(&dim)
+        {
+            return self.forward(&(xs + residual)?);
+        }
+        let op = AddLayerNorm {
+            weight: self.weight.to_vec1()?,
+            bias: self.bias.to_vec1()?,
+            eps: self.eps as f32,
+        };
+        xs.contiguous()?.apply_op2_no_bwd(&residual.contiguous()?, &op)
+    }
+}
+
+/// `Σ f(x)` over `xs`, in 16 interleaved partial sums (so that it
+/// vectorises) added at the end.
+fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut lanes = [0f32; 16];
+    let chunks = xs.chunks_exact(16);
+    let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l += f(x);
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// `LayerNorm(a + b)` over the last dim, row by row on rayon's pool.
+struct AddLayerNorm {
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+    eps: f32,
+}
+
+impl CustomOp2 for AddLayerNorm {
+    fn name(&self) -> &'static str {
+        "add-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            bail!("add-layer-norm: inputs must be contiguous")
+        };
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
+            bail!("add-layer-norm: inputs must be f32")
+        };
+        let (a, b, d) = (&a[a0..a1], &b[b0..b1], self.weight.len());
+        let mut out = vec![0f32; a.len()];
+        let norm_row = |((o, a), b): ((&mut [f32], &[f32]), &[f32])| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+            let mean = lane_sum(o, |x| x) / d as f32;
+            let var = lane_sum(o, |x| (x - mean) * (x - mean)) / d as f32;
+            let inv = 1. / (var + self.eps).sqrt();
+            for ((o, w), b) in o.iter_mut().zip(&self.weight).zip(&self.bias) {
+                *o = (*o - mean) * inv * w + b;
+            }
+        };
+        let rows = out.par_chunks_mut(d).zip(a.par_chunks(d)).zip(b.par_chunks(d));
+        if a.len() > 1 << 14 {
+            rows.for_each(norm_row);
+        } else {
+            out.chunks_mut(d)
+                .zip(a.chunks(d))
+                .zip(b.chunks(d))
+                .for_each(norm_row);
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
 }
 
 impl Module for LayerNorm {
@@ -61,5 +150,67 @@ impl Module for LayerNorm {
         } else {
             candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{DType, Device, Module, Result, Tensor};
+    use candle_nn::{VarBuilder, VarMap};
+
+    use super::LayerNorm;
+    use crate::cpu::testing::{randn, rel_err};
+
+    /// The one-pass `norm(x + residual)` equals adding, then normalising,
+    /// with and without a bias, on widths off the 16 lanes, batched and
+    /// not, and falls back where the fused op does not apply.
+    #[test]
+    fn forward_add_equals_add_then_norm() -> Result<()> {
+        for (shape, bias) in [
+            (vec![3, 5, 37], true),
+            (vec![700, 64], false),
+            (vec![2, 1, 512], true),
+        ] {
+            let d = *shape.last().unwrap();
+            let w = randn(&[d])?.affine(0.5, 1.)?;
+            let b = randn(&[d])?;
+            let vb = VarBuilder::from_tensors(
+                [("weight".to_string(), w), ("bias".to_string(), b)].into(),
+                DType::F32,
+                &Device::Cpu,
+            );
+            let norm = if bias {
+                LayerNorm::new(d, 1e-5, vb)?
+            } else {
+                LayerNorm::new_no_bias(d, 1e-5, vb)?
+            };
+            let (x, r) = (randn(&shape)?.affine(3., 2.)?, randn(&shape)?);
+            let expected = norm.forward(&(&x + &r)?)?;
+            assert!(
+                rel_err(&norm.forward_add(&x, &r)?, &expected)? < 1e-5,
+                "{shape:?}"
+            );
+            // A strided input, and a broadcast residual (the fallback).
+            let xt = x.t()?.contiguous()?.t()?;
+            assert!(
+                rel_err(&norm.forward_add(&xt, &r)?, &expected)? < 1e-5,
+                "{shape:?} strided"
+            );
+            let row = r.narrow(0, 0, 1)?;
+            let expected = norm.forward(&x.broadcast_add(&row)?)?;
+            assert!(rel_err(&norm.forward_add(&x, &row.broadcast_as(x.shape())?)?, &expected)? < 1e-5);
+        }
+        // Variables: the gradient reaches the input through the fallback.
+        let varmap = VarMap::new();
+        let norm = LayerNorm::new(
+            8,
+            1e-5,
+            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        )?;
+        let x = candle::Var::from_tensor(&randn(&[2, 8])?)?;
+        let y = norm.forward_add(x.as_tensor(), &Tensor::ones((2, 8), DType::F32, &Device::Cpu)?)?;
+        let grads = y.sqr()?.sum_all()?.backward()?;
+        assert!(grads.get(x.as_tensor()).is_some());
+        Ok(())
     }
 }

@@ -254,7 +254,10 @@ mod tests {
     /// PyTorch's `relu` keeps NaN (candle's own turns it into 0).
     #[test]
     fn relu_keeps_nan() -> candle::Result<()> {
-        let x = Tensor::new(&[f32::NAN, -1., 2., f32::NEG_INFINITY, f32::INFINITY], &Device::Cpu)?;
+        let x = Tensor::new(
+            &[f32::NAN, -1., 2., f32::NEG_INFINITY, f32::INFINITY],
+            &Device::Cpu,
+        )?;
         let y = Activation::Relu.apply(&x)?.to_vec1::<f32>()?;
         assert!(y[0].is_nan());
         assert_eq!(y[1..], [0., 2., 0., f32::INFINITY]);

@@ -107,8 +107,8 @@ impl TransformerEncoderLayer {
             let x = (src + sa(&self.norm1.forward(src)?)?)?;
             &x + self.ff.forward(&self.norm2.forward(&x)?)?
         } else {
-            let x = self.norm1.forward(&(src + sa(src)?)?)?;
-            self.norm2.forward(&(&x + self.ff.forward(&x)?)?)
+            let x = self.norm1.forward_add(&sa(src)?, src)?;
+            self.norm2.forward_add(&self.ff.forward(&x)?, &x)
         }
     }
 }
@@ -206,9 +206,9 @@ impl TransformerDecoderLayer {
             let x = (&x + ca(&self.norm2.forward(&x)?)?)?;
             &x + self.ff.forward(&self.norm3.forward(&x)?)?
         } else {
-            let x = self.norm1.forward(&(tgt + sa(tgt)?)?)?;
-            let x = self.norm2.forward(&(&x + ca(&x)?)?)?;
-            self.norm3.forward(&(&x + self.ff.forward(&x)?)?)
+            let x = self.norm1.forward_add(&sa(tgt)?, tgt)?;
+            let x = self.norm2.forward_add(&ca(&x)?, &x)?;
+            self.norm3.forward_add(&self.ff.forward(&x)?, &x)
         }
     }
 
