@@ -68,13 +68,7 @@ impl Epilogue {
         match self {
             Epilogue::Identity => {}
             Epilogue::GeluErf => simd::gelu_erf(xs),
-            Epilogue::Relu => {
-                for x in xs {
-                    if *x < 0. {
-                        *x = 0.;
-                    }
-                }
-            }
+            Epilogue::Relu => simd::relu(xs),
         }
     }
 }

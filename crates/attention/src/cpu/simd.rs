@@ -183,6 +183,15 @@ fn hide_where_impl(row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast
     }
 }
 
+/// `max(x, 0)` in place, NaN kept (PyTorch's `relu`); a select, not a
+/// branch, so that it vectorises.
+#[inline(always)]
+fn relu_impl(xs: &mut [f32]) {
+    for x in xs {
+        *x = if *x < 0. { 0. } else { *x };
+    }
+}
+
 /// `x · Φ(x)` in place, the exact GELU: `Φ(x) = (1 + erf(x / √2)) / 2`
 /// with Abramowitz and Stegun's 7.1.26 for `erf` (absolute error below
 /// 1.5e-7), written so that `1 + erf` for negative `x` is computed as
@@ -251,6 +260,7 @@ dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &
 dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
 dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
 dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
+dispatch!(relu, relu_impl, (xs: &mut [f32]));
 
 #[cfg(test)]
 mod tests {
