@@ -405,6 +405,16 @@ impl PackedWeight {
     }
 }
 
+/// One whole group of `MR` rows of `k` floats, `[input][row]`.
+fn pack_group<const MR: usize>(src: &[f32], k: usize, dst: &mut [f32]) {
+    let rows: [&[f32]; MR] = std::array::from_fn(|r| &src[r * k..][..k]);
+    for (e, dst) in dst[..k * MR].chunks_exact_mut(MR).enumerate() {
+        for (d, row) in dst.iter_mut().zip(&rows) {
+            *d = row[e];
+        }
+    }
+}
+
 /// The rows of `x` (`m` of `k` floats) in groups of `mr`, each group
 /// `[input][row]` (`k · mr` floats, zero past `m`), in a kept buffer.
 fn pack_rows(x: &[f32], m: usize, k: usize, mr: usize) -> Vec<f32> {
@@ -413,7 +423,12 @@ fn pack_rows(x: &[f32], m: usize, k: usize, mr: usize) -> Vec<f32> {
         let rows = mr.min(m - g * mr);
         let src = &x[g * mr * k..][..rows * k];
         // Input-major, so that the writes run in order and each row's
-        // cache line serves 16 inputs.
+        // cache line serves 16 inputs; whole groups unrolled over rows.
+        match (rows == mr, mr) {
+            (true, 12) => return pack_group::<12>(src, k, dst),
+            (true, 6) => return pack_group::<6>(src, k, dst),
+            _ => {}
+        }
         for (e, dst) in dst.chunks_exact_mut(mr).enumerate() {
             for (r, d) in dst[..rows].iter_mut().enumerate() {
                 *d = src[r * k + e];
