@@ -269,90 +269,59 @@ unsafe fn weighted_values<V: Lanes>(
     }
 }
 
-/// The AVX-512F instances.
-pub(super) mod zmm {
-    use super::Zmm;
+/// The instances of the generic kernels for one lane type, each compiled
+/// with its instruction set enabled.
+macro_rules! instances {
+    ($(#[$doc:meta])* $name:ident, $lanes:ty, $features:literal) => {
+        $(#[$doc])*
+        pub(super) mod $name {
+            /// [`super::scores`] on these lanes.
+            ///
+            /// # Safety
+            /// The instruction set; as [`super::scores`].
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $features)]
+            pub(in crate::cpu) unsafe fn scores(
+                rows: usize,
+                q: *const f32,
+                q_rs: usize,
+                k: *const f32,
+                k_rs: usize,
+                cols: usize,
+                d: usize,
+                scale: f32,
+                tile: &mut [f32],
+            ) {
+                // SAFETY: forwarded.
+                unsafe { super::scores::<$lanes>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
+            }
 
-    /// [`super::scores`] on `zmm` lanes.
-    ///
-    /// # Safety
-    /// AVX-512F; as [`super::scores`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub(in crate::cpu) unsafe fn scores(
-        rows: usize,
-        q: *const f32,
-        q_rs: usize,
-        k: *const f32,
-        k_rs: usize,
-        cols: usize,
-        d: usize,
-        scale: f32,
-        tile: &mut [f32],
-    ) {
-        // SAFETY: forwarded.
-        unsafe { super::scores::<Zmm>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
-    }
-
-    /// [`super::weighted_values`] on `zmm` lanes.
-    ///
-    /// # Safety
-    /// AVX-512F; as [`super::weighted_values`].
-    #[target_feature(enable = "avx512f")]
-    pub(in crate::cpu) unsafe fn weighted_values(
-        rows: usize,
-        p: &[f32],
-        cols: usize,
-        v: *const f32,
-        v_rs: usize,
-        dv: usize,
-        acc: &mut [f32],
-    ) {
-        // SAFETY: forwarded.
-        unsafe { super::weighted_values::<Zmm>(rows, p, cols, v, v_rs, dv, acc) }
-    }
+            /// [`super::weighted_values`] on these lanes.
+            ///
+            /// # Safety
+            /// The instruction set; as [`super::weighted_values`].
+            #[target_feature(enable = $features)]
+            pub(in crate::cpu) unsafe fn weighted_values(
+                rows: usize,
+                p: &[f32],
+                cols: usize,
+                v: *const f32,
+                v_rs: usize,
+                dv: usize,
+                acc: &mut [f32],
+            ) {
+                // SAFETY: forwarded.
+                unsafe { super::weighted_values::<$lanes>(rows, p, cols, v, v_rs, dv, acc) }
+            }
+        }
+    };
 }
 
-/// The AVX2+FMA instances.
-pub(super) mod ymm {
-    use super::Ymm;
-
-    /// [`super::scores`] on `ymm` lanes.
-    ///
-    /// # Safety
-    /// AVX2 and FMA; as [`super::scores`].
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
-    pub(in crate::cpu) unsafe fn scores(
-        rows: usize,
-        q: *const f32,
-        q_rs: usize,
-        k: *const f32,
-        k_rs: usize,
-        cols: usize,
-        d: usize,
-        scale: f32,
-        tile: &mut [f32],
-    ) {
-        // SAFETY: forwarded.
-        unsafe { super::scores::<Ymm>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
-    }
-
-    /// [`super::weighted_values`] on `ymm` lanes.
-    ///
-    /// # Safety
-    /// AVX2 and FMA; as [`super::weighted_values`].
-    #[target_feature(enable = "avx2,fma")]
-    pub(in crate::cpu) unsafe fn weighted_values(
-        rows: usize,
-        p: &[f32],
-        cols: usize,
-        v: *const f32,
-        v_rs: usize,
-        dv: usize,
-        acc: &mut [f32],
-    ) {
-        // SAFETY: forwarded.
-        unsafe { super::weighted_values::<Ymm>(rows, p, cols, v, v_rs, dv, acc) }
-    }
-}
+instances!(
+    /// The AVX-512F instances.
+    zmm, super::Zmm, "avx512f"
+);
+instances!(
+    /// The AVX2+FMA instances.
+    ymm, super::Ymm, "avx2,fma"
+);
