@@ -5,6 +5,8 @@
 //! ```text
 //! cargo run --release --example bench_models -- vit-b16 1 [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- sgemm 2048
+//! cargo run --release --example bench_models -- peak
+//! cargo run --release --example bench_models -- stream 4
 //! cargo run --release --example bench_models -- linear 1576 768 2304
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
@@ -18,6 +20,11 @@
 //! given timm state_dict or on random weights, and the peak resident
 //! memory of a forward (the model and its input built, the peak reset). `sgemm N`: candle's `N × N` f32 matmul, the machine's
 //! measured rate that the other rows are judged against.
+//!
+//! `peak`: the FMA peak of each core, every core at once (24 independent
+//! chains of 512-bit FMAs, or 256-bit without AVX-512F). `stream MIB`:
+//! the rate each core reads a buffer of `MIB` MiB of its own, every core
+//! at once (4 MiB: out of L2, in L3 on the Xeon of the README).
 
 use std::time::Instant;
 
@@ -71,6 +78,71 @@ fn median(xs: &[f64]) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// GFLOP/s of 24 independent FMA chains on `x86_64` (AVX-512F, else
+/// AVX2+FMA), run for `iters` rounds; 0 where neither is present.
+fn fma_peak(iters: usize) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        macro_rules! chains {
+            ($feature:literal, $ty:ty, $lanes:expr, $set1:ident, $fma:ident) => {{
+                #[target_feature(enable = $feature)]
+                unsafe fn run(iters: usize) -> f64 {
+                    let (b, c) = std::hint::black_box(($set1(1.000_000_1), $set1(0.999_999)));
+                    let mut acc: [$ty; 24] = std::array::from_fn(|i| $set1(i as f32));
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        for a in acc.iter_mut() {
+                            *a = $fma(*a, b, c);
+                        }
+                    }
+                    let secs = t.elapsed().as_secs_f64();
+                    std::hint::black_box(acc);
+                    (iters * 24 * $lanes * 2) as f64 / secs / 1e9
+                }
+                // SAFETY: the caller checked the features.
+                unsafe { run(iters) }
+            }};
+        }
+        if is_x86_feature_detected!("avx512f") {
+            return chains!("avx512f", __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps);
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return chains!("avx2,fma", __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps);
+        }
+    }
+    let _ = iters;
+    0.
+}
+
+/// GB/s of summing `buf` `rounds` times (16 partial sums, so that it
+/// vectorises).
+fn read_rate(buf: &[f32], rounds: usize) -> f64 {
+    let t = Instant::now();
+    let mut lanes = [0f32; 16];
+    for _ in 0..rounds {
+        for chunk in buf.chunks_exact(16) {
+            for (l, &x) in lanes.iter_mut().zip(chunk) {
+                *l += x;
+            }
+        }
+    }
+    std::hint::black_box(lanes);
+    (rounds * buf.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// `f` on every core at once, one thread each; its results in order.
+fn on_every_core<R: Send>(f: impl Fn() -> R + Sync) -> Vec<R> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..cores).map(|_| s.spawn(&f)).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a probe thread panicked"))
+            .collect()
+    })
+}
+
 fn peak_rss_mib() -> Result<f64> {
     let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let kb: u64 = status
@@ -109,6 +181,28 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
+        ["peak"] => {
+            let rates = on_every_core(|| fma_peak(100_000_000));
+            let per_core: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
+            println!(
+                r#"{{"work": "FMA peak, every core at once", "gflops_per_core": [{}], "gflops": {:.1}}}"#,
+                per_core.join(", "),
+                rates.iter().sum::<f64>()
+            );
+        }
+        ["stream", mib] => {
+            let len = mib.parse::<usize>().context("stream takes a size in MiB")? << 18;
+            let rates = on_every_core(|| {
+                let buf = vec![1f32; len];
+                read_rate(&buf, 2);
+                read_rate(&buf, (1 << 30) / (len * 4).max(1))
+            });
+            let per_core: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
+            println!(
+                r#"{{"work": "read {mib} MiB per core, every core at once", "gb_per_s_per_core": [{}]}}"#,
+                per_core.join(", ")
+            );
+        }
         ["sgemm", n] => {
             let n: usize = n.parse().context("sgemm takes a size")?;
             let a = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
@@ -224,7 +318,7 @@ fn main() -> Result<()> {
             );
         }
         _ => bail!(
-            "usage: bench_models (sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
+            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
     }

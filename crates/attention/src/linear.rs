@@ -7,6 +7,13 @@ use candle::{bail, DType, Module, Result, Storage, Tensor};
 
 use crate::cpu::linear::{Epilogue, PackedWeight};
 
+/// `max(xs, 0)` elementwise as PyTorch's `relu` computes it: NaN stays NaN
+/// (candle's `Tensor::relu` turns it into 0). Any device and dtype;
+/// gradients flow where `xs >= 0`.
+pub fn relu(xs: &Tensor) -> Result<Tensor> {
+    xs.lt(0f32)?.where_cond(&xs.zeros_like()?, xs)
+}
+
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
 /// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
 ///
@@ -31,8 +38,9 @@ enum Inner {
     Packed(Arc<PackedWeight>),
 }
 
-/// Whether a tensor can take part in the packed path.
-fn plain_cpu_f32(t: &Tensor) -> bool {
+/// Whether a tensor can take part in the packed path (and the other fused
+/// CPU ops): an f32 CPU tensor that tracks no gradient.
+pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op()
 }
 
@@ -142,8 +150,7 @@ impl PackedLinear {
         let epilogue_of = |y: Tensor| match epilogue {
             Epilogue::Identity => Ok(y),
             Epilogue::GeluErf => y.gelu_erf(),
-            // candle's `relu` turns NaN into 0; PyTorch's keeps it.
-            Epilogue::Relu => y.lt(0f32)?.where_cond(&y.zeros_like()?, &y),
+            Epilogue::Relu => relu(&y),
         };
         let packed = match &self.inner {
             Inner::Packed(p) if plain_cpu_f32(x) && p.serves_range(lo, hi) => p,

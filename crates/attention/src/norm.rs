@@ -1,6 +1,6 @@
 //! A LayerNorm that trains.
 
-use candle::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
@@ -59,7 +59,7 @@ impl LayerNorm {
     /// else (gradients, other devices and dtypes, broadcasting) adds, then
     /// normalises.
     pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let plain = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op();
+        let plain = crate::linear::plain_cpu_f32;
         let dim = self.weight.dim(0)?;
         if !(plain(xs) && plain(residual) && plain(&self.weight) && plain(&self.bias))
             || xs.dims() != residual.dims()
@@ -190,7 +190,8 @@ mod tests {
                 rel_err(&norm.forward_add(&x, &r)?, &expected)? < 1e-5,
                 "{shape:?}"
             );
-            // A strided input, and a broadcast residual (the fallback).
+            // A strided input, and a residual that is a broadcast view
+            // (both copied to contiguous first).
             let xt = x.t()?.contiguous()?.t()?;
             assert!(
                 rel_err(&norm.forward_add(&xt, &r)?, &expected)? < 1e-5,

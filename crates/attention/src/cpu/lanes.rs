@@ -10,6 +10,7 @@
 
 use std::arch::x86_64::*;
 
+/// Keys ahead of the one in use whose rows are prefetched into L1.
 const PF_KEYS: usize = 16;
 
 /// A vector of `f32` lanes.
@@ -171,7 +172,7 @@ unsafe fn scores<V: Lanes>(
     tile: &mut [f32],
 ) {
     for j in 0..cols {
-        if PF_KEYS > 0 && j + PF_KEYS < cols {
+        if j + PF_KEYS < cols {
             // SAFETY: key j + PF_KEYS < cols is in bounds.
             let ahead = unsafe { k.add((j + PF_KEYS) * k_rs) };
             for l in (0..d).step_by(16) {
@@ -217,21 +218,19 @@ unsafe fn weighted_values<V: Lanes>(
             let mut b: [V; NV] = [V::zero(); NV];
             let mut pairs = p.chunks_exact(2);
             let mut row = v.add(c0);
-            let mut j = 0;
-            for pj in &mut pairs {
-                if PF_KEYS > 0 && j + PF_KEYS < p.len() {
+            for (pair, pj) in (&mut pairs).enumerate() {
+                if 2 * pair + PF_KEYS < p.len() {
                     for l in (0..NV * V::N).step_by(16) {
-                        _mm_prefetch::<_MM_HINT_T0>(row.add(PF_KEYS * v_rs + l) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T0>(row.add((PF_KEYS + 1) * v_rs + l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PF_KEYS * v_rs + l) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add((PF_KEYS + 1) * v_rs + l) as *const i8);
                     }
                 }
-                j += 2;
                 let (p0, p1) = (V::splat(pj[0]), V::splat(pj[1]));
                 for i in 0..NV {
                     a[i] = a[i].fmadd(p0, V::load(row.add(i * V::N)));
                     b[i] = b[i].fmadd(p1, V::load(row.add(v_rs + i * V::N)));
                 }
-                row = row.add(2 * v_rs);
+                row = row.wrapping_add(2 * v_rs);
             }
             if let [pj] = pairs.remainder() {
                 let p0 = V::splat(*pj);

@@ -187,10 +187,7 @@ impl Activation {
         match self {
             Self::GeluTanh => x.gelu(),
             Self::GeluErf => x.gelu_erf(),
-            Self::Relu => {
-                // candle's `relu` turns NaN into 0; PyTorch's keeps it.
-                x.lt(0f32)?.where_cond(&x.zeros_like()?, x)
-            }
+            Self::Relu => multihead_attention::relu(x),
             Self::Silu => x.silu(),
         }
     }

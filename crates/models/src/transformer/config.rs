@@ -23,10 +23,7 @@ impl Activation {
     /// Applies the activation elementwise.
     pub fn apply(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
-            Activation::Relu => {
-                // candle's `relu` turns NaN into 0; PyTorch's keeps it.
-                xs.lt(0f32)?.where_cond(&xs.zeros_like()?, xs)
-            }
+            Activation::Relu => multihead_attention::relu(xs),
             Activation::Gelu => xs.gelu_erf(),
         }
     }
