@@ -44,7 +44,102 @@ mod simd;
 
 pub(crate) use attention::{sdpa_cpu, supports};
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Work (multiply-adds or elements moved) under which a parallel job is
+/// short: a few tens of microseconds on two cores, about what handing it
+/// to the pool and waking the caller afterwards costs.
+pub(crate) const SHORT_JOB: usize = 1 << 22;
+
+/// Runs `f(i)` for every `i` in `0..n` on rayon's pool, with as many
+/// threads as the pool has.
+///
+/// A `short` job called from outside the pool (a decoder step on the main
+/// thread) is not handed over: the calling thread takes items from a
+/// counter, and helper tasks spawned on the pool take from the same counter
+/// when a worker picks them up. The caller never sleeps; it waits only for
+/// items a helper has already taken, and a helper that arrives after the
+/// last item has been taken does nothing. Handing a decode step's
+/// attention to the pool and sleeping until it was done cost a fifth of
+/// its time on the README's Xeon. Long jobs, and calls from inside the
+/// pool, take rayon's own splitting.
+pub(crate) fn par_for(n: usize, short: bool, f: impl Fn(usize) + Sync) {
+    let threads = rayon::current_num_threads().min(n);
+    if threads <= 1 {
+        (0..n).for_each(f);
+        return;
+    }
+    if !short || rayon::current_thread_index().is_some() {
+        use rayon::prelude::*;
+        (0..n).into_par_iter().for_each(&f);
+        return;
+    }
+    let f: &(dyn Fn(usize) + Sync) = &f;
+    // SAFETY: the lifetime is erased so that helpers may outlive this call;
+    // they call `f` only for items taken below `n`, and this call returns
+    // only once every taken item is done (`Items::work`, the wait below).
+    let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
+    let items = Arc::new(Items {
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        panicked: AtomicBool::new(false),
+        n,
+        f,
+    });
+    for _ in 1..threads {
+        let items = Arc::clone(&items);
+        rayon::spawn(move || items.work());
+    }
+    items.work();
+    let mut spins = 0u32;
+    while items.done.load(Ordering::Acquire) < n {
+        spins += 1;
+        if spins < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    assert!(
+        !items.panicked.load(Ordering::Relaxed),
+        "a parallel work item panicked"
+    );
+}
+
+/// The items of a short [`par_for`] job, shared with its helpers.
+struct Items {
+    next: AtomicUsize,
+    done: AtomicUsize,
+    panicked: AtomicBool,
+    n: usize,
+    /// Valid while `done < n` (the caller waits for that).
+    f: *const (dyn Fn(usize) + Sync),
+}
+
+// SAFETY: `f` is `Sync` and only called while it is alive (see `par_for`);
+// the rest are atomics.
+unsafe impl Send for Items {}
+unsafe impl Sync for Items {}
+
+impl Items {
+    /// Takes and runs items until none are left.
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.n {
+                return;
+            }
+            // SAFETY: item i < n is not done, so the caller still waits
+            // and `f` is alive.
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*self.f)(i) }));
+            if run.is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+            self.done.fetch_add(1, Ordering::Release);
+        }
+    }
+}
 
 /// Buffers kept for the next call: fresh pages cost a page fault each
 /// (about a tenth of a 1024-token attention call's time, a tenth of a
@@ -116,5 +211,51 @@ pub(crate) mod testing {
         let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
         Ok(diff / scale)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::par_for;
+
+    /// Runs `par_for(n, short, ..)` and returns how often each item ran.
+    fn counts(n: usize, short: bool) -> Vec<usize> {
+        let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+        par_for(n, short, |i| {
+            runs[i].fetch_add(1, Ordering::Relaxed);
+        });
+        runs.into_iter().map(AtomicUsize::into_inner).collect()
+    }
+
+    #[test]
+    fn par_for_runs_every_item_once() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        for n in [0, 1, 2, 7, 1000] {
+            for short in [false, true] {
+                // From outside the pool (the caller works with helpers, or
+                // hands the job over) and from one of its workers.
+                assert_eq!(counts(n, short), vec![1; n], "n {n}, short {short}");
+                let inside = pool.install(|| counts(n, short));
+                assert_eq!(inside, vec![1; n], "n {n}, short {short}, inside a pool");
+            }
+        }
+    }
+
+    #[test]
+    fn par_for_reports_a_panicking_item() {
+        for short in [false, true] {
+            for bad in [0, 500, 999] {
+                let run = std::panic::catch_unwind(|| {
+                    par_for(1000, short, |i| {
+                        if i == bad {
+                            panic!("item {i}");
+                        }
+                    })
+                });
+                assert!(run.is_err(), "short {short}: item {bad}'s panic was lost");
+            }
+        }
     }
 }
