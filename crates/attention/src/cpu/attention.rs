@@ -159,9 +159,9 @@ fn sdpa_cpu_with(
         Tiles::Avx2 | Tiles::Avx512 => AVX2_BLOCK_Q,
     };
     let block = l.div_ceil(l.div_ceil(block));
-    // A decoder step's attention is short enough that handing it to the
-    // pool is a large part of it.
-    let short = b * h * l * s * (d + dv) < super::SHORT_JOB;
+    // The multiply-adds: a decoder step's attention is short enough that
+    // handing it to the pool is a large part of it.
+    let work = b * h * l * s * (d + dv);
     let units: Vec<(usize, usize, usize)> = (0..b)
         .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(block).map(move |i0| (bi, hi, i0))))
         .collect();
@@ -197,7 +197,7 @@ fn sdpa_cpu_with(
                     Tiles::Avx512 => Some((avx2::Packed::new(&problem, b, kh), avx2::Kernels::Avx512)),
                     Tiles::Gemm => None,
                 };
-                super::par_for(units.len(), short, |u| {
+                super::par_for(units.len(), work, |u| {
                     let (bi, hi, i0) = units[u];
                     let rows = block.min(l - i0);
                     // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;

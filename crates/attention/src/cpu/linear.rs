@@ -386,7 +386,7 @@ impl PackedWeight {
         };
         let per_task = panels.div_ceil(tasks) * nr;
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        super::par_for(width.div_ceil(per_task), width * k < super::SHORT_JOB, |t| {
+        super::par_for(width.div_ceil(per_task), width * k, |t| {
             let c0 = t * per_task;
             // SAFETY: this task's columns c0.. of the output are its own;
             // x holds k floats; panels from (lo + c0) / nr on cover the

@@ -47,30 +47,36 @@ pub(crate) use attention::{sdpa_cpu, supports};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Work (multiply-adds or elements moved) under which a parallel job is
-/// short: a few tens of microseconds on two cores, about what handing it
-/// to the pool and waking the caller afterwards costs.
-pub(crate) const SHORT_JOB: usize = 1 << 22;
+/// Multiply-adds under which a parallel job is short: at most a few
+/// hundred microseconds on two cores, of which handing it to the pool and
+/// waking the caller afterwards is a large share.
+const SHORT_JOB: usize = 1 << 22;
+/// Multiply-adds per item from which a short job's caller works beside
+/// the helpers: a helper that wakes late still finds items to take. Under
+/// it (a B8 transformer's decoder step: 64 heads of up to 64 keys) rayon's
+/// splitting measured faster, and the caller alone slower still.
+const MIN_ITEM: usize = 1 << 16;
 
 /// Runs `f(i)` for every `i` in `0..n` on rayon's pool, with as many
-/// threads as the pool has.
+/// threads as the pool has; `work` is the job's multiply-adds.
 ///
-/// A `short` job called from outside the pool (a decoder step on the main
-/// thread) is not handed over: the calling thread takes items from a
-/// counter, and helper tasks spawned on the pool take from the same counter
-/// when a worker picks them up. The caller never sleeps; it waits only for
-/// items a helper has already taken, and a helper that arrives after the
-/// last item has been taken does nothing. Handing a decode step's
-/// attention to the pool and sleeping until it was done cost a fifth of
-/// its time on the README's Xeon. Long jobs, and calls from inside the
-/// pool, take rayon's own splitting.
-pub(crate) fn par_for(n: usize, short: bool, f: impl Fn(usize) + Sync) {
+/// A short job ([`SHORT_JOB`], [`MIN_ITEM`]) called from outside the pool
+/// (a decoder step on the main thread) is not handed over: the calling
+/// thread takes items from a counter, and helper tasks spawned on the pool
+/// take from the same counter when a worker picks them up. The caller
+/// never sleeps; it waits only for items a helper has already taken, and a
+/// helper that arrives after the last item has been taken does nothing. On
+/// the README's Xeon a decode call's attention (8 heads, 2048 keys) ran
+/// 1.3× faster so than handed to the pool, and a Llama-shaped decoder's
+/// step as much. Other jobs, and calls from inside the pool, take rayon's
+/// own splitting.
+pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
         (0..n).for_each(f);
         return;
     }
-    if !short || rayon::current_thread_index().is_some() {
+    if work >= SHORT_JOB || work / n < MIN_ITEM || rayon::current_thread_index().is_some() {
         use rayon::prelude::*;
         (0..n).into_par_iter().for_each(&f);
         return;
@@ -85,6 +91,9 @@ pub(crate) fn par_for(n: usize, short: bool, f: impl Fn(usize) + Sync) {
         done: AtomicUsize::new(0),
         panicked: AtomicBool::new(false),
         n,
+        // About 8 takes a thread: each take and each count is a cache line
+        // passed between cores.
+        take: n.div_ceil(8 * threads),
         f,
     });
     for _ in 1..threads {
@@ -113,6 +122,8 @@ struct Items {
     done: AtomicUsize,
     panicked: AtomicBool,
     n: usize,
+    /// Items taken at a time.
+    take: usize,
     /// Valid while `done < n` (the caller waits for that).
     f: *const (dyn Fn(usize) + Sync),
 }
@@ -126,17 +137,20 @@ impl Items {
     /// Takes and runs items until none are left.
     fn work(&self) {
         loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= self.n {
+            let lo = self.next.fetch_add(self.take, Ordering::Relaxed);
+            if lo >= self.n {
                 return;
             }
-            // SAFETY: item i < n is not done, so the caller still waits
-            // and `f` is alive.
-            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*self.f)(i) }));
+            let hi = (lo + self.take).min(self.n);
+            // SAFETY: items lo..hi < n are not done, so the caller still
+            // waits and `f` is alive.
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                (lo..hi).for_each(|i| unsafe { (*self.f)(i) })
+            }));
             if run.is_err() {
                 self.panicked.store(true, Ordering::Relaxed);
             }
-            self.done.fetch_add(1, Ordering::Release);
+            self.done.fetch_add(hi - lo, Ordering::Release);
         }
     }
 }
@@ -218,12 +232,12 @@ pub(crate) mod testing {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::par_for;
+    use super::{par_for, MIN_ITEM, SHORT_JOB};
 
-    /// Runs `par_for(n, short, ..)` and returns how often each item ran.
-    fn counts(n: usize, short: bool) -> Vec<usize> {
+    /// Runs `par_for(n, work, ..)` and returns how often each item ran.
+    fn counts(n: usize, work: usize) -> Vec<usize> {
         let runs: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-        par_for(n, short, |i| {
+        par_for(n, work, |i| {
             runs[i].fetch_add(1, Ordering::Relaxed);
         });
         runs.into_iter().map(AtomicUsize::into_inner).collect()
@@ -232,29 +246,32 @@ mod tests {
     #[test]
     fn par_for_runs_every_item_once() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        for n in [0, 1, 2, 7, 1000] {
-            for short in [false, true] {
-                // From outside the pool (the caller works with helpers, or
-                // hands the job over) and from one of its workers.
-                assert_eq!(counts(n, short), vec![1; n], "n {n}, short {short}");
-                let inside = pool.install(|| counts(n, short));
-                assert_eq!(inside, vec![1; n], "n {n}, short {short}, inside a pool");
+        for n in [0, 1, 2, 7, 60, 1000] {
+            // A short job (the caller works beside helpers) where n allows
+            // one, and a long one (rayon's splitting).
+            let short = n * MIN_ITEM;
+            assert!(n > 60 || short < SHORT_JOB);
+            for work in [short, SHORT_JOB] {
+                // From outside the pool and from one of its workers.
+                assert_eq!(counts(n, work), vec![1; n], "n {n}, work {work}");
+                let inside = pool.install(|| counts(n, work));
+                assert_eq!(inside, vec![1; n], "n {n}, work {work}, inside a pool");
             }
         }
     }
 
     #[test]
     fn par_for_reports_a_panicking_item() {
-        for short in [false, true] {
-            for bad in [0, 500, 999] {
+        for (n, work) in [(60, 60 * MIN_ITEM), (1000, SHORT_JOB)] {
+            for bad in [0, n / 2, n - 1] {
                 let run = std::panic::catch_unwind(|| {
-                    par_for(1000, short, |i| {
+                    par_for(n, work, |i| {
                         if i == bad {
                             panic!("item {i}");
                         }
                     })
                 });
-                assert!(run.is_err(), "short {short}: item {bad}'s panic was lost");
+                assert!(run.is_err(), "n {n}: item {bad}'s panic was lost");
             }
         }
     }
