@@ -9,7 +9,9 @@
 //! elsewhere through the `gemm` crate (the one candle's CPU matmul uses, here
 //! with its AVX-512 kernels enabled). The softmax goes through a vectorised
 //! `exp` compiled for the best instruction set the processor has. Work is
-//! spread over rayon's pool by (batch, head, query block).
+//! spread over rayon's pool by (batch, head, query block); a decode-sized
+//! call from outside the pool keeps the calling thread working beside the
+//! pool's helpers ([`par_for`]).
 //!
 //! Inputs are read in place through their strides (only the last dim must be
 //! contiguous), so `(batch, seq, heads, head_dim)` views from a projection
@@ -66,10 +68,10 @@ const MIN_ITEM: usize = 1 << 16;
 /// take from the same counter when a worker picks them up. The caller
 /// never sleeps; it waits only for items a helper has already taken, and a
 /// helper that arrives after the last item has been taken does nothing. On
-/// the README's Xeon a decode call's attention (8 heads, 2048 keys) ran
-/// 1.3× faster so than handed to the pool, and a Llama-shaped decoder's
-/// step as much. Other jobs, and calls from inside the pool, take rayon's
-/// own splitting.
+/// the README's Xeon, in alternating runs against handing the job to the
+/// pool, a decode call's attention (8 heads, 2048 keys) ran 1.3–1.5×
+/// faster so, and a Llama-shaped decoder's step about 2×. Other jobs, and
+/// calls from inside the pool, take rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
