@@ -59,39 +59,55 @@ pub(super) struct Ymm(__m256);
 #[derive(Clone, Copy)]
 pub(super) struct Zmm(__m512);
 
+/// The lane operations that are one intrinsic each, for the lane type
+/// `$t` of `$n` lanes.
+macro_rules! elementwise {
+    ($t:ident, $n:literal, $setzero:ident, $set1:ident, $loadu:ident, $storeu:ident, $fmadd:ident, $add:ident, $mul:ident) => {
+        const N: usize = $n;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            // SAFETY: (here and below) the caller's.
+            $t(unsafe { $setzero() })
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            $t(unsafe { $set1(x) })
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            $t(unsafe { $loadu(p) })
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            unsafe { $storeu(p, self.0) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, a: Self, b: Self) -> Self {
+            $t(unsafe { $fmadd(a.0, b.0, self.0) })
+        }
+        #[inline(always)]
+        unsafe fn add(self, b: Self) -> Self {
+            $t(unsafe { $add(self.0, b.0) })
+        }
+        #[inline(always)]
+        unsafe fn mul(self, b: Self) -> Self {
+            $t(unsafe { $mul(self.0, b.0) })
+        }
+    };
+}
+
 impl Lanes for Ymm {
-    const N: usize = 8;
-    #[inline(always)]
-    unsafe fn zero() -> Self {
-        Ymm(_mm256_setzero_ps())
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> Self {
-        Ymm(_mm256_set1_ps(x))
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self {
-        // SAFETY: the caller's.
-        Ymm(unsafe { _mm256_loadu_ps(p) })
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32) {
-        // SAFETY: the caller's.
-        unsafe { _mm256_storeu_ps(p, self.0) }
-    }
-    #[inline(always)]
-    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
-        // SAFETY: the caller's.
-        Ymm(unsafe { _mm256_fmadd_ps(a.0, b.0, self.0) })
-    }
-    #[inline(always)]
-    unsafe fn add(self, b: Self) -> Self {
-        Ymm(_mm256_add_ps(self.0, b.0))
-    }
-    #[inline(always)]
-    unsafe fn mul(self, b: Self) -> Self {
-        Ymm(_mm256_mul_ps(self.0, b.0))
-    }
+    elementwise!(
+        Ymm,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_fmadd_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps
+    );
     #[inline(always)]
     unsafe fn sum(self) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps::<1>(self.0));
@@ -122,42 +138,17 @@ impl Lanes for Ymm {
 }
 
 impl Lanes for Zmm {
-    const N: usize = 16;
-    #[inline(always)]
-    unsafe fn zero() -> Self {
-        // SAFETY: the caller's.
-        Zmm(unsafe { _mm512_setzero_ps() })
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> Self {
-        // SAFETY: the caller's.
-        Zmm(unsafe { _mm512_set1_ps(x) })
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self {
-        // SAFETY: the caller's.
-        Zmm(unsafe { _mm512_loadu_ps(p) })
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32) {
-        // SAFETY: the caller's.
-        unsafe { _mm512_storeu_ps(p, self.0) }
-    }
-    #[inline(always)]
-    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
-        // SAFETY: the caller's.
-        Zmm(unsafe { _mm512_fmadd_ps(a.0, b.0, self.0) })
-    }
-    #[inline(always)]
-    unsafe fn add(self, b: Self) -> Self {
-        // SAFETY: the caller's.
-        Zmm(unsafe { _mm512_add_ps(self.0, b.0) })
-    }
-    #[inline(always)]
-    unsafe fn mul(self, b: Self) -> Self {
-        // SAFETY: the caller's.
-        Zmm(unsafe { _mm512_mul_ps(self.0, b.0) })
-    }
+    elementwise!(
+        Zmm,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps,
+        _mm512_fmadd_ps,
+        _mm512_add_ps,
+        _mm512_mul_ps
+    );
     #[inline(always)]
     unsafe fn sum(self) -> f32 {
         // SAFETY: the caller's.
@@ -263,6 +254,7 @@ unsafe fn scores<V: Lanes>(
                 }
                 for r in 0..rows {
                     let q = q.add(r * q_rs);
+                    // Room for the widest vector's N (16) accumulators.
                     let mut acc = [V::zero(); 16];
                     for e in (0..d).step_by(V::N) {
                         let qv = V::load(q.add(e));

@@ -39,6 +39,9 @@ const KC: usize = 256;
 /// inputs for one slice (at most 32 · 12 · 256 floats, 384 KiB) stay in L2.
 const GROUPS_PER_UNIT: usize = 32;
 const PANELS_PER_UNIT: usize = 4;
+/// Multiply-adds (or floats packed) from which a call's work is spread
+/// over rayon's pool.
+const PARALLEL_FROM: usize = 1 << 16;
 
 /// Output features per panel for `isa`.
 fn panel_width(isa: Isa) -> usize {
@@ -240,10 +243,12 @@ impl PackedWeight {
             for (i, &(k0, p)) in steps.iter().enumerate() {
                 let kc = kc_max.min(k - k0);
                 // The next step's first panel slice (its second follows
-                // `k · nr` floats on and is prefetched by the hardware).
-                let next = steps
-                    .get(i + 1)
-                    .map(|&(k1, p)| self.panels()[p * k * nr + k1 * nr..].as_ptr());
+                // `k · nr` floats on and is prefetched by the hardware),
+                // and its cache lines.
+                let next = steps.get(i + 1).map(|&(k1, p)| {
+                    let lines = kc_max.min(k - k1) * nr / 16;
+                    (self.panels()[p * k * nr + k1 * nr..].as_ptr(), lines)
+                });
                 let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
                 let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
                 for g in g0..g1 {
@@ -265,8 +270,8 @@ impl PackedWeight {
                         // The next step's weights into L2, a share per
                         // row group, while this slice's are in L1.
                         let prefetch = match next {
-                            Some(next) => {
-                                let (lines, ng) = (kc_max.min(k - steps[i + 1].0) * nr / 16, g1 - g0);
+                            Some((next, lines)) => {
+                                let ng = g1 - g0;
                                 let (a, b) = (lines * (g - g0) / ng, lines * (g - g0 + 1) / ng);
                                 (next.wrapping_add(a * 16), (b - a).min(kc))
                             }
@@ -306,7 +311,7 @@ impl PackedWeight {
                 }
             }
         };
-        if m * width * k > 1 << 16 {
+        if m * width * k > PARALLEL_FROM {
             units.par_iter().for_each(run);
         } else {
             units.iter().for_each(run);
@@ -379,7 +384,7 @@ impl PackedWeight {
         let (nr, k, width) = (self.nr(), self.k, hi - lo);
         debug_assert!(out.capacity() >= width);
         let panels = width.div_ceil(nr);
-        let tasks = if width * k > 1 << 16 {
+        let tasks = if width * k > PARALLEL_FROM {
             rayon::current_num_threads().min(panels)
         } else {
             1
@@ -436,7 +441,7 @@ fn pack_rows(x: &[f32], m: usize, k: usize, mr: usize) -> Vec<f32> {
             dst[rows..].fill(0.);
         }
     };
-    if m * k > 1 << 16 {
+    if m * k > PARALLEL_FROM {
         xp.par_chunks_mut(k * mr).enumerate().for_each(pack);
     } else {
         xp.chunks_mut(k * mr).enumerate().for_each(pack);
