@@ -371,6 +371,18 @@ impl Problem<'_> {
         }
     }
 
+    /// Whether query `i` sees every key of `j0..j0 + cols` with its score
+    /// as computed: no mask part or ALiBi, and neither the causal rule nor
+    /// the window hides any of them ([`Problem::mask_row`] would leave the
+    /// row as it is). A conservative answer: `false` where unsure.
+    pub(super) fn sees_all_as_scored(&self, i: usize, j0: usize, cols: usize) -> bool {
+        self.parts.is_empty()
+            && self.alibi.is_none()
+            && self.keys_start(i) <= j0
+            && self.keys_end(i) >= j0 + cols
+            && self.causal_end(i) >= (j0 + cols).min(self.masked_keys)
+    }
+
     /// Applies the mask to `row`, the scores of query `i` (head `hi`,
     /// batch `bi`) for keys `j0..j0 + row.len()`: additive parts add to
     /// the visible keys, and hidden keys are set to `-inf` (set, not added,
@@ -622,6 +634,55 @@ mod tests {
                     let err = rel_err(&ours, &reference)?;
                     let what = format!("{isa:?} {t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
                     assert!(err < 1e-5, "{what}: relative error {err:e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Scores far from 0 (hundreds, all negative for some rows) give the
+    /// reference's result on every tile implementation and instruction
+    /// set: the row max the AVX-512 scores kernel keeps must be the row's
+    /// (a max off by more than about 87 turns every weight to 0 or `inf`),
+    /// and must leave out the zero-padded keys of a last panel. Scores this
+    /// large carry absolute rounding errors of about 1e-5 between summation
+    /// orders, so the weights agree to about that, not to 1e-7; a wrong max
+    /// is off by orders of magnitude more.
+    #[test]
+    fn far_from_zero_scores_equal_reference_on_every_variant() -> Result<()> {
+        use crate::cpu::isa::{force, supported, FORCE_LOCK};
+        let _lock = FORCE_LOCK.lock();
+        // (batch, heads, q_len, kv_len, head_dim): key counts off the panel.
+        for (b, h, l, s, d) in [(1, 2, 40, 37, 64), (2, 1, 30, 300, 16)] {
+            let offset = |t: Tensor, by: f64| -> Result<Tensor> { t.affine(1., by) };
+            let cases = [
+                // Every score about -17.5·√d (-140 at d = 64): all negative.
+                (
+                    offset(randn(&[b, h, l, d])?, 5.)?,
+                    offset(randn(&[b, h, s, d])?, -5.)?,
+                ),
+                // Scores of either sign, hundreds apart.
+                ((randn(&[b, h, l, d])? * 8.)?, (randn(&[b, h, s, d])? * 8.)?),
+            ];
+            let v = randn(&[b, h, s, d])?;
+            for (c, (q, k)) in cases.iter().enumerate() {
+                for mask in [Mask::new(), Mask::causal(Causal::BottomRight)] {
+                    let scale = 0.7 / (d as f64).sqrt();
+                    let reference = sdpa_reference(q, k, &v, &mask, 0, Some(scale), None)?.0;
+                    for isa in supported() {
+                        force(Some(isa));
+                        for &t in &runnable_tiles() {
+                            let ours = sdpa_cpu_with(q, k, &v, &mask, 0, scale, Some(t))?;
+                            let err = rel_err(&ours, &reference)?;
+                            let what = format!(
+                                "{isa:?} {t:?} case {c} {:?} causal {:?}",
+                                (b, h, l, s, d),
+                                mask.causal
+                            );
+                            assert!(err < 1e-3, "{what}: relative error {err:e}");
+                        }
+                    }
+                    force(None);
                 }
             }
         }

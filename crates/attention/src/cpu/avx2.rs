@@ -30,7 +30,7 @@ const BLOCK_K: usize = 256;
 /// Row stride of a group's score strip: one panel past `BLOCK_K`, so that
 /// its rows (read together by the `P · V` kernel) fall in different L1
 /// sets instead of every 4 KiB.
-const STRIP_RS: usize = BLOCK_K + NR;
+pub(super) const STRIP_RS: usize = BLOCK_K + NR;
 /// Fewer query rows than this and packing the keys costs about as much as
 /// the products it speeds up (a decode step): `gemm` serves those.
 pub(super) const MIN_Q_LEN: usize = 16;
@@ -155,19 +155,27 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
     let pack = bi * packed.kv_heads + hi / p.heads_per_kv;
     let kt = &packed.kt[pack * packed.kt_len..][..packed.kt_len];
     let vp = &packed.v[pack * packed.v_len..][..packed.v_len];
-    // The block's queries, scaled, contiguous.
-    let mut q = vec![0f32; rows * d];
+    // The block's queries, scaled: contiguous rows for the AVX2 kernel;
+    // for the AVX-512 one, each group of its rows interleaved (dim `e` of
+    // the group's rows at `e·MR`, see `avx512::scores`).
+    let mr = kernels.rows();
+    let mut q = vec![0f32; rows.next_multiple_of(mr) * d];
     for r in 0..rows {
         let src = &p.q.data[p.q.offset(bi, hi, i0 + r)..][..d];
-        for (x, &y) in q[r * d..(r + 1) * d].iter_mut().zip(src) {
-            *x = y * p.scale;
+        let (at, step) = match kernels {
+            Kernels::Avx2 => (r * d, 1),
+            Kernels::Avx512 => ((r - r % mr) * d + r % mr, mr),
+        };
+        for (e, &y) in src.iter().enumerate() {
+            q[at + e * step] = y * p.scale;
         }
     }
     let mut acc = vec![0f32; rows * dvp];
     let mut row_max = vec![f32::NEG_INFINITY; rows];
     let mut row_sum = vec![0f32; rows];
-    let mr = kernels.rows();
     let mut strip = vec![0f32; mr * STRIP_RS];
+    // The AVX-512 scores kernel's per-lane row maxima, 16 per row.
+    let mut maxes = vec![0f32; mr * 16];
     let kv_end = p.keys_end(i0 + rows - 1);
     // Panels start at multiples of NR; keys before the first row's window
     // are skipped whole.
@@ -179,16 +187,25 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             if cols == 0 {
                 continue;
             }
+            maxes.fill(f32::NEG_INFINITY);
             // SAFETY: the group's `gr` query rows, `ceil(cols / NR)` panels
-            // from key `j0` (a multiple of NR) and `gr` strip rows of
-            // `BLOCK_K >= cols` floats all lie in their buffers.
+            // from key `j0` (a multiple of NR), `gr` strip rows of
+            // `BLOCK_K >= cols` floats and `gr` rows of maxima all lie in
+            // their buffers.
             unsafe {
                 let (q, kt, panels) = (q[g0 * d..].as_ptr(), kt[j0 * d..].as_ptr(), cols.div_ceil(NR));
                 match kernels {
                     Kernels::Avx2 => scores::<false>(gr, q, d, d, kt, panels, strip.as_mut_ptr(), STRIP_RS),
-                    Kernels::Avx512 => {
-                        super::avx512::scores(gr, q, d, d, kt, panels, strip.as_mut_ptr(), STRIP_RS)
-                    }
+                    Kernels::Avx512 => super::avx512::scores(
+                        gr,
+                        q,
+                        d,
+                        kt,
+                        cols,
+                        strip.as_mut_ptr(),
+                        STRIP_RS,
+                        maxes.as_mut_ptr(),
+                    ),
                 }
             }
             // Whole vectors: the strip's columns past `cols` are hidden too.
@@ -199,7 +216,15 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             for r in 0..gr {
                 let i = i0 + g0 + r;
                 let row = &mut strip[r * STRIP_RS..][..width];
-                p.mask_row(&mut row[..cols], bi, hi, i, j0);
+                // The AVX-512 kernel's row max serves a row the mask leaves
+                // as it is.
+                let known_max = (kernels == Kernels::Avx512 && p.sees_all_as_scored(i, j0, cols))
+                    // SAFETY: row r's 16 maxima; AVX-512F, as the caller
+                    // vouched for `Kernels::Avx512`.
+                    .then(|| unsafe { super::avx512::lanes_max(maxes[r * 16..].as_ptr()) });
+                if known_max.is_none() {
+                    p.mask_row(&mut row[..cols], bi, hi, i, j0);
+                }
                 // Keys past the group's last row's, and the vector's tail.
                 let end = p.keys_end(i).saturating_sub(j0).min(cols);
                 row[end..].fill(f32::NEG_INFINITY);
@@ -210,7 +235,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                 unsafe {
                     match kernels {
                         Kernels::Avx2 => online_softmax(row, m, l, a),
-                        Kernels::Avx512 => super::avx512::online_softmax(row, m, l, a),
+                        Kernels::Avx512 => super::avx512::online_softmax(row, m, l, a, known_max),
                     }
                 }
             }
@@ -222,7 +247,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                 match kernels {
                     Kernels::Avx2 => weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a),
                     Kernels::Avx512 => {
-                        super::avx512::weighted_values(gr, strip.as_ptr(), STRIP_RS, v, s * NR, dvp, cols, a)
+                        super::avx512::weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a)
                     }
                 }
             }

@@ -1,12 +1,15 @@
 //! The attention tiles' two products as AVX-512F micro-kernels, over the
 //! same packed keys and values as the AVX2 ones (`avx2.rs`, panels of 16):
 //! a group of [`MR`] query rows against two panels at a time, 24 `zmm`
-//! accumulators, 24 FMAs per 2 panel loads and 12 broadcasts; and the
-//! online softmax between them, 16 lanes at a time.
+//! accumulators, 24 FMAs per 2 panel loads and 12 broadcasts, each
+//! broadcast at a fixed offset from one pointer (the group's queries
+//! interleaved, the score strip's row stride a constant); the `Q·Kᵀ` kernel
+//! keeps each row's max as it stores the scores; and the online softmax
+//! between the two, 16 lanes at a time.
 
 use std::arch::x86_64::*;
 
-use super::avx2::NR;
+use super::avx2::{NR, STRIP_RS};
 
 /// Query rows per micro-kernel.
 pub(super) const MR: usize = 12;
@@ -31,36 +34,53 @@ macro_rules! by_rows {
     };
 }
 
-/// `out[r·out_rs + c] = Σₑ q[r·q_rs + e] · Kᵀ[e, c]` for `rows` rows, `d`
-/// dims and `panels · NR` keys.
+/// `out[r·out_rs + c] = Σₑ q[e·MR + r] · Kᵀ[e, c]` for `rows` rows, `d`
+/// dims and the `ceil(cols / NR)` panels holding `cols` keys, the rows'
+/// queries interleaved (dim `e` of the group's rows at `e·MR`), so that a
+/// step's broadcasts read fixed offsets from one pointer instead of
+/// computing a row address each. The softmax's row max comes with it:
+/// lane `c` of `maxes[r·16..]` becomes the largest of itself and row `r`'s
+/// scores of keys `c`, `c + 16`, … below `cols` (a NaN score may be
+/// skipped, as by `row_max`).
 ///
 /// # Safety
-/// AVX-512F; the pointers cover those extents.
+/// AVX-512F; the pointers cover those extents (`maxes` `rows · 16`
+/// floats).
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores(
     rows: usize,
     q: *const f32,
-    q_rs: usize,
     d: usize,
     kt: *const f32,
-    panels: usize,
+    cols: usize,
     out: *mut f32,
     out_rs: usize,
+    maxes: *mut f32,
 ) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(rows, scores_rows(q, q_rs, d, kt, panels, out, out_rs)) }
+    unsafe { by_rows!(rows, scores_rows(q, d, kt, cols, out, out_rs, maxes)) }
 }
 
 #[target_feature(enable = "avx512f")]
 unsafe fn scores_rows<const R: usize>(
     q: *const f32,
-    q_rs: usize,
     d: usize,
     kt: *const f32,
-    panels: usize,
+    cols: usize,
     out: *mut f32,
     out_rs: usize,
+    maxes: *mut f32,
 ) {
+    let panels = cols.div_ceil(NR);
+    // Row r's running maxima take panel pi's scores `c` of keys below
+    // `cols`; they stay in memory, the accumulators take the registers.
+    macro_rules! keep_max {
+        ($r:expr, $pi:expr, $c:expr) => {{
+            let m = maxes.add($r * 16);
+            let old = _mm512_loadu_ps(m);
+            _mm512_storeu_ps(m, _mm512_mask_max_ps(old, lanes(cols - $pi * NR), old, $c));
+        }};
+    }
     let mut pi = 0;
     // SAFETY: (here and below) inside the extents the caller vouched for.
     unsafe {
@@ -71,7 +91,7 @@ unsafe fn scores_rows<const R: usize>(
                 let w0 = _mm512_loadu_ps(k0.add(e * NR));
                 let w1 = _mm512_loadu_ps(k1.add(e * NR));
                 for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*q.add(r * q_rs + e));
+                    let a = _mm512_set1_ps(*q.add(e * MR + r));
                     c[0] = _mm512_fmadd_ps(a, w0, c[0]);
                     c[1] = _mm512_fmadd_ps(a, w1, c[1]);
                 }
@@ -80,6 +100,8 @@ unsafe fn scores_rows<const R: usize>(
                 let dst = out.add(r * out_rs + pi * NR);
                 _mm512_storeu_ps(dst, c[0]);
                 _mm512_storeu_ps(dst.add(NR), c[1]);
+                keep_max!(r, pi, c[0]);
+                keep_max!(r, pi + 1, c[1]);
             }
             pi += 2;
         }
@@ -89,26 +111,38 @@ unsafe fn scores_rows<const R: usize>(
             for e in 0..d {
                 let w0 = _mm512_loadu_ps(k0.add(e * NR));
                 for (r, c) in c.iter_mut().enumerate() {
-                    *c = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(r * q_rs + e)), w0, *c);
+                    *c = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(e * MR + r)), w0, *c);
                 }
             }
             for (r, c) in c.iter().enumerate() {
                 _mm512_storeu_ps(out.add(r * out_rs + pi * NR), *c);
+                keep_max!(r, pi, *c);
             }
         }
     }
 }
 
-/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·strip_rs + j] · v[p·panel + j·NR
-/// + c]` for `rows` rows, `cols` keys and all `dvp / NR` panels.
+/// The largest of 16 lanes (`_mm512_reduce_max_ps`), for the maxima
+/// [`scores`] kept.
+///
+/// # Safety
+/// AVX-512F; `m` holds 16 floats.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn lanes_max(m: *const f32) -> f32 {
+    // SAFETY: 16 floats, as the caller vouched.
+    _mm512_reduce_max_ps(unsafe { _mm512_loadu_ps(m) })
+}
+
+/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] ·
+/// v[p·panel + j·NR + c]` for `rows` rows, `cols` keys and all `dvp / NR`
+/// panels. The strip's row stride is a constant, so that a step's
+/// broadcasts read fixed offsets from one pointer.
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents.
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn weighted_values(
     rows: usize,
     strip: *const f32,
-    strip_rs: usize,
     v: *const f32,
     panel: usize,
     dvp: usize,
@@ -116,18 +150,12 @@ pub(super) unsafe fn weighted_values(
     acc: *mut f32,
 ) {
     // SAFETY: forwarded.
-    unsafe {
-        by_rows!(
-            rows,
-            weighted_values_rows(strip, strip_rs, v, panel, dvp, cols, acc)
-        )
-    }
+    unsafe { by_rows!(rows, weighted_values_rows(strip, v, panel, dvp, cols, acc)) }
 }
 
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_values_rows<const R: usize>(
     strip: *const f32,
-    strip_rs: usize,
     v: *const f32,
     panel: usize,
     dvp: usize,
@@ -149,7 +177,7 @@ unsafe fn weighted_values_rows<const R: usize>(
                 let v0 = _mm512_loadu_ps(v0p.add(j * NR));
                 let v1 = _mm512_loadu_ps(v1p.add(j * NR));
                 for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*strip.add(r * strip_rs + j));
+                    let a = _mm512_set1_ps(*strip.add(r * STRIP_RS + j));
                     c[0] = _mm512_fmadd_ps(a, v0, c[0]);
                     c[1] = _mm512_fmadd_ps(a, v1, c[1]);
                 }
@@ -170,7 +198,7 @@ unsafe fn weighted_values_rows<const R: usize>(
             for j in 0..cols {
                 let v0 = _mm512_loadu_ps(v0p.add(j * NR));
                 for (r, c) in c.iter_mut().enumerate() {
-                    *c = _mm512_fmadd_ps(_mm512_set1_ps(*strip.add(r * strip_rs + j)), v0, *c);
+                    *c = _mm512_fmadd_ps(_mm512_set1_ps(*strip.add(r * STRIP_RS + j)), v0, *c);
                 }
             }
             for (r, c) in c.iter().enumerate() {
@@ -181,19 +209,26 @@ unsafe fn weighted_values_rows<const R: usize>(
 }
 
 /// One key block of a row's online softmax ([`super::simd::online_softmax_block`])
-/// with 16-lane max and `exp`.
+/// with 16-lane max and `exp`; the row's max is `row_max_known` where the
+/// caller has it (from [`scores`], for a row the mask left as it was).
 ///
 /// # Safety
 /// AVX-512F; `row.len()` is a multiple of 16.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+pub(super) unsafe fn online_softmax(
+    row: &mut [f32],
+    m: &mut f32,
+    l: &mut f32,
+    acc: &mut [f32],
+    row_max_known: Option<f32>,
+) {
     // SAFETY: this function's features; whole vectors of `row`.
     super::simd::online_softmax_block(
         row,
         m,
         l,
         acc,
-        |r| unsafe { row_max(r) },
+        |r| row_max_known.unwrap_or_else(|| unsafe { row_max(r) }),
         |r, mx| unsafe { exp_sub_sum(r, mx) },
     );
 }

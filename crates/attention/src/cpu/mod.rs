@@ -4,11 +4,12 @@
 //! into blocks of rows, keys into blocks of columns; each query block keeps a
 //! running row max, row sum and output accumulator, so the `(q_len, kv_len)`
 //! score matrix never exists, only one `(BLOCK_Q, BLOCK_K)` tile per thread.
-//! The two products per tile go, on x86-64 with AVX2 but no AVX-512, through
-//! register-blocked micro-kernels over packed keys and values (`avx2.rs`);
-//! elsewhere through the `gemm` crate (the one candle's CPU matmul uses, here
-//! with its AVX-512 kernels enabled). The softmax goes through a vectorised
-//! `exp` compiled for the best instruction set the processor has. Work is
+//! The two products per tile go, on x86-64, through register-blocked
+//! micro-kernels over packed keys and values (`avx2.rs` with AVX2+FMA,
+//! `avx512.rs` with AVX-512F, whose `Q·Kᵀ` kernel also keeps each row's max
+//! for the softmax); elsewhere through the `gemm` crate (the one candle's
+//! CPU matmul uses). The softmax goes through a vectorised `exp` compiled
+//! for the best instruction set the processor has. Work is
 //! spread over rayon's pool by (batch, head, query block); a decode-sized
 //! call from outside the pool keeps the calling thread working beside the
 //! pool's helpers ([`par_for`]).
