@@ -174,7 +174,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
     let mut row_max = vec![f32::NEG_INFINITY; rows];
     let mut row_sum = vec![0f32; rows];
     let mut strip = vec![0f32; mr * STRIP_RS];
-    // The AVX-512 scores kernel's per-lane row maxima, 16 per row.
+    // The scores kernel's per-lane row maxima, 16 per row (8 used on AVX2).
     let mut maxes = vec![0f32; mr * 16];
     let kv_end = p.keys_end(i0 + rows - 1);
     // Panels start at multiples of NR; keys before the first row's window
@@ -195,7 +195,17 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             unsafe {
                 let (q, kt, panels) = (q[g0 * d..].as_ptr(), kt[j0 * d..].as_ptr(), cols.div_ceil(NR));
                 match kernels {
-                    Kernels::Avx2 => scores::<false>(gr, q, d, d, kt, panels, strip.as_mut_ptr(), STRIP_RS),
+                    Kernels::Avx2 => scores::<false>(
+                        gr,
+                        q,
+                        d,
+                        d,
+                        kt,
+                        panels,
+                        strip.as_mut_ptr(),
+                        STRIP_RS,
+                        Some((maxes.as_mut_ptr(), cols)),
+                    ),
                     Kernels::Avx512 => super::avx512::scores(
                         gr,
                         q,
@@ -216,12 +226,19 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             for r in 0..gr {
                 let i = i0 + g0 + r;
                 let row = &mut strip[r * STRIP_RS..][..width];
-                // The AVX-512 kernel's row max serves a row the mask leaves
+                // The scores kernel's row max serves a row the mask leaves
                 // as it is.
-                let known_max = (kernels == Kernels::Avx512 && p.sees_all_as_scored(i, j0, cols))
-                    // SAFETY: row r's 16 maxima; AVX-512F, as the caller
-                    // vouched for `Kernels::Avx512`.
-                    .then(|| unsafe { super::avx512::lanes_max(maxes[r * 16..].as_ptr()) });
+                let known_max = p.sees_all_as_scored(i, j0, cols).then(|| {
+                    let m = maxes[r * 16..].as_ptr();
+                    // SAFETY: row r's maxima; the instruction sets the
+                    // caller vouched for.
+                    unsafe {
+                        match kernels {
+                            Kernels::Avx2 => lanes_max(m),
+                            Kernels::Avx512 => super::avx512::lanes_max(m),
+                        }
+                    }
+                });
                 if known_max.is_none() {
                     p.mask_row(&mut row[..cols], bi, hi, i, j0);
                 }
@@ -234,7 +251,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                 // multiple of the vector, `dvp` of 16.
                 unsafe {
                     match kernels {
-                        Kernels::Avx2 => online_softmax(row, m, l, a),
+                        Kernels::Avx2 => online_softmax(row, m, l, a, known_max),
                         Kernels::Avx512 => super::avx512::online_softmax(row, m, l, a, known_max),
                     }
                 }
@@ -271,10 +288,14 @@ macro_rules! by_rows {
 }
 
 /// `out[r·out_rs + c] = Σₑ q[r·q_rs + e] · Kᵀ[e, c]` for `rows` rows, `d`
-/// dims and `panels · NR` keys (or output features), `+=` with `ACC`.
+/// dims and `panels · NR` keys (or output features), `+=` with `ACC`. With
+/// `maxes` `Some((m, cols))`, the softmax's row max comes with it: lane `c`
+/// of `m[r·16..]` becomes the largest of itself and row `r`'s scores of
+/// keys `c`, `c + 8`, … below `cols` (a NaN score may be skipped, as by
+/// `row_max`).
 ///
 /// # Safety
-/// AVX2+FMA; the pointers cover those extents.
+/// AVX2+FMA; the pointers cover those extents (`m` `rows · 16` floats).
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn scores<const ACC: bool>(
     rows: usize,
@@ -285,11 +306,18 @@ pub(super) unsafe fn scores<const ACC: bool>(
     panels: usize,
     out: *mut f32,
     out_rs: usize,
+    maxes: Option<(*mut f32, usize)>,
 ) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(rows, scores_rows::<_, ACC>(q, q_rs, d, kt, panels, out, out_rs)) }
+    unsafe {
+        by_rows!(
+            rows,
+            scores_rows::<_, ACC>(q, q_rs, d, kt, panels, out, out_rs, maxes)
+        )
+    }
 }
 
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn scores_rows<const R: usize, const ACC: bool>(
     q: *const f32,
@@ -299,6 +327,7 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
     panels: usize,
     strip: *mut f32,
     out_rs: usize,
+    maxes: Option<(*mut f32, usize)>,
 ) {
     for pi in 0..panels {
         // SAFETY: (here and below) inside the extents the caller vouched for.
@@ -325,8 +354,34 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
                 _mm256_storeu_ps(dst, c[0]);
                 _mm256_storeu_ps(dst.add(8), c[1]);
             }
+            if let Some((m, cols)) = maxes {
+                // Lanes of keys below `cols`, for each half of the panel.
+                let lane = _mm256_setr_ps(0., 1., 2., 3., 4., 5., 6., 7.);
+                let valid: [__m256; 2] = std::array::from_fn(|h| {
+                    let n = cols.saturating_sub(pi * NR + h * 8).min(8) as f32;
+                    _mm256_cmp_ps::<_CMP_LT_OQ>(lane, _mm256_set1_ps(n))
+                });
+                for (r, c) in c.iter().enumerate() {
+                    let m = m.add(r * 16);
+                    let mut mx = _mm256_loadu_ps(m);
+                    for (c, valid) in c.iter().zip(valid) {
+                        mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, *c), valid);
+                    }
+                    _mm256_storeu_ps(m, mx);
+                }
+            }
         }
     }
+}
+
+/// The largest of the 8 lanes at `m`, for the maxima [`scores`] kept.
+///
+/// # Safety
+/// AVX2+FMA; `m` holds 8 floats.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lanes_max(m: *const f32) -> f32 {
+    // SAFETY: 8 floats, as the caller vouched.
+    hmax(unsafe { _mm256_loadu_ps(m) })
 }
 
 /// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·NR +
@@ -388,14 +443,20 @@ unsafe fn weighted_values_rows<const R: usize>(
 /// # Safety
 /// AVX2+FMA; `row.len()` is a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn online_softmax(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+unsafe fn online_softmax(
+    row: &mut [f32],
+    m: &mut f32,
+    l: &mut f32,
+    acc: &mut [f32],
+    row_max_known: Option<f32>,
+) {
     // SAFETY: this function's features; whole vectors of `row`.
     simd::online_softmax_block(
         row,
         m,
         l,
         acc,
-        |r| unsafe { row_max(r) },
+        |r| row_max_known.unwrap_or_else(|| unsafe { row_max(r) }),
         |r, mx| unsafe { exp_sub_sum(r, mx) },
     );
 }

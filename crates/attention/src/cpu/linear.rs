@@ -356,7 +356,7 @@ impl PackedWeight {
                             std::ptr::copy_nonoverlapping(bias, out.add(r * out_rs), NR);
                         }
                     }
-                    super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs);
+                    super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs, None);
                     return;
                 }
                 let mut tile = [0f32; MR * NR];
@@ -364,7 +364,7 @@ impl PackedWeight {
                     let src = if bias.is_null() { out.add(r * out_rs) } else { bias };
                     std::ptr::copy_nonoverlapping(src, tile.as_mut_ptr().add(r * NR), cols);
                 }
-                super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR);
+                super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR, None);
                 for r in 0..rows {
                     std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), out.add(r * out_rs), cols);
                 }
