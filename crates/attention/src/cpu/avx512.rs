@@ -304,10 +304,10 @@ pub(super) const LINEAR_NR: usize = 32;
 
 /// The two linear micro-kernels, each 24 accumulators: tall (12 rows by
 /// a panel, 2 panel loads and 12 broadcasts per 24 FMAs) and wide (6 rows
-/// by two panels, 4 loads and 6 broadcasts). On the README's Xeon, builds
-/// that differed only in the tile put tall about 5 % ahead at 197 rows and
-/// wide about 5 % ahead at 512 and more (`bench_models linear`, each
-/// against candle's matmul in the same run).
+/// by two panels, 4 loads and 6 broadcasts). On the README's Xeon, in
+/// alternating runs of `bench_models linear` with builds that differed only
+/// in the tile, each was ahead on its side of 256 rows, by about the
+/// host's noise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum LinearTile {
     Tall,

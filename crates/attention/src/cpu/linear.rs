@@ -20,8 +20,8 @@
 //! tile's panel slices ([`KC`] inputs in all) stay in L1 while the unit's
 //! row groups stream past them from L2, and the next slice is prefetched
 //! into L2. Units run on rayon's pool. The bias starts the
-//! accumulators, and the GELU runs on each tile as its last slice is
-//! written, while it is in L1.
+//! accumulators, and the epilogue (GELU or ReLU) runs on each tile as its
+//! last slice is written, while it is in L1.
 
 use rayon::prelude::*;
 

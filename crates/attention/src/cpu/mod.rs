@@ -9,10 +9,10 @@
 //! `avx512.rs` with AVX-512F, whose `Q·Kᵀ` kernel also keeps each row's max
 //! for the softmax); elsewhere through the `gemm` crate (the one candle's
 //! CPU matmul uses). The softmax goes through a vectorised `exp` compiled
-//! for the best instruction set the processor has. Work is
-//! spread over rayon's pool by (batch, head, query block); a decode-sized
-//! call from outside the pool keeps the calling thread working beside the
-//! pool's helpers ([`par_for`]).
+//! for the best instruction set the processor has. Work is spread over
+//! rayon's pool by (batch, head, query block); a decode-sized call from
+//! outside the pool keeps the calling thread working beside the pool's
+//! helpers ([`par_for`]).
 //!
 //! Inputs are read in place through their strides (only the last dim must be
 //! contiguous), so `(batch, seq, heads, head_dim)` views from a projection
@@ -71,7 +71,7 @@ const MIN_ITEM: usize = 1 << 16;
 /// helper that arrives after the last item has been taken does nothing. On
 /// the README's Xeon, in alternating runs against handing the job to the
 /// pool, a decode call's attention (8 heads, 2048 keys) ran 1.3–1.5×
-/// faster so, and a Llama-shaped decoder's step about 2×. Other jobs, and
+/// faster this way, and a Llama-shaped decoder's step about 2×. Other jobs, and
 /// calls from inside the pool, take rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
