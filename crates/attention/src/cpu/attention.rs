@@ -1,5 +1,7 @@
 //! The memory-efficient attention kernel (see the module doc of `cpu`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use candle::{bail, DType, Layout, Result, Storage, Tensor};
 use gemm::{gemm, Parallelism};
 
@@ -11,6 +13,21 @@ use super::isa::Isa;
 #[cfg(target_arch = "x86_64")]
 use super::lanes;
 use super::simd;
+
+/// Bytes of one (batch, kv-head)'s packed keys and values up to which
+/// threads pack their own ([`Packing::PerThread`]): half of a 2 MiB L2.
+const HEAD_PACK_MAX: usize = 1 << 20;
+
+thread_local! {
+    /// The (batch, kv-head) a thread packed last, and the call it was for.
+    #[cfg(target_arch = "x86_64")]
+    static HEAD_PACK: std::cell::Cell<Option<(usize, avx2::Packed)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Numbers the packed calls, so that a thread never takes another call's
+/// packed keys for its own.
+#[cfg(target_arch = "x86_64")]
+static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// Query rows per work unit, at most.
 const BLOCK_Q: usize = 384;
@@ -72,7 +89,7 @@ pub(crate) fn sdpa_cpu(
     appended: usize,
     scale: f64,
 ) -> Result<Tensor> {
-    sdpa_cpu_with(q, k, v, mask, appended, scale, None)
+    sdpa_cpu_with(q, k, v, mask, appended, scale, None, None)
 }
 
 /// How a tile's two products are computed.
@@ -105,6 +122,34 @@ impl Tiles {
     }
 }
 
+/// Where the micro-kernels' packed keys and values are packed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Packing {
+    /// Every (batch, kv-head) at once, in parallel, before the units run;
+    /// the units read them from wherever they are by then (L3 or memory
+    /// once they outgrow L2).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Shared,
+    /// By each thread, for the (batch, kv-head) of the unit it runs, kept
+    /// for its next units: a (batch, kv-head)'s packed keys and values are
+    /// written and read from the thread's own L2.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    PerThread,
+}
+
+impl Packing {
+    /// Per thread where a (batch, kv-head) packs into half of L2 and there
+    /// are enough of them (`packs`) that threads seldom pack the same one.
+    #[cfg(target_arch = "x86_64")]
+    fn best(p: &Problem, packs: usize) -> Packing {
+        if packs >= 2 * rayon::current_num_threads() && avx2::Packed::bytes_per_head(p) <= HEAD_PACK_MAX {
+            Packing::PerThread
+        } else {
+            Packing::Shared
+        }
+    }
+}
+
 /// `t` with a contiguous last dim: the tensor itself where it has one.
 fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
     let (stride, dims) = (t.stride(), t.dims());
@@ -115,7 +160,9 @@ fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// [`sdpa_cpu`] with the tile products forced (`None`: the best).
+/// [`sdpa_cpu`] with the tile products and the packing forced (`None`:
+/// the best).
+#[allow(clippy::too_many_arguments)]
 fn sdpa_cpu_with(
     q: &Tensor,
     k: &Tensor,
@@ -124,12 +171,13 @@ fn sdpa_cpu_with(
     appended: usize,
     scale: f64,
     tiles: Option<Tiles>,
+    packing: Option<Packing>,
 ) -> Result<Tensor> {
     let dtype = q.dtype();
     if dtype != DType::F32 {
         // Half precision: compute in f32 (f32 accumulation), cast back.
         let f = |t: &Tensor| t.to_dtype(DType::F32);
-        return sdpa_cpu_with(&f(q)?, &f(k)?, &f(v)?, mask, appended, scale, tiles)?.to_dtype(dtype);
+        return sdpa_cpu_with(&f(q)?, &f(k)?, &f(v)?, mask, appended, scale, tiles, packing)?.to_dtype(dtype);
     }
     // The kernel reads rows in place; any other layout is copied once.
     let (q, k, v) = (
@@ -150,6 +198,8 @@ fn sdpa_cpu_with(
         .alibi
         .as_ref()
         .map(|a| (a.slopes(), mask.alibi_offset(l, masked_keys)));
+    // Set by a unit that wrote a non-finite output.
+    let non_finite = AtomicBool::new(false);
     // Every (batch, row, head) slot is written by exactly one work unit.
     let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
     let tiles = tiles.unwrap_or_else(|| Tiles::best(l, d, dv));
@@ -191,35 +241,74 @@ fn sdpa_cpu_with(
                     masked_keys,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
-                #[cfg(target_arch = "x86_64")]
-                let packed = match tiles {
-                    Tiles::Avx2 => Some((avx2::Packed::new(&problem, b, kh), avx2::Kernels::Avx2)),
-                    Tiles::Avx512 => Some((avx2::Packed::new(&problem, b, kh), avx2::Kernels::Avx512)),
-                    Tiles::Gemm => None,
+                // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
+                // every unit writes a disjoint set of rows.
+                let unit = |bi: usize, hi: usize, i0: usize| Unit {
+                    bi,
+                    hi,
+                    i0,
+                    rows: block.min(l - i0),
+                    out: out_ptr,
+                    base: (bi * l + i0) * h * dv + hi * dv,
+                    out_rs: h * dv,
                 };
-                super::par_for(units.len(), work, |u| {
-                    let (bi, hi, i0) = units[u];
-                    let rows = block.min(l - i0);
-                    // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
-                    // every unit writes a disjoint set of rows.
-                    let unit = Unit {
-                        bi,
-                        hi,
-                        i0,
-                        rows,
-                        out: out_ptr,
-                        base: (bi * l + i0) * h * dv + hi * dv,
-                        out_rs: h * dv,
-                    };
-                    #[cfg(target_arch = "x86_64")]
-                    if let Some((packed, kernels)) = &packed {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(kernels) = match tiles {
+                    Tiles::Avx2 => Some(avx2::Kernels::Avx2),
+                    Tiles::Avx512 => Some(avx2::Kernels::Avx512),
+                    Tiles::Gemm => None,
+                } {
+                    let packing = packing.unwrap_or_else(|| Packing::best(&problem, b * kh));
+                    let run = |packed: &avx2::Packed, (bi, hi, i0): (usize, usize, usize)| {
                         // SAFETY: `Tiles::Avx2` and `Tiles::Avx512` are only
                         // chosen (or forced by tests) where the processor
-                        // runs them; the unit's rows are its own.
-                        unsafe { avx2::run_block(&problem, packed, unit, *kernels) };
-                        return;
+                        // runs them; `packed` holds the unit's keys and
+                        // values; the unit's rows are its own.
+                        if !unsafe { avx2::run_block(&problem, packed, unit(bi, hi, i0), kernels) } {
+                            non_finite.store(true, Ordering::Relaxed);
+                        }
+                    };
+                    match packing {
+                        Packing::Shared => {
+                            // SAFETY: as above.
+                            let packed = unsafe { avx2::Packed::new(&problem, b, kh) };
+                            super::par_for(units.len(), work, |u| run(&packed, units[u]));
+                        }
+                        Packing::PerThread => {
+                            let call = CALLS.fetch_add(1, Ordering::Relaxed);
+                            super::par_for(units.len(), work, |u| {
+                                let (bi, hi, _) = units[u];
+                                let pack = bi * kh + hi / (h / kh);
+                                HEAD_PACK.with(|kept| {
+                                    // A thread runs consecutive units (those
+                                    // of a head, then of the next) as a rule,
+                                    // so it packs each (batch, kv-head) it
+                                    // meets about once.
+                                    let packed = match kept.take() {
+                                        Some((c, packed)) if c == call && packed.holds(pack) => packed,
+                                        // SAFETY: as above.
+                                        kept => unsafe {
+                                            avx2::Packed::one(
+                                                &problem,
+                                                kh,
+                                                pack,
+                                                kept.map(|(_, p)| p.release()),
+                                            )
+                                        },
+                                    };
+                                    run(&packed, units[u]);
+                                    kept.set(Some((call, packed)));
+                                });
+                            });
+                        }
                     }
-                    problem.run_block(unit);
+                    return Ok(());
+                }
+                super::par_for(units.len(), work, |u| {
+                    let (bi, hi, i0) = units[u];
+                    if !problem.run_block(unit(bi, hi, i0)) {
+                        non_finite.store(true, Ordering::Relaxed);
+                    }
                 });
                 Ok(())
             })
@@ -233,7 +322,7 @@ fn sdpa_cpu_with(
     // +inf score: right as it is) or from a non-finite value; the latter
     // may sit in a hidden key that a tile still multiplied by its zero
     // weight, so the reference path, which reads no hidden value, decides.
-    if !simd::all_finite(&out) && !all_finite_tensor(&v)? {
+    if non_finite.into_inner() && !all_finite_tensor(&v)? {
         return Ok(crate::sdpa::sdpa_reference(&q, &k, &v, mask, appended, Some(scale), None)?.0);
     }
     Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)
@@ -433,8 +522,9 @@ impl Problem<'_> {
         row[..before].fill(f32::NEG_INFINITY);
     }
 
-    /// Attention for one unit's query rows, written to its output rows.
-    fn run_block(&self, unit: Unit) {
+    /// Attention for one unit's query rows, written to its output rows;
+    /// whether every output is finite.
+    fn run_block(&self, unit: Unit) -> bool {
         let Unit { bi, hi, i0, rows, .. } = unit;
         let (_, _, d, dv) = self.dims;
         let kvh = hi / self.heads_per_kv;
@@ -533,44 +623,51 @@ impl Problem<'_> {
             }
             j0 += cols;
         }
-        write_rows(&acc, dv, dv, &row_sum, unit);
+        write_rows(&acc, dv, dv, &row_sum, unit)
     }
 }
 
 /// Writes the unit's normalised rows: row `r`'s first `dv` accumulators
-/// (of `acc_rs`) over its sum to the unit's output row `r`.
-pub(super) fn write_rows(acc: &[f32], acc_rs: usize, dv: usize, row_sum: &[f32], unit: Unit) {
+/// (of `acc_rs`) over its sum to the unit's output row `r`; whether every
+/// output is finite.
+pub(super) fn write_rows(acc: &[f32], acc_rs: usize, dv: usize, row_sum: &[f32], unit: Unit) -> bool {
+    let mut finite = true;
     for (r, &sum) in row_sum.iter().enumerate() {
         // A row that saw no key keeps sum 0 and an all-zero accumulator; a
         // NaN row (`simd::poison`) keeps sum NaN and NaN accumulators.
         let inv = if sum > 0. || sum.is_nan() { 1. / sum } else { 0. };
         for (c, a) in acc[r * acc_rs..][..dv].iter().enumerate() {
+            let y = a * inv;
+            finite &= y.is_finite();
             // SAFETY: row r of this unit lies in `out`'s allocation and no
             // other unit writes it (the callers' contract); written, not
             // read, as it starts uninitialised.
-            unsafe { unit.out.get().add(unit.base + r * unit.out_rs + c).write(a * inv) };
+            unsafe { unit.out.get().add(unit.base + r * unit.out_rs + c).write(y) };
         }
     }
+    finite
 }
 
 #[cfg(test)]
 mod tests {
     use candle::{Device, Result, Tensor};
 
-    use super::{sdpa_cpu_with, Tiles};
+    use super::{sdpa_cpu_with, Packing, Tiles};
     use crate::cpu::testing::{randn, rel_err};
     use crate::mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
     use crate::sdpa::sdpa_reference;
 
-    /// Every tile implementation the processor runs under the current ISA.
-    fn runnable_tiles() -> Vec<Tiles> {
+    /// Every tile implementation the processor runs under the current ISA,
+    /// the packed ones with each packing.
+    fn runnable_tiles() -> Vec<(Tiles, Packing)> {
         use crate::cpu::isa::{current, Isa};
-        let mut tiles = vec![Tiles::Gemm];
+        let mut tiles = vec![(Tiles::Gemm, Packing::Shared)];
+        let mut packed = |t| tiles.extend([(t, Packing::Shared), (t, Packing::PerThread)]);
         if cfg!(target_arch = "x86_64") && current() >= Isa::Avx2 {
-            tiles.push(Tiles::Avx2);
+            packed(Tiles::Avx2);
         }
         if cfg!(target_arch = "x86_64") && current() >= Isa::Avx512 {
-            tiles.push(Tiles::Avx512);
+            packed(Tiles::Avx512);
         }
         tiles
     }
@@ -629,10 +726,13 @@ mod tests {
             for (m, mask) in masks.iter().enumerate() {
                 let scale = 0.7 / (d as f64).sqrt().max(1.);
                 let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(scale), None)?.0;
-                for &t in &tiles {
-                    let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, scale, Some(t))?;
+                for &(t, packing) in &tiles {
+                    let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, scale, Some(t), Some(packing))?;
                     let err = rel_err(&ours, &reference)?;
-                    let what = format!("{isa:?} {t:?} shape {:?} mask {m}", (b, h, kh, l, s, d, dv));
+                    let what = format!(
+                        "{isa:?} {t:?} {packing:?} shape {:?} mask {m}",
+                        (b, h, kh, l, s, d, dv)
+                    );
                     assert!(err < 1e-5, "{what}: relative error {err:e}");
                 }
             }
@@ -671,11 +771,11 @@ mod tests {
                     let reference = sdpa_reference(q, k, &v, &mask, 0, Some(scale), None)?.0;
                     for isa in supported() {
                         force(Some(isa));
-                        for &t in &runnable_tiles() {
-                            let ours = sdpa_cpu_with(q, k, &v, &mask, 0, scale, Some(t))?;
+                        for (t, packing) in runnable_tiles() {
+                            let ours = sdpa_cpu_with(q, k, &v, &mask, 0, scale, Some(t), Some(packing))?;
                             let err = rel_err(&ours, &reference)?;
                             let what = format!(
-                                "{isa:?} {t:?} case {c} {:?} causal {:?}",
+                                "{isa:?} {t:?} {packing:?} case {c} {:?} causal {:?}",
                                 (b, h, l, s, d),
                                 mask.causal
                             );
@@ -788,15 +888,15 @@ mod tests {
                     let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(0.5), None)?.0;
                     for isa in supported() {
                         force(Some(isa));
-                        for &t in &tiles {
+                        for &(t, packing) in &tiles {
                             // Under a forced ISA, only the tiles it runs.
-                            if !runnable_tiles().contains(&t) {
+                            if !runnable_tiles().contains(&(t, packing)) {
                                 continue;
                             }
-                            let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, 0.5, Some(t))?;
+                            let ours = sdpa_cpu_with(&q, &k, &v, mask, 0, 0.5, Some(t), Some(packing))?;
                             if let Some(diff) = nan_aware_diff(&ours, &reference, 1e-5)? {
                                 force(None);
-                                panic!("{isa:?} {t:?} q_len {l}, {what}{at:?} = {x}, mask {mi}: {diff}");
+                                panic!("{isa:?} {t:?} {packing:?} q_len {l}, {what}{at:?} = {x}, mask {mi}: {diff}");
                             }
                             checked += 1;
                         }
@@ -821,7 +921,7 @@ mod tests {
             );
             let mask = Mask::causal(Causal::TopLeft);
             let reference = sdpa_reference(&q, &k, &v, &mask, 0, Some(1.), None)?.0;
-            let ours = sdpa_cpu_with(&q, &k, &v, &mask, 0, 1., None)?;
+            let ours = sdpa_cpu_with(&q, &k, &v, &mask, 0, 1., None, None)?;
             assert_eq!(ours.dims(), reference.dims());
             if dv > 0 {
                 assert!(rel_err(&ours, &reference)? < 1e-6, "head dims ({d}, {dv})");

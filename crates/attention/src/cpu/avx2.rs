@@ -2,10 +2,13 @@
 //! pre-packed keys and values: the path the kernel takes on x86-64 CPUs
 //! with AVX2 but no AVX-512 (where `gemm`'s own AVX-512 kernels win).
 //!
-//! Per call, every (batch, kv-head)'s keys are packed once into panels of
-//! [`NR`] keys (`Kᵀ` within a panel) and its values into panels of [`NR`]
-//! columns; every query block of every head sharing them reads them from
-//! there. A work unit walks key blocks of [`BLOCK_K`]
+//! Every (batch, kv-head)'s keys are packed into panels of [`NR`] keys
+//! (`Kᵀ` within a panel, by 8 × 8 register transposes) and its values into
+//! panels of [`NR`] columns; every query block of every head sharing them
+//! reads them from there. They are packed once per call, in parallel, or
+//! where each fits in half of L2 and there are enough of them, by each
+//! thread for the units it runs (`attention::Packing`), so that they are
+//! read back from that thread's L2. A work unit walks key blocks of [`BLOCK_K`]
 //! (packed K and V for a block fit in L2) and, inside, groups of [`MR`]
 //! query rows: scores for the group (`MR × BLOCK_K`, in L1), its online
 //! softmax, then `P · V` into the group's accumulators. A micro-kernel keeps
@@ -41,7 +44,7 @@ pub(super) fn available() -> bool {
     super::isa::current() >= super::isa::Isa::Avx2
 }
 
-/// Keys and values of every (batch, kv-head), packed for the micro-kernels.
+/// Keys and values of (batch, kv-head)s, packed for the micro-kernels.
 pub(super) struct Packed {
     /// Per (batch, kv-head): `ceil(kv_len / NR)` panels of `head_dim × NR`,
     /// key `p·NR + c`'s dim `e` at `p·head_dim·NR + e·NR + c`; zero past
@@ -51,6 +54,8 @@ pub(super) struct Packed {
     /// `j`'s column `p·NR + c` at `p·kv_len·NR + j·NR + c`; zero past `dv`.
     v: Vec<f32>,
     kv_heads: usize,
+    /// The first (batch, kv-head) held, as `batch · kv_heads + kv_head`.
+    first: usize,
     kt_len: usize,
     v_len: usize,
     /// `v_head_dim` rounded up to a multiple of `NR`.
@@ -58,35 +63,116 @@ pub(super) struct Packed {
 }
 
 impl Packed {
-    pub(super) fn new(p: &Problem, batch: usize, kv_heads: usize) -> Packed {
+    /// Every (batch, kv-head), packed in parallel into buffers from
+    /// [`KV_PACKS`] (handed back on drop).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    pub(super) unsafe fn new(p: &Problem, batch: usize, kv_heads: usize) -> Packed {
+        let (kt_len, v_len, _) = Self::lens(p);
+        let bufs = (
+            KV_PACKS.take(batch * kv_heads * kt_len),
+            KV_PACKS.take(batch * kv_heads * v_len),
+        );
+        // SAFETY: the caller's.
+        unsafe { Self::fill(p, kv_heads, 0, bufs, true) }
+    }
+
+    /// One (batch, kv-head), `pack = batch · kv_heads + kv_head`, packed on
+    /// this thread, into `bufs` where given (grown as needed;
+    /// [`Packed::release`] gives them back).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    pub(super) unsafe fn one(
+        p: &Problem,
+        kv_heads: usize,
+        pack: usize,
+        bufs: Option<(Vec<f32>, Vec<f32>)>,
+    ) -> Packed {
+        let (kt_len, v_len, _) = Self::lens(p);
+        let (mut kt, mut v) = bufs.unwrap_or_default();
+        kt.resize(kt_len, 0.);
+        v.resize(v_len, 0.);
+        // SAFETY: the caller's.
+        unsafe { Self::fill(p, kv_heads, pack, (kt, v), false) }
+    }
+
+    /// Whether this, from [`Packed::one`], holds (batch, kv-head) `pack`.
+    pub(super) fn holds(&self, pack: usize) -> bool {
+        self.first == pack
+    }
+
+    /// Bytes of one (batch, kv-head)'s packed keys and values.
+    pub(super) fn bytes_per_head(p: &Problem) -> usize {
+        let (kt_len, v_len, _) = Self::lens(p);
+        (kt_len + v_len) * 4
+    }
+
+    /// The buffers, for a later [`Packed::one`].
+    pub(super) fn release(mut self) -> (Vec<f32>, Vec<f32>) {
+        (std::mem::take(&mut self.kt), std::mem::take(&mut self.v))
+    }
+
+    /// Floats per (batch, kv-head) of packed keys and of packed values,
+    /// and `dvp`.
+    fn lens(p: &Problem) -> (usize, usize, usize) {
         let (_, s, d, dv) = p.dims;
         let dvp = dv.div_ceil(NR) * NR;
-        let kt_len = s.div_ceil(NR) * NR * d;
-        let v_len = s * dvp;
-        let mut kt = KV_PACKS.take(batch * kv_heads * kt_len);
-        let mut v = KV_PACKS.take(batch * kv_heads * v_len);
+        (s.div_ceil(NR) * NR * d, s * dvp, dvp)
+    }
+
+    /// Packs the (batch, kv-head)s from `first` that fill `bufs`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    unsafe fn fill(
+        p: &Problem,
+        kv_heads: usize,
+        first: usize,
+        bufs: (Vec<f32>, Vec<f32>),
+        parallel: bool,
+    ) -> Packed {
+        let (_, s, d, dv) = p.dims;
+        let (kt_len, v_len, dvp) = Self::lens(p);
+        let (mut kt, mut v) = bufs;
         // Every element is written, padding included: kept buffers hold
         // the last call's data.
-        kt.par_chunks_mut(kt_len).enumerate().for_each(|(i, dst)| {
-            let (bi, hi) = (i / kv_heads, i % kv_heads);
-            pack_panels(dst, s, d, |j| &p.k.data[p.k.offset(bi, hi, j)..][..d]);
-        });
-        v.par_chunks_mut(v_len).enumerate().for_each(|(i, dst)| {
-            let (bi, hi) = (i / kv_heads, i % kv_heads);
+        let pack_k = |(i, dst): (usize, &mut [f32])| {
+            let (bi, hi) = ((first + i) / kv_heads, (first + i) % kv_heads);
+            // SAFETY: the caller's.
+            unsafe { pack_panels(dst, s, d, |j| &p.k.data[p.k.offset(bi, hi, j)..][..d]) };
+        };
+        let pack_v = |(i, dst): (usize, &mut [f32])| {
+            let (bi, hi) = ((first + i) / kv_heads, (first + i) % kv_heads);
             for j in 0..s {
                 let src = &p.v.data[p.v.offset(bi, hi, j)..][..dv];
                 for (pc, panel) in dst.chunks_exact_mut(s * NR).enumerate() {
-                    let row = &mut panel[j * NR..][..NR];
-                    let cols = &src[(pc * NR).min(dv)..((pc + 1) * NR).min(dv)];
-                    row[..cols.len()].copy_from_slice(cols);
-                    row[cols.len()..].fill(0.);
+                    let row: &mut [f32; NR] = (&mut panel[j * NR..][..NR]).try_into().unwrap();
+                    match src[pc * NR..].first_chunk::<NR>() {
+                        // A whole panel row: a copy of known size, inlined.
+                        Some(cols) => *row = *cols,
+                        None => {
+                            let cols = &src[pc * NR..];
+                            row[..cols.len()].copy_from_slice(cols);
+                            row[cols.len()..].fill(0.);
+                        }
+                    }
                 }
             }
-        });
+        };
+        if parallel {
+            kt.par_chunks_mut(kt_len).enumerate().for_each(pack_k);
+            v.par_chunks_mut(v_len).enumerate().for_each(pack_v);
+        } else {
+            kt.chunks_mut(kt_len).enumerate().for_each(pack_k);
+            v.chunks_mut(v_len).enumerate().for_each(pack_v);
+        }
         Packed {
             kt,
             v,
             kv_heads,
+            first,
             kt_len,
             v_len,
             dvp,
@@ -97,20 +183,105 @@ impl Packed {
 /// Packs `rows` rows of `d` floats (`row(j)`) into `dst`: panels of `NR`
 /// rows, transposed within a panel (`row(p·NR + c)[e]` at `p·d·NR + e·NR +
 /// c`), zero past `rows`. Writes every element of `dst`.
-fn pack_panels<'a>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -> &'a [f32]) {
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn pack_panels<'a>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -> &'a [f32]) {
     for (pi, panel) in dst.chunks_exact_mut(d * NR).enumerate() {
-        for c in 0..NR {
-            let j = pi * NR + c;
-            if j < rows {
-                for (dims, &x) in panel.chunks_exact_mut(NR).zip(row(j)) {
-                    dims[c] = x;
-                }
-            } else {
-                for dims in panel.chunks_exact_mut(NR) {
-                    dims[c] = 0.;
+        for half in 0..NR / 8 {
+            let j0 = (pi * NR + half * 8).min(rows);
+            let srcs: [&[f32]; 8] = std::array::from_fn(|c| if j0 + c < rows { row(j0 + c) } else { &[] });
+            let n = (rows - j0).min(8);
+            // SAFETY: `n` rows of `d` floats; `d` rows of `NR` floats from
+            // column `half · 8` lie in the panel.
+            unsafe { transpose_into(&srcs[..n], d, 1., panel[half * 8..].as_mut_ptr(), NR, 8) };
+        }
+    }
+}
+
+/// `dst[e·ds + c] = rows[c][e] · scale` for the `d` dims `e` and the
+/// `lanes` (4 or 8) columns `c`, zero for `c >= rows.len()`: an 8 × 8
+/// register transpose per 8 dims.
+///
+/// # Safety
+/// The CPU must have AVX2; every row holds `d` floats, `rows.len() <=
+/// lanes`, and `dst` has room for `d` rows of stride `ds` of `lanes`
+/// floats.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn transpose_into(
+    rows: &[&[f32]],
+    d: usize,
+    scale: f32,
+    dst: *mut f32,
+    ds: usize,
+    lanes: usize,
+) {
+    debug_assert!(rows.len() <= lanes && (lanes == 4 || lanes == 8));
+    debug_assert!(rows.iter().all(|r| r.len() >= d));
+    let n = rows.len();
+    let sc = _mm256_set1_ps(scale);
+    let mut e = 0;
+    while e + 8 <= d {
+        let mut r = [_mm256_setzero_ps(); 8];
+        for (c, r) in r.iter_mut().enumerate() {
+            if c < n {
+                // SAFETY: dims e..e+8 of a row of `d`.
+                *r = _mm256_mul_ps(unsafe { _mm256_loadu_ps(rows[c].as_ptr().add(e)) }, sc);
+            }
+        }
+        for (k, t) in transpose8(r).into_iter().enumerate() {
+            // SAFETY: row `e + k < d` of `dst`, `lanes` floats.
+            unsafe {
+                let at = dst.add((e + k) * ds);
+                if lanes == 8 {
+                    _mm256_storeu_ps(at, t);
+                } else {
+                    _mm_storeu_ps(at, _mm256_castps256_ps128(t));
                 }
             }
         }
+        e += 8;
+    }
+    for e in e..d {
+        for c in 0..lanes {
+            // SAFETY: as above.
+            unsafe { *dst.add(e * ds + c) = rows.get(c).map_or(0., |r| r[e] * scale) };
+        }
+    }
+}
+
+/// The transpose of the 8 × 8 block whose rows are `r`.
+#[inline(always)]
+fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    // SAFETY: register shuffles; callers are compiled with AVX2.
+    unsafe {
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ]
     }
 }
 
@@ -147,27 +318,41 @@ impl Kernels {
 /// # Safety
 /// The CPU must have AVX2 and FMA ([`available`]), and AVX-512F for
 /// [`Kernels::Avx512`]; `packed` must come from this problem; the unit's
-/// output rows are its own.
-pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels: Kernels) {
+/// output rows are its own. Returns whether every output is finite.
+pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels: Kernels) -> bool {
     let Unit { bi, hi, i0, rows, .. } = unit;
     let (_, s, d, dv) = p.dims;
     let dvp = packed.dvp;
-    let pack = bi * packed.kv_heads + hi / p.heads_per_kv;
+    let pack = bi * packed.kv_heads + hi / p.heads_per_kv - packed.first;
     let kt = &packed.kt[pack * packed.kt_len..][..packed.kt_len];
     let vp = &packed.v[pack * packed.v_len..][..packed.v_len];
     // The block's queries, scaled: contiguous rows for the AVX2 kernel;
     // for the AVX-512 one, each group of its rows interleaved (dim `e` of
     // the group's rows at `e·MR`, see `avx512::scores`).
     let mr = kernels.rows();
+    let q_row = |r: usize| &p.q.data[p.q.offset(bi, hi, i0 + r)..][..d];
     let mut q = vec![0f32; rows.next_multiple_of(mr) * d];
-    for r in 0..rows {
-        let src = &p.q.data[p.q.offset(bi, hi, i0 + r)..][..d];
-        let (at, step) = match kernels {
-            Kernels::Avx2 => (r * d, 1),
-            Kernels::Avx512 => ((r - r % mr) * d + r % mr, mr),
-        };
-        for (e, &y) in src.iter().enumerate() {
-            q[at + e * step] = y * p.scale;
+    match kernels {
+        Kernels::Avx2 => {
+            for r in 0..rows {
+                for (y, &x) in q[r * d..][..d].iter_mut().zip(q_row(r)) {
+                    *y = x * p.scale;
+                }
+            }
+        }
+        Kernels::Avx512 => {
+            for g0 in (0..rows).step_by(mr) {
+                for (c0, lanes) in [(0, 8), (8, 4)] {
+                    let n = rows.saturating_sub(g0 + c0).min(lanes);
+                    let srcs: [&[f32]; 8] =
+                        std::array::from_fn(|c| if c < n { q_row(g0 + c0 + c) } else { &[] });
+                    // SAFETY: `n <= lanes` rows of `d`; the group's `d` rows
+                    // of `mr` floats lie in `q`.
+                    unsafe {
+                        transpose_into(&srcs[..n], d, p.scale, q[g0 * d + c0..].as_mut_ptr(), mr, lanes)
+                    };
+                }
+            }
         }
     }
     let mut acc = vec![0f32; rows * dvp];
@@ -270,7 +455,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             }
         }
     }
-    super::attention::write_rows(&acc, dvp, dv, &row_sum, unit);
+    super::attention::write_rows(&acc, dvp, dv, &row_sum, unit)
 }
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
