@@ -9,6 +9,7 @@
 //! cargo run --release --example bench_models -- stream 4
 //! cargo run --release --example bench_models -- linear 1576 768 2304
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
+//! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
 //! ```
 //!
@@ -21,6 +22,12 @@
 //! memory of a forward (the model and its input built, the peak reset). `sgemm N`: candle's `N × N` f32 matmul, the machine's
 //! measured rate that the other rows are judged against.
 //!
+//! `residual B`: a ViT-B/16 block's attention and MLP halves (random
+//! weights, norms left out) with their residual adds fused into the output
+//! projections (`MhaOptions::with_residual`, `PackedLinear::forward_add`)
+//! and as separate adds, in turn; the last field is the median of the
+//! rounds' ratios (separate over fused).
+//!
 //! `peak`: the FMA peak of each core, every core at once (24 independent
 //! chains of 512-bit FMAs, or 256-bit without AVX-512F). `stream MIB`:
 //! the rate each core reads a buffer of `MIB` MiB of its own, every core
@@ -31,7 +38,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::attention::{Causal, Mask};
+use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear};
 use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
@@ -242,6 +249,49 @@ fn main() -> Result<()> {
                 );
             }
         }
+        ["residual", batch] => {
+            // A ViT-B/16 block's two residual halves (norms left out), the
+            // adds fused into the output projections and as candle adds,
+            // in turn.
+            let batch: usize = batch.parse().context("residual takes a batch size")?;
+            let (dev, e) = (Device::Cpu, 768);
+            let r = |s: &[usize]| -> Result<Tensor> { Ok((Tensor::randn(0f32, 1., s, &dev)? * 0.02)?) };
+            let mha_weights = [
+                ("in_proj_weight", r(&[3 * e, e])?),
+                ("in_proj_bias", r(&[3 * e])?),
+                ("out_proj.weight", r(&[e, e])?),
+                ("out_proj.bias", r(&[e])?),
+            ]
+            .into_iter()
+            .map(|(name, t)| (name.to_string(), t))
+            .collect();
+            let mha = MultiheadAttention::new(
+                &MhaConfig::new(e, 12),
+                VarBuilder::from_tensors(mha_weights, DType::F32, &dev),
+            )?;
+            let fc1 = PackedLinear::new(r(&[4 * e, e])?, Some(r(&[4 * e])?))?;
+            let fc2 = PackedLinear::new(r(&[e, 4 * e])?, Some(r(&[e])?))?;
+            let x = Tensor::randn(0f32, 1., (batch, 197, e), &dev)?;
+            let times = alternating_ms(&mut [
+                &mut || {
+                    let opts = MhaOptions::new().with_residual(x.clone());
+                    let x = mha.forward_attn(&x, &x, &x, &opts)?.output;
+                    Ok(fc2.forward_add(&fc1.forward_gelu(&x)?, &x).map(drop)?)
+                },
+                &mut || {
+                    let x = (&x + mha.forward(&x)?)?;
+                    Ok((&x + fc2.forward(&fc1.forward_gelu(&x)?)?).map(drop)?)
+                },
+            ])?;
+            let ratios: Vec<f64> = times[1].iter().zip(&times[0]).map(|(sep, fused)| sep / fused).collect();
+            println!(
+                r#"{{"work": "ViT-B/16 block halves B{batch}", "fused_ms": {:.2}, "separate_adds_ms": {:.2}, "rounds": {}, "speed_fused": {:.3}}}"#,
+                median(&times[0]),
+                median(&times[1]),
+                ratios.len(),
+                median(&ratios)
+            );
+        }
         ["transformer", rest @ ..] => {
             // nn.Transformer(d_model=512, nhead=8, 6 + 6 layers,
             // batch_first=True): a B8 S64 T64 forward with a causal target
@@ -319,6 +369,7 @@ fn main() -> Result<()> {
         }
         _ => bail!(
             "usage: bench_models (peak | stream MIB | sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
+             | residual BATCH \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
     }

@@ -307,3 +307,54 @@ fn initialisation_follows_pytorch() -> Result<()> {
     );
     Ok(())
 }
+
+/// A residual passed in the options is added to the output, on the packed
+/// output projection (plain tensors) and on candle's (variables), in every
+/// input layout and through the cache; one of another shape is an error
+/// that names it.
+#[test]
+fn residual_option_adds_to_the_output_in_every_layout() -> Result<()> {
+    use multihead::attention::{KvCache, SeqLayout};
+    let (mha_vars, varmap) = random_mha(&MhaConfig::new(64, H))?;
+    let plain: HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
+        .collect();
+    let mha_plain = MultiheadAttention::new(
+        &MhaConfig::new(64, H),
+        VarBuilder::from_tensors(plain, DType::F32, &Device::Cpu),
+    )?;
+    for mha in [&mha_plain, &mha_vars] {
+        for (shape, layout) in [
+            (&[2, 5, 64][..], SeqLayout::BatchFirst),
+            (&[5, 2, 64][..], SeqLayout::SeqFirst),
+            (&[5, 64][..], SeqLayout::BatchFirst),
+        ] {
+            let (x, r) = (randn(shape)?, randn(shape)?);
+            let opts = MhaOptions::new().with_layout(layout);
+            let expected = (mha.forward_attn(&x, &x, &x, &opts)?.output + &r)?;
+            let ours = mha
+                .forward_attn(&x, &x, &x, &opts.clone().with_residual(r.clone()))?
+                .output;
+            assert_close(&format!("{layout:?} {shape:?}"), &ours, &expected, 1e-5)?;
+        }
+        let (x, r) = (randn(&[2, 5, 64])?, randn(&[2, 5, 64])?);
+        let expected = (mha
+            .forward_cached(&x, &mut KvCache::new(4), &MhaOptions::new())?
+            .output
+            + &r)?;
+        let ours = mha
+            .forward_cached(&x, &mut KvCache::new(4), &MhaOptions::new().with_residual(r))?
+            .output;
+        assert_close("forward_cached", &ours, &expected, 1e-5)?;
+        let err = mha
+            .forward_attn(&x, &x, &x, &MhaOptions::new().with_residual(randn(&[2, 4, 64])?))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("residual"), "{err}");
+    }
+    Ok(())
+}

@@ -345,6 +345,7 @@ impl MultiheadAttention {
         };
         let batch = |t: &Tensor| if unbatched { t.unsqueeze(0) } else { Ok(t.clone()) };
         let (query, k, v) = (batch(query)?, batch(k)?, batch(v)?);
+        let opts = &opts.map_residual(batch)?;
         let (b, l) = self.check_query(&query)?;
         let expected = (b, self.cfg.kv_heads(), self.cfg.head_dim());
         for (name, t) in [("k", &k), ("v", &v)] {
@@ -414,6 +415,7 @@ impl MultiheadAttention {
             ),
         };
         let x = if unbatched { x.unsqueeze(0)? } else { x.clone() };
+        let opts = &opts.map_residual(|r| if unbatched { r.unsqueeze(0) } else { Ok(r.clone()) })?;
         let (b, t) = self.check_query(&x)?;
         let (h, kvh) = (self.cfg.num_heads, self.cfg.kv_heads());
         let offset = cache.len();

@@ -131,6 +131,15 @@ impl PackedLinear {
         self.forward_range(x, (0, n), Epilogue::Relu)
     }
 
+    /// `residual + x · wᵀ + b`, a residual block's `x + layer(x)`: where
+    /// the weight is packed, the output tiles start from the residual, so
+    /// the add takes no pass, no output buffer and no parallel region of
+    /// its own. `residual` has the output's shape.
+    pub fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let (n, _) = self.dims()?;
+        self.forward_range_add(x, (0, n), Epilogue::Identity, Some(residual))
+    }
+
     /// Output features `lo..hi` only: `x · w[lo..hi]ᵀ + b[lo..hi]`. For
     /// the fused `(3E, E)` input projection, whose q, k and v rows a
     /// cross-attention call needs one at a time.
@@ -138,7 +147,19 @@ impl PackedLinear {
         self.forward_range(x, (lo, hi), Epilogue::Identity)
     }
 
-    fn forward_range(&self, x: &Tensor, (lo, hi): (usize, usize), epilogue: Epilogue) -> Result<Tensor> {
+    fn forward_range(&self, x: &Tensor, range: (usize, usize), epilogue: Epilogue) -> Result<Tensor> {
+        self.forward_range_add(x, range, epilogue, None)
+    }
+
+    /// `epilogue(x · w[lo..hi]ᵀ + b[lo..hi])`, plus `residual` (with
+    /// [`Epilogue::Identity`] only).
+    fn forward_range_add(
+        &self,
+        x: &Tensor,
+        (lo, hi): (usize, usize),
+        epilogue: Epilogue,
+        residual: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (n, k) = self.dims()?;
         if !(lo < hi && hi <= n) {
             bail!("PackedLinear: output features {lo}..{hi} out of 0..{n}")
@@ -147,13 +168,36 @@ impl PackedLinear {
         if dims.last() != Some(&k) {
             bail!("PackedLinear: input has shape {dims:?}, expected (..., {k}) features")
         }
-        let epilogue_of = |y: Tensor| match epilogue {
-            Epilogue::Identity => Ok(y),
-            Epilogue::GeluErf => y.gelu_erf(),
-            Epilogue::Relu => relu(&y),
+        let mut shape = dims.to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = hi - lo;
+        }
+        if let Some(r) = residual {
+            if r.dims() != shape {
+                bail!(
+                    "PackedLinear: residual has shape {:?}, expected the output's {shape:?}",
+                    r.dims()
+                )
+            }
+            debug_assert!(epilogue == Epilogue::Identity);
+        }
+        let epilogue_of = |y: Tensor| {
+            let y = match epilogue {
+                Epilogue::Identity => y,
+                Epilogue::GeluErf => y.gelu_erf()?,
+                Epilogue::Relu => relu(&y)?,
+            };
+            match residual {
+                Some(r) => r + y,
+                None => Ok(y),
+            }
         };
         let packed = match &self.inner {
-            Inner::Packed(p) if plain_cpu_f32(x) && p.serves_range(lo, hi) => p,
+            Inner::Packed(p)
+                if plain_cpu_f32(x) && residual.is_none_or(plain_cpu_f32) && p.serves_range(lo, hi) =>
+            {
+                p
+            }
             Inner::Packed(_) => {
                 let b = self.bias()?.map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
                 let lin = candle_nn::Linear::new(self.weight()?.narrow(0, lo, hi - lo)?, b);
@@ -168,18 +212,25 @@ impl PackedLinear {
         };
         let m = x.elem_count() / k.max(1);
         let x = x.contiguous()?;
+        let residual = residual.map(Tensor::contiguous).transpose()?;
         let out = {
             let (storage, layout) = x.storage_and_layout();
             let Storage::Cpu(cpu) = &*storage else {
                 bail!("PackedLinear: input is not on the CPU")
             };
             let xs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * k];
-            packed.forward(xs, m, (lo, hi), epilogue)
+            match &residual {
+                Some(r) => {
+                    let (storage, layout) = r.storage_and_layout();
+                    let Storage::Cpu(cpu) = &*storage else {
+                        bail!("PackedLinear: residual is not on the CPU")
+                    };
+                    let rs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * (hi - lo)];
+                    packed.forward(xs, m, (lo, hi), epilogue, Some(rs))
+                }
+                None => packed.forward(xs, m, (lo, hi), epilogue, None),
+            }
         };
-        let mut shape = dims.to_vec();
-        if let Some(last) = shape.last_mut() {
-            *last = hi - lo;
-        }
         Tensor::from_vec(out, shape, x.device())
     }
 }
@@ -201,7 +252,8 @@ mod tests {
     use crate::cpu::testing::{randn, rel_err};
 
     /// Packed for every instruction set the processor runs, the layer
-    /// equals candle's `Linear` (and `gelu_erf` after it) on shapes off the
+    /// equals candle's `Linear` (and `gelu_erf`, `relu` or a residual's
+    /// add after it) on shapes off the
     /// row group, panel, unit and reduction-slice sizes, with and without
     /// bias, for the whole output and for panel-aligned feature ranges,
     /// single rows included.
@@ -243,6 +295,9 @@ mod tests {
                 assert!(rel_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
                 let r = ours.forward_relu(&x)?;
                 assert!(rel_err(&r, &expected.relu()?)? < 1e-5, "{what} relu");
+                let residual = randn(expected.dims())?;
+                let a = ours.forward_add(&x, &residual)?;
+                assert!(rel_err(&a, &(&expected + &residual)?)? < 1e-5, "{what} residual");
                 // The unpacked weight is the weight.
                 assert_eq!(ours.weight()?.dims(), [n, k]);
                 if n >= 64 {

@@ -253,6 +253,7 @@ impl MultiheadAttention {
                 });
             }
         }
+        let opts = &opts.map_residual(to_batch_first)?;
         let (out, weights) = self.forward_batch_first(&q_in, &k_in, &v_in, &mask, opts)?;
         let (out, weights) = match (unbatched, opts.layout) {
             (true, _) => (out.squeeze(0)?, weights.map(|w| w.squeeze(0)).transpose()?),
@@ -410,7 +411,8 @@ impl MultiheadAttention {
     }
 
     /// Heads `(B, H, L, hd)`, `(B, H, S, hd)` → output projection of the
-    /// merged attention `(B, L, E)`, and the weights asked for. Weights and
+    /// merged attention `(B, L, E)` (plus `opts.residual`, batch-first
+    /// here), and the weights asked for. Weights and
     /// dropout need the reference path; otherwise `opts.path` decides. The
     /// last `appended` keys lie outside `mask`.
     pub(crate) fn attend(
@@ -443,7 +445,10 @@ impl MultiheadAttention {
         };
         // (B, L, E)
         let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.q_dim()))?;
-        let out = self.out_proj.forward(&out)?;
+        let out = match &opts.residual {
+            Some(residual) => self.out_proj.forward_add(&out, residual)?,
+            None => self.out_proj.forward(&out)?,
+        };
         let weights = match (opts.need_weights, weights) {
             (NeedWeights::PerHead, w) => w,
             (NeedWeights::Averaged, Some(w)) => Some(average_heads(&w)?),

@@ -1,6 +1,6 @@
 //! The options and outputs of a [`crate::MultiheadAttention`] call.
 
-use candle::Tensor;
+use candle::{Result, Tensor};
 
 use crate::mask::Mask;
 use crate::sdpa::AttnPath;
@@ -45,6 +45,10 @@ pub struct MhaOptions {
     /// Which attention implementation to use (default: the fastest that
     /// can serve the call).
     pub path: AttnPath,
+    /// Added to the output, a residual block's `x + attn(x)`: shaped as the
+    /// output. Where the output projection is packed, its tiles start from
+    /// it ([`crate::PackedLinear::forward_add`]).
+    pub residual: Option<Tensor>,
 }
 
 impl MhaOptions {
@@ -81,6 +85,21 @@ impl MhaOptions {
     pub fn with_train(mut self, train: bool) -> Self {
         self.train = train;
         self
+    }
+
+    /// Sets a tensor to add to the output (see [`MhaOptions::residual`]).
+    pub fn with_residual(mut self, residual: Tensor) -> Self {
+        self.residual = Some(residual);
+        self
+    }
+
+    /// These options with the residual passed through `f` (into the
+    /// batch-first layout the projections see).
+    pub(crate) fn map_residual(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
+            residual: self.residual.as_ref().map(f).transpose()?,
+            ..self.clone()
+        })
     }
 }
 

@@ -183,17 +183,22 @@ impl PackedWeight {
     }
 
     /// `epilogue(x · wᵀ + b)` for output features `lo..hi` (see
-    /// [`PackedWeight::serves_range`]): `x` is `m` rows of `k` floats;
-    /// returns `m` rows of `hi - lo` floats.
+    /// [`PackedWeight::serves_range`]), plus `residual` where given (with
+    /// [`Epilogue::Identity`] only): `x` is `m` rows of `k` floats,
+    /// `residual` `m` rows of `hi - lo`; returns `m` rows of `hi - lo`
+    /// floats. A residual is where the tiles start from (with the bias),
+    /// so that adding it back costs no pass of its own.
     pub(crate) fn forward(
         &self,
         x: &[f32],
         m: usize,
         (lo, hi): (usize, usize),
         epilogue: Epilogue,
+        residual: Option<&[f32]>,
     ) -> Vec<f32> {
-        debug_assert!(self.serves_range(lo, hi) && x.len() >= m * self.k);
         let (nr, k, width) = (self.nr(), self.k, hi - lo);
+        debug_assert!(self.serves_range(lo, hi) && x.len() >= m * k);
+        debug_assert!(residual.is_none_or(|r| r.len() == m * width && epilogue == Epilogue::Identity));
         let mut out: Vec<f32> = Vec::with_capacity(m * width);
         if m == 0 {
             return out;
@@ -204,6 +209,11 @@ impl PackedWeight {
             // SAFETY: one_row wrote the row's `width` floats.
             unsafe { out.set_len(width) };
             epilogue.apply(&mut out);
+            if let Some(residual) = residual {
+                for (y, r) in out.iter_mut().zip(residual) {
+                    *y += r;
+                }
+            }
             return out;
         }
         // AVX-512 reads x packed into groups of rows; AVX2 in place. A tile
@@ -262,10 +272,20 @@ impl PackedWeight {
                     // packing.
                     unsafe {
                         let dst = out.add(g * mr * width + c0);
-                        let bias = if k0 == 0 {
-                            self.bias[p * nr..].as_ptr()
-                        } else {
-                            std::ptr::null()
+                        let bias = match (k0, residual) {
+                            (0, None) => self.bias[p * nr..].as_ptr(),
+                            (0, Some(residual)) => {
+                                // The tile starts from the residual plus
+                                // the bias, and accumulates onto it.
+                                for r in 0..rows {
+                                    let res = &residual[(g * mr + r) * width + c0..][..cols];
+                                    for ((c, &y), &b) in res.iter().enumerate().zip(&self.bias[p * nr..]) {
+                                        dst.add(r * width + c).write(y + b);
+                                    }
+                                }
+                                std::ptr::null()
+                            }
+                            _ => std::ptr::null(),
                         };
                         // The next step's weights into L2, a share per
                         // row group, while this slice's are in L1.

@@ -54,13 +54,14 @@ impl Block {
 
     /// `(B, T, E)` → `(B, T, E)`, appending to `cache`.
     fn forward(&self, x: &Tensor, cache: &mut multihead_attention::KvCache) -> Result<Tensor> {
-        let a = self
+        // Each residual add is fused into its branch's output projection.
+        let opts = MhaOptions::new().with_residual(x.clone());
+        let x = self
             .attn
-            .forward_cached(&self.ln_1.forward(x)?, cache, &MhaOptions::new())?
+            .forward_cached(&self.ln_1.forward(x)?, cache, &opts)?
             .output;
-        let x = (x + a)?;
         let h = self.act.apply(&self.c_fc.forward(&self.ln_2.forward(&x)?)?)?;
-        x + self.c_proj.forward(&h)?
+        self.c_proj.forward_add(&h, &x)
     }
 }
 

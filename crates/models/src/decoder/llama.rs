@@ -31,9 +31,11 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `residual + mlp(x)`, the add fused into `down_proj`'s write-out.
+    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let gate = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(x)?)?)
+        self.down_proj
+            .forward_add(&(gate * self.up_proj.forward(x)?)?, residual)
     }
 }
 
@@ -83,12 +85,14 @@ impl Layer {
 
     /// `(B, T, E)` → `(B, T, E)`, appending to `cache`.
     fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let a = self
+        // Each residual add is fused into its branch's output projection.
+        let opts = MhaOptions::new().with_residual(x.clone());
+        let x = self
             .self_attn
-            .forward_cached(&self.input_layernorm.forward(x)?, cache, &MhaOptions::new())?
+            .forward_cached(&self.input_layernorm.forward(x)?, cache, &opts)?
             .output;
-        let x = (x + a)?;
-        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?
+        self.mlp
+            .forward_add(&self.post_attention_layernorm.forward(&x)?, &x)
     }
 }
 

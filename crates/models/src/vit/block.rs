@@ -84,6 +84,14 @@ impl Mlp {
     }
 }
 
+impl Mlp {
+    /// `residual + mlp(xs)`, the add fused into fc2's write-out where the
+    /// weight is packed.
+    pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.fc2.forward_add(&self.fc1.forward_gelu(xs)?, residual)
+    }
+}
+
 impl Module for Mlp {
     /// `(..., embed_dim)` → same.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
@@ -173,24 +181,39 @@ impl Block {
     ///   `attn.softmax(dim=-1)` output; a Hydra block returns no weights
     pub fn forward_attn(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.norm1.forward(xs)?;
-        let (a, weights) = match &self.attn {
-            Attention::Softmax(mha) => {
-                let out = mha.forward_attn(&h, &h, &h, &MhaOptions::new().with_weights(need_weights))?;
+        // Without layer scale, each residual add is fused into the write-out
+        // of the branch's last linear (no pass, buffer or thread hand-off of
+        // its own).
+        let (xs, weights) = match (&self.attn, &self.ls1) {
+            (Attention::Softmax(mha), None) => {
+                let opts = MhaOptions::new()
+                    .with_weights(need_weights)
+                    .with_residual(xs.clone());
+                let out = mha.forward_attn(&h, &h, &h, &opts)?;
                 (out.output, out.weights)
             }
-            Attention::Hydra(hydra) => (hydra.forward(&h)?, None),
+            (attn, ls) => {
+                let (a, weights) = match attn {
+                    Attention::Softmax(mha) => {
+                        let out =
+                            mha.forward_attn(&h, &h, &h, &MhaOptions::new().with_weights(need_weights))?;
+                        (out.output, out.weights)
+                    }
+                    Attention::Hydra(hydra) => (hydra.forward(&h)?, None),
+                };
+                let a = match ls {
+                    Some(ls) => ls.forward(&a)?,
+                    None => a,
+                };
+                ((xs + a)?, weights)
+            }
         };
-        let a = match &self.ls1 {
-            Some(ls) => ls.forward(&a)?,
-            None => a,
+        let h = self.norm2.forward(&xs)?;
+        let xs = match &self.ls2 {
+            Some(ls) => (&xs + ls.forward(&self.mlp.forward(&h)?)?)?,
+            None => self.mlp.forward_add(&h, &xs)?,
         };
-        let xs = (xs + a)?;
-        let m = self.mlp.forward(&self.norm2.forward(&xs)?)?;
-        let m = match &self.ls2 {
-            Some(ls) => ls.forward(&m)?,
-            None => m,
-        };
-        Ok(((xs + m)?, weights))
+        Ok((xs, weights))
     }
 }
 
