@@ -76,6 +76,27 @@ impl Epilogue {
     }
 }
 
+/// `silu(gate_up[.., :i]) · gate_up[.., i:]` for `rows` rows of `2i`
+/// floats, into `rows` rows of `i`; rows split over rayon's pool where
+/// there are enough of them.
+pub(crate) fn silu_and_mul(gate_up: &[f32], rows: usize, i: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows * i];
+    if i == 0 {
+        return out;
+    }
+    let row = |(o, x): (&mut [f32], &[f32])| simd::silu_mul(&x[..i], &x[i..], o);
+    // About 16 K outputs a task, as candle's elementwise ops take.
+    let per_task = (16 * 1024 / i).max(1);
+    if rows * i >= 64 * 1024 {
+        out.par_chunks_mut(per_task * i)
+            .zip(gate_up.par_chunks(per_task * 2 * i))
+            .for_each(|(o, x)| o.chunks_mut(i).zip(x.chunks(2 * i)).for_each(row));
+    } else {
+        out.chunks_mut(i).zip(gate_up.chunks(2 * i)).for_each(row);
+    }
+    out
+}
+
 /// A weight and bias in panel layout, for the instruction set it was
 /// packed for.
 pub(crate) struct PackedWeight {

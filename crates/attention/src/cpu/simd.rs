@@ -1,5 +1,6 @@
 //! Vectorised row operations: the online softmax and its `exp`, the mask
-//! application, the exact GELU, a finiteness check. Each is written once
+//! application, the exact GELU, SiLU times a gate's other half, a
+//! finiteness check. Each is written once
 //! as plain Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
 //! instruction set is picked at run time (`isa.rs`).
 
@@ -212,6 +213,19 @@ fn gelu_erf_impl(xs: &mut [f32]) {
     }
 }
 
+/// `silu(g) · u` elementwise, `silu(g) = g · σ(g)` with `σ(g) = 1 / (1 +
+/// e^-g)` from `z = e^-|g|` (`σ = 1 / (1 + z)` for `g >= 0`, `z / (1 + z)`
+/// below), so that `exp` only sees non-positive arguments. Branch-free, so
+/// it vectorises; NaN stays NaN.
+#[inline(always)]
+fn silu_mul_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let z = exp_nonpositive(-g.abs());
+        let num = if g < 0. { z } else { 1. };
+        *o = g * num / (1. + z) * u;
+    }
+}
+
 /// Whether every element is finite: `x · 0` is 0 for finite `x` and
 /// NaN otherwise, summed in independent lanes.
 #[inline(always)]
@@ -261,6 +275,7 @@ dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_h
 dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
 dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
 dispatch!(relu, relu_impl, (xs: &mut [f32]));
+dispatch!(silu_mul, silu_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 
 #[cfg(test)]
 mod tests {
