@@ -341,6 +341,8 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             }
         }
         Kernels::Avx512 => {
+            // A group's 12 rows as 8 + 4 transposed lanes.
+            const { assert!(super::avx512::MR == 12) };
             for g0 in (0..rows).step_by(mr) {
                 for (c0, lanes) in [(0, 8), (8, 4)] {
                     let n = rows.saturating_sub(g0 + c0).min(lanes);
