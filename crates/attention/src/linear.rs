@@ -163,6 +163,13 @@ impl PackedLinear {
         self.forward_range(x, (0, n), Epilogue::GeluErf)
     }
 
+    /// `gelu_tanh(x · wᵀ + b)` (PyTorch's `gelu(approximate='tanh')`, HF's
+    /// `gelu_new`), fused into the write-out where the weight is packed.
+    pub fn forward_gelu_tanh(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, _) = self.dims()?;
+        self.forward_range(x, (0, n), Epilogue::GeluTanh)
+    }
+
     /// `relu(x · wᵀ + b)`, the ReLU fused into the write-out where the
     /// weight is packed (NaN stays NaN, as in PyTorch).
     pub fn forward_relu(&self, x: &Tensor) -> Result<Tensor> {
@@ -224,6 +231,7 @@ impl PackedLinear {
             let y = match epilogue {
                 Epilogue::Identity => y,
                 Epilogue::GeluErf => y.gelu_erf()?,
+                Epilogue::GeluTanh => y.gelu()?,
                 Epilogue::Relu => relu(&y)?,
             };
             match residual {
@@ -291,8 +299,8 @@ mod tests {
     use crate::cpu::testing::{randn, rel_err};
 
     /// Packed for every instruction set the processor runs, the layer
-    /// equals candle's `Linear` (and `gelu_erf`, `relu` or a residual's
-    /// add after it) on shapes off the
+    /// equals candle's `Linear` (and `gelu_erf`, `gelu`, `relu` or a
+    /// residual's add after it) on shapes off the
     /// row group, panel, unit and reduction-slice sizes, with and without
     /// bias, for the whole output and for panel-aligned feature ranges,
     /// single rows included.
@@ -332,6 +340,8 @@ mod tests {
                 );
                 let g = ours.forward_gelu(&x)?;
                 assert!(rel_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
+                let g = ours.forward_gelu_tanh(&x)?;
+                assert!(rel_err(&g, &expected.gelu()?)? < 1e-5, "{what} gelu tanh");
                 let r = ours.forward_relu(&x)?;
                 assert!(rel_err(&r, &expected.relu()?)? < 1e-5, "{what} relu");
                 let residual = randn(expected.dims())?;

@@ -61,6 +61,8 @@ pub(crate) enum Epilogue {
     Identity,
     /// `x · Φ(x)`, the exact GELU (PyTorch's `approximate='none'`).
     GeluErf,
+    /// The tanh GELU (PyTorch's `approximate='tanh'`, HF's `gelu_new`).
+    GeluTanh,
     /// `max(x, 0)`, NaN kept (PyTorch's `relu`).
     Relu,
 }
@@ -71,6 +73,7 @@ impl Epilogue {
         match self {
             Epilogue::Identity => {}
             Epilogue::GeluErf => simd::gelu_erf(xs),
+            Epilogue::GeluTanh => simd::gelu_tanh(xs),
             Epilogue::Relu => simd::relu(xs),
         }
     }

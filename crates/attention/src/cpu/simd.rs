@@ -1,6 +1,6 @@
 //! Vectorised row operations: the online softmax and its `exp`, the mask
-//! application, the exact GELU, SiLU times a gate's other half, a
-//! finiteness check. Each is written once
+//! application, the exact and tanh GELUs, SiLU times a gate's other half,
+//! a finiteness check. Each is written once
 //! as plain Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
 //! instruction set is picked at run time (`isa.rs`).
 
@@ -213,6 +213,23 @@ fn gelu_erf_impl(xs: &mut [f32]) {
     }
 }
 
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` in place, the
+/// tanh GELU (PyTorch's `approximate='tanh'`, HF's `gelu_new`), as `x ·
+/// σ(2u)` with `u` the tanh's argument and `σ` from `z = e^-|2u|` as in
+/// [`silu_mul_impl`]: no cancellation for negative `x`. Branch-free, so it
+/// vectorises; NaN stays NaN.
+#[inline(always)]
+fn gelu_tanh_impl(xs: &mut [f32]) {
+    // 2 · √(2/π)
+    const TWO_C: f32 = 1.595_769;
+    for x in xs.iter_mut() {
+        let t = TWO_C * *x * (1. + 0.044_715 * *x * *x);
+        let z = exp_nonpositive(-t.abs());
+        let num = if t < 0. { z } else { 1. };
+        *x = *x * num / (1. + z);
+    }
+}
+
 /// `silu(g) · u` elementwise, `silu(g) = g · σ(g)` with `σ(g) = 1 / (1 +
 /// e^-g)` from `z = e^-|g|` (`σ = 1 / (1 + z)` for `g >= 0`, `z / (1 + z)`
 /// below), so that `exp` only sees non-positive arguments. Branch-free, so
@@ -274,6 +291,7 @@ dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &
 dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
 dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
 dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
+dispatch!(gelu_tanh, gelu_tanh_impl, (xs: &mut [f32]));
 dispatch!(relu, relu_impl, (xs: &mut [f32]));
 dispatch!(silu_mul, silu_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 
@@ -316,6 +334,27 @@ mod tests {
         let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
         super::gelu_erf(&mut special);
         // -inf · 0 is NaN, as candle's `gelu_erf` gives.
+        assert!(special[0].is_nan() && special[1].is_nan());
+        assert_eq!(special[2..], [f32::INFINITY, 0.]);
+    }
+
+    /// Against `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` in
+    /// f64 (std's `tanh`), and on NaN and infinities as candle's `gelu`.
+    #[test]
+    fn gelu_tanh_matches_its_formula() {
+        let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
+        let mut ys = xs.clone();
+        super::gelu_tanh(&mut ys);
+        let mut worst = 0f64;
+        for (&x, &y) in xs.iter().zip(&ys) {
+            let x = x as f64;
+            let u = (2. / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            let exact = 0.5 * x * (1. + u.tanh());
+            worst = worst.max((y as f64 - exact).abs() / x.abs().max(1.));
+        }
+        assert!(worst < 1e-6, "worst error {worst:e} (relative to max(1, |x|))");
+        let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
+        super::gelu_tanh(&mut special);
         assert!(special[0].is_nan() && special[1].is_nan());
         assert_eq!(special[2..], [f32::INFINITY, 0.]);
     }

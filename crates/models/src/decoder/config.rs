@@ -183,6 +183,21 @@ impl Activation {
         })
     }
 
+    /// `act(linear(x))`, the activation fused into the linear's write-out
+    /// where the linear can (both GELUs and ReLU).
+    pub(crate) fn forward_fused(
+        self,
+        linear: &multihead_attention::PackedLinear,
+        x: &candle::Tensor,
+    ) -> Result<candle::Tensor> {
+        match self {
+            Self::GeluTanh => linear.forward_gelu_tanh(x),
+            Self::GeluErf => linear.forward_gelu(x),
+            Self::Relu => linear.forward_relu(x),
+            Self::Silu => self.apply(&candle::Module::forward(linear, x)?),
+        }
+    }
+
     pub(crate) fn apply(self, x: &candle::Tensor) -> Result<candle::Tensor> {
         match self {
             Self::GeluTanh => x.gelu(),

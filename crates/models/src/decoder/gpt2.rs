@@ -60,7 +60,7 @@ impl Block {
             .attn
             .forward_cached(&self.ln_1.forward(x)?, cache, &opts)?
             .output;
-        let h = self.act.apply(&self.c_fc.forward(&self.ln_2.forward(&x)?)?)?;
+        let h = self.act.forward_fused(&self.c_fc, &self.ln_2.forward(&x)?)?;
         self.c_proj.forward_add(&h, &x)
     }
 }
