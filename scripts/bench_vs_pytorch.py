@@ -185,61 +185,73 @@ def models(args, env):
 
 
 def decoders(args, env):
-    """A Llama-shaped decoder (GQA, rotary), random weights saved once and
-    loaded by both: one decode step over a 2048-position cache, and a
-    512-token prefill, HF transformers (its default attention) vs ours."""
+    """A Llama-shaped decoder (GQA, rotary, SwiGLU) and a GPT-2-shaped one
+    (learned positions, tanh GELU), random weights saved once and loaded by
+    both: one decode step over a 2048-position cache, and a 512-token
+    prefill, HF transformers (its default attention) vs ours."""
     import tempfile
 
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     from transformers.cache_utils import DynamicCache
 
     exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
     subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=8000, max_position_embeddings=4096, rope_theta=10000.0,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    tmp = tempfile.mkdtemp()
-    model.save_pretrained(tmp, safe_serialization=True)
-    print(f"weights: {tmp} (for target/release/examples/bench_models decoder {tmp})")
     cache_len, prompt_len = 2048, 512
-    ids = lambda n: torch.tensor([[(i * 7919 + 13) % cfg.vocab_size for i in range(n)]])
+    models = {
+        "Llama-shaped: hidden 512, 4 layers, 8 heads / 2 kv heads, SwiGLU 1408, vocab 8000": (
+            LlamaForCausalLM,
+            LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                        num_key_value_heads=2, vocab_size=8000, max_position_embeddings=4096,
+                        rope_theta=10000.0, tie_word_embeddings=False),
+        ),
+        "GPT-2-shaped: n_embd 512, 4 layers, 8 heads, gelu_new 2048, vocab 8000": (
+            GPT2LMHeadModel,
+            GPT2Config(n_embd=512, n_layer=4, n_head=8, vocab_size=8000, n_positions=4096),
+        ),
+    }
+    for label, (cls, cfg) in models.items():
+        torch.manual_seed(0)
+        model = cls(cfg).eval()
+        tmp = tempfile.mkdtemp()
+        model.save_pretrained(tmp, safe_serialization=True)
+        print(f"weights: {tmp} (for target/release/examples/bench_models decoder {tmp})")
+        ids = lambda n: torch.tensor([[(i * 7919 + 13) % cfg.vocab_size for i in range(n)]])
 
-    with torch.no_grad():
-        cache = DynamicCache(config=cfg)
-        model(ids(cache_len), past_key_values=cache, use_cache=True)
-        token = ids(1)
-        pos = torch.tensor([[cache_len]])
+        with torch.no_grad():
+            cache = DynamicCache(config=cfg)
+            model(ids(cache_len), past_key_values=cache, use_cache=True)
+            token = ids(1)
+            pos = torch.tensor([[cache_len]])
 
-        def step():
-            model(token, past_key_values=cache, position_ids=pos, use_cache=True)
-            cache.crop(-1)
+            def step():
+                model(token, past_key_values=cache, position_ids=pos, use_cache=True)
+                cache.crop(-1)
 
-        prompt = ids(prompt_len)
-        theirs_fn = {
-            f"decode step, cache {cache_len}": lambda: median_ms(step),
-            f"prefill {prompt_len} tokens": lambda: median_ms(lambda: model(prompt, use_cache=True)),
-        }
-        rounds = []
-        for _ in range(args.rounds):
-            out = subprocess.run([exe, "decoder", tmp, str(cache_len), str(prompt_len)], cwd=ROOT, env=env,
-                                 check=True, capture_output=True, text=True).stdout
-            ours = {r["work"]: r for r in map(json.loads, out.splitlines())}
-            rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
-    med = statistics.median
-    print(f"torch {torch.__version__}, transformers {transformers.__version__} "
-          f"({model.config._attn_implementation} attention), {args.threads} threads, f32, "
-          f"Llama-shaped: hidden 512, 4 layers, 8 heads / 2 kv heads, vocab 8000; medians in ms over {args.rounds} rounds")
-    print()
-    print("| work | HF transformers | ours | HF / ours |")
-    print("|---|---|---|---|")
-    for work in theirs_fn:
-        pt = [t[work] for _, t in rounds]
-        ours = [o[work]["median_ms"] for o, _ in rounds]
-        ratio = med([p / o for p, o in zip(pt, ours)])
-        print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** |")
+            prompt = ids(prompt_len)
+            theirs_fn = {
+                f"decode step, cache {cache_len}": lambda: median_ms(step),
+                f"prefill {prompt_len} tokens": lambda: median_ms(lambda: model(prompt, use_cache=True)),
+            }
+            rounds = []
+            for _ in range(args.rounds):
+                out = subprocess.run([exe, "decoder", tmp, str(cache_len), str(prompt_len)], cwd=ROOT, env=env,
+                                     check=True, capture_output=True, text=True).stdout
+                ours = {r["work"]: r for r in map(json.loads, out.splitlines())}
+                rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
+        med = statistics.median
+        print(f"torch {torch.__version__}, transformers {transformers.__version__} "
+              f"({model.config._attn_implementation} attention), {args.threads} threads, f32, "
+              f"{label}; medians in ms over {args.rounds} rounds")
+        print()
+        print("| work | HF transformers | ours | HF / ours |")
+        print("|---|---|---|---|")
+        for work in theirs_fn:
+            pt = [t[work] for _, t in rounds]
+            ours = [o[work]["median_ms"] for o, _ in rounds]
+            ratio = med([p / o for p, o in zip(pt, ours)])
+            print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** |")
+        print()
 
 
 def main():
@@ -247,7 +259,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
-    ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped decoder against HF transformers")
+    ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")
     args = ap.parse_args()
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     if args.decoders:
