@@ -16,6 +16,7 @@ use super::simd;
 
 /// Bytes of one (batch, kv-head)'s packed keys and values up to which
 /// threads pack their own ([`Packing::PerThread`]): half of a 2 MiB L2.
+#[cfg(target_arch = "x86_64")]
 const HEAD_PACK_MAX: usize = 1 << 20;
 
 thread_local! {
@@ -304,6 +305,8 @@ fn sdpa_cpu_with(
                     }
                     return Ok(());
                 }
+                // Only the packed tiles pack.
+                let _ = packing;
                 super::par_for(units.len(), work, |u| {
                     let (bi, hi, i0) = units[u];
                     if !problem.run_block(unit(bi, hi, i0)) {
