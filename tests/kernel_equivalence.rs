@@ -148,17 +148,7 @@ fn mha_fast_path_equals_reference_path() -> Result<()> {
     )?;
     // Plain copies of the initialised weights: variables would force the
     // reference path.
-    let plain = varmap
-        .data()
-        .lock()
-        .map_err(|_| anyhow::anyhow!("poisoned VarMap lock"))?
-        .iter()
-        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
-        .collect();
-    let extra = MultiheadAttention::new(
-        &cfg,
-        candle_nn::VarBuilder::from_tensors(plain, DType::F32, &Device::Cpu),
-    )?;
+    let extra = MultiheadAttention::new(&cfg, common::plain_copy(&varmap)?)?;
     let masks = [
         Mask::causal(Causal::TopLeft),
         Mask::causal(Causal::TopLeft).with_key_padding(KeyPaddingMask::from_lengths(

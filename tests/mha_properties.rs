@@ -316,17 +316,7 @@ fn initialisation_follows_pytorch() -> Result<()> {
 fn residual_option_adds_to_the_output_in_every_layout() -> Result<()> {
     use multihead::attention::{KvCache, SeqLayout};
     let (mha_vars, varmap) = random_mha(&MhaConfig::new(64, H))?;
-    let plain: HashMap<String, Tensor> = varmap
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
-        .collect();
-    let mha_plain = MultiheadAttention::new(
-        &MhaConfig::new(64, H),
-        VarBuilder::from_tensors(plain, DType::F32, &Device::Cpu),
-    )?;
+    let mha_plain = MultiheadAttention::new(&MhaConfig::new(64, H), common::plain_copy(&varmap)?)?;
     for mha in [&mha_plain, &mha_vars] {
         for (shape, layout) in [
             (&[2, 5, 64][..], SeqLayout::BatchFirst),

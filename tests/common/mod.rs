@@ -7,6 +7,24 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 
+/// A builder over plain copies of `varmap`'s variables, so that a module
+/// built on it takes the packed and tiled paths (variables would force the
+/// differentiable ones).
+pub fn plain_copy(varmap: &candle_nn::VarMap) -> Result<candle_nn::VarBuilder<'static>> {
+    let plain: HashMap<String, Tensor> = varmap
+        .data()
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned VarMap lock"))?
+        .iter()
+        .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
+        .collect();
+    Ok(candle_nn::VarBuilder::from_tensors(
+        plain,
+        DType::F32,
+        &Device::Cpu,
+    ))
+}
+
 /// `tests/fixtures/<sub>`; `MULTIHEAD_FIXTURES` names another fixtures folder
 /// (test binaries carried to a machine where the checkout lives elsewhere).
 pub fn fixture_dir(sub: &str) -> PathBuf {

@@ -305,7 +305,8 @@ fn sdpa_cpu_with(
                     }
                     return Ok(());
                 }
-                // Only the packed tiles pack.
+                // Only the packed tiles (x86-64) pack.
+                #[cfg(not(target_arch = "x86_64"))]
                 let _ = packing;
                 super::par_for(units.len(), work, |u| {
                     let (bi, hi, i0) = units[u];

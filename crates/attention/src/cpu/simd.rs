@@ -297,6 +297,21 @@ dispatch!(silu_mul, silu_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 
 #[cfg(test)]
 mod tests {
+    /// `f`'s worst error against `exact` (in f64) over `-12..=12` in steps
+    /// of 1e-3, relative to `max(1, |x|)`; and `f` of NaN, -inf, +inf, 0.
+    fn against(f: fn(&mut [f32]), exact: impl Fn(f64) -> f64) -> (f64, [f32; 4]) {
+        let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
+        let mut ys = xs.clone();
+        f(&mut ys);
+        let worst = xs.iter().zip(&ys).fold(0f64, |worst, (&x, &y)| {
+            let x = x as f64;
+            worst.max((y as f64 - exact(x)).abs() / x.abs().max(1.))
+        });
+        let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
+        f(&mut special);
+        (worst, special)
+    }
+
     /// Against `x · (1 + erf(x / √2)) / 2` in f64, with `erf` from its
     /// Taylor series (|x| <= 3) and continued fraction (beyond).
     #[test]
@@ -321,18 +336,10 @@ mod tests {
                 x.signum() * (1. - erfc)
             }
         }
-        let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
-        let mut ys = xs.clone();
-        super::gelu_erf(&mut ys);
-        let mut worst = 0f64;
-        for (&x, &y) in xs.iter().zip(&ys) {
-            let x = x as f64;
-            let exact = 0.5 * x * (1. + erf(x / std::f64::consts::SQRT_2));
-            worst = worst.max((y as f64 - exact).abs() / x.abs().max(1.));
-        }
+        let (worst, special) = against(super::gelu_erf, |x| {
+            0.5 * x * (1. + erf(x / std::f64::consts::SQRT_2))
+        });
         assert!(worst < 1e-6, "worst error {worst:e} (relative to max(1, |x|))");
-        let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
-        super::gelu_erf(&mut special);
         // -inf · 0 is NaN, as candle's `gelu_erf` gives.
         assert!(special[0].is_nan() && special[1].is_nan());
         assert_eq!(special[2..], [f32::INFINITY, 0.]);
@@ -342,19 +349,11 @@ mod tests {
     /// f64 (std's `tanh`), and on NaN and infinities as candle's `gelu`.
     #[test]
     fn gelu_tanh_matches_its_formula() {
-        let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
-        let mut ys = xs.clone();
-        super::gelu_tanh(&mut ys);
-        let mut worst = 0f64;
-        for (&x, &y) in xs.iter().zip(&ys) {
-            let x = x as f64;
+        let (worst, special) = against(super::gelu_tanh, |x| {
             let u = (2. / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
-            let exact = 0.5 * x * (1. + u.tanh());
-            worst = worst.max((y as f64 - exact).abs() / x.abs().max(1.));
-        }
+            0.5 * x * (1. + u.tanh())
+        });
         assert!(worst < 1e-6, "worst error {worst:e} (relative to max(1, |x|))");
-        let mut special = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.];
-        super::gelu_tanh(&mut special);
         assert!(special[0].is_nan() && special[1].is_nan());
         assert_eq!(special[2..], [f32::INFINITY, 0.]);
     }
