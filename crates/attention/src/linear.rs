@@ -303,16 +303,20 @@ mod tests {
     /// residual's add after it) on shapes off the
     /// row group, panel, unit and reduction-slice sizes, with and without
     /// bias, for the whole output and for panel-aligned feature ranges,
-    /// single rows included.
+    /// single rows included; on 3 threads, so that units split the row
+    /// groups as well as the panels.
     #[test]
     fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
         let shapes = [
             (2, 97, 33, 37, true),
             (1, 197, 768, 2304, true),
             (3, 250, 300, 16, false),
-            // Past one unit's 384 rows and 4 panels, a last panel of 8
-            // features (AVX-512's 32-wide panels) and a short last slice.
+            // Past one unit's 256 features, a last panel of 8 features
+            // (AVX-512's 32-wide panels), two slices on AVX2.
             (1, 400, 600, 200, true),
+            // Two slices on AVX-512 too; 12 rows (one tall group) and 13.
+            (1, 12, 1000, 300, true),
+            (1, 13, 1000, 300, false),
             (2, 5, 40, 70, true),
             (1, 1, 8, 96, true),
             // One row (a decode step): AVX-512's one-row kernel, one task
@@ -322,47 +326,51 @@ mod tests {
             (1, 1, 300, 7, true),
         ];
         let _lock = crate::cpu::isa::FORCE_LOCK.lock();
-        for isa in supported() {
-            force(Some(isa));
-            for (batch, rows, k, n, bias) in shapes {
-                let x = randn(&[batch, rows, k])?;
-                let (w, b) = (randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
-                let expected = candle_nn::Linear::new(w.clone(), b.clone()).forward(&x)?;
-                let ours = PackedLinear::new(w, b)?;
-                assert_eq!(ours.is_packed(), isa != Isa::Portable, "{isa:?}");
-                let what = format!("{isa:?} ({batch}, {rows}, {k}) x ({n}, {k})");
-                let y = ours.forward(&x)?;
-                assert_eq!(y.dims(), expected.dims(), "{what}");
-                assert!(
-                    rel_err(&y, &expected)? < 1e-5,
-                    "{what}: {:e}",
-                    rel_err(&y, &expected)?
-                );
-                let g = ours.forward_gelu(&x)?;
-                assert!(rel_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
-                let g = ours.forward_gelu_tanh(&x)?;
-                assert!(rel_err(&g, &expected.gelu()?)? < 1e-5, "{what} gelu tanh");
-                let r = ours.forward_relu(&x)?;
-                assert!(rel_err(&r, &expected.relu()?)? < 1e-5, "{what} relu");
-                let residual = randn(expected.dims())?;
-                let a = ours.forward_add(&x, &residual)?;
-                assert!(rel_err(&a, &(&expected + &residual)?)? < 1e-5, "{what} residual");
-                // The unpacked weight is the weight.
-                assert_eq!(ours.weight()?.dims(), [n, k]);
-                if n >= 64 {
-                    let part = ours.forward_features(&x, 32, 64)?;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| -> Result<()> {
+            for isa in supported() {
+                force(Some(isa));
+                for (batch, rows, k, n, bias) in shapes {
+                    let x = randn(&[batch, rows, k])?;
+                    let (w, b) = (randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
+                    let expected = candle_nn::Linear::new(w.clone(), b.clone()).forward(&x)?;
+                    let ours = PackedLinear::new(w, b)?;
+                    assert_eq!(ours.is_packed(), isa != Isa::Portable, "{isa:?}");
+                    let what = format!("{isa:?} ({batch}, {rows}, {k}) x ({n}, {k})");
+                    let y = ours.forward(&x)?;
+                    assert_eq!(y.dims(), expected.dims(), "{what}");
                     assert!(
-                        rel_err(&part, &expected.narrow(2, 32, 32)?)? < 1e-5,
-                        "{what} features 32..64"
+                        rel_err(&y, &expected)? < 1e-5,
+                        "{what}: {:e}",
+                        rel_err(&y, &expected)?
+                    );
+                    let g = ours.forward_gelu(&x)?;
+                    assert!(rel_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
+                    let g = ours.forward_gelu_tanh(&x)?;
+                    assert!(rel_err(&g, &expected.gelu()?)? < 1e-5, "{what} gelu tanh");
+                    let r = ours.forward_relu(&x)?;
+                    assert!(rel_err(&r, &expected.relu()?)? < 1e-5, "{what} relu");
+                    let residual = randn(expected.dims())?;
+                    let a = ours.forward_add(&x, &residual)?;
+                    assert!(rel_err(&a, &(&expected + &residual)?)? < 1e-5, "{what} residual");
+                    // The unpacked weight is the weight.
+                    assert_eq!(ours.weight()?.dims(), [n, k]);
+                    if n >= 64 {
+                        let part = ours.forward_features(&x, 32, 64)?;
+                        assert!(
+                            rel_err(&part, &expected.narrow(2, 32, 32)?)? < 1e-5,
+                            "{what} features 32..64"
+                        );
+                    }
+                    let tail = ours.forward_features(&x, n - 5, n)?;
+                    assert!(
+                        rel_err(&tail, &expected.narrow(2, n - 5, 5)?)? < 1e-5,
+                        "{what} last 5 features"
                     );
                 }
-                let tail = ours.forward_features(&x, n - 5, n)?;
-                assert!(
-                    rel_err(&tail, &expected.narrow(2, n - 5, 5)?)? < 1e-5,
-                    "{what} last 5 features"
-                );
             }
-        }
+            Ok(())
+        })?;
         force(None);
         Ok(())
     }

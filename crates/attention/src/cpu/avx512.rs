@@ -304,10 +304,11 @@ pub(super) const LINEAR_NR: usize = 32;
 
 /// The two linear micro-kernels, each 24 accumulators: tall (12 rows by
 /// a panel, 2 panel loads and 12 broadcasts per 24 FMAs) and wide (6 rows
-/// by two panels, 4 loads and 6 broadcasts). On the README's Xeon, in
-/// alternating runs of `bench_models linear` with builds that differed only
-/// in the tile, each was ahead on its side of 256 rows, by about the
-/// host's noise.
+/// by two panels, 4 loads and 6 broadcasts). Wide takes every call of more
+/// than 12 rows: on the README's Xeon, with the row group's inputs in L1
+/// and the panels streaming from L2, it was ahead of tall at every ViT and
+/// transformer shape tried, by 3 to 15 %; tall keeps calls of one group,
+/// which then read each panel once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum LinearTile {
     Tall,
@@ -317,7 +318,7 @@ pub(super) enum LinearTile {
 impl LinearTile {
     /// The kernel for a call of `m` rows.
     pub(super) fn for_rows(m: usize) -> LinearTile {
-        if m > 256 {
+        if m > 12 {
             LinearTile::Wide
         } else {
             LinearTile::Tall
@@ -345,8 +346,7 @@ fn lanes(n: usize) -> __mmask16 {
 /// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[e·MR + r] ·
 /// w[e·LINEAR_NR + c]` over `kc` inputs (`MR` the tile's rows); `init` is
 /// the bias, or, when null, the output itself (a later slice of the
-/// reduction adds to it). The first `prefetch.1` steps each prefetch one
-/// line from `prefetch.0` on into L2.
+/// reduction adds to it).
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents (`x` holds `MR` floats per
@@ -363,13 +363,12 @@ pub(super) unsafe fn linear_tile(
     init: *const f32,
     out: *mut f32,
     out_rs: usize,
-    prefetch: (*const f32, usize),
 ) {
     macro_rules! go {
         ($mr:literal, $v:literal, $($r:literal)*) => {
             match rows {
-                $($r => linear_tile_rows::<$r, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),)*
-                _ => linear_tile_rows::<$mr, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),
+                $($r => linear_tile_rows::<$r, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs),)*
+                _ => linear_tile_rows::<$mr, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs),
             }
         };
     }
@@ -394,7 +393,6 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
     init: *const f32,
     out: *mut f32,
     out_rs: usize,
-    (pf, pf_lines): (*const f32, usize),
 ) {
     let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(cols.saturating_sub(16 * v)));
     // SAFETY: (the block) inside the extents the caller vouched for; lanes
@@ -417,9 +415,6 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
         let wp: [*const f32; V] = std::array::from_fn(|v| w.wrapping_add((v / 2) * w_next + (v % 2) * 16));
         let mut x = x;
         for e in 0..kc {
-            if e < pf_lines {
-                _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 16) as *const i8);
-            }
             let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(wp[v].add(e * LINEAR_NR)));
             for (r, c) in c.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*x.add(r));

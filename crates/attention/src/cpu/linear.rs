@@ -10,18 +10,20 @@
 //! - **AVX2**: panels of 16 for the attention's 6 × 16 micro-kernel
 //!   (`avx2.rs`), which reads the rows of `x` in place;
 //! - **AVX-512**: panels of 32 for two `zmm` micro-kernels (`avx512.rs`):
-//!   12 rows by one panel for calls of up to 256 rows, 6 rows by two
+//!   12 rows by one panel for calls of up to 12 rows, 6 rows by two
 //!   panels for more ([`super::avx512::LinearTile`]), which read the rows
 //!   of `x` packed per call into groups of 12 or 6 (`[input][row]`, so each
 //!   step broadcasts consecutive floats); for a single row (a decoder's
 //!   step), `avx512::one_row`, which streams each panel once.
 //!
-//! A work unit is a block of rows by a block of panels; inside it, each
-//! tile's panel slices ([`KC`] inputs in all) stay in L1 while the unit's
-//! row groups stream past them from L2, and the next slice is prefetched
-//! into L2. Units run on rayon's pool. The bias starts the
-//! accumulators, and the epilogue (GELU or ReLU) runs on each tile as its
-//! last slice is written, while it is in L1.
+//! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
+//! by a block of row groups, all of them unless the threads need more
+//! units; inside it, as in BLIS and `gemm`, one row group's slice of the
+//! inputs stays in L1 while the unit's panel slices stream past it from L2,
+//! where they stay across the row groups. Units run on rayon's pool. The
+//! bias (or the residual) starts the accumulators, and the epilogue (GELU
+//! or ReLU) runs on each tile as its last slice is written, while it is in
+//! L1.
 
 use rayon::prelude::*;
 
@@ -30,18 +32,47 @@ use super::isa::Isa;
 use super::simd;
 use super::ROW_PACKS;
 
-/// Inputs per slice of the reduction: a panel slice of `KC · nr` floats
-/// (16 KiB on AVX2, 32 KiB on AVX-512) stays in L1.
-const KC: usize = 256;
-/// Row groups and panels per work unit, at most: a unit reads each of its
-/// panels' weights once from L3 (prefetched into L2 while the previous
-/// slice runs) and reuses each slice from L1 across its row groups, whose
-/// inputs for one slice (at most 32 · 12 · 256 floats, 384 KiB) stay in L2.
-const GROUPS_PER_UNIT: usize = 32;
-const PANELS_PER_UNIT: usize = 4;
 /// Multiply-adds (or floats packed) from which a call's work is spread
 /// over rayon's pool.
 const PARALLEL_FROM: usize = 1 << 16;
+
+/// Inputs per slice of the reduction, at most, for `isa`: a unit's panel
+/// slices (`slice_len · UNIT_FEATURES` floats, 768 KiB on AVX-512, 384 KiB
+/// on AVX2 for the 512 KiB L2 of AVX2-only Zen parts) stay in L2, a row
+/// group's inputs (18 KiB, 9 KiB) in L1. On the README's Xeon, in
+/// alternating one-thread runs at ViT shapes, slices of 384 and 768 inputs
+/// were level with or ahead of 256.
+fn slice_len(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 => 768,
+        _ => 384,
+    }
+}
+
+/// Output features per work unit, at most.
+const UNIT_FEATURES: usize = 256;
+
+/// `(panels, row groups)` per work unit for `panels` panels of `nr`
+/// features, `groups` row groups and `threads` threads, a tile covering
+/// `tp` panels: panel blocks are halved (down to one tile) and then the
+/// row groups split until the units share out evenly over the threads, or
+/// there are 8 a thread.
+fn unit_shape(panels: usize, groups: usize, nr: usize, tp: usize, threads: usize) -> (usize, usize) {
+    let mut ppu = (UNIT_FEATURES / nr).max(tp);
+    let uneven = |blocks: usize| !blocks.is_multiple_of(threads) && blocks < 8 * threads;
+    while ppu > tp && uneven(panels.div_ceil(ppu)) {
+        ppu = (ppu / 2).div_ceil(tp) * tp;
+    }
+    let blocks = panels.div_ceil(ppu);
+    // Groups per unit for `chunks` chunks, and the units they make.
+    let gpu = |chunks: usize| groups.div_ceil(chunks);
+    let units = |chunks: usize| blocks * groups.div_ceil(gpu(chunks));
+    let mut chunks = 1;
+    while chunks < groups && uneven(units(chunks)) {
+        chunks += 1;
+    }
+    (ppu, gpu(chunks))
+}
 
 /// Output features per panel for `isa`.
 fn panel_width(isa: Isa) -> usize {
@@ -254,108 +285,97 @@ impl PackedWeight {
             Isa::Avx2 => (super::avx2::MR, 1, None),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
-        // The tile's panel slices (KC · nr floats each) stay in L1 together.
-        let kc_max = KC / tp;
+        // Slices of the reduction of at most `slice_len` inputs, of equal
+        // length.
+        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa)));
         let groups = m.div_ceil(mr);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
-        let units: Vec<(usize, usize)> = (0..groups)
-            .step_by(GROUPS_PER_UNIT)
-            .flat_map(|g0| (p_lo..p_hi).step_by(PANELS_PER_UNIT).map(move |p0| (g0, p0)))
+        let threads = if m * width * k > PARALLEL_FROM {
+            rayon::current_num_threads()
+        } else {
+            1
+        };
+        let (ppu, gpu) = unit_shape(p_hi - p_lo, groups, nr, tp, threads);
+        let units: Vec<(usize, usize)> = (p_lo..p_hi)
+            .step_by(ppu)
+            .flat_map(|p0| (0..groups).step_by(gpu).map(move |g0| (p0, g0)))
             .collect();
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        let run = |&(g0, p0): &(usize, usize)| {
+        let run = |&(p0, g0): &(usize, usize)| {
             let out = out_ptr.get();
-            let g1 = (g0 + GROUPS_PER_UNIT).min(groups);
-            let p1 = (p0 + PANELS_PER_UNIT).min(p_hi);
-            // The unit's (input slice, panel) steps, slice-major: a
-            // slice's inputs stay in L2 across the unit's panels, each
-            // tile's slice of a panel in L1 across its row groups.
-            let steps: Vec<(usize, usize)> = (0..k)
-                .step_by(kc_max)
-                .flat_map(|k0| (p0..p1).step_by(tp).map(move |p| (k0, p)))
-                .collect();
-            for (i, &(k0, p)) in steps.iter().enumerate() {
+            let g1 = (g0 + gpu).min(groups);
+            let p1 = (p0 + ppu).min(p_hi);
+            // Slice-major, then row groups, then tiles: a row group's slice
+            // of inputs stays in L1 while the unit's panel slices (at most
+            // `slice_len · UNIT_FEATURES` floats) stream past it from L2.
+            for k0 in (0..k).step_by(kc_max) {
                 let kc = kc_max.min(k - k0);
-                // The next step's first panel slice (its second follows
-                // `k · nr` floats on and is prefetched by the hardware),
-                // and its cache lines.
-                let next = steps.get(i + 1).map(|&(k1, p)| {
-                    let lines = kc_max.min(k - k1) * nr / 16;
-                    (self.panels()[p * k * nr + k1 * nr..].as_ptr(), lines)
-                });
-                let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
-                let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
                 for g in g0..g1 {
                     let rows = mr.min(m - g * mr);
-                    // SAFETY: rows g·mr.. (`rows` of them) and columns
-                    // c0..c0 + cols of the m × width output are this
-                    // unit's alone and in bounds; the first slice
-                    // writes them before later ones read them; the
-                    // kernels read in-bounds inputs and panel p's
-                    // slice; `self.isa` was current, so detected, when
-                    // packing.
-                    unsafe {
-                        let dst = out.add(g * mr * width + c0);
-                        let bias = match (k0, residual) {
-                            (0, None) => self.bias[p * nr..].as_ptr(),
-                            (0, Some(residual)) => {
-                                // The tile starts from the residual plus
-                                // the bias, and accumulates onto it.
-                                for r in 0..rows {
-                                    let res = &residual[(g * mr + r) * width + c0..][..cols];
-                                    for ((c, &y), &b) in res.iter().enumerate().zip(&self.bias[p * nr..]) {
-                                        dst.add(r * width + c).write(y + b);
+                    for p in (p0..p1).step_by(tp) {
+                        let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
+                        let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
+                        // SAFETY: rows g·mr.. (`rows` of them) and columns
+                        // c0..c0 + cols of the m × width output are this
+                        // unit's alone and in bounds; the first slice
+                        // writes them before later ones read them; the
+                        // kernels read in-bounds inputs and panel p's
+                        // slice; `self.isa` was current, so detected, when
+                        // packing.
+                        unsafe {
+                            let dst = out.add(g * mr * width + c0);
+                            let bias = match (k0, residual) {
+                                (0, None) => self.bias[p * nr..].as_ptr(),
+                                (0, Some(residual)) => {
+                                    // The tile starts from the residual
+                                    // plus the bias, and accumulates onto
+                                    // it.
+                                    for r in 0..rows {
+                                        let res = &residual[(g * mr + r) * width + c0..][..cols];
+                                        for ((c, &y), &b) in res.iter().enumerate().zip(&self.bias[p * nr..])
+                                        {
+                                            dst.add(r * width + c).write(y + b);
+                                        }
                                     }
+                                    std::ptr::null()
                                 }
-                                std::ptr::null()
+                                _ => std::ptr::null(),
+                            };
+                            match &packed_x {
+                                #[cfg(target_arch = "x86_64")]
+                                Some(xp) => super::avx512::linear_tile(
+                                    tile,
+                                    rows,
+                                    cols,
+                                    kc,
+                                    xp[(g * k + k0) * mr..].as_ptr(),
+                                    (w, k * nr),
+                                    bias,
+                                    dst,
+                                    width,
+                                ),
+                                _ => self.avx2_tile(
+                                    rows,
+                                    cols,
+                                    x[g * mr * k + k0..].as_ptr(),
+                                    kc,
+                                    w,
+                                    bias,
+                                    dst,
+                                    width,
+                                ),
                             }
-                            _ => std::ptr::null(),
-                        };
-                        // The next step's weights into L2, a share per
-                        // row group, while this slice's are in L1.
-                        let prefetch = match next {
-                            Some((next, lines)) => {
-                                let ng = g1 - g0;
-                                let (a, b) = (lines * (g - g0) / ng, lines * (g - g0 + 1) / ng);
-                                (next.wrapping_add(a * 16), (b - a).min(kc))
-                            }
-                            _ => (std::ptr::null(), 0),
-                        };
-                        match &packed_x {
-                            #[cfg(target_arch = "x86_64")]
-                            Some(xp) => super::avx512::linear_tile(
-                                tile,
-                                rows,
-                                cols,
-                                kc,
-                                xp[(g * k + k0) * mr..].as_ptr(),
-                                (w, k * nr),
-                                bias,
-                                dst,
-                                width,
-                                prefetch,
-                            ),
-                            _ => self.avx2_tile(
-                                rows,
-                                cols,
-                                x[g * mr * k + k0..].as_ptr(),
-                                kc,
-                                w,
-                                bias,
-                                dst,
-                                width,
-                            ),
-                        }
-                        if k0 + kc == k && epilogue != Epilogue::Identity {
-                            for r in 0..rows {
-                                epilogue.apply(std::slice::from_raw_parts_mut(dst.add(r * width), cols));
+                            if k0 + kc == k && epilogue != Epilogue::Identity {
+                                for r in 0..rows {
+                                    epilogue.apply(std::slice::from_raw_parts_mut(dst.add(r * width), cols));
+                                }
                             }
                         }
                     }
                 }
             }
         };
-        if m * width * k > PARALLEL_FROM {
+        if threads > 1 {
             units.par_iter().for_each(run);
         } else {
             units.iter().for_each(run);
@@ -491,4 +511,38 @@ fn pack_rows(x: &[f32], m: usize, k: usize, mr: usize) -> Vec<f32> {
         xp.chunks_mut(k * mr).enumerate().for_each(pack);
     }
     xp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{unit_shape, UNIT_FEATURES};
+
+    /// Units are whole tiles of at most `UNIT_FEATURES` features, and they
+    /// share out evenly over the threads (or number 8 a thread, or can be
+    /// split no further).
+    #[test]
+    fn units_share_out_evenly() {
+        for (nr, tp) in [(16, 1), (32, 1), (32, 2)] {
+            for threads in 1..=5 {
+                for panels in 1..80 {
+                    for groups in 1..40 {
+                        let (ppu, gpu) = unit_shape(panels, groups, nr, tp, threads);
+                        let what =
+                            format!("nr {nr} tp {tp}, {threads} threads, {panels} panels, {groups} groups");
+                        assert!(
+                            ppu >= tp && ppu.is_multiple_of(tp) && ppu * nr <= UNIT_FEATURES,
+                            "{what}"
+                        );
+                        assert!((1..=groups).contains(&gpu), "{what}");
+                        let units = panels.div_ceil(ppu) * groups.div_ceil(gpu);
+                        let finest = ppu == tp && gpu == 1;
+                        assert!(
+                            units.is_multiple_of(threads) || units >= 8 * threads || finest,
+                            "{what}: {units} units of {ppu} panels by {gpu} groups"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
