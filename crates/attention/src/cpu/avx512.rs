@@ -346,7 +346,8 @@ fn lanes(n: usize) -> __mmask16 {
 /// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[e·MR + r] ·
 /// w[e·LINEAR_NR + c]` over `kc` inputs (`MR` the tile's rows); `init` is
 /// the bias, or, when null, the output itself (a later slice of the
-/// reduction adds to it).
+/// reduction adds to it). Lines `0..prefetch.1` from each non-null
+/// pointer of `prefetch.0` on are prefetched into L2, two a step.
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents (`x` holds `MR` floats per
@@ -363,12 +364,13 @@ pub(super) unsafe fn linear_tile(
     init: *const f32,
     out: *mut f32,
     out_rs: usize,
+    prefetch: ([*const f32; 2], usize),
 ) {
     macro_rules! go {
         ($mr:literal, $v:literal, $($r:literal)*) => {
             match rows {
-                $($r => linear_tile_rows::<$r, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs),)*
-                _ => linear_tile_rows::<$mr, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs),
+                $($r => linear_tile_rows::<$r, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),)*
+                _ => linear_tile_rows::<$mr, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),
             }
         };
     }
@@ -393,6 +395,7 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
     init: *const f32,
     out: *mut f32,
     out_rs: usize,
+    (pf, pf_lines): ([*const f32; 2], usize),
 ) {
     let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(cols.saturating_sub(16 * v)));
     // SAFETY: (the block) inside the extents the caller vouched for; lanes
@@ -415,6 +418,16 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
         let wp: [*const f32; V] = std::array::from_fn(|v| w.wrapping_add((v / 2) * w_next + (v % 2) * 16));
         let mut x = x;
         for e in 0..kc {
+            if 2 * e < pf_lines {
+                for pf in pf {
+                    if !pf.is_null() {
+                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 32) as *const i8);
+                        if 2 * e + 1 < pf_lines {
+                            _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 32 + 16) as *const i8);
+                        }
+                    }
+                }
+            }
             let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(wp[v].add(e * LINEAR_NR)));
             for (r, c) in c.iter_mut().enumerate() {
                 let a = _mm512_set1_ps(*x.add(r));

@@ -19,11 +19,13 @@
 //! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
 //! by a block of row groups, all of them unless the threads need more
 //! units; inside it, as in BLIS and `gemm`, one row group's slice of the
-//! inputs stays in L1 while the unit's panel slices stream past it from L2,
-//! where they stay across the row groups. Units run on rayon's pool. The
-//! bias (or the residual) starts the accumulators, and the epilogue (GELU
-//! or ReLU) runs on each tile as its last slice is written, while it is in
-//! L1.
+//! inputs stays in L1 while the unit's panel slices stream past it from
+//! L2, where they stay across the row groups. On AVX-512 the weights read
+//! next (the next slice's or unit's, or for one row group the next
+//! tile's) are prefetched into L2 meanwhile, a share per tile. Units run
+//! on rayon's pool. The bias (or the residual) starts the accumulators,
+//! and the epilogue (GELU or ReLU) runs on each tile as its last slice is
+//! written, while it is in L1.
 
 use rayon::prelude::*;
 
@@ -36,18 +38,14 @@ use super::ROW_PACKS;
 /// over rayon's pool.
 const PARALLEL_FROM: usize = 1 << 16;
 
-/// Inputs per slice of the reduction, at most, for `isa`: a unit's panel
-/// slices (`slice_len · UNIT_FEATURES` floats, 768 KiB on AVX-512, 384 KiB
-/// on AVX2 for the 512 KiB L2 of AVX2-only Zen parts) stay in L2, a row
-/// group's inputs (18 KiB, 9 KiB) in L1. On the README's Xeon, in
-/// alternating one-thread runs at ViT shapes, slices of 384 and 768 inputs
-/// were level with or ahead of 256.
-fn slice_len(isa: Isa) -> usize {
-    match isa {
-        Isa::Avx512 => 768,
-        _ => 384,
-    }
-}
+/// Inputs per slice of the reduction, at most: a unit's panel slices
+/// (`SLICE · UNIT_FEATURES` floats, 384 KiB) and the next ones prefetched
+/// beside them stay in L2 (1 MiB on Zen 4, 512 KiB on the AVX2-only Zen
+/// parts), a row group's inputs (9 KiB on AVX-512, 6 rows of them on
+/// AVX2) in L1. On the README's Xeon, with the weights prefetched, 384
+/// was level with or ahead of 768 (ViT-B/16 B1 in alternating runs in one
+/// process: 1.05x).
+const SLICE: usize = 384;
 
 /// Output features per work unit, at most.
 const UNIT_FEATURES: usize = 256;
@@ -285,9 +283,9 @@ impl PackedWeight {
             Isa::Avx2 => (super::avx2::MR, 1, None),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
-        // Slices of the reduction of at most `slice_len` inputs, of equal
+        // Slices of the reduction of at most `SLICE` inputs, of equal
         // length.
-        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa)));
+        let kc_max = k.div_ceil(k.div_ceil(SLICE));
         let groups = m.div_ceil(mr);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let threads = if m * width * k > PARALLEL_FROM {
@@ -301,19 +299,62 @@ impl PackedWeight {
             .flat_map(|p0| (0..groups).step_by(gpu).map(move |g0| (p0, g0)))
             .collect();
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        let run = |&(p0, g0): &(usize, usize)| {
+        // The weights a unit reads next, prefetched into L2 while it runs
+        // on those in cache: `(first panel, end of its block, input)` of
+        // the panels after tile `p` at slice `k0`, for a unit of one row
+        // group (the next tile's, which the tile now running leaves time
+        // to fetch), or of the block after slice `k0`, shared out over the
+        // unit's row groups: the unit's next slice, else the next unit's
+        // block (the next a thread runs, but where rayon splits the range).
+        let next_weights = |u: usize, k0: usize, p: usize| -> Option<(usize, usize, usize)> {
+            let (p0, g0) = units[u];
+            let (g1, p1) = ((g0 + gpu).min(groups), (p0 + ppu).min(p_hi));
+            if g1 - g0 == 1 && p + tp < p1 {
+                Some((p + tp, p1, k0))
+            } else if k0 + kc_max < k {
+                Some((p0, p1, k0 + kc_max))
+            } else {
+                let &(q0, _) = units.get(u + 1).filter(|&&(q0, _)| q0 != p0)?;
+                Some((q0, (q0 + ppu).min(p_hi), 0))
+            }
+        };
+        let run = |u: usize| {
+            let (p0, g0) = units[u];
             let out = out_ptr.get();
             let g1 = (g0 + gpu).min(groups);
             let p1 = (p0 + ppu).min(p_hi);
             // Slice-major, then row groups, then tiles: a row group's slice
             // of inputs stays in L1 while the unit's panel slices (at most
-            // `slice_len · UNIT_FEATURES` floats) stream past it from L2.
+            // `SLICE · UNIT_FEATURES` floats) stream past it from L2.
             for k0 in (0..k).step_by(kc_max) {
                 let kc = kc_max.min(k - k0);
                 for g in g0..g1 {
                     let rows = mr.min(m - g * mr);
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
+                        // This tile's share of the next weights: the whole
+                        // next tile for one row group, else this row
+                        // group's share of the lines of the next block's
+                        // panels matching this tile's; two lines a step.
+                        let prefetch = match next_weights(u, k0, p) {
+                            Some((q, q1, k1)) => {
+                                let (q, (i, ng)) = match g1 - g0 {
+                                    1 => (q, (0, 1)),
+                                    ng => (q + (p - p0), (g - g0, ng)),
+                                };
+                                let lines = kc_max.min(k - k1) * nr / 16;
+                                let (a, b) = (lines * i / ng, lines * (i + 1) / ng);
+                                let at = |q: usize| match q < q1 {
+                                    true => self.panels()[q * k * nr + k1 * nr + a * 16..].as_ptr(),
+                                    false => std::ptr::null(),
+                                };
+                                (
+                                    [at(q), if tp > 1 { at(q + 1) } else { std::ptr::null() }],
+                                    (b - a).min(2 * kc),
+                                )
+                            }
+                            None => ([std::ptr::null(); 2], 0),
+                        };
                         let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
                         // SAFETY: rows g·mr.. (`rows` of them) and columns
                         // c0..c0 + cols of the m × width output are this
@@ -353,6 +394,7 @@ impl PackedWeight {
                                     bias,
                                     dst,
                                     width,
+                                    prefetch,
                                 ),
                                 _ => self.avx2_tile(
                                     rows,
@@ -376,9 +418,9 @@ impl PackedWeight {
             }
         };
         if threads > 1 {
-            units.par_iter().for_each(run);
+            (0..units.len()).into_par_iter().for_each(run);
         } else {
-            units.iter().for_each(run);
+            (0..units.len()).for_each(run);
         }
         if let Some(xp) = packed_x {
             ROW_PACKS.keep(xp);
