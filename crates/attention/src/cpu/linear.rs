@@ -20,12 +20,12 @@
 //! by a block of row groups, all of them unless the threads need more
 //! units; inside it, as in BLIS and `gemm`, one row group's slice of the
 //! inputs stays in L1 while the unit's panel slices stream past it from
-//! L2, where they stay across the row groups. On AVX-512 the weights read
-//! next (the next slice's or unit's, or for one row group the next
-//! tile's) are prefetched into L2 meanwhile, a share per tile. Units run
-//! on rayon's pool. The bias (or the residual) starts the accumulators,
-//! and the epilogue (GELU or ReLU) runs on each tile as its last slice is
-//! written, while it is in L1.
+//! L2, where they stay across the row groups. On AVX-512 a unit of one
+//! row group (a decoder's step at batch ≤ 12) prefetches its next tile's
+//! weights into L2 as it runs each tile. Units run on rayon's pool. The
+//! bias (or the residual) starts the accumulators, and the epilogue (GELU
+//! or ReLU) runs on each tile as its last slice is written, while it is in
+//! L1.
 
 use rayon::prelude::*;
 
@@ -39,12 +39,10 @@ use super::ROW_PACKS;
 const PARALLEL_FROM: usize = 1 << 16;
 
 /// Inputs per slice of the reduction, at most: a unit's panel slices
-/// (`SLICE · UNIT_FEATURES` floats, 384 KiB) and the next ones prefetched
-/// beside them stay in L2 (1 MiB on Zen 4, 512 KiB on the AVX2-only Zen
-/// parts), a row group's inputs (9 KiB on AVX-512, 6 rows of them on
-/// AVX2) in L1. On the README's Xeon, with the weights prefetched, 384
-/// was level with or ahead of 768 (ViT-B/16 B1 in alternating runs in one
-/// process: 1.05x).
+/// (`SLICE · UNIT_FEATURES` floats, 384 KiB) stay in L2 beside the inputs
+/// (1 MiB on Zen 4, 512 KiB on the AVX2-only Zen parts), a row group's
+/// inputs (9 KiB on AVX-512, 6 rows of them on AVX2) in L1. On the
+/// README's Xeon 384 was level with 768 at ViT-B/16 shapes, or ahead.
 const SLICE: usize = 384;
 
 /// Output features per work unit, at most.
@@ -299,22 +297,24 @@ impl PackedWeight {
             .flat_map(|p0| (0..groups).step_by(gpu).map(move |g0| (p0, g0)))
             .collect();
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        // The weights a unit reads next, prefetched into L2 while it runs
-        // on those in cache: `(first panel, end of its block, input)` of
-        // the panels after tile `p` at slice `k0`, for a unit of one row
-        // group (the next tile's, which the tile now running leaves time
-        // to fetch), or of the block after slice `k0`, shared out over the
-        // unit's row groups: the unit's next slice, else the next unit's
-        // block (the next a thread runs, but where rayon splits the range).
+        // For a unit of one row group, which reads each panel slice once
+        // and is bound by fetching them, the panels read after tile `p` at
+        // slice `k0`, prefetched into L2 while it runs: `(panel, end of its
+        // block, input)` of the unit's next tile, else the next slice's
+        // first, else the next unit's (the next a thread runs, but where
+        // rayon splits the range). Units of more row groups reuse each
+        // slice from L2, and the hardware's prefetch serves them as well.
         let next_weights = |u: usize, k0: usize, p: usize| -> Option<(usize, usize, usize)> {
             let (p0, g0) = units[u];
-            let (g1, p1) = ((g0 + gpu).min(groups), (p0 + ppu).min(p_hi));
-            if g1 - g0 == 1 && p + tp < p1 {
+            let p1 = (p0 + ppu).min(p_hi);
+            if (g0 + gpu).min(groups) - g0 > 1 {
+                None
+            } else if p + tp < p1 {
                 Some((p + tp, p1, k0))
             } else if k0 + kc_max < k {
                 Some((p0, p1, k0 + kc_max))
             } else {
-                let &(q0, _) = units.get(u + 1).filter(|&&(q0, _)| q0 != p0)?;
+                let &(q0, _) = units.get(u + 1)?;
                 Some((q0, (q0 + ppu).min(p_hi), 0))
             }
         };
@@ -332,25 +332,17 @@ impl PackedWeight {
                     let rows = mr.min(m - g * mr);
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
-                        // This tile's share of the next weights: the whole
-                        // next tile for one row group, else this row
-                        // group's share of the lines of the next block's
-                        // panels matching this tile's; two lines a step.
+                        // The next tile's panel slices, two lines a step.
                         let prefetch = match next_weights(u, k0, p) {
                             Some((q, q1, k1)) => {
-                                let (q, (i, ng)) = match g1 - g0 {
-                                    1 => (q, (0, 1)),
-                                    ng => (q + (p - p0), (g - g0, ng)),
-                                };
-                                let lines = kc_max.min(k - k1) * nr / 16;
-                                let (a, b) = (lines * i / ng, lines * (i + 1) / ng);
                                 let at = |q: usize| match q < q1 {
-                                    true => self.panels()[q * k * nr + k1 * nr + a * 16..].as_ptr(),
+                                    true => self.panels()[q * k * nr + k1 * nr..].as_ptr(),
                                     false => std::ptr::null(),
                                 };
+                                let lines = kc_max.min(k - k1) * nr / 16;
                                 (
                                     [at(q), if tp > 1 { at(q + 1) } else { std::ptr::null() }],
-                                    (b - a).min(2 * kc),
+                                    lines.min(2 * kc),
                                 )
                             }
                             None => ([std::ptr::null(); 2], 0),
