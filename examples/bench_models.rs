@@ -7,7 +7,7 @@
 //! cargo run --release --example bench_models -- sgemm 2048
 //! cargo run --release --example bench_models -- peak
 //! cargo run --release --example bench_models -- stream 4
-//! cargo run --release --example bench_models -- linear 1576 768 2304
+//! cargo run --release --example bench_models -- linear 1576 768 2304 [LAYERS]
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
@@ -21,6 +21,11 @@
 //! given timm state_dict or on random weights, and the peak resident
 //! memory of a forward (the model and its input built, the peak reset). `sgemm N`: candle's `N × N` f32 matmul, the machine's
 //! measured rate that the other rows are judged against.
+//!
+//! `linear M K N [LAYERS]`: a `PackedLinear`, candle's `Linear` and
+//! candle's matmul on the same `(M, K) x (K, N)` product, in turn; with
+//! `LAYERS`, that many layers of their own weights one after another, so
+//! that the weights come from memory as a model's do.
 //!
 //! `residual B`: a ViT-B/16 block's attention and MLP halves (random
 //! weights, norms left out) with their residual adds fused into the output
@@ -218,32 +223,44 @@ fn main() -> Result<()> {
             let gflops = 2. * (n as f64).powi(3) / (ms * 1e-3) / 1e9;
             println!(r#"{{"work": "sgemm {n}", "median_ms": {ms:.3}, "gflops": {gflops:.1}}}"#);
         }
-        ["linear", m, k, n] => {
-            // One packed linear against candle's matmul on the same shapes.
+        ["linear", m, k, n, rest @ ..] => {
+            // One packed linear against candle's matmul on the same shapes;
+            // with LAYERS, that many of them, each with its own weights,
+            // run one after another, as a model's are, so that the
+            // weights come from memory rather than cache.
             let (m, k, n): (usize, usize, usize) = (m.parse()?, k.parse()?, n.parse()?);
+            let layers: usize = rest.first().map_or(Ok(1), |l| l.parse()).context("LAYERS")?;
             let x = Tensor::randn(0f32, 1., (m, k), &Device::Cpu)?;
-            let w = Tensor::randn(0f32, 1., (n, k), &Device::Cpu)?;
-            let packed = multihead::attention::PackedLinear::new(w.clone(), None)?;
-            let linear = candle_nn::Linear::new(w.clone(), None);
-            let wt = w.t()?.contiguous()?;
-            let gflop = 2. * (m * k * n) as f64 / 1e9;
+            let mut paths = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..layers {
+                let w = Tensor::randn(0f32, 1., (n, k), &Device::Cpu)?;
+                paths.0.push(multihead::attention::PackedLinear::new(w.clone(), None)?);
+                paths.1.push(candle_nn::Linear::new(w.clone(), None));
+                paths.2.push(w.t()?.contiguous()?);
+            }
+            let (packed, linear, wt) = paths;
+            let gflop = 2. * (m * k * n * layers) as f64 / 1e9;
             // The three paths in turn, each round; the ratio is the median
             // of the rounds' ratios to the (k, n) matmul.
             let times = alternating_ms(&mut [
-                &mut || Ok(packed.forward(&x).map(drop)?),
-                &mut || Ok(linear.forward(&x).map(drop)?),
-                &mut || Ok(x.matmul(&wt).map(drop)?),
+                &mut || packed.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
+                &mut || linear.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
+                &mut || wt.iter().try_for_each(|wt| Ok(x.matmul(wt).map(drop)?)),
             ])?;
             let paths = [
                 "PackedLinear",
                 "candle_nn::Linear",
                 "candle matmul, (k, n) weight",
             ];
+            let work = match layers {
+                1 => format!("linear {m}x{k} -> {n}"),
+                _ => format!("linear {m}x{k} -> {n}, {layers} layers"),
+            };
             for (path, path_times) in paths.iter().zip(&times) {
                 let ms = median(path_times);
                 let ratios: Vec<f64> = path_times.iter().zip(&times[2]).map(|(t, m)| m / t).collect();
                 println!(
-                    r#"{{"work": "linear {m}x{k} -> {n}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}, "speed_vs_matmul": {:.3}}}"#,
+                    r#"{{"work": "{work}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}, "speed_vs_matmul": {:.3}}}"#,
                     gflop / (ms * 1e-3),
                     median(&ratios)
                 );
@@ -368,7 +385,7 @@ fn main() -> Result<()> {
             );
         }
         _ => bail!(
-            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
+            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
              | residual BATCH \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
