@@ -43,14 +43,34 @@ impl FeedForward {
     }
 }
 
+impl FeedForward {
+    /// `activation(linear1(x))`, the activation fused into linear1's
+    /// write-out where the weight is packed.
+    fn hidden(&self, xs: &Tensor) -> Result<Tensor> {
+        match self.activation {
+            Activation::Gelu => self.linear1.forward_gelu(xs),
+            Activation::Relu => self.linear1.forward_relu(xs),
+        }
+    }
+
+    /// `residual + ff(x)`, the pre-norm block's add fused into linear2's
+    /// write-out where the weight is packed.
+    fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.linear2.forward_add(&self.hidden(xs)?, residual)
+    }
+}
+
 impl Module for FeedForward {
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let hidden = match self.activation {
-            // Fused into linear1's write-out where the weight is packed.
-            Activation::Gelu => self.linear1.forward_gelu(xs)?,
-            Activation::Relu => self.linear1.forward_relu(xs)?,
-        };
-        self.linear2.forward(&hidden)
+        self.linear2.forward(&self.hidden(xs)?)
+    }
+}
+
+/// The options with `residual` added to the output, where given.
+fn plus(opts: MhaOptions, residual: Option<&Tensor>) -> MhaOptions {
+    match residual {
+        Some(residual) => opts.with_residual(residual.clone()),
+        None => opts,
     }
 }
 
@@ -95,19 +115,24 @@ impl TransformerEncoderLayer {
     ///   `(seq, batch, d_model)`; or unbatched `(seq, d_model)`
     /// - returns the same shape
     pub fn forward(&self, src: &Tensor, mask: &Mask) -> Result<Tensor> {
-        let sa = |x: &Tensor| -> Result<Tensor> {
+        // `residual + self_attn(x)`, or `self_attn(x)` alone.
+        let sa = |x: &Tensor, residual: Option<&Tensor>| -> Result<Tensor> {
             let opts = MhaOptions::new()
                 .with_mask(mask.clone())
                 .with_layout(self.cfg.layout());
             // The same tensor three times: self-attention, one fused
             // projection.
-            Ok(self.self_attn.forward_attn(x, x, x, &opts)?.output)
+            Ok(self
+                .self_attn
+                .forward_attn(x, x, x, &plus(opts, residual))?
+                .output)
         };
         if self.cfg.norm_first {
-            let x = (src + sa(&self.norm1.forward(src)?)?)?;
-            &x + self.ff.forward(&self.norm2.forward(&x)?)?
+            // The residual adds fused into the output projections.
+            let x = sa(&self.norm1.forward(src)?, Some(src))?;
+            self.ff.forward_add(&self.norm2.forward(&x)?, &x)
         } else {
-            let x = self.norm1.forward_add(&sa(src)?, src)?;
+            let x = self.norm1.forward_add(&sa(src, None)?, src)?;
             self.norm2.forward_add(&self.ff.forward(&x)?, &x)
         }
     }
@@ -180,34 +205,42 @@ impl TransformerDecoderLayer {
         memory_mask: &Mask,
     ) -> Result<Tensor> {
         let layout = self.cfg.layout();
-        let sa = |x: &Tensor| -> Result<Tensor> {
+        let sa = |x: &Tensor, residual: Option<&Tensor>| -> Result<Tensor> {
             let opts = MhaOptions::new().with_mask(tgt_mask.clone()).with_layout(layout);
-            Ok(self.self_attn.forward_attn(x, x, x, &opts)?.output)
+            Ok(self
+                .self_attn
+                .forward_attn(x, x, x, &plus(opts, residual))?
+                .output)
         };
-        let ca = |x: &Tensor| -> Result<Tensor> {
+        let ca = |x: &Tensor, residual: Option<&Tensor>| -> Result<Tensor> {
             let opts = MhaOptions::new()
                 .with_mask(memory_mask.clone())
                 .with_layout(layout);
-            Ok(self.multihead_attn.forward_attn(x, memory, memory, &opts)?.output)
+            Ok(self
+                .multihead_attn
+                .forward_attn(x, memory, memory, &plus(opts, residual))?
+                .output)
         };
         self.residuals(tgt, sa, ca)
     }
 
     /// The three residual blocks around the given self- and
-    /// cross-attention, pre- or post-norm.
+    /// cross-attention (each `residual + attention(x)` where given a
+    /// residual), pre- or post-norm.
     fn residuals(
         &self,
         tgt: &Tensor,
-        sa: impl FnOnce(&Tensor) -> Result<Tensor>,
-        ca: impl FnOnce(&Tensor) -> Result<Tensor>,
+        sa: impl FnOnce(&Tensor, Option<&Tensor>) -> Result<Tensor>,
+        ca: impl FnOnce(&Tensor, Option<&Tensor>) -> Result<Tensor>,
     ) -> Result<Tensor> {
         if self.cfg.norm_first {
-            let x = (tgt + sa(&self.norm1.forward(tgt)?)?)?;
-            let x = (&x + ca(&self.norm2.forward(&x)?)?)?;
-            &x + self.ff.forward(&self.norm3.forward(&x)?)?
+            // The residual adds fused into the output projections.
+            let x = sa(&self.norm1.forward(tgt)?, Some(tgt))?;
+            let x = ca(&self.norm2.forward(&x)?, Some(&x))?;
+            self.ff.forward_add(&self.norm3.forward(&x)?, &x)
         } else {
-            let x = self.norm1.forward_add(&sa(tgt)?, tgt)?;
-            let x = self.norm2.forward_add(&ca(&x)?, &x)?;
+            let x = self.norm1.forward_add(&sa(tgt, None)?, tgt)?;
+            let x = self.norm2.forward_add(&ca(&x, None)?, &x)?;
             self.norm3.forward_add(&self.ff.forward(&x)?, &x)
         }
     }
@@ -241,19 +274,19 @@ impl TransformerDecoderLayer {
         let mut weights = None;
         // The new queries sit after the cached keys: the cache gives the
         // causal offset.
-        let sa = |x: &Tensor| -> Result<Tensor> {
+        let sa = |x: &Tensor, residual: Option<&Tensor>| -> Result<Tensor> {
             Ok(self
                 .self_attn
-                .forward_cached(x, cache, &MhaOptions::new())?
+                .forward_cached(x, cache, &plus(MhaOptions::new(), residual))?
                 .output)
         };
-        let ca = |x: &Tensor| -> Result<Tensor> {
+        let ca = |x: &Tensor, residual: Option<&Tensor>| -> Result<Tensor> {
             let opts = MhaOptions::new()
                 .with_mask(memory_mask.clone())
                 .with_weights(need_weights);
-            let out = self
-                .multihead_attn
-                .forward_projected(x, &memory.k, &memory.v, &opts)?;
+            let out =
+                self.multihead_attn
+                    .forward_projected(x, &memory.k, &memory.v, &plus(opts, residual))?;
             weights = out.weights;
             Ok(out.output)
         };
