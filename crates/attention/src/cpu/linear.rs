@@ -21,12 +21,12 @@
 //! units; inside it, as in BLIS and `gemm`, one row group's slice of the
 //! inputs stays in L1 while the unit's panel slices stream past it from
 //! L2, where they stay across the row groups. On AVX-512 the tiles
-//! prefetch weights into L2 as they run: a unit of one row group (a
-//! decoder's step at batch ≤ 12) its next tile's, the first row group of
-//! a unit of more its own, [`AHEAD`] steps on. Units run on rayon's pool. The
-//! bias (or the residual) starts the accumulators, and the epilogue (GELU
-//! or ReLU) runs on each tile as its last slice is written, while it is in
-//! L1.
+//! prefetch weights into L2 as they run: in a unit of one row group (a
+//! decoder's step at batch ≤ 12) the next tile's, in the first row group
+//! of a unit of more their own, `AHEAD` steps on. Units run on rayon's
+//! pool. The bias (or the residual) starts the accumulators, and the
+//! epilogue (GELU or ReLU) runs on each tile as its last slice is written,
+//! while it is in L1.
 
 use rayon::prelude::*;
 
@@ -51,6 +51,7 @@ const SLICE: usize = 384;
 /// where the hardware's stream prefetch stops. With weights cold in memory
 /// (40 layers, in one process) 197 × 768 → 2304 ran 1.03x, 1576 × 768 →
 /// 3072 1.11x, a ViT-B/16 B1 forward 1.02x.
+#[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 32;
 
 /// Output features per work unit, at most.
@@ -312,6 +313,7 @@ impl PackedWeight {
         // first, else the next unit's (the next a thread runs, but where
         // rayon splits the range). Units of more row groups reuse each
         // slice from L2, and the hardware's prefetch serves them as well.
+        #[cfg(target_arch = "x86_64")]
         let next_weights = |u: usize, k0: usize, p: usize| -> Option<(usize, usize, usize)> {
             let (p0, g0) = units[u];
             let p1 = (p0 + ppu).min(p_hi);
@@ -340,8 +342,9 @@ impl PackedWeight {
                     let rows = mr.min(m - g * mr);
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
-                        // Two lines a step: the next tile's panel slices
-                        // for a unit of one row group.
+                        // For AVX-512's tiles, two lines a step: the next
+                        // tile's panel slices for a unit of one row group.
+                        #[cfg(target_arch = "x86_64")]
                         let prefetch = match next_weights(u, k0, p) {
                             Some((q, q1, k1)) => {
                                 let at = |q: usize| match q < q1 {
