@@ -156,6 +156,33 @@ impl PackedLinear {
         }
     }
 
+    /// `gamma ∘ (x · wᵀ + b)` as one layer, `gamma` `(out)`: each output
+    /// feature's weights and bias scaled once, so that a per-channel scale
+    /// after the layer (timm's `LayerScale`) costs no pass of its own and
+    /// a residual add after it can still be fused
+    /// ([`PackedLinear::forward_add`]). Only where the weight is packed and
+    /// `gamma` is a plain f32 CPU tensor; `None` otherwise, so that a scale
+    /// or weight that trains stays a separate op. Equals the layer followed
+    /// by the scale within float rounding.
+    pub fn scaled_outputs(&self, gamma: &Tensor) -> Result<Option<Self>> {
+        let Inner::Packed(p) = &self.inner else {
+            return Ok(None);
+        };
+        let n = p.dims().0;
+        if gamma.dims() != [n] {
+            bail!(
+                "PackedLinear::scaled_outputs: gamma has shape {:?}, expected ({n},)",
+                gamma.dims()
+            )
+        }
+        if !plain_cpu_f32(gamma) {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            inner: Inner::Packed(Arc::new(p.scaled(&cpu_f32(gamma)?))),
+        }))
+    }
+
     /// `gelu_erf(x · wᵀ + b)`, the GELU fused into the write-out where
     /// the weight is packed.
     pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
@@ -467,6 +494,49 @@ mod tests {
             grads.get(xv.as_tensor()).is_some(),
             "no gradient reached the input"
         );
+        Ok(())
+    }
+
+    /// A scale folded into the weights equals the layer followed by the
+    /// scale, on every ISA, with and without bias, through a fused residual
+    /// too; a weight or scale that trains is not folded; a wrong-shaped
+    /// scale is an error that names it.
+    #[test]
+    fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
+        use candle::{Tensor, Var};
+        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
+            force(Some(isa));
+            for bias in [true, false] {
+                let (w, b) = (randn(&[70, 40])?, bias.then(|| randn(&[70])).transpose()?);
+                let layer = PackedLinear::new(w, b)?;
+                let gamma = randn(&[70])?;
+                let scaled = layer
+                    .scaled_outputs(&gamma)?
+                    .expect("a packed layer folds a plain scale");
+                let x = randn(&[2, 30, 40])?;
+                let expected = layer.forward(&x)?.broadcast_mul(&gamma)?;
+                let what = format!("{isa:?} bias {bias}");
+                assert!(rel_err(&scaled.forward(&x)?, &expected)? < 1e-6, "{what}");
+                let residual = randn(expected.dims())?;
+                let fused = scaled.forward_add(&x, &residual)?;
+                assert!(
+                    rel_err(&fused, &(&expected + &residual)?)? < 1e-6,
+                    "{what} residual"
+                );
+            }
+        }
+        force(None);
+        let layer = PackedLinear::new(randn(&[8, 4])?, None)?;
+        let trained = Var::from_tensor(&randn(&[8])?)?;
+        assert!(layer.scaled_outputs(trained.as_tensor())?.is_none());
+        let variables = PackedLinear::new(Var::from_tensor(&randn(&[8, 4])?)?.as_tensor().clone(), None)?;
+        assert!(variables.scaled_outputs(&randn(&[8])?)?.is_none());
+        if layer.is_packed() {
+            let err = layer.scaled_outputs(&Tensor::ones(3, candle::DType::F32, &candle::Device::Cpu)?);
+            let err = err.unwrap_err().to_string();
+            assert!(err.contains("gamma") && err.contains("(8,)"), "{err}");
+        }
         Ok(())
     }
 }

@@ -235,6 +235,18 @@ impl PackedWeight {
         (w, bias)
     }
 
+    /// The layer times a per-feature scale: each output feature's weights
+    /// and bias times `gamma[feature]` (`n` floats), packed anew for the
+    /// same instruction set.
+    pub(crate) fn scaled(&self, gamma: &[f32]) -> PackedWeight {
+        let (mut w, bias) = self.unpack();
+        for (row, &g) in w.chunks_exact_mut(self.k).zip(gamma) {
+            row.iter_mut().for_each(|x| *x *= g);
+        }
+        let bias = bias.map(|b| b.iter().zip(gamma).map(|(b, g)| b * g).collect::<Vec<_>>());
+        PackedWeight::new(&w, self.n, self.k, bias.as_deref(), self.isa)
+    }
+
     /// Whether output features `lo..hi` are whole panels (or end at `n`),
     /// so that [`PackedWeight::forward`] can compute them alone.
     pub(crate) fn serves_range(&self, lo: usize, hi: usize) -> bool {

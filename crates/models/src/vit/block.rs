@@ -145,31 +145,54 @@ impl Block {
                 .map(|v| LayerScale::new(d, v, vb.pp(name)))
                 .transpose()
         };
-        Ok(Self {
-            norm1: LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm1))?,
-            attn: match kind {
-                AttentionKind::Softmax => Attention::Softmax(Box::new(MultiheadAttention::new_with_layout(
-                    &mha_cfg,
+        // Loaded in the checkpoint's order (a `VarMap` initialises them in
+        // this order too).
+        let norm1 = LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm1))?;
+        let attn = match kind {
+            AttentionKind::Softmax => Attention::Softmax(Box::new(MultiheadAttention::new_with_layout(
+                &mha_cfg,
+                &layout,
+                vb.pp(names.attn),
+            )?)),
+            AttentionKind::Hydra => {
+                let hydra_cfg = HydraConfig {
+                    qkv_bias: cfg.qkv_bias,
+                    ..HydraConfig::new(d)
+                };
+                Attention::Hydra(HydraAttention::new_with_layout(
+                    &hydra_cfg,
                     &layout,
                     vb.pp(names.attn),
-                )?)),
-                AttentionKind::Hydra => {
-                    let hydra_cfg = HydraConfig {
-                        qkv_bias: cfg.qkv_bias,
-                        ..HydraConfig::new(d)
-                    };
-                    Attention::Hydra(HydraAttention::new_with_layout(
-                        &hydra_cfg,
-                        &layout,
-                        vb.pp(names.attn),
-                    )?)
-                }
-            },
-            ls1: ls("ls1")?,
-            norm2: LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm2))?,
-            mlp: Mlp::new(cfg, (names.fc1, names.fc2), vb.clone())?,
+                )?)
+            }
+        };
+        let ls1 = ls("ls1")?;
+        let norm2 = LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm2))?;
+        let mlp = Mlp::new(cfg, (names.fc1, names.fc2), vb.clone())?;
+        let mut block = Self {
+            norm1,
+            attn,
+            ls1,
+            norm2,
+            mlp,
             ls2: ls("ls2")?,
-        })
+        };
+        // A LayerScale that does not train is folded into the weights of
+        // the branch's last linear, where they are packed: no pass of its
+        // own, and the residual add is then fused as without one.
+        if let (Attention::Softmax(mha), Some(ls)) = (&block.attn, &block.ls1) {
+            if let Some(folded) = mha.with_output_scale(&ls.gamma)? {
+                block.attn = Attention::Softmax(Box::new(folded));
+                block.ls1 = None;
+            }
+        }
+        if let Some(ls) = &block.ls2 {
+            if let Some(fc2) = block.mlp.fc2.scaled_outputs(&ls.gamma)? {
+                block.mlp.fc2 = fc2;
+                block.ls2 = None;
+            }
+        }
+        Ok(block)
     }
 
     /// The block's output, and its per-head attention weights when asked.
@@ -181,8 +204,9 @@ impl Block {
     ///   `attn.softmax(dim=-1)` output; a Hydra block returns no weights
     pub fn forward_attn(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.norm1.forward(xs)?;
-        // Without layer scale, each residual add is fused into the write-out
-        // of the branch's last linear (no pass, buffer or thread hand-off of
+        // Without layer scale (or with one folded into the weights when the
+        // block was built), each residual add is fused into the write-out of
+        // the branch's last linear (no pass, buffer or thread hand-off of
         // its own).
         let (xs, weights) = match (&self.attn, &self.ls1) {
             (Attention::Softmax(mha), None) => {
