@@ -165,16 +165,16 @@ impl PackedLinear {
     /// or weight that trains stays a separate op. Equals the layer followed
     /// by the scale within float rounding.
     pub fn scaled_outputs(&self, gamma: &Tensor) -> Result<Option<Self>> {
-        let Inner::Packed(p) = &self.inner else {
-            return Ok(None);
-        };
-        let n = p.dims().0;
+        let (n, _) = self.dims()?;
         if gamma.dims() != [n] {
             bail!(
                 "PackedLinear::scaled_outputs: gamma has shape {:?}, expected ({n},)",
                 gamma.dims()
             )
         }
+        let Inner::Packed(p) = &self.inner else {
+            return Ok(None);
+        };
         if !plain_cpu_f32(gamma) {
             return Ok(None);
         }
@@ -532,7 +532,7 @@ mod tests {
         assert!(layer.scaled_outputs(trained.as_tensor())?.is_none());
         let variables = PackedLinear::new(Var::from_tensor(&randn(&[8, 4])?)?.as_tensor().clone(), None)?;
         assert!(variables.scaled_outputs(&randn(&[8])?)?.is_none());
-        if layer.is_packed() {
+        for layer in [&layer, &variables] {
             let err = layer.scaled_outputs(&Tensor::ones(3, candle::DType::F32, &candle::Device::Cpu)?);
             let err = err.unwrap_err().to_string();
             assert!(err.contains("gamma") && err.contains("(8,)"), "{err}");
