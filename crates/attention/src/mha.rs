@@ -37,18 +37,6 @@ pub struct MultiheadAttention {
 }
 
 impl MultiheadAttention {
-    /// This attention with its output times `gamma` `(embed_dim)` (timm's
-    /// `LayerScale` after it) folded into the output projection's weights
-    /// ([`PackedLinear::scaled_outputs`]), so that
-    /// [`MhaOptions::with_residual`] can still fuse the residual add after
-    /// it. `None` where the projection is not packed or `gamma` trains.
-    pub fn with_output_scale(&self, gamma: &Tensor) -> Result<Option<Self>> {
-        Ok(self.out_proj.scaled_outputs(gamma)?.map(|out_proj| Self {
-            out_proj,
-            ..self.clone()
-        }))
-    }
-
     /// Loads PyTorch `nn.MultiheadAttention` weights ([`WeightLayout::PyTorch`]),
     /// or initialises them as PyTorch does when `vb` is backed by a `VarMap`.
     pub fn new(cfg: &MhaConfig, vb: VarBuilder) -> Result<Self> {
@@ -200,6 +188,18 @@ impl MultiheadAttention {
             qk_norm,
             rotary,
         })
+    }
+
+    /// This attention with its output times `gamma` `(embed_dim)` (timm's
+    /// `LayerScale` after it) folded into the output projection's weights
+    /// ([`PackedLinear::scaled_outputs`]), so that
+    /// [`MhaOptions::with_residual`] can still fuse the residual add after
+    /// it. `None` where the projection is not packed or `gamma` trains.
+    pub fn with_output_scale(&self, gamma: &Tensor) -> Result<Option<Self>> {
+        Ok(self.out_proj.scaled_outputs(gamma)?.map(|out_proj| Self {
+            out_proj,
+            ..self.clone()
+        }))
     }
 
     /// The configuration.
