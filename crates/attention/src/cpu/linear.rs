@@ -318,33 +318,52 @@ impl PackedWeight {
             .flat_map(|p0| (0..groups).step_by(gpu).map(move |g0| (p0, g0)))
             .collect();
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        // For a unit of one row group, which reads each panel slice once
-        // and is bound by fetching them, the panels read after tile `p` at
-        // slice `k0`, prefetched into L2 while it runs: `(panel, end of its
-        // block, input)` of the unit's next tile, else the next slice's
-        // first, else the next unit's (the next a thread runs, but where
-        // rayon splits the range). Units of more row groups reuse each
-        // slice from L2, and the hardware's prefetch serves them as well.
+        // The pair of panel slices a tile spanning panels `q..q + tp`
+        // reads from input `e` on, a panel at or past `end` left out.
         #[cfg(target_arch = "x86_64")]
-        let next_weights = |u: usize, k0: usize, p: usize| -> Option<(usize, usize, usize)> {
-            let (p0, g0) = units[u];
-            let p1 = (p0 + ppu).min(p_hi);
-            if (g0 + gpu).min(groups) - g0 > 1 {
-                None
-            } else if p + tp < p1 {
-                Some((p + tp, p1, k0))
-            } else if k0 + kc_max < k {
-                Some((p0, p1, k0 + kc_max))
-            } else {
-                let &(q0, _) = units.get(u + 1)?;
-                Some((q0, (q0 + ppu).min(p_hi), 0))
-            }
+        let panel_pair = |q: usize, end: usize, e: usize| -> [*const f32; 2] {
+            let at = |q: usize| match q < end {
+                true => self.panels()[q * k * nr + e * nr..].as_ptr(),
+                false => std::ptr::null(),
+            };
+            [at(q), if tp > 1 { at(q + 1) } else { std::ptr::null() }]
         };
         let run = |u: usize| {
             let (p0, g0) = units[u];
             let out = out_ptr.get();
             let g1 = (g0 + gpu).min(groups);
             let p1 = (p0 + ppu).min(p_hi);
+            // What an AVX-512 tile at slice `k0` of row group `g` and panel
+            // `p` prefetches into L2 as it runs, two lines a step. In a unit
+            // of one row group, which reads each panel slice once and is
+            // bound by fetching them: the unit's next tile, else the next
+            // slice's first, else the next unit's (the next a thread runs,
+            // but where rayon splits the range). In a unit of more: the
+            // first row group, which reads the slice from memory, its own
+            // panels `AHEAD` steps on; the later ones reuse the slice from
+            // L2, where the hardware's prefetch serves them.
+            #[cfg(target_arch = "x86_64")]
+            let prefetch = |k0: usize, kc: usize, g: usize, p: usize| {
+                let next = if g1 - g0 > 1 {
+                    None
+                } else if p + tp < p1 {
+                    Some((p + tp, p1, k0))
+                } else if k0 + kc < k {
+                    Some((p0, p1, k0 + kc))
+                } else {
+                    units.get(u + 1).map(|&(q0, _)| (q0, (q0 + ppu).min(p_hi), 0))
+                };
+                match next {
+                    Some((q, end, k1)) => {
+                        (panel_pair(q, end, k1), (kc_max.min(k - k1) * nr / 16).min(2 * kc))
+                    }
+                    None if g == g0 => (
+                        panel_pair(p, p1, k0 + AHEAD.min(kc)),
+                        kc.saturating_sub(AHEAD) * nr / 16,
+                    ),
+                    None => ([std::ptr::null(); 2], 0),
+                }
+            };
             // Slice-major, then row groups, then tiles: a row group's slice
             // of inputs stays in L1 while the unit's panel slices (at most
             // `SLICE · UNIT_FEATURES` floats) stream past it from L2.
@@ -354,35 +373,6 @@ impl PackedWeight {
                     let rows = mr.min(m - g * mr);
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
-                        // For AVX-512's tiles, two lines a step: the next
-                        // tile's panel slices for a unit of one row group.
-                        #[cfg(target_arch = "x86_64")]
-                        let prefetch = match next_weights(u, k0, p) {
-                            Some((q, q1, k1)) => {
-                                let at = |q: usize| match q < q1 {
-                                    true => self.panels()[q * k * nr + k1 * nr..].as_ptr(),
-                                    false => std::ptr::null(),
-                                };
-                                let lines = kc_max.min(k - k1) * nr / 16;
-                                (
-                                    [at(q), if tp > 1 { at(q + 1) } else { std::ptr::null() }],
-                                    lines.min(2 * kc),
-                                )
-                            }
-                            // Else the first row group, which reads the
-                            // slice from memory: each of its tiles
-                            // prefetches its own panels `AHEAD` steps on.
-                            None if g == g0 => {
-                                let w = &self.panels()[p * k * nr + k0 * nr..];
-                                let at = |q: usize| match q < p1 {
-                                    true => w[(q - p) * k * nr + AHEAD.min(kc) * nr..].as_ptr(),
-                                    false => std::ptr::null(),
-                                };
-                                let lines = kc.saturating_sub(AHEAD) * nr / 16;
-                                ([at(p), if tp > 1 { at(p + 1) } else { std::ptr::null() }], lines)
-                            }
-                            None => ([std::ptr::null(); 2], 0),
-                        };
                         let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
                         // SAFETY: rows g·mr.. (`rows` of them) and columns
                         // c0..c0 + cols of the m × width output are this
@@ -422,7 +412,7 @@ impl PackedWeight {
                                     bias,
                                     dst,
                                     width,
-                                    prefetch,
+                                    prefetch(k0, kc, g, p),
                                 ),
                                 _ => self.avx2_tile(
                                     rows,
