@@ -43,14 +43,16 @@ const PARALLEL_FROM: usize = 1 << 16;
 /// (`SLICE · UNIT_FEATURES` floats, 384 KiB) stay in L2 beside the inputs
 /// (1 MiB on Zen 4, 512 KiB on the AVX2-only Zen parts), a row group's
 /// inputs (9 KiB on AVX-512, 6 rows of them on AVX2) in L1. On the
-/// README's Xeon 384 was level with 768 at ViT-B/16 shapes, or ahead.
+/// README's Xeon 384 was level with 768 at ViT-B/16 shapes, or ahead (in
+/// one process, with a switch not kept in the repo).
 const SLICE: usize = 384;
 
 /// Steps (inputs) ahead of itself that a tile of a unit's first row group
 /// prefetches its panels: 4 KiB a panel on AVX-512, into the next page,
 /// where the hardware's stream prefetch stops. With weights cold in memory
-/// (40 layers, in one process) 197 × 768 → 2304 ran 1.03x, 1576 × 768 →
-/// 3072 1.11x, a ViT-B/16 B1 forward 1.02x.
+/// (40 layers, in one process, with a switch not kept in the repo) 197 ×
+/// 768 → 2304 ran 1.03x, 1576 × 768 → 3072 1.11x, a ViT-B/16 B1 forward
+/// 1.02x.
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 32;
 
