@@ -239,11 +239,118 @@ impl Block {
         };
         Ok((xs, weights))
     }
+
+    /// The block's output for the first `tokens` tokens only, every token
+    /// still attended to as a key and value: what the last block must
+    /// compute when only the prefix tokens (the class token, DeiT's
+    /// distillation token) are read after it. Equal to
+    /// `forward(xs).narrow(1, 0, tokens)`; a softmax block without an
+    /// unfolded LayerScale skips the other tokens' queries, output
+    /// projection and MLP.
+    ///
+    /// # Shapes
+    /// - `xs`: `(batch, tokens_in, embed_dim)`, `tokens <= tokens_in`
+    /// - returns `(batch, tokens, embed_dim)`
+    pub fn forward_prefix(&self, xs: &Tensor, tokens: usize) -> Result<Tensor> {
+        let n = xs.dim(1)?;
+        if tokens == 0 || tokens > n {
+            candle::bail!("Block::forward_prefix: {tokens} prefix tokens asked of {n}")
+        }
+        let Attention::Softmax(mha) = &self.attn else {
+            return self.forward(xs)?.narrow(1, 0, tokens);
+        };
+        if self.ls1.is_some() || tokens == n {
+            return self.forward(xs)?.narrow(1, 0, tokens);
+        }
+        let h = self.norm1.forward(xs)?;
+        // Queries from the prefix only; keys and values from every token
+        // (one projection for both: `key` is `value`).
+        let q = h.narrow(1, 0, tokens)?.contiguous()?;
+        let residual = xs.narrow(1, 0, tokens)?.contiguous()?;
+        let xs = mha
+            .forward_attn(&q, &h, &h, &MhaOptions::new().with_residual(residual))?
+            .output;
+        let h = self.norm2.forward(&xs)?;
+        match &self.ls2 {
+            Some(ls) => &xs + ls.forward(&self.mlp.forward(&h)?)?,
+            None => self.mlp.forward_add(&h, &xs),
+        }
+    }
 }
 
 impl Module for Block {
     /// `(batch, tokens, embed_dim)` → same.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         Ok(self.forward_attn(xs, NeedWeights::No)?.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::{DType, Device, D};
+    use candle_nn::VarMap;
+
+    /// A block's prefix-only output equals its full output's first tokens,
+    /// for a batch (the prefix a strided view) and each kind of block:
+    /// plain, with a folded LayerScale, with one that trains (not folded,
+    /// so the full path) and Hydra.
+    #[test]
+    fn prefix_equals_the_full_blocks_first_tokens() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut cfg = VitConfig::new(32, 8, 64, 1, 4);
+        let xs = Tensor::randn(0f32, 1., (3, 17, 64), &dev)?;
+        for (kind, init_values, trains) in [
+            (AttentionKind::Softmax, None, false),
+            (AttentionKind::Softmax, Some(0.5), false),
+            (AttentionKind::Softmax, Some(0.5), true),
+            (AttentionKind::Hydra, None, false),
+        ] {
+            cfg.init_values = init_values;
+            let varmap = VarMap::new();
+            let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+            let block = match trains {
+                // A block over the VarMap's variables: they track gradients,
+                // so nothing is packed or folded.
+                true => Block::new_with_attention(&cfg, kind, vb)?,
+                // The same initial values, as loaded weights.
+                false => {
+                    Block::new_with_attention(&cfg, kind, vb)?;
+                    let tensors = varmap
+                        .data()
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+                        .collect();
+                    Block::new_with_attention(
+                        &cfg,
+                        kind,
+                        VarBuilder::from_tensors(tensors, DType::F32, &dev),
+                    )?
+                }
+            };
+            let full = block.forward(&xs)?;
+            for tokens in [1, 2, 17] {
+                let got = block.forward_prefix(&xs, tokens)?;
+                let diff = (got - full.narrow(1, 0, tokens)?)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(D::Minus1)?;
+                let diff = diff.to_scalar::<f32>()?;
+                assert!(
+                    diff < 1e-5,
+                    "{kind:?} {init_values:?} trains {trains}, {tokens} tokens: {diff}"
+                );
+            }
+            for tokens in [0, 18] {
+                let err = block.forward_prefix(&xs, tokens).unwrap_err().to_string();
+                assert!(
+                    err.contains(&format!("{tokens} prefix tokens asked of 17")),
+                    "{err}"
+                );
+            }
+        }
+        Ok(())
     }
 }

@@ -260,10 +260,25 @@ impl VisionTransformer {
     pub fn forward_with_weights(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<VitOutput> {
         let (mut x, grid) = self.embed(xs)?;
         let mut attentions = Vec::new();
-        for block in &self.blocks {
+        // With the class token pooled and no weights kept, only the prefix
+        // tokens the head reads (the class token, and DeiT's distillation
+        // token) leave the last block: its other tokens are keys and values
+        // only.
+        let read_after = match (self.cfg.global_pool, need_weights) {
+            (GlobalPool::Token, NeedWeights::No) => Some(1 + usize::from(self.cfg.head_dist)),
+            _ => None,
+        };
+        let full = match read_after {
+            Some(_) => self.blocks.len().saturating_sub(1),
+            None => self.blocks.len(),
+        };
+        for block in &self.blocks[..full] {
             let (y, w) = block.forward_attn(&x, need_weights)?;
             x = y;
             attentions.extend(w);
+        }
+        if let (Some(block), Some(tokens)) = (self.blocks.get(full), read_after) {
+            x = block.forward_prefix(&x, tokens)?;
         }
         if let Some(norm) = &self.norm {
             x = norm.forward(&x)?;
