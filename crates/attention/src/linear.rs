@@ -341,9 +341,10 @@ mod tests {
             // Past one unit's 256 features, a last panel of 8 features
             // (AVX-512's 32-wide panels), two slices on AVX2.
             (1, 400, 600, 200, true),
-            // Two slices on AVX-512 too; 12 rows (one tall group) and 13.
-            (1, 12, 1000, 300, true),
-            (1, 13, 1000, 300, false),
+            // Three slices on AVX-512 too (at most 1024 inputs each); 12
+            // rows (one tall group) and 13.
+            (1, 12, 2100, 300, true),
+            (1, 13, 2100, 300, false),
             (2, 5, 40, 70, true),
             (1, 1, 8, 96, true),
             // One row (a decode step): AVX-512's one-row kernel, one task

@@ -49,6 +49,28 @@ fn detected() -> Isa {
     })
 }
 
+/// The L2 cache of one core in bytes, where the processor reports it
+/// (CPUID leaf `0x8000_0006`, which Intel and AMD both fill), read once.
+pub(crate) fn l2_bytes() -> Option<usize> {
+    static L2: OnceLock<Option<usize>> = OnceLock::new();
+    *L2.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unused_unsafe)]
+        // SAFETY: every x86-64 processor has CPUID; the extended leaf is
+        // read only where the processor lists it.
+        unsafe {
+            use std::arch::x86_64::__cpuid;
+            if __cpuid(0x8000_0000).eax >= 0x8000_0006 {
+                let kib = __cpuid(0x8000_0006).ecx >> 16;
+                if kib > 0 {
+                    return Some(kib as usize * 1024);
+                }
+            }
+        }
+        None
+    })
+}
+
 /// `MULTIHEAD_CPU_ISA`, read once; an unknown name is ignored with a
 /// warning on stderr.
 fn from_env() -> Option<Isa> {

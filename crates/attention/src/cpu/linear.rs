@@ -39,13 +39,31 @@ use super::ROW_PACKS;
 /// over rayon's pool.
 const PARALLEL_FROM: usize = 1 << 16;
 
-/// Inputs per slice of the reduction, at most: a unit's panel slices
-/// (`SLICE · UNIT_FEATURES` floats, 384 KiB) stay in L2 beside the inputs
-/// (1 MiB on Zen 4, 512 KiB on the AVX2-only Zen parts), a row group's
-/// inputs (9 KiB on AVX-512, 6 rows of them on AVX2) in L1. On the
-/// README's Xeon 384 was level with 768 at ViT-B/16 shapes, or ahead (in
-/// one process, with a switch not kept in the repo).
-const SLICE: usize = 384;
+/// Inputs per slice of the reduction, at most, for `isa`: a row group's
+/// slice of inputs stays in L1 while the unit's panel slices (`slice ·
+/// UNIT_FEATURES` floats) stream past it from L2.
+///
+/// - AVX-512: the panel slices fill half of the core's L2, between 384
+///   and 1024 inputs: 1024 on the README's Xeon (2 MiB), 512 on Zen 4 (1
+///   MiB); 384 where the processor does not report its L2. On that Xeon,
+///   in one process against 384 (a switch not kept in the repo), single
+///   linears of 512 inputs and more ran level to 7 % faster (512 × 512 →
+///   512 5-7 %, 1576 × 3072 → 768 4-7 %, 512 × 2048 → 512 level),
+///   ViT-B/16 forwards 1-3 % (B1) and 5-8 % (B8), the transformer forward
+///   by a median of 4 % over six runs; slices of 768 were level with 1024,
+///   unbounded ones (the panels past L2) 10-30 % slower.
+/// - AVX2: 384 (384 KiB of panels, for the 512 KiB L2 of the AVX2-only
+///   Zen parts).
+fn slice_len(isa: Isa) -> usize {
+    const DEFAULT: usize = 384;
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => super::isa::l2_bytes().map_or(DEFAULT, |l2| {
+            (l2 / 2 / (UNIT_FEATURES * std::mem::size_of::<f32>())).clamp(DEFAULT, 1024)
+        }),
+        _ => DEFAULT,
+    }
+}
 
 /// Steps (inputs) ahead of itself that a tile of a unit's first row group
 /// prefetches its panels: 4 KiB a panel on AVX-512, into the next page,
@@ -304,9 +322,9 @@ impl PackedWeight {
             Isa::Avx2 => (super::avx2::MR, 1, None),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
-        // Slices of the reduction of at most `SLICE` inputs, of equal
+        // Slices of the reduction of at most `slice_len` inputs, of equal
         // length.
-        let kc_max = k.div_ceil(k.div_ceil(SLICE));
+        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa)));
         let groups = m.div_ceil(mr);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let threads = if m * width * k > PARALLEL_FROM {
@@ -368,7 +386,7 @@ impl PackedWeight {
             };
             // Slice-major, then row groups, then tiles: a row group's slice
             // of inputs stays in L1 while the unit's panel slices (at most
-            // `SLICE · UNIT_FEATURES` floats) stream past it from L2.
+            // `slice_len · UNIT_FEATURES` floats) stream past it from L2.
             for k0 in (0..k).step_by(kc_max) {
                 let kc = kc_max.min(k - k0);
                 for g in g0..g1 {
