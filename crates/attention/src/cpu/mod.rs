@@ -173,8 +173,9 @@ pub(crate) struct Pool {
 /// each).
 pub(crate) static KV_PACKS: Pool = Pool::new(2, 4 << 20);
 /// The linears' packed rows (one per call, up to 32 MiB: a ViT-B/16 B8
-/// `fc2`'s input is 18.5 MiB).
-pub(crate) static ROW_PACKS: Pool = Pool::new(1, 8 << 20);
+/// `fc2`'s input is 18.5 MiB); two kept, so that a model's wide inputs
+/// (`fc2`'s) and narrow ones each find a buffer of their length.
+pub(crate) static ROW_PACKS: Pool = Pool::new(2, 8 << 20);
 
 impl Pool {
     const fn new(slots: usize, max: usize) -> Pool {
@@ -186,10 +187,16 @@ impl Pool {
     }
 
     /// A buffer of `len` floats, reusing a kept one where it can: its
-    /// contents are stale, the caller writes them all.
+    /// contents are stale, the caller writes them all. Of the kept buffers
+    /// large enough, one already `len` long or more goes first (one
+    /// shorter is zeroed up to `len`, on this thread), then the smallest.
     pub(crate) fn take(&self, len: usize) -> Vec<f32> {
         let kept = self.kept.lock().ok().and_then(|mut kept| {
-            let i = kept.iter().position(|b| b.capacity() >= len)?;
+            let (i, _) = kept
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.capacity() >= len)
+                .min_by_key(|(_, b)| (b.len() < len, b.capacity()))?;
             Some(kept.swap_remove(i))
         });
         let mut buf = kept.unwrap_or_default();
@@ -235,7 +242,34 @@ pub(crate) mod testing {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::{par_for, MIN_ITEM, SHORT_JOB};
+    use super::{par_for, Pool, MIN_ITEM, SHORT_JOB};
+
+    /// A pool of two hands each length the kept buffer already that long
+    /// (no zeroing, the wide one never cut down to a narrow call's
+    /// length), the smallest such first; a buffer over `max` is not kept.
+    #[test]
+    fn pool_hands_out_the_buffer_already_long_enough() {
+        let pool = Pool::new(2, 1000);
+        let (narrow, wide) = (vec![1f32; 100], vec![2f32; 400]);
+        let (narrow_ptr, wide_ptr) = (narrow.as_ptr(), wide.as_ptr());
+        pool.keep(wide);
+        pool.keep(narrow);
+        for _ in 0..3 {
+            let a = pool.take(80);
+            assert_eq!((a.as_ptr(), a.len()), (narrow_ptr, 80));
+            let b = pool.take(400);
+            assert_eq!((b.as_ptr(), b.len()), (wide_ptr, 400));
+            // Stale contents, never zeroed: each buffer kept its own.
+            assert!(a.iter().all(|&x| x == 1.) && b.iter().all(|&x| x == 2.));
+            pool.keep(a);
+            pool.keep(b);
+        }
+        // Past both: a fresh buffer; one over `max` is dropped.
+        assert_eq!(pool.take(500).len(), 500);
+        pool.keep(vec![0f32; 2000]);
+        let kept: Vec<usize> = pool.kept.lock().unwrap().iter().map(Vec::capacity).collect();
+        assert!(kept.iter().all(|&c| c <= 1000), "{kept:?}");
+    }
 
     /// Runs `par_for(n, work, ..)` and returns how often each item ran.
     fn counts(n: usize, work: usize) -> Vec<usize> {
