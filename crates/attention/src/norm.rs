@@ -1,6 +1,8 @@
 //! A LayerNorm that trains.
 
-use candle::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use std::mem::MaybeUninit;
+
+use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
@@ -10,8 +12,11 @@ use rayon::prelude::*;
 /// candle-nn's `LayerNorm` runs its fused kernel on contiguous inputs, and
 /// that kernel has no backward (`apply_op3_no_bwd`), so gradients stop
 /// there. When the input or the weights track gradients this takes
-/// candle-nn's op-by-op `layer_norm_slow`, otherwise the fused kernel.
-/// Every LayerNorm in this workspace is this one.
+/// candle-nn's op-by-op `layer_norm_slow`; otherwise, on the CPU in f32,
+/// this crate's kernel (two passes a row for the mean and variance, rows
+/// on rayon's pool, the output never zeroed first), and elsewhere
+/// candle-nn's fused kernel. Every LayerNorm in this workspace is this
+/// one.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Tensor,
@@ -59,20 +64,12 @@ impl LayerNorm {
     /// else (gradients, other devices and dtypes, broadcasting) adds, then
     /// normalises.
     pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let plain = crate::linear::plain_cpu_f32;
-        let dim = self.weight.dim(0)?;
-        if !(plain(xs) && plain(residual) && plain(&self.weight) && plain(&self.bias))
-            || xs.dims() != residual.dims()
-            || xs.dims().last() != Some(&dim)
-        {
-            return self.forward(&(xs + residual)?);
+        match FusedLayerNorm::for_input(self, xs)? {
+            Some(op) if crate::linear::plain_cpu_f32(residual) && xs.dims() == residual.dims() => {
+                xs.contiguous()?.apply_op2_no_bwd(&residual.contiguous()?, &op)
+            }
+            _ => self.forward(&(xs + residual)?),
         }
-        let op = AddLayerNorm {
-            weight: self.weight.to_vec1()?,
-            bias: self.bias.to_vec1()?,
-            eps: self.eps as f32,
-        };
-        xs.contiguous()?.apply_op2_no_bwd(&residual.contiguous()?, &op)
     }
 }
 
@@ -90,14 +87,100 @@ fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// `LayerNorm(a + b)` over the last dim, row by row on rayon's pool.
-struct AddLayerNorm {
+/// `LayerNorm(a)` or `LayerNorm(a + b)` over the last dim, row by row on
+/// rayon's pool.
+struct FusedLayerNorm {
     weight: Vec<f32>,
     bias: Vec<f32>,
     eps: f32,
 }
 
-impl CustomOp2 for AddLayerNorm {
+impl FusedLayerNorm {
+    /// The op over `x`'s last dim, or `None` where it does not apply
+    /// (gradients, other devices and dtypes, a width other than `norm`'s).
+    fn for_input(norm: &LayerNorm, x: &Tensor) -> Result<Option<Self>> {
+        let plain = crate::linear::plain_cpu_f32;
+        let dim = norm.weight.dim(0)?;
+        if !(plain(x) && plain(&norm.weight) && plain(&norm.bias)) || x.dims().last() != Some(&dim) {
+            return Ok(None);
+        }
+        Ok(Some(FusedLayerNorm {
+            weight: norm.weight.to_vec1()?,
+            bias: norm.bias.to_vec1()?,
+            eps: norm.eps as f32,
+        }))
+    }
+
+    /// The normalised rows of `a` (plus `b`, of `a`'s length).
+    fn rows(&self, a: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
+        let d = self.weight.len();
+        if b.is_some_and(|b| b.len() != a.len()) || d == 0 || !a.len().is_multiple_of(d) {
+            bail!(
+                "layer-norm: inputs of {} and {:?} floats for rows of {d}",
+                a.len(),
+                b.map(<[f32]>::len)
+            )
+        }
+        // Written row by row below, never zeroed first: a zeroing pass
+        // would run on the calling thread while the pool waits.
+        let mut out: Vec<f32> = Vec::with_capacity(a.len());
+        let norm_row = |(i, o): (usize, &mut [MaybeUninit<f32>])| {
+            let a = &a[i * d..][..d];
+            match b {
+                Some(b) => {
+                    for ((o, &a), &b) in o.iter_mut().zip(a).zip(&b[i * d..][..d]) {
+                        o.write(a + b);
+                    }
+                }
+                None => {
+                    for (o, &a) in o.iter_mut().zip(a) {
+                        o.write(a);
+                    }
+                }
+            }
+            // SAFETY: the loop above wrote every float of the row (`o`, `a`
+            // and `b`'s row are all `d` long).
+            let o = unsafe { &mut *(o as *mut [MaybeUninit<f32>] as *mut [f32]) };
+            let mean = lane_sum(o, |x| x) / d as f32;
+            let var = lane_sum(o, |x| (x - mean) * (x - mean)) / d as f32;
+            let inv = 1. / (var + self.eps).sqrt();
+            for ((o, w), b) in o.iter_mut().zip(&self.weight).zip(&self.bias) {
+                *o = (*o - mean) * inv * w + b;
+            }
+        };
+        let spare = &mut out.spare_capacity_mut()[..a.len()];
+        if a.len() > 1 << 14 {
+            spare.par_chunks_mut(d).enumerate().for_each(norm_row);
+        } else {
+            spare.chunks_mut(d).enumerate().for_each(norm_row);
+        }
+        // SAFETY: every row was written.
+        unsafe { out.set_len(a.len()) };
+        Ok(out)
+    }
+}
+
+/// The contiguous f32 data of an input.
+fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
+        (CpuStorage::F32(_), None) => bail!("layer-norm: inputs must be contiguous"),
+        _ => bail!("layer-norm: inputs must be f32"),
+    }
+}
+
+impl CustomOp1 for FusedLayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = self.rows(f32_data(s, l)?, None)?;
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+impl CustomOp2 for FusedLayerNorm {
     fn name(&self) -> &'static str {
         "add-layer-norm"
     }
@@ -109,34 +192,7 @@ impl CustomOp2 for AddLayerNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            bail!("add-layer-norm: inputs must be contiguous")
-        };
-        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
-            bail!("add-layer-norm: inputs must be f32")
-        };
-        let (a, b, d) = (&a[a0..a1], &b[b0..b1], self.weight.len());
-        let mut out = vec![0f32; a.len()];
-        let norm_row = |((o, a), b): ((&mut [f32], &[f32]), &[f32])| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = a + b;
-            }
-            let mean = lane_sum(o, |x| x) / d as f32;
-            let var = lane_sum(o, |x| (x - mean) * (x - mean)) / d as f32;
-            let inv = 1. / (var + self.eps).sqrt();
-            for ((o, w), b) in o.iter_mut().zip(&self.weight).zip(&self.bias) {
-                *o = (*o - mean) * inv * w + b;
-            }
-        };
-        let rows = out.par_chunks_mut(d).zip(a.par_chunks(d)).zip(b.par_chunks(d));
-        if a.len() > 1 << 14 {
-            rows.for_each(norm_row);
-        } else {
-            out.chunks_mut(d)
-                .zip(a.chunks(d))
-                .zip(b.chunks(d))
-                .for_each(norm_row);
-        }
+        let out = self.rows(f32_data(s1, l1)?, Some(f32_data(s2, l2)?))?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -147,6 +203,9 @@ impl Module for LayerNorm {
         let eps = self.eps as f32;
         if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
             candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
+        } else if let Some(op) = FusedLayerNorm::for_input(self, xs)? {
+            // On the CPU in f32, the same rows as `forward_add`'s.
+            xs.contiguous()?.apply_op1_no_bwd(&op)
         } else {
             candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
         }
@@ -161,9 +220,10 @@ mod tests {
     use super::LayerNorm;
     use crate::cpu::testing::{randn, rel_err};
 
-    /// The one-pass `norm(x + residual)` equals adding, then normalising,
-    /// with and without a bias, on widths off the 16 lanes, batched and
-    /// not, and falls back where the fused op does not apply.
+    /// The CPU kernel's `norm(x)` and one-pass `norm(x + residual)` equal
+    /// candle-nn's op-by-op `layer_norm_slow` (after the add), with and
+    /// without a bias, on widths off the 16 lanes, batched and not, in
+    /// parallel and not, and fall back where the kernel does not apply.
     #[test]
     fn forward_add_equals_add_then_norm() -> Result<()> {
         for (shape, bias) in [
@@ -185,7 +245,9 @@ mod tests {
                 LayerNorm::new_no_bias(d, 1e-5, vb)?
             };
             let (x, r) = (randn(&shape)?.affine(3., 2.)?, randn(&shape)?);
-            let expected = norm.forward(&(&x + &r)?)?;
+            let slow = |x: &Tensor| candle_nn::ops::layer_norm_slow(x, &norm.weight, &norm.bias, 1e-5);
+            assert!(rel_err(&norm.forward(&x)?, &slow(&x)?)? < 1e-5, "{shape:?} norm");
+            let expected = slow(&(&x + &r)?)?;
             assert!(
                 rel_err(&norm.forward_add(&x, &r)?, &expected)? < 1e-5,
                 "{shape:?}"
