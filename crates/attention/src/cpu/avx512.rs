@@ -326,8 +326,7 @@ impl LinearTile {
         }
     }
 
-    /// `(rows, panels)` of a tile; the rows of `x` are packed in groups of
-    /// `rows`.
+    /// `(rows, panels)` of a tile: the rows of `x` go in groups of `rows`.
     pub(super) fn shape(self) -> (usize, usize) {
         match self {
             LinearTile::Tall => (12, 1),
@@ -344,23 +343,24 @@ fn lanes(n: usize) -> __mmask16 {
 /// One tile of a packed linear layer: for `rows` rows (1..= the tile's)
 /// and the first `cols` (1..= `LINEAR_NR` times the tile's panels)
 /// features of the panel slice at `w` and, past `LINEAR_NR`, of the one at
-/// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[e·MR + r] ·
-/// w[e·LINEAR_NR + c]` over `kc` inputs (`MR` the tile's rows); `init` is
-/// the bias, or, when null, the output itself (a later slice of the
-/// reduction adds to it). Lines `0..prefetch.1` from each non-null
-/// pointer of `prefetch.0` on are prefetched into L2, two a step.
+/// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[r·x_rs + e] ·
+/// w[e·LINEAR_NR + c]` over `kc` inputs; `init` is the bias, or, when
+/// null, the output itself (a later slice of the reduction adds to it).
+/// Lines `0..prefetch.1` from each non-null pointer of `prefetch.0` on are
+/// prefetched into L2, two a step.
 ///
 /// # Safety
-/// AVX-512F; the pointers cover those extents (`x` holds `MR` floats per
-/// input, each panel slice `LINEAR_NR` per input, `init` `cols` floats);
-/// `w + w_next` is only read where `cols > LINEAR_NR`.
+/// AVX-512F; the pointers cover those extents (`x` `rows` rows of `kc`
+/// inputs, `x_rs` apart, each panel slice `LINEAR_NR` floats per input,
+/// `init` `cols` floats); `w + w_next` is only read where `cols >
+/// LINEAR_NR`.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn linear_tile(
     tile: LinearTile,
     rows: usize,
     cols: usize,
     kc: usize,
-    x: *const f32,
+    x: (*const f32, usize),
     (w, w_next): (*const f32, usize),
     init: *const f32,
     out: *mut f32,
@@ -370,8 +370,8 @@ pub(super) unsafe fn linear_tile(
     macro_rules! go {
         ($mr:literal, $v:literal, $($r:literal)*) => {
             match rows {
-                $($r => linear_tile_rows::<$r, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),)*
-                _ => linear_tile_rows::<$mr, $v, $mr>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),
+                $($r => linear_tile_rows::<$r, $v>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),)*
+                _ => linear_tile_rows::<$mr, $v>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),
             }
         };
     }
@@ -388,10 +388,10 @@ pub(super) unsafe fn linear_tile(
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
+unsafe fn linear_tile_rows<const R: usize, const V: usize>(
     cols: usize,
     kc: usize,
-    x: *const f32,
+    (x, x_rs): (*const f32, usize),
     (w, w_next): (*const f32, usize),
     init: *const f32,
     out: *mut f32,
@@ -431,12 +431,12 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize, const MR: usize>(
             }
             let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(wp[v].add(e * LINEAR_NR)));
             for (r, c) in c.iter_mut().enumerate() {
-                let a = _mm512_set1_ps(*x.add(r));
+                let a = _mm512_set1_ps(*x.add(r * x_rs));
                 for (c, &wv) in c.iter_mut().zip(&wv) {
                     *c = _mm512_fmadd_ps(a, wv, *c);
                 }
             }
-            x = x.add(MR);
+            x = x.add(1);
         }
         for (r, c) in c.iter().enumerate() {
             for (v, c) in c.iter().enumerate() {

@@ -12,9 +12,12 @@
 //! - **AVX-512**: panels of 32 for two `zmm` micro-kernels (`avx512.rs`):
 //!   12 rows by one panel for calls of up to 12 rows, 6 rows by two
 //!   panels for more ([`super::avx512::LinearTile`]), which read the rows
-//!   of `x` packed per call into groups of 12 or 6 (`[input][row]`, so each
-//!   step broadcasts consecutive floats); for a single row (a decoder's
-//!   step), `avx512::one_row`, which streams each panel once.
+//!   of `x` in place too, in groups of 12 or 6 (packing them per call into
+//!   `[input][row]` order was slower: in one process against it, with a
+//!   switch not kept in the repo, reading in place ran 1-11 % faster on
+//!   single linears of 197-1576 rows, 5-33 % on 8-64 rows, ViT-B/16 1-2 %
+//!   (B1) and 2-5 % (B8)); for a single row (a decoder's step),
+//!   `avx512::one_row`, which streams each panel once.
 //!
 //! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
 //! by a block of row groups, all of them unless the threads need more
@@ -33,7 +36,6 @@ use rayon::prelude::*;
 use super::attention::SyncPtr;
 use super::isa::Isa;
 use super::simd;
-use super::ROW_PACKS;
 
 /// Multiply-adds (or floats packed) from which a call's work is spread
 /// over rayon's pool.
@@ -308,18 +310,15 @@ impl PackedWeight {
             }
             return out;
         }
-        // AVX-512 reads x packed into groups of rows; AVX2 in place. A tile
+        // Both read the rows of x in place, in groups of `mr`. A tile
         // covers `tp` panels.
         #[cfg(target_arch = "x86_64")]
         let tile = super::avx512::LinearTile::for_rows(m);
-        let (mr, tp, packed_x) = match self.isa {
+        let (mr, tp) = match self.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                let (mr, tp) = tile.shape();
-                (mr, tp, Some(pack_rows(x, m, k, mr)))
-            }
+            Isa::Avx512 => tile.shape(),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => (super::avx2::MR, 1, None),
+            Isa::Avx2 => (super::avx2::MR, 1),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
         // Slices of the reduction of at most `slice_len` inputs, of equal
@@ -420,14 +419,14 @@ impl PackedWeight {
                                 }
                                 _ => std::ptr::null(),
                             };
-                            match &packed_x {
+                            match self.isa {
                                 #[cfg(target_arch = "x86_64")]
-                                Some(xp) => super::avx512::linear_tile(
+                                Isa::Avx512 => super::avx512::linear_tile(
                                     tile,
                                     rows,
                                     cols,
                                     kc,
-                                    xp[(g * k + k0) * mr..].as_ptr(),
+                                    (x[g * mr * k + k0..].as_ptr(), k),
                                     (w, k * nr),
                                     bias,
                                     dst,
@@ -459,9 +458,6 @@ impl PackedWeight {
             (0..units.len()).into_par_iter().for_each(run);
         } else {
             (0..units.len()).for_each(run);
-        }
-        if let Some(xp) = packed_x {
-            ROW_PACKS.keep(xp);
         }
         // SAFETY: the units cover every (row, panel) block of the output.
         unsafe { out.set_len(m * width) };
@@ -552,45 +548,6 @@ impl PackedWeight {
             };
         });
     }
-}
-
-/// One whole group of `MR` rows of `k` floats, `[input][row]`.
-fn pack_group<const MR: usize>(src: &[f32], k: usize, dst: &mut [f32]) {
-    let rows: [&[f32]; MR] = std::array::from_fn(|r| &src[r * k..][..k]);
-    for (e, dst) in dst[..k * MR].chunks_exact_mut(MR).enumerate() {
-        for (d, row) in dst.iter_mut().zip(&rows) {
-            *d = row[e];
-        }
-    }
-}
-
-/// The rows of `x` (`m` of `k` floats) in groups of `mr`, each group
-/// `[input][row]` (`k · mr` floats, zero past `m`), in a kept buffer.
-fn pack_rows(x: &[f32], m: usize, k: usize, mr: usize) -> Vec<f32> {
-    let mut xp = ROW_PACKS.take(m.div_ceil(mr) * mr * k);
-    let pack = |(g, dst): (usize, &mut [f32])| {
-        let rows = mr.min(m - g * mr);
-        let src = &x[g * mr * k..][..rows * k];
-        // Input-major, so that the writes run in order and each row's
-        // cache line serves 16 inputs; whole groups unrolled over rows.
-        match (rows == mr, mr) {
-            (true, 12) => return pack_group::<12>(src, k, dst),
-            (true, 6) => return pack_group::<6>(src, k, dst),
-            _ => {}
-        }
-        for (e, dst) in dst.chunks_exact_mut(mr).enumerate() {
-            for (r, d) in dst[..rows].iter_mut().enumerate() {
-                *d = src[r * k + e];
-            }
-            dst[rows..].fill(0.);
-        }
-    };
-    if m * k > PARALLEL_FROM {
-        xp.par_chunks_mut(k * mr).enumerate().for_each(pack);
-    } else {
-        xp.chunks_mut(k * mr).enumerate().for_each(pack);
-    }
-    xp
 }
 
 #[cfg(test)]

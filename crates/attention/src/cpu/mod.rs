@@ -159,8 +159,8 @@ impl Items {
 }
 
 /// Buffers kept for the next call: fresh pages cost a page fault each
-/// (about a tenth of a 1024-token attention call's time, a tenth of a
-/// ViT-B/16 B8 `fc2`'s), so per-call pack buffers come from a pool that
+/// (about a tenth of a 1024-token attention call's time), so per-call
+/// pack buffers come from a pool that
 /// keeps up to `slots` of them, each of at most `max` floats; larger ones
 /// go back to the allocator.
 pub(crate) struct Pool {
@@ -172,10 +172,6 @@ pub(crate) struct Pool {
 /// The attention's packed keys and values (two per call, up to 16 MiB
 /// each).
 pub(crate) static KV_PACKS: Pool = Pool::new(2, 4 << 20);
-/// The linears' packed rows (one per call, up to 32 MiB: a ViT-B/16 B8
-/// `fc2`'s input is 18.5 MiB); two kept, so that a model's wide inputs
-/// (`fc2`'s) and narrow ones each find a buffer of their length.
-pub(crate) static ROW_PACKS: Pool = Pool::new(2, 8 << 20);
 
 impl Pool {
     const fn new(slots: usize, max: usize) -> Pool {
