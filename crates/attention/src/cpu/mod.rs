@@ -160,9 +160,8 @@ impl Items {
 
 /// Buffers kept for the next call: fresh pages cost a page fault each
 /// (about a tenth of a 1024-token attention call's time), so per-call
-/// pack buffers come from a pool that
-/// keeps up to `slots` of them, each of at most `max` floats; larger ones
-/// go back to the allocator.
+/// pack buffers come from a pool that keeps up to `slots` of them, each of
+/// at most `max` floats; larger ones go back to the allocator.
 pub(crate) struct Pool {
     kept: Mutex<Vec<Vec<f32>>>,
     slots: usize,

@@ -244,9 +244,9 @@ impl Block {
     /// still attended to as a key and value: what the last block must
     /// compute when only the prefix tokens (the class token, DeiT's
     /// distillation token) are read after it. Equal to
-    /// `forward(xs).narrow(1, 0, tokens)`; a softmax block without an
-    /// unfolded LayerScale skips the other tokens' queries, output
-    /// projection and MLP.
+    /// `forward(xs).narrow(1, 0, tokens)`; a softmax block skips the other
+    /// tokens' queries, output projection and MLP (a Hydra block computes
+    /// every token).
     ///
     /// # Shapes
     /// - `xs`: `(batch, tokens_in, embed_dim)`, `tokens <= tokens_in`
@@ -259,17 +259,22 @@ impl Block {
         let Attention::Softmax(mha) = &self.attn else {
             return self.forward(xs)?.narrow(1, 0, tokens);
         };
-        if self.ls1.is_some() || tokens == n {
-            return self.forward(xs)?.narrow(1, 0, tokens);
+        if tokens == n {
+            return self.forward(xs);
         }
         let h = self.norm1.forward(xs)?;
-        // Queries from the prefix only; keys and values from every token
-        // (one projection for both: `key` is `value`).
+        // Queries from the prefix only; keys and values from every token.
         let q = h.narrow(1, 0, tokens)?.contiguous()?;
         let residual = xs.narrow(1, 0, tokens)?.contiguous()?;
-        let xs = mha
-            .forward_attn(&q, &h, &h, &MhaOptions::new().with_residual(residual))?
-            .output;
+        let xs = match &self.ls1 {
+            None => {
+                let opts = MhaOptions::new().with_residual(residual);
+                mha.forward_attn(&q, &h, &h, &opts)?.output
+            }
+            Some(ls) => {
+                (residual + ls.forward(&mha.forward_attn(&q, &h, &h, &MhaOptions::new())?.output)?)?
+            }
+        };
         let h = self.norm2.forward(&xs)?;
         match &self.ls2 {
             Some(ls) => &xs + ls.forward(&self.mlp.forward(&h)?)?,
@@ -293,8 +298,9 @@ mod tests {
 
     /// A block's prefix-only output equals its full output's first tokens,
     /// for a batch (the prefix a strided view) and each kind of block:
-    /// plain, with a folded LayerScale, with one that trains (not folded,
-    /// so the full path) and Hydra.
+    /// plain, with a folded LayerScale, with one that trains (not folded:
+    /// the scale and the adds as separate ops) and Hydra (the full block,
+    /// cut).
     #[test]
     fn prefix_equals_the_full_blocks_first_tokens() -> Result<()> {
         let dev = Device::Cpu;
