@@ -308,8 +308,9 @@ pub(super) const LINEAR_NR: usize = 32;
 /// than 12 rows: on the README's Xeon, with the row group's inputs in L1
 /// and the panels streaming from L2, it was ahead of tall at every ViT and
 /// transformer shape tried, by 3 to 15 % (in a one-thread probe not kept
-/// in the repo); tall keeps calls of one group, which then read each
-/// panel once.
+/// in the repo), and with the inputs read in place tall and a 14-row tall
+/// tile were level or behind (one process, a switch not kept); tall keeps
+/// calls of one group, which then read each panel once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum LinearTile {
     Tall,

@@ -393,6 +393,7 @@ impl PackedWeight {
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
                         let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
+                        let xg = x[g * mr * k + k0..].as_ptr();
                         // SAFETY: rows g·mr.. (`rows` of them) and columns
                         // c0..c0 + cols of the m × width output are this
                         // unit's alone and in bounds; the first slice
@@ -426,23 +427,14 @@ impl PackedWeight {
                                     rows,
                                     cols,
                                     kc,
-                                    (x[g * mr * k + k0..].as_ptr(), k),
+                                    (xg, k),
                                     (w, k * nr),
                                     bias,
                                     dst,
                                     width,
                                     prefetch(k0, kc, g, p),
                                 ),
-                                _ => self.avx2_tile(
-                                    rows,
-                                    cols,
-                                    x[g * mr * k + k0..].as_ptr(),
-                                    kc,
-                                    w,
-                                    bias,
-                                    dst,
-                                    width,
-                                ),
+                                _ => self.avx2_tile(rows, cols, xg, kc, w, bias, dst, width),
                             }
                             if k0 + kc == k && epilogue != Epilogue::Identity {
                                 for r in 0..rows {

@@ -41,9 +41,7 @@ impl FeedForward {
             activation: cfg.activation,
         })
     }
-}
 
-impl FeedForward {
     /// `activation(linear1(x))`, the activation fused into linear1's
     /// write-out where the weight is packed.
     fn hidden(&self, xs: &Tensor) -> Result<Tensor> {

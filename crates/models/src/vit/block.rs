@@ -204,40 +204,8 @@ impl Block {
     ///   `attn.softmax(dim=-1)` output; a Hydra block returns no weights
     pub fn forward_attn(&self, xs: &Tensor, need_weights: NeedWeights) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.norm1.forward(xs)?;
-        // Without layer scale (or with one folded into the weights when the
-        // block was built), each residual add is fused into the write-out of
-        // the branch's last linear (no pass, buffer or thread hand-off of
-        // its own).
-        let (xs, weights) = match (&self.attn, &self.ls1) {
-            (Attention::Softmax(mha), None) => {
-                let opts = MhaOptions::new()
-                    .with_weights(need_weights)
-                    .with_residual(xs.clone());
-                let out = mha.forward_attn(&h, &h, &h, &opts)?;
-                (out.output, out.weights)
-            }
-            (attn, ls) => {
-                let (a, weights) = match attn {
-                    Attention::Softmax(mha) => {
-                        let out =
-                            mha.forward_attn(&h, &h, &h, &MhaOptions::new().with_weights(need_weights))?;
-                        (out.output, out.weights)
-                    }
-                    Attention::Hydra(hydra) => (hydra.forward(&h)?, None),
-                };
-                let a = match ls {
-                    Some(ls) => ls.forward(&a)?,
-                    None => a,
-                };
-                ((xs + a)?, weights)
-            }
-        };
-        let h = self.norm2.forward(&xs)?;
-        let xs = match &self.ls2 {
-            Some(ls) => (&xs + ls.forward(&self.mlp.forward(&h)?)?)?,
-            None => self.mlp.forward_add(&h, &xs)?,
-        };
-        Ok((xs, weights))
+        let (xs, weights) = self.attention_half(&h, &h, xs, need_weights)?;
+        Ok((self.mlp_half(&xs)?, weights))
     }
 
     /// The block's output for the first `tokens` tokens only, every token
@@ -256,29 +224,63 @@ impl Block {
         if tokens == 0 || tokens > n {
             candle::bail!("Block::forward_prefix: {tokens} prefix tokens asked of {n}")
         }
-        let Attention::Softmax(mha) = &self.attn else {
-            return self.forward(xs)?.narrow(1, 0, tokens);
-        };
         if tokens == n {
             return self.forward(xs);
+        }
+        if let Attention::Hydra(_) = self.attn {
+            return self.forward(xs)?.narrow(1, 0, tokens);
         }
         let h = self.norm1.forward(xs)?;
         // Queries from the prefix only; keys and values from every token.
         let q = h.narrow(1, 0, tokens)?.contiguous()?;
         let residual = xs.narrow(1, 0, tokens)?.contiguous()?;
-        let xs = match &self.ls1 {
-            None => {
-                let opts = MhaOptions::new().with_residual(residual);
-                mha.forward_attn(&q, &h, &h, &opts)?.output
+        let (xs, _) = self.attention_half(&q, &h, &residual, NeedWeights::No)?;
+        self.mlp_half(&xs)
+    }
+
+    /// `residual + ls1(attn(q, kv, kv))` for normed queries `q` over normed
+    /// keys and values `kv` (a Hydra block: `q` is `kv`), and the attention
+    /// weights when asked. Without layer scale (or with one folded into the
+    /// weights when the block was built) the residual add is fused into
+    /// the output projection's write-out (no pass, buffer or thread
+    /// hand-off of its own).
+    fn attention_half(
+        &self,
+        q: &Tensor,
+        kv: &Tensor,
+        residual: &Tensor,
+        need_weights: NeedWeights,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let opts = MhaOptions::new().with_weights(need_weights);
+        match (&self.attn, &self.ls1) {
+            (Attention::Softmax(mha), None) => {
+                let out = mha.forward_attn(q, kv, kv, &opts.with_residual(residual.clone()))?;
+                Ok((out.output, out.weights))
             }
-            Some(ls) => {
-                (residual + ls.forward(&mha.forward_attn(&q, &h, &h, &MhaOptions::new())?.output)?)?
+            (attn, ls) => {
+                let (a, weights) = match attn {
+                    Attention::Softmax(mha) => {
+                        let out = mha.forward_attn(q, kv, kv, &opts)?;
+                        (out.output, out.weights)
+                    }
+                    Attention::Hydra(hydra) => (hydra.forward(q)?, None),
+                };
+                let a = match ls {
+                    Some(ls) => ls.forward(&a)?,
+                    None => a,
+                };
+                Ok(((residual + a)?, weights))
             }
-        };
-        let h = self.norm2.forward(&xs)?;
+        }
+    }
+
+    /// `xs + ls2(mlp(norm2(xs)))`, the add fused into fc2's write-out
+    /// without layer scale (or with one folded).
+    fn mlp_half(&self, xs: &Tensor) -> Result<Tensor> {
+        let h = self.norm2.forward(xs)?;
         match &self.ls2 {
-            Some(ls) => &xs + ls.forward(&self.mlp.forward(&h)?)?,
-            None => self.mlp.forward_add(&h, &xs),
+            Some(ls) => xs + ls.forward(&self.mlp.forward(&h)?)?,
+            None => self.mlp.forward_add(&h, xs),
         }
     }
 }
