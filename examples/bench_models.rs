@@ -10,6 +10,7 @@
 //! cargo run --release --example bench_models -- linear 1576 768 2304 [LAYERS]
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- residual 1
+//! cargo run --release --example bench_models -- vit-linears 1
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
 //! ```
 //!
@@ -32,6 +33,13 @@
 //! projections (`MhaOptions::with_residual`, `PackedLinear::forward_add`)
 //! and as separate adds, in turn; the last field is the median of the
 //! rounds' ratios (separate over fused).
+//!
+//! `vit-linears B`: a ViT-B/16 forward at batch `B` (random weights) and
+//! its 48 linears alone (qkv, proj, fc1 with its GELU, fc2 of 12 blocks,
+//! each with weights of its own, over fixed inputs of `B · 197` rows), in
+//! turn; the last field is the linears' time over the forward's. (The
+//! forward's last block runs only the class token's queries and MLP, so
+//! the linears alone do slightly more work than the forward's.)
 //!
 //! `peak`: the FMA peak of each core, every core at once (24 independent
 //! chains of 512-bit FMAs, or 256-bit without AVX-512F). `stream MIB`:
@@ -384,9 +392,52 @@ fn main() -> Result<()> {
                 r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}}}"#
             );
         }
+        ["vit-linears", batch] => {
+            // The share of a ViT-B/16 forward that its 48 linears take on
+            // their own: the forward (random weights) and the same linears
+            // (qkv, proj, fc1 with its GELU, fc2 of 12 blocks, each with
+            // weights of its own, so that they come from memory as the
+            // forward's do) over fixed inputs of its rows, in turn.
+            let batch: usize = batch.parse().context("vit-linears takes a batch size")?;
+            let cfg = VitConfig::base_patch16_224();
+            let vit = VisionTransformer::new(&cfg, weights(None, |vb| VisionTransformer::new(&cfg, vb).map(drop))?)?;
+            let dev = Device::Cpu;
+            let (e, rows) = (768, batch * 197);
+            let linear = |n: usize, k: usize| -> Result<PackedLinear> {
+                let w = (Tensor::randn(0f32, 1., (n, k), &dev)? * 0.02)?;
+                Ok(PackedLinear::new(w, Some(Tensor::zeros(n, DType::F32, &dev)?))?)
+            };
+            let blocks = (0..12)
+                .map(|_| Ok([linear(3 * e, e)?, linear(e, e)?, linear(4 * e, e)?, linear(e, 4 * e)?]))
+                .collect::<Result<Vec<_>>>()?;
+            let (x, hidden) = (
+                Tensor::randn(0f32, 1., (rows, e), &dev)?,
+                Tensor::randn(0f32, 1., (rows, 4 * e), &dev)?,
+            );
+            let img = Tensor::randn(0f32, 1., (batch, 3, 224, 224), &dev)?;
+            let times = alternating_ms(&mut [
+                &mut || Ok(vit.forward(&img).map(drop)?),
+                &mut || {
+                    for [qkv, proj, fc1, fc2] in &blocks {
+                        qkv.forward(&x)?;
+                        proj.forward(&x)?;
+                        fc1.forward_gelu(&x)?;
+                        fc2.forward(&hidden)?;
+                    }
+                    Ok(())
+                },
+            ])?;
+            let gflop = 12. * 2. * (rows * e * (3 * e + e + 4 * e + 4 * e)) as f64 / 1e9;
+            let (forward, linears) = (median(&times[0]), median(&times[1]));
+            println!(
+                r#"{{"work": "ViT-B/16 B{batch}: forward and its linears alone", "forward_ms": {forward:.2}, "linears_ms": {linears:.2}, "linears_gflops": {:.1}, "linears_share": {:.3}}}"#,
+                gflop / (linears * 1e-3),
+                linears / forward
+            );
+        }
         _ => bail!(
             "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
-             | residual BATCH \
+             | vit-linears BATCH | residual BATCH \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
     }

@@ -4,6 +4,7 @@ one run, and print a Markdown table of medians and ratios.
 
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--rounds 3]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--rounds 3]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
 `--models` times the models instead (`cargo run --release --example
 bench_models`): the machine's sgemm rate (2048², both libraries), then
@@ -20,6 +21,14 @@ within minutes, so the two sides alternate: each round runs all of ours,
 then all of PyTorch's, and the table gives each time's median over the
 rounds and the median of the per-round ratios. Compare ratios within one
 run, not times across runs.
+
+`--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
+PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
+and `ONEDNN_MAX_CPU_ISA=AVX2` (read when torch loads, so set here before
+it does), ours through `MULTIHEAD_CPU_ISA=avx2`. candle's own matmul (the
+`gemm` crate) has no such cap, so with `--models` the sgemm row is our
+`PackedLinear` (`bench_models linear 2048 2048 2048`) rather than candle's
+matmul, and the attention table's candle columns keep their AVX-512.
 """
 
 import argparse
@@ -30,8 +39,20 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+# What `--isa avx2` sets, for PyTorch (before torch loads) and for ours.
+AVX2_ENV = {
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MULTIHEAD_CPU_ISA": "avx2",
+}
+CAP_AVX2 = any(a == "--isa=avx2" for a in sys.argv) or any(
+    a == "--isa" and b == "avx2" for a, b in zip(sys.argv, sys.argv[1:]))
+if CAP_AVX2:
+    os.environ.update(AVX2_ENV)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -76,6 +97,11 @@ CASES = {
     "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, False)),
     "MHA B8 N197 D768 H12": ("nn.MultiheadAttention", lambda: torch_mha(8, 197, 768, 12)),
 }
+
+
+def capped():
+    """What the tables' headers say of `--isa avx2`."""
+    return ", AVX2 on both sides (--isa avx2)" if CAP_AVX2 else ""
 
 
 def run_ours(env):
@@ -134,7 +160,7 @@ def models(args, env):
                              tgt_is_causal=True)
             y = torch.cat([y, out[:, -1:]], dim=1)
     ours_cmd = {
-        "sgemm 2048": [exe, "sgemm", "2048"],
+        "sgemm 2048": [exe, "linear", "2048", "2048", "2048"] if CAP_AVX2 else [exe, "sgemm", "2048"],
         "vit_base_patch16_224 B1": [exe, "vit-b16", "1", weights],
         "vit_base_patch16_224 B8": [exe, "vit-b16", "8", weights],
         "transformer": [exe, "transformer", tr_weights],
@@ -158,7 +184,10 @@ def models(args, env):
                 out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
                 for line in out.splitlines():
                     r = json.loads(line)
-                    ours[r["work"]] = r
+                    if r.get("path") == "PackedLinear":
+                        ours["sgemm 2048"] = r
+                    elif "path" not in r:
+                        ours[r["work"]] = r
             rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
     med = statistics.median
     gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
@@ -166,9 +195,10 @@ def models(args, env):
         "ours": med([o["sgemm 2048"]["gflops"] for o, _ in rounds]),
         "torch": med([gflop["sgemm 2048"] / (t["sgemm 2048"] * 1e-3) for _, t in rounds]),
     }
-    print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32, "
+    print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32{capped()}, "
           f"medians in ms over {args.rounds} rounds")
-    print(f"sgemm 2048²: candle {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
+    ours_sgemm = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
+    print(f"sgemm 2048²: {ours_sgemm} {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
     print()
     print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
     print("|---|---|---|---|---|---|")
@@ -241,7 +271,7 @@ def decoders(args, env):
                 rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
         med = statistics.median
         print(f"torch {torch.__version__}, transformers {transformers.__version__} "
-              f"({model.config._attn_implementation} attention), {args.threads} threads, f32, "
+              f"({model.config._attn_implementation} attention), {args.threads} threads, f32{capped()}, "
               f"{label}; medians in ms over {args.rounds} rounds")
         print()
         print("| work | HF transformers | ours | HF / ours |")
@@ -260,7 +290,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")
+    ap.add_argument("--isa", choices=["native", "avx2"], default="native",
+                    help="avx2: cap both sides at AVX2+FMA, as on an AVX2-only server")
     args = ap.parse_args()
+    if CAP_AVX2 and torch.backends.cpu.get_cpu_capability() != "AVX2":
+        sys.exit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()}, not AVX2")
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
     if args.decoders:
         torch.set_num_threads(args.threads)
@@ -281,7 +315,7 @@ def main():
 
     med = statistics.median
     nan = float("nan")
-    print(f"torch {torch.__version__}, {args.threads} threads, f32, medians in ms over {args.rounds} rounds")
+    print(f"torch {torch.__version__}, {args.threads} threads, f32{capped()}, medians in ms over {args.rounds} rounds")
     print()
     print("| work | PyTorch | ours | PyTorch / ours | candle matmul+softmax | candle flash_attn (CPU) |")
     print("|---|---|---|---|---|---|")
