@@ -17,10 +17,13 @@ Our side is `cargo run --release --example bench_attention` (JSON lines);
 PyTorch runs here with the same thread count. Both take the median of at
 least 5 timed runs (3 for runs over a second; ~2 s per case) after a
 warm-up. The machine is shared and its speed drifts by tens of percent
-within minutes, so the two sides alternate: each round runs all of ours,
-then all of PyTorch's, and the table gives each time's median over the
-rounds and the median of the per-round ratios. Compare ratios within one
-run, not times across runs.
+within minutes, so the two sides alternate case by case: each round runs
+ours on a case, then PyTorch on the same case, then the next case
+(seconds apart, where running all of one side first put a minute between
+the two times of a case), and the table gives each time's median over
+the rounds and the median of the per-round ratios. The attention table's
+candle columns come from one full `bench_attention` run after the
+rounds. Compare ratios within one run, not times across runs.
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
 PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
@@ -104,9 +107,11 @@ def capped():
     return ", AVX2 on both sides (--isa avx2)" if CAP_AVX2 else ""
 
 
-def run_ours(env):
+def run_ours(env, only=None):
+    """`bench_attention`'s medians by work and path: every case and path,
+    or ours on the cases whose label contains `only`."""
     out = subprocess.run(
-        [os.path.join(ROOT, "target", "release", "examples", "bench_attention")],
+        [os.path.join(ROOT, "target", "release", "examples", "bench_attention")] + (["--only", only] if only else []),
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
     rust = {}
@@ -159,11 +164,15 @@ def models(args, env):
             out = tr.decoder(y, memory, tgt_mask=torch.nn.Transformer.generate_square_subsequent_mask(n),
                              tgt_is_causal=True)
             y = torch.cat([y, out[:, -1:]], dim=1)
+    # Each of our commands, and the works of theirs it pairs with.
     ours_cmd = {
         "sgemm 2048": [exe, "linear", "2048", "2048", "2048"] if CAP_AVX2 else [exe, "sgemm", "2048"],
         "vit_base_patch16_224 B1": [exe, "vit-b16", "1", weights],
         "vit_base_patch16_224 B8": [exe, "vit-b16", "8", weights],
         "transformer": [exe, "transformer", tr_weights],
+    }
+    pairs = {
+        "transformer": ["nn.Transformer B8 S64 T64 forward", "nn.Transformer B8 S64 encode + 32 greedy steps"],
     }
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     imgs = {1: torch.randn(1, 3, 224, 224), 8: torch.randn(8, 3, 224, 224)}
@@ -179,8 +188,8 @@ def models(args, env):
     with torch.no_grad():
         rss_theirs = {n: forward_peak_mib(lambda: vit(imgs[n])) for n in (1, 8)}
         for _ in range(args.rounds):
-            ours = {}
-            for cmd in ours_cmd.values():
+            ours, theirs = {}, {}
+            for key, cmd in ours_cmd.items():
                 out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
                 for line in out.splitlines():
                     r = json.loads(line)
@@ -188,7 +197,9 @@ def models(args, env):
                         ours["sgemm 2048"] = r
                     elif "path" not in r:
                         ours[r["work"]] = r
-            rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
+                for work in pairs.get(key, [key]):
+                    theirs[work] = theirs_fn[work]()
+            rounds.append((ours, theirs))
     med = statistics.median
     gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
     rate = {
@@ -306,8 +317,12 @@ def main():
     torch.set_num_threads(args.threads)
     rounds = []
     for _ in range(args.rounds):
-        rust = run_ours(env)
-        rounds.append((rust, {work: fn() for work, (_, fn) in CASES.items()}))
+        rust, theirs = {}, {}
+        for work, (_, fn) in CASES.items():
+            rust.update(run_ours(env, only=work))
+            theirs[work] = fn()
+        rounds.append((rust, theirs))
+    candle = run_ours(env)
     rss = subprocess.run(
         [os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--peak-rss", "16384"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
@@ -323,8 +338,8 @@ def main():
         pt = [torch_ms[work] for _, torch_ms in rounds]
         ours = [rust.get(work, {}).get("ours", nan) for rust, _ in rounds]
         ratio = med([p / o for p, o in zip(pt, ours)])
-        paths = [[rust.get(work, {}).get(p) for rust, _ in rounds] for p in ("candle_matmul_softmax", "candle_flash_attn")]
-        fmt = lambda xs: "–" if None in xs else f"{med(xs):.2f}"
+        paths = [candle.get(work, {}).get(p) for p in ("candle_matmul_softmax", "candle_flash_attn")]
+        fmt = lambda x: "–" if x is None else f"{x:.2f}"
         print(f"| {work} | {what} {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {fmt(paths[0])} | {fmt(paths[1])} |")
     print()
     r = json.loads(rss)
