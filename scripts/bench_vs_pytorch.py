@@ -4,6 +4,7 @@ one run, and print a Markdown table of medians and ratios.
 
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--rounds 3]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--rounds 3]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
 `--models` times the models instead (`cargo run --release --example
@@ -225,6 +226,42 @@ def models(args, env):
         print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {share} | {rss} |")
 
 
+def linears(args, env):
+    """One linear layer (no bias) at the models' shapes, `torch.nn.Linear`
+    against our `PackedLinear` (`bench_models linear M K N`), with one
+    thread and with `--threads`, ours then theirs on each."""
+    exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
+    subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
+    shapes = [(197, 768, 2304), (197, 3072, 768), (512, 512, 2048)]
+    cases = [(shape, t) for shape in shapes for t in sorted({1, args.threads})]
+    rounds = []
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            ours, theirs = {}, {}
+            for (m, k, n), t in cases:
+                out = subprocess.run([exe, "linear", str(m), str(k), str(n)], cwd=ROOT,
+                                     env=dict(env, RAYON_NUM_THREADS=str(t)), check=True,
+                                     capture_output=True, text=True).stdout
+                r = next(r for r in map(json.loads, out.splitlines()) if r["path"] == "PackedLinear")
+                ours[(m, k, n), t] = r["median_ms"]
+                torch.set_num_threads(t)
+                lin, x = torch.nn.Linear(k, n, bias=False), torch.randn(m, k)
+                theirs[(m, k, n), t] = median_ms(lambda: lin(x))
+            rounds.append((ours, theirs))
+    med = statistics.median
+    print(f"torch {torch.__version__}, f32{capped()}, medians in ms over {args.rounds} rounds")
+    print()
+    print("| linear | threads | PyTorch GFLOP/s | ours GFLOP/s | PyTorch / ours |")
+    print("|---|---|---|---|---|")
+    for (m, k, n), t in cases:
+        gflop = 2 * m * k * n / 1e9
+        pt = [th[(m, k, n), t] for _, th in rounds]
+        ours = [o[(m, k, n), t] for o, _ in rounds]
+        ratio = med([p / o for p, o in zip(pt, ours)])
+        print(f"| {m} × {k} → {n} | {t} | {gflop / (med(pt) * 1e-3):.0f} | {gflop / (med(ours) * 1e-3):.0f} "
+              f"| **{ratio:.2f}×** |")
+
+
 def decoders(args, env):
     """A Llama-shaped decoder (GQA, rotary, SwiGLU) and a GPT-2-shaped one
     (learned positions, tanh GELU), random weights saved once and loaded by
@@ -301,6 +338,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")
+    ap.add_argument("--linears", action="store_true",
+                    help="time one linear layer at the models' shapes against torch.nn.Linear, one thread and --threads")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: cap both sides at AVX2+FMA, as on an AVX2-only server")
     args = ap.parse_args()
@@ -313,6 +352,8 @@ def main():
     if args.models:
         torch.set_num_threads(args.threads)
         return models(args, env)
+    if args.linears:
+        return linears(args, env)
     subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
     torch.set_num_threads(args.threads)
     rounds = []
