@@ -13,8 +13,9 @@ use rayon::prelude::*;
 /// that kernel has no backward (`apply_op3_no_bwd`), so gradients stop
 /// there. When the input or the weights track gradients this takes
 /// candle-nn's op-by-op `layer_norm_slow`; otherwise, on the CPU in f32,
-/// this crate's kernel (two passes a row for the mean and variance, rows
-/// on rayon's pool, the output never zeroed first), and elsewhere
+/// this crate's kernel (two passes a row for the mean and variance,
+/// vectorised for the processor, rows on rayon's pool, the output never
+/// zeroed first), and elsewhere
 /// candle-nn's fused kernel. Every LayerNorm in this workspace is this
 /// one.
 #[derive(Debug, Clone)]
@@ -73,20 +74,6 @@ impl LayerNorm {
     }
 }
 
-/// `Σ f(x)` over `xs`, in 16 interleaved partial sums (so that it
-/// vectorises) added at the end.
-fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut lanes = [0f32; 16];
-    let chunks = xs.chunks_exact(16);
-    let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
-    for chunk in chunks {
-        for (l, &x) in lanes.iter_mut().zip(chunk) {
-            *l += f(x);
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
 /// `LayerNorm(a)` or `LayerNorm(a + b)` over the last dim, row by row on
 /// rayon's pool.
 struct FusedLayerNorm {
@@ -124,29 +111,12 @@ impl FusedLayerNorm {
         // Written row by row below, never zeroed first: a zeroing pass
         // would run on the calling thread while the pool waits.
         let mut out: Vec<f32> = Vec::with_capacity(a.len());
+        // Each row in one vectorised call (`cpu::layer_norm_row`, compiled
+        // for AVX-512, AVX2+FMA and the baseline; the same sums in the same
+        // order on each, so the same result).
         let norm_row = |(i, o): (usize, &mut [MaybeUninit<f32>])| {
-            let a = &a[i * d..][..d];
-            match b {
-                Some(b) => {
-                    for ((o, &a), &b) in o.iter_mut().zip(a).zip(&b[i * d..][..d]) {
-                        o.write(a + b);
-                    }
-                }
-                None => {
-                    for (o, &a) in o.iter_mut().zip(a) {
-                        o.write(a);
-                    }
-                }
-            }
-            // SAFETY: the loop above wrote every float of the row (`o`, `a`
-            // and `b`'s row are all `d` long).
-            let o = unsafe { &mut *(o as *mut [MaybeUninit<f32>] as *mut [f32]) };
-            let mean = lane_sum(o, |x| x) / d as f32;
-            let var = lane_sum(o, |x| (x - mean) * (x - mean)) / d as f32;
-            let inv = 1. / (var + self.eps).sqrt();
-            for ((o, w), b) in o.iter_mut().zip(&self.weight).zip(&self.bias) {
-                *o = (*o - mean) * inv * w + b;
-            }
+            let b = b.map(|b| &b[i * d..][..d]);
+            crate::cpu::layer_norm_row(&a[i * d..][..d], b, &self.weight, &self.bias, self.eps, o);
         };
         let spare = &mut out.spare_capacity_mut()[..a.len()];
         if a.len() > 1 << 14 {
@@ -274,6 +244,54 @@ mod tests {
         let y = norm.forward_add(x.as_tensor(), &Tensor::ones((2, 8), DType::F32, &Device::Cpu)?)?;
         let grads = y.sqr()?.sum_all()?.backward()?;
         assert!(grads.get(x.as_tensor()).is_some());
+        Ok(())
+    }
+
+    /// Every instruction set the processor runs gives the same floats, bit
+    /// for bit (each row's sums are taken in the same order on each), for
+    /// `norm(x)` and `norm(x + residual)`, on widths off and on the 16
+    /// lanes.
+    #[test]
+    fn every_instruction_set_gives_the_same_floats() -> Result<()> {
+        use crate::cpu::isa::{force, supported, FORCE_LOCK};
+        let _lock = FORCE_LOCK.lock();
+        for d in [37, 512, 768] {
+            let vb = VarBuilder::from_tensors(
+                [
+                    ("weight".to_string(), randn(&[d])?.affine(0.5, 1.)?),
+                    ("bias".to_string(), randn(&[d])?),
+                ]
+                .into(),
+                DType::F32,
+                &Device::Cpu,
+            );
+            let norm = LayerNorm::new(d, 1e-5, vb)?;
+            let (x, r) = (randn(&[300, d])?.affine(3., 2.)?, randn(&[300, d])?);
+            let mut outs = Vec::new();
+            for isa in supported() {
+                force(Some(isa));
+                let bits = |t: Tensor| -> Result<Vec<u32>> {
+                    Ok(t.flatten_all()?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect())
+                };
+                outs.push((isa, bits(norm.forward(&x)?)?, bits(norm.forward_add(&x, &r)?)?));
+            }
+            force(None);
+            let (first, norm_bits, add_bits) = &outs[0];
+            for (isa, n, a) in &outs[1..] {
+                assert!(
+                    n == norm_bits,
+                    "width {d}: norm(x) on {isa:?} differs from {first:?}"
+                );
+                assert!(
+                    a == add_bits,
+                    "width {d}: norm(x + r) on {isa:?} differs from {first:?}"
+                );
+            }
+        }
         Ok(())
     }
 }

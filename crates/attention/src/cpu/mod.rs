@@ -46,6 +46,7 @@ pub(crate) mod linear;
 mod simd;
 
 pub(crate) use attention::{sdpa_cpu, supports};
+pub(crate) use simd::layer_norm_row;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

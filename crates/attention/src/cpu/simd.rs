@@ -1,7 +1,7 @@
 //! Vectorised row operations: the online softmax and its `exp`, the mask
 //! application, the exact and tanh GELUs, SiLU times a gate's other half,
-//! a finiteness check. Each is written once
-//! as plain Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
+//! a finiteness check, LayerNorm's rows. Each is written once as plain
+//! Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
 //! instruction set is picked at run time (`isa.rs`).
 
 /// `e^x = 2^n · e^f` with `n = round(x / ln2)` and a degree-7 Taylor
@@ -258,6 +258,63 @@ fn all_finite_impl(xs: &[f32]) -> bool {
     tail.iter().all(|x| x.is_finite()) && lanes.iter().all(|&s| s == 0.)
 }
 
+/// `Σ f(x)` over `xs`, in 16 interleaved partial sums (so that it
+/// vectorises) added at the end: the same order, so the same sum, whatever
+/// the vector width.
+#[inline(always)]
+fn lane_sum(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|&x| f(x)).sum();
+    for chunk in chunks {
+        for (l, &x) in lanes.iter_mut().zip(chunk) {
+            *l += f(x);
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// One row of `torch.nn.LayerNorm`: `out = (x - mean) / √(var + eps) · w
+/// + bias` for `x = a` (or `a + b`), the mean and the biased variance in
+/// two passes over the row as it sits in `out`. Every slice is the row's
+/// length (a panic otherwise); `out` may start uninitialised.
+#[inline(always)]
+fn layer_norm_row_impl(
+    a: &[f32],
+    b: Option<&[f32]>,
+    w: &[f32],
+    bias: &[f32],
+    eps: f32,
+    out: &mut [std::mem::MaybeUninit<f32>],
+) {
+    let d = out.len();
+    assert!(
+        a.len() == d && b.is_none_or(|b| b.len() == d) && w.len() == d && bias.len() == d,
+        "layer_norm_row: slices of unequal lengths"
+    );
+    match b {
+        Some(b) => {
+            for ((o, &a), &b) in out.iter_mut().zip(a).zip(b) {
+                o.write(a + b);
+            }
+        }
+        None => {
+            for (o, &a) in out.iter_mut().zip(a) {
+                o.write(a);
+            }
+        }
+    }
+    // SAFETY: the loop above wrote every float of `out` (`a` and `b` are
+    // its length, asserted above).
+    let out = unsafe { &mut *(out as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+    let mean = lane_sum(out, |x| x) / d as f32;
+    let var = lane_sum(out, |x| (x - mean) * (x - mean)) / d as f32;
+    let inv = 1. / (var + eps).sqrt();
+    for ((o, w), b) in out.iter_mut().zip(w).zip(bias) {
+        *o = (*o - mean) * inv * w + b;
+    }
+}
+
 macro_rules! dispatch {
     ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
         pub(crate) fn $name($($arg: $ty),*) $(-> $ret)? {
@@ -290,6 +347,7 @@ dispatch!(add_visible, add_visible_impl, (row: &mut [f32], data: &[f32], broadca
 dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
 dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
 dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
+dispatch!(layer_norm_row, layer_norm_row_impl, (a: &[f32], b: Option<&[f32]>, w: &[f32], bias: &[f32], eps: f32, out: &mut [std::mem::MaybeUninit<f32>]));
 dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
 dispatch!(gelu_tanh, gelu_tanh_impl, (xs: &mut [f32]));
 dispatch!(relu, relu_impl, (xs: &mut [f32]));
