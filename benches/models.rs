@@ -14,8 +14,8 @@
 //! cargo bench --bench models
 //! ```
 //!
-//! `scripts/bench_vs_pytorch.py --models` (and `--rounds` without it for
-//! the MHA row) runs the same works beside timm and PyTorch.
+//! `scripts/bench_vs_pytorch.py --models` runs the same works beside timm
+//! and PyTorch, and the script without `--models` the MHA row.
 
 use std::time::Duration;
 
