@@ -6,6 +6,7 @@
 //! cargo run --release --example bench_attention            # the table's shapes
 //! cargo run --release --example bench_attention -- --peak-rss 16384
 //! cargo run --release --example bench_attention -- --mask-memory
+//! cargo run --release --example bench_attention -- --serve
 //! ```
 //!
 //! `--peak-rss N` runs one B1 H8 hd64 self-attention of N tokens through the
@@ -15,6 +16,9 @@
 //! resident set, reset before the call, less the resident set before it:
 //! inputs and the mask tensor itself are not counted), beside the
 //! unmasked call's.
+//! `--serve` answers `N WORK` requests on stdin with our path's median over
+//! `N` runs of the work (`support/serve.rs`), for the script to pair with
+//! PyTorch's.
 //! `--only TEXT` times only our path, on the works whose label contains
 //! TEXT: what to run under a profiler, e.g.
 //!
@@ -32,6 +36,9 @@ use candle_nn::attention::{flash_attn, AttnMask as CandleMask};
 use multihead::attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, Mask, MhaConfig, MultiheadAttention,
 };
+
+#[path = "support/serve.rs"]
+mod serve;
 
 /// Median wall time of `f` over at least 5 runs and ~2 s, after one
 /// warm-up (3 runs when one takes over a second).
@@ -76,30 +83,37 @@ fn candle_matmul_softmax(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, causal:
     Ok(w.matmul(v)?)
 }
 
-fn bench_sdpa(
-    work: &str,
+/// A case's `(q, k, v)` and mask.
+fn sdpa_inputs(
     (b, h, l, s, d): (usize, usize, usize, usize, usize),
     causal: bool,
-    ours_only: bool,
-) -> Result<()> {
-    let (q, k, v) = (
-        randn(&[b, h, l, d])?,
-        randn(&[b, h, s, d])?,
-        randn(&[b, h, s, d])?,
-    );
+) -> Result<(Tensor, Tensor, Tensor, Mask)> {
     let mask = if causal {
         Mask::causal(Causal::BottomRight)
     } else {
         Mask::new()
     };
+    Ok((
+        randn(&[b, h, l, d])?,
+        randn(&[b, h, s, d])?,
+        randn(&[b, h, s, d])?,
+        mask,
+    ))
+}
+
+fn ours(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<()> {
+    Ok(scaled_dot_product_attention_via(q, k, v, mask, None, AttnPath::Auto).map(drop)?)
+}
+
+fn bench_sdpa(
+    work: &str,
+    dims @ (_, _, l, s, d): (usize, usize, usize, usize, usize),
+    causal: bool,
+    ours_only: bool,
+) -> Result<()> {
+    let (q, k, v, mask) = sdpa_inputs(dims, causal)?;
     let scale = 1. / (d as f64).sqrt();
-    report(
-        work,
-        "ours",
-        median_ms(|| {
-            Ok(scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::Auto).map(drop)?)
-        })?,
-    );
+    report(work, "ours", median_ms(|| ours(&q, &k, &v, &mask))?);
     if ours_only {
         return Ok(());
     }
@@ -130,7 +144,8 @@ fn bench_sdpa(
     Ok(())
 }
 
-fn bench_mha(work: &str, (b, n, e, h): (usize, usize, usize, usize)) -> Result<()> {
+/// `nn.MultiheadAttention(e, h)` on random weights, and its input.
+fn mha_inputs((b, n, e, h): (usize, usize, usize, usize)) -> Result<(MultiheadAttention, Tensor)> {
     // Plain tensors (as loaded from a checkpoint), not variables.
     let weights = [
         ("in_proj_weight", randn(&[3 * e, e])?),
@@ -146,9 +161,7 @@ fn bench_mha(work: &str, (b, n, e, h): (usize, usize, usize, usize)) -> Result<(
         &MhaConfig::new(e, h),
         candle_nn::VarBuilder::from_tensors(weights, DType::F32, &Device::Cpu),
     )?;
-    let x = randn(&[b, n, e])?;
-    report(work, "ours", median_ms(|| Ok(mha.forward(&x).map(drop)?))?);
-    Ok(())
+    Ok((mha, randn(&[b, n, e])?))
 }
 
 fn peak_rss(n: usize) -> Result<()> {
@@ -255,6 +268,33 @@ fn mask_memory() -> Result<()> {
     Ok(())
 }
 
+/// The table's SDPA cases: label, `(b, h, l, s, d)`, causal.
+type SdpaCase = (&'static str, (usize, usize, usize, usize, usize), bool);
+const SDPA_CASES: [SdpaCase; 5] = [
+    ("sdpa B8 N197 H12 hd64", (8, 12, 197, 197, 64), false),
+    ("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false),
+    ("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false),
+    ("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true),
+    (
+        "decode B1 H8 hd64 1 query x 2048 keys",
+        (1, 8, 1, 2048, 64),
+        false,
+    ),
+];
+const MHA_CASE: (&str, (usize, usize, usize, usize)) = ("MHA B8 N197 D768 H12", (8, 197, 768, 12));
+
+/// `--serve`: our path on each of the table's works, on request.
+fn serve_works() -> Result<()> {
+    let mut works: Vec<serve::Work> = Vec::new();
+    for (work, dims, causal) in SDPA_CASES {
+        let (q, k, v, mask) = sdpa_inputs(dims, causal)?;
+        works.push((work, Box::new(move || ours(&q, &k, &v, &mask))));
+    }
+    let (mha, x) = mha_inputs(MHA_CASE.1)?;
+    works.push((MHA_CASE.0, Box::new(move || Ok(mha.forward(&x).map(drop)?))));
+    serve::serve(&mut works)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let only = match args.as_slice() {
@@ -266,28 +306,20 @@ fn main() -> Result<()> {
         [flag, case] if flag == "--mask-memory-case" => {
             return mask_memory_case(case.parse().context("--mask-memory-case takes an index")?)
         }
+        [flag] if flag == "--serve" => return serve_works(),
         [flag, text] if flag == "--only" => Some(text.as_str()),
-        _ => bail!("usage: bench_attention [--peak-rss N | --mask-memory | --only TEXT]"),
+        _ => bail!("usage: bench_attention [--peak-rss N | --mask-memory | --only TEXT | --serve]"),
     };
     let run = |work: &str| only.is_none_or(|text| work.contains(text));
-    let sdpa_cases = [
-        ("sdpa B8 N197 H12 hd64", (8, 12, 197, 197, 64), false),
-        ("sdpa B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), false),
-        ("sdpa B1 N4096 H8 hd64", (1, 8, 4096, 4096, 64), false),
-        ("sdpa causal B1 N1024 H8 hd64", (1, 8, 1024, 1024, 64), true),
-        (
-            "decode B1 H8 hd64 1 query x 2048 keys",
-            (1, 8, 1, 2048, 64),
-            false,
-        ),
-    ];
-    for (work, dims, causal) in sdpa_cases {
+    for (work, dims, causal) in SDPA_CASES {
         if run(work) {
             bench_sdpa(work, dims, causal, only.is_some())?;
         }
     }
-    if run("MHA B8 N197 D768 H12") {
-        bench_mha("MHA B8 N197 D768 H12", (8, 197, 768, 12))?;
+    let (work, dims) = MHA_CASE;
+    if run(work) {
+        let (mha, x) = mha_inputs(dims)?;
+        report(work, "ours", median_ms(|| Ok(mha.forward(&x).map(drop)?))?);
     }
     Ok(())
 }

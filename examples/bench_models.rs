@@ -12,7 +12,14 @@
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- vit-linears 1
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
+//! cargo run --release --example bench_models -- serve [--vit WEIGHTS] [--transformer WEIGHTS]
 //! ```
+//!
+//! `serve`: answers `N WORK` requests on stdin with the median of `N` runs
+//! of the work (`support/serve.rs`; the works: `sgemm 2048`, candle's
+//! matmul; `PackedLinear 2048`; the two ViT-B/16 rows and the two
+//! transformer rows as the other modes name them), for the script to pair
+//! with PyTorch's.
 //!
 //! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
 //! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
@@ -55,6 +62,9 @@ use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttenti
 use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
+
+#[path = "support/serve.rs"]
+mod serve;
 
 /// Median wall time of `f` in ms over at least 5 runs (3 past a second)
 /// and ~2 s, after one warm-up run.
@@ -197,6 +207,61 @@ fn weights(
     Ok(VarBuilder::from_tensors(plain, DType::F32, &dev))
 }
 
+/// timm's `vit_base_patch16_224` on the timm state_dict at `path`, or on
+/// random weights.
+fn vit_b16(path: Option<&str>) -> Result<VisionTransformer> {
+    let cfg = VitConfig::base_patch16_224();
+    let vb = weights(path, |vb| VisionTransformer::new(&cfg, vb).map(drop))?;
+    Ok(VisionTransformer::new(&cfg, vb)?)
+}
+
+const TRANSFORMER_FORWARD: &str = "nn.Transformer B8 S64 T64 forward";
+const TRANSFORMER_GREEDY: &str = "nn.Transformer B8 S64 encode + 32 greedy steps";
+
+/// `nn.Transformer(d_model=512, nhead=8, 6 + 6 layers, batch_first=True)`
+/// and its inputs: a B8 S64 T64 forward with a causal target mask, and 32
+/// greedy steps with the cache (each step's output fed back as the next
+/// input).
+struct TransformerBench {
+    model: Transformer,
+    src: Tensor,
+    tgt: Tensor,
+    masks: TransformerMasks,
+}
+
+impl TransformerBench {
+    /// On the `nn.Transformer` state_dict at `path`, or on random weights.
+    fn new(path: Option<&str>) -> Result<Self> {
+        let mut cfg = TransformerConfig::new(512, 8).with_batch_first(true);
+        cfg.dropout = 0.;
+        let vb = weights(path, |vb| Transformer::new(&cfg, vb).map(drop))?;
+        let dev = Device::Cpu;
+        Ok(TransformerBench {
+            model: Transformer::new(&cfg, vb)?,
+            src: Tensor::randn(0f32, 1., (8, 64, 512), &dev)?,
+            tgt: Tensor::randn(0f32, 1., (8, 64, 512), &dev)?,
+            masks: TransformerMasks {
+                tgt: Mask::causal(Causal::TopLeft),
+                ..Default::default()
+            },
+        })
+    }
+
+    fn forward(&self) -> Result<()> {
+        Ok(self.model.forward(&self.src, &self.tgt, &self.masks).map(drop)?)
+    }
+
+    fn greedy(&self) -> Result<()> {
+        let memory = self.model.encoder().forward(&self.src, &Mask::new())?;
+        let mut cache = self.model.decoder().start(&memory, None)?;
+        let mut x = Tensor::zeros((8, 1, 512), DType::F32, self.src.device())?;
+        for _ in 0..32 {
+            x = self.model.decoder().step(&x, &mut cache)?;
+        }
+        Ok(())
+    }
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -318,33 +383,43 @@ fn main() -> Result<()> {
             );
         }
         ["transformer", rest @ ..] => {
-            // nn.Transformer(d_model=512, nhead=8, 6 + 6 layers,
-            // batch_first=True): a B8 S64 T64 forward with a causal target
-            // mask, and 32 greedy steps with the cache (each step's output
-            // fed back as the next input).
-            let mut cfg = TransformerConfig::new(512, 8).with_batch_first(true);
-            cfg.dropout = 0.;
-            let vb = weights(rest.first().copied(), |vb| Transformer::new(&cfg, vb).map(drop))?;
-            let model = Transformer::new(&cfg, vb)?;
-            let dev = Device::Cpu;
-            let src = Tensor::randn(0f32, 1., (8, 64, 512), &dev)?;
-            let tgt = Tensor::randn(0f32, 1., (8, 64, 512), &dev)?;
-            let masks = TransformerMasks {
-                tgt: Mask::causal(Causal::TopLeft),
-                ..Default::default()
-            };
-            let ms = median_ms(|| Ok(model.forward(&src, &tgt, &masks).map(drop)?))?;
-            println!(r#"{{"work": "nn.Transformer B8 S64 T64 forward", "median_ms": {ms:.2}}}"#);
-            let ms = median_ms(|| {
-                let memory = model.encoder().forward(&src, &Mask::new())?;
-                let mut cache = model.decoder().start(&memory, None)?;
-                let mut x = Tensor::zeros((8, 1, 512), DType::F32, &dev)?;
-                for _ in 0..32 {
-                    x = model.decoder().step(&x, &mut cache)?;
+            let tr = TransformerBench::new(rest.first().copied())?;
+            let ms = median_ms(|| tr.forward())?;
+            println!(r#"{{"work": "{TRANSFORMER_FORWARD}", "median_ms": {ms:.2}}}"#);
+            let ms = median_ms(|| tr.greedy())?;
+            println!(r#"{{"work": "{TRANSFORMER_GREEDY}", "median_ms": {ms:.2}}}"#);
+        }
+        ["serve", rest @ ..] => {
+            // --vit WEIGHTS and --transformer WEIGHTS, each optional.
+            let (mut vit, mut tr) = (None, None);
+            for pair in rest.chunks(2) {
+                match pair {
+                    ["--vit", path] => vit = Some(*path),
+                    ["--transformer", path] => tr = Some(*path),
+                    _ => bail!("serve takes --vit WEIGHTS and --transformer WEIGHTS, not {pair:?}"),
                 }
-                Ok(())
-            })?;
-            println!(r#"{{"work": "nn.Transformer B8 S64 encode + 32 greedy steps", "median_ms": {ms:.2}}}"#);
+            }
+            let (vit, tr) = (vit_b16(vit)?, TransformerBench::new(tr)?);
+            let dev = Device::Cpu;
+            let (a, b) = (
+                Tensor::randn(0f32, 1., (2048, 2048), &dev)?,
+                Tensor::randn(0f32, 1., (2048, 2048), &dev)?,
+            );
+            let packed = PackedLinear::new(Tensor::randn(0f32, 1., (2048, 2048), &dev)?, None)?;
+            let imgs = [
+                Tensor::randn(0f32, 1., (1, 3, 224, 224), &dev)?,
+                Tensor::randn(0f32, 1., (8, 3, 224, 224), &dev)?,
+            ];
+            let (vit, tr) = (&vit, &tr);
+            let mut works: Vec<serve::Work> = vec![
+                ("sgemm 2048", Box::new(|| Ok(a.matmul(&b).map(drop)?))),
+                ("PackedLinear 2048", Box::new(|| Ok(packed.forward(&a).map(drop)?))),
+                ("vit_base_patch16_224 B1", Box::new(|| Ok(vit.forward(&imgs[0]).map(drop)?))),
+                ("vit_base_patch16_224 B8", Box::new(|| Ok(vit.forward(&imgs[1]).map(drop)?))),
+                (TRANSFORMER_FORWARD, Box::new(|| tr.forward())),
+                (TRANSFORMER_GREEDY, Box::new(|| tr.greedy())),
+            ];
+            serve::serve(&mut works)?;
         }
         ["decoder", dir, rest @ ..] => {
             let dev = Device::Cpu;
@@ -376,11 +451,7 @@ fn main() -> Result<()> {
         }
         ["vit-b16", batch, rest @ ..] => {
             let batch: usize = batch.parse().context("vit-b16 takes a batch size")?;
-            let cfg = VitConfig::base_patch16_224();
-            let vb = weights(rest.first().copied(), |vb| {
-                VisionTransformer::new(&cfg, vb).map(drop)
-            })?;
-            let vit = VisionTransformer::new(&cfg, vb)?;
+            let vit = vit_b16(rest.first().copied())?;
             let x = Tensor::randn(0f32, 1., (batch, 3, 224, 224), &Device::Cpu)?;
             // The forward's own peak: Linux resets the peak resident set
             // (VmHWM) to the current one when 5 is written to clear_refs.
@@ -399,8 +470,7 @@ fn main() -> Result<()> {
             // weights of its own, so that they come from memory as the
             // forward's do) over fixed inputs of its rows, in turn.
             let batch: usize = batch.parse().context("vit-linears takes a batch size")?;
-            let cfg = VitConfig::base_patch16_224();
-            let vit = VisionTransformer::new(&cfg, weights(None, |vb| VisionTransformer::new(&cfg, vb).map(drop))?)?;
+            let vit = vit_b16(None)?;
             let dev = Device::Cpu;
             let (e, rows) = (768, batch * 197);
             let linear = |n: usize, k: usize| -> Result<PackedLinear> {

@@ -2,36 +2,37 @@
 """Time our attention, candle's own paths and PyTorch on the same shapes, in
 one run, and print a Markdown table of medians and ratios.
 
-    .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--rounds 3]
-    .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--rounds 3]
-    .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--pairs 21]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--pairs 21]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2] [--rounds 3]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
-`--models` times the models instead (`cargo run --release --example
-bench_models`): the machine's sgemm rate (2048², both libraries), then
-timm's `vit_base_patch16_224` at batch 1 and 8 on the same random weights
-(timm's state_dict, loaded by both), each row's FLOPs as a share of the
-measured sgemm rate, and the peak resident memory of one forward beside
-timm's.
+`--models` times the models instead (`bench_models`): the machine's sgemm
+rate (2048², both libraries), then timm's `vit_base_patch16_224` at batch
+1 and 8 on the same random weights (timm's state_dict, loaded by both),
+each row's FLOPs as a share of the measured sgemm rate, and the peak
+resident memory of one forward beside timm's; then `nn.Transformer`'s
+forward and its encode + 32 greedy steps.
 
-Our side is `cargo run --release --example bench_attention` (JSON lines);
-PyTorch runs here with the same thread count. Both take the median of at
-least 5 timed runs (3 for runs over a second; ~2 s per case) after a
-warm-up. The machine is shared and its speed drifts by tens of percent
-within minutes, so the two sides alternate case by case: each round runs
-ours on a case, then PyTorch on the same case, then the next case
-(seconds apart, where running all of one side first put a minute between
-the two times of a case), and the table gives each time's median over
-the rounds and the median of the per-round ratios. The attention table's
-candle columns come from one full `bench_attention` run after the
-rounds. Compare ratios within one run, not times across runs.
+The machine is shared and its speed drifts by tens of percent within
+seconds, so the two sides of the attention and `--models` tables take
+turns sample by sample: our example runs as a server (`bench_attention
+--serve`, `bench_models serve`) that times a work on request while
+PyTorch waits, and PyTorch times it here while ours waits; a sample is
+the median of as many runs as take about 100 ms, after two warm-up runs,
+and which side goes first alternates from pair to pair. Each work gets
+`--pairs` pairs (21), and the table gives each side's median sample and
+the median of the pairs' ratios. The attention table's candle columns
+come from one full `bench_attention` run after the pairs. `--linears` and
+`--decoders` still alternate in rounds (`--rounds`), each side ~2 s of a
+case at a time. Compare ratios within one run, not times across runs.
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
 PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
 and `ONEDNN_MAX_CPU_ISA=AVX2` (read when torch loads, so set here before
 it does), ours through `MULTIHEAD_CPU_ISA=avx2`. candle's own matmul (the
 `gemm` crate) has no such cap, so with `--models` the sgemm row is our
-`PackedLinear` (`bench_models linear 2048 2048 2048`) rather than candle's
+`PackedLinear` (the served work `PackedLinear 2048`) rather than candle's
 matmul, and the attention table's candle columns keep their AVX-512.
 """
 
@@ -74,6 +75,74 @@ def median_ms(fn):
     return statistics.median(times)
 
 
+# A paired sample of a side is the median of as many runs as take about
+# this long (after two warm-up runs).
+SAMPLE_MS = 100
+# Before each sample: PyTorch's OpenMP workers spin for about 7 ms after a
+# call, which would take a core from our next sample.
+GAP_S = 0.02
+
+
+class Server:
+    """One of our examples in its serve mode (`bench_attention --serve`,
+    `bench_models serve`): `ms(work, n)` is its median of `n` runs of
+    `work`."""
+
+    def __init__(self, cmd, env):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def ms(self, work, n):
+        self.proc.stdin.write(f"{n} {work}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit(f"{self.proc.args[0]} stopped (exit status {self.proc.wait()}) on {work!r}")
+        return json.loads(line)["median_ms"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def runs_ms(fn, n):
+    """The median of `n` runs of `fn`, in ms."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def paired(ours, theirs, pairs):
+    """`pairs` (ours, theirs) samples in ms, the two sides in turn, which
+    one goes first alternating: `ours(n)` is our median of `n` runs,
+    `theirs` one run of PyTorch's."""
+    ours(1), runs_ms(theirs, 1)
+    n_ours, n_theirs = (max(1, round(SAMPLE_MS / ms)) for ms in (ours(1), runs_ms(theirs, 1)))
+    samples = []
+    for i in range(pairs):
+        time.sleep(GAP_S)
+        if i % 2 == 0:
+            o = ours(n_ours)
+            time.sleep(GAP_S)
+            t = runs_ms(theirs, n_theirs)
+        else:
+            t = runs_ms(theirs, n_theirs)
+            time.sleep(GAP_S)
+            o = ours(n_ours)
+        samples.append((o, t))
+    return samples
+
+
+def summary(samples):
+    """(our median, PyTorch's median, the median of the pairs' ratios
+    PyTorch / ours) of `paired`'s samples."""
+    med = statistics.median
+    return med([o for o, _ in samples]), med([t for _, t in samples]), med([t / o for o, t in samples])
+
+
 def torch_sdpa(b, h, l, s, d, causal):
     q, k, v = torch.randn(b, h, l, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d)
     kw = {}
@@ -81,18 +150,17 @@ def torch_sdpa(b, h, l, s, d, causal):
         from torch.nn.attention.bias import causal_lower_right
 
         kw["attn_mask"] = causal_lower_right(l, s)
-    with torch.no_grad():
-        return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, **kw))
+    return lambda: F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 def torch_mha(b, n, e, h):
     mha = torch.nn.MultiheadAttention(e, h, batch_first=True).eval()
     x = torch.randn(b, n, e)
-    with torch.no_grad():
-        return median_ms(lambda: mha(x, x, x, need_weights=False))
+    return lambda: mha(x, x, x, need_weights=False)
 
 
-# work label (as bench_attention prints it) -> PyTorch function
+# work label (as bench_attention names it) -> what PyTorch runs, and one
+# call of it
 CASES = {
     "sdpa B8 N197 H12 hd64": ("SDPA", lambda: torch_sdpa(8, 12, 197, 197, 64, False)),
     "sdpa B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, False)),
@@ -108,11 +176,10 @@ def capped():
     return ", AVX2 on both sides (--isa avx2)" if CAP_AVX2 else ""
 
 
-def run_ours(env, only=None):
-    """`bench_attention`'s medians by work and path: every case and path,
-    or ours on the cases whose label contains `only`."""
+def run_ours(env):
+    """`bench_attention`'s medians by work and path, every case and path."""
     out = subprocess.run(
-        [os.path.join(ROOT, "target", "release", "examples", "bench_attention")] + (["--only", only] if only else []),
+        [os.path.join(ROOT, "target", "release", "examples", "bench_attention")],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
     rust = {}
@@ -165,65 +232,46 @@ def models(args, env):
             out = tr.decoder(y, memory, tgt_mask=torch.nn.Transformer.generate_square_subsequent_mask(n),
                              tgt_is_causal=True)
             y = torch.cat([y, out[:, -1:]], dim=1)
-    # Each of our commands, and the works of theirs it pairs with.
-    ours_cmd = {
-        "sgemm 2048": [exe, "linear", "2048", "2048", "2048"] if CAP_AVX2 else [exe, "sgemm", "2048"],
-        "vit_base_patch16_224 B1": [exe, "vit-b16", "1", weights],
-        "vit_base_patch16_224 B8": [exe, "vit-b16", "8", weights],
-        "transformer": [exe, "transformer", tr_weights],
-    }
-    pairs = {
-        "transformer": ["nn.Transformer B8 S64 T64 forward", "nn.Transformer B8 S64 encode + 32 greedy steps"],
-    }
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     imgs = {1: torch.randn(1, 3, 224, 224), 8: torch.randn(8, 3, 224, 224)}
-    theirs_fn = {
-        "sgemm 2048": lambda: median_ms(lambda: a @ b),
-        "vit_base_patch16_224 B1": lambda: median_ms(lambda: vit(imgs[1])),
-        "vit_base_patch16_224 B8": lambda: median_ms(lambda: vit(imgs[8])),
-        "nn.Transformer B8 S64 T64 forward": lambda: median_ms(
-            lambda: tr(src, tgt, tgt_mask=causal, tgt_is_causal=True)),
-        "nn.Transformer B8 S64 encode + 32 greedy steps": lambda: median_ms(torch_decode),
+    # work -> one call of theirs
+    theirs = {
+        "sgemm 2048": lambda: a @ b,
+        "vit_base_patch16_224 B1": lambda: vit(imgs[1]),
+        "vit_base_patch16_224 B8": lambda: vit(imgs[8]),
+        "nn.Transformer B8 S64 T64 forward": lambda: tr(src, tgt, tgt_mask=causal, tgt_is_causal=True),
+        "nn.Transformer B8 S64 encode + 32 greedy steps": torch_decode,
     }
-    rounds = []
+    # candle's matmul has no AVX2 cap: the capped sgemm row is ours.
+    ours_name = {"sgemm 2048": "PackedLinear 2048"} if CAP_AVX2 else {}
+    rss_ours = {}
+    for n in (1, 8):
+        out = subprocess.run([exe, "vit-b16", str(n), weights], cwd=ROOT, env=env, check=True,
+                             capture_output=True, text=True).stdout
+        rss_ours[n] = json.loads(out)["peak_rss_mib"]
+    server = Server([exe, "serve", "--vit", weights, "--transformer", tr_weights], env)
     with torch.no_grad():
         rss_theirs = {n: forward_peak_mib(lambda: vit(imgs[n])) for n in (1, 8)}
-        for _ in range(args.rounds):
-            ours, theirs = {}, {}
-            for key, cmd in ours_cmd.items():
-                out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-                for line in out.splitlines():
-                    r = json.loads(line)
-                    if r.get("path") == "PackedLinear":
-                        ours["sgemm 2048"] = r
-                    elif "path" not in r:
-                        ours[r["work"]] = r
-                for work in pairs.get(key, [key]):
-                    theirs[work] = theirs_fn[work]()
-            rounds.append((ours, theirs))
-    med = statistics.median
+        rows = {work: summary(paired(lambda n: server.ms(ours_name.get(work, work), n), fn, args.pairs))
+                for work, fn in theirs.items()}
+    server.close()
     gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
-    rate = {
-        "ours": med([o["sgemm 2048"]["gflops"] for o, _ in rounds]),
-        "torch": med([gflop["sgemm 2048"] / (t["sgemm 2048"] * 1e-3) for _, t in rounds]),
-    }
+    ours_sgemm, theirs_sgemm, _ = rows["sgemm 2048"]
+    rate = {"ours": gflop["sgemm 2048"] / (ours_sgemm * 1e-3), "torch": gflop["sgemm 2048"] / (theirs_sgemm * 1e-3)}
     print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32{capped()}, "
-          f"medians in ms over {args.rounds} rounds")
+          f"medians in ms over {args.pairs} pairs")
     ours_sgemm = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
     print(f"sgemm 2048²: {ours_sgemm} {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
     print()
     print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
     print("|---|---|---|---|---|---|")
-    for work in theirs_fn:
-        pt = [t[work] for _, t in rounds]
-        ours = [o[work]["median_ms"] for o, _ in rounds]
-        ratio = med([p / o for p, o in zip(pt, ours)])
-        share = f"{gflop[work] / (med(ours) * 1e-3) / rate['ours'] * 100:.0f} %" if work in gflop else "–"
+    for work, (ours, pt, ratio) in rows.items():
+        share = f"{gflop[work] / (ours * 1e-3) / rate['ours'] * 100:.0f} %" if work in gflop else "–"
         rss = "–"
         if work.startswith("vit"):
             n = int(work.split("B")[-1])
-            rss = f"{rss_theirs[n]:.0f} / {med([o[work]['peak_rss_mib'] for o, _ in rounds]):.0f}"
-        print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {share} | {rss} |")
+            rss = f"{rss_theirs[n]:.0f} / {rss_ours[n]:.0f}"
+        print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** | {share} | {rss} |")
 
 
 def linears(args, env):
@@ -335,7 +383,9 @@ def decoders(args, env):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=21,
+                    help="paired samples per work of the attention and --models tables")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --linears and --decoders")
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")
     ap.add_argument("--linears", action="store_true",
@@ -356,32 +406,26 @@ def main():
         return linears(args, env)
     subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
     torch.set_num_threads(args.threads)
-    rounds = []
-    for _ in range(args.rounds):
-        rust, theirs = {}, {}
-        for work, (_, fn) in CASES.items():
-            rust.update(run_ours(env, only=work))
-            theirs[work] = fn()
-        rounds.append((rust, theirs))
+    server = Server([os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--serve"], env)
+    with torch.no_grad():
+        rows = {work: summary(paired(lambda n: server.ms(work, n), make(), args.pairs))
+                for work, (_, make) in CASES.items()}
+    server.close()
     candle = run_ours(env)
     rss = subprocess.run(
         [os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--peak-rss", "16384"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
 
-    med = statistics.median
-    nan = float("nan")
-    print(f"torch {torch.__version__}, {args.threads} threads, f32{capped()}, medians in ms over {args.rounds} rounds")
+    print(f"torch {torch.__version__}, {args.threads} threads, f32{capped()}, medians in ms over {args.pairs} pairs")
     print()
     print("| work | PyTorch | ours | PyTorch / ours | candle matmul+softmax | candle flash_attn (CPU) |")
     print("|---|---|---|---|---|---|")
     for work, (what, _) in CASES.items():
-        pt = [torch_ms[work] for _, torch_ms in rounds]
-        ours = [rust.get(work, {}).get("ours", nan) for rust, _ in rounds]
-        ratio = med([p / o for p, o in zip(pt, ours)])
+        ours, pt, ratio = rows[work]
         paths = [candle.get(work, {}).get(p) for p in ("candle_matmul_softmax", "candle_flash_attn")]
         fmt = lambda x: "–" if x is None else f"{x:.2f}"
-        print(f"| {work} | {what} {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** | {fmt(paths[0])} | {fmt(paths[1])} |")
+        print(f"| {work} | {what} {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** | {fmt(paths[0])} | {fmt(paths[1])} |")
     print()
     r = json.loads(rss)
     print(f"{r['work']}: {r['peak_rss_mib']:.0f} MiB peak RSS, {r['seconds']:.1f} s "
