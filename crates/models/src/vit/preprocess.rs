@@ -38,6 +38,9 @@ pub enum ImageResize {
         #[serde(default, skip_serializing_if = "is_false")]
         round_half_even: bool,
     },
+    /// No resize (HF's `do_resize: false`): the image is used at its own
+    /// size, which must be the input size.
+    AsIs,
 }
 
 /// Most times the input size a resize before the crop may be (timm's
@@ -49,7 +52,7 @@ impl ImageResize {
     /// `img_size` and is at most [`MAX_RESIZE_FACTOR`] times it.
     pub fn validate(&self, img_size: usize) -> Result<()> {
         let sides = match *self {
-            Self::Squash => return Ok(()),
+            Self::Squash | Self::AsIs => return Ok(()),
             Self::ShortSideCrop { short_side } => [short_side, short_side],
             Self::SquashCrop { height, width, .. } => [height, width],
         };
@@ -100,7 +103,8 @@ pub fn preprocess(cfg: &VitConfig, pixels: &Tensor) -> Result<Tensor> {
 
 /// The size an image of `(h, w)` pixels is resized to before the centre
 /// crop to `out`: `out` itself for `Squash`; for the crop modes their
-/// size, scaled by `out / img_size` when `out` is not the config's size.
+/// size, scaled by `out / img_size` when `out` is not the config's size;
+/// for `AsIs` the image's own, an error unless it is `out`.
 pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
     let img = cfg.img_size.max(1);
     let scale = |n: usize, o: usize| -> Result<usize> {
@@ -111,6 +115,13 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
     };
     let size = match cfg.image_resize {
         ImageResize::Squash => out,
+        ImageResize::AsIs if (h, w) == out => out,
+        ImageResize::AsIs => bail!(
+            "preprocess: the image is {h}x{w} and the config resizes nothing (image_resize \
+             as_is, HF's do_resize: false): it must be the input size, {}x{}",
+            out.0,
+            out.1
+        ),
         ImageResize::SquashCrop { height, width, .. } => (scale(height, out.0)?, scale(width, out.1)?),
         ImageResize::ShortSideCrop { short_side } if out.0 == out.1 => {
             let s = scale(short_side, out.0)?;
@@ -201,6 +212,11 @@ pub fn preprocess_to(cfg: &VitConfig, pixels: &Tensor, (height, width): (usize, 
     let (rh, rw) = resize_size(cfg, (h, w), (height, width))?;
     let dev = pixels.device();
     let x = match cfg.image_resampler {
+        // As HF's processors do without a resize: 8-bit pixels for PIL's.
+        _ if cfg.image_resize == ImageResize::AsIs => match cfg.image_resampler {
+            Resampler::Torch => (pixels.to_dtype(DType::F32)? / 255.)?,
+            Resampler::Pil => (pixels.to_dtype(DType::F32)?.round()?.clamp(0., 255.)? / 255.)?,
+        },
         Resampler::Torch => resize(
             &(pixels.to_dtype(DType::F32)? / 255.)?,
             (rh, rw),
@@ -277,6 +293,38 @@ mod tests {
         for (bad, what) in [(223, "below"), (897, "above")] {
             let r = ImageResize::ShortSideCrop { short_side: bad };
             assert!(r.validate(224).is_err(), "{what}");
+        }
+        Ok(())
+    }
+
+    /// HF's `do_resize: false`: the pixels as they are, scaled and
+    /// normalised; an image of another size is an error, not resized.
+    #[test]
+    fn as_is_takes_the_image_at_its_size() -> Result<()> {
+        let mut cfg = VitConfig::new(4, 2, 8, 1, 2);
+        cfg.in_chans = 1;
+        cfg.image_mean = vec![0.5];
+        cfg.image_std = vec![0.25];
+        cfg.image_resize = ImageResize::AsIs;
+        let px: Vec<f32> = (0..16).map(|i| (i * 17) as f32).collect();
+        let want: Vec<f32> = px.iter().map(|&p| (p / 255. - 0.5) / 0.25).collect();
+        for resampler in [Resampler::Torch, Resampler::Pil] {
+            cfg.image_resampler = resampler;
+            let x = preprocess(
+                &cfg,
+                &Tensor::from_vec(px.clone(), (1, 4, 4), &candle::Device::Cpu)?,
+            )?;
+            assert_eq!(x.dims(), [1, 4, 4]);
+            let got = x.flatten_all()?.to_vec1::<f32>()?;
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-6, "{resampler:?}: {got:?} against {want:?}");
+            }
+            let other = Tensor::zeros((1, 4, 5), DType::U8, &candle::Device::Cpu)?;
+            let err = preprocess(&cfg, &other).unwrap_err().to_string();
+            assert!(
+                err.contains("4x5") && err.contains("do_resize: false") && err.contains("4x4"),
+                "{err}"
+            );
         }
         Ok(())
     }

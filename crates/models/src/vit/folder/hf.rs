@@ -258,7 +258,19 @@ fn preprocessor(cfg: &mut VitConfig, text: &str, file: &str, config_file: &str) 
     }
     let img = cfg.img_size;
     let size = size_of(&f, "size")?;
-    if f.boolean("do_center_crop")? == Some(true) {
+    let crop = f.boolean("do_center_crop")? == Some(true);
+    if f.boolean("do_resize")? == Some(false) {
+        // The processor takes the image at its size: `size` is unused.
+        if crop {
+            return Err(f.error(
+                "do_resize",
+                "false with do_center_crop true is not supported: a crop needs the resize before it",
+            ));
+        }
+        cfg.image_resize = ImageResize::AsIs;
+        return Ok(());
+    }
+    if crop {
         let crop = size_of(&f, "crop_size")?.unwrap_or((224, 224));
         if crop != (img, img) {
             return Err(f.error(
@@ -343,6 +355,26 @@ mod tests {
         assert_eq!(cfg.image_interpolation, Interpolation::Bilinear);
         assert_eq!(cfg.image_resampler, Resampler::Pil);
         assert_eq!(cfg.naming, Naming::Hf);
+        Ok(())
+    }
+
+    /// `do_resize: false` takes images at their size (they must be the
+    /// model's), whatever `size` says; with a centre crop it is refused.
+    #[test]
+    fn do_resize_false_resizes_nothing() -> Result<()> {
+        let config = r#"{"model_type": "vit", "image_size": 224}"#;
+        let cfg = VitConfig::from_hf_config(config, Some(r#"{"do_resize": false, "size": 384}"#))?;
+        assert_eq!(cfg.image_resize, ImageResize::AsIs);
+        let err = VitConfig::from_hf_config(
+            config,
+            Some(r#"{"do_resize": false, "do_center_crop": true, "crop_size": 224}"#),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("preprocessor_config.json: field 'do_resize'") && err.contains("do_center_crop"),
+            "{err}"
+        );
         Ok(())
     }
 
