@@ -20,8 +20,10 @@
 //!   `avx512::one_row`, which streams each panel once.
 //!
 //! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
-//! by a block of row groups, all of them unless the threads need more
-//! units; inside it, as in BLIS and `gemm`, one row group's slice of the
+//! by a block of row groups: with more than one thread, at most
+//! [`CHUNK_GROUPS`] of them where the reduction is one slice, so that a
+//! thread that finishes first takes over the rest of the other's share;
+//! inside it, as in BLIS and `gemm`, one row group's slice of the
 //! inputs stays in L1 while the unit's panel slices stream past it from
 //! L2, where they stay across the row groups. On AVX-512 the tiles
 //! prefetch weights into L2 as they run: in a unit of one row group (a
@@ -79,15 +81,44 @@ const AHEAD: usize = 32;
 /// Output features per work unit, at most.
 const UNIT_FEATURES: usize = 256;
 
+/// Row groups per work unit, at most, where the threads share a call whose
+/// reduction is one slice: a unit's panels stay in L2 from one unit of
+/// rows to the next, and rayon hands the later ones of a thread's share to
+/// the thread that finishes first. On a shared host one core can run a
+/// third slower than the other for seconds at a time, and a call split
+/// into equal halves waits for the slow one. In one process against whole
+/// units (a switch not kept in the repo), with the next rule, on the
+/// README's Xeon: the `nn.Transformer` forward 1.01-1.08x (median of each
+/// run's per-round ratios, five runs), ViT-B/16 B1 1.02-1.05x, B8
+/// 1.03-1.05x; units of 4 or 16 groups were level with 8.
+const CHUNK_GROUPS: usize = 8;
+
+/// Work units per thread, at least, where the reduction is in slices:
+/// rows are not split there (a later slice adds to the rows' outputs, and
+/// a unit's panels for all its slices would not stay in L2 between units
+/// of rows), so panel blocks are halved down to one tile instead.
+const SLICED_UNITS_PER_THREAD: usize = 4;
+
 /// `(panels, row groups)` per work unit for `panels` panels of `nr`
 /// features, `groups` row groups and `threads` threads, a tile covering
-/// `tp` panels: panel blocks are halved (down to one tile) and then the
-/// row groups split until the units share out evenly over the threads, or
-/// there are 8 a thread.
-fn unit_shape(panels: usize, groups: usize, nr: usize, tp: usize, threads: usize) -> (usize, usize) {
+/// `tp` panels, the reduction `sliced` or not: panel blocks are halved
+/// (down to one tile) and then the row groups split until the units share
+/// out evenly over the threads, or there are 8 a thread; with more than
+/// one thread, panel blocks are halved further until there are
+/// [`SLICED_UNITS_PER_THREAD`] a thread where the reduction is sliced, and
+/// units take at most [`CHUNK_GROUPS`] row groups where it is not.
+fn unit_shape(
+    panels: usize,
+    groups: usize,
+    nr: usize,
+    tp: usize,
+    threads: usize,
+    sliced: bool,
+) -> (usize, usize) {
     let mut ppu = (UNIT_FEATURES / nr).max(tp);
     let uneven = |blocks: usize| !blocks.is_multiple_of(threads) && blocks < 8 * threads;
-    while ppu > tp && uneven(panels.div_ceil(ppu)) {
+    let few = |blocks: usize| threads > 1 && sliced && blocks < SLICED_UNITS_PER_THREAD * threads;
+    while ppu > tp && (uneven(panels.div_ceil(ppu)) || few(panels.div_ceil(ppu))) {
         ppu = (ppu / 2).div_ceil(tp) * tp;
     }
     let blocks = panels.div_ceil(ppu);
@@ -97,6 +128,9 @@ fn unit_shape(panels: usize, groups: usize, nr: usize, tp: usize, threads: usize
     let mut chunks = 1;
     while chunks < groups && uneven(units(chunks)) {
         chunks += 1;
+    }
+    if threads > 1 && !sliced {
+        return (ppu, gpu(chunks).min(CHUNK_GROUPS));
     }
     (ppu, gpu(chunks))
 }
@@ -331,7 +365,7 @@ impl PackedWeight {
         } else {
             1
         };
-        let (ppu, gpu) = unit_shape(p_hi - p_lo, groups, nr, tp, threads);
+        let (ppu, gpu) = unit_shape(p_hi - p_lo, groups, nr, tp, threads, kc_max < k);
         let units: Vec<(usize, usize)> = (p_lo..p_hi)
             .step_by(ppu)
             .flat_map(|p0| (0..groups).step_by(gpu).map(move |g0| (p0, g0)))
@@ -544,31 +578,47 @@ impl PackedWeight {
 
 #[cfg(test)]
 mod tests {
-    use super::{unit_shape, UNIT_FEATURES};
+    use super::{unit_shape, CHUNK_GROUPS, SLICED_UNITS_PER_THREAD, UNIT_FEATURES};
 
-    /// Units are whole tiles of at most `UNIT_FEATURES` features, and they
-    /// share out evenly over the threads (or number 8 a thread, or can be
-    /// split no further).
+    /// Units are whole tiles of at most `UNIT_FEATURES` features. With
+    /// more than one thread: where the reduction is one slice, at most
+    /// `CHUNK_GROUPS` row groups; where it is sliced, at least
+    /// `SLICED_UNITS_PER_THREAD` panel blocks a thread (or one tile's
+    /// panels), and units that share out evenly over the threads (or
+    /// number 8 a thread, or can be split no further), as every call's do
+    /// with one thread.
     #[test]
     fn units_share_out_evenly() {
         for (nr, tp) in [(16, 1), (32, 1), (32, 2)] {
             for threads in 1..=5 {
                 for panels in 1..80 {
                     for groups in 1..40 {
-                        let (ppu, gpu) = unit_shape(panels, groups, nr, tp, threads);
-                        let what =
-                            format!("nr {nr} tp {tp}, {threads} threads, {panels} panels, {groups} groups");
-                        assert!(
-                            ppu >= tp && ppu.is_multiple_of(tp) && ppu * nr <= UNIT_FEATURES,
-                            "{what}"
-                        );
-                        assert!((1..=groups).contains(&gpu), "{what}");
-                        let units = panels.div_ceil(ppu) * groups.div_ceil(gpu);
-                        let finest = ppu == tp && gpu == 1;
-                        assert!(
-                            units.is_multiple_of(threads) || units >= 8 * threads || finest,
-                            "{what}: {units} units of {ppu} panels by {gpu} groups"
-                        );
+                        for sliced in [false, true] {
+                            let (ppu, gpu) = unit_shape(panels, groups, nr, tp, threads, sliced);
+                            let what = format!(
+                                "nr {nr} tp {tp}, {threads} threads, {panels} panels, {groups} groups, \
+                                 sliced {sliced}: {ppu} panels by {gpu} groups a unit"
+                            );
+                            assert!(
+                                ppu >= tp && ppu.is_multiple_of(tp) && ppu * nr <= UNIT_FEATURES,
+                                "{what}"
+                            );
+                            assert!((1..=groups).contains(&gpu), "{what}");
+                            if threads > 1 && !sliced {
+                                assert!(gpu <= CHUNK_GROUPS, "{what}");
+                                continue;
+                            }
+                            let blocks = panels.div_ceil(ppu);
+                            if threads > 1 {
+                                assert!(blocks >= SLICED_UNITS_PER_THREAD * threads || ppu == tp, "{what}");
+                            }
+                            let units = blocks * groups.div_ceil(gpu);
+                            let finest = ppu == tp && gpu == 1;
+                            assert!(
+                                units.is_multiple_of(threads) || units >= 8 * threads || finest,
+                                "{what}"
+                            );
+                        }
                     }
                 }
             }
