@@ -129,8 +129,9 @@ fn unit_shape(
     while chunks < groups && uneven(units(chunks)) {
         chunks += 1;
     }
-    if threads > 1 && !sliced {
-        return (ppu, gpu(chunks).min(CHUNK_GROUPS));
+    if threads > 1 && !sliced && gpu(chunks) > CHUNK_GROUPS {
+        // Units of rows as even as they go: 33 groups make 7, 7, 7, 7, 5.
+        return (ppu, gpu(groups.div_ceil(CHUNK_GROUPS)));
     }
     (ppu, gpu(chunks))
 }
@@ -606,6 +607,10 @@ mod tests {
                             assert!((1..=groups).contains(&gpu), "{what}");
                             if threads > 1 && !sliced {
                                 assert!(gpu <= CHUNK_GROUPS, "{what}");
+                                // As even as they go: the last unit of
+                                // rows is not much shorter than the others.
+                                let n = groups.div_ceil(gpu);
+                                assert!(gpu * n - groups < n, "{what}");
                                 continue;
                             }
                             let blocks = panels.div_ceil(ppu);
