@@ -288,10 +288,13 @@ fn serve_works() -> Result<()> {
     let mut works: Vec<serve::Work> = Vec::new();
     for (work, dims, causal) in SDPA_CASES {
         let (q, k, v, mask) = sdpa_inputs(dims, causal)?;
-        works.push((work, Box::new(move || ours(&q, &k, &v, &mask))));
+        works.push((work.into(), Box::new(move || ours(&q, &k, &v, &mask))));
     }
     let (mha, x) = mha_inputs(MHA_CASE.1)?;
-    works.push((MHA_CASE.0, Box::new(move || Ok(mha.forward(&x).map(drop)?))));
+    works.push((
+        MHA_CASE.0.into(),
+        Box::new(move || Ok(mha.forward(&x).map(drop)?)),
+    ));
     serve::serve(&mut works)
 }
 

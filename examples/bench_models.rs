@@ -12,14 +12,17 @@
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- vit-linears 1
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
-//! cargo run --release --example bench_models -- serve [--vit WEIGHTS] [--transformer WEIGHTS]
+//! cargo run --release --example bench_models -- serve [--sgemm] [--vit WEIGHTS|random] \
+//!     [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
 //! ```
 //!
 //! `serve`: answers `N WORK` requests on stdin with the median of `N` runs
-//! of the work (`support/serve.rs`; the works: `sgemm 2048`, candle's
-//! matmul; `PackedLinear 2048`; the two ViT-B/16 rows and the two
-//! transformer rows as the other modes name them), for the script to pair
-//! with PyTorch's.
+//! of the work (`support/serve.rs`), for the script to pair with
+//! PyTorch's. The works are the flags': `--sgemm` candle's 2048² matmul
+//! (`sgemm 2048`) and a `PackedLinear 2048`; `--vit` and `--transformer`
+//! the two ViT-B/16 rows and the two transformer rows as the other modes
+//! name them; `--linear` a `PackedLinear` without bias (`linear MxKxN`);
+//! `--decoder` the `decoder` mode's two works.
 //!
 //! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
 //! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
@@ -262,6 +265,135 @@ impl TransformerBench {
     }
 }
 
+/// A HF decoder folder (GPT-2 or Llama) with a cache of `cache_len`
+/// positions, for one greedy decode step of batch 1 over it, and a prompt
+/// of `prompt_len` tokens to prefill.
+struct DecoderBench {
+    model: DecoderModel,
+    cache: multihead::models::decoder::DecoderCache,
+    cache_len: usize,
+    token: Tensor,
+    prompt: Tensor,
+}
+
+impl DecoderBench {
+    fn new(dir: &str, cache_len: usize, prompt_len: usize) -> Result<Self> {
+        let dev = Device::Cpu;
+        let model = DecoderModel::from_folder(dir.as_ref(), &dev)?;
+        let vocab = model.vocab_size() as u32;
+        let ids = |n: usize| -> candle::Result<Tensor> {
+            let data: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+            Tensor::from_vec(data, (1, n), &dev)
+        };
+        let mut cache = model.new_cache(vec![]);
+        model.forward(&ids(cache_len)?, &mut cache)?;
+        Ok(DecoderBench {
+            token: ids(1)?,
+            prompt: ids(prompt_len)?,
+            model,
+            cache,
+            cache_len,
+        })
+    }
+
+    fn step_work(&self) -> String {
+        format!("decode step, cache {}", self.cache_len)
+    }
+
+    fn prefill_work(&self) -> String {
+        format!("prefill {} tokens", self.prompt.dim(1).unwrap_or(0))
+    }
+
+    /// One step over the cache, cut back after it so that every step sees
+    /// the same length.
+    fn step(&mut self) -> Result<()> {
+        self.model.forward(&self.token, &mut self.cache)?;
+        self.cache.truncate(self.cache_len);
+        Ok(())
+    }
+
+    fn prefill(&self) -> Result<()> {
+        Ok(self
+            .model
+            .forward(&self.prompt, &mut self.model.new_cache(vec![]))
+            .map(drop)?)
+    }
+}
+
+/// `serve`: the works its flags name, on request (`support/serve.rs`).
+fn serve_works(args: &[&str]) -> Result<()> {
+    use std::rc::Rc;
+    let dev = Device::Cpu;
+    let mut works: Vec<serve::Work> = Vec::new();
+    let mut args = args.iter();
+    while let Some(&flag) = args.next() {
+        let mut value = || {
+            args.next()
+                .copied()
+                .with_context(|| format!("serve: {flag} takes a value"))
+        };
+        let random_or = |v: &str| (v != "random").then(|| v.to_string());
+        match flag {
+            "--sgemm" => {
+                let (a, b) = (
+                    Tensor::randn(0f32, 1., (2048, 2048), &dev)?,
+                    Tensor::randn(0f32, 1., (2048, 2048), &dev)?,
+                );
+                let packed = PackedLinear::new(Tensor::randn(0f32, 1., (2048, 2048), &dev)?, None)?;
+                let a2 = a.clone();
+                works.push(("sgemm 2048".into(), Box::new(move || Ok(a.matmul(&b).map(drop)?))));
+                works.push((
+                    "PackedLinear 2048".into(),
+                    Box::new(move || Ok(packed.forward(&a2).map(drop)?)),
+                ));
+            }
+            "--vit" => {
+                let vit = Rc::new(vit_b16(random_or(value()?).as_deref())?);
+                for batch in [1, 8] {
+                    let (vit, x) = (vit.clone(), Tensor::randn(0f32, 1., (batch, 3, 224, 224), &dev)?);
+                    let work = format!("vit_base_patch16_224 B{batch}");
+                    works.push((work, Box::new(move || Ok(vit.forward(&x).map(drop)?))));
+                }
+            }
+            "--transformer" => {
+                let tr = Rc::new(TransformerBench::new(random_or(value()?).as_deref())?);
+                let tr2 = tr.clone();
+                works.push((TRANSFORMER_FORWARD.into(), Box::new(move || tr.forward())));
+                works.push((TRANSFORMER_GREEDY.into(), Box::new(move || tr2.greedy())));
+            }
+            "--linear" => {
+                // MxKxN: a PackedLinear without bias and its input.
+                let shape = value()?;
+                let dims: Vec<usize> = shape
+                    .split('x')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()
+                    .ok()
+                    .filter(|d: &Vec<usize>| d.len() == 3)
+                    .with_context(|| format!("serve: --linear takes MxKxN, not {shape}"))?;
+                let x = Tensor::randn(0f32, 1., (dims[0], dims[1]), &dev)?;
+                let lin = PackedLinear::new(Tensor::randn(0f32, 1., (dims[2], dims[1]), &dev)?, None)?;
+                works.push((
+                    format!("linear {shape}"),
+                    Box::new(move || Ok(lin.forward(&x).map(drop)?)),
+                ));
+            }
+            "--decoder" => {
+                let dec = Rc::new(std::cell::RefCell::new(DecoderBench::new(value()?, 2048, 512)?));
+                let (step, prefill) = (dec.borrow().step_work(), dec.borrow().prefill_work());
+                let dec2 = dec.clone();
+                works.push((step, Box::new(move || dec.borrow_mut().step())));
+                works.push((prefill, Box::new(move || dec2.borrow().prefill())));
+            }
+            _ => bail!(
+                "serve takes --sgemm, --vit WEIGHTS|random, --transformer WEIGHTS|random, \
+                 --linear MxKxN and --decoder DIR, not {flag}"
+            ),
+        }
+    }
+    serve::serve(&mut works)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -389,64 +521,18 @@ fn main() -> Result<()> {
             let ms = median_ms(|| tr.greedy())?;
             println!(r#"{{"work": "{TRANSFORMER_GREEDY}", "median_ms": {ms:.2}}}"#);
         }
-        ["serve", rest @ ..] => {
-            // --vit WEIGHTS and --transformer WEIGHTS, each optional.
-            let (mut vit, mut tr) = (None, None);
-            for pair in rest.chunks(2) {
-                match pair {
-                    ["--vit", path] => vit = Some(*path),
-                    ["--transformer", path] => tr = Some(*path),
-                    _ => bail!("serve takes --vit WEIGHTS and --transformer WEIGHTS, not {pair:?}"),
-                }
-            }
-            let (vit, tr) = (vit_b16(vit)?, TransformerBench::new(tr)?);
-            let dev = Device::Cpu;
-            let (a, b) = (
-                Tensor::randn(0f32, 1., (2048, 2048), &dev)?,
-                Tensor::randn(0f32, 1., (2048, 2048), &dev)?,
-            );
-            let packed = PackedLinear::new(Tensor::randn(0f32, 1., (2048, 2048), &dev)?, None)?;
-            let imgs = [
-                Tensor::randn(0f32, 1., (1, 3, 224, 224), &dev)?,
-                Tensor::randn(0f32, 1., (8, 3, 224, 224), &dev)?,
-            ];
-            let (vit, tr) = (&vit, &tr);
-            let mut works: Vec<serve::Work> = vec![
-                ("sgemm 2048", Box::new(|| Ok(a.matmul(&b).map(drop)?))),
-                ("PackedLinear 2048", Box::new(|| Ok(packed.forward(&a).map(drop)?))),
-                ("vit_base_patch16_224 B1", Box::new(|| Ok(vit.forward(&imgs[0]).map(drop)?))),
-                ("vit_base_patch16_224 B8", Box::new(|| Ok(vit.forward(&imgs[1]).map(drop)?))),
-                (TRANSFORMER_FORWARD, Box::new(|| tr.forward())),
-                (TRANSFORMER_GREEDY, Box::new(|| tr.greedy())),
-            ];
-            serve::serve(&mut works)?;
-        }
+        ["serve", rest @ ..] => serve_works(rest)?,
         ["decoder", dir, rest @ ..] => {
-            let dev = Device::Cpu;
-            let model = DecoderModel::from_folder(dir.as_ref(), &dev)?;
             let cache_len: usize = rest.first().map_or(Ok(2048), |s| s.parse())?;
             let prompt_len: usize = rest.get(1).map_or(Ok(512), |s| s.parse())?;
-            let vocab = model.vocab_size() as u32;
-            let ids = |n: usize| -> candle::Result<Tensor> {
-                let data: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-                Tensor::from_vec(data, (1, n), &dev)
-            };
-            // One step over `cache_len` cached positions, the cache cut
-            // back after each so every step sees the same length.
-            let mut cache = model.new_cache(vec![]);
-            model.forward(&ids(cache_len)?, &mut cache)?;
-            let token = ids(1)?;
-            let ms = median_ms(|| {
-                model.forward(&token, &mut cache)?;
-                cache.truncate(cache_len);
-                Ok(())
-            })?;
-            println!(r#"{{"work": "decode step, cache {cache_len}", "median_ms": {ms:.3}}}"#);
-            let prompt = ids(prompt_len)?;
-            let ms = median_ms(|| Ok(model.forward(&prompt, &mut model.new_cache(vec![])).map(drop)?))?;
+            let mut dec = DecoderBench::new(dir, cache_len, prompt_len)?;
+            let ms = median_ms(|| dec.step())?;
+            println!(r#"{{"work": "{}", "median_ms": {ms:.3}}}"#, dec.step_work());
+            let ms = median_ms(|| dec.prefill())?;
             let tok_s = prompt_len as f64 / (ms * 1e-3);
             println!(
-                r#"{{"work": "prefill {prompt_len} tokens", "median_ms": {ms:.2}, "tokens_per_s": {tok_s:.0}}}"#
+                r#"{{"work": "{}", "median_ms": {ms:.2}, "tokens_per_s": {tok_s:.0}}}"#,
+                dec.prefill_work()
             );
         }
         ["vit-b16", batch, rest @ ..] => {

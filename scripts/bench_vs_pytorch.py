@@ -4,7 +4,8 @@ one run, and print a Markdown table of medians and ratios.
 
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--pairs 21]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--pairs 21]
-    .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2] [--rounds 3]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2]
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --decoders
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
 `--models` times the models instead (`bench_models`): the machine's sgemm
@@ -15,17 +16,15 @@ resident memory of one forward beside timm's; then `nn.Transformer`'s
 forward and its encode + 32 greedy steps.
 
 The machine is shared and its speed drifts by tens of percent within
-seconds, so the two sides of the attention and `--models` tables take
-turns sample by sample: our example runs as a server (`bench_attention
---serve`, `bench_models serve`) that times a work on request while
-PyTorch waits, and PyTorch times it here while ours waits; a sample is
-the median of as many runs as take about 100 ms, after two warm-up runs,
-and which side goes first alternates from pair to pair. Each work gets
-`--pairs` pairs (21), and the table gives each side's median sample and
-the median of the pairs' ratios. The attention table's candle columns
-come from one full `bench_attention` run after the pairs. `--linears` and
-`--decoders` still alternate in rounds (`--rounds`), each side ~2 s of a
-case at a time. Compare ratios within one run, not times across runs.
+seconds, so the two sides take turns sample by sample: our example runs
+as a server (`bench_attention --serve`, `bench_models serve`) that times
+a work on request while PyTorch waits, and PyTorch times it here while
+ours waits; a sample is the median of as many runs as take about 100 ms,
+after two warm-up runs, and which side goes first alternates from pair
+to pair. Each work gets `--pairs` pairs (21), and each table gives each
+side's median sample and the median of the pairs' ratios. The attention
+table's candle columns come from one full `bench_attention` run after
+the pairs. Compare ratios within one run, not times across runs.
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
 PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
@@ -60,19 +59,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-
-
-def median_ms(fn):
-    t = time.perf_counter()
-    fn()
-    min_runs = 3 if time.perf_counter() - t > 1 else 5
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_runs or (time.perf_counter() - start < 2 and len(times) < 200):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 # A paired sample of a side is the median of as many runs as take about
@@ -249,7 +235,7 @@ def models(args, env):
         out = subprocess.run([exe, "vit-b16", str(n), weights], cwd=ROOT, env=env, check=True,
                              capture_output=True, text=True).stdout
         rss_ours[n] = json.loads(out)["peak_rss_mib"]
-    server = Server([exe, "serve", "--vit", weights, "--transformer", tr_weights], env)
+    server = Server([exe, "serve", "--sgemm", "--vit", weights, "--transformer", tr_weights], env)
     with torch.no_grad():
         rss_theirs = {n: forward_peak_mib(lambda: vit(imgs[n])) for n in (1, 8)}
         rows = {work: summary(paired(lambda n: server.ms(ours_name.get(work, work), n), fn, args.pairs))
@@ -276,37 +262,29 @@ def models(args, env):
 
 def linears(args, env):
     """One linear layer (no bias) at the models' shapes, `torch.nn.Linear`
-    against our `PackedLinear` (`bench_models linear M K N`), with one
-    thread and with `--threads`, ours then theirs on each."""
+    against our `PackedLinear` (`bench_models serve --linear MxKxN`), with
+    one thread and with `--threads`, in pairs."""
     exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
     subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
     shapes = [(197, 768, 2304), (197, 3072, 768), (512, 512, 2048)]
-    cases = [(shape, t) for shape in shapes for t in sorted({1, args.threads})]
-    rounds = []
+    rows = {}
     with torch.no_grad():
-        for _ in range(args.rounds):
-            ours, theirs = {}, {}
-            for (m, k, n), t in cases:
-                out = subprocess.run([exe, "linear", str(m), str(k), str(n)], cwd=ROOT,
-                                     env=dict(env, RAYON_NUM_THREADS=str(t)), check=True,
-                                     capture_output=True, text=True).stdout
-                r = next(r for r in map(json.loads, out.splitlines()) if r["path"] == "PackedLinear")
-                ours[(m, k, n), t] = r["median_ms"]
-                torch.set_num_threads(t)
+        for t in sorted({1, args.threads}):
+            flags = [a for m, k, n in shapes for a in ("--linear", f"{m}x{k}x{n}")]
+            server = Server([exe, "serve"] + flags, dict(env, RAYON_NUM_THREADS=str(t)))
+            torch.set_num_threads(t)
+            for m, k, n in shapes:
                 lin, x = torch.nn.Linear(k, n, bias=False), torch.randn(m, k)
-                theirs[(m, k, n), t] = median_ms(lambda: lin(x))
-            rounds.append((ours, theirs))
-    med = statistics.median
-    print(f"torch {torch.__version__}, f32{capped()}, medians in ms over {args.rounds} rounds")
+                rows[(m, k, n), t] = summary(paired(lambda r: server.ms(f"linear {m}x{k}x{n}", r),
+                                                    lambda: lin(x), args.pairs))
+            server.close()
+    print(f"torch {torch.__version__}, f32{capped()}, medians in ms over {args.pairs} pairs")
     print()
     print("| linear | threads | PyTorch GFLOP/s | ours GFLOP/s | PyTorch / ours |")
     print("|---|---|---|---|---|")
-    for (m, k, n), t in cases:
+    for ((m, k, n), t), (ours, pt, ratio) in sorted(rows.items(), key=lambda kv: (shapes.index(kv[0][0]), kv[0][1])):
         gflop = 2 * m * k * n / 1e9
-        pt = [th[(m, k, n), t] for _, th in rounds]
-        ours = [o[(m, k, n), t] for o, _ in rounds]
-        ratio = med([p / o for p, o in zip(pt, ours)])
-        print(f"| {m} × {k} → {n} | {t} | {gflop / (med(pt) * 1e-3):.0f} | {gflop / (med(ours) * 1e-3):.0f} "
+        print(f"| {m} × {k} → {n} | {t} | {gflop / (pt * 1e-3):.0f} | {gflop / (ours * 1e-3):.0f} "
               f"| **{ratio:.2f}×** |")
 
 
@@ -355,37 +333,31 @@ def decoders(args, env):
                 cache.crop(-1)
 
             prompt = ids(prompt_len)
-            theirs_fn = {
-                f"decode step, cache {cache_len}": lambda: median_ms(step),
-                f"prefill {prompt_len} tokens": lambda: median_ms(lambda: model(prompt, use_cache=True)),
+            theirs = {
+                f"decode step, cache {cache_len}": step,
+                f"prefill {prompt_len} tokens": lambda: model(prompt, use_cache=True),
             }
-            rounds = []
-            for _ in range(args.rounds):
-                out = subprocess.run([exe, "decoder", tmp, str(cache_len), str(prompt_len)], cwd=ROOT, env=env,
-                                     check=True, capture_output=True, text=True).stdout
-                ours = {r["work"]: r for r in map(json.loads, out.splitlines())}
-                rounds.append((ours, {work: fn() for work, fn in theirs_fn.items()}))
-        med = statistics.median
+            server = Server([exe, "serve", "--decoder", tmp], env)
+            rows = {work: summary(paired(lambda n: server.ms(work, n), fn, args.pairs))
+                    for work, fn in theirs.items()}
+            server.close()
         print(f"torch {torch.__version__}, transformers {transformers.__version__} "
               f"({model.config._attn_implementation} attention), {args.threads} threads, f32{capped()}, "
-              f"{label}; medians in ms over {args.rounds} rounds")
+              f"{label}; medians in ms over {args.pairs} pairs")
         print()
         print("| work | HF transformers | ours | HF / ours |")
         print("|---|---|---|---|")
-        for work in theirs_fn:
-            pt = [t[work] for _, t in rounds]
-            ours = [o[work]["median_ms"] for o, _ in rounds]
-            ratio = med([p / o for p, o in zip(pt, ours)])
-            print(f"| {work} | {med(pt):.2f} | {med(ours):.2f} | **{ratio:.2f}×** |")
+        for work, (ours, pt, ratio) in rows.items():
+            print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** |")
         print()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--pairs", type=int, default=21,
-                    help="paired samples per work of the attention and --models tables")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of --linears and --decoders")
+    ap.add_argument("--pairs", type=int, default=21, help="paired samples per work")
+    # The README's older runs name it; the sides took turns in rounds then.
+    ap.add_argument("--rounds", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")
     ap.add_argument("--linears", action="store_true",
@@ -393,6 +365,9 @@ def main():
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: cap both sides at AVX2+FMA, as on an AVX2-only server")
     args = ap.parse_args()
+    if args.rounds is not None:
+        print(f"--rounds {args.rounds} is gone: the sides now take turns sample by sample, "
+              f"--pairs {args.pairs} a work", file=sys.stderr)
     if CAP_AVX2 and torch.backends.cpu.get_cpu_capability() != "AVX2":
         sys.exit(f"--isa avx2: torch runs {torch.backends.cpu.get_cpu_capability()}, not AVX2")
     env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 /// A work the server runs: its name and one run of it.
-pub type Work<'a> = (&'static str, Box<dyn FnMut() -> Result<()> + 'a>);
+pub type Work<'a> = (String, Box<dyn FnMut() -> Result<()> + 'a>);
 
 /// Answers requests from stdin until it closes, one a line: `N WORK` runs
 /// the work named `WORK` `N` times in a row and prints `{"work": "WORK",
