@@ -274,6 +274,7 @@ struct DecoderBench {
     cache_len: usize,
     token: Tensor,
     prompt: Tensor,
+    prompt_len: usize,
 }
 
 impl DecoderBench {
@@ -290,6 +291,7 @@ impl DecoderBench {
         Ok(DecoderBench {
             token: ids(1)?,
             prompt: ids(prompt_len)?,
+            prompt_len,
             model,
             cache,
             cache_len,
@@ -301,7 +303,7 @@ impl DecoderBench {
     }
 
     fn prefill_work(&self) -> String {
-        format!("prefill {} tokens", self.prompt.dim(1).unwrap_or(0))
+        format!("prefill {} tokens", self.prompt_len)
     }
 
     /// One step over the cache, cut back after it so that every step sees
