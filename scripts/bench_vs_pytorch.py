@@ -22,7 +22,8 @@ a work on request while PyTorch waits, and PyTorch times it here while
 ours waits; a sample is the median of as many runs as take about 100 ms,
 after two warm-up runs, and which side goes first alternates from pair
 to pair. Each work gets `--pairs` pairs (21), and each table gives each
-side's median sample and the median of the pairs' ratios. The attention
+side's median sample and the median of the pairs' ratios, with their
+quartiles in brackets (half the pairs fall between them). The attention
 table's candle columns come from one full `bench_attention` run after
 the pairs. Compare ratios within one run, not times across runs.
 
@@ -124,9 +125,11 @@ def paired(ours, theirs, pairs):
 
 def summary(samples):
     """(our median, PyTorch's median, the median of the pairs' ratios
-    PyTorch / ours) of `paired`'s samples."""
+    PyTorch / ours, their quartiles as text) of `paired`'s samples."""
     med = statistics.median
-    return med([o for o, _ in samples]), med([t for _, t in samples]), med([t / o for o, t in samples])
+    ratios = [t / o for o, t in samples]
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return med([o for o, _ in samples]), med([t for _, t in samples]), med(ratios), f"({q1:.2f}–{q3:.2f})"
 
 
 def torch_sdpa(b, h, l, s, d, causal):
@@ -242,7 +245,7 @@ def models(args, env):
                 for work, fn in theirs.items()}
     server.close()
     gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
-    ours_sgemm, theirs_sgemm, _ = rows["sgemm 2048"]
+    ours_sgemm, theirs_sgemm, *_ = rows["sgemm 2048"]
     rate = {"ours": gflop["sgemm 2048"] / (ours_sgemm * 1e-3), "torch": gflop["sgemm 2048"] / (theirs_sgemm * 1e-3)}
     print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32{capped()}, "
           f"medians in ms over {args.pairs} pairs")
@@ -251,13 +254,13 @@ def models(args, env):
     print()
     print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
     print("|---|---|---|---|---|---|")
-    for work, (ours, pt, ratio) in rows.items():
+    for work, (ours, pt, ratio, spread) in rows.items():
         share = f"{gflop[work] / (ours * 1e-3) / rate['ours'] * 100:.0f} %" if work in gflop else "–"
         rss = "–"
         if work.startswith("vit"):
             n = int(work.split("B")[-1])
             rss = f"{rss_theirs[n]:.0f} / {rss_ours[n]:.0f}"
-        print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** | {share} | {rss} |")
+        print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} | {share} | {rss} |")
 
 
 def linears(args, env):
@@ -282,10 +285,11 @@ def linears(args, env):
     print()
     print("| linear | threads | PyTorch GFLOP/s | ours GFLOP/s | PyTorch / ours |")
     print("|---|---|---|---|---|")
-    for ((m, k, n), t), (ours, pt, ratio) in sorted(rows.items(), key=lambda kv: (shapes.index(kv[0][0]), kv[0][1])):
+    order = lambda row: (shapes.index(row[0][0]), row[0][1])  # noqa: E731
+    for ((m, k, n), t), (ours, pt, ratio, spread) in sorted(rows.items(), key=order):
         gflop = 2 * m * k * n / 1e9
         print(f"| {m} × {k} → {n} | {t} | {gflop / (pt * 1e-3):.0f} | {gflop / (ours * 1e-3):.0f} "
-              f"| **{ratio:.2f}×** |")
+              f"| **{ratio:.2f}×** {spread} |")
 
 
 def decoders(args, env):
@@ -347,8 +351,8 @@ def decoders(args, env):
         print()
         print("| work | HF transformers | ours | HF / ours |")
         print("|---|---|---|---|")
-        for work, (ours, pt, ratio) in rows.items():
-            print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** |")
+        for work, (ours, pt, ratio, spread) in rows.items():
+            print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} |")
         print()
 
 
@@ -397,10 +401,10 @@ def main():
     print("| work | PyTorch | ours | PyTorch / ours | candle matmul+softmax | candle flash_attn (CPU) |")
     print("|---|---|---|---|---|---|")
     for work, (what, _) in CASES.items():
-        ours, pt, ratio = rows[work]
+        ours, pt, ratio, spread = rows[work]
         paths = [candle.get(work, {}).get(p) for p in ("candle_matmul_softmax", "candle_flash_attn")]
         fmt = lambda x: "–" if x is None else f"{x:.2f}"
-        print(f"| {work} | {what} {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** | {fmt(paths[0])} | {fmt(paths[1])} |")
+        print(f"| {work} | {what} {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} | {fmt(paths[0])} | {fmt(paths[1])} |")
     print()
     r = json.loads(rss)
     print(f"{r['work']}: {r['peak_rss_mib']:.0f} MiB peak RSS, {r['seconds']:.1f} s "
