@@ -65,7 +65,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # A paired sample of a side is the median of as many runs as take about
 # this long (after two warm-up runs).
 SAMPLE_MS = 100
-# Before each sample: PyTorch's OpenMP workers spin for about 7 ms after a
+# Before each sample: PyTorch's OpenMP workers spin for a few ms after a
 # call, which would take a core from our next sample.
 GAP_S = 0.02
 

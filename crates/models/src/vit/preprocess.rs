@@ -211,19 +211,20 @@ pub fn preprocess_to(cfg: &VitConfig, pixels: &Tensor, (height, width): (usize, 
     }
     let (rh, rw) = resize_size(cfg, (h, w), (height, width))?;
     let dev = pixels.device();
-    let x = match cfg.image_resampler {
-        // As HF's processors do without a resize: 8-bit pixels for PIL's.
-        _ if cfg.image_resize == ImageResize::AsIs => match cfg.image_resampler {
-            Resampler::Torch => (pixels.to_dtype(DType::F32)? / 255.)?,
-            Resampler::Pil => (pixels.to_dtype(DType::F32)?.round()?.clamp(0., 255.)? / 255.)?,
-        },
-        Resampler::Torch => resize(
+    let x = match (cfg.image_resize, cfg.image_resampler) {
+        // HF's processors without a resize: the pixels as they are (in 8
+        // bits for PIL's).
+        (ImageResize::AsIs, Resampler::Torch) => (pixels.to_dtype(DType::F32)? / 255.)?,
+        (ImageResize::AsIs, Resampler::Pil) => {
+            (pixels.to_dtype(DType::F32)?.round()?.clamp(0., 255.)? / 255.)?
+        }
+        (_, Resampler::Torch) => resize(
             &(pixels.to_dtype(DType::F32)? / 255.)?,
             (rh, rw),
             cfg.image_interpolation,
             true,
         )?,
-        Resampler::Pil => {
+        (_, Resampler::Pil) => {
             let px: Vec<u8> = match pixels.dtype() {
                 DType::U8 => pixels.flatten_all()?.to_vec1()?,
                 _ => pixels
