@@ -27,9 +27,15 @@ use super::KV_PACKS;
 pub(super) const MR: usize = 6;
 /// Keys (or value columns) per panel: two `ymm` registers.
 pub(super) const NR: usize = 16;
-/// Keys per block: packed K and V of a block (2 · 256 keys · 64 dims · 4
-/// bytes = 128 KiB at head_dim 64) stay in L2 across the unit's row groups.
-const BLOCK_K: usize = 256;
+/// Keys per block: packed K and V of a block (2 · 512 keys · 64 dims · 4
+/// bytes = 256 KiB at head_dim 64) stay in L2 across the unit's row groups,
+/// and a group's score strip (`MR` rows of 528 floats: 25 KiB for the
+/// AVX-512 kernels' 12) in L1. On the README's Xeon, in one process
+/// against 256 (a switch not kept in the repo, 24-30 alternations, a
+/// second 256 variant as the null: 0.99-1.00x), B1 H8 N1024 and N4096 ran
+/// 1.027x and 1.024x (AVX-512), 1.014x and 1.07x (AVX2), causal 1.00x and
+/// 1.03x; blocks of 64, 128 and 192 keys were 3-13 % slower than 256.
+const BLOCK_K: usize = 512;
 /// Row stride of a group's score strip: one panel past `BLOCK_K`, so that
 /// its rows (read together by the `P · V` kernel) fall in different L1
 /// sets instead of every 4 KiB.
