@@ -522,6 +522,21 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
     out_rs: usize,
     maxes: Option<(*mut f32, usize)>,
 ) {
+    // Each row's own pointer, a step's broadcasts indexed by the dim from
+    // them. Seeing the rows a stride apart, LLVM rebuilt their addresses
+    // from the stride every step: 27 µops a step where 23 do, for 12 FMAs
+    // that take 6 cycles on two ports (4.5 µops a cycle, near what the
+    // core issues); `black_box` hides the stride. On the README's Xeon
+    // capped at AVX2, in one process against the rebuilt addresses (a
+    // switch not kept in the repo; three runs of 20 alternations, a second
+    // copy of the old code as the null at 0.98-1.06x): linears of the
+    // ViT's and the transformer's shapes 1.04-1.22x (one level with the
+    // null), attention B1 N1024 1.04-1.06x, B8 N197 1.05x, N4096 level.
+    // The AVX-512 linear tile given the same (11 scalar µops a step down
+    // to 3, beside 24 FMAs over 12 cycles: 3.75 µops a cycle before) was
+    // level.
+    // SAFETY: the group's rows lie in the caller's allocation.
+    let rows_at: [*const f32; R] = std::hint::black_box(std::array::from_fn(|r| unsafe { q.add(r * q_rs) }));
     for pi in 0..panels {
         // SAFETY: (here and below) inside the extents the caller vouched for.
         unsafe {
@@ -536,8 +551,8 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
             for e in 0..d {
                 let k0 = _mm256_loadu_ps(kt.add(e * NR));
                 let k1 = _mm256_loadu_ps(kt.add(e * NR + 8));
-                for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm256_broadcast_ss(&*q.add(r * q_rs + e));
+                for (c, row) in c.iter_mut().zip(rows_at) {
+                    let a = _mm256_broadcast_ss(&*row.add(e));
                     c[0] = _mm256_fmadd_ps(a, k0, c[0]);
                     c[1] = _mm256_fmadd_ps(a, k1, c[1]);
                 }
