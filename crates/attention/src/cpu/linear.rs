@@ -45,24 +45,31 @@ const PARALLEL_FROM: usize = 1 << 16;
 
 /// Inputs per slice of the reduction, at most, for `isa`: a row group's
 /// slice of inputs stays in L1 while the unit's panel slices (`slice ·
-/// UNIT_FEATURES` floats) stream past it from L2.
+/// UNIT_FEATURES` floats) stream past it from L2. The panel slices fill
+/// half of the core's L2, between 384 and 1024 inputs; 384 where the
+/// processor does not report its L2.
 ///
-/// - AVX-512: the panel slices fill half of the core's L2, between 384
-///   and 1024 inputs: 1024 on the README's Xeon (2 MiB), 512 on Zen 4 (1
-///   MiB); 384 where the processor does not report its L2. On that Xeon,
-///   in one process against 384 (a switch not kept in the repo), single
-///   linears of 512 inputs and more ran level to 7 % faster (512 × 512 →
-///   512 5-7 %, 1576 × 3072 → 768 4-7 %, 512 × 2048 → 512 level),
-///   ViT-B/16 forwards 1-3 % (B1) and 5-8 % (B8), the transformer forward
-///   by a median of 4 % over six runs; slices of 768 were level with 1024,
-///   unbounded ones (the panels past L2) 10-30 % slower.
-/// - AVX2: 384 (384 KiB of panels, for the 512 KiB L2 of the AVX2-only
-///   Zen parts).
+/// - AVX-512: 1024 on the README's Xeon (2 MiB), 512 on Zen 4 (1 MiB). On
+///   that Xeon, in one process against 384 (a switch not kept in the
+///   repo), single linears of 512 inputs and more ran level to 7 % faster
+///   (512 × 512 → 512 5-7 %, 1576 × 3072 → 768 4-7 %, 512 × 2048 → 512
+///   level), ViT-B/16 forwards 1-3 % (B1) and 5-8 % (B8), the transformer
+///   forward by a median of 4 % over six runs; slices of 768 were level
+///   with 1024, unbounded ones (the panels past L2) 10-30 % slower.
+/// - AVX2: 384 on the AVX2-only Zen 2 and 3 parts (512 KiB) and Intel's
+///   older ones (256 KiB); more on those with larger L2 (Alder Lake's
+///   1.25 MiB: 640). On the Xeon capped at AVX2, 1024 against 384 (one
+///   process, 20 alternations, a second 384 variant as the null at
+///   0.99-1.01x, a switch not kept): with two threads 1.04-1.08x at 197 ×
+///   768 → 2304, 197 × 3072 → 768, 1576 × 3072 → 768, 512 × 2048 → 512,
+///   1576 × 768 → 2304 and 512 × 512 → 2048 (one slice lets rows split
+///   into units the threads share out, [`CHUNK_GROUPS`]); with one thread
+///   level.
 fn slice_len(isa: Isa) -> usize {
     const DEFAULT: usize = 384;
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => super::isa::l2_bytes().map_or(DEFAULT, |l2| {
+        Isa::Avx512 | Isa::Avx2 => super::isa::l2_bytes().map_or(DEFAULT, |l2| {
             (l2 / 2 / (UNIT_FEATURES * std::mem::size_of::<f32>())).clamp(DEFAULT, 1024)
         }),
         _ => DEFAULT,
