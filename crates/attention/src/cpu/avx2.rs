@@ -34,7 +34,8 @@ pub(super) const NR: usize = 16;
 /// against 256 (a switch not kept in the repo, 24-30 alternations, a
 /// second 256 variant as the null: 0.99-1.00x), B1 H8 N1024 and N4096 ran
 /// 1.027x and 1.024x (AVX-512), 1.014x and 1.07x (AVX2), causal 1.00x and
-/// 1.03x; blocks of 64, 128 and 192 keys were 3-13 % slower than 256.
+/// 1.03x. Against 256 in a run without the null, blocks of 64 keys were
+/// 5-13 % slower, of 128 and 192 from 5 % slower to 5 % faster.
 const BLOCK_K: usize = 512;
 /// Row stride of a group's score strip: one panel past `BLOCK_K`, so that
 /// its rows (read together by the `P · V` kernel) fall in different L1

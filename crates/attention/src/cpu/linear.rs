@@ -62,9 +62,9 @@ const PARALLEL_FROM: usize = 1 << 16;
 ///   process, 20 alternations, a second 384 variant as the null at
 ///   0.99-1.01x, a switch not kept): with two threads 1.04-1.08x at 197 ×
 ///   768 → 2304, 197 × 3072 → 768, 1576 × 3072 → 768, 512 × 2048 → 512,
-///   1576 × 768 → 2304 and 512 × 512 → 2048 (one slice lets rows split
-///   into units the threads share out, [`CHUNK_GROUPS`]); with one thread
-///   level.
+///   1576 × 768 → 2304 and 512 × 512 → 2048; with one thread level (so
+///   likely because one slice lets rows split into units the threads
+///   share out, [`CHUNK_GROUPS`]).
 fn slice_len(isa: Isa) -> usize {
     const DEFAULT: usize = 384;
     match isa {
