@@ -245,12 +245,12 @@ def models(args, env):
                 for work, fn in theirs.items()}
     server.close()
     gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
-    ours_sgemm, theirs_sgemm, *_ = rows["sgemm 2048"]
-    rate = {"ours": gflop["sgemm 2048"] / (ours_sgemm * 1e-3), "torch": gflop["sgemm 2048"] / (theirs_sgemm * 1e-3)}
+    ours_ms, theirs_ms, *_ = rows["sgemm 2048"]
+    rate = {"ours": gflop["sgemm 2048"] / (ours_ms * 1e-3), "torch": gflop["sgemm 2048"] / (theirs_ms * 1e-3)}
     print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32{capped()}, "
           f"medians in ms over {args.pairs} pairs")
-    ours_sgemm = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
-    print(f"sgemm 2048²: {ours_sgemm} {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
+    sgemm_label = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
+    print(f"sgemm 2048²: {sgemm_label} {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
     print()
     print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
     print("|---|---|---|---|---|---|")
