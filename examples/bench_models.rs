@@ -8,6 +8,7 @@
 //! cargo run --release --example bench_models -- peak
 //! cargo run --release --example bench_models -- stream 4
 //! cargo run --release --example bench_models -- linear 1576 768 2304 [LAYERS]
+//! RAYON_NUM_THREADS=1 cargo run --release --example bench_models -- share 512 512 2048 [LAYERS]
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- vit-linears 1
@@ -37,6 +38,13 @@
 //! candle's matmul on the same `(M, K) x (K, N)` product, in turn; with
 //! `LAYERS`, that many layers of their own weights one after another, so
 //! that the weights come from memory as a model's do.
+//!
+//! `share M K N [LAYERS]`: the `linear` mode's packed layers and candle's
+//! matmul on one core, each as a share of that core's FMA peak (`peak`'s
+//! loop) measured just before and after it, round after round: the host's
+//! speed moves both alike, so the share shows how near the peak a kernel
+//! runs at that moment, where a rate alone shows mostly the host. Prints
+//! the median share and its quartiles and range over the rounds.
 //!
 //! `residual B`: a ViT-B/16 block's attention and MLP halves (random
 //! weights, norms left out) with their residual adds fused into the output
@@ -184,6 +192,59 @@ fn peak_rss_mib() -> Result<f64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .context("no VmHWM in /proc/self/status")?;
     Ok(kb as f64 / 1024.)
+}
+
+/// Seconds one run of `f` takes.
+fn timed(f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// `LAYERS` (default 1) linear layers of `(M, K) x (K, N)`, each with
+/// random weights of its own, three ways: packed, candle's `Linear` and
+/// candle's matmul with the weight stored `(k, n)`; and the input.
+struct LinearLayers {
+    x: Tensor,
+    packed: Vec<PackedLinear>,
+    linear: Vec<candle_nn::Linear>,
+    wt: Vec<Tensor>,
+    /// Of one pass over the layers.
+    gflop: f64,
+    /// The work's name in the output.
+    work: String,
+}
+
+impl LinearLayers {
+    /// The three ways' names, in order.
+    const PATHS: [&str; 3] = [
+        "PackedLinear",
+        "candle_nn::Linear",
+        "candle matmul, (k, n) weight",
+    ];
+
+    fn new(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<Self> {
+        let (m, k, n): (usize, usize, usize) = (m.parse()?, k.parse()?, n.parse()?);
+        let layers: usize = rest.first().map_or(Ok(1), |l| l.parse()).context("LAYERS")?;
+        let mut layer_set = LinearLayers {
+            x: Tensor::randn(0f32, 1., (m, k), &Device::Cpu)?,
+            packed: Vec::new(),
+            linear: Vec::new(),
+            wt: Vec::new(),
+            gflop: 2. * (m * k * n * layers) as f64 / 1e9,
+            work: match layers {
+                1 => format!("linear {m}x{k} -> {n}"),
+                _ => format!("linear {m}x{k} -> {n}, {layers} layers"),
+            },
+        };
+        for _ in 0..layers {
+            let w = Tensor::randn(0f32, 1., (n, k), &Device::Cpu)?;
+            layer_set.packed.push(PackedLinear::new(w.clone(), None)?);
+            layer_set.linear.push(candle_nn::Linear::new(w.clone(), None));
+            layer_set.wt.push(w.t()?.contiguous()?);
+        }
+        Ok(layer_set)
+    }
 }
 
 /// A VarBuilder over `path`, or over random weights initialised as the
@@ -435,18 +496,7 @@ fn main() -> Result<()> {
             // with LAYERS, that many of them, each with its own weights,
             // run one after another, as a model's are, so that the
             // weights come from memory rather than cache.
-            let (m, k, n): (usize, usize, usize) = (m.parse()?, k.parse()?, n.parse()?);
-            let layers: usize = rest.first().map_or(Ok(1), |l| l.parse()).context("LAYERS")?;
-            let x = Tensor::randn(0f32, 1., (m, k), &Device::Cpu)?;
-            let mut paths = (Vec::new(), Vec::new(), Vec::new());
-            for _ in 0..layers {
-                let w = Tensor::randn(0f32, 1., (n, k), &Device::Cpu)?;
-                paths.0.push(multihead::attention::PackedLinear::new(w.clone(), None)?);
-                paths.1.push(candle_nn::Linear::new(w.clone(), None));
-                paths.2.push(w.t()?.contiguous()?);
-            }
-            let (packed, linear, wt) = paths;
-            let gflop = 2. * (m * k * n * layers) as f64 / 1e9;
+            let LinearLayers { x, packed, linear, wt, gflop, work } = LinearLayers::new(m, k, n, rest)?;
             // The three paths in turn, each round; the ratio is the median
             // of the rounds' ratios to the (k, n) matmul.
             let times = alternating_ms(&mut [
@@ -454,22 +504,51 @@ fn main() -> Result<()> {
                 &mut || linear.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
                 &mut || wt.iter().try_for_each(|wt| Ok(x.matmul(wt).map(drop)?)),
             ])?;
-            let paths = [
-                "PackedLinear",
-                "candle_nn::Linear",
-                "candle matmul, (k, n) weight",
-            ];
-            let work = match layers {
-                1 => format!("linear {m}x{k} -> {n}"),
-                _ => format!("linear {m}x{k} -> {n}, {layers} layers"),
-            };
-            for (path, path_times) in paths.iter().zip(&times) {
+            for (path, path_times) in LinearLayers::PATHS.iter().zip(&times) {
                 let ms = median(path_times);
                 let ratios: Vec<f64> = path_times.iter().zip(&times[2]).map(|(t, m)| m / t).collect();
                 println!(
                     r#"{{"work": "{work}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}, "speed_vs_matmul": {:.3}}}"#,
                     gflop / (ms * 1e-3),
                     median(&ratios)
+                );
+            }
+        }
+        ["share", m, k, n, rest @ ..] => {
+            // One core's share of its FMA peak: rounds of the peak, the
+            // packed layers, candle's matmul and the peak again, so that
+            // each rate is divided by the peak of the same moment.
+            if candle::utils::get_num_threads() != 1 {
+                bail!("share measures one core: run it with RAYON_NUM_THREADS=1");
+            }
+            let LinearLayers { x, packed, wt, gflop, work, .. } = LinearLayers::new(m, k, n, rest)?;
+            let mut shares = [Vec::new(), Vec::new()];
+            let mut peaks = Vec::new();
+            let start = Instant::now();
+            while peaks.len() < 10 || (start.elapsed().as_secs_f64() < 6. && peaks.len() < 200) {
+                let peak = fma_peak(1_000_000);
+                let times = [
+                    timed(|| packed.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)))?,
+                    timed(|| wt.iter().try_for_each(|wt| Ok(x.matmul(wt).map(drop)?)))?,
+                ];
+                let peak = (peak + fma_peak(1_000_000)) / 2.;
+                for (shares, secs) in shares.iter_mut().zip(times) {
+                    shares.push(gflop / secs / peak);
+                }
+                peaks.push(peak);
+            }
+            for (path, shares) in [LinearLayers::PATHS[0], LinearLayers::PATHS[2]].iter().zip(&mut shares) {
+                shares.sort_by(f64::total_cmp);
+                let q = |f: f64| shares[((shares.len() - 1) as f64 * f).round() as usize];
+                println!(
+                    r#"{{"work": "{work}, one core", "path": "{path}", "rounds": {}, "peak_gflops": {:.1}, "share_of_peak": {:.3}, "share_quartiles": [{:.3}, {:.3}], "share_range": [{:.3}, {:.3}]}}"#,
+                    shares.len(),
+                    median(&peaks),
+                    q(0.5),
+                    q(0.25),
+                    q(0.75),
+                    q(0.),
+                    q(1.)
                 );
             }
         }
