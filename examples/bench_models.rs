@@ -44,7 +44,9 @@
 //! loop) measured just before and after it, round after round: the host's
 //! speed moves both alike, so the share shows how near the peak a kernel
 //! runs at that moment, where a rate alone shows mostly the host. Prints
-//! the median share and its quartiles and range over the rounds.
+//! the median share and its quartiles and range over the rounds. The peak
+//! is the processor's widest FMA (AVX-512F, else AVX2), whatever
+//! `MULTIHEAD_CPU_ISA` caps the tiles at.
 //!
 //! `residual B`: a ViT-B/16 block's attention and MLP halves (random
 //! weights, norms left out) with their residual adds fused into the output
@@ -520,6 +522,9 @@ fn main() -> Result<()> {
             // each rate is divided by the peak of the same moment.
             if candle::utils::get_num_threads() != 1 {
                 bail!("share measures one core: run it with RAYON_NUM_THREADS=1");
+            }
+            if fma_peak(1) == 0. {
+                bail!("share needs AVX-512F or AVX2+FMA for its peak loop");
             }
             let LinearLayers { x, packed, wt, gflop, work, .. } = LinearLayers::new(m, k, n, rest)?;
             let mut shares = [Vec::new(), Vec::new()];
