@@ -349,14 +349,23 @@ fn lanes(n: usize) -> __mmask16 {
 /// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[r·x_rs + e] ·
 /// w[e·LINEAR_NR + c]` over `kc` inputs; `init` is the bias, or, when
 /// null, the output itself (a later slice of the reduction adds to it).
-/// Lines `0..prefetch.1` from each non-null pointer of `prefetch.0` on are
+/// With a bias, a non-null `res.0` adds a residual to it, `res.0[r·res.1 +
+/// c]`, as the tile starts (the same sum, rounded alike, as a pass that
+/// writes `residual + bias` into the output first: in one process against
+/// that pass, with a switch not kept in the repo and a second copy of the
+/// pass as the null, two threads ran ViT-B/16's output projection at B1
+/// (197 × 768 → 768) 1.04-1.05x in two runs (nulls 1.00-1.01), 197 × 3072
+/// → 768 and the B8 shapes 1.00-1.02x (nulls 0.99-1.02), one thread
+/// level; whole ViT-B/16 forwards 1.02x at B1 in two runs, nulls
+/// 1.00-1.02, and B8 inside its nulls' spread). Lines
+/// `0..prefetch.1` from each non-null pointer of `prefetch.0` on are
 /// prefetched into L2, two a step.
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents (`x` `rows` rows of `kc`
 /// inputs, `x_rs` apart, each panel slice `LINEAR_NR` floats per input,
-/// `init` `cols` floats); `w + w_next` is only read where `cols >
-/// LINEAR_NR`.
+/// `init` `cols` floats, a non-null `res.0` `rows` rows of `cols` floats
+/// `res.1` apart); `w + w_next` is only read where `cols > LINEAR_NR`.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn linear_tile(
     tile: LinearTile,
@@ -366,6 +375,7 @@ pub(super) unsafe fn linear_tile(
     x: (*const f32, usize),
     (w, w_next): (*const f32, usize),
     init: *const f32,
+    res: (*const f32, usize),
     out: *mut f32,
     out_rs: usize,
     prefetch: ([*const f32; 2], usize),
@@ -373,8 +383,8 @@ pub(super) unsafe fn linear_tile(
     macro_rules! go {
         ($mr:literal, $v:literal, $($r:literal)*) => {
             match rows {
-                $($r => linear_tile_rows::<$r, $v>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),)*
-                _ => linear_tile_rows::<$mr, $v>(cols, kc, x, (w, w_next), init, out, out_rs, prefetch),
+                $($r => linear_tile_rows::<$r, $v>(cols, kc, x, (w, w_next), init, res, out, out_rs, prefetch),)*
+                _ => linear_tile_rows::<$mr, $v>(cols, kc, x, (w, w_next), init, res, out, out_rs, prefetch),
             }
         };
     }
@@ -397,6 +407,7 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
     (x, x_rs): (*const f32, usize),
     (w, w_next): (*const f32, usize),
     init: *const f32,
+    (res, res_rs): (*const f32, usize),
     out: *mut f32,
     out_rs: usize,
     (pf, pf_lines): ([*const f32; 2], usize),
@@ -414,8 +425,14 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
             }
         } else {
             let b: [__m512; V] = std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], init.add(16 * v)));
-            for c in c.iter_mut() {
+            for (r, c) in c.iter_mut().enumerate() {
                 *c = b;
+                if !res.is_null() {
+                    for (v, c) in c.iter_mut().enumerate() {
+                        let y = _mm512_maskz_loadu_ps(masks[v], res.add(r * res_rs + 16 * v));
+                        *c = _mm512_add_ps(y, *c);
+                    }
+                }
             }
         }
         // Vector v of a step: panel v / 2, lanes (v % 2) · 16.

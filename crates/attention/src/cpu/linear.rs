@@ -440,13 +440,21 @@ impl PackedWeight {
                         // c0..c0 + cols of the m × width output are this
                         // unit's alone and in bounds; the first slice
                         // writes them before later ones read them; the
-                        // kernels read in-bounds inputs and panel p's
-                        // slice; `self.isa` was current, so detected, when
-                        // packing.
+                        // kernels read in-bounds inputs, panel p's slice
+                        // and the residual's block of the same rows and
+                        // columns (`m × width`); `self.isa` was current, so
+                        // detected, when packing.
                         unsafe {
                             let dst = out.add(g * mr * width + c0);
+                            let mut res = (std::ptr::null(), width);
                             let bias = match (k0, residual) {
                                 (0, None) => self.bias[p * nr..].as_ptr(),
+                                // The AVX-512 tile adds the residual's rows
+                                // to the bias as it starts.
+                                (0, Some(residual)) if self.isa == Isa::Avx512 => {
+                                    res.0 = residual[g * mr * width + c0..].as_ptr();
+                                    self.bias[p * nr..].as_ptr()
+                                }
                                 (0, Some(residual)) => {
                                     // The tile starts from the residual
                                     // plus the bias, and accumulates onto
@@ -472,6 +480,7 @@ impl PackedWeight {
                                     (xg, k),
                                     (w, k * nr),
                                     bias,
+                                    res,
                                     dst,
                                     width,
                                     prefetch(k0, kc, g, p),
