@@ -357,9 +357,9 @@ fn lanes(n: usize) -> __mmask16 {
 /// (197 × 768 → 768) 1.04-1.05x in two runs (nulls 1.00-1.01), 197 × 3072
 /// → 768 and the B8 shapes 1.00-1.02x (nulls 0.99-1.02), one thread
 /// level; whole ViT-B/16 forwards 1.02x at B1 in two runs, nulls
-/// 1.00-1.02, and B8 inside its nulls' spread). Lines
-/// `0..prefetch.1` from each non-null pointer of `prefetch.0` on are
-/// prefetched into L2, two a step.
+/// 1.00-1.02, and B8 inside its nulls' spread). Lines `0..prefetch.1`
+/// from each non-null pointer of `prefetch.0` on are prefetched into L2,
+/// two a step.
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents (`x` `rows` rows of `kc`

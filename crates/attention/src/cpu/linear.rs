@@ -446,15 +446,11 @@ impl PackedWeight {
                         // detected, when packing.
                         unsafe {
                             let dst = out.add(g * mr * width + c0);
-                            let mut res = (std::ptr::null(), width);
                             let bias = match (k0, residual) {
                                 (0, None) => self.bias[p * nr..].as_ptr(),
                                 // The AVX-512 tile adds the residual's rows
-                                // to the bias as it starts.
-                                (0, Some(residual)) if self.isa == Isa::Avx512 => {
-                                    res.0 = residual[g * mr * width + c0..].as_ptr();
-                                    self.bias[p * nr..].as_ptr()
-                                }
+                                // to the bias as it starts (below).
+                                (0, Some(_)) if self.isa == Isa::Avx512 => self.bias[p * nr..].as_ptr(),
                                 (0, Some(residual)) => {
                                     // The tile starts from the residual
                                     // plus the bias, and accumulates onto
@@ -480,7 +476,12 @@ impl PackedWeight {
                                     (xg, k),
                                     (w, k * nr),
                                     bias,
-                                    res,
+                                    match (k0, residual) {
+                                        (0, Some(residual)) => {
+                                            (residual[g * mr * width + c0..].as_ptr(), width)
+                                        }
+                                        _ => (std::ptr::null(), width),
+                                    },
                                     dst,
                                     width,
                                     prefetch(k0, kc, g, p),
