@@ -446,25 +446,15 @@ impl PackedWeight {
                         // detected, when packing.
                         unsafe {
                             let dst = out.add(g * mr * width + c0);
-                            let bias = match (k0, residual) {
-                                (0, None) => self.bias[p * nr..].as_ptr(),
-                                // The AVX-512 tile adds the residual's rows
-                                // to the bias as it starts (below).
-                                (0, Some(_)) if self.isa == Isa::Avx512 => self.bias[p * nr..].as_ptr(),
-                                (0, Some(residual)) => {
-                                    // The tile starts from the residual
-                                    // plus the bias, and accumulates onto
-                                    // it.
-                                    for r in 0..rows {
-                                        let res = &residual[(g * mr + r) * width + c0..][..cols];
-                                        for ((c, &y), &b) in res.iter().enumerate().zip(&self.bias[p * nr..])
-                                        {
-                                            dst.add(r * width + c).write(y + b);
-                                        }
-                                    }
-                                    std::ptr::null()
-                                }
-                                _ => std::ptr::null(),
+                            // The first slice starts from the bias, and
+                            // from the residual's rows where there is one;
+                            // later ones from the output itself.
+                            let (bias, res) = if k0 == 0 {
+                                let res =
+                                    residual.map_or(std::ptr::null(), |r| r[g * mr * width + c0..].as_ptr());
+                                (self.bias[p * nr..].as_ptr(), (res, width))
+                            } else {
+                                (std::ptr::null(), (std::ptr::null(), width))
                             };
                             match self.isa {
                                 #[cfg(target_arch = "x86_64")]
@@ -476,17 +466,12 @@ impl PackedWeight {
                                     (xg, k),
                                     (w, k * nr),
                                     bias,
-                                    match (k0, residual) {
-                                        (0, Some(residual)) => {
-                                            (residual[g * mr * width + c0..].as_ptr(), width)
-                                        }
-                                        _ => (std::ptr::null(), width),
-                                    },
+                                    res,
                                     dst,
                                     width,
                                     prefetch(k0, kc, g, p),
                                 ),
-                                _ => self.avx2_tile(rows, cols, xg, kc, w, bias, dst, width),
+                                _ => self.avx2_tile(rows, cols, xg, kc, w, (bias, res), dst, width),
                             }
                             if k0 + kc == k && epilogue != Epilogue::Identity {
                                 for r in 0..rows {
@@ -508,10 +493,12 @@ impl PackedWeight {
         out
     }
 
-    /// One AVX2 micro-kernel call: `rows` rows of outputs = `bias` (or,
-    /// when null, themselves) + their `kc` inputs times one panel slice;
-    /// the AVX2 kernel writes whole panels, so a panel cut short by the
-    /// output's end goes through a buffer.
+    /// One AVX2 micro-kernel call: `rows` rows of outputs = `bias` plus,
+    /// where `res` is not null, the residual's rows `res.1` apart (or, with
+    /// a null bias, the outputs themselves) + their `kc` inputs times one
+    /// panel slice; the AVX2 kernel accumulates onto its output, so the
+    /// start is written there first, and a panel cut short by the output's
+    /// end goes through a buffer.
     ///
     /// # Safety
     /// The extents are in bounds, and `self.isa` runs on this processor.
@@ -523,7 +510,7 @@ impl PackedWeight {
         x: *const f32,
         kc: usize,
         w: *const f32,
-        bias: *const f32,
+        (bias, res): (*const f32, (*const f32, usize)),
         out: *mut f32,
         out_rs: usize,
     ) {
@@ -531,13 +518,25 @@ impl PackedWeight {
         {
             use super::avx2::{MR, NR};
             debug_assert!(self.isa == Isa::Avx2 && rows <= MR);
-            // SAFETY: rows × cols of `out` and `cols` of `bias` are in
-            // bounds; the tile holds MR × NR.
+            // SAFETY: rows × cols of `out` and of a non-null residual, and
+            // `cols` of `bias`, are in bounds; the tile holds MR × NR.
             unsafe {
+                // Row r's start, `cols` floats, written at `dst`.
+                let start = |r: usize, dst: *mut f32| {
+                    if bias.is_null() {
+                        std::ptr::copy(out.add(r * out_rs), dst, cols);
+                    } else if res.0.is_null() {
+                        std::ptr::copy_nonoverlapping(bias, dst, cols);
+                    } else {
+                        for c in 0..cols {
+                            dst.add(c).write(*res.0.add(r * res.1 + c) + *bias.add(c));
+                        }
+                    }
+                };
                 if cols == NR {
                     if !bias.is_null() {
                         for r in 0..rows {
-                            std::ptr::copy_nonoverlapping(bias, out.add(r * out_rs), NR);
+                            start(r, out.add(r * out_rs));
                         }
                     }
                     super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs, None);
@@ -545,8 +544,7 @@ impl PackedWeight {
                 }
                 let mut tile = [0f32; MR * NR];
                 for r in 0..rows {
-                    let src = if bias.is_null() { out.add(r * out_rs) } else { bias };
-                    std::ptr::copy_nonoverlapping(src, tile.as_mut_ptr().add(r * NR), cols);
+                    start(r, tile.as_mut_ptr().add(r * NR));
                 }
                 super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR, None);
                 for r in 0..rows {
