@@ -82,15 +82,11 @@ mod serve;
 /// Median wall time of `f` in ms over at least 5 runs (3 past a second)
 /// and ~2 s, after one warm-up run.
 fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    let t = Instant::now();
-    f()?;
-    let min_runs = if t.elapsed().as_secs_f64() > 1. { 3 } else { 5 };
+    let min_runs = if timed(&mut f)? > 1. { 3 } else { 5 };
     let mut times = Vec::new();
     let start = Instant::now();
     while times.len() < min_runs || (start.elapsed().as_secs_f64() < 2. && times.len() < 200) {
-        let t = Instant::now();
-        f()?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
+        times.push(timed(&mut f)? * 1e3);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -107,9 +103,7 @@ fn alternating_ms(fs: &mut [&mut dyn FnMut() -> Result<()>]) -> Result<Vec<Vec<f
     let start = Instant::now();
     while times[0].len() < 5 || (start.elapsed().as_secs_f64() < 3. && times[0].len() < 300) {
         for (f, times) in fs.iter_mut().zip(&mut times) {
-            let t = Instant::now();
-            f()?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+            times.push(timed(&mut *f)? * 1e3);
         }
     }
     Ok(times)
