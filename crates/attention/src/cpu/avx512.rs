@@ -312,7 +312,19 @@ pub(super) const LINEAR_NR: usize = 32;
 /// transformer shape tried, by 3 to 15 % (in a one-thread probe not kept
 /// in the repo), and with the inputs read in place tall and a 14-row tall
 /// tile were level or behind (one process, a switch not kept); tall keeps
-/// calls of one group, which then read each panel once.
+/// calls of one group, which then read each panel once. Tried again on
+/// 2026-12-02 (one process, 12-20 alternations, a second copy of the
+/// current code as the null), one thread: tall for every call with slices
+/// of at most 512 inputs (its 12 rows in L1), 0.90-0.99x against nulls of
+/// 0.98-1.05x, and with each group's rows first copied at a padded stride
+/// (no 4 KiB aliasing), 0.91-1.02x; MKL's AVX-512 sgemm tile (8 rows by 48
+/// features, as `perf annotate` of `torch.nn.Linear` shows it), here over
+/// panels of 16 with three a tile, 0.98-1.05x in place and 0.94-1.12x with
+/// the rows copied, nulls 0.97-1.08x: level. Nor did a `prefetcht0` of
+/// the tile's panel rows 8 steps ahead carry over: single linears ran
+/// 1.01-1.06x with one thread (nulls 0.98-1.01x) and 1.01-1.08x with two
+/// (nulls 0.98-1.06x), but the `nn.Transformer` and ViT-B/16 forwards
+/// 0.93-1.09x (nulls 0.98-1.16x).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum LinearTile {
     Tall,

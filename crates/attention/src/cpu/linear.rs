@@ -81,7 +81,13 @@ fn slice_len(isa: Isa) -> usize {
 /// where the hardware's stream prefetch stops. With weights cold in memory
 /// (40 layers, in one process, with a switch not kept in the repo) 197 ×
 /// 768 → 2304 ran 1.03x, 1576 × 768 → 3072 1.11x, a ViT-B/16 B1 forward
-/// 1.02x.
+/// 1.02x. On 2026-12-02, two threads, weights cold (36-48 layers): 16, 64
+/// and 128 steps 0.91-1.06x against 32 (null 0.95-1.01x); the next unit's
+/// panel block prefetched by the later row groups of a unit of more (as
+/// before `179c03a`) level again (0.97-1.04x, null 0.97-1.02x, ViT-B/16 B1
+/// 0.98x against a null of 0.97x); the packed weights on 2 MiB pages
+/// (`MADV_HUGEPAGE`, checked in `smaps`), cold or warm, 0.93-1.05x (nulls
+/// 1.00-1.05x).
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 32;
 
