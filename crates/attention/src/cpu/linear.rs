@@ -86,8 +86,8 @@ fn slice_len(isa: Isa) -> usize {
 /// panel block prefetched by the later row groups of a unit of more (as
 /// before `179c03a`) level again (0.97-1.04x, null 0.97-1.02x, ViT-B/16 B1
 /// 0.98x against a null of 0.97x); the packed weights on 2 MiB pages
-/// (`MADV_HUGEPAGE`, checked in `smaps`), cold or warm, 0.93-1.05x (nulls
-/// 1.00-1.05x).
+/// (`MADV_HUGEPAGE`, checked in `smaps`), cold or warm (6-12 layers, one
+/// thread), 0.93-1.05x (nulls 1.00-1.05x).
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 32;
 
