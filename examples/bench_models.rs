@@ -31,7 +31,9 @@
 //!
 //! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
 //! given timm state_dict or on random weights, and the peak resident
-//! memory of a forward (the model and its input built, the peak reset). `sgemm N`: candle's `N × N` f32 matmul, the machine's
+//! memory of a forward (the model and its input built, the peak reset),
+//! and the minor page faults a forward takes (fresh pages from the
+//! allocator). `sgemm N`: candle's `N × N` f32 matmul, the machine's
 //! measured rate that the other rows are judged against.
 //!
 //! `linear M K N [LAYERS]`: a `PackedLinear`, candle's `Linear` and
@@ -188,6 +190,21 @@ fn peak_rss_mib() -> Result<f64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .context("no VmHWM in /proc/self/status")?;
     Ok(kb as f64 / 1024.)
+}
+
+/// Minor page faults of this process so far (all its threads), from
+/// `/proc/self/stat`'s tenth field.
+fn minor_faults() -> Result<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+    // The fields after the command name, which may hold spaces, from the
+    // third (the state) on.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or(vec![], |(_, r)| r.split_whitespace().collect());
+    fields
+        .get(7)
+        .and_then(|f| f.parse().ok())
+        .context("no minflt in /proc/self/stat")
 }
 
 /// Seconds one run of `f` takes.
@@ -625,8 +642,15 @@ fn main() -> Result<()> {
             vit.forward(&x)?;
             let rss = peak_rss_mib()?;
             let ms = median_ms(|| Ok(vit.forward(&x).map(drop)?))?;
+            // Fresh pages the allocator hands out a forward (its heap
+            // given back and taken again), over three more.
+            let before = minor_faults()?;
+            for _ in 0..3 {
+                vit.forward(&x)?;
+            }
+            let faults = (minor_faults()? - before) / 3;
             println!(
-                r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}}}"#
+                r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}, "page_faults_per_forward": {faults}}}"#
             );
         }
         ["vit-linears", batch] => {

@@ -3,6 +3,19 @@
 //! The best the processor has, unless `MULTIHEAD_CPU_ISA` (`avx512`,
 //! `avx2` or `portable`, read once) or [`force`] (tests) asks for less;
 //! asking for more than the processor has gets what it has.
+//!
+//! AMX is not among them: the Xeons that have it (AMX-BF16, AMX-INT8)
+//! multiply no f32. On the README's Xeon (a KVM guest, whose kernel grants
+//! `XTILEDATA`), a C loop of `tdpbf16ps` on 16 × 16 tiles from registers ran
+//! at 0.91–1.12 TFLOP/s of bf16 a core (one to four accumulators; 1.02 with
+//! the four operand tiles loaded from L1 each step; one of 2026-12-02's
+//! runs, a program not in the repo), against 150–160 GFLOP/s of f32 FMA. A
+//! product as exact as f32's needs each operand split into three bf16
+//! parts and six of their products: at most about 190 GFLOP/s of f32
+//! work before splitting the inputs and loading tiles, 1.2× the FMA peak;
+//! three products (about 370) leave a relative error near 2⁻¹⁶, a hundred
+//! times f32's, which results checked against PyTorch's to 1e-5 cannot
+//! take.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
