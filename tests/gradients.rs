@@ -2,8 +2,9 @@
 //! both crates (the attention modules, the ViT with softmax and Hydra
 //! blocks, `nn.Transformer`'s stacks and the `Seq2Seq` model around them)
 //! gets a non-zero gradient, a short training run of the encoder–decoder
-//! lowers its loss, and dropout acts only in training, generic callers
-//! included.
+//! lowers its loss, a model built over a `VarMap` answers each training
+//! step as one built anew from the trained weights (packed) does, and
+//! dropout acts only in training, generic callers included.
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor, Var};
@@ -15,6 +16,8 @@ use multihead::models::transformer::{
     Activation, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig, TransformerMasks,
 };
 use multihead::models::vit::{VisionTransformer, VitConfig};
+
+mod common;
 
 /// Backpropagates `loss` and checks that every variable of `varmap` has a
 /// gradient with a non-zero entry, naming the first that has none.
@@ -153,6 +156,65 @@ fn every_vit_parameter_gets_a_gradient_with_softmax_and_hydra_blocks() -> Result
     let logits = candle::Module::forward(&vit, &images)?;
     let loss = candle_nn::loss::cross_entropy(&logits, &labels)?;
     assert_all_grads("vit", &varmap, &loss)?;
+    Ok(())
+}
+
+/// Inference on a model whose weights are a `VarMap`'s variables, between
+/// training steps: after each AdamW step its outputs on plain inputs move,
+/// and equal those of the same model built anew from plain copies of the
+/// trained weights, which packs them (and folds the LayerScale into
+/// them): no packed copy of an earlier step is ever read. (Checked
+/// against a build whose layers packed their variables for plain inputs
+/// and trained them through the differentiable path: it fails here at
+/// the first step, the patch embedding, whose input is plain, answering
+/// from the stale copy.)
+#[test]
+fn a_model_over_a_varmap_answers_each_training_step_as_one_built_from_its_weights() -> Result<()> {
+    use candle::Module;
+    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    let dev = Device::Cpu;
+    let mut cfg = VitConfig::new(16, 4, 64, 2, 4);
+    cfg.in_chans = 1;
+    cfg.num_classes = 5;
+    cfg.image_mean = vec![0.5];
+    cfg.image_std = vec![0.5];
+    cfg.init_values = Some(0.1);
+    let varmap = VarMap::new();
+    let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    let images = Tensor::randn(0f32, 1., (24, 1, 16, 16), &dev)?;
+    let labels = Tensor::new(
+        &[
+            0u32, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3,
+        ],
+        &dev,
+    )?;
+    let mut opt = AdamW::new(
+        varmap.all_vars(),
+        ParamsAdamW {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )?;
+    // Training reads the images through a variable, so that every layer,
+    // the patch embedding (whose input is otherwise plain) included, takes
+    // the differentiable path and trains; inference reads plain images.
+    let tracked = Var::from_tensor(&images)?;
+    let mut before = vit.forward(&images)?;
+    for step in 0..3 {
+        let logits = vit.forward(tracked.as_tensor())?;
+        opt.backward_step(&candle_nn::loss::cross_entropy(&logits, &labels)?)?;
+        let after = vit.forward(&images)?;
+        let rebuilt = VisionTransformer::new(&cfg, common::plain_copy(&varmap)?)?.forward(&images)?;
+        let moved = common::max_abs_diff(&after, &before)?;
+        assert!(moved > 1e-3, "step {step}: the outputs moved by {moved} only");
+        common::assert_close(
+            &format!("step {step}, against the model built from the trained weights"),
+            &after,
+            &rebuilt,
+            1e-5,
+        )?;
+        before = after;
+    }
     Ok(())
 }
 
