@@ -535,7 +535,7 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
     // null), attention B1 N1024 1.04-1.06x, B8 N197 1.05x, N4096 level.
     // The AVX-512 linear tile given the same (11 scalar µops a step down
     // to 3, beside 24 FMAs over 12 cycles: 3.75 µops a cycle before) was
-    // level.
+    // level; four steps a loop, later, were not (`avx512::linear_tile_rows`).
     // SAFETY: the group's rows lie in the caller's allocation.
     let rows_at: [*const f32; R] = std::hint::black_box(std::array::from_fn(|r| unsafe { q.add(r * q_rs) }));
     for pi in 0..panels {
