@@ -87,14 +87,36 @@ unsafe fn scores_rows<const R: usize>(
         while pi + 2 <= panels {
             let (k0, k1) = (kt.add(pi * d * NR), kt.add((pi + 1) * d * NR));
             let mut c = [[_mm512_setzero_ps(); 2]; R];
-            for e in 0..d {
-                let w0 = _mm512_loadu_ps(k0.add(e * NR));
-                let w1 = _mm512_loadu_ps(k1.add(e * NR));
-                for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*q.add(e * MR + r));
-                    c[0] = _mm512_fmadd_ps(a, w0, c[0]);
-                    c[1] = _mm512_fmadd_ps(a, w1, c[1]);
-                }
+            // Two steps a loop (four were no faster, the linear tile's 12
+            // rows spill from two on; these read their broadcasts at fixed
+            // offsets from one pointer and do not). In one process against
+            // one step a loop (a switch not kept in the repo, a second copy
+            // of the current code as the null, 12 rounds, two threads, the
+            // README's Xeon), these and `weighted_values_rows` together:
+            // B8 N197 H12 1.08x and 1.07x (nulls 1.02x, 0.99x), B1 N1024
+            // 1.09x and 1.08x (1.01x, 1.00x), N4096 1.10x twice against
+            // nulls of 1.01x and 1.13x, causal N1024 1.14x (1.00x).
+            macro_rules! step {
+                ($e:expr) => {{
+                    let e = $e;
+                    let w0 = _mm512_loadu_ps(k0.add(e * NR));
+                    let w1 = _mm512_loadu_ps(k1.add(e * NR));
+                    for (r, c) in c.iter_mut().enumerate() {
+                        let a = _mm512_set1_ps(*q.add(e * MR + r));
+                        c[0] = _mm512_fmadd_ps(a, w0, c[0]);
+                        c[1] = _mm512_fmadd_ps(a, w1, c[1]);
+                    }
+                }};
+            }
+            let mut e = 0;
+            while e + 2 <= d {
+                step!(e);
+                step!(e + 1);
+                e += 2;
+            }
+            while e < d {
+                step!(e);
+                e += 1;
             }
             for (r, c) in c.iter().enumerate() {
                 let dst = out.add(r * out_rs + pi * NR);
@@ -173,14 +195,28 @@ unsafe fn weighted_values_rows<const R: usize>(
                 let src = acc.add(r * dvp + pi * NR);
                 *c = [_mm512_loadu_ps(src), _mm512_loadu_ps(src.add(NR))];
             }
-            for j in 0..cols {
-                let v0 = _mm512_loadu_ps(v0p.add(j * NR));
-                let v1 = _mm512_loadu_ps(v1p.add(j * NR));
-                for (r, c) in c.iter_mut().enumerate() {
-                    let a = _mm512_set1_ps(*strip.add(r * STRIP_RS + j));
-                    c[0] = _mm512_fmadd_ps(a, v0, c[0]);
-                    c[1] = _mm512_fmadd_ps(a, v1, c[1]);
-                }
+            // Two steps a loop, as in `scores_rows`.
+            macro_rules! step {
+                ($j:expr) => {{
+                    let j = $j;
+                    let v0 = _mm512_loadu_ps(v0p.add(j * NR));
+                    let v1 = _mm512_loadu_ps(v1p.add(j * NR));
+                    for (r, c) in c.iter_mut().enumerate() {
+                        let a = _mm512_set1_ps(*strip.add(r * STRIP_RS + j));
+                        c[0] = _mm512_fmadd_ps(a, v0, c[0]);
+                        c[1] = _mm512_fmadd_ps(a, v1, c[1]);
+                    }
+                }};
+            }
+            let mut j = 0;
+            while j + 2 <= cols {
+                step!(j);
+                step!(j + 1);
+                j += 2;
+            }
+            while j < cols {
+                step!(j);
+                j += 1;
             }
             for (r, c) in c.iter().enumerate() {
                 let dst = acc.add(r * dvp + pi * NR);
