@@ -139,15 +139,22 @@ fn dropout_only_in_training() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn every_vit_parameter_gets_a_gradient_with_softmax_and_hydra_blocks() -> Result<()> {
-    let dev = Device::Cpu;
-    let mut cfg = VitConfig::new(8, 4, 16, 3, 2);
+/// A small one-channel ViT with LayerScale: `VitConfig::new`'s arguments
+/// and the number of classes.
+fn small_vit(img: usize, dim: usize, depth: usize, heads: usize, classes: usize) -> VitConfig {
+    let mut cfg = VitConfig::new(img, 4, dim, depth, heads);
     cfg.in_chans = 1;
-    cfg.num_classes = 3;
+    cfg.num_classes = classes;
     cfg.image_mean = vec![0.5];
     cfg.image_std = vec![0.5];
     cfg.init_values = Some(0.1);
+    cfg
+}
+
+#[test]
+fn every_vit_parameter_gets_a_gradient_with_softmax_and_hydra_blocks() -> Result<()> {
+    let dev = Device::Cpu;
+    let mut cfg = small_vit(8, 16, 3, 2, 3);
     cfg.hydra_layers = vec![1, 2];
     let varmap = VarMap::new();
     let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
@@ -173,21 +180,11 @@ fn a_model_over_a_varmap_answers_each_training_step_as_one_built_from_its_weight
     use candle::Module;
     use candle_nn::{AdamW, Optimizer, ParamsAdamW};
     let dev = Device::Cpu;
-    let mut cfg = VitConfig::new(16, 4, 64, 2, 4);
-    cfg.in_chans = 1;
-    cfg.num_classes = 5;
-    cfg.image_mean = vec![0.5];
-    cfg.image_std = vec![0.5];
-    cfg.init_values = Some(0.1);
+    let cfg = small_vit(16, 64, 2, 4, 5);
     let varmap = VarMap::new();
     let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let images = Tensor::randn(0f32, 1., (24, 1, 16, 16), &dev)?;
-    let labels = Tensor::new(
-        &[
-            0u32, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 3,
-        ],
-        &dev,
-    )?;
+    let labels = Tensor::from_vec((0..24u32).map(|i| i % 5).collect(), 24, &dev)?;
     let mut opt = AdamW::new(
         varmap.all_vars(),
         ParamsAdamW {
