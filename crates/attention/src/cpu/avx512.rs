@@ -518,7 +518,9 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
         // (1.03x, 1.02x), 512 × 2048 → 512 1.06x (0.98x), 1576 × 768 →
         // 3072 1.01x (0.97x); the `nn.Transformer` forward 1.09x and
         // 1.04x (1.00x, 1.01x), ViT-B/16 B1 1.11x and 1.04x (1.02x,
-        // 0.97x), B8 1.10x (0.95x). The tall tile steps one at a time:
+        // 0.97x), B8 1.10x (0.95x). Eight steps a loop were level with
+        // four (1.01x, 1.02x, the transformer 1.00x, ViT-B/16 B1 1.09x
+        // against a null of 1.02x). The tall tile steps one at a time:
         // unrolled, even by two, LLVM hoists its 12 broadcasts a step and
         // spills them.
         let mut e = 0;
