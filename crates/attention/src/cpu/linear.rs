@@ -109,7 +109,13 @@ const CHUNK_GROUPS: usize = 8;
 /// Work units per thread, at least, where the reduction is in slices:
 /// rows are not split there (a later slice adds to the rows' outputs, and
 /// a unit's panels for all its slices would not stay in L2 between units
-/// of rows), so panel blocks are halved down to one tile instead.
+/// of rows), so panel blocks are halved down to one tile instead. Each
+/// unit then reads all the rows' inputs, so fewer, wider units read them
+/// fewer times; on 2026-12-02, two threads, in one process against 4 (a
+/// switch not kept in the repo, null 0.99-1.01x): 2 and 1 a thread ran
+/// 512 × 2048 → 512 1.01x and 0.98x, 197 × 3072 → 768 0.98x and 1.02x,
+/// the `nn.Transformer` forward 1.08x and 1.00x, ViT-B/16 B1 0.95x and
+/// 0.99x: level.
 const SLICED_UNITS_PER_THREAD: usize = 4;
 
 /// `(panels, row groups)` per work unit for `panels` panels of `nr`
