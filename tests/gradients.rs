@@ -178,20 +178,14 @@ fn every_vit_parameter_gets_a_gradient_with_softmax_and_hydra_blocks() -> Result
 #[test]
 fn a_model_over_a_varmap_answers_each_training_step_as_one_built_from_its_weights() -> Result<()> {
     use candle::Module;
-    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    use candle_nn::Optimizer;
     let dev = Device::Cpu;
     let cfg = small_vit(16, 64, 2, 4, 5);
     let varmap = VarMap::new();
     let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let images = Tensor::randn(0f32, 1., (24, 1, 16, 16), &dev)?;
     let labels = Tensor::from_vec((0..24u32).map(|i| i % 5).collect(), 24, &dev)?;
-    let mut opt = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: 1e-2,
-            ..Default::default()
-        },
-    )?;
+    let mut opt = adamw(&varmap)?;
     // Training reads the images through a variable, so that every layer,
     // the patch embedding (whose input is otherwise plain) included, takes
     // the differentiable path and trains; inference reads plain images.
@@ -213,6 +207,15 @@ fn a_model_over_a_varmap_answers_each_training_step_as_one_built_from_its_weight
         before = after;
     }
     Ok(())
+}
+
+/// AdamW over every variable of `varmap`, learning rate 1e-2.
+fn adamw(varmap: &VarMap) -> Result<candle_nn::AdamW> {
+    let params = candle_nn::ParamsAdamW {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    Ok(candle_nn::Optimizer::new(varmap.all_vars(), params)?)
 }
 
 /// A small `nn.Transformer` config, batch-first.
@@ -304,7 +307,7 @@ fn reversal_batch(n: usize, seed: u64) -> Result<(Tensor, Tensor, Tensor)> {
 
 #[test]
 fn every_seq2seq_parameter_gets_a_gradient_and_training_lowers_the_loss() -> Result<()> {
-    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+    use candle_nn::Optimizer;
     let varmap = VarMap::new();
     let model = small_seq2seq(&varmap)?;
     let loss_of = |batch: &(Tensor, Tensor, Tensor)| -> Result<Tensor> {
@@ -318,13 +321,7 @@ fn every_seq2seq_parameter_gets_a_gradient_and_training_lowers_the_loss() -> Res
     let held_out = reversal_batch(64, 7)?;
     assert_all_grads("seq2seq", &varmap, &loss_of(&held_out)?)?;
     let before = loss_of(&held_out)?.to_scalar::<f32>()?;
-    let mut opt = AdamW::new(
-        varmap.all_vars(),
-        ParamsAdamW {
-            lr: 1e-2,
-            ..Default::default()
-        },
-    )?;
+    let mut opt = adamw(&varmap)?;
     for step in 0..120 {
         opt.backward_step(&loss_of(&reversal_batch(32, 100 + step)?)?)?;
     }
