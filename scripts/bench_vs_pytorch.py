@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Time our attention, candle's own paths and PyTorch on the same shapes, in
-one run, and print a Markdown table of medians and ratios.
+one run, and print a Markdown table of medians and ratios. The machine's
+sgemm rate (2048², both libraries, paired as the works are) comes first,
+with our kernels' FMA peak (`bench_models peak`), and each row's FLOPs
+(the two products of attention, a causal mask's hidden pairs left out,
+and an MHA's projections) as a share of our sgemm rate.
 
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--threads 2] [--pairs 21]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--pairs 21]
@@ -9,7 +13,7 @@ one run, and print a Markdown table of medians and ratios.
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
 `--models` times the models instead (`bench_models`): the machine's sgemm
-rate (2048², both libraries), then timm's `vit_base_patch16_224` at batch
+rate and FMA peak as above, then timm's `vit_base_patch16_224` at batch
 1 and 8 on the same random weights (timm's state_dict, loaded by both),
 each row's FLOPs as a share of the measured sgemm rate, and the peak
 resident memory of one forward beside timm's; then `nn.Transformer`'s
@@ -148,16 +152,55 @@ def torch_mha(b, n, e, h):
     return lambda: mha(x, x, x, need_weights=False)
 
 
-# work label (as bench_attention names it) -> what PyTorch runs, and one
-# call of it
+def sdpa_gflop(b, h, l, s, d, causal):
+    """The two products' FLOPs (2 · multiply-adds) of an sdpa call, the
+    (query, key) pairs a causal mask hides left out."""
+    pairs = sum(min(s, s - l + i + 1) for i in range(l)) if causal else l * s
+    return 4 * b * h * pairs * d / 1e9
+
+
+def mha_gflop(b, n, e, h):
+    """The four projections' and the attention's FLOPs of a self-attention
+    call."""
+    return 2 * b * n * e * 4 * e / 1e9 + sdpa_gflop(b, h, n, n, e // h, False)
+
+
+# work label (as bench_attention names it) -> what PyTorch runs, one call
+# of it, and its GFLOP
 CASES = {
-    "sdpa B8 N197 H12 hd64": ("SDPA", lambda: torch_sdpa(8, 12, 197, 197, 64, False)),
-    "sdpa B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, False)),
-    "sdpa B1 N4096 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 4096, 4096, 64, False)),
-    "sdpa causal B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, True)),
-    "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, False)),
-    "MHA B8 N197 D768 H12": ("nn.MultiheadAttention", lambda: torch_mha(8, 197, 768, 12)),
+    "sdpa B8 N197 H12 hd64": ("SDPA", lambda: torch_sdpa(8, 12, 197, 197, 64, False),
+                              sdpa_gflop(8, 12, 197, 197, 64, False)),
+    "sdpa B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, False),
+                              sdpa_gflop(1, 8, 1024, 1024, 64, False)),
+    "sdpa B1 N4096 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 4096, 4096, 64, False),
+                              sdpa_gflop(1, 8, 4096, 4096, 64, False)),
+    "sdpa causal B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, True),
+                                     sdpa_gflop(1, 8, 1024, 1024, 64, True)),
+    "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, False),
+                                              sdpa_gflop(1, 8, 1, 2048, 64, False)),
+    "MHA B8 N197 D768 H12": ("nn.MultiheadAttention", lambda: torch_mha(8, 197, 768, 12),
+                             mha_gflop(8, 197, 768, 12)),
 }
+SGEMM_GFLOP = 2 * 2048**3 / 1e9
+
+
+def fma_peak(env):
+    """(instruction set, GFLOP/s) of `bench_models peak`: our kernels' width
+    (AVX2 under `--isa avx2`), 24 FMA chains on every core at once, summed."""
+    out = subprocess.run([os.path.join(ROOT, "target", "release", "examples", "bench_models"), "peak"],
+                         cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
+    r = json.loads(out)
+    return r["isa"], r["gflops"]
+
+
+def rate_lines(rates, peak):
+    """The header lines of the sgemm rates (`{"ours": .., "torch": ..}`,
+    GFLOP/s) and the FMA peak they are shares of."""
+    label = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
+    isa, gflops = peak
+    return (f"sgemm 2048²: {label} {rates['ours']:.0f} GFLOP/s, torch {rates['torch']:.0f} GFLOP/s\n"
+            f"FMA peak ({isa}, `bench_models peak`, every core at once): {gflops:.0f} GFLOP/s; "
+            f"the sgemm rates are {rates['ours'] / gflops * 100:.0f} % and {rates['torch'] / gflops * 100:.0f} % of it")
 
 
 def capped():
@@ -238,19 +281,19 @@ def models(args, env):
         out = subprocess.run([exe, "vit-b16", str(n), weights], cwd=ROOT, env=env, check=True,
                              capture_output=True, text=True).stdout
         rss_ours[n] = json.loads(out)["peak_rss_mib"]
+    peak = fma_peak(env)
     server = Server([exe, "serve", "--sgemm", "--vit", weights, "--transformer", tr_weights], env)
     with torch.no_grad():
         rss_theirs = {n: forward_peak_mib(lambda: vit(imgs[n])) for n in (1, 8)}
         rows = {work: summary(paired(lambda n: server.ms(ours_name.get(work, work), n), fn, args.pairs))
                 for work, fn in theirs.items()}
     server.close()
-    gflop = {"sgemm 2048": 2 * 2048**3 / 1e9, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
+    gflop = {"sgemm 2048": SGEMM_GFLOP, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
     ours_ms, theirs_ms, *_ = rows["sgemm 2048"]
-    rate = {"ours": gflop["sgemm 2048"] / (ours_ms * 1e-3), "torch": gflop["sgemm 2048"] / (theirs_ms * 1e-3)}
+    rate = {"ours": SGEMM_GFLOP / (ours_ms * 1e-3), "torch": SGEMM_GFLOP / (theirs_ms * 1e-3)}
     print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32{capped()}, "
           f"medians in ms over {args.pairs} pairs")
-    sgemm_label = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
-    print(f"sgemm 2048²: {sgemm_label} {rate['ours']:.0f} GFLOP/s, torch {rate['torch']:.0f} GFLOP/s")
+    print(rate_lines(rate, peak))
     print()
     print("| work | PyTorch / timm | ours | PyTorch / ours | ours, % of sgemm rate | peak RSS of a forward: timm / ours (MiB) |")
     print("|---|---|---|---|---|---|")
@@ -383,12 +426,23 @@ def main():
         return models(args, env)
     if args.linears:
         return linears(args, env)
-    subprocess.run(["cargo", "build", "--release", "--example", "bench_attention"], cwd=ROOT, check=True)
+    for example in ("bench_attention", "bench_models"):
+        subprocess.run(["cargo", "build", "--release", "--example", example], cwd=ROOT, check=True)
     torch.set_num_threads(args.threads)
+    peak = fma_peak(env)
+    # The machine's sgemm rate, both sides, paired as the works are (ours
+    # through `bench_models`; under the AVX2 cap our `PackedLinear`, as
+    # with `--models`).
+    sgemm = Server([os.path.join(ROOT, "target", "release", "examples", "bench_models"), "serve", "--sgemm"], env)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    sgemm_work = "PackedLinear 2048" if CAP_AVX2 else "sgemm 2048"
+    ours_ms, theirs_ms, *_ = summary(paired(lambda n: sgemm.ms(sgemm_work, n), lambda: a @ b, args.pairs))
+    sgemm.close()
+    rate = {"ours": SGEMM_GFLOP / (ours_ms * 1e-3), "torch": SGEMM_GFLOP / (theirs_ms * 1e-3)}
     server = Server([os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--serve"], env)
     with torch.no_grad():
         rows = {work: summary(paired(lambda n: server.ms(work, n), make(), args.pairs))
-                for work, (_, make) in CASES.items()}
+                for work, (_, make, _) in CASES.items()}
     server.close()
     candle = run_ours(env)
     rss = subprocess.run(
@@ -397,14 +451,18 @@ def main():
     ).stdout
 
     print(f"torch {torch.__version__}, {args.threads} threads, f32{capped()}, medians in ms over {args.pairs} pairs")
+    print(rate_lines(rate, peak))
     print()
-    print("| work | PyTorch | ours | PyTorch / ours | candle matmul+softmax | candle flash_attn (CPU) |")
-    print("|---|---|---|---|---|---|")
-    for work, (what, _) in CASES.items():
+    print("| work | PyTorch | ours | PyTorch / ours | ours, % of sgemm rate | candle matmul+softmax "
+          "| candle flash_attn (CPU) |")
+    print("|---|---|---|---|---|---|---|")
+    for work, (what, _, gflop) in CASES.items():
         ours, pt, ratio, spread = rows[work]
+        share = gflop / (ours * 1e-3) / rate["ours"] * 100
         paths = [candle.get(work, {}).get(p) for p in ("candle_matmul_softmax", "candle_flash_attn")]
         fmt = lambda x: "–" if x is None else f"{x:.2f}"
-        print(f"| {work} | {what} {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} | {fmt(paths[0])} | {fmt(paths[1])} |")
+        print(f"| {work} | {what} {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} | {share:.0f} % "
+              f"| {fmt(paths[0])} | {fmt(paths[1])} |")
     print()
     r = json.loads(rss)
     print(f"{r['work']}: {r['peak_rss_mib']:.0f} MiB peak RSS, {r['seconds']:.1f} s "

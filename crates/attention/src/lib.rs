@@ -65,6 +65,14 @@ mod projection;
 mod rotary;
 mod sdpa;
 
+/// The instruction set the CPU kernels run with now: `"avx512"` (AVX-512F),
+/// `"avx2"` (AVX2 and FMA) or `"portable"`; the best the processor has,
+/// unless `MULTIHEAD_CPU_ISA` (`avx512`, `avx2` or `portable`, read once)
+/// asks for less. Benchmarks print it beside their figures.
+pub fn cpu_isa() -> &'static str {
+    cpu::isa::current().name()
+}
+
 pub use cache::KvCache;
 pub use config::{MhaConfig, NormKind, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};

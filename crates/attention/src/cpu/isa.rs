@@ -34,13 +34,18 @@ pub(crate) enum Isa {
 impl Isa {
     const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
 
-    fn parse(name: &str) -> Option<Isa> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "portable" => Some(Isa::Portable),
-            "avx2" => Some(Isa::Avx2),
-            "avx512" => Some(Isa::Avx512),
-            _ => None,
+    /// The name `MULTIHEAD_CPU_ISA` takes for it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
+    }
+
+    fn parse(name: &str) -> Option<Isa> {
+        let name = name.trim().to_ascii_lowercase();
+        Isa::ALL.into_iter().find(|isa| isa.name() == name)
     }
 }
 
@@ -130,4 +135,25 @@ pub(crate) fn force(isa: Option<Isa>) {
 #[cfg(test)]
 pub(crate) fn supported() -> Vec<Isa> {
     Isa::ALL.into_iter().filter(|&i| i <= detected()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{force, supported, Isa, FORCE_LOCK};
+
+    #[test]
+    fn every_name_parses_back_and_cpu_isa_names_the_forced_set() {
+        for isa in Isa::ALL {
+            assert_eq!(Isa::parse(isa.name()), Some(isa));
+            assert_eq!(Isa::parse(&format!(" {} ", isa.name().to_uppercase())), Some(isa));
+        }
+        assert_eq!(Isa::parse("avx"), None);
+        let _lock = FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            assert_eq!(crate::cpu_isa(), isa.name());
+        }
+        force(None);
+        assert_eq!(crate::cpu_isa(), super::current().name());
+    }
 }
