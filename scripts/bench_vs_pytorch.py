@@ -186,7 +186,8 @@ SGEMM_GFLOP = 2 * 2048**3 / 1e9
 
 def fma_peak(env):
     """(instruction set, GFLOP/s) of `bench_models peak`: our kernels' width
-    (AVX2 under `--isa avx2`), 24 FMA chains on every core at once, summed."""
+    (AVX2 under `--isa avx2`), independent FMA chains on every core at once,
+    summed."""
     out = subprocess.run([os.path.join(ROOT, "target", "release", "examples", "bench_models"), "peak"],
                          cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     r = json.loads(out)
