@@ -546,7 +546,10 @@ fn main() -> Result<()> {
                 bail!("share measures one core: run it with RAYON_NUM_THREADS=1");
             }
             if fma_peak(1) == 0. {
-                bail!("share needs AVX-512F or AVX2+FMA for its peak loop");
+                bail!(
+                    "share needs the AVX-512F or AVX2 kernels for its peak loop, not {}",
+                    multihead::attention::cpu_isa()
+                );
             }
             let LinearLayers { x, packed, wt, gflop, work, .. } = LinearLayers::new(m, k, n, rest)?;
             let mut shares = [Vec::new(), Vec::new()];

@@ -199,8 +199,10 @@ def rate_lines(rates, peak):
     GFLOP/s) and the FMA peak they are shares of."""
     label = "PackedLinear (AVX2)" if CAP_AVX2 else "candle"
     isa, gflops = peak
-    return (f"sgemm 2048²: {label} {rates['ours']:.0f} GFLOP/s, torch {rates['torch']:.0f} GFLOP/s\n"
-            f"FMA peak ({isa}, `bench_models peak`, every core at once): {gflops:.0f} GFLOP/s; "
+    sgemm = f"sgemm 2048²: {label} {rates['ours']:.0f} GFLOP/s, torch {rates['torch']:.0f} GFLOP/s"
+    if not gflops:
+        return f"{sgemm}\nFMA peak: not measured (our kernels: {isa})"
+    return (f"{sgemm}\nFMA peak ({isa}, `bench_models peak`, every core at once): {gflops:.0f} GFLOP/s; "
             f"the sgemm rates are {rates['ours'] / gflops * 100:.0f} % and {rates['torch'] / gflops * 100:.0f} % of it")
 
 
