@@ -194,6 +194,11 @@ def fma_peak(env):
     return r["isa"], r["gflops"]
 
 
+def sgemm_rates(ours_ms, theirs_ms):
+    """GFLOP/s of the two sides' 2048² sgemm from their median times."""
+    return {"ours": SGEMM_GFLOP / (ours_ms * 1e-3), "torch": SGEMM_GFLOP / (theirs_ms * 1e-3)}
+
+
 def rate_lines(rates, peak):
     """The header lines of the sgemm rates (`{"ours": .., "torch": ..}`,
     GFLOP/s) and the FMA peak they are shares of."""
@@ -293,7 +298,7 @@ def models(args, env):
     server.close()
     gflop = {"sgemm 2048": SGEMM_GFLOP, "vit_base_patch16_224 B1": vit_gflop, "vit_base_patch16_224 B8": 8 * vit_gflop}
     ours_ms, theirs_ms, *_ = rows["sgemm 2048"]
-    rate = {"ours": SGEMM_GFLOP / (ours_ms * 1e-3), "torch": SGEMM_GFLOP / (theirs_ms * 1e-3)}
+    rate = sgemm_rates(ours_ms, theirs_ms)
     print(f"torch {torch.__version__}, timm {timm.__version__}, {args.threads} threads, f32{capped()}, "
           f"medians in ms over {args.pairs} pairs")
     print(rate_lines(rate, peak))
@@ -441,7 +446,7 @@ def main():
     sgemm_work = "PackedLinear 2048" if CAP_AVX2 else "sgemm 2048"
     ours_ms, theirs_ms, *_ = summary(paired(lambda n: sgemm.ms(sgemm_work, n), lambda: a @ b, args.pairs))
     sgemm.close()
-    rate = {"ours": SGEMM_GFLOP / (ours_ms * 1e-3), "torch": SGEMM_GFLOP / (theirs_ms * 1e-3)}
+    rate = sgemm_rates(ours_ms, theirs_ms)
     server = Server([os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--serve"], env)
     with torch.no_grad():
         rows = {work: summary(paired(lambda n: server.ms(work, n), make(), args.pairs))

@@ -571,18 +571,7 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
             // B1 N1024 1.05x (1.04x), ViT-B/16 B1 1.06x (1.04x); the
             // `nn.Transformer` forward 1.03x in both runs, against nulls
             // of 1.05x and 1.02x: no gain shown there.
-            let mut e = 0;
-            while e + 4 <= d {
-                step!(e);
-                step!(e + 1);
-                step!(e + 2);
-                step!(e + 3);
-                e += 4;
-            }
-            while e < d {
-                step!(e);
-                e += 1;
-            }
+            unrolled!(d, 4, step);
             for (r, c) in c.iter().enumerate() {
                 let dst = strip.add(r * out_rs + pi * NR);
                 _mm256_storeu_ps(dst, c[0]);

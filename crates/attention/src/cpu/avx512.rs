@@ -108,16 +108,7 @@ unsafe fn scores_rows<const R: usize>(
                     }
                 }};
             }
-            let mut e = 0;
-            while e + 2 <= d {
-                step!(e);
-                step!(e + 1);
-                e += 2;
-            }
-            while e < d {
-                step!(e);
-                e += 1;
-            }
+            unrolled!(d, 2, step);
             for (r, c) in c.iter().enumerate() {
                 let dst = out.add(r * out_rs + pi * NR);
                 _mm512_storeu_ps(dst, c[0]);
@@ -208,16 +199,7 @@ unsafe fn weighted_values_rows<const R: usize>(
                     }
                 }};
             }
-            let mut j = 0;
-            while j + 2 <= cols {
-                step!(j);
-                step!(j + 1);
-                j += 2;
-            }
-            while j < cols {
-                step!(j);
-                j += 1;
-            }
+            unrolled!(cols, 2, step);
             for (r, c) in c.iter().enumerate() {
                 let dst = acc.add(r * dvp + pi * NR);
                 _mm512_storeu_ps(dst, c[0]);

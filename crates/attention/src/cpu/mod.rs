@@ -34,6 +34,41 @@
 //! - `isa.rs`: the one place that picks the instruction set
 //!   (`MULTIHEAD_CPU_ISA=avx512|avx2|portable` caps it).
 
+/// `$step!(i)` for `i` in `0..$n`, `$by` calls (2 or 4) an iteration of
+/// the loop and the rest one at a time: the micro-kernels' reduction loops,
+/// whose counter and pointers then come once per `$by` steps.
+#[cfg(target_arch = "x86_64")]
+macro_rules! unrolled {
+    ($n:expr, 2, $step:ident) => {{
+        let n = $n;
+        let mut i = 0;
+        while i + 2 <= n {
+            $step!(i);
+            $step!(i + 1);
+            i += 2;
+        }
+        while i < n {
+            $step!(i);
+            i += 1;
+        }
+    }};
+    ($n:expr, 4, $step:ident) => {{
+        let n = $n;
+        let mut i = 0;
+        while i + 4 <= n {
+            $step!(i);
+            $step!(i + 1);
+            $step!(i + 2);
+            $step!(i + 3);
+            i += 4;
+        }
+        while i < n {
+            $step!(i);
+            i += 1;
+        }
+    }};
+}
+
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
