@@ -1,19 +1,23 @@
 //! The tile products as AVX2+FMA register-blocked micro-kernels over
-//! pre-packed keys and values: the path the kernel takes on x86-64 CPUs
-//! with AVX2 but no AVX-512 (where `gemm`'s own AVX-512 kernels win).
+//! pre-packed keys (and values where they need it), and the work unit
+//! both these and the AVX-512F ones (`avx512.rs`) run.
 //!
 //! Every (batch, kv-head)'s keys are packed into panels of [`NR`] keys
-//! (`Kᵀ` within a panel, by 8 × 8 register transposes) and its values into
-//! panels of [`NR`] columns; every query block of every head sharing them
-//! reads them from there. They are packed once per call, in parallel, or
-//! where each fits in half of L2 and there are enough of them, by each
-//! thread for the units it runs (`attention::Packing`), so that they are
-//! read back from that thread's L2. A work unit walks key blocks of [`BLOCK_K`]
-//! (packed K and V for a block fit in L2) and, inside, groups of [`MR`]
-//! query rows: scores for the group (`MR × BLOCK_K`, in L1), its online
-//! softmax, then `P · V` into the group's accumulators. A micro-kernel keeps
-//! an `MR × NR` block of results in 12 `ymm` registers and issues 12 FMAs
-//! per 8 loads, so the tile products run near the FMA units' peak.
+//! (`Kᵀ` within a panel, by 8 × 8 register transposes); every query block
+//! of every head sharing them reads them from there. Values whose rows are
+//! whole panels (`v_head_dim` a multiple of [`NR`]) are read where they
+//! are, a panel's rows at the value rows' stride; others are packed into
+//! panels of [`NR`] columns. Keys are packed once per call, in parallel,
+//! or where a (batch, kv-head) fits in half of L2 and there are enough of
+//! them, by each thread for the units it runs (`attention::Packing`), so
+//! that they are read back from that thread's L2. A work unit walks key
+//! blocks of [`BLOCK_K`] (K and V of a block fit in L2) and, inside,
+//! groups of [`MR`] query rows: scores for the group (`MR × BLOCK_K`, in
+//! L1), its online softmax, then `P · V` into the group's accumulators. A
+//! micro-kernel keeps an `MR × NR` block of results in 12 `ymm` registers
+//! and issues 12 FMAs per 8 loads, so the tile products run near the FMA
+//! units' peak. A thread's unit buffers (queries, accumulators, the score
+//! strip) are kept from unit to unit.
 
 use std::arch::x86_64::*;
 
@@ -45,6 +49,12 @@ pub(super) const STRIP_RS: usize = BLOCK_K + NR;
 /// the products it speeds up (a decode step): `gemm` serves those.
 pub(super) const MIN_Q_LEN: usize = 16;
 
+thread_local! {
+    /// A thread's buffers for the units it runs ([`run_block`]), kept
+    /// between units and calls.
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// Whether this CPU runs the micro-kernels at all.
 #[cfg(test)]
 pub(super) fn available() -> bool {
@@ -59,6 +69,7 @@ pub(super) struct Packed {
     kt: Vec<f32>,
     /// Per (batch, kv-head): `dvp / NR` panels of `kv_len × NR`, value row
     /// `j`'s column `p·NR + c` at `p·kv_len·NR + j·NR + c`; zero past `dv`.
+    /// Empty where the values are read in place ([`Packed::values_in_place`]).
     v: Vec<f32>,
     kv_heads: usize,
     /// The first (batch, kv-head) held, as `batch · kv_heads + kv_head`.
@@ -121,12 +132,20 @@ impl Packed {
         (std::mem::take(&mut self.kt), std::mem::take(&mut self.v))
     }
 
+    /// Whether the micro-kernels read the values where they are: rows of
+    /// whole panels (`v_head_dim` a multiple of `NR`) serve as they are,
+    /// a panel's row `j` at the value row's stride.
+    pub(super) fn values_in_place(p: &Problem) -> bool {
+        p.dims.3.is_multiple_of(NR)
+    }
+
     /// Floats per (batch, kv-head) of packed keys and of packed values,
     /// and `dvp`.
     fn lens(p: &Problem) -> (usize, usize, usize) {
         let (_, s, d, dv) = p.dims;
         let dvp = dv.div_ceil(NR) * NR;
-        (s.div_ceil(NR) * NR * d, s * dvp, dvp)
+        let v_len = if Self::values_in_place(p) { 0 } else { s * dvp };
+        (s.div_ceil(NR) * NR * d, v_len, dvp)
     }
 
     /// Packs the (batch, kv-head)s from `first` that fill `bufs`.
@@ -170,10 +189,14 @@ impl Packed {
         };
         if parallel {
             kt.par_chunks_mut(kt_len).enumerate().for_each(pack_k);
-            v.par_chunks_mut(v_len).enumerate().for_each(pack_v);
+            if v_len > 0 {
+                v.par_chunks_mut(v_len).enumerate().for_each(pack_v);
+            }
         } else {
             kt.chunks_mut(kt_len).enumerate().for_each(pack_k);
-            v.chunks_mut(v_len).enumerate().for_each(pack_v);
+            if v_len > 0 {
+                v.chunks_mut(v_len).enumerate().for_each(pack_v);
+            }
         }
         Packed {
             kt,
@@ -332,13 +355,36 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
     let dvp = packed.dvp;
     let pack = bi * packed.kv_heads + hi / p.heads_per_kv - packed.first;
     let kt = &packed.kt[pack * packed.kt_len..][..packed.kt_len];
-    let vp = &packed.v[pack * packed.v_len..][..packed.v_len];
+    // Value row `j`'s panel `p` at `v + j·vrs + p·panel`.
+    let (v, panel, vrs) = if packed.v_len == 0 {
+        let v = &p.v.data[p.v.offset(bi, hi / p.heads_per_kv, 0)..];
+        (v.as_ptr(), NR, p.v.stride[2])
+    } else {
+        (packed.v[pack * packed.v_len..].as_ptr(), s * NR, NR)
+    };
     // The block's queries, scaled: contiguous rows for the AVX2 kernel;
     // for the AVX-512 one, each group of its rows interleaved (dim `e` of
     // the group's rows at `e·MR`, see `avx512::scores`).
     let mr = kernels.rows();
     let q_row = |r: usize| &p.q.data[p.q.offset(bi, hi, i0 + r)..][..d];
-    let mut q = vec![0f32; rows.next_multiple_of(mr) * d];
+    // The unit's buffers, from this thread's last unit: the queries and
+    // the strip are written before they are read, the rest set here.
+    let (q_len, acc_len) = (rows.next_multiple_of(mr) * d, rows * dvp);
+    let mut buf = SCRATCH.take();
+    let need = q_len + acc_len + 2 * rows + mr * STRIP_RS + mr * 16;
+    if buf.len() < need {
+        buf.resize(need, 0.);
+    }
+    let (q, rest) = buf.split_at_mut(q_len);
+    let (acc, rest) = rest.split_at_mut(acc_len);
+    let (row_max, rest) = rest.split_at_mut(rows);
+    let (row_sum, rest) = rest.split_at_mut(rows);
+    let (strip, rest) = rest.split_at_mut(mr * STRIP_RS);
+    // The scores kernel's per-lane row maxima, 16 per row (8 used on AVX2).
+    let maxes = &mut rest[..mr * 16];
+    acc.fill(0.);
+    row_max.fill(f32::NEG_INFINITY);
+    row_sum.fill(0.);
     match kernels {
         Kernels::Avx2 => {
             for r in 0..rows {
@@ -364,12 +410,6 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             }
         }
     }
-    let mut acc = vec![0f32; rows * dvp];
-    let mut row_max = vec![f32::NEG_INFINITY; rows];
-    let mut row_sum = vec![0f32; rows];
-    let mut strip = vec![0f32; mr * STRIP_RS];
-    // The scores kernel's per-lane row maxima, 16 per row (8 used on AVX2).
-    let mut maxes = vec![0f32; mr * 16];
     let kv_end = p.keys_end(i0 + rows - 1);
     // Panels start at multiples of NR; keys before the first row's window
     // are skipped whole.
@@ -450,21 +490,24 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                     }
                 }
             }
-            // SAFETY: `cols` value rows from `j0` in each of the `dvp / NR`
-            // panels of `s · NR` floats, the strip
-            // as above, and the group's accumulator rows.
+            // SAFETY: `cols` value rows from `j0`, `vrs` apart, in each of
+            // the `dvp / NR` panels (`panel` apart: the packed values' `s ·
+            // NR` floats, or `NR` columns of a value row), the strip as
+            // above, and the group's accumulator rows.
             unsafe {
-                let (v, a) = (vp[j0 * NR..].as_ptr(), acc[g0 * dvp..].as_mut_ptr());
+                let (v, a) = (v.add(j0 * vrs), acc[g0 * dvp..].as_mut_ptr());
                 match kernels {
-                    Kernels::Avx2 => weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a),
+                    Kernels::Avx2 => weighted_values(gr, strip.as_ptr(), v, (panel, vrs), dvp, cols, a),
                     Kernels::Avx512 => {
-                        super::avx512::weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a)
+                        super::avx512::weighted_values(gr, strip.as_ptr(), v, (panel, vrs), dvp, cols, a)
                     }
                 }
             }
         }
     }
-    super::attention::write_rows(&acc, dvp, dv, &row_sum, unit)
+    let finite = super::attention::write_rows(acc, dvp, dv, row_sum, unit);
+    SCRATCH.set(buf);
+    finite
 }
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
@@ -607,8 +650,9 @@ unsafe fn lanes_max(m: *const f32) -> f32 {
     hmax(unsafe { _mm256_loadu_ps(m) })
 }
 
-/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·NR +
-/// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels.
+/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·vrs +
+/// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels (as
+/// `avx512::weighted_values`).
 ///
 /// # Safety
 /// AVX2+FMA; the pointers cover those extents.
@@ -616,20 +660,20 @@ unsafe fn weighted_values(
     rows: usize,
     strip: *const f32,
     v: *const f32,
-    panel: usize,
+    (panel, vrs): (usize, usize),
     dvp: usize,
     cols: usize,
     acc: *mut f32,
 ) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(rows, weighted_values_rows(strip, v, panel, dvp, cols, acc)) }
+    unsafe { by_rows!(rows, weighted_values_rows(strip, v, (panel, vrs), dvp, cols, acc)) }
 }
 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_values_rows<const R: usize>(
     strip: *const f32,
     v: *const f32,
-    panel: usize,
+    (panel, vrs): (usize, usize),
     dvp: usize,
     cols: usize,
     acc: *mut f32,
@@ -644,8 +688,8 @@ unsafe fn weighted_values_rows<const R: usize>(
             }
             let v = v.add(c0 / NR * panel);
             for j in 0..cols {
-                let v0 = _mm256_loadu_ps(v.add(j * NR));
-                let v1 = _mm256_loadu_ps(v.add(j * NR + 8));
+                let v0 = _mm256_loadu_ps(v.add(j * vrs));
+                let v1 = _mm256_loadu_ps(v.add(j * vrs + 8));
                 for (r, c) in c.iter_mut().enumerate() {
                     let a = _mm256_broadcast_ss(&*strip.add(r * STRIP_RS + j));
                     c[0] = _mm256_fmadd_ps(a, v0, c[0]);

@@ -128,7 +128,10 @@ pub(crate) fn online_softmax_block(
         poison(row, m, l, acc);
         return;
     }
-    if *m != new_max {
+    // A row's first visible keys: `l` is 0 and the accumulator holds 0
+    // (or NaN from a hidden non-finite value, which a factor of 0 keeps),
+    // so rescaling them changes nothing.
+    if *m != new_max && *m != f32::NEG_INFINITY {
         let alpha = exp_nonpositive(*m - new_max);
         *l *= alpha;
         for a in acc.iter_mut() {
