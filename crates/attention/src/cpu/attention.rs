@@ -456,6 +456,7 @@ impl Problem<'_> {
 
     /// One past the last key query `i` sees: the keys a unit or group
     /// whose last row is `i` must visit.
+    #[inline]
     pub(super) fn keys_end(&self, i: usize) -> usize {
         if self.masked_keys < self.dims.1 {
             self.dims.1
@@ -468,6 +469,7 @@ impl Problem<'_> {
     /// as computed: no mask part or ALiBi, and neither the causal rule nor
     /// the window hides any of them ([`Problem::mask_row`] would leave the
     /// row as it is). A conservative answer: `false` where unsure.
+    #[inline]
     pub(super) fn sees_all_as_scored(&self, i: usize, j0: usize, cols: usize) -> bool {
         self.parts.is_empty()
             && self.alibi.is_none()

@@ -457,37 +457,23 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                 Kernels::Avx2 => 8,
                 Kernels::Avx512 => 16,
             });
-            for r in 0..gr {
-                let i = i0 + g0 + r;
-                let row = &mut strip[r * STRIP_RS..][..width];
-                // The scores kernel's row max serves a row the mask leaves
-                // as it is.
-                let known_max = p.sees_all_as_scored(i, j0, cols).then(|| {
-                    let m = maxes[r * 16..].as_ptr();
-                    // SAFETY: row r's maxima; the instruction sets the
-                    // caller vouched for.
-                    unsafe {
-                        match kernels {
-                            Kernels::Avx2 => lanes_max(m),
-                            Kernels::Avx512 => super::avx512::lanes_max(m),
-                        }
-                    }
-                });
-                if known_max.is_none() {
-                    p.mask_row(&mut row[..cols], bi, hi, i, j0);
-                }
-                // Keys past the group's last row's, and the vector's tail.
-                let end = p.keys_end(i).saturating_sub(j0).min(cols);
-                row[end..].fill(f32::NEG_INFINITY);
-                let a = &mut acc[(g0 + r) * dvp..][..dvp];
-                let (m, l) = (&mut row_max[g0 + r], &mut row_sum[g0 + r]);
-                // SAFETY: the caller's instruction sets; `width` is a
-                // multiple of the vector, `dvp` of 16.
-                unsafe {
-                    match kernels {
-                        Kernels::Avx2 => online_softmax(row, m, l, a, known_max),
-                        Kernels::Avx512 => super::avx512::online_softmax(row, m, l, a, known_max),
-                    }
+            let group = Group {
+                i: i0 + g0,
+                j0,
+                cols,
+                width,
+                strip: &mut strip[..gr * STRIP_RS],
+                maxes,
+                row_max: &mut row_max[g0..g0 + gr],
+                row_sum: &mut row_sum[g0..g0 + gr],
+                acc: &mut acc[g0 * dvp..(g0 + gr) * dvp],
+            };
+            // SAFETY: the instruction sets the caller vouched for; `width`
+            // is a multiple of their vectors.
+            unsafe {
+                match kernels {
+                    Kernels::Avx2 => softmax_group(p, bi, hi, group),
+                    Kernels::Avx512 => super::avx512::softmax_group(p, bi, hi, group),
                 }
             }
             // SAFETY: `cols` value rows from `j0`, `vrs` apart, in each of
@@ -508,6 +494,73 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
     let finite = super::attention::write_rows(acc, dvp, dv, row_sum, unit);
     SCRATCH.set(buf);
     finite
+}
+
+/// A row group's part of the unit for one key block: its first query
+/// row `i`, the block's first key `j0` and `cols` keys (`width`: rounded
+/// up to whole vectors), its score strip rows (`STRIP_RS` apart), the
+/// scores kernel's lane maxima (16 a row), and its rows' running max, sum
+/// and accumulators (`acc.len() / row_max.len()` a row).
+pub(super) struct Group<'a> {
+    pub(super) i: usize,
+    pub(super) j0: usize,
+    pub(super) cols: usize,
+    pub(super) width: usize,
+    pub(super) strip: &'a mut [f32],
+    pub(super) maxes: &'a [f32],
+    pub(super) row_max: &'a mut [f32],
+    pub(super) row_sum: &'a mut [f32],
+    pub(super) acc: &'a mut [f32],
+}
+
+/// The online softmax of a group's score rows for one key block: masked
+/// where the mask touches them (the scores kernel's row max serves the
+/// others), keys past a row's last and the vector's tail hidden, then
+/// `online(row, m, l, acc, known_max)`; `lanes_max(m)` reduces a row's
+/// lane maxima. Inlined into each instruction set's caller, so that its
+/// vector helpers inline too.
+#[inline(always)]
+pub(super) fn softmax_group_with(
+    p: &Problem,
+    bi: usize,
+    hi: usize,
+    g: Group,
+    lanes_max: impl Fn(&[f32]) -> f32,
+    online: impl Fn(&mut [f32], &mut f32, &mut f32, &mut [f32], Option<f32>),
+) {
+    let dvp = g.acc.len() / g.row_max.len();
+    for (r, (m, l)) in g.row_max.iter_mut().zip(g.row_sum.iter_mut()).enumerate() {
+        let i = g.i + r;
+        let row = &mut g.strip[r * STRIP_RS..][..g.width];
+        // The scores kernel's row max serves a row the mask leaves as it is.
+        let known_max = p
+            .sees_all_as_scored(i, g.j0, g.cols)
+            .then(|| lanes_max(&g.maxes[r * 16..][..16]));
+        if known_max.is_none() {
+            p.mask_row(&mut row[..g.cols], bi, hi, i, g.j0);
+        }
+        // Keys past the group's last row's, and the vector's tail.
+        let end = p.keys_end(i).saturating_sub(g.j0).min(g.cols);
+        row[end..].fill(f32::NEG_INFINITY);
+        online(row, m, l, &mut g.acc[r * dvp..][..dvp], known_max);
+    }
+}
+
+/// [`softmax_group_with`] with 8-lane max and `exp`.
+///
+/// # Safety
+/// AVX2+FMA; `g.width` is a multiple of 8.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn softmax_group(p: &Problem, bi: usize, hi: usize, g: Group) {
+    // SAFETY: this function's features; whole vectors of each row.
+    softmax_group_with(
+        p,
+        bi,
+        hi,
+        g,
+        |m| unsafe { lanes_max(m.as_ptr()) },
+        |row, m, l, a, known| unsafe { online_softmax(row, m, l, a, known) },
+    );
 }
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
@@ -645,6 +698,7 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
 /// # Safety
 /// AVX2+FMA; `m` holds 8 floats.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn lanes_max(m: *const f32) -> f32 {
     // SAFETY: 8 floats, as the caller vouched.
     hmax(unsafe { _mm256_loadu_ps(m) })
@@ -710,6 +764,7 @@ unsafe fn weighted_values_rows<const R: usize>(
 /// # Safety
 /// AVX2+FMA; `row.len()` is a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn online_softmax(
     row: &mut [f32],
     m: &mut f32,
@@ -734,6 +789,7 @@ unsafe fn online_softmax(
 /// # Safety
 /// AVX2+FMA.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn row_max(row: &[f32]) -> f32 {
     let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
     for j in (0..row.len()).step_by(8) {
@@ -748,6 +804,7 @@ unsafe fn row_max(row: &[f32]) -> f32 {
 /// # Safety
 /// AVX2+FMA.
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
     let (n, x) = (row.len(), row.as_mut_ptr());
     let mv = _mm256_set1_ps(max);

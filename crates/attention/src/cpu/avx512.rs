@@ -141,9 +141,32 @@ unsafe fn scores_rows<const R: usize>(
 /// # Safety
 /// AVX-512F; `m` holds 16 floats.
 #[target_feature(enable = "avx512f")]
+#[inline]
 pub(super) unsafe fn lanes_max(m: *const f32) -> f32 {
     // SAFETY: 16 floats, as the caller vouched.
     _mm512_reduce_max_ps(unsafe { _mm512_loadu_ps(m) })
+}
+
+/// [`super::avx2::softmax_group_with`] with 16-lane max and `exp`.
+///
+/// # Safety
+/// AVX-512F; `g.width` is a multiple of 16.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn softmax_group(
+    p: &super::attention::Problem,
+    bi: usize,
+    hi: usize,
+    g: super::avx2::Group,
+) {
+    // SAFETY: this function's features; whole vectors of each row.
+    super::avx2::softmax_group_with(
+        p,
+        bi,
+        hi,
+        g,
+        |m| unsafe { lanes_max(m.as_ptr()) },
+        |row, m, l, a, known| unsafe { online_softmax(row, m, l, a, known) },
+    );
 }
 
 /// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] ·
@@ -234,6 +257,7 @@ unsafe fn weighted_values_rows<const R: usize>(
 /// # Safety
 /// AVX-512F; `row.len()` is a multiple of 16.
 #[target_feature(enable = "avx512f")]
+#[inline]
 pub(super) unsafe fn online_softmax(
     row: &mut [f32],
     m: &mut f32,
@@ -258,6 +282,7 @@ pub(super) unsafe fn online_softmax(
 /// # Safety
 /// AVX-512F.
 #[target_feature(enable = "avx512f")]
+#[inline]
 unsafe fn row_max(row: &[f32]) -> f32 {
     let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
     for j in (0..row.len()).step_by(16) {
@@ -272,6 +297,7 @@ unsafe fn row_max(row: &[f32]) -> f32 {
 /// # Safety
 /// AVX-512F.
 #[target_feature(enable = "avx512f")]
+#[inline]
 unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
     let (n, x) = (row.len(), row.as_mut_ptr());
     let mv = _mm512_set1_ps(max);
