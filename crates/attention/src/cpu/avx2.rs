@@ -1,23 +1,21 @@
 //! The tile products as AVX2+FMA register-blocked micro-kernels over
-//! pre-packed keys (and values where they need it), and the work unit
-//! both these and the AVX-512F ones (`avx512.rs`) run.
+//! pre-packed keys and values, and the work unit both these and the
+//! AVX-512F ones (`avx512.rs`) run.
 //!
 //! Every (batch, kv-head)'s keys are packed into panels of [`NR`] keys
-//! (`Kᵀ` within a panel, by 8 × 8 register transposes); every query block
-//! of every head sharing them reads them from there. Values whose rows are
-//! whole panels (`v_head_dim` a multiple of [`NR`]) are read where they
-//! are, a panel's rows at the value rows' stride; others are packed into
-//! panels of [`NR`] columns. Keys are packed once per call, in parallel,
-//! or where a (batch, kv-head) fits in half of L2 and there are enough of
-//! them, by each thread for the units it runs (`attention::Packing`), so
-//! that they are read back from that thread's L2. A work unit walks key
-//! blocks of [`BLOCK_K`] (K and V of a block fit in L2) and, inside,
-//! groups of [`MR`] query rows: scores for the group (`MR × BLOCK_K`, in
-//! L1), its online softmax, then `P · V` into the group's accumulators. A
-//! micro-kernel keeps an `MR × NR` block of results in 12 `ymm` registers
-//! and issues 12 FMAs per 8 loads, so the tile products run near the FMA
-//! units' peak. A thread's unit buffers (queries, accumulators, the score
-//! strip) are kept from unit to unit.
+//! (`Kᵀ` within a panel, by 8 × 8 register transposes) and its values into
+//! panels of [`NR`] columns; every query block of every head sharing them
+//! reads them from there. They are packed once per call, in parallel, or
+//! where each fits in half of L2 and there are enough of them, by each
+//! thread for the units it runs (`attention::Packing`), so that they are
+//! read back from that thread's L2. A work unit walks key blocks of [`BLOCK_K`]
+//! (packed K and V for a block fit in L2) and, inside, groups of [`MR`]
+//! query rows: scores for the group (`MR × BLOCK_K`, in L1), its online
+//! softmax, then `P · V` into the group's accumulators. A micro-kernel keeps
+//! an `MR × NR` block of results in 12 `ymm` registers and issues 12 FMAs
+//! per 8 loads, so the tile products run near the FMA units' peak. A
+//! thread's unit buffers (queries, accumulators, the score strip) are kept
+//! from unit to unit.
 
 use std::arch::x86_64::*;
 
@@ -69,7 +67,6 @@ pub(super) struct Packed {
     kt: Vec<f32>,
     /// Per (batch, kv-head): `dvp / NR` panels of `kv_len × NR`, value row
     /// `j`'s column `p·NR + c` at `p·kv_len·NR + j·NR + c`; zero past `dv`.
-    /// Empty where the values are read in place ([`Packed::values_in_place`]).
     v: Vec<f32>,
     kv_heads: usize,
     /// The first (batch, kv-head) held, as `batch · kv_heads + kv_head`.
@@ -132,20 +129,12 @@ impl Packed {
         (std::mem::take(&mut self.kt), std::mem::take(&mut self.v))
     }
 
-    /// Whether the micro-kernels read the values where they are: rows of
-    /// whole panels (`v_head_dim` a multiple of `NR`) serve as they are,
-    /// a panel's row `j` at the value row's stride.
-    pub(super) fn values_in_place(p: &Problem) -> bool {
-        p.dims.3.is_multiple_of(NR)
-    }
-
     /// Floats per (batch, kv-head) of packed keys and of packed values,
     /// and `dvp`.
     fn lens(p: &Problem) -> (usize, usize, usize) {
         let (_, s, d, dv) = p.dims;
         let dvp = dv.div_ceil(NR) * NR;
-        let v_len = if Self::values_in_place(p) { 0 } else { s * dvp };
-        (s.div_ceil(NR) * NR * d, v_len, dvp)
+        (s.div_ceil(NR) * NR * d, s * dvp, dvp)
     }
 
     /// Packs the (batch, kv-head)s from `first` that fill `bufs`.
@@ -189,14 +178,10 @@ impl Packed {
         };
         if parallel {
             kt.par_chunks_mut(kt_len).enumerate().for_each(pack_k);
-            if v_len > 0 {
-                v.par_chunks_mut(v_len).enumerate().for_each(pack_v);
-            }
+            v.par_chunks_mut(v_len).enumerate().for_each(pack_v);
         } else {
             kt.chunks_mut(kt_len).enumerate().for_each(pack_k);
-            if v_len > 0 {
-                v.chunks_mut(v_len).enumerate().for_each(pack_v);
-            }
+            v.chunks_mut(v_len).enumerate().for_each(pack_v);
         }
         Packed {
             kt,
@@ -355,13 +340,7 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
     let dvp = packed.dvp;
     let pack = bi * packed.kv_heads + hi / p.heads_per_kv - packed.first;
     let kt = &packed.kt[pack * packed.kt_len..][..packed.kt_len];
-    // Value row `j`'s panel `p` at `v + j·vrs + p·panel`.
-    let (v, panel, vrs) = if packed.v_len == 0 {
-        let v = &p.v.data[p.v.offset(bi, hi / p.heads_per_kv, 0)..];
-        (v.as_ptr(), NR, p.v.stride[2])
-    } else {
-        (packed.v[pack * packed.v_len..].as_ptr(), s * NR, NR)
-    };
+    let vp = &packed.v[pack * packed.v_len..][..packed.v_len];
     // The block's queries, scaled: contiguous rows for the AVX2 kernel;
     // for the AVX-512 one, each group of its rows interleaved (dim `e` of
     // the group's rows at `e·MR`, see `avx512::scores`).
@@ -476,16 +455,15 @@ pub(super) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
                     Kernels::Avx512 => super::avx512::softmax_group(p, bi, hi, group),
                 }
             }
-            // SAFETY: `cols` value rows from `j0`, `vrs` apart, in each of
-            // the `dvp / NR` panels (`panel` apart: the packed values' `s ·
-            // NR` floats, or `NR` columns of a value row), the strip as
-            // above, and the group's accumulator rows.
+            // SAFETY: `cols` value rows from `j0` in each of the `dvp / NR`
+            // panels of `s · NR` floats, the strip as above, and the
+            // group's accumulator rows.
             unsafe {
-                let (v, a) = (v.add(j0 * vrs), acc[g0 * dvp..].as_mut_ptr());
+                let (v, a) = (vp[j0 * NR..].as_ptr(), acc[g0 * dvp..].as_mut_ptr());
                 match kernels {
-                    Kernels::Avx2 => weighted_values(gr, strip.as_ptr(), v, (panel, vrs), dvp, cols, a),
+                    Kernels::Avx2 => weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a),
                     Kernels::Avx512 => {
-                        super::avx512::weighted_values(gr, strip.as_ptr(), v, (panel, vrs), dvp, cols, a)
+                        super::avx512::weighted_values(gr, strip.as_ptr(), v, s * NR, dvp, cols, a)
                     }
                 }
             }
@@ -704,9 +682,8 @@ unsafe fn lanes_max(m: *const f32) -> f32 {
     hmax(unsafe { _mm256_loadu_ps(m) })
 }
 
-/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·vrs +
-/// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels (as
-/// `avx512::weighted_values`).
+/// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·NR +
+/// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels.
 ///
 /// # Safety
 /// AVX2+FMA; the pointers cover those extents.
@@ -714,20 +691,20 @@ unsafe fn weighted_values(
     rows: usize,
     strip: *const f32,
     v: *const f32,
-    (panel, vrs): (usize, usize),
+    panel: usize,
     dvp: usize,
     cols: usize,
     acc: *mut f32,
 ) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(rows, weighted_values_rows(strip, v, (panel, vrs), dvp, cols, acc)) }
+    unsafe { by_rows!(rows, weighted_values_rows(strip, v, panel, dvp, cols, acc)) }
 }
 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_values_rows<const R: usize>(
     strip: *const f32,
     v: *const f32,
-    (panel, vrs): (usize, usize),
+    panel: usize,
     dvp: usize,
     cols: usize,
     acc: *mut f32,
@@ -742,8 +719,8 @@ unsafe fn weighted_values_rows<const R: usize>(
             }
             let v = v.add(c0 / NR * panel);
             for j in 0..cols {
-                let v0 = _mm256_loadu_ps(v.add(j * vrs));
-                let v1 = _mm256_loadu_ps(v.add(j * vrs + 8));
+                let v0 = _mm256_loadu_ps(v.add(j * NR));
+                let v1 = _mm256_loadu_ps(v.add(j * NR + 8));
                 for (r, c) in c.iter_mut().enumerate() {
                     let a = _mm256_broadcast_ss(&*strip.add(r * STRIP_RS + j));
                     c[0] = _mm256_fmadd_ps(a, v0, c[0]);

@@ -170,9 +170,8 @@ pub(super) unsafe fn softmax_group(
 }
 
 /// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] ·
-/// v[p·panel + j·vrs + c]` for `rows` rows, `cols` keys and all `dvp / NR`
-/// panels (packed values: `vrs = NR`; values read in place: `panel = NR`
-/// and `vrs` their row stride). The strip's row stride is a constant, so that a step's
+/// v[p·panel + j·NR + c]` for `rows` rows, `cols` keys and all `dvp / NR`
+/// panels. The strip's row stride is a constant, so that a step's
 /// broadcasts read fixed offsets from one pointer.
 ///
 /// # Safety
@@ -181,20 +180,20 @@ pub(super) unsafe fn weighted_values(
     rows: usize,
     strip: *const f32,
     v: *const f32,
-    (panel, vrs): (usize, usize),
+    panel: usize,
     dvp: usize,
     cols: usize,
     acc: *mut f32,
 ) {
     // SAFETY: forwarded.
-    unsafe { by_rows!(rows, weighted_values_rows(strip, v, (panel, vrs), dvp, cols, acc)) }
+    unsafe { by_rows!(rows, weighted_values_rows(strip, v, panel, dvp, cols, acc)) }
 }
 
 #[target_feature(enable = "avx512f")]
 unsafe fn weighted_values_rows<const R: usize>(
     strip: *const f32,
     v: *const f32,
-    (panel, vrs): (usize, usize),
+    panel: usize,
     dvp: usize,
     cols: usize,
     acc: *mut f32,
@@ -214,8 +213,8 @@ unsafe fn weighted_values_rows<const R: usize>(
             macro_rules! step {
                 ($j:expr) => {{
                     let j = $j;
-                    let v0 = _mm512_loadu_ps(v0p.add(j * vrs));
-                    let v1 = _mm512_loadu_ps(v1p.add(j * vrs));
+                    let v0 = _mm512_loadu_ps(v0p.add(j * NR));
+                    let v1 = _mm512_loadu_ps(v1p.add(j * NR));
                     for (r, c) in c.iter_mut().enumerate() {
                         let a = _mm512_set1_ps(*strip.add(r * STRIP_RS + j));
                         c[0] = _mm512_fmadd_ps(a, v0, c[0]);
@@ -238,7 +237,7 @@ unsafe fn weighted_values_rows<const R: usize>(
                 *c = _mm512_loadu_ps(acc.add(r * dvp + pi * NR));
             }
             for j in 0..cols {
-                let v0 = _mm512_loadu_ps(v0p.add(j * vrs));
+                let v0 = _mm512_loadu_ps(v0p.add(j * NR));
                 for (r, c) in c.iter_mut().enumerate() {
                     *c = _mm512_fmadd_ps(_mm512_set1_ps(*strip.add(r * STRIP_RS + j)), v0, *c);
                 }
