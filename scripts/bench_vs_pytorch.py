@@ -320,7 +320,10 @@ def linears(args, env):
     one thread and with `--threads`, in pairs."""
     exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
     subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
-    shapes = [(197, 768, 2304), (197, 3072, 768), (512, 512, 2048)]
+    # ViT-B/16 B1's qkv and fc2; nn.Transformer B8 S64's (512 rows) in_proj,
+    # out_proj, and feed-forward in and out.
+    shapes = [(197, 768, 2304), (197, 3072, 768), (512, 512, 1536), (512, 512, 512),
+              (512, 512, 2048), (512, 2048, 512)]
     rows = {}
     with torch.no_grad():
         for t in sorted({1, args.threads}):
