@@ -281,7 +281,14 @@ unsafe fn scores<V: Lanes>(
 
 /// `acc[r·dv + c] += Σⱼ p[r·cols + j] · v[j·v_rs + c]` for `rows` rows,
 /// `cols` keys and `dv` columns: blocks of up to 4 vectors of columns kept
-/// in two sets of accumulators (even and odd keys) across the keys.
+/// in two sets of accumulators (even and odd keys) across the keys, or on
+/// `ymm` blocks of 8 in one set. With AVX2, the whole call (one query row
+/// against 2048 keys, 8 heads) ran 1.095-1.118x with the blocks of 8
+/// against two passes of 4 over three runs (one process, a switch not
+/// kept in the repo, a second copy of the two passes as the null:
+/// 0.955-1.012x; the README's Xeon, two threads), and 1.072x and 1.076x
+/// at batch 8 with 512 keys (nulls 0.995x, 0.992x); one set of 4 `zmm`
+/// vectors against the two sets, 0.980x (null 1.032x).
 ///
 /// # Safety
 /// The instruction set of `V` is enabled; `v` covers `cols` rows of `dv`.
@@ -295,43 +302,53 @@ unsafe fn weighted_values<V: Lanes>(
     dv: usize,
     acc: &mut [f32],
 ) {
-    /// Columns `c0..c0 + NV·N` of row r.
+    /// Columns `c0..c0 + NV·N` of row r, in `SETS` sets of accumulators
+    /// (set `s` takes keys `s`, `s + SETS`, …): two for up to 4 vectors,
+    /// one for 8 `ymm` vectors (64 columns), where two sets would take all
+    /// 16 registers, so that each value row is read in one pass rather
+    /// than in two of half a row each.
     #[inline(always)]
-    unsafe fn block<V: Lanes, const NV: usize>(
+    unsafe fn block<V: Lanes, const NV: usize, const SETS: usize>(
         p: &[f32],
         v: *const f32,
         v_rs: usize,
         c0: usize,
         acc: *mut f32,
     ) {
+        const { assert!(SETS == 1 || SETS == 2) };
         // SAFETY: (the block) the caller's extents.
         unsafe {
-            let mut a: [V; NV] = std::array::from_fn(|i| V::load(acc.add(c0 + i * V::N)));
-            let mut b: [V; NV] = [V::zero(); NV];
-            let mut pairs = p.chunks_exact(2);
+            let mut a: [[V; NV]; SETS] = [[V::zero(); NV]; SETS];
+            a[0] = std::array::from_fn(|i| V::load(acc.add(c0 + i * V::N)));
+            let mut keys = p.chunks_exact(SETS);
             let mut row = v.add(c0);
-            for (pair, pj) in (&mut pairs).enumerate() {
-                if 2 * pair + PF_KEYS < p.len() {
+            for (step, pj) in (&mut keys).enumerate() {
+                if SETS * step + PF_KEYS < p.len() {
                     for l in (0..NV * V::N).step_by(16) {
-                        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PF_KEYS * v_rs + l) as *const i8);
-                        _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add((PF_KEYS + 1) * v_rs + l) as *const i8);
+                        for s in 0..SETS {
+                            let ahead = row.wrapping_add((PF_KEYS + s) * v_rs + l);
+                            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                        }
                     }
                 }
-                let (p0, p1) = (V::splat(pj[0]), V::splat(pj[1]));
-                for i in 0..NV {
-                    a[i] = a[i].fmadd(p0, V::load(row.add(i * V::N)));
-                    b[i] = b[i].fmadd(p1, V::load(row.add(v_rs + i * V::N)));
+                for (s, a) in a.iter_mut().enumerate() {
+                    let ps = V::splat(pj[s]);
+                    for (i, a) in a.iter_mut().enumerate() {
+                        *a = a.fmadd(ps, V::load(row.add(s * v_rs + i * V::N)));
+                    }
                 }
-                row = row.wrapping_add(2 * v_rs);
+                row = row.wrapping_add(SETS * v_rs);
             }
-            if let [pj] = pairs.remainder() {
-                let p0 = V::splat(*pj);
-                for (i, a) in a.iter_mut().enumerate() {
+            // One key left at most (`SETS` is 1 or 2).
+            if let Some(&pj) = keys.remainder().first() {
+                let p0 = V::splat(pj);
+                for (i, a) in a[0].iter_mut().enumerate() {
                     *a = a.fmadd(p0, V::load(row.add(i * V::N)));
                 }
             }
             for i in 0..NV {
-                a[i].add(b[i]).store(acc.add(c0 + i * V::N));
+                let sum = a[1..].iter().fold(a[0][i], |t, set| t.add(set[i]));
+                sum.store(acc.add(c0 + i * V::N));
             }
         }
     }
@@ -340,12 +357,17 @@ unsafe fn weighted_values<V: Lanes>(
         let mut c0 = 0;
         // SAFETY: blocks stay within dv columns.
         unsafe {
+            // 64 columns a pass: 4 `zmm` vectors (two sets), 8 `ymm`.
+            while V::N == 8 && c0 + 8 * V::N <= dv {
+                block::<V, 8, 1>(p, v, v_rs, c0, acc.as_mut_ptr());
+                c0 += 8 * V::N;
+            }
             while c0 + 4 * V::N <= dv {
-                block::<V, 4>(p, v, v_rs, c0, acc.as_mut_ptr());
+                block::<V, 4, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
                 c0 += 4 * V::N;
             }
             while c0 + V::N <= dv {
-                block::<V, 1>(p, v, v_rs, c0, acc.as_mut_ptr());
+                block::<V, 1, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
                 c0 += V::N;
             }
         }
