@@ -152,6 +152,18 @@ def torch_mha(b, n, e, h):
     return lambda: mha(x, x, x, need_weights=False)
 
 
+_BUILT = set()
+
+
+def example(name):
+    """The path of our example `name`, built (release) the first time a
+    run asks for it."""
+    if name not in _BUILT:
+        subprocess.run(["cargo", "build", "--release", "--example", name], cwd=ROOT, check=True)
+        _BUILT.add(name)
+    return os.path.join(ROOT, "target", "release", "examples", name)
+
+
 def sdpa_gflop(b, h, l, s, d, causal):
     """The two products' FLOPs (2 · multiply-adds) of an sdpa call, the
     (query, key) pairs a causal mask hides left out."""
@@ -165,19 +177,19 @@ def mha_gflop(b, n, e, h):
     return 2 * b * n * e * 4 * e / 1e9 + sdpa_gflop(b, h, n, n, e // h, False)
 
 
+def sdpa_case(b, h, l, s, d, causal):
+    """A `CASES` entry for PyTorch's SDPA on these shapes."""
+    return ("SDPA", lambda: torch_sdpa(b, h, l, s, d, causal), sdpa_gflop(b, h, l, s, d, causal))
+
+
 # work label (as bench_attention names it) -> what PyTorch runs, one call
 # of it, and its GFLOP
 CASES = {
-    "sdpa B8 N197 H12 hd64": ("SDPA", lambda: torch_sdpa(8, 12, 197, 197, 64, False),
-                              sdpa_gflop(8, 12, 197, 197, 64, False)),
-    "sdpa B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, False),
-                              sdpa_gflop(1, 8, 1024, 1024, 64, False)),
-    "sdpa B1 N4096 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 4096, 4096, 64, False),
-                              sdpa_gflop(1, 8, 4096, 4096, 64, False)),
-    "sdpa causal B1 N1024 H8 hd64": ("SDPA", lambda: torch_sdpa(1, 8, 1024, 1024, 64, True),
-                                     sdpa_gflop(1, 8, 1024, 1024, 64, True)),
-    "decode B1 H8 hd64 1 query x 2048 keys": ("SDPA", lambda: torch_sdpa(1, 8, 1, 2048, 64, False),
-                                              sdpa_gflop(1, 8, 1, 2048, 64, False)),
+    "sdpa B8 N197 H12 hd64": sdpa_case(8, 12, 197, 197, 64, False),
+    "sdpa B1 N1024 H8 hd64": sdpa_case(1, 8, 1024, 1024, 64, False),
+    "sdpa B1 N4096 H8 hd64": sdpa_case(1, 8, 4096, 4096, 64, False),
+    "sdpa causal B1 N1024 H8 hd64": sdpa_case(1, 8, 1024, 1024, 64, True),
+    "decode B1 H8 hd64 1 query x 2048 keys": sdpa_case(1, 8, 1, 2048, 64, False),
     "MHA B8 N197 D768 H12": ("nn.MultiheadAttention", lambda: torch_mha(8, 197, 768, 12),
                              mha_gflop(8, 197, 768, 12)),
 }
@@ -188,7 +200,7 @@ def fma_peak(env):
     """(instruction set, GFLOP/s) of `bench_models peak`: our kernels' width
     (AVX2 under `--isa avx2`), independent FMA chains on every core at once,
     summed."""
-    out = subprocess.run([os.path.join(ROOT, "target", "release", "examples", "bench_models"), "peak"],
+    out = subprocess.run([example("bench_models"), "peak"],
                          cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     r = json.loads(out)
     return r["isa"], r["gflops"]
@@ -219,7 +231,7 @@ def capped():
 def run_ours(env):
     """`bench_attention`'s medians by work and path, every case and path."""
     out = subprocess.run(
-        [os.path.join(ROOT, "target", "release", "examples", "bench_attention")],
+        [example("bench_attention")],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
     rust = {}
@@ -247,8 +259,7 @@ def models(args, env):
     import timm
     from safetensors.torch import save_file
 
-    exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
-    subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
+    exe = example("bench_models")
     torch.manual_seed(0)
     vit = timm.create_model("vit_base_patch16_224", pretrained=False).eval()
     tmp = tempfile.mkdtemp()
@@ -318,8 +329,7 @@ def linears(args, env):
     """One linear layer (no bias) at the models' shapes, `torch.nn.Linear`
     against our `PackedLinear` (`bench_models serve --linear MxKxN`), with
     one thread and with `--threads`, in pairs."""
-    exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
-    subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
+    exe = example("bench_models")
     # ViT-B/16 B1's qkv and fc2; nn.Transformer B8 S64's (512 rows) in_proj,
     # out_proj, and feed-forward in and out.
     shapes = [(197, 768, 2304), (197, 3072, 768), (512, 512, 1536), (512, 512, 512),
@@ -357,8 +367,7 @@ def decoders(args, env):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     from transformers.cache_utils import DynamicCache
 
-    exe = os.path.join(ROOT, "target", "release", "examples", "bench_models")
-    subprocess.run(["cargo", "build", "--release", "--example", "bench_models"], cwd=ROOT, check=True)
+    exe = example("bench_models")
     cache_len, prompt_len = 2048, 512
     models = {
         "Llama-shaped: hidden 512, 4 layers, 8 heads / 2 kv heads, SwiGLU 1408, vocab 8000": (
@@ -437,27 +446,25 @@ def main():
         return models(args, env)
     if args.linears:
         return linears(args, env)
-    for example in ("bench_attention", "bench_models"):
-        subprocess.run(["cargo", "build", "--release", "--example", example], cwd=ROOT, check=True)
     torch.set_num_threads(args.threads)
     peak = fma_peak(env)
     # The machine's sgemm rate, both sides, paired as the works are (ours
     # through `bench_models`; under the AVX2 cap our `PackedLinear`, as
     # with `--models`).
-    sgemm = Server([os.path.join(ROOT, "target", "release", "examples", "bench_models"), "serve", "--sgemm"], env)
+    sgemm = Server([example("bench_models"), "serve", "--sgemm"], env)
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     sgemm_work = "PackedLinear 2048" if CAP_AVX2 else "sgemm 2048"
     ours_ms, theirs_ms, *_ = summary(paired(lambda n: sgemm.ms(sgemm_work, n), lambda: a @ b, args.pairs))
     sgemm.close()
     rate = sgemm_rates(ours_ms, theirs_ms)
-    server = Server([os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--serve"], env)
+    server = Server([example("bench_attention"), "--serve"], env)
     with torch.no_grad():
         rows = {work: summary(paired(lambda n: server.ms(work, n), make(), args.pairs))
                 for work, (_, make, _) in CASES.items()}
     server.close()
     candle = run_ours(env)
     rss = subprocess.run(
-        [os.path.join(ROOT, "target", "release", "examples", "bench_attention"), "--peak-rss", "16384"],
+        [example("bench_attention"), "--peak-rss", "16384"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout
 

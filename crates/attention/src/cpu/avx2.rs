@@ -645,7 +645,7 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
             // B1 N1024 1.05x (1.04x), ViT-B/16 B1 1.06x (1.04x); the
             // `nn.Transformer` forward 1.03x in both runs, against nulls
             // of 1.05x and 1.02x: no gain shown there.
-            unrolled!(d, 4, step);
+            unrolled!(d, [0, 1, 2, 3], step);
             for (r, c) in c.iter().enumerate() {
                 let dst = strip.add(r * out_rs + pi * NR);
                 _mm256_storeu_ps(dst, c[0]);

@@ -108,7 +108,7 @@ unsafe fn scores_rows<const R: usize>(
                     }
                 }};
             }
-            unrolled!(d, 2, step);
+            unrolled!(d, [0, 1], step);
             for (r, c) in c.iter().enumerate() {
                 let dst = out.add(r * out_rs + pi * NR);
                 _mm512_storeu_ps(dst, c[0]);
@@ -222,7 +222,7 @@ unsafe fn weighted_values_rows<const R: usize>(
                     }
                 }};
             }
-            unrolled!(cols, 2, step);
+            unrolled!(cols, [0, 1], step);
             for (r, c) in c.iter().enumerate() {
                 let dst = acc.add(r * dvp + pi * NR);
                 _mm512_storeu_ps(dst, c[0]);

@@ -34,33 +34,18 @@
 //! - `isa.rs`: the one place that picks the instruction set
 //!   (`MULTIHEAD_CPU_ISA=avx512|avx2|portable` caps it).
 
-/// `$step!(i)` for `i` in `0..$n`, `$by` calls (2 or 4) an iteration of
-/// the loop and the rest one at a time: the micro-kernels' reduction loops,
-/// whose counter and pointers then come once per `$by` steps.
+/// `$step!(i)` for `i` in `0..$n`: a step for each offset of the list
+/// (`[0, 1]`, `[0, 1, 2, 3]`) an iteration of the loop, then the rest one
+/// at a time: the micro-kernels' reduction loops, whose counter and
+/// pointers then come once per iteration.
 #[cfg(target_arch = "x86_64")]
 macro_rules! unrolled {
-    ($n:expr, 2, $step:ident) => {{
-        let n = $n;
+    ($n:expr, [$($k:literal),+], $step:ident) => {{
+        let (n, by) = ($n, [$($k),+].len());
         let mut i = 0;
-        while i + 2 <= n {
-            $step!(i);
-            $step!(i + 1);
-            i += 2;
-        }
-        while i < n {
-            $step!(i);
-            i += 1;
-        }
-    }};
-    ($n:expr, 4, $step:ident) => {{
-        let n = $n;
-        let mut i = 0;
-        while i + 4 <= n {
-            $step!(i);
-            $step!(i + 1);
-            $step!(i + 2);
-            $step!(i + 3);
-            i += 4;
+        while i + by <= n {
+            $($step!(i + $k);)+
+            i += by;
         }
         while i < n {
             $step!(i);
