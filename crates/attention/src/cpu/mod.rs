@@ -28,7 +28,7 @@
 //! - `avx2.rs`: the AVX2+FMA micro-kernels (attention tiles and linears),
 //!   and the packed unit both tile kinds share;
 //! - `avx512.rs`: the AVX-512F micro-kernels (attention tiles, the
-//!   linears' 12 × 32 tile and one-row kernel);
+//!   linears' 12 × 32 and 6 × 64 tiles and one-row kernel);
 //! - `lanes.rs`: kernels written once over the vector width (`ymm`,
 //!   `zmm`): the products of decode-sized tiles, read in place;
 //! - `isa.rs`: the one place that picks the instruction set
