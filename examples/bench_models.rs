@@ -9,6 +9,7 @@
 //! cargo run --release --example bench_models -- stream 4
 //! cargo run --release --example bench_models -- linear 1576 768 2304 [LAYERS]
 //! RAYON_NUM_THREADS=1 cargo run --release --example bench_models -- share 512 512 2048 [LAYERS]
+//! cargo run --release --example bench_models -- split 512 512 512 [LAYERS]
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- vit-linears 1
@@ -51,6 +52,14 @@
 //! matmul (the `gemm` crate) keeps its AVX-512 under `MULTIHEAD_CPU_ISA=avx2`,
 //! so there its share can pass 1.
 //!
+//! `split M K N [LAYERS]`: the `linear` mode's packed layers as one call
+//! over rayon's pool, against a copy of them per thread, each on a
+//! one-thread pool of its own, all running at once, and one copy alone,
+//! round after round: what splitting one call over the threads loses,
+//! next to what the cores lose when all are busy. Prints the medians'
+//! rates and, over the rounds, the median and quartiles of a copy's rate
+//! at once over alone and of the call's rate over the copies' sum.
+//!
 //! `peak`: the FMA peak of every core at once, at the width the kernels
 //! run with (`multihead::attention::cpu_isa`: AVX-512F, or AVX2 where the
 //! processor or `MULTIHEAD_CPU_ISA=avx2` stops there), and that name.
@@ -68,10 +77,9 @@
 //! forward's last block runs only the class token's queries and MLP, so
 //! the linears alone do slightly more work than the forward's.)
 //!
-//! `peak`: the FMA peak of each core, every core at once (24 independent
-//! chains of 512-bit FMAs, or 256-bit without AVX-512F). `stream MIB`:
-//! the rate each core reads a buffer of `MIB` MiB of its own, every core
-//! at once (4 MiB: out of L2, in L3 on the Xeon of the README).
+//! `stream MIB`: the rate each core reads a buffer of `MIB` MiB of its
+//! own, every core at once (4 MiB: out of L2, in L3 on the Xeon of the
+//! README).
 
 use std::time::Instant;
 
@@ -215,6 +223,12 @@ fn minor_faults() -> Result<u64> {
         .get(7)
         .and_then(|f| f.parse().ok())
         .context("no minflt in /proc/self/stat")
+}
+
+/// The `f` quantile (0 to 1, the nearest rank) of `sorted`, which is not
+/// empty.
+fn quantile(sorted: &[f64], f: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * f).round() as usize]
 }
 
 /// Seconds one run of `f` takes.
@@ -520,7 +534,14 @@ fn main() -> Result<()> {
             // with LAYERS, that many of them, each with its own weights,
             // run one after another, as a model's are, so that the
             // weights come from memory rather than cache.
-            let LinearLayers { x, packed, linear, wt, gflop, work } = LinearLayers::new(m, k, n, rest)?;
+            let LinearLayers {
+                x,
+                packed,
+                linear,
+                wt,
+                gflop,
+                work,
+            } = LinearLayers::new(m, k, n, rest)?;
             // The three paths in turn, each round; the ratio is the median
             // of the rounds' ratios to the (k, n) matmul.
             let times = alternating_ms(&mut [
@@ -551,7 +572,14 @@ fn main() -> Result<()> {
                     multihead::attention::cpu_isa()
                 );
             }
-            let LinearLayers { x, packed, wt, gflop, work, .. } = LinearLayers::new(m, k, n, rest)?;
+            let LinearLayers {
+                x,
+                packed,
+                wt,
+                gflop,
+                work,
+                ..
+            } = LinearLayers::new(m, k, n, rest)?;
             let mut shares = [Vec::new(), Vec::new()];
             let mut peaks = Vec::new();
             let start = Instant::now();
@@ -567,9 +595,12 @@ fn main() -> Result<()> {
                 }
                 peaks.push(peak);
             }
-            for (path, shares) in [LinearLayers::PATHS[0], LinearLayers::PATHS[2]].iter().zip(&mut shares) {
+            for (path, shares) in [LinearLayers::PATHS[0], LinearLayers::PATHS[2]]
+                .iter()
+                .zip(&mut shares)
+            {
                 shares.sort_by(f64::total_cmp);
-                let q = |f: f64| shares[((shares.len() - 1) as f64 * f).round() as usize];
+                let q = |f: f64| quantile(shares, f);
                 println!(
                     r#"{{"work": "{work}, one core", "path": "{path}", "rounds": {}, "peak_gflops": {:.1}, "share_of_peak": {:.3}, "share_quartiles": [{:.3}, {:.3}], "share_range": [{:.3}, {:.3}]}}"#,
                     shares.len(),
@@ -581,6 +612,68 @@ fn main() -> Result<()> {
                     q(1.)
                 );
             }
+        }
+        ["split", m, k, n, rest @ ..] => {
+            // One call on every core against a copy of the layers per core,
+            // each copy on a one-thread pool of its own, all at once, and
+            // one copy alone, round after round.
+            let cores = rayon::current_num_threads();
+            if cores < 2 {
+                bail!("split compares one call over the pool's threads with a copy per thread: it needs two or more");
+            }
+            let copies = (0..cores)
+                .map(|_| LinearLayers::new(m, k, n, rest))
+                .collect::<Result<Vec<_>>>()?;
+            let pools = (0..cores)
+                .map(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build())
+                .collect::<Result<Vec<_>, _>>()?;
+            // GFLOP/s of one pass over a copy's packed layers.
+            let rate = |c: &LinearLayers| -> Result<f64> {
+                Ok(c.gflop / timed(|| c.packed.iter().try_for_each(|l| Ok(l.forward(&c.x).map(drop)?)))?)
+            };
+            let (mut alone, mut at_once, mut call) = (vec![], vec![], vec![]);
+            let (mut at_once_over_alone, mut call_over_sum) = (vec![], vec![]);
+            let start = Instant::now();
+            while alone.len() < 10 || (start.elapsed().as_secs_f64() < 6. && alone.len() < 200) {
+                let one = pools[0].install(|| rate(&copies[0]))?;
+                let each = std::thread::scope(|s| {
+                    let runs: Vec<_> = copies
+                        .iter()
+                        .zip(&pools)
+                        .map(|(c, pool)| s.spawn(move || pool.install(|| rate(c))))
+                        .collect();
+                    runs.into_iter()
+                        .map(|r| r.join().expect("a copy's thread panicked"))
+                        .collect::<Result<Vec<f64>>>()
+                })?;
+                let split = rate(&copies[0])?;
+                let sum: f64 = each.iter().sum();
+                at_once_over_alone.push(sum / cores as f64 / one);
+                call_over_sum.push(split / sum);
+                alone.push(one);
+                at_once.push(sum);
+                call.push(split);
+            }
+            // "median, [lower quartile, upper quartile]".
+            let q = |xs: &mut Vec<f64>| {
+                xs.sort_by(f64::total_cmp);
+                format!(
+                    "{:.3}, [{:.3}, {:.3}]",
+                    quantile(xs, 0.5),
+                    quantile(xs, 0.25),
+                    quantile(xs, 0.75)
+                )
+            };
+            println!(
+                r#"{{"work": "{}, {cores} threads", "rounds": {}, "one_copy_alone_gflops": {:.1}, "copies_at_once_gflops": {:.1}, "one_call_gflops": {:.1}, "copy_at_once_over_alone": [{}], "call_over_copies": [{}]}}"#,
+                copies[0].work,
+                alone.len(),
+                median(&alone),
+                median(&at_once),
+                median(&call),
+                q(&mut at_once_over_alone),
+                q(&mut call_over_sum)
+            );
         }
         ["residual", batch] => {
             // A ViT-B/16 block's two residual halves (norms left out), the
@@ -616,7 +709,11 @@ fn main() -> Result<()> {
                     Ok((&x + fc2.forward(&fc1.forward_gelu(&x)?)?).map(drop)?)
                 },
             ])?;
-            let ratios: Vec<f64> = times[1].iter().zip(&times[0]).map(|(sep, fused)| sep / fused).collect();
+            let ratios: Vec<f64> = times[1]
+                .iter()
+                .zip(&times[0])
+                .map(|(sep, fused)| sep / fused)
+                .collect();
             println!(
                 r#"{{"work": "ViT-B/16 block halves B{batch}", "fused_ms": {:.2}, "separate_adds_ms": {:.2}, "rounds": {}, "speed_fused": {:.3}}}"#,
                 median(&times[0]),
@@ -682,25 +779,29 @@ fn main() -> Result<()> {
                 Ok(PackedLinear::new(w, Some(Tensor::zeros(n, DType::F32, &dev)?))?)
             };
             let blocks = (0..12)
-                .map(|_| Ok([linear(3 * e, e)?, linear(e, e)?, linear(4 * e, e)?, linear(e, 4 * e)?]))
+                .map(|_| {
+                    Ok([
+                        linear(3 * e, e)?,
+                        linear(e, e)?,
+                        linear(4 * e, e)?,
+                        linear(e, 4 * e)?,
+                    ])
+                })
                 .collect::<Result<Vec<_>>>()?;
             let (x, hidden) = (
                 Tensor::randn(0f32, 1., (rows, e), &dev)?,
                 Tensor::randn(0f32, 1., (rows, 4 * e), &dev)?,
             );
             let img = Tensor::randn(0f32, 1., (batch, 3, 224, 224), &dev)?;
-            let times = alternating_ms(&mut [
-                &mut || Ok(vit.forward(&img).map(drop)?),
-                &mut || {
-                    for [qkv, proj, fc1, fc2] in &blocks {
-                        qkv.forward(&x)?;
-                        proj.forward(&x)?;
-                        fc1.forward_gelu(&x)?;
-                        fc2.forward(&hidden)?;
-                    }
-                    Ok(())
-                },
-            ])?;
+            let times = alternating_ms(&mut [&mut || Ok(vit.forward(&img).map(drop)?), &mut || {
+                for [qkv, proj, fc1, fc2] in &blocks {
+                    qkv.forward(&x)?;
+                    proj.forward(&x)?;
+                    fc1.forward_gelu(&x)?;
+                    fc2.forward(&hidden)?;
+                }
+                Ok(())
+            }])?;
             let gflop = 12. * 2. * (rows * e * (3 * e + e + 4 * e + 4 * e)) as f64 / 1e9;
             let (forward, linears) = (median(&times[0]), median(&times[1]));
             println!(
@@ -710,7 +811,8 @@ fn main() -> Result<()> {
             );
         }
         _ => bail!(
-            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
+            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] | share M K N [LAYERS] \
+             | split M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
              | vit-linears BATCH | residual BATCH \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
