@@ -5,7 +5,7 @@
 //! (ASCII), plus three glyphs drawn here for the CJK date characters the
 //! date model reads (年, 月, 日); any other character is drawn as a box.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use image::{Rgb, RgbImage};
 use std::path::Path;
 
@@ -99,6 +99,5 @@ pub fn write_png(path: &Path, weights: &[Vec<f32>], rows: &[char], cols: &[char]
             }
         }
     }
-    img.save_with_format(path, image::ImageFormat::Png)
-        .with_context(|| format!("writing {}", path.display()))
+    super::output::write_png(path, &img, "attention map")
 }

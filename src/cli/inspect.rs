@@ -116,7 +116,7 @@ pub fn run(args: Args) -> Result<()> {
 /// Compares the checkpoint with the model `config` describes.
 fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -> Result<ConfigCheck> {
     let json =
-        std::fs::read_to_string(path).with_context(|| format!("reading config '{}'", path.display()))?;
+        multihead::models::files::read_text(path, "config", multihead::models::files::MAX_CONFIG_BYTES)?;
     let value: serde_json::Value =
         serde_json::from_str(&json).with_context(|| format!("config '{}' is not JSON", path.display()))?;
     let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();

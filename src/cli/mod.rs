@@ -3,5 +3,6 @@
 mod heatmap;
 pub mod inspect;
 pub mod model_files;
+mod output;
 pub mod seq2seq;
 pub mod vit;

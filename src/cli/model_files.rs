@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use multihead::models::checkpoint::Checkpoint;
+use multihead::models::files;
 
 /// The weights file a folder is read through.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -25,8 +26,7 @@ pub struct Text {
 impl Text {
     /// Reads `path`; the error names it as `what` (`config`, `vocab`).
     pub fn read(path: &Path, what: &str) -> Result<Self> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("reading {what} '{}'", path.display()))?;
+        let text = files::read_text(path, what, files::MAX_CONFIG_BYTES)?;
         Ok(Self {
             label: format!("'{}'", path.display()),
             text,

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 use multihead_models::checkpoint::Checkpoint;
-use multihead_models::dates::{self, DateOrder, DateReading};
+use multihead_models::dates::{self, DateOrder, DateReading, StatedYear};
 use multihead_models::generation::{
     Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
 };
@@ -19,9 +19,14 @@ use super::model_files::{self, Text, WeightsPath};
 /// Sources translated per forward pass.
 const BATCH: usize = 64;
 
-/// Largest `--beam`: each source decodes `beam` rows at once, and past a
-/// few dozen hypotheses a beam finds nothing greedy-ish decoding misses.
+/// Largest `--beam` and `--num-return`: each source decodes that many rows
+/// at once, and past a few dozen hypotheses a beam finds nothing
+/// greedy-ish decoding misses.
 const MAX_BEAM: usize = 64;
+
+/// Longest line read from standard input, in bytes: a longer one is
+/// reported (by its length) without being held, whatever its size.
+const MAX_LINE_BYTES: usize = 4096;
 
 /// Arguments of `multihead seq2seq`.
 #[derive(Debug, clap::Args)]
@@ -73,7 +78,7 @@ pub struct GenerationArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Outputs per input, each with its log-probability: the N best beams
-    /// (beam search widens to N), or N samples with --sample.
+    /// (beam search widens to N), or N samples with --sample; at most 64.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub num_return: usize,
     /// `date`: every output is a real calendar date (constrained decoding
@@ -89,6 +94,11 @@ pub struct GenerationArgs {
     /// is not trusted and the input is reported unreadable.
     #[arg(long, value_name = "P", default_value_t = 0.5)]
     pub min_prob: f32,
+    /// With `--constraint date`: the year of inputs that state none
+    /// ("March 3"), which are otherwise refused (the model would invent
+    /// one). 1950 to 2049, the years the model reads.
+    #[arg(long, value_name = "YYYY")]
+    pub year: Option<u32>,
 }
 
 /// What outputs must look like.
@@ -192,6 +202,7 @@ impl Translator {
     fn generate(
         &self,
         sources: &[Vec<u32>],
+        years: &[StatedYear],
         beam: usize,
         g: &GenerationArgs,
     ) -> Result<Vec<std::result::Result<Vec<String>, String>>> {
@@ -227,17 +238,26 @@ impl Translator {
         processors.extend(top_k.as_ref().map(|p| p as &dyn LogitsProcessor));
         processors.extend(top_p.as_ref().map(|p| p as &dyn LogitsProcessor));
         let mut outputs = Vec::with_capacity(sources.len());
-        for chunk in sources.chunks(BATCH) {
+        for (i, (chunk, years)) in sources.chunks(BATCH).zip(years.chunks(BATCH)).enumerate() {
             let src = padded(chunk, self.model.config().pad_id, &self.device)?;
-            for hyps in self.model.generate(&src, &cfg, &processors)? {
-                outputs.push(self.outputs(&hyps, g));
+            // Samples are keyed to the source's place in the whole list.
+            let cfg = cfg.clone().with_first_source(i * BATCH);
+            for (hyps, &year) in self.model.generate(&src, &cfg, &processors)?.iter().zip(years) {
+                outputs.push(self.outputs(hyps, year, g));
             }
         }
         Ok(outputs)
     }
 
-    /// One input's output lines, or why it is unreadable as a date.
-    fn outputs(&self, hyps: &[Generated], g: &GenerationArgs) -> std::result::Result<Vec<String>, String> {
+    /// One input's output lines, or why it is unreadable as a date (with
+    /// `--constraint date`, a date whose year is not the one the input
+    /// states does not count).
+    fn outputs(
+        &self,
+        hyps: &[Generated],
+        year: StatedYear,
+        g: &GenerationArgs,
+    ) -> std::result::Result<Vec<String>, String> {
         let mut kept: Vec<(String, f32)> = hyps
             .iter()
             .map(|h| (self.vocab.decode(&h.tokens), h.score))
@@ -246,15 +266,28 @@ impl Translator {
             // A sample is a draw, not a claim of the best reading: only its
             // validity counts.
             let min_prob = if g.sample { 0. } else { g.min_prob };
-            match dates::read_date(hyps, &self.vocab, min_prob) {
+            let keep_year: Vec<Generated> = hyps
+                .iter()
+                .filter(|h| year.kept_by(&self.vocab.decode(&h.tokens)))
+                .cloned()
+                .collect();
+            match dates::read_date(&keep_year, &self.vocab, min_prob) {
                 DateReading::Date { .. } => {
                     // Every real date among the outputs, best first.
-                    kept = hyps
+                    kept = keep_year
                         .iter()
                         .filter(|h| h.finished)
                         .map(|h| (self.vocab.decode(&h.tokens), h.score))
                         .filter(|(t, _)| dates::is_calendar_date(t))
                         .collect();
+                }
+                DateReading::Unreadable { best: None }
+                    if keep_year.len() < hyps.len()
+                        && matches!(dates::read_date(hyps, &self.vocab, 0.), DateReading::Date { .. }) =>
+                {
+                    return Err(format!(
+                        "cannot read a date: the model's readings do not keep the year the input states ({year})"
+                    ));
                 }
                 DateReading::Unreadable { best } => {
                     return Err(match best {
@@ -342,14 +375,15 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--beam must be in 1..={MAX_BEAM}, found {}", args.beam)
     }
     let from_stdin = args.inputs.is_empty();
-    let inputs: Vec<String> = if from_stdin {
-        std::io::stdin()
-            .lock()
-            .lines()
-            .collect::<std::io::Result<_>>()
+    // Each input's text (a preview for a line that cannot be read) and,
+    // for such a line, why.
+    let (inputs, unreadable_lines): (Vec<String>, Vec<Option<String>>) = if from_stdin {
+        read_lines(std::io::stdin().lock())
             .context("reading standard input")?
+            .into_iter()
+            .unzip()
     } else {
-        args.inputs.clone()
+        args.inputs.iter().map(|t| (t.clone(), None)).unzip()
     };
     if inputs.is_empty() {
         bail!("no input: pass texts as arguments or one per line on standard input")
@@ -361,8 +395,17 @@ pub fn run(args: Args) -> Result<()> {
         )
     }
     let g = &args.generation;
-    if g.num_return == 0 {
-        bail!("--num-return must be at least 1")
+    if g.num_return == 0 || g.num_return > MAX_BEAM {
+        bail!("--num-return must be in 1..={MAX_BEAM}, found {}", g.num_return)
+    }
+    if let Some(y) = g.year {
+        if !dates::YEARS.contains(&y) {
+            bail!(
+                "--year {y} is outside the years the model reads ({}-{})",
+                dates::YEARS.start(),
+                dates::YEARS.end()
+            )
+        }
     }
     if !(g.min_prob.is_finite() && (0.0..=1.0).contains(&g.min_prob)) {
         bail!("--min-prob must be in [0, 1], found {}", g.min_prob)
@@ -379,9 +422,32 @@ pub fn run(args: Args) -> Result<()> {
     let device = parse_device(&args.device)?;
     let dtype = parse_dtype(&args.dtype)?;
     let tr = Translator::load(args.weights.as_deref(), device, dtype)?;
-    // Line endings and surrounding blanks are not part of a date.
-    let encoded: Vec<Result<Vec<u32>>> = inputs.iter().map(|text| tr.encode(text.trim(), order)).collect();
+    // Line endings and surrounding blanks are not part of a date. With the
+    // date constraint, a year the input states must be one the model reads,
+    // and an input with none gets `--year` or is refused.
+    let texts: Vec<Result<(String, StatedYear)>> = inputs
+        .iter()
+        .zip(&unreadable_lines)
+        .map(|(text, why)| match why {
+            Some(why) => bail!("{why}"),
+            None if g.constraint == Constraint::Date => dated(text.trim(), g.year),
+            None => Ok((text.trim().to_string(), StatedYear::None)),
+        })
+        .collect();
+    let encoded: Vec<Result<Vec<u32>>> = texts
+        .iter()
+        .map(|t| match t {
+            Ok((text, _)) => tr.encode(text, order),
+            Err(e) => bail!("{e}"),
+        })
+        .collect();
     let good: Vec<Vec<u32>> = encoded.iter().filter_map(|e| e.as_ref().ok()).cloned().collect();
+    let years: Vec<StatedYear> = texts
+        .iter()
+        .zip(&encoded)
+        .filter(|(_, e)| e.is_ok())
+        .filter_map(|(t, _)| t.as_ref().ok().map(|(_, y)| *y))
+        .collect();
     let bad: Vec<(usize, String)> = encoded
         .iter()
         .enumerate()
@@ -416,7 +482,7 @@ pub fn run(args: Args) -> Result<()> {
                 .map(|line| Ok(vec![line]))
                 .collect()
         } else {
-            tr.generate(&good, args.beam, g)?
+            tr.generate(&good, &years, args.beam, g)?
         };
     let mut outputs = outputs.into_iter();
     let mut unreadable = Vec::new();
@@ -457,8 +523,10 @@ pub fn run(args: Args) -> Result<()> {
             }
         }
     }
-    if let (Some(path), Some(Ok(src))) = (&args.attention_map, encoded.first()) {
-        write_attention_map(&tr, inputs[0].trim(), src, path)?;
+    if let (Some(path), Some(Ok(src)), Some(Ok((text, _)))) =
+        (&args.attention_map, encoded.first(), texts.first())
+    {
+        write_attention_map(&tr, text, src, path)?;
     }
     if !bad.is_empty() || !unreadable.is_empty() {
         let mut failed: Vec<usize> = bad.iter().chain(&unreadable).map(|(i, _)| *i).collect();
@@ -485,6 +553,85 @@ pub fn run(args: Args) -> Result<()> {
         )
     }
     Ok(())
+}
+
+/// The text to translate for `text` under the date constraint, and the
+/// year it states: refused when that year is outside the model's years;
+/// with no year, `year` is appended ("March 3" → "March 3 2024") or the
+/// input is refused, since the model would invent one.
+fn dated(text: &str, year: Option<u32>) -> Result<(String, StatedYear)> {
+    let (first, last) = (dates::YEARS.start(), dates::YEARS.end());
+    match (StatedYear::of(text), year) {
+        (StatedYear::Full(y), _) if !dates::YEARS.contains(&y) => {
+            bail!("the year {y} is outside the years the model reads ({first}-{last})")
+        }
+        (StatedYear::None, Some(y)) => Ok((format!("{text} {y}"), StatedYear::Full(y))),
+        (StatedYear::None, None) => bail!(
+            "no year in the input, and the model would invent one: add it, or pass --year YYYY \
+             (or --constraint none for the raw output)"
+        ),
+        (stated, _) => Ok((text.to_string(), stated)),
+    }
+}
+
+/// Standard input's lines, each as `(text, None)` or, for a line that
+/// cannot be an input, `(preview, Some(why))`: a line over
+/// [`MAX_LINE_BYTES`] (skipped without being held) or not UTF-8. One bad
+/// line does not stop the others.
+fn read_lines(mut r: impl BufRead) -> std::io::Result<Vec<(String, Option<String>)>> {
+    let mut out = Vec::new();
+    loop {
+        // One line, keeping at most MAX_LINE_BYTES + 1 of its bytes.
+        let (mut line, mut len, mut ended) = (Vec::new(), 0usize, false);
+        loop {
+            let buf = r.fill_buf()?;
+            if buf.is_empty() {
+                break;
+            }
+            let (part, used) = match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => (&buf[..i], i + 1),
+                None => (buf, buf.len()),
+            };
+            len += part.len();
+            let room = (MAX_LINE_BYTES + 1).saturating_sub(line.len());
+            line.extend_from_slice(&part[..part.len().min(room)]);
+            ended = used > part.len();
+            r.consume(used);
+            if ended {
+                break;
+            }
+        }
+        if !ended && len == 0 {
+            return Ok(out);
+        }
+        if line.last() == Some(&b'\r') && len <= MAX_LINE_BYTES {
+            line.pop();
+            len -= 1;
+        }
+        let preview = String::from_utf8_lossy(&line[..line.len().min(64)]).into_owned();
+        out.push(if len > MAX_LINE_BYTES {
+            (
+                preview,
+                Some(format!(
+                    "the line is {len} bytes long, over the limit of {MAX_LINE_BYTES}"
+                )),
+            )
+        } else {
+            match String::from_utf8(line) {
+                Ok(text) => (text, None),
+                Err(e) => (
+                    preview,
+                    Some(format!(
+                        "not UTF-8 text (invalid byte at offset {})",
+                        e.utf8_error().valid_up_to()
+                    )),
+                ),
+            }
+        });
+        if !ended {
+            return Ok(out);
+        }
+    }
 }
 
 fn write_attention_map(tr: &Translator, text: &str, src: &[u32], path: &Path) -> Result<()> {

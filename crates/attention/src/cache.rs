@@ -58,7 +58,9 @@ impl KvCache {
     /// An empty cache for rows whose first `starts[b]` positions will be
     /// left padding: those keys are hidden from every query, and positions
     /// (for rotary embeddings) count from each row's first real token, as
-    /// HF's `generate` counts them from the attention mask.
+    /// HF's `generate` counts them from the attention mask. The first
+    /// [`KvCache::append`] must feed at least the padding positions (a
+    /// left-padded prompt does); one that feeds fewer is an error.
     pub fn with_left_padding(chunk: usize, starts: Vec<usize>) -> Self {
         Self {
             starts,
@@ -180,6 +182,12 @@ impl KvCache {
             )
         }
         let need = self.len + t;
+        if let Some((row, &pad)) = self.starts.iter().enumerate().find(|(_, &s)| s > need) {
+            bail!(
+                "KvCache::append: row {row} has {pad} positions of left padding but only {need} positions \
+                 have been fed: the padding must be fed with the first call (the left-padded prompt)"
+            )
+        }
         if need > self.capacity() {
             let cap = need.next_multiple_of(self.chunk).max(2 * self.capacity());
             self.k = Some(grow(

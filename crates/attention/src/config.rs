@@ -464,8 +464,8 @@ impl MhaConfig {
             bail!("MhaConfig: sliding_window must be >= 1 when set")
         }
         if let Some(s) = self.scale {
-            if !s.is_finite() || s <= 0. {
-                bail!("MhaConfig: scale must be finite and > 0, found {s}")
+            if !(s > 0. && (s as f32).is_finite() && (s as f32) > 0.) {
+                bail!("MhaConfig: scale must be finite and > 0 as an f32 (the scores' dtype), found {s}")
             }
         }
         Ok(())

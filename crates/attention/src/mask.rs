@@ -238,7 +238,24 @@ impl Mask {
         let Some(c) = self.causal else { return true };
         let diag = i as isize + c.offset(q_len, kv_len);
         let j = j as isize;
-        j <= diag && self.window.is_none_or(|w| j > diag - w as isize)
+        j <= diag
+            && self
+                .window
+                .is_none_or(|w| j > diag.saturating_sub(window_isize(w)))
+    }
+
+    /// The same mask without a window that can hide no key of a
+    /// `(q_len, kv_len)` call: a window at least as long as both the
+    /// queries and the keys is no window, as in HF transformers.
+    pub(crate) fn without_inert_window(&self, q_len: usize, kv_len: usize) -> std::borrow::Cow<'_, Self> {
+        match self.window {
+            Some(w) if w >= q_len.max(kv_len) && self.causal.is_some() => {
+                let mut m = self.clone();
+                m.window = None;
+                std::borrow::Cow::Owned(m)
+            }
+            _ => std::borrow::Cow::Borrowed(self),
+        }
     }
 
     /// The diagonal offset ALiBi measures distances from: the causal
@@ -531,4 +548,10 @@ fn float_to_bias(t: &Tensor, what: &str) -> Result<Tensor> {
         )
     }
     t.to_dtype(DType::F32)
+}
+
+/// A window's length as a signed key distance, saturating: a window longer
+/// than any sequence hides nothing rather than wrapping negative.
+pub(crate) fn window_isize(w: usize) -> isize {
+    isize::try_from(w).unwrap_or(isize::MAX)
 }

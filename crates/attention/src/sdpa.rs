@@ -152,6 +152,7 @@ pub(crate) fn sdpa_dispatch(
 ) -> Result<Tensor> {
     let call = check_qkv(q, k, v)?;
     let scale = check_scale(scale, call.head_dim)?;
+    let mask = &*mask.without_inert_window(call.q_len, call.kv_len);
     if let Some(why) = path.refusal(&call, mask, appended) {
         bail!("sdpa: the {path:?} path cannot serve this call: {why}")
     }
@@ -174,8 +175,10 @@ pub(crate) fn sdpa_dispatch(
 pub(crate) fn check_scale(scale: Option<f64>, head_dim: usize) -> Result<f64> {
     match scale {
         None => Ok(1. / (head_dim.max(1) as f64).sqrt()),
-        Some(s) if s.is_finite() && s > 0. => Ok(s),
-        Some(s) => bail!("sdpa: scale must be finite and > 0, found {s}"),
+        // The scores are f32: a scale that is 0 or infinite there would
+        // give uniform weights or NaN rows.
+        Some(s) if s > 0. && (s as f32).is_finite() && (s as f32) > 0. => Ok(s),
+        Some(s) => bail!("sdpa: scale must be finite and > 0 as an f32 (the scores' dtype), found {s}"),
     }
 }
 
@@ -402,6 +405,14 @@ pub(crate) fn sdpa_reference(
         ..
     } = check_qkv(q, k, v)?;
     let scale = check_scale(scale, head_dim)?;
+    if b * h == 0 {
+        // An empty batch gives an empty output, as the tiled path does.
+        let dv = v.dim(3)?;
+        return Ok((
+            Tensor::zeros((b, h, l, dv), v.dtype(), v.device())?,
+            Tensor::zeros((b, h, l, s), v.dtype(), v.device())?,
+        ));
+    }
     let masked_len = s.saturating_sub(appended);
     let k = repeat_kv(k, h)?;
     let v = repeat_kv(v, h)?;

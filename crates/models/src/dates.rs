@@ -87,6 +87,67 @@ pub fn encode_source(vocab: &CharVocab, text: &str, order: DateOrder) -> Result<
     }
 }
 
+/// The years the shipped date model was trained on (`scripts/train_dates.py`):
+/// a two-digit year `yy` is `20yy` below 50, else `19yy`.
+pub const YEARS: std::ops::RangeInclusive<u32> = 1950..=2049;
+
+/// The year an input states, as its digits show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatedYear {
+    /// Four digits (`2021`, or the first four of `20210303`).
+    Full(u32),
+    /// The last of three numbers of at most two digits (`3/4/21`).
+    TwoDigit(u32),
+    /// No year: one or two numbers (`March 3`, `3/4`).
+    None,
+}
+
+impl StatedYear {
+    /// Reads the year `text` states: a run of four digits, or the first
+    /// four of a run of eight (`yyyymmdd`), is the year; else, with three
+    /// or more runs of at most two digits, the last one is (numeric dates
+    /// with a two-digit year are written day/month/year or month/day/year);
+    /// else there is none.
+    pub fn of(text: &str) -> Self {
+        let runs: Vec<&str> = text
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|r| !r.is_empty())
+            .collect();
+        let number = |r: &str| r.parse::<u32>().unwrap_or(u32::MAX);
+        if let Some(r) = runs.iter().find(|r| r.len() == 4 || r.len() == 8) {
+            return Self::Full(number(&r[..4]));
+        }
+        match runs.as_slice() {
+            [.., last] if runs.len() >= 3 && runs.iter().all(|r| r.len() <= 2) => {
+                Self::TwoDigit(number(last))
+            }
+            _ => Self::None,
+        }
+    }
+
+    /// Whether the `YYYY-MM-DD` `date` keeps this year (any year when none
+    /// is stated).
+    pub fn kept_by(self, date: &str) -> bool {
+        let year = date.get(..4).and_then(|y| y.parse::<u32>().ok());
+        match (self, year) {
+            (Self::None, _) => true,
+            (Self::Full(y), Some(out)) => out == y,
+            (Self::TwoDigit(yy), Some(out)) => out % 100 == yy,
+            (_, None) => false,
+        }
+    }
+}
+
+impl std::fmt::Display for StatedYear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Full(y) => write!(f, "{y}"),
+            Self::TwoDigit(yy) => write!(f, "'{yy:02}"),
+            Self::None => f.write_str("none"),
+        }
+    }
+}
+
 /// What the date model's hypotheses say.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DateReading {
@@ -155,6 +216,30 @@ mod tests {
         ] {
             assert!(!is_calendar_date(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn stated_years() {
+        use StatedYear::*;
+        for (text, year) in [
+            ("March 3, 2021", Full(2021)),
+            ("July 4th, 1776", Full(1776)),
+            ("le 14 juillet 1789", Full(1789)),
+            ("20210303", Full(2021)),
+            ("2021年3月3日", Full(2021)),
+            ("Tue, 3/4/2021", Full(2021)),
+            ("03/04/21", TwoDigit(21)),
+            ("5.21.99", TwoDigit(99)),
+            ("March 3", None),
+            ("March 13", None),
+            ("3/4", None),
+            ("the third of May", None),
+        ] {
+            assert_eq!(StatedYear::of(text), year, "{text}");
+        }
+        assert!(Full(2021).kept_by("2021-03-03") && !Full(1776).kept_by("1976-07-04"));
+        assert!(TwoDigit(21).kept_by("2021-03-04") && !TwoDigit(21).kept_by("2012-03-04"));
+        assert!(None.kept_by("2033-03-03"));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod dates;
 pub mod decoder;
+pub mod files;
 pub mod generation;
 #[cfg(feature = "image")]
 pub mod image_input;

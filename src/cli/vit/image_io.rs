@@ -48,7 +48,8 @@ impl Input {
 /// Decodes a PNG or JPEG, recognised by its bytes, not its extension,
 /// under the size limits of [`multihead::models::image_input`].
 pub fn open_image(path: &Path) -> Result<DynamicImage> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading image '{}'", path.display()))?;
+    let bytes =
+        multihead::models::files::read_bytes(path, "image", multihead::models::image_input::MAX_IMAGE_ALLOC)?;
     Ok(multihead::models::image_input::decode_image(
         &bytes,
         &path.display().to_string(),
@@ -125,9 +126,7 @@ pub fn write_attention_map(img: &DynamicImage, heat: &[f32], out: &Path) -> Resu
         let blend = c.map(|c| (0.55 * c + 0.45 * g).round().clamp(0., 255.) as u8);
         canvas.put_pixel(PANEL + 8 + x, y, Rgb(blend));
     }
-    canvas
-        .save(out)
-        .with_context(|| format!("writing attention map '{}'", out.display()))
+    crate::cli::output::write_png(out, &canvas, "attention map")
 }
 
 /// `PANEL x PANEL` heat values in `[0, 1]` from a rollout map `(gh, gw)`.

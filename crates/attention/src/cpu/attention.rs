@@ -447,9 +447,9 @@ impl Problem<'_> {
     /// one): tiles before it are skipped.
     pub(super) fn keys_start(&self, i: usize) -> usize {
         match (self.causal, self.window) {
-            (Some(off), Some(w)) => {
-                (i as isize + off + 1 - w as isize).clamp(0, self.masked_keys as isize) as usize
-            }
+            (Some(off), Some(w)) => (i as isize + off + 1)
+                .saturating_sub(crate::mask::window_isize(w))
+                .clamp(0, self.masked_keys as isize) as usize,
             _ => 0,
         }
     }

@@ -123,8 +123,7 @@ impl Checkpoint {
         if matches!(ext.as_deref(), Some("bin" | "pt" | "pth" | "ckpt" | "pkl")) {
             return Err(pickle_error(&label));
         }
-        let bytes =
-            std::fs::read(path).map_err(|e| candle::Error::Msg(format!("reading weights '{label}': {e}")))?;
+        let bytes = crate::files::read_bytes(path, "weights", u64::MAX)?;
         Self::from_bytes(bytes, &label)
     }
 

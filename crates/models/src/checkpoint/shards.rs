@@ -68,8 +68,7 @@ impl Checkpoint {
     /// (the shards, then the merged copy).
     pub fn read_sharded(index: &Path) -> Result<Self> {
         let label = index.display().to_string();
-        let text = std::fs::read_to_string(index)
-            .map_err(|e| candle::Error::Msg(format!("reading index '{label}': {e}")))?;
+        let text = crate::files::read_text(index, "index", crate::files::MAX_CONFIG_BYTES)?;
         let (shards, weight_map) = read_index(&text, &label)?;
         let dir = index.parent().map(Path::to_path_buf).unwrap_or_default();
         let files = shards

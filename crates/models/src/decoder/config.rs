@@ -4,6 +4,8 @@
 
 use candle::{bail, Result};
 use multihead_attention::RopeScaling;
+
+use crate::checkpoint::{checked_product, MinWeights};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -55,7 +57,10 @@ impl HfDecoderConfig {
                         Some(Value::Bool(true)) => bail!(
                             "{label}: use_sliding_window true (windows on some layers, max_window_layers) is not supported"
                         ),
-                        _ => cfg.sliding_window = None,
+                        None | Some(Value::Null | Value::Bool(false)) => cfg.sliding_window = None,
+                        Some(other) => {
+                            bail!("{label}: field 'use_sliding_window' must be true or false, found {other}")
+                        }
                     }
                 }
                 cfg.validate(label)?;
@@ -159,6 +164,44 @@ impl Gpt2Config {
     pub fn n_inner(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
     }
+
+    /// The fewest weights a checkpoint of this config stores (embeddings
+    /// and weight matrices), with checked arithmetic; see
+    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        let (e, inner) = (self.n_embd, self.n_inner());
+        let mut m = MinWeights::new("Gpt2Config");
+        m.add(
+            format!("wte (vocab_size {} x n_embd {e})", self.vocab_size),
+            &[self.vocab_size, e],
+        )?;
+        m.add(
+            format!("wpe (n_positions {} x n_embd {e})", self.n_positions),
+            &[self.n_positions, e],
+        )?;
+        // c_attn (e x 3e), attn.c_proj (e x e), mlp.c_fc and mlp.c_proj (e x inner each).
+        let per_block = block_weights(&[&[4, e, e], &[2, e, inner]], "Gpt2Config", e, inner)?;
+        m.add(
+            format!("h (n_layer {} x {per_block} each)", self.n_layer),
+            &[self.n_layer, per_block],
+        )?;
+        Ok(m)
+    }
+}
+
+/// The sum of the products `parts`: one block's weights, or an error
+/// naming the widths when it overflows.
+fn block_weights(parts: &[&[usize]], owner: &str, width: usize, mlp: usize) -> Result<usize> {
+    parts
+        .iter()
+        .try_fold(0usize, |sum, p| {
+            checked_product(p).and_then(|n| sum.checked_add(n))
+        })
+        .ok_or_else(|| {
+            candle::Error::Msg(format!(
+                "{owner}: one block's weights overflow (width {width}, MLP width {mlp})"
+            ))
+        })
 }
 
 /// The MLP activations the decoders support, by their HF names.
@@ -297,10 +340,16 @@ impl LlamaConfig {
                     None => bail!("{label}: field '{key}.{name}' is missing"),
                 }
             };
-            let kind = p
-                .get("rope_type")
-                .or_else(|| p.get("type"))
-                .and_then(Value::as_str);
+            let kind = match ["rope_type", "type"]
+                .into_iter()
+                .find_map(|k| p.get(k).map(|v| (k, v)))
+            {
+                None | Some((_, Value::Null)) => None,
+                Some((_, Value::String(s))) => Some(s.as_str()),
+                Some((name, other)) => {
+                    bail!("{label}: field '{key}.{name}' must be a string, found {other}")
+                }
+            };
             let scaling = match kind {
                 None | Some("default") => None,
                 Some("linear") => Some(RopeScaling::Linear { factor: number("factor")? }),
@@ -375,6 +424,48 @@ impl LlamaConfig {
             )
         }
         Ok(())
+    }
+
+    /// Per-head width.
+    pub fn head_width(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The fewest weights a checkpoint of this config stores (embeddings
+    /// and weight matrices), with checked arithmetic; see
+    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        let (e, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let hd = self.head_width();
+        let mut m = MinWeights::new("LlamaConfig");
+        m.add(
+            format!("embed_tokens (vocab_size {v} x hidden_size {e})"),
+            &[v, e],
+        )?;
+        // q and o (e x heads·head_dim each), k and v (e x kv_heads·head_dim
+        // each), gate, up and down (e x intermediate_size each).
+        let per_layer = block_weights(
+            &[
+                &[2, e, self.num_attention_heads, hd],
+                &[2, e, self.kv_heads(), hd],
+                &[3, e, i],
+            ],
+            "LlamaConfig",
+            e,
+            i,
+        )?;
+        m.add(
+            format!(
+                "layers (num_hidden_layers {} x {per_layer} each)",
+                self.num_hidden_layers
+            ),
+            &[self.num_hidden_layers, per_layer],
+        )?;
+        if !self.tie_word_embeddings {
+            m.add(format!("lm_head (vocab_size {v} x hidden_size {e})"), &[v, e])?;
+        }
+        Ok(m)
     }
 
     /// Key/value heads.

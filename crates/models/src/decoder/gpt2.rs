@@ -106,6 +106,9 @@ impl Gpt2 {
     /// pre-flight check. The causal-mask buffers older exports carry
     /// (`h.N.attn.bias`, `h.N.attn.masked_bias`) are ignored.
     pub fn load(cfg: &Gpt2Config, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
+        // A config far larger than the file is refused before anything of
+        // its size is built.
+        ckpt.ensure_holds(&cfg.min_weights()?)?;
         let prefix = if ckpt.info("transformer.wte.weight").is_some() {
             "transformer."
         } else {
@@ -144,6 +147,9 @@ impl Gpt2 {
 impl CausalLm for Gpt2 {
     fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
         let (b, t) = check_ids(ids, self.cfg.vocab_size, "Gpt2")?;
+        if b == 0 {
+            return Tensor::zeros((0, t, self.cfg.vocab_size), DType::F32, &self.device);
+        }
         // Learned positions: each row's count from its first real token.
         let pos = cache.positions(b, t, &self.device)?;
         let last = pos.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
@@ -168,6 +174,10 @@ impl CausalLm for Gpt2 {
 
     fn vocab_size(&self) -> usize {
         self.cfg.vocab_size
+    }
+
+    fn max_positions(&self) -> Option<usize> {
+        Some(self.cfg.n_positions)
     }
 
     fn device(&self) -> &Device {

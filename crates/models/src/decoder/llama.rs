@@ -164,6 +164,9 @@ impl Llama {
 
     /// Builds the model from a checkpoint, after the pre-flight check.
     pub fn load(cfg: &LlamaConfig, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
+        // A config far larger than the file is refused before anything of
+        // its size is built.
+        ckpt.ensure_holds(&cfg.min_weights()?)?;
         ckpt.load(DType::F32, device, |vb| Self::new(cfg, vb))
     }
 
@@ -175,7 +178,10 @@ impl Llama {
 
 impl CausalLm for Llama {
     fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
-        check_ids(ids, self.cfg.vocab_size, "Llama")?;
+        let (b, t) = check_ids(ids, self.cfg.vocab_size, "Llama")?;
+        if b == 0 {
+            return Tensor::zeros((0, t, self.cfg.vocab_size), DType::F32, &self.device);
+        }
         // (B, T, E)
         let mut x = self.embed_tokens.forward(ids)?;
         for (i, layer) in self.layers.iter().enumerate() {

@@ -110,6 +110,12 @@ pub trait CausalLm {
     /// Size of the vocabulary.
     fn vocab_size(&self) -> usize;
 
+    /// The most positions a row may hold (GPT-2's learned positions), or
+    /// `None` where positions are not bounded (rotary ones extrapolate).
+    fn max_positions(&self) -> Option<usize> {
+        None
+    }
+
     /// Where the model's tensors live.
     fn device(&self) -> &Device;
 }
@@ -143,6 +149,9 @@ pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(
     if ids.dtype() != candle::DType::U32 {
         bail!("{what}: ids must be u32, found {:?}", ids.dtype())
     }
+    if b == 0 {
+        return Ok((b, t));
+    }
     let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
     if max as usize >= vocab_size {
         bail!("{what}: token id {max} is out of the vocabulary ({vocab_size} tokens)")
@@ -167,8 +176,7 @@ impl DecoderModel {
     /// missing, extra or mis-shaped tensor named at once).
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
         let config = dir.join("config.json");
-        let text = std::fs::read_to_string(&config)
-            .map_err(|e| candle::Error::Msg(format!("{}: cannot read: {e}", config.display())))?;
+        let text = crate::files::read_text(&config, "config", crate::files::MAX_CONFIG_BYTES)?;
         let cfg = HfDecoderConfig::from_json(&text, &config.display().to_string())?;
         let weights = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
@@ -222,6 +230,13 @@ impl CausalLm for DecoderModel {
         }
     }
 
+    fn max_positions(&self) -> Option<usize> {
+        match self {
+            Self::Gpt2(m) => m.max_positions(),
+            Self::Llama(m) => m.max_positions(),
+        }
+    }
+
     fn device(&self) -> &Device {
         match self {
             Self::Gpt2(m) => CausalLm::device(m),
@@ -250,6 +265,11 @@ pub fn left_pad(prompts: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<(T
 /// one batch, all but their last token prefilled in one call, and
 /// decoding starts from each prompt's last token, with `processors`
 /// applied at every step ([`crate::generation::generate_from`]).
+///
+/// A model with a bounded context ([`CausalLm::max_positions`]) refuses a
+/// prompt that does not fit it, naming both lengths, and stops every row
+/// where the context ends: such a row keeps its tokens and is not
+/// `finished` (cut for length, as at `max_len`).
 pub fn generate_from_prompts<M: CausalLm>(
     model: &M,
     prompts: &[Vec<u32>],
@@ -257,8 +277,24 @@ pub fn generate_from_prompts<M: CausalLm>(
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
+    if prompts.is_empty() {
+        // No prompt, no output, as on every decoding path.
+        return Ok(Vec::new());
+    }
     let (ids, pads) = left_pad(prompts, pad_id, model.device())?;
     let len = ids.dim(1)?;
+    let mut cfg = cfg.clone();
+    if let Some(context) = model.max_positions() {
+        // Positions count from each row's first real token: the longest
+        // prompt reaches furthest. The step feeding position p yields the
+        // token at p + 1, so positions up to `context - 1` can be fed.
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if longest > context {
+            bail!("generate: a prompt of {longest} tokens does not fit the model's context of {context} positions")
+        }
+        cfg.max_len = cfg.max_len.min(context - longest + 1);
+    }
+    let cfg = &cfg;
     let mut cache = model.new_cache(pads);
     if len > 1 {
         model.forward(&ids.narrow(1, 0, len - 1)?, &mut cache)?;

@@ -63,8 +63,8 @@ impl TokenConstraint {
         while i < order.len() {
             if (i + 1).saturating_mul(v) > MAX_TABLE {
                 bail!(
-                    "pattern {:?} is too large for a vocabulary of {v} tokens: its token automaton would exceed {MAX_TABLE} entries",
-                    pattern.as_str()
+                    "pattern {} is too large for a vocabulary of {v} tokens: its token automaton would exceed {MAX_TABLE} entries",
+                    pattern.shown()
                 )
             }
             let s = order[i];
@@ -113,8 +113,8 @@ impl TokenConstraint {
         }
         if dist[0] == u32::MAX {
             bail!(
-                "pattern {:?} conflicts with the vocabulary: no sequence of its {v} tokens matches it",
-                pattern.as_str()
+                "pattern {} conflicts with the vocabulary: no sequence of its {v} tokens matches it",
+                pattern.shown()
             )
         }
         // Edges into states that cannot reach a match are dead ends.
@@ -153,8 +153,8 @@ impl TokenConstraint {
     pub fn check_max_len(&self, max_len: usize) -> Result<()> {
         if self.min_tokens() + 1 > max_len {
             bail!(
-                "pattern {:?} needs at least {} tokens and the end token, but at most {max_len} are generated",
-                self.pattern,
+                "pattern {} needs at least {} tokens and the end token, but at most {max_len} are generated",
+                super::parse::shown(&self.pattern),
                 self.min_tokens()
             )
         }

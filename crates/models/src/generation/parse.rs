@@ -1,14 +1,33 @@
 //! The syntax of constraint patterns (see [`super::pattern`]): a
 //! recursive-descent parser from the pattern text to an expression tree.
 
+use std::sync::Arc;
+
 use candle::{bail, Result};
 
+/// Longest pattern, in characters: real constraints are tens of
+/// characters; every later stage's work grows with the length.
+pub(super) const MAX_PATTERN_CHARS: usize = 4096;
+/// Characters of a pattern quoted in an error message.
+const SHOWN_CHARS: usize = 60;
 /// Deepest nesting of groups.
 const MAX_DEPTH: usize = 64;
 /// Largest count in `{m,n}`.
 const MAX_REPEAT: u32 = 1000;
 
-/// A set of characters: ranges, possibly complemented.
+/// `pattern` quoted for an error message, cut after [`SHOWN_CHARS`]
+/// characters: an error never repeats a huge pattern whole.
+pub(super) fn shown(pattern: &str) -> String {
+    let n = pattern.chars().count();
+    if n <= SHOWN_CHARS {
+        format!("{pattern:?}")
+    } else {
+        let head: String = pattern.chars().take(SHOWN_CHARS).collect();
+        format!("{head:?}… ({n} characters)")
+    }
+}
+
+/// A set of characters: sorted, disjoint ranges, possibly complemented.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct CharSet {
     ranges: Vec<(char, char)>,
@@ -16,15 +35,34 @@ pub(super) struct CharSet {
 }
 
 impl CharSet {
-    fn one(c: char) -> Self {
+    /// The set of `ranges` (in any order, overlapping or not), or of
+    /// every character outside them when `negated`.
+    fn new(mut ranges: Vec<(char, char)>, negated: bool) -> Self {
+        ranges.sort_unstable();
+        let mut merged: Vec<(char, char)> = Vec::with_capacity(ranges.len());
+        for (a, b) in ranges {
+            match merged.last_mut() {
+                Some((_, end)) if a <= *end || char::from_u32(*end as u32 + 1) == Some(a) => {
+                    *end = (*end).max(b)
+                }
+                _ => merged.push((a, b)),
+            }
+        }
         Self {
-            ranges: vec![(c, c)],
-            negated: false,
+            ranges: merged,
+            negated,
         }
     }
 
+    fn one(c: char) -> Self {
+        Self::new(vec![(c, c)], false)
+    }
+
+    /// Membership by binary search over the ranges: a class of thousands
+    /// of characters costs a dozen comparisons a lookup.
     pub(super) fn contains(&self, c: char) -> bool {
-        self.ranges.iter().any(|&(a, b)| a <= c && c <= b) != self.negated
+        let i = self.ranges.partition_point(|&(a, _)| a <= c);
+        (i > 0 && c <= self.ranges[i - 1].1) != self.negated
     }
 }
 
@@ -43,7 +81,7 @@ fn space() -> Vec<(char, char)> {
 #[derive(Debug, Clone)]
 pub(super) enum Node {
     Empty,
-    Set(CharSet),
+    Set(Arc<CharSet>),
     Concat(Vec<Node>),
     Alt(Vec<Node>),
     Repeat(Box<Node>, u32, Option<u32>),
@@ -57,7 +95,7 @@ pub(super) struct Parser<'a> {
 
 impl Parser<'_> {
     fn err<T>(&self, what: &str) -> Result<T> {
-        bail!("pattern {:?}: {what} at character {}", self.src, self.pos)
+        bail!("pattern {}: {what} at character {}", shown(self.src), self.pos)
     }
 
     fn peek(&self) -> Option<char> {
@@ -227,7 +265,7 @@ impl Parser<'_> {
         if ranges.is_empty() {
             return self.err("empty class []");
         }
-        Ok(Node::Set(CharSet { ranges, negated }))
+        Ok(Node::Set(Arc::new(CharSet::new(ranges, negated))))
     }
 
     fn atom(&mut self, depth: usize) -> Result<Node> {
@@ -252,10 +290,7 @@ impl Parser<'_> {
                 Ok(inner)
             }
             '[' => self.class(),
-            '.' => Ok(Node::Set(CharSet {
-                ranges: Vec::new(),
-                negated: true,
-            })),
+            '.' => Ok(Node::Set(Arc::new(CharSet::new(Vec::new(), true)))),
             '\\' => {
                 let neg = matches!(self.peek(), Some('D' | 'W' | 'S'));
                 if neg {
@@ -266,16 +301,10 @@ impl Parser<'_> {
                         Some('w') => word(),
                         _ => space(),
                     };
-                    return Ok(Node::Set(CharSet {
-                        ranges,
-                        negated: true,
-                    }));
+                    return Ok(Node::Set(Arc::new(CharSet::new(ranges, true))));
                 }
                 let ranges = self.escape(false)?;
-                Ok(Node::Set(CharSet {
-                    ranges,
-                    negated: false,
-                }))
+                Ok(Node::Set(Arc::new(CharSet::new(ranges, false))))
             }
             '?' | '*' | '+' | '{' => {
                 self.pos -= 1;
@@ -289,13 +318,21 @@ impl Parser<'_> {
                 self.pos -= 1;
                 self.err(&format!("unmatched '{c}' (escape it as \\{c})"))
             }
-            c => Ok(Node::Set(CharSet::one(c))),
+            c => Ok(Node::Set(Arc::new(CharSet::one(c)))),
         }
     }
 }
 
 /// Parses a whole pattern.
 pub(super) fn parse(pattern: &str) -> Result<Node> {
+    // Counting stops one past the limit: a huge pattern is not walked whole.
+    let n = pattern.chars().take(MAX_PATTERN_CHARS + 1).count();
+    if n > MAX_PATTERN_CHARS {
+        bail!(
+            "pattern {} is too long: more than {MAX_PATTERN_CHARS} characters",
+            shown(pattern)
+        )
+    }
     let mut p = Parser {
         chars: pattern.chars().collect(),
         pos: 0,

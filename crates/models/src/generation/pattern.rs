@@ -15,10 +15,11 @@
 //! `fuzz/fuzz_targets/pattern.rs`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle::{bail, Result};
 
-use super::parse::{parse, CharSet, Node};
+use super::parse::{parse, shown, CharSet, Node};
 
 /// Most NFA states a pattern may compile to.
 const MAX_NFA_STATES: usize = 10_000;
@@ -39,7 +40,7 @@ struct NState {
 #[derive(Debug, Clone)]
 pub struct Pattern {
     source: String,
-    sets: Vec<CharSet>,
+    sets: Vec<Arc<CharSet>>,
     states: Vec<NState>,
     start: usize,
     accept: usize,
@@ -67,11 +68,16 @@ impl Pattern {
         &self.source
     }
 
+    /// The pattern quoted for a message, cut if long.
+    pub(crate) fn shown(&self) -> String {
+        shown(&self.source)
+    }
+
     fn state(&mut self) -> Result<usize> {
         if self.states.len() >= MAX_NFA_STATES {
             bail!(
-                "pattern {:?} is too large: it compiles to more than {MAX_NFA_STATES} states (lower its repetition counts)",
-                self.source
+                "pattern {} is too large: it compiles to more than {MAX_NFA_STATES} states (lower its repetition counts)",
+                shown(&self.source)
             )
         }
         self.states.push(NState::default());
@@ -145,7 +151,7 @@ impl Pattern {
             stack.extend(self.states[s].eps.iter().copied());
         }
         if *work > MAX_WORK {
-            bail!("pattern {:?} is too complex to compile", self.source)
+            bail!("pattern {} is too complex to compile", shown(&self.source))
         }
         out.sort_unstable();
         Ok(out)
@@ -183,8 +189,8 @@ impl Pattern {
                     None => {
                         if sets.len() >= MAX_DFA_STATES {
                             bail!(
-                                "pattern {:?} is too large: its automaton needs more than {MAX_DFA_STATES} states",
-                                self.source
+                                "pattern {} is too large: its automaton needs more than {MAX_DFA_STATES} states",
+                                shown(&self.source)
                             )
                         }
                         ids.insert(next.clone(), sets.len());

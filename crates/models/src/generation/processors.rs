@@ -73,6 +73,11 @@ fn force(scores: &mut [f32], token: u32, who: &str) -> Result<()> {
 
 /// Divides the scores by `t`: below 1 sharpens, above 1 flattens the
 /// distribution sampling draws from (`softmax(log p / t)`).
+///
+/// A temperature so small that dividing the row's best score by it
+/// overflows f32 (`1e-45`: every score becomes `-inf`) is an error at
+/// that step, not a row left with no token to pick. HF's sampling fails
+/// there too (`torch.multinomial` on NaN probabilities).
 #[derive(Debug, Clone, Copy)]
 pub struct Temperature(f32);
 
@@ -88,6 +93,14 @@ impl Temperature {
 
 impl LogitsProcessor for Temperature {
     fn process(&self, _: &StepContext<'_>, scores: &mut [f32]) -> Result<()> {
+        let best = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if best.is_finite() && !(best / self.0).is_finite() {
+            bail!(
+                "temperature {}: dividing the best score ({best}) by it overflows f32, \
+                 which would forbid every token; use a larger temperature (or greedy decoding)",
+                self.0
+            )
+        }
         scores.iter_mut().for_each(|s| *s /= self.0);
         Ok(())
     }

@@ -16,8 +16,10 @@ pub enum Decoding {
     /// The best processed score.
     Greedy,
     /// Drawn from the softmax of the processed scores; `seed` fixes every
-    /// draw (each output row has its own stream, so the result does not
-    /// depend on how sources are batched).
+    /// draw. Each output has its own stream, keyed to its source's index
+    /// in the caller's whole list ([`GenerateConfig::first_source`] plus
+    /// its place in the call) and its sample number, so the result does
+    /// not depend on how a list of sources is split into batches.
     Sample {
         /// The seed of the draws.
         seed: u64,
@@ -50,6 +52,11 @@ pub struct GenerateConfig {
     /// [`Decoding::Sample`]; best beams kept (at most `beams`) for
     /// [`Decoding::Beam`].
     pub num_return: usize,
+    /// The index, in the caller's whole list of sources, of this call's
+    /// first source: sampling streams are keyed to `first_source + i`, so
+    /// a list decoded in several batches samples as it would in one.
+    #[serde(default)]
+    pub first_source: usize,
 }
 
 impl GenerateConfig {
@@ -62,7 +69,15 @@ impl GenerateConfig {
             pad_id,
             decoding: Decoding::Greedy,
             num_return: 1,
+            first_source: 0,
         }
+    }
+
+    /// The same, for a batch whose first source is `first_source` in the
+    /// caller's list (see [`GenerateConfig::first_source`]).
+    pub fn with_first_source(mut self, first_source: usize) -> Self {
+        self.first_source = first_source;
+        self
     }
 
     /// The same, decoding with `decoding`.
@@ -152,6 +167,10 @@ pub fn generate_from<M: StepModel>(
     for p in processors {
         p.check(model.vocab_size(), cfg.max_len)?;
     }
+    if first.is_empty() {
+        // No source: no output, on every decoding.
+        return Ok(Vec::new());
+    }
     if let Some(&t) = first.iter().find(|&&t| t as usize >= model.vocab_size()) {
         bail!(
             "generate: first token {t} must be < the vocabulary size ({})",
@@ -164,8 +183,17 @@ pub fn generate_from<M: StepModel>(
     }
 }
 
-/// The log-probabilities of the next token, `(rows, vocab)`, on the host.
-fn next_log_probs<M: StepModel>(model: &M, fed: Vec<u32>, cache: &mut M::Cache) -> Result<Vec<Vec<f32>>> {
+/// The log-probabilities of the next token, `(rows, vocab)`, on the host,
+/// at decoding step `step` (0 for the first generated token). A row of
+/// logits holding NaN or infinity is an error naming the step and the
+/// row: no token can be chosen from it, and ending the row quietly would
+/// pass a broken model off as an empty answer.
+fn next_log_probs<M: StepModel>(
+    model: &M,
+    fed: Vec<u32>,
+    cache: &mut M::Cache,
+    step: usize,
+) -> Result<Vec<Vec<f32>>> {
     let n = fed.len();
     let tokens = Tensor::from_vec(fed, (n, 1), model.device())?;
     let logits = model.step(&tokens, cache)?;
@@ -177,7 +205,21 @@ fn next_log_probs<M: StepModel>(model: &M, fed: Vec<u32>, cache: &mut M::Cache) 
             model.vocab_size()
         )
     }
-    candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?.to_vec2()
+    let logits = logits.to_dtype(DType::F32)?;
+    let host: Vec<Vec<f32>> = logits.to_vec2()?;
+    for (r, row) in host.iter().enumerate() {
+        // `-inf` forbids a token; NaN, `+inf` or nothing finite is broken.
+        let nan = row.iter().filter(|x| x.is_nan()).count();
+        let inf = row.iter().filter(|&&x| x == f32::INFINITY).count();
+        let finite = row.iter().filter(|x| x.is_finite()).count();
+        if nan + inf > 0 || finite == 0 {
+            bail!(
+                "generate: step {step}: the model's logits for row {r} are not usable \
+                 ({nan} NaN, {inf} +inf, {finite} finite of {v}): its weights or config overflow f32"
+            )
+        }
+    }
+    candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2()
 }
 
 fn apply(processors: &[&dyn LogitsProcessor], ctx: &StepContext<'_>, scores: &mut [f32]) -> Result<()> {
@@ -236,7 +278,15 @@ fn rowwise<M: StepModel>(
     }
     let rows = batch * n;
     let mut rngs: Vec<SplitMix64> = match cfg.decoding {
-        Decoding::Sample { seed } => (0..rows as u64).map(|r| SplitMix64::for_row(seed, r)).collect(),
+        Decoding::Sample { seed } => (0..rows)
+            .map(|r| {
+                // Source `first_source + r / n`, sample `r % n`.
+                let key = (cfg.first_source as u64)
+                    .wrapping_mul(n as u64)
+                    .wrapping_add(r as u64);
+                SplitMix64::for_row(seed, key)
+            })
+            .collect(),
         _ => Vec::new(),
     };
     let mut out: Vec<Generated> = (0..rows)
@@ -248,8 +298,8 @@ fn rowwise<M: StepModel>(
         .collect();
     let mut done = vec![false; rows];
     let mut fed: Vec<u32> = (0..rows).map(|r| first[r / n]).collect();
-    for _ in 0..cfg.max_len {
-        let mut scores = next_log_probs(model, fed.clone(), &mut cache)?;
+    for step in 0..cfg.max_len {
+        let mut scores = next_log_probs(model, fed.clone(), &mut cache, step)?;
         for (r, row) in scores.iter_mut().enumerate() {
             if done[r] {
                 fed[r] = cfg.pad_id;
@@ -328,8 +378,8 @@ fn beam<M: StepModel>(
         })
         .collect();
     let mut fed: Vec<u32> = (0..batch * beams).map(|r| first[r / beams]).collect();
-    for _ in 0..cfg.max_len {
-        let mut logp = next_log_probs(model, fed, &mut cache)?;
+    for step in 0..cfg.max_len {
+        let mut logp = next_log_probs(model, fed, &mut cache, step)?;
         let mut next = Vec::with_capacity(batch * beams);
         let mut parents = Vec::with_capacity(batch * beams);
         for g in 0..batch {

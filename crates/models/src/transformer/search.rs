@@ -51,8 +51,12 @@ impl Seq2Seq {
     /// - returns `batch` id lists, without `bos_id` and `eos_id`
     pub fn greedy(&self, src: &Tensor, cache: CacheMode) -> Result<Vec<Vec<u32>>> {
         let cfg = self.config();
+        let (b, _) = src.dims2()?;
+        if b == 0 {
+            // No source, no output, as on every decoding path.
+            return Ok(Vec::new());
+        }
         let enc = self.encode(src)?;
-        let b = src.dim(0)?;
         let dev = src.device();
         let mut out = vec![Vec::new(); b];
         let mut done = vec![false; b];
@@ -174,6 +178,10 @@ impl Seq2Seq {
         processors: &[&dyn LogitsProcessor],
     ) -> Result<Vec<Vec<Generated>>> {
         let (b, _) = src.dims2()?;
+        if b == 0 {
+            // No source, no output, as on every decoding path.
+            return Ok(Vec::new());
+        }
         let cache = self.start(&self.encode(src)?)?;
         generate(self, cache, b, cfg, processors)
     }

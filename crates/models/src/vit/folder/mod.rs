@@ -31,9 +31,7 @@ use crate::vit::model::VisionTransformer;
 /// The index of a sharded checkpoint.
 pub const INDEX_NAME: &str = "model.safetensors.index.json";
 
-/// Largest `config.json` / `preprocessor_config.json` / index read, in
-/// bytes (real ones are a few KB; ImageNet-21k's `id2label` about 1 MB).
-pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+pub use crate::files::MAX_CONFIG_BYTES;
 
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,15 +83,7 @@ pub struct ModelFolder {
 
 /// Reads a small JSON file, refusing one over [`MAX_CONFIG_BYTES`].
 fn read_json(path: &Path, what: &str) -> Result<String> {
-    let err = |e: std::io::Error| candle::Error::Msg(format!("reading {what} '{}': {e}", path.display()));
-    let len = std::fs::metadata(path).map_err(err)?.len();
-    if len > MAX_CONFIG_BYTES {
-        bail!(
-            "{what} '{}' is {len} bytes, over the limit of {MAX_CONFIG_BYTES}",
-            path.display()
-        )
-    }
-    std::fs::read_to_string(path).map_err(err)
+    crate::files::read_text(path, what, MAX_CONFIG_BYTES)
 }
 
 /// The weights in `dir`: the sharded index, `model.safetensors`, or the
