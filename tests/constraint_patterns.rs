@@ -368,3 +368,49 @@ fn a_big_vocabulary_times_a_big_automaton_is_refused_not_allocated() {
         "{err:?}"
     );
 }
+
+/// Issue 38, finding 3: a 50-million-character pattern is refused before
+/// it is parsed, with an error that quotes only its start; a class of
+/// thousands of characters repeated costs binary searches, not scans (a
+/// 20,000-character class took 22 s over 20,000 one-character tokens).
+#[test]
+fn huge_patterns_and_classes_are_bounded() -> Result<()> {
+    let huge = "a".repeat(50_000_000);
+    let err = Pattern::new(&huge)
+        .unwrap_err()
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert!(err.contains("too long: more than 4096 characters"), "{err}");
+    assert!(err.len() < 300, "{} bytes of error: {err}", err.len());
+    // (The first line: candle appends a backtrace under RUST_BACKTRACE.)
+    // An error deep in a long pattern quotes its start only.
+    let err = Pattern::new(&format!("{}(", "b".repeat(4000)))
+        .unwrap_err()
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert!(err.contains("(4001 characters)") && err.len() < 300, "{err}");
+
+    // 20,000 one-character CJK tokens; a class of 4,000 of them, 200 times.
+    let cjk: Vec<char> = (0x4E00u32..0x4E00 + 20_000).filter_map(char::from_u32).collect();
+    let mut tokens: Vec<Option<String>> = vec![None];
+    tokens.extend(cjk.iter().map(|c| Some(c.to_string())));
+    let class: String = cjk[..4000].iter().collect();
+    let c = TokenConstraint::from_pattern(&format!("[{class}]{{200}}"), &tokens, 0)?;
+    assert_eq!(c.min_tokens(), 200);
+    let too_big: String = cjk.iter().collect();
+    let err = TokenConstraint::from_pattern(&format!("[{too_big}]{{200}}"), &tokens, 0)
+        .unwrap_err()
+        .to_string()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    assert!(err.contains("too long") && err.len() < 400, "{err}");
+    Ok(())
+}

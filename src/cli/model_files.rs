@@ -68,6 +68,8 @@ impl WeightsPath {
                 dir: path.to_path_buf(),
             });
         }
+        // A device or FIFO is refused here, before its config is looked for.
+        files::regular_file_len(path, "weights")?;
         let dir = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),

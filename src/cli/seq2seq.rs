@@ -428,17 +428,23 @@ pub fn run(args: Args) -> Result<()> {
     let texts: Vec<Result<(String, StatedYear)>> = inputs
         .iter()
         .zip(&unreadable_lines)
-        .map(|(text, why)| match why {
-            Some(why) => bail!("{why}"),
-            None if g.constraint == Constraint::Date => dated(text.trim(), g.year),
-            None => Ok((text.trim().to_string(), StatedYear::None)),
+        .map(|(text, why)| {
+            if let Some(why) = why {
+                bail!("{why}")
+            }
+            // The model's own checks (length, vocabulary) come first.
+            tr.encode(text.trim(), order)?;
+            match g.constraint {
+                Constraint::Date => dated(text.trim(), g.year),
+                Constraint::None => Ok((text.trim().to_string(), StatedYear::None)),
+            }
         })
         .collect();
     let encoded: Vec<Result<Vec<u32>>> = texts
         .iter()
         .map(|t| match t {
             Ok((text, _)) => tr.encode(text, order),
-            Err(e) => bail!("{e}"),
+            Err(e) => bail!("{e:#}"),
         })
         .collect();
     let good: Vec<Vec<u32>> = encoded.iter().filter_map(|e| e.as_ref().ok()).cloned().collect();

@@ -96,7 +96,7 @@ impl LogitsProcessor for Temperature {
         let best = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if best.is_finite() && !(best / self.0).is_finite() {
             bail!(
-                "temperature {}: dividing the best score ({best}) by it overflows f32, \
+                "temperature {:?}: dividing the best score ({best}) by it overflows f32, \
                  which would forbid every token; use a larger temperature (or greedy decoding)",
                 self.0
             )
