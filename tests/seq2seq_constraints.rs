@@ -218,3 +218,24 @@ fn the_iso_date_automaton_accepts_exactly_the_calendar() -> Result<()> {
     }
     Ok(())
 }
+
+/// An empty batch gives empty outputs on every decoding path (issue 38;
+/// greedy failed inside candle, "empty tensor for reduce").
+#[test]
+fn an_empty_batch_decodes_to_nothing() -> Result<()> {
+    let dev = Device::Cpu;
+    let (model, _) = load(&dev)?;
+    let src = candle::Tensor::zeros((0, 7), DType::U32, &dev)?;
+    assert!(model.greedy(&src, CacheMode::Use)?.is_empty());
+    assert!(model.greedy(&src, CacheMode::Recompute)?.is_empty());
+    assert!(model.beam_search(&src, 3)?.is_empty());
+    for decoding in [
+        Decoding::Greedy,
+        Decoding::Sample { seed: 1 },
+        Decoding::Beam { beams: 2 },
+    ] {
+        let cfg = model.generation_config().with_decoding(decoding);
+        assert!(model.generate(&src, &cfg, &[])?.is_empty(), "{decoding:?}");
+    }
+    Ok(())
+}

@@ -120,8 +120,6 @@ pub(crate) struct Call<'a> {
     pub(crate) q_len: usize,
     pub(crate) kv_len: usize,
     pub(crate) head_dim: usize,
-    /// Read only by the flash-attn and Metal refusals.
-    #[cfg_attr(not(any(feature = "flash-attn", feature = "metal")), allow(dead_code))]
     pub(crate) v_head_dim: usize,
 }
 
@@ -155,6 +153,14 @@ pub(crate) fn sdpa_dispatch(
     let mask = &*mask.without_inert_window(call.q_len, call.kv_len);
     if let Some(why) = path.refusal(&call, mask, appended) {
         bail!("sdpa: the {path:?} path cannot serve this call: {why}")
+    }
+    if call.batch * call.heads == 0 {
+        // An empty batch gives an empty output, whichever path was asked.
+        return Tensor::zeros(
+            (call.batch, call.heads, call.q_len, call.v_head_dim),
+            q.dtype(),
+            q.device(),
+        );
     }
     let path = match path {
         AttnPath::Auto => AttnPath::resolve(&call, mask, appended),

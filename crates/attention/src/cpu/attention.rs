@@ -65,7 +65,8 @@ fn with_view<R>(t: &Tensor, what: &str, f: impl FnOnce(View) -> Result<R>) -> Re
     if stride.len() != 4 || (stride[3] != 1 && layout.dims()[3] > 1) {
         bail!("cpu attention kernel: {what} needs a contiguous last dim, found strides {stride:?}")
     }
-    let data = &data[layout.start_offset()..];
+    // A view of an empty tensor may start past the end of its storage.
+    let data = data.get(layout.start_offset()..).unwrap_or_default();
     f(View {
         data,
         stride: [stride[0], stride[1], stride[2], 1],
