@@ -373,27 +373,21 @@ fn a_big_vocabulary_times_a_big_automaton_is_refused_not_allocated() {
 /// it is parsed, with an error that quotes only its start; a class of
 /// thousands of characters repeated costs binary searches, not scans (a
 /// 20,000-character class took 22 s over 20,000 one-character tokens).
+/// The first line of the error `res` must be (candle appends a backtrace
+/// under `RUST_BACKTRACE`).
+fn first_error_line<T: std::fmt::Debug>(res: candle::Result<T>) -> String {
+    let err = res.expect_err("accepted").to_string();
+    err.lines().next().unwrap_or_default().to_string()
+}
+
 #[test]
 fn huge_patterns_and_classes_are_bounded() -> Result<()> {
     let huge = "a".repeat(50_000_000);
-    let err = Pattern::new(&huge)
-        .unwrap_err()
-        .to_string()
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .to_string();
+    let err = first_error_line(Pattern::new(&huge));
     assert!(err.contains("too long: more than 4096 characters"), "{err}");
     assert!(err.len() < 300, "{} bytes of error: {err}", err.len());
-    // (The first line: candle appends a backtrace under RUST_BACKTRACE.)
     // An error deep in a long pattern quotes its start only.
-    let err = Pattern::new(&format!("{}(", "b".repeat(4000)))
-        .unwrap_err()
-        .to_string()
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .to_string();
+    let err = first_error_line(Pattern::new(&format!("{}(", "b".repeat(4000))));
     assert!(err.contains("(4001 characters)") && err.len() < 300, "{err}");
 
     // 20,000 one-character CJK tokens; a class of 4,000 of them, 200 times.
@@ -404,13 +398,11 @@ fn huge_patterns_and_classes_are_bounded() -> Result<()> {
     let c = TokenConstraint::from_pattern(&format!("[{class}]{{200}}"), &tokens, 0)?;
     assert_eq!(c.min_tokens(), 200);
     let too_big: String = cjk.iter().collect();
-    let err = TokenConstraint::from_pattern(&format!("[{too_big}]{{200}}"), &tokens, 0)
-        .unwrap_err()
-        .to_string()
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .to_string();
+    let err = first_error_line(TokenConstraint::from_pattern(
+        &format!("[{too_big}]{{200}}"),
+        &tokens,
+        0,
+    ));
     assert!(err.contains("too long") && err.len() < 400, "{err}");
     Ok(())
 }

@@ -658,3 +658,36 @@ fn write_attention_map(tr: &Translator, text: &str, src: &[u32], path: &Path) ->
     eprintln!("attention map: {}", path.display());
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_are_split_bounded_and_checked_one_by_one() -> std::io::Result<()> {
+        let mut input = b"March 3, 2021\r\n\n".to_vec();
+        input.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES + 10));
+        input.extend_from_slice(b"\n\xc3(\nlast, no newline");
+        // A one-byte buffer: every line crosses buffer boundaries.
+        let lines = read_lines(std::io::BufReader::with_capacity(1, input.as_slice()))?;
+        let why: Vec<Option<&str>> = lines.iter().map(|(_, w)| w.as_deref()).collect();
+        assert_eq!(lines[0], ("March 3, 2021".to_string(), None));
+        assert_eq!(lines[1], (String::new(), None));
+        assert_eq!(
+            why[2],
+            Some(
+                format!(
+                    "the line is {} bytes long, over the limit of {MAX_LINE_BYTES}",
+                    MAX_LINE_BYTES + 10
+                )
+                .as_str()
+            )
+        );
+        assert_eq!(lines[2].0.len(), 64);
+        assert_eq!(why[3], Some("not UTF-8 text (invalid byte at offset 0)"));
+        assert_eq!(lines[4], ("last, no newline".to_string(), None));
+        assert_eq!(lines.len(), 5);
+        assert!(read_lines(&b""[..])?.is_empty());
+        Ok(())
+    }
+}

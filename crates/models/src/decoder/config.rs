@@ -4,10 +4,10 @@
 
 use candle::{bail, Result};
 use multihead_attention::RopeScaling;
-
-use crate::checkpoint::{checked_product, MinWeights};
 use serde::Deserialize;
 use serde_json::Value;
+
+use crate::checkpoint::{checked_product, MinWeights};
 
 /// Largest width, vocabulary, layer count or context a config may ask for:
 /// far beyond any released model, small enough that products of two of

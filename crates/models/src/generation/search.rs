@@ -185,9 +185,10 @@ pub fn generate_from<M: StepModel>(
 
 /// The log-probabilities of the next token, `(rows, vocab)`, on the host,
 /// at decoding step `step` (0 for the first generated token). A row of
-/// logits holding NaN or infinity is an error naming the step and the
-/// row: no token can be chosen from it, and ending the row quietly would
-/// pass a broken model off as an empty answer.
+/// logits holding NaN or `+inf`, or no finite value, is an error naming
+/// the step and the row: no token can be chosen from it, and ending the
+/// row quietly would pass a broken model off as an empty answer (`-inf`
+/// alone forbids a token, as a processor would).
 fn next_log_probs<M: StepModel>(
     model: &M,
     fed: Vec<u32>,
