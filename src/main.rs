@@ -2,6 +2,7 @@
 //!
 //! - `multihead vit [IMAGES…]`: classify images with a Vision Transformer.
 //! - `multihead seq2seq [TEXT…]`: translate with the encoder–decoder.
+//! - `multihead generate --model DIR [PROMPT…]`: continue text with a decoder folder.
 //! - `multihead inspect FILE.safetensors`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};
@@ -25,6 +26,8 @@ enum Command {
     Vit(cli::vit::Args),
     /// Translate text with the transformer encoder–decoder (default: the shipped date normaliser).
     Seq2seq(cli::seq2seq::Args),
+    /// Continue text with a decoder folder (GPT-2, Llama, Mistral, Qwen2, Qwen3), streamed.
+    Generate(cli::generate::Args),
     /// List a checkpoint's tensors, recognise its layout, check it against a config.
     Inspect(cli::inspect::Args),
 }
@@ -34,6 +37,7 @@ fn main() -> std::process::ExitCode {
     let res = match cli.command {
         Command::Vit(args) => cli::vit::run(args),
         Command::Seq2seq(args) => cli::seq2seq::run(args),
+        Command::Generate(args) => cli::generate::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
     };
     match res {

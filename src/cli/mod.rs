@@ -1,6 +1,8 @@
 //! The binary's subcommands, one module each.
 
+pub mod generate;
 mod heatmap;
+mod input;
 pub mod inspect;
 pub mod model_files;
 mod output;

@@ -1,7 +1,7 @@
 //! `multihead seq2seq`: translate text with the shipped encoder–decoder
 //! (by default the date normaliser of `scripts/train_dates.py`).
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -14,6 +14,7 @@ use multihead_models::generation::{
 use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 
 use super::heatmap;
+use super::input::{preview, read_lines};
 use super::model_files::{self, Text, WeightsPath};
 
 /// Sources translated per forward pass.
@@ -23,10 +24,6 @@ const BATCH: usize = 64;
 /// at once, and past a few dozen hypotheses a beam finds nothing
 /// greedy-ish decoding misses.
 const MAX_BEAM: usize = 64;
-
-/// Longest line read from standard input, in bytes: a longer one is
-/// reported (by its length) without being held, whatever its size.
-const MAX_LINE_BYTES: usize = 4096;
 
 /// Arguments of `multihead seq2seq`.
 #[derive(Debug, clap::Args)]
@@ -328,16 +325,6 @@ impl Translator {
     }
 }
 
-/// The start of `text`, for messages about a long input.
-fn preview(text: &str) -> String {
-    const MAX: usize = 48;
-    if text.chars().count() <= MAX {
-        text.to_string()
-    } else {
-        text.chars().take(MAX).chain(['…']).collect()
-    }
-}
-
 /// The first line of a message (candle appends a backtrace to some when
 /// `RUST_BACKTRACE` is set).
 fn first_line(text: &str) -> String {
@@ -580,66 +567,6 @@ fn dated(text: &str, year: Option<u32>) -> Result<(String, StatedYear)> {
     }
 }
 
-/// Standard input's lines, each as `(text, None)` or, for a line that
-/// cannot be an input, `(preview, Some(why))`: a line over
-/// [`MAX_LINE_BYTES`] (skipped without being held) or not UTF-8. One bad
-/// line does not stop the others.
-fn read_lines(mut r: impl BufRead) -> std::io::Result<Vec<(String, Option<String>)>> {
-    let mut out = Vec::new();
-    loop {
-        // One line, keeping at most MAX_LINE_BYTES + 1 of its bytes.
-        let (mut line, mut len, mut ended) = (Vec::new(), 0usize, false);
-        loop {
-            let buf = r.fill_buf()?;
-            if buf.is_empty() {
-                break;
-            }
-            let (part, used) = match buf.iter().position(|&b| b == b'\n') {
-                Some(i) => (&buf[..i], i + 1),
-                None => (buf, buf.len()),
-            };
-            len += part.len();
-            let room = (MAX_LINE_BYTES + 1).saturating_sub(line.len());
-            line.extend_from_slice(&part[..part.len().min(room)]);
-            ended = used > part.len();
-            r.consume(used);
-            if ended {
-                break;
-            }
-        }
-        if !ended && len == 0 {
-            return Ok(out);
-        }
-        if line.last() == Some(&b'\r') && len <= MAX_LINE_BYTES {
-            line.pop();
-            len -= 1;
-        }
-        let preview = String::from_utf8_lossy(&line[..line.len().min(64)]).into_owned();
-        out.push(if len > MAX_LINE_BYTES {
-            (
-                preview,
-                Some(format!(
-                    "the line is {len} bytes long, over the limit of {MAX_LINE_BYTES}"
-                )),
-            )
-        } else {
-            match String::from_utf8(line) {
-                Ok(text) => (text, None),
-                Err(e) => (
-                    preview,
-                    Some(format!(
-                        "not UTF-8 text (invalid byte at offset {})",
-                        e.utf8_error().valid_up_to()
-                    )),
-                ),
-            }
-        });
-        if !ended {
-            return Ok(out);
-        }
-    }
-}
-
 fn write_attention_map(tr: &Translator, text: &str, src: &[u32], path: &Path) -> Result<()> {
     let src = Tensor::new(src, &tr.device)?.unsqueeze(0)?;
     let att = tr.model.greedy_with_attention(&src)?;
@@ -657,37 +584,4 @@ fn write_attention_map(tr: &Translator, text: &str, src: &[u32], path: &Path) ->
     heatmap::write_png(path, &weights, &rows, &cols)?;
     eprintln!("attention map: {}", path.display());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lines_are_split_bounded_and_checked_one_by_one() -> std::io::Result<()> {
-        let mut input = b"March 3, 2021\r\n\n".to_vec();
-        input.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES + 10));
-        input.extend_from_slice(b"\n\xc3(\nlast, no newline");
-        // A one-byte buffer: every line crosses buffer boundaries.
-        let lines = read_lines(std::io::BufReader::with_capacity(1, input.as_slice()))?;
-        let why: Vec<Option<&str>> = lines.iter().map(|(_, w)| w.as_deref()).collect();
-        assert_eq!(lines[0], ("March 3, 2021".to_string(), None));
-        assert_eq!(lines[1], (String::new(), None));
-        assert_eq!(
-            why[2],
-            Some(
-                format!(
-                    "the line is {} bytes long, over the limit of {MAX_LINE_BYTES}",
-                    MAX_LINE_BYTES + 10
-                )
-                .as_str()
-            )
-        );
-        assert_eq!(lines[2].0.len(), 64);
-        assert_eq!(why[3], Some("not UTF-8 text (invalid byte at offset 0)"));
-        assert_eq!(lines[4], ("last, no newline".to_string(), None));
-        assert_eq!(lines.len(), 5);
-        assert!(read_lines(&b""[..])?.is_empty());
-        Ok(())
-    }
 }

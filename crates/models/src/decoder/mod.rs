@@ -19,8 +19,11 @@
 //! ```
 
 mod config;
+mod generation_config;
 mod gpt2;
 mod llama;
+mod pipeline;
+mod text;
 
 use std::path::Path;
 
@@ -30,11 +33,16 @@ use multihead_attention::KvCache;
 use multihead_attention::MultiheadAttention;
 
 use crate::checkpoint::Checkpoint;
-use crate::generation::{generate_from, GenerateConfig, Generated, LogitsProcessor, StepModel};
+use crate::generation::{
+    generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
+};
 
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
+pub use generation_config::HfGenerationConfig;
 pub use gpt2::Gpt2;
 pub use llama::Llama;
+pub use pipeline::{Finish, GenerationSettings, Sampling, TextGenerator, TextOutput, DEFAULT_MAX_NEW_TOKENS};
+pub use text::{TextStream, TextTokenizer, MAX_TOKENIZER_BYTES};
 
 /// The self-attention caches of every layer, sharing one length and the
 /// rows' left padding.
@@ -277,9 +285,40 @@ pub fn generate_from_prompts<M: CausalLm>(
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
+    match prefill(model, prompts, pad_id, cfg)? {
+        Some((cache, last, cfg)) => generate_from(model, cache, &last, &cfg, processors),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// [`generate_from_prompts`] calling `on_token` with each token as it is
+/// chosen ([`crate::generation::generate_streaming`]; greedy decoding and
+/// sampling).
+pub fn generate_from_prompts_streaming<M: CausalLm>(
+    model: &M,
+    prompts: &[Vec<u32>],
+    pad_id: u32,
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+    on_token: &mut dyn FnMut(Chosen) -> Result<()>,
+) -> Result<Vec<Vec<Generated>>> {
+    match prefill(model, prompts, pad_id, cfg)? {
+        Some((cache, last, cfg)) => generate_streaming(model, cache, &last, &cfg, processors, on_token),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// The prompts left-padded and prefilled but for their last tokens: the
+/// cache, those last tokens, and `cfg` with `max_len` cut to the context.
+/// `None` for no prompt (no output, as on every decoding path).
+fn prefill<M: CausalLm>(
+    model: &M,
+    prompts: &[Vec<u32>],
+    pad_id: u32,
+    cfg: &GenerateConfig,
+) -> Result<Option<(DecoderCache, Vec<u32>, GenerateConfig)>> {
     if prompts.is_empty() {
-        // No prompt, no output, as on every decoding path.
-        return Ok(Vec::new());
+        return Ok(None);
     }
     let (ids, pads) = left_pad(prompts, pad_id, model.device())?;
     let len = ids.dim(1)?;
@@ -294,11 +333,10 @@ pub fn generate_from_prompts<M: CausalLm>(
         }
         cfg.max_len = cfg.max_len.min(context - longest + 1);
     }
-    let cfg = &cfg;
     let mut cache = model.new_cache(pads);
     if len > 1 {
         model.forward(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
     }
     let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
-    generate_from(model, cache, &last, cfg, processors)
+    Ok(Some((cache, last, cfg)))
 }

@@ -44,6 +44,15 @@ pub struct GenerateConfig {
     pub start_id: u32,
     /// Token that ends a row.
     pub eos_id: u32,
+    /// More tokens that end a row, as `eos_id` does (Llama 3's
+    /// `<|eot_id|>` beside `<|end_of_text|>`; HF's list-valued
+    /// `eos_token_id`).
+    #[serde(default)]
+    pub extra_eos_ids: Vec<u32>,
+    /// No token ends a row: every row runs to `max_len` (a model whose
+    /// folder names no end token, as HF's `generate` does then).
+    #[serde(default)]
+    pub ignore_eos: bool,
     /// Token fed to rows that have ended, while others run on.
     pub pad_id: u32,
     /// Greedy, sampling or beam search.
@@ -66,6 +75,8 @@ impl GenerateConfig {
             max_len,
             start_id,
             eos_id,
+            extra_eos_ids: Vec::new(),
+            ignore_eos: false,
             pad_id,
             decoding: Decoding::Greedy,
             num_return: 1,
@@ -78,6 +89,17 @@ impl GenerateConfig {
     pub fn with_first_source(mut self, first_source: usize) -> Self {
         self.first_source = first_source;
         self
+    }
+
+    /// The same, with `ids` ending a row too (beside `eos_id`).
+    pub fn with_extra_eos(mut self, ids: impl IntoIterator<Item = u32>) -> Self {
+        self.extra_eos_ids.extend(ids);
+        self
+    }
+
+    /// Whether `token` ends a row.
+    pub fn is_eos(&self, token: u32) -> bool {
+        !self.ignore_eos && (token == self.eos_id || self.extra_eos_ids.contains(&token))
     }
 
     /// The same, decoding with `decoding`.
@@ -100,11 +122,13 @@ impl GenerateConfig {
         if self.num_return == 0 {
             bail!("generate: num_return must be >= 1")
         }
-        for (name, id) in [
+        let named = [
             ("start_id", self.start_id),
             ("eos_id", self.eos_id),
             ("pad_id", self.pad_id),
-        ] {
+        ];
+        let extra = self.extra_eos_ids.iter().map(|&id| ("extra_eos_ids", id));
+        for (name, id) in named.into_iter().chain(extra) {
             if id as usize >= vocab_size {
                 bail!("generate: {name} ({id}) must be < the vocabulary size ({vocab_size})")
             }
@@ -163,13 +187,61 @@ pub fn generate_from<M: StepModel>(
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
+    if !checked(model, first, cfg, processors)? {
+        return Ok(Vec::new());
+    }
+    match cfg.decoding {
+        Decoding::Beam { beams } => beam(model, cache, first, beams, cfg, processors),
+        Decoding::Greedy | Decoding::Sample { .. } => {
+            rowwise(model, cache, first, cfg, processors, &mut |_| Ok(()))
+        }
+    }
+}
+
+/// A token [`generate_streaming`] has just chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chosen {
+    /// The source (index in this call) whose output it extends.
+    pub source: usize,
+    /// Which of the source's `num_return` outputs.
+    pub sample: usize,
+    /// The token; end tokens are not reported.
+    pub token: u32,
+}
+
+/// [`generate_from`] for greedy decoding and sampling, calling `on_token`
+/// with every token as soon as it is chosen (to stream text while the rest
+/// is generated); an error from `on_token` stops the search. Beam search
+/// is refused: its tokens are only known at the end.
+pub fn generate_streaming<M: StepModel>(
+    model: &M,
+    cache: M::Cache,
+    first: &[u32],
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+    on_token: &mut dyn FnMut(Chosen) -> Result<()>,
+) -> Result<Vec<Vec<Generated>>> {
+    if let Decoding::Beam { .. } = cfg.decoding {
+        bail!("generate_streaming: beam search cannot stream (its tokens are chosen at the end)")
+    }
+    if !checked(model, first, cfg, processors)? {
+        return Ok(Vec::new());
+    }
+    rowwise(model, cache, first, cfg, processors, on_token)
+}
+
+/// Checks a search before its first step: the config, every processor and
+/// the first tokens against the model's vocabulary. `false` when there is
+/// no source (no output, on every decoding).
+fn checked<M: StepModel>(
+    model: &M,
+    first: &[u32],
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+) -> Result<bool> {
     cfg.validate(model.vocab_size())?;
     for p in processors {
         p.check(model.vocab_size(), cfg.max_len)?;
-    }
-    if first.is_empty() {
-        // No source: no output, on every decoding.
-        return Ok(Vec::new());
     }
     if let Some(&t) = first.iter().find(|&&t| t as usize >= model.vocab_size()) {
         bail!(
@@ -177,10 +249,7 @@ pub fn generate_from<M: StepModel>(
             model.vocab_size()
         )
     }
-    match cfg.decoding {
-        Decoding::Beam { beams } => beam(model, cache, first, beams, cfg, processors),
-        Decoding::Greedy | Decoding::Sample { .. } => rowwise(model, cache, first, cfg, processors),
-    }
+    Ok(!first.is_empty())
 }
 
 /// The log-probabilities of the next token, `(rows, vocab)`, on the host,
@@ -268,6 +337,7 @@ fn rowwise<M: StepModel>(
     first: &[u32],
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
+    on_token: &mut dyn FnMut(Chosen) -> Result<()>,
 ) -> Result<Vec<Vec<Generated>>> {
     let batch = first.len();
     let n = cfg.num_return;
@@ -323,13 +393,18 @@ fn rowwise<M: StepModel>(
                 continue;
             };
             out[r].score += row[t];
-            if t as u32 == cfg.eos_id {
+            if cfg.is_eos(t as u32) {
                 out[r].finished = true;
                 done[r] = true;
                 fed[r] = cfg.pad_id;
             } else {
                 out[r].tokens.push(t as u32);
                 fed[r] = t as u32;
+                on_token(Chosen {
+                    source: r / n,
+                    sample: r % n,
+                    token: t as u32,
+                })?;
             }
         }
         if done.iter().all(|&d| d) {
@@ -429,7 +504,7 @@ fn beam<M: StepModel>(
                     done: state[p].done,
                 };
                 match tok {
-                    Some(t) if t == cfg.eos_id => bm.done = true,
+                    Some(t) if cfg.is_eos(t) => bm.done = true,
                     Some(t) => bm.tokens.push(t),
                     None => {}
                 }

@@ -1,0 +1,160 @@
+//! `generation_config.json` as HF transformers saves it beside a model:
+//! the end tokens and the decoding defaults a folder ships with, read as
+//! untrusted input (every wrong value names the file and the field).
+
+use std::path::Path;
+
+use candle::{bail, Result};
+use serde_json::{Map, Value};
+
+use crate::files::{read_text, MAX_CONFIG_BYTES};
+
+/// HF's `GenerationConfig`, the fields this crate's generation uses. A
+/// field the file leaves out is `None` (or HF's default where noted).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HfGenerationConfig {
+    /// `eos_token_id`, one id or a list (Llama 3 ends on `<|end_of_text|>`
+    /// and `<|eot_id|>`).
+    pub eos_token_ids: Vec<u32>,
+    /// `pad_token_id`.
+    pub pad_token_id: Option<u32>,
+    /// `bos_token_id`.
+    pub bos_token_id: Option<u32>,
+    /// `max_new_tokens`.
+    pub max_new_tokens: Option<usize>,
+    /// `min_new_tokens`.
+    pub min_new_tokens: Option<usize>,
+    /// `do_sample` (default false: greedy decoding).
+    pub do_sample: bool,
+    /// `temperature` (HF's default 1).
+    pub temperature: Option<f32>,
+    /// `top_k` (HF's default 50 when sampling).
+    pub top_k: Option<usize>,
+    /// `top_p` (HF's default 1).
+    pub top_p: Option<f32>,
+    /// `repetition_penalty` (HF's default 1).
+    pub repetition_penalty: Option<f32>,
+}
+
+/// Most tokens `max_new_tokens` may ask for.
+const MAX_NEW_TOKENS: usize = 1 << 20;
+
+impl HfGenerationConfig {
+    /// Reads `dir/generation_config.json`; a folder without one has the
+    /// defaults.
+    pub fn from_folder(dir: &Path) -> Result<Self> {
+        let path = dir.join("generation_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let text = read_text(&path, "generation config", MAX_CONFIG_BYTES)?;
+        Self::from_json(&text, &path.display().to_string())
+    }
+
+    /// Parses the file's text; `label` names it in errors.
+    pub fn from_json(text: &str, label: &str) -> Result<Self> {
+        let map = match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => bail!("{label}: expected a JSON object"),
+            Err(e) => bail!("{label}: not valid JSON: {e}"),
+        };
+        let f = Fields { label, map: &map };
+        let eos_token_ids = match f.get("eos_token_id") {
+            None => Vec::new(),
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|v| f.id_value("eos_token_id", v))
+                .collect::<Result<_>>()?,
+            Some(v) => vec![f.id_value("eos_token_id", v)?],
+        };
+        let cfg = Self {
+            eos_token_ids,
+            pad_token_id: f.id("pad_token_id")?,
+            bos_token_id: f.id("bos_token_id")?,
+            max_new_tokens: f.count("max_new_tokens", 1)?,
+            min_new_tokens: f.count("min_new_tokens", 0)?,
+            do_sample: match f.get("do_sample") {
+                None => false,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => bail!("{label}: field 'do_sample' must be true or false, found {v}"),
+            },
+            temperature: f.positive("temperature")?,
+            top_k: f.count("top_k", 0)?,
+            top_p: f.positive("top_p")?,
+            repetition_penalty: f.positive("repetition_penalty")?,
+        };
+        if let Some(p) = cfg.top_p.filter(|&p| p > 1.) {
+            bail!("{label}: field 'top_p' must be in (0, 1], found {p}")
+        }
+        Ok(cfg)
+    }
+
+    /// Refuses a token id that is not in a vocabulary of `vocab_size`
+    /// (the model's output width).
+    pub fn check_ids(&self, vocab_size: usize, label: &str) -> Result<()> {
+        let named = self
+            .eos_token_ids
+            .iter()
+            .map(|&id| ("eos_token_id", id))
+            .chain(self.pad_token_id.map(|id| ("pad_token_id", id)))
+            .chain(self.bos_token_id.map(|id| ("bos_token_id", id)));
+        for (name, id) in named {
+            if id as usize >= vocab_size {
+                bail!("{label}: field '{name}' is {id}, outside the model's vocabulary of {vocab_size}")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Typed reads of the file's fields; JSON `null` counts as absent.
+struct Fields<'a> {
+    label: &'a str,
+    map: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.map.get(key).filter(|v| !v.is_null())
+    }
+
+    fn id_value(&self, key: &str, v: &Value) -> Result<u32> {
+        match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(id) => Ok(id),
+            None => bail!(
+                "{}: field '{key}' must hold token ids (whole numbers), found {v}",
+                self.label
+            ),
+        }
+    }
+
+    fn id(&self, key: &str) -> Result<Option<u32>> {
+        self.get(key).map(|v| self.id_value(key, v)).transpose()
+    }
+
+    fn count(&self, key: &str, min: usize) -> Result<Option<usize>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+            Some(n) if (min..=MAX_NEW_TOKENS).contains(&n) => Ok(Some(n)),
+            _ => bail!(
+                "{}: field '{key}' must be a whole number in {min}..={MAX_NEW_TOKENS}, found {v}",
+                self.label
+            ),
+        }
+    }
+
+    fn positive(&self, key: &str) -> Result<Option<f32>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        match v.as_f64().map(|x| x as f32) {
+            Some(x) if x.is_finite() && x > 0. => Ok(Some(x)),
+            _ => bail!(
+                "{}: field '{key}' must be a finite number > 0, found {v}",
+                self.label
+            ),
+        }
+    }
+}

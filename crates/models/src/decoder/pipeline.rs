@@ -1,0 +1,254 @@
+//! Text in, text out: a decoder folder's model, tokenizer and generation
+//! config in one type (HF's `pipeline("text-generation")`), streaming
+//! each prompt's continuation as it is generated.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle::{bail, Device, Result};
+
+use super::{generate_from_prompts_streaming, CausalLm, DecoderModel, HfGenerationConfig, TextTokenizer};
+use crate::generation::{
+    Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TopK, TopP,
+};
+
+/// How a continuation is generated; [`TextGenerator::settings`] starts
+/// from the folder's `generation_config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationSettings {
+    /// Most tokens generated after the prompt, the end token included.
+    pub max_new_tokens: usize,
+    /// Fewest tokens before an end token may be chosen.
+    pub min_new_tokens: usize,
+    /// Greedy decoding when `None`.
+    pub sampling: Option<Sampling>,
+    /// HF's `repetition_penalty`, applied to the log-probabilities.
+    pub repetition_penalty: Option<f32>,
+}
+
+/// Sampling: the seed of the draws and the warpers, in HF's order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// Fixes every draw.
+    pub seed: u64,
+    /// Divides the scores (1: unchanged).
+    pub temperature: f32,
+    /// Keeps the `k` best tokens (`None`: all).
+    pub top_k: Option<usize>,
+    /// Keeps the fewest best tokens whose probabilities reach `p` (1: all).
+    pub top_p: f32,
+}
+
+/// Why a continuation stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The model chose an end token.
+    Eos,
+    /// `max_new_tokens`, or the model's context, ran out.
+    Length,
+}
+
+/// One prompt's continuation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextOutput {
+    /// The prompt's ids, special tokens included.
+    pub prompt_ids: Vec<u32>,
+    /// The generated ids, the end token not included.
+    pub ids: Vec<u32>,
+    /// `ids` decoded without special tokens (HF's
+    /// `decode(ids, skip_special_tokens=True)`).
+    pub text: String,
+    /// Why it stopped.
+    pub finish: Finish,
+    /// Time to read the prompt and choose the first token, in milliseconds.
+    pub prefill_ms: f64,
+    /// Time for the rest, in milliseconds.
+    pub decode_ms: f64,
+}
+
+/// A decoder folder ready to continue text. The model is shared read-only
+/// by every call, so one `TextGenerator` serves many threads at once.
+#[derive(Debug, Clone)]
+pub struct TextGenerator {
+    model: DecoderModel,
+    tokenizer: TextTokenizer,
+    generation: HfGenerationConfig,
+}
+
+/// Tokens generated when neither the folder nor the caller says how many
+/// (HF's `max_length` of 20 counts the prompt too; this counts only new
+/// tokens).
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 20;
+
+impl TextGenerator {
+    /// Loads `dir`: `config.json` and the weights ([`DecoderModel::from_folder`]),
+    /// `tokenizer.json` (and `tokenizer_config.json`), and
+    /// `generation_config.json` if there is one. A tokenizer larger than
+    /// the model's embedding is refused (its ids past the embedding would
+    /// fail mid-prompt); a smaller one is fine, as in HF.
+    pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
+        let tokenizer = TextTokenizer::from_folder(dir)?;
+        let generation = HfGenerationConfig::from_folder(dir)?;
+        let model = DecoderModel::from_folder(dir, device)?;
+        Self::new(model, tokenizer, generation, &dir.display().to_string())
+    }
+
+    /// The three parts, checked against each other; `label` names the
+    /// folder in errors.
+    pub fn new(
+        model: DecoderModel,
+        tokenizer: TextTokenizer,
+        generation: HfGenerationConfig,
+        label: &str,
+    ) -> Result<Self> {
+        let vocab = model.vocab_size();
+        if tokenizer.vocab_size() > vocab {
+            bail!(
+                "{}: the tokenizer has {} tokens but the model's embedding only {vocab}",
+                tokenizer.label(),
+                tokenizer.vocab_size()
+            )
+        }
+        generation.check_ids(vocab, &format!("{label}/generation_config.json"))?;
+        Ok(Self {
+            model,
+            tokenizer,
+            generation,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &DecoderModel {
+        &self.model
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// The folder's generation config.
+    pub fn generation(&self) -> &HfGenerationConfig {
+        &self.generation
+    }
+
+    /// The folder's defaults: its `max_new_tokens` (else
+    /// [`DEFAULT_MAX_NEW_TOKENS`]), `min_new_tokens`, and sampling with its
+    /// temperature, top-k (HF's 50 unless given) and top-p when
+    /// `do_sample` is set.
+    pub fn settings(&self) -> GenerationSettings {
+        let g = &self.generation;
+        GenerationSettings {
+            max_new_tokens: g.max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS),
+            min_new_tokens: g.min_new_tokens.unwrap_or(0),
+            sampling: g.do_sample.then(|| Sampling {
+                seed: 0,
+                temperature: g.temperature.unwrap_or(1.),
+                top_k: Some(g.top_k.unwrap_or(50)).filter(|&k| k > 0),
+                top_p: g.top_p.unwrap_or(1.),
+            }),
+            repetition_penalty: g.repetition_penalty.filter(|&p| p != 1.),
+        }
+    }
+
+    /// Continues `prompt`, calling `on_text` with each piece of text as it
+    /// becomes final (the pieces concatenate to the output's `text`).
+    pub fn generate(
+        &self,
+        prompt: &str,
+        settings: &GenerationSettings,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<TextOutput> {
+        let prompt_ids = self.tokenizer.encode(prompt)?;
+        if prompt_ids.is_empty() {
+            bail!("the prompt {prompt:?} has no tokens: there is nothing to continue")
+        }
+        if let Some(context) = self.model.max_positions() {
+            if prompt_ids.len() > context {
+                bail!(
+                    "the prompt is {} tokens long but the model's context holds {context}",
+                    prompt_ids.len()
+                )
+            }
+        }
+        let eos = &self.generation.eos_token_ids;
+        let pad = self.generation.pad_token_id.or(eos.first().copied()).unwrap_or(0);
+        let mut cfg = GenerateConfig::greedy(
+            settings.max_new_tokens,
+            pad,
+            eos.first().copied().unwrap_or(0),
+            pad,
+        )
+        .with_extra_eos(eos.iter().skip(1).copied());
+        cfg.ignore_eos = eos.is_empty();
+        if let Some(s) = &settings.sampling {
+            cfg = cfg.with_decoding(Decoding::Sample { seed: s.seed });
+        }
+        let min_len: Vec<MinLength> = eos
+            .iter()
+            .filter(|_| settings.min_new_tokens > 0)
+            .map(|&eos_id| MinLength {
+                min_len: settings.min_new_tokens,
+                eos_id,
+            })
+            .collect();
+        let penalty = settings
+            .repetition_penalty
+            .map(RepetitionPenalty::new)
+            .transpose()?;
+        let (temperature, top_k, top_p) = match &settings.sampling {
+            Some(s) => (
+                Some(Temperature::new(s.temperature)?),
+                s.top_k.map(TopK::new).transpose()?,
+                Some(TopP::new(s.top_p)?),
+            ),
+            None => (None, None, None),
+        };
+        // HF's order: processors (penalty, minimum length), then warpers.
+        let mut processors: Vec<&dyn LogitsProcessor> = Vec::new();
+        processors.extend(penalty.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(min_len.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(temperature.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(top_k.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(top_p.iter().map(|p| p as &dyn LogitsProcessor));
+
+        let start = Instant::now();
+        let mut first_token = None;
+        let mut stream = self.tokenizer.stream();
+        let out = generate_from_prompts_streaming(
+            &self.model,
+            std::slice::from_ref(&prompt_ids),
+            pad,
+            &cfg,
+            &processors,
+            &mut |chosen| {
+                first_token.get_or_insert_with(Instant::now);
+                if let Some(piece) = stream.push(chosen.token)? {
+                    on_text(&piece)?;
+                }
+                Ok(())
+            },
+        )?;
+        let rest = stream.finish()?;
+        if !rest.is_empty() {
+            on_text(&rest)?;
+        }
+        let end = Instant::now();
+        let Some(generated) = out.into_iter().next().and_then(|g| g.into_iter().next()) else {
+            bail!("generate: no output for the prompt")
+        };
+        let split = first_token.unwrap_or(end);
+        Ok(TextOutput {
+            text: self.tokenizer.decode(&generated.tokens)?,
+            prompt_ids,
+            ids: generated.tokens,
+            finish: if generated.finished {
+                Finish::Eos
+            } else {
+                Finish::Length
+            },
+            prefill_ms: (split - start).as_secs_f64() * 1e3,
+            decode_ms: (end - split).as_secs_f64() * 1e3,
+        })
+    }
+}

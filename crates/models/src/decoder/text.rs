@@ -1,0 +1,206 @@
+//! The text side of a decoder folder as HF transformers saves it:
+//! `tokenizer.json` (through the `tokenizers` crate, whatever its model
+//! type), `tokenizer_config.json`'s decoding options, and a stream that
+//! turns tokens into text as they are generated.
+
+use std::path::Path;
+
+use candle::{bail, Result};
+use serde_json::Value;
+
+use crate::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
+
+/// Largest `tokenizer.json` read, in bytes (Llama 3's is 9 MB, Qwen2's
+/// 7 MB, Gemma's 34 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
+
+/// A folder's tokenizer: HF's fast tokenizer, encoding a prompt as
+/// `tokenizer(prompt)` does (the post-processor's special tokens, such as
+/// Llama's `<|begin_of_text|>`, included) and decoding as
+/// `tokenizer.decode(ids, skip_special_tokens=True)` does.
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    label: String,
+    /// `clean_up_tokenization_spaces`: " ." → ".", " n't" → "n't", ...
+    clean_up: bool,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("label", &self.label)
+            .field("vocab_size", &self.vocab_size())
+            .field("clean_up", &self.clean_up)
+            .finish()
+    }
+}
+
+impl TextTokenizer {
+    /// Reads `dir/tokenizer.json` and, if present, `dir/tokenizer_config.json`.
+    pub fn from_folder(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        let bytes = read_bytes(&path, "tokenizer", MAX_TOKENIZER_BYTES)?;
+        let config = dir.join("tokenizer_config.json");
+        let config = if config.exists() {
+            Some((
+                read_text(&config, "tokenizer config", MAX_CONFIG_BYTES)?,
+                config.display().to_string(),
+            ))
+        } else {
+            None
+        };
+        Self::from_json(
+            &bytes,
+            &path.display().to_string(),
+            config.as_ref().map(|(t, l)| (t.as_str(), l.as_str())),
+        )
+    }
+
+    /// Parses `tokenizer.json` bytes (`label` names the file in errors),
+    /// with `tokenizer_config.json`'s text and label if there is one.
+    pub fn from_json(bytes: &[u8], label: &str, config: Option<(&str, &str)>) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+            candle::Error::Msg(format!("{label}: not a tokenizer HF's tokenizers can read: {e}"))
+        })?;
+        let mut clean_up = false;
+        if let Some((text, config_label)) = config {
+            let value: Value = serde_json::from_str(text)
+                .map_err(|e| candle::Error::Msg(format!("{config_label}: not valid JSON: {e}")))?;
+            let Value::Object(map) = value else {
+                bail!("{config_label}: expected a JSON object")
+            };
+            clean_up = match map.get("clean_up_tokenization_spaces") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(other) => bail!(
+                    "{config_label}: field 'clean_up_tokenization_spaces' must be true or false, found {other}"
+                ),
+            };
+        }
+        Ok(Self {
+            inner,
+            label: label.to_string(),
+            clean_up,
+        })
+    }
+
+    /// The file it was read from.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Tokens the tokenizer knows, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The id of `token` (a special token's text, say), if it has one.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The ids of `text`, with the special tokens the tokenizer adds.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| candle::Error::Msg(format!("{}: cannot encode {text:?}: {e}", self.label)))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids` without special tokens; ids the tokenizer does
+    /// not know (a model's padded vocabulary) are skipped, as HF skips
+    /// them. Bytes that are not UTF-8 come out as U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        let text = self
+            .inner
+            .decode(ids, true)
+            .map_err(|e| candle::Error::Msg(format!("{}: cannot decode: {e}", self.label)))?;
+        Ok(if self.clean_up { clean_up(&text) } else { text })
+    }
+
+    /// A stream that turns ids into text as they come.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            ids: Vec::new(),
+            shown: String::new(),
+        }
+    }
+}
+
+/// HF's `clean_up_tokenization` (`tokenization_utils_base.py`): spaces
+/// before punctuation and English contractions removed.
+fn clean_up(text: &str) -> String {
+    [
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ]
+    .iter()
+    .fold(text.to_string(), |t, (from, to)| t.replace(from, to))
+}
+
+/// Generated ids turned into text as they come: each call gives the text
+/// that became final, never half a UTF-8 character (a token that ends in
+/// the middle of one waits for the next), and the pieces, with
+/// [`TextStream::finish`]'s, concatenate to [`TextTokenizer::decode`] of
+/// all the ids.
+///
+/// Each step decodes every id so far (what HF's `TextStreamer` does too):
+/// decoding only the new ids would lose the spaces and bytes a token
+/// shares with the one before it.
+#[derive(Debug)]
+pub struct TextStream<'a> {
+    tokenizer: &'a TextTokenizer,
+    ids: Vec<u32>,
+    /// The text given out so far.
+    shown: String,
+}
+
+impl TextStream<'_> {
+    /// Adds `id`; returns the text it completes, if any.
+    pub fn push(&mut self, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids)?;
+        // A trailing U+FFFD may be a character still being spelled out.
+        let stable = text.trim_end_matches('\u{FFFD}');
+        Ok(self.take(stable))
+    }
+
+    /// The rest of the text once generation ended (a trailing U+FFFD
+    /// stays: its bytes never completed a character).
+    pub fn finish(mut self) -> Result<String> {
+        let text = self.tokenizer.decode(&self.ids)?;
+        Ok(self.take(&text).unwrap_or_default())
+    }
+
+    /// What `text` adds to the text given out. Decoding more ids only
+    /// appends for the tokenizers HF ships; should one rewrite what was
+    /// given out, the piece starts where the two agree.
+    fn take(&mut self, text: &str) -> Option<String> {
+        let common = if text.starts_with(self.shown.as_str()) {
+            self.shown.len()
+        } else {
+            text.char_indices()
+                .zip(self.shown.chars())
+                .take_while(|((_, a), b)| a == b)
+                .last()
+                .map_or(0, |((i, a), _)| i + a.len_utf8())
+        };
+        if text.len() <= common {
+            return None;
+        }
+        let piece = text[common..].to_string();
+        self.shown = text.to_string();
+        Some(piece)
+    }
+}

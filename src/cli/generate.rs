@@ -1,0 +1,184 @@
+//! `multihead generate`: continue text with a decoder folder as HF
+//! transformers saves it (GPT-2, Llama, Mistral, Qwen2, Qwen3), streaming
+//! each continuation as it is generated.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use multihead::models::decoder::{Finish, Sampling, TextGenerator};
+
+use super::input::{preview, read_lines};
+use super::seq2seq::parse_device;
+
+/// Most tokens `--max-new-tokens` may ask for.
+const MAX_NEW_TOKENS: usize = 1 << 16;
+
+/// Arguments of `multihead generate`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Prompts, one continuation each; without any, one prompt per line of
+    /// standard input.
+    pub prompts: Vec<String>,
+    /// The model folder: config.json, model.safetensors (or shards),
+    /// tokenizer.json, and generation_config.json if it has one.
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Most tokens generated per prompt (default: the folder's
+    /// generation_config.json, else 20).
+    #[arg(long, value_name = "N")]
+    pub max_new_tokens: Option<usize>,
+    /// Fewest tokens before an end token may end a continuation.
+    #[arg(long, value_name = "N")]
+    pub min_new_tokens: Option<usize>,
+    /// Greedy decoding, whatever the folder's generation config says.
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
+    pub greedy: bool,
+    /// Sample at this temperature (sampling also follows the folder's
+    /// do_sample).
+    #[arg(long, value_name = "T")]
+    pub temperature: Option<f32>,
+    /// Sample among the K most likely tokens.
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities reach P.
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f32>,
+    /// Seed of the samples: the same seed gives the same text.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// `text`: each continuation streamed, one line each; `json`: one array
+    /// with an object per prompt.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// With `--format text`: print each prompt before its continuation.
+    #[arg(long)]
+    pub echo: bool,
+    /// cpu, cuda, cuda:N or metal.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Continuations as they are generated, a newline after each.
+    Text,
+    /// One JSON array, an object per prompt.
+    Json,
+}
+
+/// Runs the command: timings go to standard error, text to standard
+/// output.
+pub fn run(args: Args) -> Result<()> {
+    let prompts: Vec<String> = if args.prompts.is_empty() {
+        let mut prompts = Vec::new();
+        for (i, (text, why)) in read_lines(std::io::stdin().lock())
+            .context("reading standard input")?
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(why) = why {
+                bail!("line {} ({text:?}): {why}", i + 1)
+            }
+            prompts.push(text);
+        }
+        prompts
+    } else {
+        args.prompts.clone()
+    };
+    if prompts.is_empty() {
+        bail!("no prompt: pass prompts as arguments or one per line on standard input")
+    }
+    if let Some(n) = args.max_new_tokens.filter(|n| !(1..=MAX_NEW_TOKENS).contains(n)) {
+        bail!("--max-new-tokens must be in 1..={MAX_NEW_TOKENS}, found {n}")
+    }
+    let device = parse_device(&args.device)?;
+    let start = Instant::now();
+    let generator = TextGenerator::from_folder(&args.model, &device)
+        .with_context(|| format!("loading '{}'", args.model.display()))?;
+    eprintln!(
+        "loaded {} in {:.0} ms",
+        args.model.display(),
+        start.elapsed().as_secs_f64() * 1e3
+    );
+    let mut settings = generator.settings();
+    if let Some(n) = args.max_new_tokens {
+        settings.max_new_tokens = n;
+    }
+    if let Some(n) = args.min_new_tokens {
+        settings.min_new_tokens = n;
+    }
+    if args.greedy {
+        settings.sampling = None;
+    } else if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
+        let base = settings.sampling.clone().unwrap_or(Sampling {
+            seed: 0,
+            temperature: 1.,
+            top_k: None,
+            top_p: 1.,
+        });
+        settings.sampling = Some(Sampling {
+            seed: args.seed,
+            temperature: args.temperature.unwrap_or(base.temperature),
+            top_k: args.top_k.or(base.top_k),
+            top_p: args.top_p.unwrap_or(base.top_p),
+        });
+    }
+    if let Some(s) = &mut settings.sampling {
+        s.seed = args.seed;
+    }
+    let mut out = std::io::stdout().lock();
+    let mut json = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        if args.format == Format::Text && args.echo {
+            write!(out, "{prompt}")?;
+            out.flush()?;
+        }
+        let result = generator.generate(prompt, &settings, &mut |piece| {
+            if args.format == Format::Text {
+                // Shown as it comes; a closed pipe ends the command.
+                write!(out, "{piece}")
+                    .and_then(|()| out.flush())
+                    .map_err(candle::Error::wrap)?;
+            }
+            Ok(())
+        });
+        let result = result.with_context(|| format!("prompt {} ({:?})", i + 1, preview(prompt)))?;
+        let new = result.ids.len();
+        let per_s = if result.decode_ms > 0. {
+            new.saturating_sub(1) as f64 / (result.decode_ms / 1e3)
+        } else {
+            0.
+        };
+        eprintln!(
+            "prompt {}: {} prompt tokens, prefill {:.1} ms, {new} new tokens, {per_s:.1} tokens/s",
+            i + 1,
+            result.prompt_ids.len(),
+            result.prefill_ms
+        );
+        match args.format {
+            Format::Text => writeln!(out)?,
+            Format::Json => json.push(serde_json::json!({
+                "prompt": prompt,
+                "text": result.text,
+                "tokens": result.ids,
+                "prompt_tokens": result.prompt_ids.len(),
+                "new_tokens": new,
+                "prefill_ms": result.prefill_ms,
+                "decode_tokens_per_s": per_s,
+                "finish": match result.finish {
+                    Finish::Eos => "eos",
+                    Finish::Length => "length",
+                },
+            })),
+        }
+    }
+    if args.format == Format::Json {
+        serde_json::to_writer_pretty(&mut out, &json)?;
+        writeln!(out)?;
+    }
+    out.flush()?;
+    Ok(())
+}

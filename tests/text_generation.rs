@@ -1,0 +1,287 @@
+//! Text in, text out, against HF transformers: decoder folders with a
+//! tokenizer and a generation config (`tests/fixtures/text`, written by
+//! `scripts/make_text_fixtures.py`) continue every prompt with HF's ids
+//! and HF's `decode(new_ids, skip_special_tokens=True)` text, through the
+//! library and through `multihead generate`; streamed pieces add up to the
+//! same text; bad folders are refused by file and field.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use candle::Device;
+use multihead::models::decoder::{DecoderModel, Finish, HfGenerationConfig, TextGenerator, TextTokenizer};
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    common::fixture_dir("text")
+}
+
+fn expected() -> Result<Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(
+        fixtures().join("expected.json"),
+    )?)?)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+        .unwrap_or_default()
+}
+
+const FOLDERS: [&str; 2] = ["gpt2-bpe", "llama3"];
+
+#[test]
+fn every_prompt_continues_as_hf_continues_it() -> Result<()> {
+    let want = expected()?;
+    for name in FOLDERS {
+        let g = TextGenerator::from_folder(&fixtures().join(name), &Device::Cpu)?;
+        let settings = g.settings();
+        assert_eq!(settings.max_new_tokens, 16, "{name}: the folder's max_new_tokens");
+        for case in want[name]["cases"].as_array().context("cases")? {
+            let prompt = case["prompt"].as_str().context("prompt")?;
+            let mut pieces = Vec::new();
+            let out = g.generate(prompt, &settings, &mut |p| {
+                pieces.push(p.to_string());
+                Ok(())
+            })?;
+            assert_eq!(
+                out.prompt_ids,
+                ids(&case["prompt_ids"]),
+                "{name} {prompt:?}: prompt ids"
+            );
+            // HF's new ids end with the end token when one was chosen.
+            let mut hf = ids(&case["new_ids"]);
+            let ended = !case["ended_on"].is_null();
+            if ended {
+                hf.pop();
+            }
+            assert_eq!(out.ids, hf, "{name} {prompt:?}: generated ids");
+            assert_eq!(out.finish == Finish::Eos, ended, "{name} {prompt:?}: finish");
+            assert_eq!(
+                out.text,
+                case["text"].as_str().context("text")?,
+                "{name} {prompt:?}"
+            );
+            assert_eq!(pieces.concat(), out.text, "{name} {prompt:?}: streamed pieces");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn one_generator_serves_threads_as_it_serves_one_caller() -> Result<()> {
+    let g = TextGenerator::from_folder(&fixtures().join("llama3"), &Device::Cpu)?;
+    let settings = g.settings();
+    let prompts = ["Hello world", "a", "日本語のテキスト", "The cat sat on the mat."];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| Ok(g.generate(p, &settings, &mut |_| Ok(()))?.ids))
+        .collect::<Result<_>>()?;
+    let together: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| s.spawn(|| g.generate(p, &settings, &mut |_| Ok(())).map(|o| o.ids)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("thread panicked"))?
+                    .map_err(anyhow::Error::from)
+            })
+            .collect::<Result<_>>()
+    })?;
+    assert_eq!(together, alone);
+    Ok(())
+}
+
+fn multihead(args: &[&str], stdin: Option<&str>) -> Result<std::process::Output> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_multihead"));
+    cmd.args(args).env("RUST_BACKTRACE", "1");
+    if let Some(input) = stdin {
+        use std::io::Write;
+        let mut child = cmd
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        child.stdin.take().context("stdin")?.write_all(input.as_bytes())?;
+        return Ok(child.wait_with_output()?);
+    }
+    Ok(cmd.output()?)
+}
+
+#[test]
+fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
+    let want = expected()?;
+    for name in FOLDERS {
+        let dir = fixtures().join(name);
+        let cases = want[name]["cases"].as_array().context("cases")?;
+        let prompts: Vec<&str> = cases.iter().filter_map(|c| c["prompt"].as_str()).collect();
+        let texts: Vec<&str> = cases.iter().filter_map(|c| c["text"].as_str()).collect();
+        // Text mode, prompts from standard input: one continuation a line.
+        let out = multihead(
+            &["generate", "--model", dir.to_str().context("path")?],
+            Some(&(prompts.join("\n") + "\n")),
+        )?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {err}");
+        let stdout = String::from_utf8(out.stdout)?;
+        assert_eq!(
+            stdout,
+            texts.iter().map(|t| format!("{t}\n")).collect::<String>(),
+            "{name}"
+        );
+        assert!(err.contains("loaded") && err.contains("tokens/s"), "{err}");
+        // JSON mode, prompts as arguments.
+        let mut args = vec![
+            "generate",
+            "--format",
+            "json",
+            "--model",
+            dir.to_str().context("path")?,
+        ];
+        args.extend(&prompts);
+        let out = multihead(&args, None)?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let got: Value = serde_json::from_slice(&out.stdout)?;
+        let got = got.as_array().context("an array")?;
+        assert_eq!(got.len(), cases.len());
+        for (g, c) in got.iter().zip(cases) {
+            assert_eq!(g["prompt"], c["prompt"]);
+            assert_eq!(g["text"], c["text"]);
+            assert_eq!(
+                g["prompt_tokens"].as_u64(),
+                Some(ids(&c["prompt_ids"]).len() as u64)
+            );
+            let finish = if c["ended_on"].is_null() { "length" } else { "eos" };
+            assert_eq!(g["finish"], finish, "{name} {}", c["prompt"]);
+        }
+    }
+    Ok(())
+}
+
+/// A copy of a text fixture folder with `edit` applied to it.
+fn folder_with(name: &str, tag: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("text_generation")
+        .join(format!("{name}-{tag}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    for entry in std::fs::read_dir(fixtures().join(name))? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), dir.join(entry.file_name()))?;
+    }
+    edit(&dir)?;
+    Ok(dir)
+}
+
+fn load_error(dir: &Path) -> String {
+    match TextGenerator::from_folder(dir, &Device::Cpu) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_folders_name_the_file_and_field() -> Result<()> {
+    // (tag, file written into a copy of the llama3 folder, its text, the error).
+    let cases = [
+        (
+            "tokenizer-json",
+            "tokenizer.json",
+            "{\"not\": \"a tokenizer\"}",
+            "tokenizer.json: not a tokenizer",
+        ),
+        (
+            "nan-temperature",
+            "generation_config.json",
+            "{\"temperature\": NaN, \"do_sample\": true}",
+            "generation_config.json: not valid JSON",
+        ),
+        (
+            "zero-temperature",
+            "generation_config.json",
+            "{\"temperature\": 0}",
+            "field 'temperature' must be a finite number > 0",
+        ),
+        (
+            "eos-outside",
+            "generation_config.json",
+            "{\"eos_token_id\": [1, 4000]}",
+            "field 'eos_token_id' is 4000, outside the model's vocabulary of 384",
+        ),
+        (
+            "eos-string",
+            "generation_config.json",
+            "{\"eos_token_id\": \"4\"}",
+            "field 'eos_token_id' must hold token ids",
+        ),
+        (
+            "top-p",
+            "generation_config.json",
+            "{\"top_p\": 1.5}",
+            "field 'top_p' must be in (0, 1]",
+        ),
+        (
+            "cleanup-type",
+            "tokenizer_config.json",
+            "{\"clean_up_tokenization_spaces\": \"yes\"}",
+            "'clean_up_tokenization_spaces' must be true or false",
+        ),
+    ];
+    for (tag, file, text, needle) in cases {
+        let dir = folder_with("llama3", tag, |d| Ok(std::fs::write(d.join(file), text)?))?;
+        let err = load_error(&dir);
+        assert!(err.contains(needle), "{tag}: {err}");
+    }
+    // A tokenizer larger than the model's embedding (HF's rule: ids past
+    // the tokenizer are allowed, past the embedding refused): the
+    // 384-token tokenizer over the 128-token Llama fixture.
+    let model = DecoderModel::from_folder(&common::fixture_dir("decoders").join("llama"), &Device::Cpu)?;
+    let tok = TextTokenizer::from_folder(&fixtures().join("gpt2-bpe"))?;
+    let err = TextGenerator::new(model, tok, HfGenerationConfig::default(), "mixed")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokenizer has 384 tokens but the model's embedding only 128"),
+        "{err}"
+    );
+    // A prompt longer than GPT-2's 64 positions is refused with both numbers.
+    let g = TextGenerator::from_folder(&fixtures().join("gpt2-bpe"), &Device::Cpu)?;
+    let long = "the cat ".repeat(60);
+    let err = g
+        .generate(&long, &g.settings(), &mut |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokens long but the model's context holds 64"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_stream_never_splits_a_character() -> Result<()> {
+    let tok = TextTokenizer::from_folder(&fixtures().join("gpt2-bpe"))?;
+    // "🙂" is four bytes; its tokens are fed one at a time.
+    let ids = tok.encode("a🙂b é")?;
+    // Some token holds only part of a character.
+    assert!(ids
+        .iter()
+        .any(|&id| tok.decode(&[id]).is_ok_and(|t| t.contains('\u{FFFD}'))));
+    let mut stream = tok.stream();
+    let mut pieces = Vec::new();
+    for &id in &ids {
+        pieces.extend(stream.push(id)?);
+    }
+    pieces.push(stream.finish()?);
+    assert_eq!(pieces.concat(), "a🙂b é");
+    assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+    let cfg = HfGenerationConfig::from_folder(&fixtures().join("llama3"))?;
+    assert_eq!(cfg.eos_token_ids, [1, 4]);
+    Ok(())
+}
