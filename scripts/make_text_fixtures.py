@@ -63,6 +63,35 @@ PROMPTS = [
     "a",
 ]
 
+# Llama 3 Instruct's chat template, as its tokenizer_config.json has it.
+LLAMA3_CHAT = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+# A ChatML-style template that uses what HF's renderer adds to Jinja: a
+# Python string method, `raise_exception`, and blocks whose whitespace
+# `trim_blocks` / `lstrip_blocks` remove.
+CHATML = """{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('Unknown role: ' + message['role']) }}
+    {% endif %}
+{{ '<|im_start|>' + message['role'] + '\n' + message['content'].strip() + '<|im_end|>\n' }}
+{% endfor %}
+{% if add_generation_prompt %}
+{{ '<|im_start|>assistant\n' }}
+{% endif %}"""
+
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Hello world"}], True),
+    ([{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "héllo"},
+      {"role": "assistant", "content": "ça va"}, {"role": "user", "content": " 日本語 "}], True),
+    ([{"role": "user", "content": "Hello world"}], False),
+]
+
 LLAMA3_SPECIAL = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -95,10 +124,12 @@ def byte_level_bpe(special):
 def gpt2_tokenizer():
     tok = byte_level_bpe(["<|endoftext|>"])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
         unk_token="<|endoftext|>", clean_up_tokenization_spaces=False,
     )
+    tok.chat_template = CHATML
+    return tok
 
 
 def llama3_tokenizer():
@@ -108,10 +139,12 @@ def llama3_tokenizer():
         single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
         special_tokens=[("<|begin_of_text|>", bos)],
     )
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
         clean_up_tokenization_spaces=False,
     )
+    tok.chat_template = LLAMA3_CHAT
+    return tok
 
 
 def randomize_norms_and_biases(model):
@@ -127,7 +160,7 @@ def gpt2_model(tok, seed):
     torch.manual_seed(seed)
     eos = tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = GPT2Config(
-        vocab_size=len(tok), n_positions=64, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2,
+        vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2,
         bos_token_id=eos, eos_token_id=eos, attn_implementation="eager",
     )
     model = GPT2LMHeadModel(cfg)
@@ -161,13 +194,28 @@ def llama3_model(tok, seed):
     return model.float().eval()
 
 
+def chat_ids(tok, conversation, add_generation_prompt):
+    """apply_chat_template's text and ids (tokenized without added special tokens)."""
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    assert ids == tok(text, add_special_tokens=False).input_ids, "chat ids are not the text's"
+    return text, ids
+
+
 def run(model, tok):
-    """HF's answers for every prompt, and the smallest greedy margin."""
+    """HF's answers for every prompt (and the first conversation as a chat
+    prompt), and the smallest greedy margin."""
     rows, least = [], float("inf")
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    for prompt in PROMPTS:
-        ids = tok(prompt, return_tensors="pt").input_ids
+    chat_prompt = chat_ids(tok, *CONVERSATIONS[0])[1]
+    for prompt in PROMPTS + [None]:
+        if prompt is None:
+            ids = torch.tensor([chat_prompt])
+        else:
+            ids = tok(prompt, return_tensors="pt").input_ids
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), generation_config=model.generation_config,
             output_logits=True, return_dict_in_generate=True, pad_token_id=eos[0],
@@ -178,7 +226,8 @@ def run(model, tok):
         least = min(least, float((top2[:, 0] - top2[:, 1]).min()))
         ended = bool(new) and new[-1] in eos
         rows.append({
-            "prompt": prompt,
+            "prompt": prompt if prompt is not None else CONVERSATIONS[0][0][0]["content"],
+            "chat": prompt is None,
             "prompt_ids": ids[0].tolist(),
             "new_ids": new,
             "ended_on": new[-1] if ended else None,
@@ -213,7 +262,12 @@ def build(name, make_tok, make_model, out_dir):
     rows2, _ = run(again, tok2)
     assert rows2 == rows, f"{name}: reloaded folder differs"
     print(f"{name}: seed {seed}, least margin {least:.4f}, vocab {len(tok)}")
-    return {"seed": seed, "least_margin": least, "cases": rows}
+    chats = []
+    for conversation, add_generation_prompt in CONVERSATIONS:
+        text, ids = chat_ids(tok2, conversation, add_generation_prompt)
+        chats.append({"messages": conversation, "add_generation_prompt": add_generation_prompt,
+                      "text": text, "ids": ids})
+    return {"seed": seed, "least_margin": least, "cases": rows, "chats": chats}
 
 
 def main():
@@ -230,6 +284,10 @@ def main():
         with open(os.path.join(tmp, "expected.json"), "w", encoding="utf-8") as f:
             json.dump(expected, f, ensure_ascii=False, indent=1)
             f.write("\n")
+        # The folder's README is written by hand: kept.
+        readme = os.path.join(OUT, "README.md")
+        if os.path.exists(readme):
+            shutil.copy(readme, os.path.join(tmp, "README.md"))
         if os.path.exists(OUT):
             shutil.rmtree(OUT)
         os.rename(tmp, OUT)

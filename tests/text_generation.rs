@@ -12,7 +12,9 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 use candle::Device;
-use multihead::models::decoder::{DecoderModel, Finish, HfGenerationConfig, TextGenerator, TextTokenizer};
+use multihead::models::decoder::{
+    ChatMessage, ChatTemplate, DecoderModel, Finish, HfGenerationConfig, TextGenerator, TextTokenizer,
+};
 use serde_json::Value;
 
 fn fixtures() -> PathBuf {
@@ -43,10 +45,16 @@ fn every_prompt_continues_as_hf_continues_it() -> Result<()> {
         for case in want[name]["cases"].as_array().context("cases")? {
             let prompt = case["prompt"].as_str().context("prompt")?;
             let mut pieces = Vec::new();
-            let out = g.generate(prompt, &settings, &mut |p| {
+            let mut on_text = |p: &str| {
                 pieces.push(p.to_string());
                 Ok(())
-            })?;
+            };
+            // A chat case is the prompt as a user's message.
+            let out = if case["chat"] == true {
+                g.generate_chat(&[ChatMessage::new("user", prompt)], &settings, &mut on_text)?
+            } else {
+                g.generate(prompt, &settings, &mut on_text)?
+            };
             assert_eq!(
                 out.prompt_ids,
                 ids(&case["prompt_ids"]),
@@ -119,7 +127,8 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
     let want = expected()?;
     for name in FOLDERS {
         let dir = fixtures().join(name);
-        let cases = want[name]["cases"].as_array().context("cases")?;
+        let all = want[name]["cases"].as_array().context("cases")?;
+        let cases: Vec<&Value> = all.iter().filter(|c| c["chat"] == false).collect();
         let prompts: Vec<&str> = cases.iter().filter_map(|c| c["prompt"].as_str()).collect();
         let texts: Vec<&str> = cases.iter().filter_map(|c| c["text"].as_str()).collect();
         // Text mode, prompts from standard input: one continuation a line.
@@ -150,7 +159,7 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
         let got: Value = serde_json::from_slice(&out.stdout)?;
         let got = got.as_array().context("an array")?;
         assert_eq!(got.len(), cases.len());
-        for (g, c) in got.iter().zip(cases) {
+        for (g, c) in got.iter().zip(&cases) {
             assert_eq!(g["prompt"], c["prompt"]);
             assert_eq!(g["text"], c["text"]);
             assert_eq!(
@@ -160,7 +169,85 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
             let finish = if c["ended_on"].is_null() { "length" } else { "eos" };
             assert_eq!(g["finish"], finish, "{name} {}", c["prompt"]);
         }
+        // --chat: the prompt as a user's message, through the template.
+        let chat = all.iter().find(|c| c["chat"] == true).context("a chat case")?;
+        let out = multihead(
+            &[
+                "generate",
+                "--chat",
+                "--model",
+                dir.to_str().context("path")?,
+                chat["prompt"].as_str().context("prompt")?,
+            ],
+            None,
+        )?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            String::from_utf8(out.stdout)?,
+            format!("{}\n", chat["text"].as_str().context("text")?)
+        );
     }
+    Ok(())
+}
+
+#[test]
+fn chat_templates_render_as_apply_chat_template() -> Result<()> {
+    let want = expected()?;
+    for name in FOLDERS {
+        let dir = fixtures().join(name);
+        let template = ChatTemplate::from_folder(&dir)?.context("a chat template")?;
+        let tok = TextTokenizer::from_folder(&dir)?;
+        for chat in want[name]["chats"].as_array().context("chats")? {
+            let messages: Vec<ChatMessage> = chat["messages"]
+                .as_array()
+                .context("messages")?
+                .iter()
+                .map(|m| {
+                    ChatMessage::new(
+                        m["role"].as_str().unwrap_or(""),
+                        m["content"].as_str().unwrap_or(""),
+                    )
+                })
+                .collect();
+            let add = chat["add_generation_prompt"] == true;
+            let text = template.render(&messages, add)?;
+            assert_eq!(
+                text,
+                chat["text"].as_str().context("text")?,
+                "{name} {messages:?}"
+            );
+            assert_eq!(tok.encode_plain(&text)?, ids(&chat["ids"]), "{name} {messages:?}");
+        }
+    }
+    // The ChatML fixture refuses an unknown role through raise_exception.
+    let template = ChatTemplate::from_folder(&fixtures().join("gpt2-bpe"))?.context("template")?;
+    let err = template
+        .render(&[ChatMessage::new("tool", "x")], true)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template") && err.contains("Unknown role: tool"),
+        "{err}"
+    );
+    // A folder without a template says so for --chat.
+    let dir = folder_with("llama3", "no-template", |d| {
+        Ok(std::fs::remove_file(d.join("chat_template.jinja"))?)
+    })?;
+    let out = multihead(
+        &[
+            "generate",
+            "--chat",
+            "--model",
+            dir.to_str().context("path")?,
+            "hi",
+        ],
+        None,
+    )?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("has no chat template"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -250,15 +337,15 @@ fn bad_folders_name_the_file_and_field() -> Result<()> {
         err.contains("tokenizer has 384 tokens but the model's embedding only 128"),
         "{err}"
     );
-    // A prompt longer than GPT-2's 64 positions is refused with both numbers.
+    // A prompt longer than GPT-2's 128 positions is refused with both numbers.
     let g = TextGenerator::from_folder(&fixtures().join("gpt2-bpe"), &Device::Cpu)?;
-    let long = "the cat ".repeat(60);
+    let long = "the cat ".repeat(80);
     let err = g
         .generate(&long, &g.settings(), &mut |_| Ok(()))
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("tokens long but the model's context holds 64"),
+        err.contains("tokens long but the model's context holds 128"),
         "{err}"
     );
     Ok(())

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use multihead::models::decoder::{Finish, Sampling, TextGenerator};
+use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
 
 use super::input::{preview, read_lines};
 use super::seq2seq::parse_device;
@@ -55,6 +55,13 @@ pub struct Args {
     /// With `--format text`: print each prompt before its continuation.
     #[arg(long)]
     pub echo: bool,
+    /// Each prompt is a user's message, rendered with the folder's chat
+    /// template; the output is the assistant's reply.
+    #[arg(long)]
+    pub chat: bool,
+    /// With `--chat`: a system message before each prompt.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    pub system: Option<String>,
     /// cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -136,7 +143,7 @@ pub fn run(args: Args) -> Result<()> {
             write!(out, "{prompt}")?;
             out.flush()?;
         }
-        let result = generator.generate(prompt, &settings, &mut |piece| {
+        let mut on_text = |piece: &str| -> candle::Result<()> {
             if args.format == Format::Text {
                 // Shown as it comes; a closed pipe ends the command.
                 write!(out, "{piece}")
@@ -144,7 +151,18 @@ pub fn run(args: Args) -> Result<()> {
                     .map_err(candle::Error::wrap)?;
             }
             Ok(())
-        });
+        };
+        let result = if args.chat {
+            let mut messages: Vec<ChatMessage> = args
+                .system
+                .iter()
+                .map(|s| ChatMessage::new("system", s.as_str()))
+                .collect();
+            messages.push(ChatMessage::new("user", prompt.as_str()));
+            generator.generate_chat(&messages, &settings, &mut on_text)
+        } else {
+            generator.generate(prompt, &settings, &mut on_text)
+        };
         let result = result.with_context(|| format!("prompt {} ({:?})", i + 1, preview(prompt)))?;
         let new = result.ids.len();
         let per_s = if result.decode_ms > 0. {

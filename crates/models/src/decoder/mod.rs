@@ -18,6 +18,7 @@
 //! # Ok(()) }
 //! ```
 
+mod chat;
 mod config;
 mod generation_config;
 mod gpt2;
@@ -37,6 +38,7 @@ use crate::generation::{
     generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
 };
 
+pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
 pub use generation_config::HfGenerationConfig;
 pub use gpt2::Gpt2;

@@ -7,7 +7,10 @@ use std::time::Instant;
 
 use candle::{bail, Device, Result};
 
-use super::{generate_from_prompts_streaming, CausalLm, DecoderModel, HfGenerationConfig, TextTokenizer};
+use super::{
+    generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderModel, HfGenerationConfig,
+    TextTokenizer,
+};
 use crate::generation::{
     Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TopK, TopP,
 };
@@ -73,6 +76,7 @@ pub struct TextGenerator {
     model: DecoderModel,
     tokenizer: TextTokenizer,
     generation: HfGenerationConfig,
+    chat: Option<ChatTemplate>,
 }
 
 /// Tokens generated when neither the folder nor the caller says how many
@@ -82,15 +86,17 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 20;
 
 impl TextGenerator {
     /// Loads `dir`: `config.json` and the weights ([`DecoderModel::from_folder`]),
-    /// `tokenizer.json` (and `tokenizer_config.json`), and
-    /// `generation_config.json` if there is one. A tokenizer larger than
+    /// `tokenizer.json` (and `tokenizer_config.json`), the chat template
+    /// ([`ChatTemplate::from_folder`]) and `generation_config.json` if it
+    /// has them. A tokenizer larger than
     /// the model's embedding is refused (its ids past the embedding would
     /// fail mid-prompt); a smaller one is fine, as in HF.
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
         let tokenizer = TextTokenizer::from_folder(dir)?;
         let generation = HfGenerationConfig::from_folder(dir)?;
+        let chat = ChatTemplate::from_folder(dir)?;
         let model = DecoderModel::from_folder(dir, device)?;
-        Self::new(model, tokenizer, generation, &dir.display().to_string())
+        Ok(Self::new(model, tokenizer, generation, &dir.display().to_string())?.with_chat_template(chat))
     }
 
     /// The three parts, checked against each other; `label` names the
@@ -114,7 +120,19 @@ impl TextGenerator {
             model,
             tokenizer,
             generation,
+            chat: None,
         })
+    }
+
+    /// The same, rendering conversations with `chat`.
+    pub fn with_chat_template(mut self, chat: Option<ChatTemplate>) -> Self {
+        self.chat = chat;
+        self
+    }
+
+    /// The chat template, if the folder has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
     }
 
     /// The model.
@@ -163,6 +181,40 @@ impl TextGenerator {
         if prompt_ids.is_empty() {
             bail!("the prompt {prompt:?} has no tokens: there is nothing to continue")
         }
+        self.generate_ids(prompt_ids, settings, on_text)
+    }
+
+    /// The assistant's reply to `messages`: the conversation rendered with
+    /// the folder's chat template and the generation prompt, tokenized
+    /// without added special tokens (HF's `apply_chat_template(messages,
+    /// add_generation_prompt=True)`), then continued as
+    /// [`TextGenerator::generate`] continues a prompt.
+    pub fn generate_chat(
+        &self,
+        messages: &[ChatMessage],
+        settings: &GenerationSettings,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<TextOutput> {
+        let Some(chat) = &self.chat else {
+            bail!(
+                "{}: the folder has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)",
+                self.tokenizer.label()
+            )
+        };
+        let prompt_ids = self.tokenizer.encode_plain(&chat.render(messages, true)?)?;
+        if prompt_ids.is_empty() {
+            bail!("{}: the conversation renders to no tokens", chat.label())
+        }
+        self.generate_ids(prompt_ids, settings, on_text)
+    }
+
+    /// Continues `prompt_ids` (not empty).
+    fn generate_ids(
+        &self,
+        prompt_ids: Vec<u32>,
+        settings: &GenerationSettings,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<TextOutput> {
         if let Some(context) = self.model.max_positions() {
             if prompt_ids.len() > context {
                 bail!(

@@ -109,6 +109,16 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The ids of `text` alone, no special tokens added: a rendered chat
+    /// template writes its own (`apply_chat_template` tokenizes so).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| candle::Error::Msg(format!("{}: cannot encode {text:?}: {e}", self.label)))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// The text of `ids` without special tokens; ids the tokenizer does
     /// not know (a model's padded vocabulary) are skipped, as HF skips
     /// them. Bytes that are not UTF-8 come out as U+FFFD.
