@@ -77,7 +77,7 @@ pub use cache::KvCache;
 pub use config::{MhaConfig, NormKind, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
-pub use linear::{relu, silu_and_mul, PackedLinear};
+pub use linear::{is_broadcast, relu, silu_and_mul, PackedLinear};
 pub use mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::MultiheadAttention;
 pub use norm::LayerNorm;

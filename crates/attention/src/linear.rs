@@ -83,6 +83,31 @@ pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op()
 }
 
+/// Whether `t` repeats its data along some dimension (a zero stride over
+/// more than one element): a broadcast, such as the zeros a checkpoint's
+/// pre-flight recorder answers with. Packing or copying one would
+/// allocate the full size for no information, so it is left as it is.
+pub fn is_broadcast(t: &Tensor) -> bool {
+    t.stride().iter().zip(t.dims()).any(|(&s, &d)| s == 0 && d > 1)
+}
+
+/// `f` over the f32 data of a CPU tensor, borrowed in place when the
+/// tensor is contiguous, else from a contiguous copy.
+fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    if !t.is_contiguous() {
+        return f(&cpu_f32(t)?);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let candle::Storage::Cpu(cpu) = &*storage else {
+        bail!("PackedLinear: the weight is not on the CPU")
+    };
+    let data = cpu.as_slice::<f32>()?;
+    match data.get(layout.start_offset()..layout.start_offset() + t.elem_count()) {
+        Some(slice) => f(slice),
+        None => bail!("PackedLinear: the weight's view runs past its storage"),
+    }
+}
+
 /// The contiguous f32 data of a CPU tensor.
 fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
@@ -98,17 +123,23 @@ impl PackedLinear {
                 bail!("PackedLinear: bias has shape {:?}, expected ({n},)", b.dims())
             }
         }
-        let packable = plain_cpu_f32(&weight) && bias.as_ref().is_none_or(plain_cpu_f32) && n > 0 && k > 0;
+        let packable = plain_cpu_f32(&weight)
+            && !is_broadcast(&weight)
+            && bias.as_ref().is_none_or(plain_cpu_f32)
+            && n > 0
+            && k > 0;
         let isa = PackedWeight::isa().filter(|_| packable);
         let Some(isa) = isa else {
             return Ok(Self {
                 inner: Inner::Candle(candle_nn::Linear::new(weight, bias)),
             });
         };
-        let w = cpu_f32(&weight)?;
         let b = bias.as_ref().map(cpu_f32).transpose()?;
+        // Packed straight from the weight's storage: no copy of a layer
+        // beside its packed form while a model loads.
+        let packed = with_f32_slice(&weight, |w| Ok(PackedWeight::new(w, n, k, b.as_deref(), isa)))?;
         Ok(Self {
-            inner: Inner::Packed(Arc::new(PackedWeight::new(&w, n, k, b.as_deref(), isa))),
+            inner: Inner::Packed(Arc::new(packed)),
         })
     }
 
@@ -128,6 +159,30 @@ impl PackedLinear {
         match &self.inner {
             Inner::Candle(l) => l.weight().dims2(),
             Inner::Packed(p) => Ok(p.dims()),
+        }
+    }
+
+    /// Rows `ids` of the weight: the lookup of a token embedding tied to
+    /// this layer (GPT-2's `wte`, Llama's `embed_tokens` with
+    /// `tie_word_embeddings`), so that a model keeps one copy of the table,
+    /// packed for the output projection.
+    ///
+    /// # Shapes
+    /// - `ids`: any shape, `u32`, each `< out_features`
+    /// - returns `ids`' shape plus `in_features`
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (n, k) = self.dims()?;
+        match &self.inner {
+            Inner::Candle(l) => candle_nn::Embedding::new(l.weight().clone(), k).forward(ids),
+            Inner::Packed(p) => {
+                let idx = ids.flatten_all()?.to_vec1::<u32>()?;
+                if let Some(&bad) = idx.iter().find(|&&i| i as usize >= n) {
+                    bail!("PackedLinear::embed: id {bad} is out of range for {n} rows")
+                }
+                let mut dims = ids.dims().to_vec();
+                dims.push(k);
+                Tensor::from_vec(p.rows(&idx), dims, &candle::Device::Cpu)
+            }
         }
     }
 

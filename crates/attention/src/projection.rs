@@ -128,10 +128,15 @@ pub(crate) fn linear(
 ) -> Result<PackedLinear> {
     let w = match stored {
         Stored::OutIn => vb.get_with_hints((out_dim, in_dim), "weight", init)?,
-        Stored::InOut => vb
-            .get_with_hints((in_dim, out_dim), "weight", init)?
-            .t()?
-            .contiguous()?,
+        Stored::InOut => {
+            let w = vb.get_with_hints((in_dim, out_dim), "weight", init)?.t()?;
+            // A broadcast placeholder stays one (see `is_broadcast`).
+            if crate::linear::is_broadcast(&w) {
+                w
+            } else {
+                w.contiguous()?
+            }
+        }
     };
     let b = bias
         .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))

@@ -311,6 +311,22 @@ impl PackedWeight {
         (w, bias)
     }
 
+    /// Rows `ids` of the weight (each `< n`), one after another: the
+    /// lookup of an embedding table tied to this layer.
+    pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
+        let nr = self.nr();
+        let panels = self.panels();
+        let mut out = vec![0f32; ids.len() * self.k];
+        for (row, &j) in out.chunks_exact_mut(self.k).zip(ids) {
+            let j = j as usize;
+            let panel = &panels[(j / nr) * self.k * nr..];
+            for (e, x) in row.iter_mut().enumerate() {
+                *x = panel[e * nr + j % nr];
+            }
+        }
+        out
+    }
+
     /// The layer times a per-feature scale: each output feature's weights
     /// and bias times `gamma[feature]` (`n` floats), packed anew for the
     /// same instruction set.

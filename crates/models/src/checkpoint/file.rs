@@ -2,8 +2,9 @@
 //! before any tensor is touched, every error naming the file.
 
 use std::collections::HashMap;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 use std::path::Path;
+use std::sync::Arc;
 
 use candle::{Device, Result, Tensor};
 use safetensors::tensor::TensorView;
@@ -91,7 +92,27 @@ fn explain(e: &SafeTensorError, len: usize) -> String {
     }
 }
 
-/// A validated safetensors file held in memory.
+/// A checkpoint's bytes: read into memory, or a file mapped read-only.
+#[derive(Debug)]
+enum Bytes {
+    Owned(Vec<u8>),
+    Mapped(memmap2::Mmap),
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Mapped(m) => m,
+        }
+    }
+}
+
+/// A validated safetensors file: mapped read-only when read from disk
+/// (no copy of the file is made; the pages a tensor was read from are
+/// handed back once it is converted), or held in memory.
 ///
 /// Reading checks the whole header (length, JSON, dtypes, offsets
 /// covering the data exactly, shapes matching byte sizes) through
@@ -100,7 +121,7 @@ fn explain(e: &SafeTensorError, len: usize) -> String {
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     label: String,
-    bytes: Vec<u8>,
+    bytes: Arc<Bytes>,
     tensors: Vec<TensorInfo>,
     /// Per entry of `tensors`: its dtype and where its data lies in
     /// `bytes`, so that a tensor is read without parsing the header again.
@@ -123,8 +144,19 @@ impl Checkpoint {
         if matches!(ext.as_deref(), Some("bin" | "pt" | "pth" | "ckpt" | "pkl")) {
             return Err(pickle_error(&label));
         }
-        let bytes = crate::files::read_bytes(path, "weights", u64::MAX)?;
-        Self::from_bytes(bytes, &label)
+        let len = crate::files::regular_file_len(path, "weights")?;
+        if len == 0 {
+            // An empty file cannot be mapped; it is refused as truncated.
+            return Self::from_bytes(Vec::new(), &label);
+        }
+        let file = std::fs::File::open(path)
+            .map_err(|e| candle::Error::Msg(format!("reading weights '{label}': {e}")))?;
+        // SAFETY: the mapping is read-only and private to this process; as
+        // with any mapped file (candle maps safetensors the same way), the
+        // file must not be truncated or rewritten while it is loaded.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| candle::Error::Msg(format!("mapping weights '{label}': {e}")))?;
+        Self::parse(Bytes::Mapped(map), &label)
     }
 
     /// Parses `bytes`; `label` names the file in errors.
@@ -132,6 +164,10 @@ impl Checkpoint {
     /// Linear in the number of tensors (after the sort by name): the
     /// header is parsed once and every later lookup goes through an index.
     pub fn from_bytes(bytes: Vec<u8>, label: &str) -> Result<Self> {
+        Self::parse(Bytes::Owned(bytes), label)
+    }
+
+    fn parse(bytes: Bytes, label: &str) -> Result<Self> {
         // `deserialize` checks the header and every tensor's byte range.
         let st = match SafeTensors::deserialize(&bytes) {
             Ok(st) => st,
@@ -168,7 +204,7 @@ impl Checkpoint {
         metadata.sort();
         Ok(Self {
             label: label.to_string(),
-            bytes,
+            bytes: Arc::new(bytes),
             tensors,
             data,
             index,
@@ -256,6 +292,7 @@ impl Checkpoint {
             let Some(&i) = self.index.get(name) else { continue };
             let (dtype, range) = &self.data[i];
             let (nan, inf) = count_non_finite(*dtype, &self.bytes[range.clone()]);
+            self.release(range.clone());
             if nan + inf > 0 {
                 bad.push((name.to_string(), nan, inf));
             }
@@ -266,6 +303,33 @@ impl Checkpoint {
     /// The raw file, for a `VarBuilder`.
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
+    }
+
+    /// Hands the pages of a mapped file's `range` back to the system once
+    /// they were read (they stay in the page cache, and are read again if
+    /// needed): loading then holds the model and one tensor's pages, not
+    /// the model and the file.
+    pub(crate) fn release(&self, range: Range<usize>) {
+        if let Bytes::Mapped(map) = &*self.bytes {
+            // Only whole pages inside the range: its neighbours may still be
+            // read.
+            const PAGE: usize = 4096;
+            let start = range.start.next_multiple_of(PAGE);
+            let end = range.end / PAGE * PAGE;
+            if end > start {
+                // SAFETY: the mapping is read-only; MADV_DONTNEED on it drops
+                // this process's copies of the pages, and a later read
+                // faults them in again from the file.
+                let _ = unsafe {
+                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+                };
+            }
+        }
+    }
+
+    /// The byte range of tensor `name` in the file.
+    pub(crate) fn range(&self, name: &str) -> Option<Range<usize>> {
+        self.index.get(name).map(|&i| self.data[i].1.clone())
     }
 
     /// Every tensor as a view of the stored bytes, in natural name order.

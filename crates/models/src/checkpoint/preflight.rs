@@ -265,7 +265,47 @@ impl Checkpoint {
         if let Some(summary) = report.summary() {
             candle::bail!("weights '{}' do not match the model: {summary}", self.label())
         }
-        let vb = VarBuilder::from_slice_safetensors(self.bytes(), dtype, device)?;
+        let vb = VarBuilder::from_backend(Box::new(Reader { ckpt: self }), dtype, device.clone());
         build(vb)
+    }
+}
+
+/// Answers `vb.get` with the checkpoint's tensor, converted, and hands the
+/// pages it was read from back (see [`Checkpoint::release`]): a model built
+/// from a mapped file never holds the file beside itself.
+struct Reader<'a> {
+    ckpt: &'a Checkpoint,
+}
+
+impl Reader<'_> {
+    fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = self.ckpt.tensor(name, dev)?.to_dtype(dtype)?;
+        if let Some(range) = self.ckpt.range(name) {
+            self.ckpt.release(range);
+        }
+        Ok(t)
+    }
+}
+
+impl SimpleBackend for Reader<'_> {
+    fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = self.read(name, dtype, dev)?;
+        if t.shape() != &s {
+            candle::bail!(
+                "weights '{}': tensor '{name}' has shape {:?}, expected {:?}",
+                self.ckpt.label(),
+                t.dims(),
+                s.dims()
+            )
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.read(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.ckpt.info(name).is_some()
     }
 }

@@ -4,17 +4,21 @@
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
-use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
+use multihead_attention::{
+    is_broadcast, LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout,
+};
 
 use super::config::{Activation, Gpt2Config};
-use super::{check_ids, CausalLm, DecoderCache};
+use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
-    let w = vb.get((in_dim, out_dim), "weight")?;
+    let w = vb.get((in_dim, out_dim), "weight")?.t()?;
     let b = vb.get(out_dim, "bias")?;
-    PackedLinear::new(w.t()?.contiguous()?, Some(b))
+    // A broadcast placeholder (the pre-flight's) is not copied.
+    let w = if is_broadcast(&w) { w } else { w.contiguous()? };
+    PackedLinear::new(w, Some(b))
 }
 
 /// `GPT2Block`: pre-norm attention and MLP, each added back.
@@ -68,7 +72,7 @@ impl Block {
 /// GPT-2 with its language-model head.
 #[derive(Debug, Clone)]
 pub struct Gpt2 {
-    wte: Embedding,
+    wte: TokenEmbedding,
     wpe: Embedding,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
@@ -83,15 +87,17 @@ impl Gpt2 {
     /// `lm_head` is the head's own weight when the embeddings are untied.
     pub fn new(cfg: &Gpt2Config, vb: VarBuilder, lm_head: Option<Tensor>) -> Result<Self> {
         let e = cfg.n_embd;
+        // The embedding and the head first: a tied table is packed and its
+        // unpacked copy dropped before the blocks take their memory.
         let wte = candle_nn::embedding(cfg.vocab_size, e, vb.pp("wte"))?;
+        let (wte, lm_head) = TokenEmbedding::with_head(wte, lm_head)?;
         let wpe = candle_nn::embedding(cfg.n_positions, e, vb.pp("wpe"))?;
         let blocks = (0..cfg.n_layer)
             .map(|i| Block::new(cfg, i, vb.pp(format!("h.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_f"))?;
-        let head = lm_head.unwrap_or_else(|| wte.embeddings().clone());
         Ok(Self {
-            lm_head: PackedLinear::new(head, None)?,
+            lm_head,
             wte,
             wpe,
             blocks,
@@ -160,7 +166,7 @@ impl CausalLm for Gpt2 {
             )
         }
         // (B, T, E)
-        let mut x = (self.wte.forward(ids)? + self.wpe.forward(&pos)?)?;
+        let mut x = (self.wte.forward(ids, &self.lm_head)? + self.wpe.forward(&pos)?)?;
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, cache.layer(i)?)?;
         }

@@ -3,14 +3,14 @@
 //! [`MultiheadAttention`] with grouped-query heads and rotary positions.
 
 use candle::{DType, Device, Module, Result, Tensor};
-use candle_nn::{linear_b, Embedding, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, RmsNorm, VarBuilder};
 use multihead_attention::{
-    silu_and_mul, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear,
+    is_broadcast, silu_and_mul, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear,
     PositionEncoding, RotaryConfig, WeightLayout,
 };
 
 use super::config::LlamaConfig;
-use super::{check_ids, CausalLm, DecoderCache};
+use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
 
 /// `LlamaMLP`: `down(silu(gate(x)) * up(x))`.
@@ -35,8 +35,14 @@ impl Mlp {
         let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
         let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
         let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
-        let plain =
-            |l: &candle_nn::Linear| !l.weight().is_variable() && l.bias().is_none_or(|b| !b.is_variable());
+        // Variables stay separate (a fused copy would not follow them), and
+        // so do the pre-flight's broadcast placeholders (a copy of their
+        // full size would be made for nothing).
+        let plain = |l: &candle_nn::Linear| {
+            !l.weight().is_variable()
+                && !is_broadcast(l.weight())
+                && l.bias().is_none_or(|b| !b.is_variable())
+        };
         let gate_up = if plain(&gate) && plain(&up) {
             let bias = match (gate.bias(), up.bias()) {
                 (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?),
@@ -128,7 +134,7 @@ impl Layer {
 /// Llama with its language-model head.
 #[derive(Debug, Clone)]
 pub struct Llama {
-    embed_tokens: Embedding,
+    embed_tokens: TokenEmbedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
     lm_head: PackedLinear,
@@ -142,21 +148,22 @@ impl Llama {
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
         let m = vb.pp("model");
+        // The embedding and the head first: a tied table is packed and its
+        // unpacked copy dropped before the layers take their memory.
         let embed_tokens = candle_nn::embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?;
+        let head = (!cfg.tie_word_embeddings)
+            .then(|| vb.get((cfg.vocab_size, e), "lm_head.weight"))
+            .transpose()?;
+        let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::new(cfg, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
-        let head = if cfg.tie_word_embeddings {
-            embed_tokens.embeddings().clone()
-        } else {
-            vb.get((cfg.vocab_size, e), "lm_head.weight")?
-        };
         Ok(Self {
             embed_tokens,
             layers,
             norm,
-            lm_head: PackedLinear::new(head, None)?,
+            lm_head,
             cfg: cfg.clone(),
             device: vb.device().clone(),
         })
@@ -183,7 +190,7 @@ impl CausalLm for Llama {
             return Tensor::zeros((0, t, self.cfg.vocab_size), DType::F32, &self.device);
         }
         // (B, T, E)
-        let mut x = self.embed_tokens.forward(ids)?;
+        let mut x = self.embed_tokens.forward(ids, &self.lm_head)?;
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, cache.layer(i)?)?;
         }

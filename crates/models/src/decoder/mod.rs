@@ -150,6 +150,43 @@ impl<M: CausalLm> StepModel for M {
     }
 }
 
+/// A decoder's token embedding: its own table, or the rows of the output
+/// projection it is tied to (`tie_word_embeddings`), so that a tied model
+/// holds the table once, packed for the projection.
+#[derive(Debug, Clone)]
+pub(crate) enum TokenEmbedding {
+    Own(candle_nn::Embedding),
+    TiedToHead,
+}
+
+impl TokenEmbedding {
+    /// `embedding` as the table of a model whose output projection is
+    /// `head` when `tied`: returns the embedding and the projection.
+    pub(crate) fn with_head(
+        embedding: candle_nn::Embedding,
+        head: Option<Tensor>,
+    ) -> Result<(Self, multihead_attention::PackedLinear)> {
+        Ok(match head {
+            Some(head) => (
+                Self::Own(embedding),
+                multihead_attention::PackedLinear::new(head, None)?,
+            ),
+            None => (
+                Self::TiedToHead,
+                multihead_attention::PackedLinear::new(embedding.embeddings().clone(), None)?,
+            ),
+        })
+    }
+
+    /// `(B, T)` ids to `(B, T, E)`.
+    pub(crate) fn forward(&self, ids: &Tensor, head: &multihead_attention::PackedLinear) -> Result<Tensor> {
+        match self {
+            Self::Own(e) => candle::Module::forward(e, ids),
+            Self::TiedToHead => head.embed(ids),
+        }
+    }
+}
+
 /// Checks `(batch, new)` `u32` ids against the vocabulary.
 pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(usize, usize)> {
     let (b, t) = match ids.dims() {
