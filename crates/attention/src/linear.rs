@@ -562,6 +562,35 @@ mod tests {
         Ok(())
     }
 
+    /// A tied embedding's lookup through the packed layer equals the
+    /// table's own rows, on every ISA, for ids in any shape (row counts off
+    /// the panel width); an id past the table is an error. A broadcast
+    /// weight (the pre-flight's placeholder) is neither packed nor copied.
+    #[test]
+    fn packed_rows_equal_the_table() -> Result<()> {
+        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
+            force(Some(isa));
+            let w = randn(&[70, 40])?;
+            let layer = PackedLinear::new(w.clone(), None)?;
+            assert!(layer.is_packed());
+            let ids = Tensor::new(&[[0u32, 69, 33], [64, 1, 65]], &candle::Device::Cpu)?;
+            let want = candle_nn::Embedding::new(w, 40).forward(&ids)?;
+            let got = layer.embed(&ids)?;
+            assert_eq!(got.dims(), [2, 3, 40]);
+            assert_eq!(rel_err(&got, &want)?, 0., "{isa:?}");
+            let err = layer.embed(&Tensor::new(&[70u32], &candle::Device::Cpu)?);
+            assert!(err.is_err_and(|e| e.to_string().contains("id 70 is out of range for 70 rows")));
+        }
+        force(None);
+        let placeholder =
+            Tensor::zeros(1, candle::DType::F32, &candle::Device::Cpu)?.broadcast_as((4096, 4096))?;
+        assert!(super::is_broadcast(&placeholder));
+        assert!(!PackedLinear::new(placeholder, None)?.is_packed());
+        assert!(!super::is_broadcast(&randn(&[3, 4])?));
+        Ok(())
+    }
+
     /// A scale folded into the weights equals the layer followed by the
     /// scale, on every ISA, with and without bias, through a fused residual
     /// too; a weight or scale that trains is not folded; a wrong-shaped
