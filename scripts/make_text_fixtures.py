@@ -14,6 +14,12 @@ Everything lands in tests/fixtures/text/:
   `<|end_of_text|>`, `<|eot_id|>`, header tokens) and a tiny
   `LlamaForCausalLM`; `generation_config.json` lists two end tokens, and
   `<|eot_id|>`'s output row is scaled up so that some prompts end on it.
+* `llama2-sp/`: a SentencePiece-style tokenizer as Llama 2's
+  `tokenizer.json` is built: BPE over text whose spaces are `▁` (prepended
+  and replaced by the normalizer), the 256 `<0xXX>` byte tokens after
+  `<unk>`, `<s>`, `</s>` and byte fallback for every character the merges
+  lack (accents, CJK, emoji), `<s>` added before every prompt; a tiny
+  `LlamaForCausalLM`; `</s>` ends generation. No chat template.
 * `expected.json`: per folder and prompt, what HF does: the prompt's ids
   (`tokenizer(prompt)`), greedy `generate` with the folder's
   generation config (`new_ids`, whether it ended on an end token) and
@@ -39,7 +45,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import tokenizers  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import (  # noqa: E402
     GenerationConfig,
     GPT2Config,
@@ -147,6 +162,57 @@ def llama3_tokenizer():
     return tok
 
 
+def sentencepiece_tokenizer():
+    """Llama 2's layout: '▁' for spaces, byte fallback through <0xXX> tokens."""
+    spaces = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    # Merges learnt on ASCII text only: every other character falls back
+    # to its UTF-8 bytes.
+    rng = random.Random(7)
+    words = "the cat sat on mat hello world text more and a dog runs fast over lazy".split()
+    ascii_corpus = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(2000)]
+    learn = Tokenizer(models.BPE(unk_token="<unk>"))
+    learn.normalizer = spaces
+    learn.train_from_iterator(ascii_corpus, trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    learnt = json.loads(learn.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(256):
+        vocab[f"<0x{i:02X}>"] = len(vocab)
+    for token, _ in sorted(learnt["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = spaces
+    tok.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
+    ])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def llama2_model(tok, seed):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(cfg)
+    randomize_norms_and_biases(model)
+    with torch.no_grad():
+        model.lm_head.weight[2] *= 2.0
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, max_new_tokens=MAX_NEW,
+                                               do_sample=False)
+    return model.float().eval()
+
+
 def randomize_norms_and_biases(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -210,8 +276,8 @@ def run(model, tok):
     rows, least = [], float("inf")
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    chat_prompt = chat_ids(tok, *CONVERSATIONS[0])[1]
-    for prompt in PROMPTS + [None]:
+    chat_prompt = chat_ids(tok, *CONVERSATIONS[0])[1] if tok.chat_template else None
+    for prompt in PROMPTS + ([None] if chat_prompt else []):
         if prompt is None:
             ids = torch.tensor([chat_prompt])
         else:
@@ -263,7 +329,7 @@ def build(name, make_tok, make_model, out_dir):
     assert rows2 == rows, f"{name}: reloaded folder differs"
     print(f"{name}: seed {seed}, least margin {least:.4f}, vocab {len(tok)}")
     chats = []
-    for conversation, add_generation_prompt in CONVERSATIONS:
+    for conversation, add_generation_prompt in CONVERSATIONS if tok2.chat_template else []:
         text, ids = chat_ids(tok2, conversation, add_generation_prompt)
         chats.append({"messages": conversation, "add_generation_prompt": add_generation_prompt,
                       "text": text, "ids": ids})
@@ -280,6 +346,7 @@ def main():
             "max_new_tokens": MAX_NEW,
             "gpt2-bpe": build("gpt2-bpe", gpt2_tokenizer, gpt2_model, tmp),
             "llama3": build("llama3", llama3_tokenizer, llama3_model, tmp),
+            "llama2-sp": build("llama2-sp", sentencepiece_tokenizer, llama2_model, tmp),
         }
         with open(os.path.join(tmp, "expected.json"), "w", encoding="utf-8") as f:
             json.dump(expected, f, ensure_ascii=False, indent=1)

@@ -24,6 +24,10 @@ pub struct TextTokenizer {
     label: String,
     /// `clean_up_tokenization_spaces`: " ." → ".", " n't" → "n't", ...
     clean_up: bool,
+    /// Ids of byte-fallback tokens (`<0x41>`, SentencePiece style), sorted:
+    /// a run of them decodes as one group of bytes, so their text is not
+    /// final until a token of another kind follows.
+    byte_tokens: Vec<u32>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -78,10 +82,24 @@ impl TextTokenizer {
                 ),
             };
         }
+        let is_byte_token = |t: &str| {
+            t.len() == 6
+                && t.starts_with("<0x")
+                && t.ends_with('>')
+                && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
+        };
+        let mut byte_tokens: Vec<u32> = inner
+            .get_vocab(true)
+            .into_iter()
+            .filter(|(t, _)| is_byte_token(t))
+            .map(|(_, id)| id)
+            .collect();
+        byte_tokens.sort_unstable();
         Ok(Self {
             inner,
             label: label.to_string(),
             clean_up,
+            byte_tokens,
         })
     }
 
@@ -128,6 +146,11 @@ impl TextTokenizer {
             .decode(ids, true)
             .map_err(|e| candle::Error::Msg(format!("{}: cannot decode: {e}", self.label)))?;
         Ok(if self.clean_up { clean_up(&text) } else { text })
+    }
+
+    /// Whether `id` is a byte-fallback token (`<0xE6>`).
+    fn is_byte_token(&self, id: u32) -> bool {
+        self.byte_tokens.binary_search(&id).is_ok()
     }
 
     /// A stream that turns ids into text as they come.
@@ -180,7 +203,15 @@ impl TextStream<'_> {
     /// Adds `id`; returns the text it completes, if any.
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids)?;
+        // A trailing run of byte-fallback tokens decodes as one group,
+        // which the next byte can still turn into U+FFFDs: not final yet.
+        let run = self
+            .ids
+            .iter()
+            .rev()
+            .take_while(|&&id| self.tokenizer.is_byte_token(id))
+            .count();
+        let text = self.tokenizer.decode(&self.ids[..self.ids.len() - run])?;
         // A trailing U+FFFD may be a character still being spelled out.
         let stable = text.trim_end_matches('\u{FFFD}');
         Ok(self.take(stable))
