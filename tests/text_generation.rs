@@ -384,3 +384,58 @@ fn the_stream_never_splits_a_character() -> Result<()> {
     assert_eq!(cfg.eos_token_ids, [1, 4]);
     Ok(())
 }
+
+#[test]
+fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
+    let decoders = common::fixture_dir("decoders");
+    for (folder, family) in [
+        ("gpt2", "gpt2: vocab 128, hidden 64, layers 2, MLP 256"),
+        ("llama", "llama: vocab 128, hidden 64, layers 2, MLP 128"),
+        ("mistral", "llama: vocab 128"),
+        ("qwen2", "qwen2: vocab 128"),
+        (
+            "qwen3",
+            "qwen3: vocab 128, hidden 64, layers 2, MLP 128, heads 4, kv heads 2",
+        ),
+    ] {
+        let out = multihead(
+            &["inspect", decoders.join(folder).to_str().context("path")?],
+            None,
+        )?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{folder}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for want in [
+            "layout: HF transformers decoder",
+            family,
+            "HF transformers decoder config",
+            "every tensor matches",
+        ] {
+            assert!(stdout.contains(want), "{folder}: no {want:?} in\n{stdout}");
+        }
+    }
+    // A config one key/value head off: the mis-shaped projections, named.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("text_generation")
+        .join("inspect-kv");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let src = decoders.join("llama");
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors"))?;
+    let text = std::fs::read_to_string(src.join("config.json"))?;
+    std::fs::write(
+        dir.join("config.json"),
+        text.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
+    )?;
+    let out = multihead(&["inspect", dir.to_str().context("path")?], None)?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("k_proj.weight") && text.contains("[64, 64]") && text.contains("[32, 64]"),
+        "{text}"
+    );
+    Ok(())
+}

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use multihead::attention::{MhaConfig, MultiheadAttention};
 use multihead::models::checkpoint::{wanted_tensors, Checkpoint, MinWeights, NonFinite, Preflight};
+use multihead::models::decoder::{DecoderModel, HfDecoderConfig};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
 use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
 use multihead::models::vit::{folder, VisionTransformer, VitConfig};
@@ -127,7 +128,18 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
         value.get("model_type").and_then(|t| t.as_str()),
         Some("vit" | "deit")
     );
-    let (kind, wanted) = if hf_vit || value.get("architecture").is_some() {
+    let decoder = matches!(
+        value.get("model_type").and_then(|t| t.as_str()),
+        Some("gpt2" | "llama" | "mistral" | "qwen2" | "qwen3")
+    );
+    let (kind, wanted) = if decoder {
+        // As `generate --model` reads it.
+        let cfg = HfDecoderConfig::from_json(&json, &path.display().to_string())?;
+        (
+            "HF transformers decoder config",
+            DecoderModel::wanted_tensors(&cfg, ckpt).with_context(ctx)?,
+        )
+    } else if hf_vit || value.get("architecture").is_some() {
         // HF transformers and timm hub configs, read as `vit --weights` reads them.
         let label = path.display().to_string();
         let (kind, cfg) = if hf_vit {
@@ -312,6 +324,23 @@ fn print_text(
             "  at '{}': embed_dim {}, kdim {}, vdim {}, bias {}, bias_kv {}, heads ? (not stored in the weights)",
             f.prefix, f.embed_dim, f.kdim, f.vdim, f.bias, f.add_bias_kv
         )?,
+        Layout::Decoder(f) => {
+            let opt = |v: Option<usize>| v.map_or("?".to_string(), |v| v.to_string());
+            writeln!(
+                out,
+                "  {}: vocab {}, hidden {}, layers {}, MLP {}, heads {}, kv heads {} (kv width {}){}{}",
+                f.family,
+                f.vocab_size,
+                f.hidden_size,
+                f.num_layers,
+                opt(f.intermediate_size),
+                opt(f.num_heads),
+                opt(f.num_kv_heads),
+                opt(f.kv_dim),
+                f.positions.map_or(String::new(), |p| format!(", {p} positions")),
+                if f.tied_embeddings { ", tied embeddings" } else { "" }
+            )?
+        }
         Layout::Unknown => {}
     }
     if non_finite.is_empty() {

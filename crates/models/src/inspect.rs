@@ -74,6 +74,34 @@ pub struct TransformerFacts {
     pub dim_feedforward: Option<usize>,
 }
 
+/// What a decoder-only checkpoint's tensors say about the model.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecoderFacts {
+    /// `gpt2`, `llama` (Llama, Mistral: the two store the same tensors),
+    /// `qwen2` (biases on q, k, v only) or `qwen3` (q/k norms).
+    pub family: String,
+    /// The names' prefix (`transformer.`, `model.`, or none).
+    pub prefix: String,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Width.
+    pub hidden_size: usize,
+    /// Layers.
+    pub num_layers: usize,
+    /// MLP width.
+    pub intermediate_size: Option<usize>,
+    /// Query heads (when the shapes tell: Qwen3's per-head norms).
+    pub num_heads: Option<usize>,
+    /// Key/value heads (when the shapes tell).
+    pub num_kv_heads: Option<usize>,
+    /// Width of the keys and values of all heads (`k_proj`'s outputs).
+    pub kv_dim: Option<usize>,
+    /// Learned positions (GPT-2).
+    pub positions: Option<usize>,
+    /// The output projection is the token embedding (no `lm_head.weight`).
+    pub tied_embeddings: bool,
+}
+
 /// The recognised layout.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -86,6 +114,9 @@ pub enum Layout {
     Transformer(TransformerFacts),
     /// One `torch.nn.MultiheadAttention` (the first if several).
     MultiheadAttention(MhaFacts),
+    /// HF transformers' `GPT2LMHeadModel`, `LlamaForCausalLM`,
+    /// `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
+    Decoder(DecoderFacts),
     /// None of the above.
     Unknown,
 }
@@ -98,6 +129,7 @@ impl Layout {
             Layout::HfVit(_) => "HF transformers ViT",
             Layout::Transformer(_) => "torch.nn.Transformer",
             Layout::MultiheadAttention(_) => "torch.nn.MultiheadAttention",
+            Layout::Decoder(_) => "HF transformers decoder",
             Layout::Unknown => "unknown",
         }
     }
@@ -147,10 +179,70 @@ pub fn recognise(tensors: &[TensorInfo]) -> Layout {
     if let Some(f) = transformer(&n) {
         return Layout::Transformer(f);
     }
+    if let Some(f) = gpt2(&n).or_else(|| llama(&n)) {
+        return Layout::Decoder(f);
+    }
     if let Some(f) = mha(&n) {
         return Layout::MultiheadAttention(f);
     }
     Layout::Unknown
+}
+
+/// GPT-2: `wte`, `wpe` and `h.N` blocks, under `transformer.` or bare.
+fn gpt2(n: &Names) -> Option<DecoderFacts> {
+    let prefix = if n.has("transformer.wte.weight") {
+        "transformer."
+    } else {
+        ""
+    };
+    let [vocab, e] = *n.shape(&format!("{prefix}wte.weight"))? else {
+        return None;
+    };
+    let positions = n.dim(&format!("{prefix}wpe.weight"), 0)?;
+    Some(DecoderFacts {
+        family: "gpt2".into(),
+        prefix: prefix.into(),
+        vocab_size: vocab,
+        hidden_size: e,
+        num_layers: n.count_indexed(&format!("{prefix}h.")),
+        intermediate_size: n.dim(&format!("{prefix}h.0.mlp.c_fc.weight"), 1),
+        num_heads: None,
+        num_kv_heads: None,
+        kv_dim: None,
+        positions: Some(positions),
+        tied_embeddings: !n.has("lm_head.weight"),
+    })
+}
+
+/// Llama, Mistral, Qwen2, Qwen3: `model.embed_tokens` and `model.layers.N`.
+fn llama(n: &Names) -> Option<DecoderFacts> {
+    let [vocab, e] = *n.shape("model.embed_tokens.weight")? else {
+        return None;
+    };
+    let attn = "model.layers.0.self_attn.";
+    let kv_dim = n.dim(&format!("{attn}k_proj.weight"), 0);
+    let q_dim = n.dim(&format!("{attn}q_proj.weight"), 0);
+    let head_dim = n.dim(&format!("{attn}q_norm.weight"), 0).filter(|&d| d > 0);
+    let family = if head_dim.is_some() {
+        "qwen3"
+    } else if n.has(&format!("{attn}q_proj.bias")) && !n.has(&format!("{attn}o_proj.bias")) {
+        "qwen2"
+    } else {
+        "llama"
+    };
+    Some(DecoderFacts {
+        family: family.into(),
+        prefix: "model.".into(),
+        vocab_size: vocab,
+        hidden_size: e,
+        num_layers: n.count_indexed("model.layers."),
+        intermediate_size: n.dim("model.layers.0.mlp.gate_proj.weight", 0),
+        num_heads: head_dim.zip(q_dim).map(|(d, q)| q / d),
+        num_kv_heads: head_dim.zip(kv_dim).map(|(d, k)| k / d),
+        kv_dim,
+        positions: None,
+        tied_embeddings: !n.has("lm_head.weight"),
+    })
 }
 
 /// The image side for a position table of `len` entries over a square

@@ -115,6 +115,15 @@ impl Gpt2 {
         // A config far larger than the file is refused before anything of
         // its size is built.
         ckpt.ensure_holds(&cfg.min_weights()?)?;
+        ckpt.load(DType::F32, device, Self::builder(cfg, ckpt))
+    }
+
+    /// What builds the model from a `VarBuilder` over `ckpt`'s names (for
+    /// [`Checkpoint::load`] and its pre-flight).
+    pub(crate) fn builder<'a>(
+        cfg: &'a Gpt2Config,
+        ckpt: &Checkpoint,
+    ) -> impl Fn(VarBuilder) -> Result<Self> + 'a {
         let prefix = if ckpt.info("transformer.wte.weight").is_some() {
             "transformer."
         } else {
@@ -127,7 +136,7 @@ impl Gpt2 {
             .map(|t| (t.name.clone(), t.shape.clone()))
             .collect();
         let untied = !cfg.tie_word_embeddings || ckpt.info("lm_head.weight").is_some();
-        ckpt.load(DType::F32, device, |vb| {
+        move |vb| {
             // Asked for, so the pre-flight counts them as used; never read.
             for (name, shape) in &buffers {
                 vb.get(shape.as_slice(), name)?;
@@ -141,7 +150,7 @@ impl Gpt2 {
                 vb.pp("transformer")
             };
             Self::new(cfg, root, head)
-        })
+        }
     }
 
     /// The config.

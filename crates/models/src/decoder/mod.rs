@@ -33,7 +33,7 @@ use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{wanted_tensors, Checkpoint, Wanted};
 use crate::generation::{
     generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
 };
@@ -244,6 +244,23 @@ impl DecoderModel {
             )
         };
         Self::from_checkpoint(&cfg, &ckpt, device)
+    }
+
+    /// The tensors the model `cfg` describes asks `ckpt` for, after the
+    /// config's sizes were checked against what the file holds: what
+    /// `multihead inspect` compares with the file.
+    pub fn wanted_tensors(cfg: &HfDecoderConfig, ckpt: &Checkpoint) -> Result<Vec<Wanted>> {
+        let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
+        match cfg {
+            HfDecoderConfig::Gpt2(c) => {
+                ckpt.ensure_holds(&c.min_weights()?)?;
+                wanted_tensors(&names, Gpt2::builder(c, ckpt))
+            }
+            HfDecoderConfig::Llama(c) => {
+                ckpt.ensure_holds(&c.min_weights()?)?;
+                wanted_tensors(&names, |vb| Llama::new(c, vb))
+            }
+        }
     }
 
     /// Builds the model `cfg` describes from `ckpt`.
