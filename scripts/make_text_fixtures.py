@@ -333,7 +333,23 @@ def build(name, make_tok, make_model, out_dir):
         text, ids = chat_ids(tok2, conversation, add_generation_prompt)
         chats.append({"messages": conversation, "add_generation_prompt": add_generation_prompt,
                       "text": text, "ids": ids})
-    return {"seed": seed, "least_margin": least, "cases": rows, "chats": chats}
+    return {"seed": seed, "least_margin": least, "cases": rows, "chats": chats,
+            "stop": stop_case(again, tok2, rows)}
+
+
+def stop_case(model, tok, rows):
+    """Greedy generation of the first prompt with `stop_strings`: a
+    two-character piece of its text (no U+FFFD), from its second half."""
+    row = next(r for r in rows if not r.get("chat") and len(r["text"]) >= 6)
+    text = row["text"]
+    start = next(i for i in range(len(text) // 2, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    stop = text[start:start + 2]
+    ids = torch.tensor([row["prompt_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=model.generation_config,
+                         stop_strings=[stop], tokenizer=tok)
+    new = out[0, ids.shape[1]:].tolist()
+    return {"prompt": row["prompt"], "stop": stop, "new_ids": new,
+            "text": tok.decode(new, skip_special_tokens=True)}
 
 
 def main():

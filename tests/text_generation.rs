@@ -439,3 +439,42 @@ fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
     );
     Ok(())
 }
+
+/// HF's `stop_strings`: generation stops at the token that completes the
+/// string, which the text keeps; through the library and `--stop`.
+#[test]
+fn stop_strings_stop_where_hf_stops() -> Result<()> {
+    let want = expected()?;
+    for name in FOLDERS {
+        let case = &want[name]["stop"];
+        let (prompt, stop) = (
+            case["prompt"].as_str().context("prompt")?,
+            case["stop"].as_str().context("stop")?,
+        );
+        let g = TextGenerator::from_folder(&fixtures().join(name), &Device::Cpu)?;
+        let mut settings = g.settings();
+        settings.stop_strings = vec![stop.to_string()];
+        let out = g.generate(prompt, &settings, &mut |_| Ok(()))?;
+        assert_eq!(out.ids, ids(&case["new_ids"]), "{name} {stop:?}");
+        assert_eq!(out.text, case["text"].as_str().context("text")?, "{name}");
+        assert_eq!(out.finish, Finish::Stop, "{name}");
+        let dir = fixtures().join(name);
+        let out = multihead(
+            &[
+                "generate",
+                "--format",
+                "json",
+                "--stop",
+                stop,
+                "--model",
+                dir.to_str().context("path")?,
+                prompt,
+            ],
+            None,
+        )?;
+        let got: Value = serde_json::from_slice(&out.stdout)?;
+        assert_eq!(got[0]["finish"], "stop", "{name}");
+        assert_eq!(got[0]["text"], case["text"], "{name}");
+    }
+    Ok(())
+}

@@ -45,6 +45,10 @@ pub struct Args {
     /// Sample among the most likely tokens whose probabilities reach P.
     #[arg(long, value_name = "P")]
     pub top_p: Option<f32>,
+    /// Stop once the text holds this string (kept in the output); may be
+    /// given several times. Adds to the folder's `stop_strings`.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
     /// Seed of the samples: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -117,6 +121,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(n) = args.min_new_tokens {
         settings.min_new_tokens = n;
     }
+    settings.stop_strings.extend(args.stop.iter().cloned());
     if args.greedy {
         settings.sampling = None;
     } else if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
@@ -189,6 +194,7 @@ pub fn run(args: Args) -> Result<()> {
                 "finish": match result.finish {
                     Finish::Eos => "eos",
                     Finish::Length => "length",
+                    Finish::Stop => "stop",
                 },
             })),
         }

@@ -34,6 +34,8 @@ pub struct HfGenerationConfig {
     pub top_p: Option<f32>,
     /// `repetition_penalty` (HF's default 1).
     pub repetition_penalty: Option<f32>,
+    /// `stop_strings`: one string or a list.
+    pub stop_strings: Vec<String>,
 }
 
 /// Most tokens `max_new_tokens` may ask for.
@@ -82,6 +84,20 @@ impl HfGenerationConfig {
             top_k: f.count("top_k", 0)?,
             top_p: f.positive("top_p")?,
             repetition_penalty: f.positive("repetition_penalty")?,
+            stop_strings: match f.get("stop_strings") {
+                None => Vec::new(),
+                Some(Value::String(s)) => vec![s.clone()],
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|v| match v {
+                        Value::String(s) if !s.is_empty() => Ok(s.clone()),
+                        _ => bail!("{label}: field 'stop_strings' must hold non-empty strings, found {v}"),
+                    })
+                    .collect::<Result<_>>()?,
+                Some(v) => {
+                    bail!("{label}: field 'stop_strings' must be a string or a list of strings, found {v}")
+                }
+            },
         };
         if let Some(p) = cfg.top_p.filter(|&p| p > 1.) {
             bail!("{label}: field 'top_p' must be in (0, 1], found {p}")

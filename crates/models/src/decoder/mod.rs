@@ -349,14 +349,14 @@ pub fn generate_from_prompts<M: CausalLm>(
 
 /// [`generate_from_prompts`] calling `on_token` with each token as it is
 /// chosen ([`crate::generation::generate_streaming`]; greedy decoding and
-/// sampling).
+/// sampling); `on_token` answers whether the row goes on.
 pub fn generate_from_prompts_streaming<M: CausalLm>(
     model: &M,
     prompts: &[Vec<u32>],
     pad_id: u32,
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
-    on_token: &mut dyn FnMut(Chosen) -> Result<()>,
+    on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
 ) -> Result<Vec<Vec<Generated>>> {
     match prefill(model, prompts, pad_id, cfg)? {
         Some((cache, last, cfg)) => generate_streaming(model, cache, &last, &cfg, processors, on_token),

@@ -27,6 +27,9 @@ pub struct GenerationSettings {
     pub sampling: Option<Sampling>,
     /// HF's `repetition_penalty`, applied to the log-probabilities.
     pub repetition_penalty: Option<f32>,
+    /// Generation stops once the text holds one of these (HF's
+    /// `stop_strings`); the text keeps it.
+    pub stop_strings: Vec<String>,
 }
 
 /// Sampling: the seed of the draws and the warpers, in HF's order.
@@ -49,6 +52,8 @@ pub enum Finish {
     Eos,
     /// `max_new_tokens`, or the model's context, ran out.
     Length,
+    /// The text came to hold a stop string.
+    Stop,
 }
 
 /// One prompt's continuation.
@@ -166,6 +171,7 @@ impl TextGenerator {
                 top_p: g.top_p.unwrap_or(1.),
             }),
             repetition_penalty: g.repetition_penalty.filter(|&p| p != 1.),
+            stop_strings: g.stop_strings.clone(),
         }
     }
 
@@ -264,9 +270,14 @@ impl TextGenerator {
         processors.extend(top_k.iter().map(|p| p as &dyn LogitsProcessor));
         processors.extend(top_p.iter().map(|p| p as &dyn LogitsProcessor));
 
+        if settings.stop_strings.iter().any(String::is_empty) {
+            bail!("a stop string must not be empty")
+        }
         let start = Instant::now();
         let mut first_token = None;
         let mut stream = self.tokenizer.stream();
+        let mut ids = Vec::new();
+        let mut stopped = false;
         let out = generate_from_prompts_streaming(
             &self.model,
             std::slice::from_ref(&prompt_ids),
@@ -278,7 +289,15 @@ impl TextGenerator {
                 if let Some(piece) = stream.push(chosen.token)? {
                     on_text(&piece)?;
                 }
-                Ok(())
+                if settings.stop_strings.is_empty() {
+                    return Ok(true);
+                }
+                // HF's rule: the text holds a stop string that this token
+                // completed (earlier tokens would have stopped already).
+                ids.push(chosen.token);
+                let text = self.tokenizer.decode(&ids)?;
+                stopped = settings.stop_strings.iter().any(|s| text.contains(s.as_str()));
+                Ok(!stopped)
             },
         )?;
         let rest = stream.finish()?;
@@ -296,6 +315,8 @@ impl TextGenerator {
             ids: generated.tokens,
             finish: if generated.finished {
                 Finish::Eos
+            } else if stopped {
+                Finish::Stop
             } else {
                 Finish::Length
             },

@@ -193,7 +193,7 @@ pub fn generate_from<M: StepModel>(
     match cfg.decoding {
         Decoding::Beam { beams } => beam(model, cache, first, beams, cfg, processors),
         Decoding::Greedy | Decoding::Sample { .. } => {
-            rowwise(model, cache, first, cfg, processors, &mut |_| Ok(()))
+            rowwise(model, cache, first, cfg, processors, &mut |_| Ok(true))
         }
     }
 }
@@ -211,15 +211,16 @@ pub struct Chosen {
 
 /// [`generate_from`] for greedy decoding and sampling, calling `on_token`
 /// with every token as soon as it is chosen (to stream text while the rest
-/// is generated); an error from `on_token` stops the search. Beam search
-/// is refused: its tokens are only known at the end.
+/// is generated). `on_token` answers whether its row goes on: `false` ends
+/// the row there, not `finished` (a stop string, say); an error stops the
+/// search. Beam search is refused: its tokens are only known at the end.
 pub fn generate_streaming<M: StepModel>(
     model: &M,
     cache: M::Cache,
     first: &[u32],
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
-    on_token: &mut dyn FnMut(Chosen) -> Result<()>,
+    on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
 ) -> Result<Vec<Vec<Generated>>> {
     if let Decoding::Beam { .. } = cfg.decoding {
         bail!("generate_streaming: beam search cannot stream (its tokens are chosen at the end)")
@@ -337,7 +338,7 @@ fn rowwise<M: StepModel>(
     first: &[u32],
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
-    on_token: &mut dyn FnMut(Chosen) -> Result<()>,
+    on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
 ) -> Result<Vec<Vec<Generated>>> {
     let batch = first.len();
     let n = cfg.num_return;
@@ -400,11 +401,15 @@ fn rowwise<M: StepModel>(
             } else {
                 out[r].tokens.push(t as u32);
                 fed[r] = t as u32;
-                on_token(Chosen {
+                let go_on = on_token(Chosen {
                     source: r / n,
                     sample: r % n,
                     token: t as u32,
                 })?;
+                if !go_on {
+                    done[r] = true;
+                    fed[r] = cfg.pad_id;
+                }
             }
         }
         if done.iter().all(|&d| d) {
