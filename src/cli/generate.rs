@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use multihead::models::checkpoint::LoadProgress;
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
 
 use super::input::{preview, read_lines};
@@ -107,8 +109,20 @@ pub fn run(args: Args) -> Result<()> {
     }
     let device = parse_device(&args.device)?;
     let start = Instant::now();
-    let generator = TextGenerator::from_folder(&args.model, &device)
+    // A bar over the weights' bytes; indicatif draws on stderr only when it
+    // is a terminal.
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("loading {bar:30} {binary_bytes}/{binary_total_bytes} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let shown = bar.clone();
+    let progress = LoadProgress(std::sync::Arc::new(move |done, total| {
+        shown.set_length(total);
+        shown.set_position(done);
+    }));
+    let generator = TextGenerator::from_folder_with_progress(&args.model, &device, Some(progress))
         .with_context(|| format!("loading '{}'", args.model.display()))?;
+    bar.finish_and_clear();
     eprintln!(
         "loaded {} in {:.0} ms",
         args.model.display(),

@@ -110,6 +110,17 @@ impl Deref for Bytes {
     }
 }
 
+/// Told `(bytes read, bytes in all)` after each tensor a model is built
+/// from: a progress bar while a large folder loads.
+#[derive(Clone)]
+pub struct LoadProgress(pub Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for LoadProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoadProgress(..)")
+    }
+}
+
 /// A validated safetensors file: mapped read-only when read from disk
 /// (no copy of the file is made; the pages a tensor was read from are
 /// handed back once it is converted), or held in memory.
@@ -130,9 +141,21 @@ pub struct Checkpoint {
     /// hundreds of thousands of entries.
     index: HashMap<String, usize>,
     metadata: Vec<(String, String)>,
+    progress: Option<LoadProgress>,
 }
 
 impl Checkpoint {
+    /// The same, telling `progress` how far [`Checkpoint::load`] got.
+    pub fn with_progress(mut self, progress: Option<LoadProgress>) -> Self {
+        self.progress = progress;
+        self
+    }
+
+    /// The progress callback, if one was set.
+    pub(crate) fn progress(&self) -> Option<&LoadProgress> {
+        self.progress.as_ref()
+    }
+
     /// Reads `path`; refuses PyTorch pickles (`.bin`, `.pt`, `.pth`,
     /// `.ckpt`) with the command that converts them.
     pub fn read(path: &Path) -> Result<Self> {
@@ -209,6 +232,7 @@ impl Checkpoint {
             data,
             index,
             metadata,
+            progress: None,
         })
     }
 

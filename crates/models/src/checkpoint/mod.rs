@@ -15,7 +15,7 @@ mod preflight;
 mod shards;
 
 pub use capacity::{checked_product, MinWeights, CAPACITY_SLACK};
-pub use file::{Checkpoint, TensorInfo};
+pub use file::{Checkpoint, LoadProgress, TensorInfo};
 pub use preflight::{
     wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, EXTRA_WANTED, SUMMARY_ITEMS,
 };

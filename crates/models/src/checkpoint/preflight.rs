@@ -265,7 +265,12 @@ impl Checkpoint {
         if let Some(summary) = report.summary() {
             candle::bail!("weights '{}' do not match the model: {summary}", self.label())
         }
-        let vb = VarBuilder::from_backend(Box::new(Reader { ckpt: self }), dtype, device.clone());
+        let reader = Reader {
+            ckpt: self,
+            read: std::sync::atomic::AtomicU64::new(0),
+            total: self.tensors().iter().map(|t| t.bytes as u64).sum(),
+        };
+        let vb = VarBuilder::from_backend(Box::new(reader), dtype, device.clone());
         build(vb)
     }
 }
@@ -275,13 +280,21 @@ impl Checkpoint {
 /// from a mapped file never holds the file beside itself.
 struct Reader<'a> {
     ckpt: &'a Checkpoint,
+    /// Bytes read so far, and in all, for the progress callback.
+    read: std::sync::atomic::AtomicU64,
+    total: u64,
 }
 
 impl Reader<'_> {
     fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = self.ckpt.tensor(name, dev)?.to_dtype(dtype)?;
         if let Some(range) = self.ckpt.range(name) {
+            let n = range.len() as u64;
             self.ckpt.release(range);
+            if let Some(progress) = self.ckpt.progress() {
+                let read = self.read.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
+                (progress.0)(read.min(self.total), self.total);
+            }
         }
         Ok(t)
     }

@@ -33,7 +33,7 @@ use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::{wanted_tensors, Checkpoint, Wanted};
+use crate::checkpoint::{wanted_tensors, Checkpoint, LoadProgress, Wanted};
 use crate::generation::{
     generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
 };
@@ -222,6 +222,16 @@ impl DecoderModel {
     /// `save_pretrained` writes them, through the checked loader (every
     /// missing, extra or mis-shaped tensor named at once).
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
+        Self::from_folder_with_progress(dir, device, None)
+    }
+
+    /// [`DecoderModel::from_folder`], telling `progress` how many of the
+    /// weights' bytes were read.
+    pub fn from_folder_with_progress(
+        dir: &Path,
+        device: &Device,
+        progress: Option<LoadProgress>,
+    ) -> Result<Self> {
         let config = dir.join("config.json");
         let text = crate::files::read_text(&config, "config", crate::files::MAX_CONFIG_BYTES)?;
         let cfg = HfDecoderConfig::from_json(&text, &config.display().to_string())?;
@@ -243,7 +253,7 @@ impl DecoderModel {
                 dir.display()
             )
         };
-        Self::from_checkpoint(&cfg, &ckpt, device)
+        Self::from_checkpoint(&cfg, &ckpt.with_progress(progress), device)
     }
 
     /// The tensors the model `cfg` describes asks `ckpt` for, after the

@@ -11,6 +11,7 @@ use super::{
     generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderModel, HfGenerationConfig,
     TextTokenizer,
 };
+use crate::checkpoint::LoadProgress;
 use crate::generation::{
     Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TopK, TopP,
 };
@@ -97,10 +98,21 @@ impl TextGenerator {
     /// the model's embedding is refused (its ids past the embedding would
     /// fail mid-prompt); a smaller one is fine, as in HF.
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
+        Self::from_folder_with_progress(dir, device, None)
+    }
+
+    /// [`TextGenerator::from_folder`], telling `progress` how many of the
+    /// weights' bytes were read (the small files are read first, so a bad
+    /// tokenizer or config is refused before the weights are touched).
+    pub fn from_folder_with_progress(
+        dir: &Path,
+        device: &Device,
+        progress: Option<LoadProgress>,
+    ) -> Result<Self> {
         let tokenizer = TextTokenizer::from_folder(dir)?;
         let generation = HfGenerationConfig::from_folder(dir)?;
         let chat = ChatTemplate::from_folder(dir)?;
-        let model = DecoderModel::from_folder(dir, device)?;
+        let model = DecoderModel::from_folder_with_progress(dir, device, progress)?;
         Ok(Self::new(model, tokenizer, generation, &dir.display().to_string())?.with_chat_template(chat))
     }
 
