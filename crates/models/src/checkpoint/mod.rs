@@ -11,11 +11,13 @@
 
 mod capacity;
 pub(crate) mod file;
+mod folder;
 mod preflight;
 mod shards;
 
 pub use capacity::{checked_product, MinWeights, CAPACITY_SLACK};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
+pub use folder::{Weights, INDEX_NAME};
 pub use preflight::{
     wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, EXTRA_WANTED, SUMMARY_ITEMS,
 };

@@ -33,7 +33,7 @@ use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::{wanted_tensors, Checkpoint, LoadProgress, Wanted};
+use crate::checkpoint::{wanted_tensors, Checkpoint, LoadProgress, Wanted, Weights};
 use crate::generation::{
     generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
 };
@@ -217,8 +217,9 @@ pub enum DecoderModel {
 }
 
 impl DecoderModel {
-    /// Loads `dir/config.json` and `dir/model.safetensors` (or the shards
-    /// `model.safetensors.index.json` lists) as HF transformers'
+    /// Loads `dir/config.json` and the weights ([`Weights::find`]:
+    /// `model.safetensors`, the shards `model.safetensors.index.json`
+    /// lists, or the one `*.safetensors` file) as HF transformers'
     /// `save_pretrained` writes them, through the checked loader (every
     /// missing, extra or mis-shaped tensor named at once).
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
@@ -235,24 +236,7 @@ impl DecoderModel {
         let config = dir.join("config.json");
         let text = crate::files::read_text(&config, "config", crate::files::MAX_CONFIG_BYTES)?;
         let cfg = HfDecoderConfig::from_json(&text, &config.display().to_string())?;
-        let weights = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let ckpt = if weights.exists() {
-            Checkpoint::read(&weights)?
-        } else if index.exists() {
-            // Sharded, as save_pretrained writes models past its shard size.
-            Checkpoint::read_sharded(&index)?
-        } else {
-            // A pickle gets the export command from the checkpoint reader.
-            let bin = dir.join("pytorch_model.bin");
-            if bin.exists() {
-                Checkpoint::read(&bin)?;
-            }
-            bail!(
-                "{}: no model.safetensors or model.safetensors.index.json beside config.json",
-                dir.display()
-            )
-        };
+        let ckpt = Weights::find(dir)?.read()?;
         Self::from_checkpoint(&cfg, &ckpt.with_progress(progress), device)
     }
 

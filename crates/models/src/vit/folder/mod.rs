@@ -28,28 +28,8 @@ use crate::vit::folder::hf::HfArchitecture;
 use crate::vit::folder::json::parse_object;
 use crate::vit::model::VisionTransformer;
 
-/// The index of a sharded checkpoint.
-pub const INDEX_NAME: &str = "model.safetensors.index.json";
-
+pub use crate::checkpoint::{Weights, INDEX_NAME};
 pub use crate::files::MAX_CONFIG_BYTES;
-
-/// Where the weights are.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Weights {
-    /// One safetensors file.
-    File(PathBuf),
-    /// `model.safetensors.index.json` and the shards it lists.
-    Sharded(PathBuf),
-}
-
-impl Weights {
-    /// The file to name in messages.
-    pub fn path(&self) -> &Path {
-        match self {
-            Self::File(p) | Self::Sharded(p) => p,
-        }
-    }
-}
 
 /// Which writer the `config.json` comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,61 +66,6 @@ fn read_json(path: &Path, what: &str) -> Result<String> {
     crate::files::read_text(path, what, MAX_CONFIG_BYTES)
 }
 
-/// The weights in `dir`: the sharded index, `model.safetensors`, or the
-/// one `*.safetensors` file; a folder with only pickles is refused with
-/// the command that converts them.
-fn find_weights(dir: &Path) -> Result<Weights> {
-    let index = dir.join(INDEX_NAME);
-    if index.is_file() {
-        return Ok(Weights::Sharded(index));
-    }
-    let model = dir.join("model.safetensors");
-    if model.is_file() {
-        return Ok(Weights::File(model));
-    }
-    let mut safetensors = Vec::new();
-    let mut pickles = Vec::new();
-    let entries = std::fs::read_dir(dir)
-        .map_err(|e| candle::Error::Msg(format!("reading folder '{}': {e}", dir.display())))?;
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let ext = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase);
-        match ext.as_deref() {
-            Some("safetensors") => safetensors.push(path),
-            Some("bin" | "pt" | "pth" | "ckpt" | "pkl") => pickles.push(path),
-            _ => {}
-        }
-    }
-    safetensors.sort();
-    pickles.sort();
-    match (safetensors.as_slice(), pickles.first()) {
-        ([one], _) => Ok(Weights::File(one.clone())),
-        ([], Some(p)) => bail!(
-            "folder '{}' holds no safetensors, only the PyTorch pickle '{}' (loading a pickle can run \
-             arbitrary code, so multihead does not read them); export it once with: python -c \"import torch; \
-             from safetensors.torch import save_file; sd = torch.load('{}', map_location='cpu', weights_only=True); \
-             sd = sd.get('state_dict', sd.get('model', sd)); \
-             save_file({{k: v.contiguous() for k, v in sd.items()}}, '{}')\"",
-            dir.display(),
-            p.display(),
-            p.display(),
-            dir.join("model.safetensors").display()
-        ),
-        ([], None) => bail!(
-            "folder '{}' holds no weights (model.safetensors, {INDEX_NAME} or one *.safetensors file)",
-            dir.display()
-        ),
-        (many, _) => bail!(
-            "folder '{}' holds {} safetensors files and no model.safetensors or {INDEX_NAME}: pass the file",
-            dir.display(),
-            many.len()
-        ),
-    }
-}
-
 impl ModelFolder {
     /// Opens a folder, or a weights file (`*.safetensors` or
     /// `model.safetensors.index.json`) in one, with the `config.json`
@@ -156,7 +81,7 @@ impl ModelFolder {
             bail!("reading weights '{}': no such file or folder", path.display())
         }
         let weights = if path.is_dir() {
-            find_weights(path)?
+            Weights::find(path)?
         } else {
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
             if name.ends_with(".index.json") {
@@ -287,8 +212,7 @@ impl ModelFolder {
     /// Reads the weights (merging shards) and validates the file.
     pub fn checkpoint(&self) -> Result<Checkpoint> {
         match &self.weights {
-            Weights::File(p) => Checkpoint::read(p),
-            Weights::Sharded(p) => Checkpoint::read_sharded(p),
+            w => w.read(),
         }
     }
 
