@@ -211,9 +211,7 @@ impl ModelFolder {
 
     /// Reads the weights (merging shards) and validates the file.
     pub fn checkpoint(&self) -> Result<Checkpoint> {
-        match &self.weights {
-            w => w.read(),
-        }
+        self.weights.read()
     }
 
     /// Reads the weights and builds the model after the checks of
