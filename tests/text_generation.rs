@@ -382,6 +382,16 @@ fn the_stream_never_splits_a_character() -> Result<()> {
     }
     let cfg = HfGenerationConfig::from_folder(&fixtures().join("llama3"))?;
     assert_eq!(cfg.eos_token_ids, [1, 4]);
+    // Without generation_config.json the end tokens come from config.json,
+    // as HF's GenerationConfig.from_model_config takes them.
+    let dir = folder_with("llama3", "no-generation-config", |d| {
+        Ok(std::fs::remove_file(d.join("generation_config.json"))?)
+    })?;
+    let cfg = HfGenerationConfig::from_folder(&dir)?;
+    assert_eq!(
+        (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_new_tokens),
+        (vec![1, 4], Some(0), None)
+    );
     Ok(())
 }
 

@@ -42,15 +42,37 @@ pub struct HfGenerationConfig {
 const MAX_NEW_TOKENS: usize = 1 << 20;
 
 impl HfGenerationConfig {
-    /// Reads `dir/generation_config.json`; a folder without one has the
-    /// defaults.
+    /// Reads `dir/generation_config.json`. A folder without one takes the
+    /// special tokens of its `config.json` (`eos_token_id`, `bos_token_id`,
+    /// `pad_token_id`) and the defaults otherwise, as HF's
+    /// `GenerationConfig.from_model_config` does.
     pub fn from_folder(dir: &Path) -> Result<Self> {
         let path = dir.join("generation_config.json");
-        if !path.exists() {
+        if path.exists() {
+            let text = read_text(&path, "generation config", MAX_CONFIG_BYTES)?;
+            return Self::from_json(&text, &path.display().to_string());
+        }
+        let config = dir.join("config.json");
+        if !config.exists() {
             return Ok(Self::default());
         }
-        let text = read_text(&path, "generation config", MAX_CONFIG_BYTES)?;
-        Self::from_json(&text, &path.display().to_string())
+        let text = read_text(&config, "config", MAX_CONFIG_BYTES)?;
+        let label = config.display().to_string();
+        let map = match serde_json::from_str::<Value>(&text) {
+            Ok(Value::Object(map)) => map,
+            Ok(_) => bail!("{label}: expected a JSON object"),
+            Err(e) => bail!("{label}: not valid JSON: {e}"),
+        };
+        let f = Fields {
+            label: &label,
+            map: &map,
+        };
+        Ok(Self {
+            eos_token_ids: f.ids("eos_token_id")?,
+            bos_token_id: f.id("bos_token_id")?,
+            pad_token_id: f.id("pad_token_id")?,
+            ..Self::default()
+        })
     }
 
     /// Parses the file's text; `label` names it in errors.
@@ -61,16 +83,8 @@ impl HfGenerationConfig {
             Err(e) => bail!("{label}: not valid JSON: {e}"),
         };
         let f = Fields { label, map: &map };
-        let eos_token_ids = match f.get("eos_token_id") {
-            None => Vec::new(),
-            Some(Value::Array(ids)) => ids
-                .iter()
-                .map(|v| f.id_value("eos_token_id", v))
-                .collect::<Result<_>>()?,
-            Some(v) => vec![f.id_value("eos_token_id", v)?],
-        };
         let cfg = Self {
-            eos_token_ids,
+            eos_token_ids: f.ids("eos_token_id")?,
             pad_token_id: f.id("pad_token_id")?,
             bos_token_id: f.id("bos_token_id")?,
             max_new_tokens: f.count("max_new_tokens", 1)?,
@@ -141,6 +155,15 @@ impl Fields<'_> {
                 "{}: field '{key}' must hold token ids (whole numbers), found {v}",
                 self.label
             ),
+        }
+    }
+
+    /// One id or a list of them (none when absent).
+    fn ids(&self, key: &str) -> Result<Vec<u32>> {
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(ids)) => ids.iter().map(|v| self.id_value(key, v)).collect(),
+            Some(v) => Ok(vec![self.id_value(key, v)?]),
         }
     }
 
