@@ -50,13 +50,9 @@ struct ConfigCheck {
 
 /// Runs the command.
 pub fn run(args: Args) -> Result<()> {
-    // A folder means its model.safetensors, as `--weights DIR` does.
-    let file = if args.file.is_dir() {
-        WeightsPath::resolve(&args.file)?.file
-    } else {
-        args.file.clone()
-    };
-    let ckpt = Checkpoint::read(&file)?;
+    // A folder means its weights as `--weights DIR` finds them.
+    let at = WeightsPath::resolve(&args.file)?;
+    let ckpt = at.read()?;
     let layout = recognise(ckpt.tensors());
     let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
     let non_finite: Vec<NonFinite> = ckpt
@@ -64,7 +60,7 @@ pub fn run(args: Args) -> Result<()> {
         .into_iter()
         .map(|(name, nan, inf)| NonFinite { name, nan, inf })
         .collect();
-    let beside = file.with_file_name("config.json");
+    let beside = at.beside("config.json");
     // A config.json beside the file that cannot be used (another kind, or
     // sizes the file cannot hold) does not fail the inspection, but is not
     // passed over in silence either.

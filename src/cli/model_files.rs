@@ -7,12 +7,9 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
-use multihead::models::checkpoint::Checkpoint;
+use anyhow::{Context, Result};
+use multihead::models::checkpoint::{Checkpoint, Weights};
 use multihead::models::files;
-
-/// The weights file a folder is read through.
-pub const WEIGHTS_FILE: &str = "model.safetensors";
 
 /// A text file of a model (config, vocabulary): its contents and the name
 /// errors give it.
@@ -45,26 +42,22 @@ impl Text {
 /// (and vocabulary) are read from.
 #[derive(Debug, Clone)]
 pub struct WeightsPath {
-    pub file: PathBuf,
+    pub weights: Weights,
     pub dir: PathBuf,
 }
 
 impl WeightsPath {
-    /// A folder means `DIR/model.safetensors` with its files beside it; a
-    /// file means that file, with its config in the same folder.
+    /// A folder means its weights as every model kind finds them
+    /// ([`Weights::find`]: `model.safetensors`, a shard index, or the one
+    /// `*.safetensors` file) with its files beside them; a file means that
+    /// file (a `.safetensors` or a shard index), with its config in the
+    /// same folder.
     pub fn resolve(path: &Path) -> Result<Self> {
         let meta =
             std::fs::metadata(path).with_context(|| format!("reading weights '{}'", path.display()))?;
         if meta.is_dir() {
-            let file = path.join(WEIGHTS_FILE);
-            if !file.is_file() {
-                bail!(
-                    "weights '{}' is a folder without {WEIGHTS_FILE}; pass the weights file itself",
-                    path.display()
-                )
-            }
             return Ok(Self {
-                file,
+                weights: Weights::find(path)?,
                 dir: path.to_path_buf(),
             });
         }
@@ -74,10 +67,22 @@ impl WeightsPath {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
+        let is_index = path
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().ends_with(".index.json"));
         Ok(Self {
-            file: path.to_path_buf(),
+            weights: if is_index {
+                Weights::Sharded(path.to_path_buf())
+            } else {
+                Weights::File(path.to_path_buf())
+            },
             dir,
         })
+    }
+
+    /// The checkpoint (shards merged).
+    pub fn read(&self) -> Result<Checkpoint> {
+        Ok(self.weights.read()?)
     }
 
     /// `name` in the weights' folder.

@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
-use multihead_models::checkpoint::Checkpoint;
 use multihead_models::dates::{self, DateOrder, DateReading, StatedYear};
 use multihead_models::generation::{
     Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
@@ -147,7 +146,7 @@ impl Translator {
                 let at = WeightsPath::resolve(path)?;
                 let config = Text::read(&at.beside("config.json"), "config")?;
                 let vocab = Text::read(&at.beside("vocab.json"), "vocab")?;
-                (config, vocab, Checkpoint::read(&at.file)?)
+                (config, vocab, at.read()?)
             }
         };
         let cfg = Seq2SeqConfig::from_json(&config.text).with_context(|| config.label.clone())?;
