@@ -92,6 +92,9 @@ fn explain(e: &SafeTensorError, len: usize) -> String {
     }
 }
 
+/// A tensor's dtype, the index of its file, and its bytes' range there.
+type Stored = (Dtype, usize, Range<usize>);
+
 /// A checkpoint's bytes: read into memory, or a file mapped read-only.
 #[derive(Debug)]
 enum Bytes {
@@ -132,11 +135,12 @@ impl std::fmt::Debug for LoadProgress {
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     label: String,
-    bytes: Arc<Bytes>,
+    /// The files: one, or a sharded checkpoint's shards.
+    files: Vec<Arc<Bytes>>,
     tensors: Vec<TensorInfo>,
-    /// Per entry of `tensors`: its dtype and where its data lies in
-    /// `bytes`, so that a tensor is read without parsing the header again.
-    data: Vec<(Dtype, Range<usize>)>,
+    /// Per entry of `tensors`: where its data lies, so that a tensor is
+    /// read without parsing the header again.
+    data: Vec<Stored>,
     /// Name -> index into `tensors`: lookups stay O(1) for headers with
     /// hundreds of thousands of entries.
     index: HashMap<String, usize>,
@@ -199,7 +203,7 @@ impl Checkpoint {
         };
         let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad_file(label, &e, bytes.len()))?;
         let base = bytes.as_ptr() as usize;
-        let mut entries: Vec<(TensorInfo, (Dtype, Range<usize>))> = st
+        let mut entries: Vec<(TensorInfo, Stored)> = st
             .iter()
             .map(|(name, view)| {
                 // The view borrows `bytes`: its offset is where it starts.
@@ -210,7 +214,7 @@ impl Checkpoint {
                     shape: view.shape().to_vec(),
                     bytes: view.data().len(),
                 };
-                (info, (view.dtype(), start..start + view.data().len()))
+                (info, (view.dtype(), 0, start..start + view.data().len()))
             })
             .collect();
         drop(st);
@@ -227,7 +231,7 @@ impl Checkpoint {
         metadata.sort();
         Ok(Self {
             label: label.to_string(),
-            bytes: Arc::new(bytes),
+            files: vec![Arc::new(bytes)],
             tensors,
             data,
             index,
@@ -256,9 +260,9 @@ impl Checkpoint {
         self.index.get(name).map(|&i| &self.tensors[i])
     }
 
-    /// Size of the file in bytes.
+    /// Size of the file in bytes (of all the shards, for a sharded one).
     pub fn file_size(&self) -> usize {
-        self.bytes.len()
+        self.files.iter().map(|f| f.len()).sum()
     }
 
     /// Total number of elements over all tensors (saturating; a
@@ -274,10 +278,10 @@ impl Checkpoint {
     /// one byte each) becomes `u8`, non-zero = true: candle has no bool
     /// dtype, and the attention masks take `u8` for booleans.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
-        let (info, (dtype, range)) = self
+        let (info, (dtype, _, _), bytes) = self
             .index
             .get(name)
-            .map(|&i| (&self.tensors[i], &self.data[i]))
+            .map(|&i| (&self.tensors[i], &self.data[i], self.slice(i)))
             .ok_or_else(|| candle::Error::Msg(format!("weights '{}': no tensor '{name}'", self.label)))?;
         // An empty tensor may have other dims whose product overflows
         // (`[0, 2^40, 2^40]` is valid safetensors): candle's strides would.
@@ -298,7 +302,7 @@ impl Checkpoint {
             Dtype::BOOL => &Dtype::U8,
             d => d,
         };
-        let view = TensorView::new(*dtype, info.shape.clone(), &self.bytes[range.clone()])
+        let view = TensorView::new(*dtype, info.shape.clone(), bytes)
             .map_err(|e| candle::Error::Msg(format!("weights '{}': tensor '{name}': {e}", self.label)))?;
         candle::safetensors::Load::load(&view, device)
     }
@@ -314,9 +318,8 @@ impl Checkpoint {
         let mut bad = Vec::new();
         for name in names {
             let Some(&i) = self.index.get(name) else { continue };
-            let (dtype, range) = &self.data[i];
-            let (nan, inf) = count_non_finite(*dtype, &self.bytes[range.clone()]);
-            self.release(range.clone());
+            let (nan, inf) = count_non_finite(self.data[i].0, self.slice(i));
+            self.release(i);
             if nan + inf > 0 {
                 bad.push((name.to_string(), nan, inf));
             }
@@ -324,17 +327,19 @@ impl Checkpoint {
         Ok(bad)
     }
 
-    /// The raw file, for a `VarBuilder`.
-    pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+    /// The stored bytes of tensor `i`.
+    fn slice(&self, i: usize) -> &[u8] {
+        let (_, file, range) = &self.data[i];
+        &self.files[*file][range.clone()]
     }
 
-    /// Hands the pages of a mapped file's `range` back to the system once
-    /// they were read (they stay in the page cache, and are read again if
-    /// needed): loading then holds the model and one tensor's pages, not
-    /// the model and the file.
-    pub(crate) fn release(&self, range: Range<usize>) {
-        if let Bytes::Mapped(map) = &*self.bytes {
+    /// Hands the pages of tensor `i` back to the system once they were
+    /// read, where its file is mapped (they stay in the page cache, and are
+    /// read again if needed): loading then holds the model and one
+    /// tensor's pages, not the model and the file.
+    fn release(&self, i: usize) {
+        let (_, file, range) = &self.data[i];
+        if let Bytes::Mapped(map) = &*self.files[*file] {
             // Only whole pages inside the range: its neighbours may still be
             // read.
             const PAGE: usize = 4096;
@@ -351,24 +356,43 @@ impl Checkpoint {
         }
     }
 
-    /// The byte range of tensor `name` in the file.
-    pub(crate) fn range(&self, name: &str) -> Option<Range<usize>> {
-        self.index.get(name).map(|&i| self.data[i].1.clone())
+    /// Hands tensor `name`'s pages back (see [`Checkpoint::release`]) and
+    /// returns its size in bytes.
+    pub(crate) fn release_named(&self, name: &str) -> Option<usize> {
+        let &i = self.index.get(name)?;
+        self.release(i);
+        Some(self.tensors[i].bytes)
     }
 
-    /// Every tensor as a view of the stored bytes, in natural name order.
-    pub(crate) fn views(&self) -> Result<Vec<(&str, TensorView<'_>)>> {
-        self.tensors
+    /// Shards merged into one checkpoint labelled `label`, their files kept
+    /// as they are (mapped, not copied): every tensor of every shard, in
+    /// natural name order. The caller has checked that no name repeats.
+    pub(crate) fn merged(shards: Vec<Checkpoint>, label: &str) -> Self {
+        let mut files = Vec::new();
+        let mut entries = Vec::new();
+        for shard in shards {
+            let base = files.len();
+            files.extend(shard.files);
+            for (info, (dtype, file, range)) in shard.tensors.into_iter().zip(shard.data) {
+                entries.push((info, (dtype, base + file, range)));
+            }
+        }
+        entries.sort_by_cached_key(|(info, _)| natural_key(&info.name));
+        let (tensors, data): (Vec<TensorInfo>, Vec<_>) = entries.into_iter().unzip();
+        let index = tensors
             .iter()
-            .zip(&self.data)
-            .map(|(info, (dtype, range))| {
-                let view =
-                    TensorView::new(*dtype, info.shape.clone(), &self.bytes[range.clone()]).map_err(|e| {
-                        candle::Error::Msg(format!("weights '{}': tensor '{}': {e}", self.label, info.name))
-                    })?;
-                Ok((info.name.as_str(), view))
-            })
-            .collect()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Self {
+            label: label.to_string(),
+            files,
+            tensors,
+            data,
+            index,
+            metadata: Vec::new(),
+            progress: None,
+        }
     }
 }
 

@@ -276,7 +276,7 @@ impl Checkpoint {
 }
 
 /// Answers `vb.get` with the checkpoint's tensor, converted, and hands the
-/// pages it was read from back (see [`Checkpoint::release`]): a model built
+/// pages it was read from back (see `Checkpoint::release_named`): a model built
 /// from a mapped file never holds the file beside itself.
 struct Reader<'a> {
     ckpt: &'a Checkpoint,
@@ -288,10 +288,9 @@ struct Reader<'a> {
 impl Reader<'_> {
     fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
         let t = self.ckpt.tensor(name, dev)?.to_dtype(dtype)?;
-        if let Some(range) = self.ckpt.range(name) {
-            let n = range.len() as u64;
-            self.ckpt.release(range);
+        if let Some(n) = self.ckpt.release_named(name) {
             if let Some(progress) = self.ckpt.progress() {
+                let n = n as u64;
                 let read = self.read.fetch_add(n, std::sync::atomic::Ordering::Relaxed) + n;
                 (progress.0)(read.min(self.total), self.total);
             }

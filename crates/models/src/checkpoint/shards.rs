@@ -64,8 +64,8 @@ impl Checkpoint {
     /// Reads the shards an index (`model.safetensors.index.json`) lists
     /// from the index's folder, checks that each shard holds exactly the
     /// tensors the index puts in it, and merges them into one checkpoint
-    /// labelled with the index's path. Peak memory is twice the weights
-    /// (the shards, then the merged copy).
+    /// labelled with the index's path. The shards stay mapped as files: no
+    /// copy of the weights is made.
     pub fn read_sharded(index: &Path) -> Result<Self> {
         let label = index.display().to_string();
         let text = crate::files::read_text(index, "index", crate::files::MAX_CONFIG_BYTES)?;
@@ -75,10 +75,9 @@ impl Checkpoint {
             .iter()
             .map(|s| Checkpoint::read(&dir.join(s)))
             .collect::<Result<Vec<_>>>()?;
-        let mut views = Vec::new();
         let mut seen: HashMap<&str, &str> = HashMap::new();
         for (shard, file) in shards.iter().zip(&files) {
-            for (name, view) in file.views()? {
+            for name in file.tensors().iter().map(|t| t.name.as_str()) {
                 match weight_map.get(name) {
                     Some(s) if s == shard => {}
                     Some(s) => bail!(
@@ -91,16 +90,13 @@ impl Checkpoint {
                 if let Some(other) = seen.insert(name, shard) {
                     bail!("{label}: tensor '{name}' is in both '{other}' and '{shard}'")
                 }
-                views.push((name, view));
             }
         }
         if let Some((name, shard)) = weight_map.iter().find(|(n, _)| !seen.contains_key(n.as_str())) {
             bail!("{label}: the index puts tensor '{name}' in shard '{shard}', which does not hold it")
         }
-        let bytes = safetensors::serialize(views, None)
-            .map_err(|e| candle::Error::Msg(format!("{label}: merging the shards: {e}")))?;
-        drop(files);
-        Checkpoint::from_bytes(bytes, &label)
+        drop(seen);
+        Ok(Checkpoint::merged(files, &label))
     }
 }
 
