@@ -1,9 +1,11 @@
-//! Models built on [`multihead_attention`]: the Vision Transformer and a
-//! transformer encoder–decoder, loading PyTorch-exported safetensors.
+//! Models built on [`multihead_attention`]: the Vision Transformer, a
+//! transformer encoder–decoder and decoder-only language models (GPT-2,
+//! Llama, Mistral, Qwen2, Qwen3, with their tokenizers, chat templates and
+//! generation configs: [`decoder`]), loading PyTorch-exported safetensors.
 //!
-//! Input from strangers goes through [`checkpoint`] (weights) and
-//! `image_input` (images, feature `image`); [`inspect`] describes a
-//! checkpoint.
+//! Input from strangers goes through [`files`] (bounded reads of regular
+//! files), [`checkpoint`] (weights) and `image_input` (images, feature
+//! `image`); [`inspect`] describes a checkpoint.
 
 pub mod checkpoint;
 pub mod dates;
