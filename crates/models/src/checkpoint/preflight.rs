@@ -287,7 +287,14 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
-        let t = self.ckpt.tensor(name, dev)?.to_dtype(dtype)?;
+        let widened = match (dtype, dev) {
+            (DType::F32, Device::Cpu) => self.ckpt.bf16_as_f32(name)?,
+            _ => None,
+        };
+        let t = match widened {
+            Some(t) => t,
+            None => self.ckpt.tensor(name, dev)?.to_dtype(dtype)?,
+        };
         if let Some(n) = self.ckpt.release_named(name) {
             if let Some(progress) = self.ckpt.progress() {
                 let n = n as u64;
