@@ -369,12 +369,11 @@ fn a_big_vocabulary_times_a_big_automaton_is_refused_not_allocated() {
     );
 }
 
-/// Issue 38, finding 3: a 50-million-character pattern is refused before
-/// it is parsed, with an error that quotes only its start; a class of
-/// thousands of characters repeated costs binary searches, not scans (a
-/// 20,000-character class took 22 s over 20,000 one-character tokens).
-/// The first line of the error `res` must be (candle appends a backtrace
-/// under `RUST_BACKTRACE`).
+/// A 50-million-character pattern is refused before it is parsed, with an
+/// error that quotes only its start; a class of thousands of characters
+/// repeated costs binary searches, not scans.
+/// The first line of the error `res` must hold (candle appends a
+/// backtrace to it under `RUST_BACKTRACE`).
 fn first_error_line<T: std::fmt::Debug>(res: candle::Result<T>) -> String {
     let err = res.expect_err("accepted").to_string();
     err.lines().next().unwrap_or_default().to_string()

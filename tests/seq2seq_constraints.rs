@@ -219,8 +219,7 @@ fn the_iso_date_automaton_accepts_exactly_the_calendar() -> Result<()> {
     Ok(())
 }
 
-/// An empty batch gives empty outputs on every decoding path (issue 38;
-/// greedy failed inside candle, "empty tensor for reduce").
+/// An empty batch gives empty outputs on every decoding path.
 #[test]
 fn an_empty_batch_decodes_to_nothing() -> Result<()> {
     let dev = Device::Cpu;

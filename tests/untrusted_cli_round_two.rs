@@ -1,6 +1,6 @@
-//! What an adversarial review found in the binary (issue 38): files that
-//! are not regular, unbounded flags and lines, writes that fail, years the
-//! date model cannot read, invalid UTF-8. Each ends in bounded work, the
+//! Hostile inputs through the binary: files that are not regular, large
+//! flags and lines, writes that fail, years the date model cannot read,
+//! invalid UTF-8. Each ends in bounded work, the
 //! good inputs translated, and an error naming the problem.
 
 use std::io::Write;
@@ -63,9 +63,8 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// Finding 2: `/dev/zero` or a FIFO as weights, config or image is refused
-/// by name at once (a FIFO used to block forever, `/dev/zero` to fill
-/// memory).
+/// `/dev/zero` or a FIFO as weights, config or image is refused
+/// by name at once, never read or waited on.
 #[test]
 fn devices_and_fifos_are_not_read() -> Result<()> {
     let dir = scratch("devices")?;
@@ -115,9 +114,9 @@ fn devices_and_fifos_are_not_read() -> Result<()> {
     Ok(())
 }
 
-/// Finding 4: `--num-return` has the bound `--beam` has, and a 100 MB
-/// stdin line is measured, not held: the other lines are translated under
-/// a 768 MiB address space (held and encoded, the line took 887 MB).
+/// `--num-return` has the bound `--beam` has, and a 100 MB
+/// stdin line is measured, not held: the other lines are translated
+/// within a 768 MiB address space.
 #[test]
 fn num_return_and_stdin_lines_are_bounded() -> Result<()> {
     let out = run(&["seq2seq", "--num-return", "20000", "March 3, 2021"])?;
@@ -139,8 +138,7 @@ fn num_return_and_stdin_lines_are_bounded() -> Result<()> {
     Ok(())
 }
 
-/// Finding 6: a temperature whose division overflows is an error, not an
-/// empty line with exit 0.
+/// A temperature whose division overflows is an error.
 #[test]
 fn an_overflowing_temperature_is_an_error() -> Result<()> {
     let out = run(&["seq2seq", "--sample", "--temperature", "1e-45", "March 3, 2021"])?;
@@ -149,7 +147,7 @@ fn an_overflowing_temperature_is_an_error() -> Result<()> {
     Ok(())
 }
 
-/// Finding 8: a write that fails is an error, and a failed write leaves no
+/// A write that fails is an error, and a failed write leaves no
 /// partial file where the map should be.
 #[test]
 fn failed_writes_are_errors_and_leave_no_partial_file() -> Result<()> {
@@ -195,7 +193,7 @@ fn failed_writes_are_errors_and_leave_no_partial_file() -> Result<()> {
     Ok(())
 }
 
-/// Finding 9: a year the input states is the year printed, or the input
+/// A year the input states is the year printed, or the input
 /// is refused; an input with no year needs `--year`.
 #[test]
 fn stated_years_are_kept_or_refused() -> Result<()> {
@@ -233,7 +231,7 @@ fn stated_years_are_kept_or_refused() -> Result<()> {
     Ok(())
 }
 
-/// Finding 11: an invalid UTF-8 line is reported with its number; the
+/// An invalid UTF-8 line is reported with its number; the
 /// other lines are translated.
 #[test]
 fn an_invalid_utf8_line_is_reported_alone() -> Result<()> {

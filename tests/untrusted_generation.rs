@@ -1,8 +1,8 @@
-//! What an adversarial review found in the decoders, generation and
-//! attention (issue 38), one test a finding: configs larger than their
-//! file, files that are not regular, windows and scales that overflow,
-//! non-finite logits, sampling that followed the batch, left padding
-//! that was never fed, contexts that ran out mid-decode, empty batches.
+//! Hostile inputs to the decoders, generation and attention, through the
+//! library: configs larger than their file, files that are not regular,
+//! windows and scales that overflow, non-finite logits, sampling across
+//! batches, left padding that is never fed, contexts that run out,
+//! empty batches. Each is refused by name or answered correctly.
 
 mod common;
 
@@ -70,9 +70,8 @@ fn under_memory_cap(name: &str, mib: u64) -> Result<bool> {
     Ok(true)
 }
 
-/// Finding 1: sizes far beyond the 364 KB file abort no more; each is
-/// refused from the config's arithmetic before anything is built, under a
-/// 1.5 GiB address space.
+/// Sizes far beyond the 364 KB file are refused from the config's
+/// arithmetic before anything is built, within a 1.5 GiB address space.
 #[test]
 fn decoder_configs_larger_than_their_file_are_refused_before_building() -> Result<()> {
     if under_memory_cap(
@@ -130,7 +129,7 @@ fn decoder_configs_larger_than_their_file_are_refused_before_building() -> Resul
     Ok(())
 }
 
-/// Finding 2: a config or weights file that is a device or a FIFO is
+/// A config or weights file that is a device or a FIFO is
 /// refused by name, not read until memory runs out or waited on.
 #[test]
 fn device_files_and_fifos_are_refused_without_reading() -> Result<()> {
@@ -173,7 +172,7 @@ fn logits(model: &DecoderModel, ids: &[u32]) -> Result<Tensor> {
     Ok(model.forward(&ids, &mut model.new_cache(vec![]))?)
 }
 
-/// Finding 5: a window at least the sequence long is no window, in the
+/// A window at least the sequence long is no window, in the
 /// decoder (Mistral's `sliding_window` near `u64::MAX`) and in `sdpa` on
 /// every path (`usize::MAX` gave all-zero attention).
 #[test]
@@ -222,9 +221,9 @@ fn a_window_longer_than_the_sequence_is_no_window() -> Result<()> {
     Ok(())
 }
 
-/// Finding 6: logits that overflow (MLP weights scaled by 1e30, or a rope
-/// factor of 1e-300) are an error naming the step, not empty outputs;
-/// a temperature whose division overflows is refused, not an empty row.
+/// Logits that overflow (MLP weights scaled by 1e30, or a rope factor of
+/// 1e-300) are an error naming the step; a temperature whose division
+/// overflows is refused at that step.
 #[test]
 fn non_finite_logits_and_overflowing_temperatures_are_errors() -> Result<()> {
     let dev = Device::Cpu;
@@ -282,7 +281,7 @@ fn non_finite_logits_and_overflowing_temperatures_are_errors() -> Result<()> {
     Ok(())
 }
 
-/// Finding 7: a source samples the same whether it is decoded alone or in
+/// A source samples the same whether it is decoded alone or in
 /// a batch, given its index in the caller's list.
 #[test]
 fn sampling_follows_the_source_not_its_batch() -> Result<()> {
@@ -308,7 +307,7 @@ fn sampling_follows_the_source_not_its_batch() -> Result<()> {
     Ok(())
 }
 
-/// Finding 10: malformed values are refused by name.
+/// Malformed values are refused by name.
 #[test]
 fn malformed_values_are_refused() -> Result<()> {
     let config = |edit: &dyn Fn(&mut serde_json::Value)| -> Result<String> {
@@ -361,7 +360,7 @@ fn malformed_values_are_refused() -> Result<()> {
     Ok(())
 }
 
-/// Finding 11: a prompt that leaves less room than `max_len` stops at the
+/// A prompt that leaves less room than `max_len` stops at the
 /// context with its tokens kept (not an error after the work is done); one
 /// longer than the context is refused before decoding, with both numbers.
 #[test]
@@ -386,7 +385,7 @@ fn the_context_bounds_generation_before_it_starts() -> Result<()> {
     Ok(())
 }
 
-/// Finding 11: an empty batch gives empty outputs on every path.
+/// An empty batch gives empty outputs on every path.
 #[test]
 fn empty_batches_give_empty_outputs_everywhere() -> Result<()> {
     let dev = Device::Cpu;

@@ -464,7 +464,7 @@ impl MhaConfig {
             bail!("MhaConfig: sliding_window must be >= 1 when set")
         }
         if let Some(s) = self.scale {
-            if !(s > 0. && (s as f32).is_finite() && (s as f32) > 0.) {
+            if !crate::sdpa::scale_is_valid(s) {
                 bail!("MhaConfig: scale must be finite and > 0 as an f32 (the scores' dtype), found {s}")
             }
         }

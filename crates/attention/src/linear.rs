@@ -143,6 +143,15 @@ impl PackedLinear {
         })
     }
 
+    /// A layer over a weight stored `(in, out)`, as GPT-2's `Conv1D` stores
+    /// it: transposed once here (a broadcast placeholder is left as a view,
+    /// see [`is_broadcast`]), then [`PackedLinear::new`].
+    pub fn from_in_out(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let w = weight.t()?;
+        let w = if is_broadcast(&w) { w } else { w.contiguous()? };
+        Self::new(w, bias)
+    }
+
     /// [`PackedLinear::new`] over a candle `Linear`'s weight and bias.
     pub fn from_linear(linear: candle_nn::Linear) -> Result<Self> {
         Self::new(linear.weight().clone(), linear.bias().cloned())

@@ -126,20 +126,16 @@ pub(crate) fn linear(
     stored: Stored,
     vb: VarBuilder,
 ) -> Result<PackedLinear> {
-    let w = match stored {
-        Stored::OutIn => vb.get_with_hints((out_dim, in_dim), "weight", init)?,
-        Stored::InOut => {
-            let w = vb.get_with_hints((in_dim, out_dim), "weight", init)?.t()?;
-            // A broadcast placeholder stays one (see `is_broadcast`).
-            if crate::linear::is_broadcast(&w) {
-                w
-            } else {
-                w.contiguous()?
-            }
-        }
+    let shape = match stored {
+        Stored::OutIn => (out_dim, in_dim),
+        Stored::InOut => (in_dim, out_dim),
     };
+    let w = vb.get_with_hints(shape, "weight", init)?;
     let b = bias
         .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
         .transpose()?;
-    PackedLinear::new(w, b)
+    match stored {
+        Stored::OutIn => PackedLinear::new(w, b),
+        Stored::InOut => PackedLinear::from_in_out(w, b),
+    }
 }

@@ -176,14 +176,19 @@ pub(crate) fn sdpa_dispatch(
     }
 }
 
+/// Whether `s` is a usable attention scale: finite and > 0 as an f32, the
+/// scores' dtype (0 or infinity there would give uniform weights or NaN
+/// rows).
+pub(crate) fn scale_is_valid(s: f64) -> bool {
+    s > 0. && (s as f32).is_finite() && (s as f32) > 0.
+}
+
 /// The scale to use: `1 / sqrt(head_dim)` by default; a given one must be
-/// finite and positive (NaN would silently zero every output).
+/// valid ([`scale_is_valid`]).
 pub(crate) fn check_scale(scale: Option<f64>, head_dim: usize) -> Result<f64> {
     match scale {
         None => Ok(1. / (head_dim.max(1) as f64).sqrt()),
-        // The scores are f32: a scale that is 0 or infinite there would
-        // give uniform weights or NaN rows.
-        Some(s) if s > 0. && (s as f32).is_finite() && (s as f32) > 0. => Ok(s),
+        Some(s) if scale_is_valid(s) => Ok(s),
         Some(s) => bail!("sdpa: scale must be finite and > 0 as an f32 (the scores' dtype), found {s}"),
     }
 }

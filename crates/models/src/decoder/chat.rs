@@ -17,6 +17,7 @@ use serde::Serialize;
 use serde_json::Value as Json;
 
 use crate::files::{read_text, MAX_CONFIG_BYTES};
+use crate::vit::folder::json::{parse_object, short};
 
 /// Instructions one rendering may run: a long conversation through a real
 /// template takes a few thousand; a template that loops over huge ranges
@@ -63,15 +64,8 @@ impl ChatTemplate {
         let config_path = dir.join("tokenizer_config.json");
         let config = if config_path.exists() {
             let label = config_path.display().to_string();
-            match serde_json::from_str::<Json>(&read_text(
-                &config_path,
-                "tokenizer config",
-                MAX_CONFIG_BYTES,
-            )?) {
-                Ok(Json::Object(map)) => Some((map, label)),
-                Ok(_) => bail!("{label}: expected a JSON object"),
-                Err(e) => bail!("{label}: not valid JSON: {e}"),
-            }
+            let text = read_text(&config_path, "tokenizer config", MAX_CONFIG_BYTES)?;
+            Some((parse_object(&text, &label)?, label))
         } else {
             None
         };
@@ -102,7 +96,7 @@ impl ChatTemplate {
             }
             Some(other) => bail!(
                 "{label}: field 'chat_template' must be a string or a list of named templates, found {}",
-                crate::vit::folder::json::short(other)
+                short(other)
             ),
         };
         Self::new(source, &format!("{label} (chat_template)"), special).map(Some)
@@ -220,7 +214,7 @@ fn special_tokens(map: &serde_json::Map<String, Json>, label: &str) -> Result<BT
             },
             Some(other) => bail!(
                 "{label}: field '{key}' must be a string or a token object, found {}",
-                crate::vit::folder::json::short(other)
+                short(other)
             ),
         };
         out.insert(key.to_string(), text);

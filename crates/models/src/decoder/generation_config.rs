@@ -5,9 +5,10 @@
 use std::path::Path;
 
 use candle::{bail, Result};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::files::{read_text, MAX_CONFIG_BYTES};
+use crate::vit::folder::json::{parse_object, Fields, MAX_SIZE};
 
 /// HF's `GenerationConfig`, the fields this crate's generation uses. A
 /// field the file leaves out is `None` (or HF's default where noted).
@@ -38,9 +39,6 @@ pub struct HfGenerationConfig {
     pub stop_strings: Vec<String>,
 }
 
-/// Most tokens `max_new_tokens` may ask for.
-const MAX_NEW_TOKENS: usize = 1 << 20;
-
 impl HfGenerationConfig {
     /// Reads `dir/generation_config.json`. A folder without one takes the
     /// special tokens of its `config.json` (`eos_token_id`, `bos_token_id`,
@@ -58,46 +56,35 @@ impl HfGenerationConfig {
         }
         let text = read_text(&config, "config", MAX_CONFIG_BYTES)?;
         let label = config.display().to_string();
-        let map = match serde_json::from_str::<Value>(&text) {
-            Ok(Value::Object(map)) => map,
-            Ok(_) => bail!("{label}: expected a JSON object"),
-            Err(e) => bail!("{label}: not valid JSON: {e}"),
-        };
-        let f = Fields {
-            label: &label,
-            map: &map,
-        };
+        let map = parse_object(&text, &label)?;
+        let f = Fields::new(&label, &map);
         Ok(Self {
-            eos_token_ids: f.ids("eos_token_id")?,
-            bos_token_id: f.id("bos_token_id")?,
-            pad_token_id: f.id("pad_token_id")?,
+            eos_token_ids: ids(&f, "eos_token_id")?,
+            bos_token_id: id(&f, "bos_token_id")?,
+            pad_token_id: id(&f, "pad_token_id")?,
             ..Self::default()
         })
     }
 
     /// Parses the file's text; `label` names it in errors.
     pub fn from_json(text: &str, label: &str) -> Result<Self> {
-        let map = match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(map)) => map,
-            Ok(_) => bail!("{label}: expected a JSON object"),
-            Err(e) => bail!("{label}: not valid JSON: {e}"),
-        };
-        let f = Fields { label, map: &map };
+        let map = parse_object(text, label)?;
+        let f = Fields::new(label, &map);
         let cfg = Self {
-            eos_token_ids: f.ids("eos_token_id")?,
-            pad_token_id: f.id("pad_token_id")?,
-            bos_token_id: f.id("bos_token_id")?,
-            max_new_tokens: f.count("max_new_tokens", 1)?,
-            min_new_tokens: f.count("min_new_tokens", 0)?,
+            eos_token_ids: ids(&f, "eos_token_id")?,
+            pad_token_id: id(&f, "pad_token_id")?,
+            bos_token_id: id(&f, "bos_token_id")?,
+            max_new_tokens: count(&f, "max_new_tokens", 1)?,
+            min_new_tokens: count(&f, "min_new_tokens", 0)?,
             do_sample: match f.get("do_sample") {
                 None => false,
                 Some(Value::Bool(b)) => *b,
                 Some(v) => bail!("{label}: field 'do_sample' must be true or false, found {v}"),
             },
-            temperature: f.positive("temperature")?,
-            top_k: f.count("top_k", 0)?,
-            top_p: f.positive("top_p")?,
-            repetition_penalty: f.positive("repetition_penalty")?,
+            temperature: positive(&f, "temperature")?,
+            top_k: count(&f, "top_k", 0)?,
+            top_p: positive(&f, "top_p")?,
+            repetition_penalty: positive(&f, "repetition_penalty")?,
             stop_strings: match f.get("stop_strings") {
                 None => Vec::new(),
                 Some(Value::String(s)) => vec![s.clone()],
@@ -137,63 +124,53 @@ impl HfGenerationConfig {
     }
 }
 
-/// Typed reads of the file's fields; JSON `null` counts as absent.
-struct Fields<'a> {
-    label: &'a str,
-    map: &'a Map<String, Value>,
+/// A token id `v` of field `key`.
+fn id_value(f: &Fields, key: &str, v: &Value) -> Result<u32> {
+    match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+        Some(id) => Ok(id),
+        None => bail!(
+            "{}: field '{key}' must hold token ids (whole numbers), found {v}",
+            f.file()
+        ),
+    }
 }
 
-impl Fields<'_> {
-    fn get(&self, key: &str) -> Option<&Value> {
-        self.map.get(key).filter(|v| !v.is_null())
+/// One id or a list of them (none when absent).
+fn ids(f: &Fields, key: &str) -> Result<Vec<u32>> {
+    match f.get(key) {
+        None => Ok(Vec::new()),
+        Some(Value::Array(list)) => list.iter().map(|v| id_value(f, key, v)).collect(),
+        Some(v) => Ok(vec![id_value(f, key, v)?]),
     }
+}
 
-    fn id_value(&self, key: &str, v: &Value) -> Result<u32> {
-        match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
-            Some(id) => Ok(id),
-            None => bail!(
-                "{}: field '{key}' must hold token ids (whole numbers), found {v}",
-                self.label
-            ),
-        }
+fn id(f: &Fields, key: &str) -> Result<Option<u32>> {
+    f.get(key).map(|v| id_value(f, key, v)).transpose()
+}
+
+/// A whole number in `min..=MAX_SIZE` (the cap every config size has).
+fn count(f: &Fields, key: &str, min: usize) -> Result<Option<usize>> {
+    let Some(v) = f.get(key) else {
+        return Ok(None);
+    };
+    match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+        Some(n) if (min..=MAX_SIZE).contains(&n) => Ok(Some(n)),
+        _ => bail!(
+            "{}: field '{key}' must be a whole number in {min}..={MAX_SIZE}, found {v}",
+            f.file()
+        ),
     }
+}
 
-    /// One id or a list of them (none when absent).
-    fn ids(&self, key: &str) -> Result<Vec<u32>> {
-        match self.get(key) {
-            None => Ok(Vec::new()),
-            Some(Value::Array(ids)) => ids.iter().map(|v| self.id_value(key, v)).collect(),
-            Some(v) => Ok(vec![self.id_value(key, v)?]),
-        }
-    }
-
-    fn id(&self, key: &str) -> Result<Option<u32>> {
-        self.get(key).map(|v| self.id_value(key, v)).transpose()
-    }
-
-    fn count(&self, key: &str, min: usize) -> Result<Option<usize>> {
-        let Some(v) = self.get(key) else {
-            return Ok(None);
-        };
-        match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
-            Some(n) if (min..=MAX_NEW_TOKENS).contains(&n) => Ok(Some(n)),
-            _ => bail!(
-                "{}: field '{key}' must be a whole number in {min}..={MAX_NEW_TOKENS}, found {v}",
-                self.label
-            ),
-        }
-    }
-
-    fn positive(&self, key: &str) -> Result<Option<f32>> {
-        let Some(v) = self.get(key) else {
-            return Ok(None);
-        };
-        match v.as_f64().map(|x| x as f32) {
-            Some(x) if x.is_finite() && x > 0. => Ok(Some(x)),
-            _ => bail!(
-                "{}: field '{key}' must be a finite number > 0, found {v}",
-                self.label
-            ),
-        }
+fn positive(f: &Fields, key: &str) -> Result<Option<f32>> {
+    let Some(v) = f.get(key) else {
+        return Ok(None);
+    };
+    match v.as_f64().map(|x| x as f32) {
+        Some(x) if x.is_finite() && x > 0. => Ok(Some(x)),
+        _ => bail!(
+            "{}: field '{key}' must be a finite number > 0, found {v}",
+            f.file()
+        ),
     }
 }

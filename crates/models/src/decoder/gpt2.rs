@@ -4,9 +4,7 @@
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
-use multihead_attention::{
-    is_broadcast, LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout,
-};
+use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
 
 use super::config::{Activation, Gpt2Config};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
@@ -14,11 +12,9 @@ use crate::checkpoint::Checkpoint;
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
-    let w = vb.get((in_dim, out_dim), "weight")?.t()?;
+    let w = vb.get((in_dim, out_dim), "weight")?;
     let b = vb.get(out_dim, "bias")?;
-    // A broadcast placeholder (the pre-flight's) is not copied.
-    let w = if is_broadcast(&w) { w } else { w.contiguous()? };
-    PackedLinear::new(w, Some(b))
+    PackedLinear::from_in_out(w, Some(b))
 }
 
 /// `GPT2Block`: pre-norm attention and MLP, each added back.

@@ -9,6 +9,7 @@ use candle::{bail, Result};
 use serde_json::Value;
 
 use crate::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
+use crate::vit::folder::json::parse_object;
 
 /// Largest `tokenizer.json` read, in bytes (Llama 3's is 9 MB, Qwen2's
 /// 7 MB, Gemma's 34 MB).
@@ -69,11 +70,7 @@ impl TextTokenizer {
         })?;
         let mut clean_up = false;
         if let Some((text, config_label)) = config {
-            let value: Value = serde_json::from_str(text)
-                .map_err(|e| candle::Error::Msg(format!("{config_label}: not valid JSON: {e}")))?;
-            let Value::Object(map) = value else {
-                bail!("{config_label}: expected a JSON object")
-            };
+            let map = parse_object(text, config_label)?;
             clean_up = match map.get("clean_up_tokenization_spaces") {
                 None | Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
@@ -120,19 +117,19 @@ impl TextTokenizer {
 
     /// The ids of `text`, with the special tokens the tokenizer adds.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| candle::Error::Msg(format!("{}: cannot encode {text:?}: {e}", self.label)))?;
-        Ok(enc.get_ids().to_vec())
+        self.encode_with(text, true)
     }
 
     /// The ids of `text` alone, no special tokens added: a rendered chat
     /// template writes its own (`apply_chat_template` tokenizes so).
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .inner
-            .encode(text, false)
+            .encode(text, add_special_tokens)
             .map_err(|e| candle::Error::Msg(format!("{}: cannot encode {text:?}: {e}", self.label)))?;
         Ok(enc.get_ids().to_vec())
     }
