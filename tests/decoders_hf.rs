@@ -106,7 +106,9 @@ fn greedy_generation_gives_hf_tokens() -> Result<()> {
             let prompt_len = f.get(prompt_ids)?.dim(1)?;
             let out = generate_from_prompts(&model, &prompts, 0, &cfg, &[])?;
             let expected = rows(f.get(out_ids)?)?;
+            assert_eq!(out.len(), expected.len(), "{name} {out_ids}: rows");
             for (r, (got, want)) in out.iter().zip(&expected).enumerate() {
+                assert_eq!(got.len(), 1, "{name} {out_ids} row {r}: sequences");
                 assert_eq!(got[0].tokens, want[prompt_len..], "{name} {out_ids} row {r}");
             }
         }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use common::{assert_close, fixture_dir, Fixture};
@@ -72,6 +72,16 @@ fn pytorch_fixtures_on_every_device() -> Result<()> {
                 fx.get("output")?,
                 1e-5,
             )?;
+            // The averaged weights asked for, against PyTorch's.
+            if weights == NeedWeights::Averaged {
+                let got = out.weights.context("weights were asked for")?;
+                assert_close(
+                    &format!("{case} weights on {dev:?}"),
+                    &got,
+                    fx.get("weights")?,
+                    1e-5,
+                )?;
+            }
         }
     }
     Ok(())
