@@ -53,37 +53,46 @@
 mod alibi;
 mod cache;
 mod config;
-mod cpu;
 mod hydra;
 mod layout;
-mod linear;
 mod mask;
 mod mha;
-mod norm;
 mod options;
 mod projection;
 mod rotary;
 mod sdpa;
+mod tiled;
 
-/// The instruction set the CPU kernels run with now: `"avx512"` (AVX-512F),
-/// `"avx2"` (AVX2 and FMA) or `"portable"`; the best the processor has,
-/// unless `MULTIHEAD_CPU_ISA` (`avx512`, `avx2` or `portable`, read once)
-/// asks for less. Benchmarks print it beside their figures.
-pub fn cpu_isa() -> &'static str {
-    cpu::isa::current().name()
-}
+/// The CPU building blocks the attention and the models run on, from
+/// `multihead-kernels`.
+pub use multihead_kernels::{cpu_isa, is_broadcast, relu, silu_and_mul, LayerNorm, PackedLinear};
 
 pub use cache::KvCache;
 pub use config::{MhaConfig, NormKind, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};
-pub use linear::{is_broadcast, relu, silu_and_mul, PackedLinear};
 pub use mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
 pub use mha::MultiheadAttention;
-pub use norm::LayerNorm;
 pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 pub use rotary::Rotary;
 pub use sdpa::{
     scaled_dot_product_attention, scaled_dot_product_attention_via,
     scaled_dot_product_attention_with_weights, AttnPath,
 };
+
+/// Helpers of the crate's unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use candle::{Device, Result, Tensor};
+
+    pub(crate) fn randn(shape: &[usize]) -> Result<Tensor> {
+        Tensor::randn(0f32, 1., shape, &Device::Cpu)
+    }
+
+    /// Largest difference over the expected tensor's largest magnitude.
+    pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
+        Ok(diff / scale)
+    }
+}

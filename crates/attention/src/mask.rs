@@ -13,6 +13,7 @@
 //! masked).
 
 use candle::{bail, DType, Device, Result, Tensor};
+use multihead_kernels::attention::{window_isize, MaskPart};
 
 pub use crate::alibi::Alibi;
 
@@ -333,39 +334,19 @@ impl Mask {
     }
 }
 
-/// One mask tensor as the tiled CPU kernel reads it: in its own broadcast
-/// shape (4-D, broadcastable to `(batch, heads, q_len, kv_len)`,
-/// contiguous), never expanded to the full score shape.
-#[derive(Debug, Clone)]
-pub(crate) enum MaskPart {
-    /// `u8`; a non-zero entry hides the pair.
-    HideWhereNonZero(Tensor),
-    /// `u8`; a zero entry hides the pair.
-    HideWhereZero(Tensor),
-    /// `f32`, added to the scores of visible pairs; `-inf` hides the pair.
-    Additive(Tensor),
-}
-
-impl MaskPart {
-    pub(crate) fn tensor(&self) -> &Tensor {
-        match self {
-            Self::HideWhereNonZero(t) | Self::HideWhereZero(t) | Self::Additive(t) => t,
+/// `(hidden, added)` of a mask part: `u8`, 1 where the part hides a
+/// pair, and the `f32` values it adds to the visible pairs (`None` for
+/// boolean parts).
+fn hidden_and_added(part: &MaskPart) -> Result<(Tensor, Option<Tensor>)> {
+    Ok(match part {
+        MaskPart::HideWhereNonZero(t) => (t.ne(0f64)?, None),
+        MaskPart::HideWhereZero(t) => (t.eq(0f64)?, None),
+        MaskPart::Additive(a) => {
+            let hidden = a.eq(f64::NEG_INFINITY)?;
+            let added = hidden.where_cond(&a.zeros_like()?, a)?;
+            (hidden, Some(added))
         }
-    }
-
-    /// `(hidden, added)`: `u8`, 1 where this part hides a pair, and the
-    /// `f32` values it adds to the visible pairs (`None` for boolean parts).
-    fn hidden_and_added(&self) -> Result<(Tensor, Option<Tensor>)> {
-        Ok(match self {
-            Self::HideWhereNonZero(t) => (t.ne(0f64)?, None),
-            Self::HideWhereZero(t) => (t.eq(0f64)?, None),
-            Self::Additive(a) => {
-                let hidden = a.eq(f64::NEG_INFINITY)?;
-                let added = hidden.where_cond(&a.zeros_like()?, a)?;
-                (hidden, Some(added))
-            }
-        })
-    }
+    })
 }
 
 impl Mask {
@@ -437,7 +418,7 @@ impl Mask {
             merge(&mut added, t, Tensor::broadcast_add)?;
         }
         for part in self.tensor_parts((batch, heads, q_len, kv_len))? {
-            let (h, a) = part.hidden_and_added()?;
+            let (h, a) = hidden_and_added(&part)?;
             merge(&mut hidden, h, Tensor::broadcast_maximum)?;
             if let Some(a) = a {
                 merge(&mut added, a, Tensor::broadcast_add)?;
@@ -548,10 +529,4 @@ fn float_to_bias(t: &Tensor, what: &str) -> Result<Tensor> {
         )
     }
     t.to_dtype(DType::F32)
-}
-
-/// A window's length as a signed key distance, saturating: a window longer
-/// than any sequence hides nothing rather than wrapping negative.
-pub(crate) fn window_isize(w: usize) -> isize {
-    isize::try_from(w).unwrap_or(isize::MAX)
 }

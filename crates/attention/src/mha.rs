@@ -6,8 +6,8 @@
 use candle::{bail, DType, Result, Tensor};
 use candle_nn::{Init, Module, ModuleT, VarBuilder};
 
-use crate::linear::PackedLinear;
-use crate::norm::LayerNorm;
+use multihead_kernels::LayerNorm;
+use multihead_kernels::PackedLinear;
 
 use crate::config::{MhaConfig, NormKind, PositionEncoding};
 use crate::layout::WeightLayout;

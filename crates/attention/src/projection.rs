@@ -4,7 +4,7 @@
 use candle::{Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
-use crate::linear::PackedLinear;
+use multihead_kernels::PackedLinear;
 
 /// The input projection with its output widths: `q_dim` (`embed_dim`)
 /// for queries, `kv_dim` (`num_kv_heads * head_dim`) for keys and values.

@@ -9,8 +9,8 @@
 
 use candle::{bail, DType, Result, Tensor, D};
 
-use crate::cpu;
 use crate::mask::Mask;
+use crate::tiled;
 
 /// `softmax(q kᵀ · scale + mask) v` on `(batch, heads, seq, head_dim)`
 /// tensors.
@@ -77,7 +77,7 @@ impl AttnPath {
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
             _ if grads => Some("gradients are tracked and only the reference path backpropagates".into()),
-            AttnPath::CpuTiled => (!cpu::supports(q)).then(|| {
+            AttnPath::CpuTiled => (!tiled::supports(q)).then(|| {
                 format!(
                     "needs a CPU tensor of f32/f16/bf16, found {:?} on {:?}",
                     q.dtype(),
@@ -167,7 +167,7 @@ pub(crate) fn sdpa_dispatch(
         p => p,
     };
     match path {
-        AttnPath::CpuTiled => cpu::sdpa_cpu(q, k, v, mask, appended, scale),
+        AttnPath::CpuTiled => tiled::sdpa_tiled(q, k, v, mask, appended, scale),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
         AttnPath::Auto | AttnPath::Reference => {

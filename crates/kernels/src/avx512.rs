@@ -1,5 +1,5 @@
-//! The attention tiles' two products as AVX-512F micro-kernels, over the
-//! same packed keys and values as the AVX2 ones (`avx2.rs`, panels of 16):
+//! The AVX-512F micro-kernels. The attention tiles' two products, over the
+//! packed keys and values of `panel.rs` (panels of 16):
 //! a group of [`MR`] query rows against two panels at a time, 24 `zmm`
 //! accumulators, 24 FMAs per 2 panel loads and 12 broadcasts, each
 //! broadcast at a fixed offset from one pointer (the group's queries
@@ -9,10 +9,10 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{NR, STRIP_RS};
+use crate::panel::{NR, STRIP_RS};
 
 /// Query rows per micro-kernel.
-pub(super) const MR: usize = 12;
+pub(crate) const MR: usize = 12;
 
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
 macro_rules! by_rows {
@@ -47,7 +47,7 @@ macro_rules! by_rows {
 /// AVX-512F; the pointers cover those extents (`maxes` `rows · 16`
 /// floats).
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn scores(
+pub(crate) unsafe fn scores(
     rows: usize,
     q: *const f32,
     d: usize,
@@ -87,15 +87,9 @@ unsafe fn scores_rows<const R: usize>(
         while pi + 2 <= panels {
             let (k0, k1) = (kt.add(pi * d * NR), kt.add((pi + 1) * d * NR));
             let mut c = [[_mm512_setzero_ps(); 2]; R];
-            // Two steps a loop (four were no faster, the linear tile's 12
-            // rows spill from two on; these read their broadcasts at fixed
-            // offsets from one pointer and do not). In one process against
-            // one step a loop (a switch not kept in the repo, a second copy
-            // of the current code as the null, 12 rounds, two threads, the
-            // README's Xeon), these and `weighted_values_rows` together:
-            // B8 N197 H12 1.08x and 1.07x (nulls 1.02x, 0.99x), B1 N1024
-            // 1.09x and 1.08x (1.01x, 1.00x), N4096 1.10x twice against
-            // nulls of 1.01x and 1.13x, causal N1024 1.14x (1.00x).
+            // Two steps a loop: the loop's counter and pointers come once
+            // per two; more do not help, as the broadcasts read fixed
+            // offsets from one pointer.
             macro_rules! step {
                 ($e:expr) => {{
                     let e = $e;
@@ -142,31 +136,9 @@ unsafe fn scores_rows<const R: usize>(
 /// AVX-512F; `m` holds 16 floats.
 #[target_feature(enable = "avx512f")]
 #[inline]
-pub(super) unsafe fn lanes_max(m: *const f32) -> f32 {
+pub(crate) unsafe fn lanes_max(m: *const f32) -> f32 {
     // SAFETY: 16 floats, as the caller vouched.
     _mm512_reduce_max_ps(unsafe { _mm512_loadu_ps(m) })
-}
-
-/// [`super::avx2::softmax_group_with`] with 16-lane max and `exp`.
-///
-/// # Safety
-/// AVX-512F; `g.width` is a multiple of 16.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn softmax_group(
-    p: &super::attention::Problem,
-    bi: usize,
-    hi: usize,
-    g: super::avx2::Group,
-) {
-    // SAFETY: this function's features; whole vectors of each row.
-    super::avx2::softmax_group_with(
-        p,
-        bi,
-        hi,
-        g,
-        |m| unsafe { lanes_max(m.as_ptr()) },
-        |row, m, l, a, known| unsafe { online_softmax(row, m, l, a, known) },
-    );
 }
 
 /// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] ·
@@ -176,7 +148,7 @@ pub(super) unsafe fn softmax_group(
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents.
-pub(super) unsafe fn weighted_values(
+pub(crate) unsafe fn weighted_values(
     rows: usize,
     strip: *const f32,
     v: *const f32,
@@ -249,32 +221,6 @@ unsafe fn weighted_values_rows<const R: usize>(
     }
 }
 
-/// One key block of a row's online softmax ([`super::simd::online_softmax_block`])
-/// with 16-lane max and `exp`; the row's max is `row_max_known` where the
-/// caller has it (from [`scores`], for a row the mask left as it was).
-///
-/// # Safety
-/// AVX-512F; `row.len()` is a multiple of 16.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(super) unsafe fn online_softmax(
-    row: &mut [f32],
-    m: &mut f32,
-    l: &mut f32,
-    acc: &mut [f32],
-    row_max_known: Option<f32>,
-) {
-    // SAFETY: this function's features; whole vectors of `row`.
-    super::simd::online_softmax_block(
-        row,
-        m,
-        l,
-        acc,
-        |r| row_max_known.unwrap_or_else(|| unsafe { row_max(r) }),
-        |r, mx| unsafe { exp_sub_sum(r, mx) },
-    );
-}
-
 /// The largest score of `row` (a multiple of 16 long); `max_ps` may skip a
 /// NaN.
 ///
@@ -282,7 +228,7 @@ pub(super) unsafe fn online_softmax(
 /// AVX-512F.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn row_max(row: &[f32]) -> f32 {
+pub(crate) unsafe fn row_max(row: &[f32]) -> f32 {
     let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
     for j in (0..row.len()).step_by(16) {
         // SAFETY: a whole vector inside `row`.
@@ -297,7 +243,7 @@ unsafe fn row_max(row: &[f32]) -> f32 {
 /// AVX-512F.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+pub(crate) unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
     let (n, x) = (row.len(), row.as_mut_ptr());
     let mv = _mm512_set1_ps(max);
     let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
@@ -322,13 +268,11 @@ unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
     _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
 }
 
-/// `e^x` for `x <= 0` (and `-inf`), 16 lanes: `avx2::exp_nonpositive`'s
-/// reduction and degree-5 polynomial; exactly 0 below -87, NaN stays NaN.
+/// `e^x` for `x <= 0` (and `-inf`), 16 lanes: the AVX2 kernel's reduction
+/// and degree-5 polynomial; exactly 0 below -87, NaN stays NaN.
 /// `vscalefps` applies `2^n` and the zeroing for `x < -87` in one
 /// instruction, where AVX2 builds `2^n` from its bits, multiplies and
-/// masks (3 more): the same results, and in one process against that (a
-/// switch not kept in the repo) the attention calls of the README ran
-/// 1-9 % faster (B1 N4096 the most).
+/// masks.
 #[target_feature(enable = "avx512f")]
 fn exp_nonpositive(x: __m512) -> __m512 {
     let magic = _mm512_set1_ps(12_582_912.0);
@@ -346,38 +290,22 @@ fn exp_nonpositive(x: __m512) -> __m512 {
 
 /// Output features per panel of the linear layers' AVX-512 layout: two
 /// `zmm` registers.
-pub(super) const LINEAR_NR: usize = 32;
+pub(crate) const LINEAR_NR: usize = 32;
 
 /// The two linear micro-kernels, each 24 accumulators: tall (12 rows by
 /// a panel, 2 panel loads and 12 broadcasts per 24 FMAs) and wide (6 rows
 /// by two panels, 4 loads and 6 broadcasts). Wide takes every call of more
-/// than 12 rows: on the README's Xeon, with the row group's inputs in L1
-/// and the panels streaming from L2, it was ahead of tall at every ViT and
-/// transformer shape tried, by 3 to 15 % (in a one-thread probe not kept
-/// in the repo), and with the inputs read in place tall and a 14-row tall
-/// tile were level or behind (one process, a switch not kept); tall keeps
-/// calls of one group, which then read each panel once. Tried again on
-/// 2026-12-02 (one process, 12-20 alternations, a second copy of the
-/// current code as the null), one thread: tall for every call with slices
-/// of at most 512 inputs (its 12 rows in L1), 0.90-0.99x against nulls of
-/// 0.98-1.05x, and with each group's rows first copied at a padded stride
-/// (no 4 KiB aliasing), 0.91-1.02x; MKL's AVX-512 sgemm tile (8 rows by 48
-/// features, as `perf annotate` of `torch.nn.Linear` shows it), here over
-/// panels of 16 with three a tile, 0.98-1.05x in place and 0.94-1.12x with
-/// the rows copied, nulls 0.97-1.08x: level. Nor did a `prefetcht0` of
-/// the tile's panel rows 8 steps ahead carry over: single linears ran
-/// 1.01-1.06x with one thread (nulls 0.98-1.01x) and 1.01-1.08x with two
-/// (nulls 0.98-1.06x), but the `nn.Transformer` and ViT-B/16 forwards
-/// 0.93-1.09x (nulls 0.98-1.16x).
+/// than 12 rows, its rows' inputs in L1 and the panels streaming from L2;
+/// tall takes calls of one row group, which then read each panel once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum LinearTile {
+pub(crate) enum LinearTile {
     Tall,
     Wide,
 }
 
 impl LinearTile {
     /// The kernel for a call of `m` rows.
-    pub(super) fn for_rows(m: usize) -> LinearTile {
+    pub(crate) fn for_rows(m: usize) -> LinearTile {
         if m > 12 {
             LinearTile::Wide
         } else {
@@ -386,7 +314,7 @@ impl LinearTile {
     }
 
     /// `(rows, panels)` of a tile: the rows of `x` go in groups of `rows`.
-    pub(super) fn shape(self) -> (usize, usize) {
+    pub(crate) fn shape(self) -> (usize, usize) {
         match self {
             LinearTile::Tall => (12, 1),
             LinearTile::Wide => (6, 2),
@@ -407,13 +335,8 @@ fn lanes(n: usize) -> __mmask16 {
 /// null, the output itself (a later slice of the reduction adds to it).
 /// With a bias, a non-null `res.0` adds a residual to it, `res.0[r·res.1 +
 /// c]`, as the tile starts (the same sum, rounded alike, as a pass that
-/// writes `residual + bias` into the output first: in one process against
-/// that pass, with a switch not kept in the repo and a second copy of the
-/// pass as the null, two threads ran ViT-B/16's output projection at B1
-/// (197 × 768 → 768) 1.04-1.05x in two runs (nulls 1.00-1.01), 197 × 3072
-/// → 768 and the B8 shapes 1.00-1.02x (nulls 0.99-1.02), one thread
-/// level; whole ViT-B/16 forwards 1.02x at B1 in two runs, nulls
-/// 1.00-1.02, and B8 inside its nulls' spread). Lines `0..prefetch.1`
+/// writes `residual + bias` into the output first, without that pass).
+/// Lines `0..prefetch.1`
 /// from each non-null pointer of `prefetch.0` on are prefetched into L2,
 /// two a step.
 ///
@@ -423,7 +346,7 @@ fn lanes(n: usize) -> __mmask16 {
 /// `init` `cols` floats, a non-null `res.0` `rows` rows of `cols` floats
 /// `res.1` apart); `w + w_next` is only read where `cols > LINEAR_NR`.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn linear_tile(
+pub(crate) unsafe fn linear_tile(
     tile: LinearTile,
     rows: usize,
     cols: usize,
@@ -518,17 +441,7 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
         // Steps `e..end`, with or without the prefetches, four at a time:
         // the loop's own instructions (pointers, counter, the prefetch's
         // test, about 10 µops beside a step's 24 FMAs and 10 loads) then
-        // come once per four steps. In one process against one step at a
-        // time with the prefetch tested in each (a switch not kept in the
-        // repo, a second copy of the current code as the null), two
-        // threads, on the README's Xeon: 512 × 512 → 2048 1.10x and
-        // 1.11x (nulls 1.02x, 0.97x), 197 × 768 → 2304 1.07x and 1.04x
-        // (1.03x, 1.02x), 512 × 2048 → 512 1.06x (0.98x), 1576 × 768 →
-        // 3072 1.01x (0.97x); the `nn.Transformer` forward 1.09x and
-        // 1.04x (1.00x, 1.01x), ViT-B/16 B1 1.11x and 1.04x (1.02x,
-        // 0.97x), B8 1.10x (0.95x). Eight steps a loop were level with
-        // four (1.01x, 1.02x, the transformer 1.00x, ViT-B/16 B1 1.09x
-        // against a null of 1.02x). The tall tile steps one at a time:
+        // come once per four steps. The tall tile steps one at a time:
         // unrolled, even by two, LLVM hoists its 12 broadcasts a step and
         // spills them.
         let mut e = 0;
@@ -587,7 +500,7 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
 /// `ceil(cols / 32)` panels of `k` inputs, `x` holds `k` floats, `init`
 /// and `out` `cols`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn one_row(
+pub(crate) unsafe fn one_row(
     x: *const f32,
     k: usize,
     w: *const f32,

@@ -1,28 +1,19 @@
 //! The one place that picks the instruction set the CPU code runs with.
 //!
 //! The best the processor has, unless `MULTIHEAD_CPU_ISA` (`avx512`,
-//! `avx2` or `portable`, read once) or [`force`] (tests) asks for less;
+//! `avx2` or `portable`, read once) or [`force`] (tests, benchmarks) asks
+//! for less;
 //! asking for more than the processor has gets what it has.
 //!
-//! AMX is not among them: the Xeons that have it (AMX-BF16, AMX-INT8)
-//! multiply no f32. On the README's Xeon (a KVM guest, whose kernel grants
-//! `XTILEDATA`), a C loop of `tdpbf16ps` on 16 × 16 tiles from registers ran
-//! at 0.91–1.12 TFLOP/s of bf16 a core (one to four accumulators; 1.02 with
-//! the four operand tiles loaded from L1 each step; one of 2026-12-02's
-//! runs, a program not in the repo), against 150–160 GFLOP/s of f32 FMA. A
-//! product as exact as f32's needs each operand split into three bf16
-//! parts and six of their products: at most about 190 GFLOP/s of f32
-//! work before splitting the inputs and loading tiles, 1.2× the FMA peak;
-//! three products (about 370) leave a relative error near 2⁻¹⁶, a hundred
-//! times f32's, which results checked against PyTorch's to 1e-5 cannot
-//! take.
+//! AMX is not among them: its tiles multiply bf16 and int8, not f32, and
+//! an f32-exact product from bf16 parts costs more than AVX-512's FMAs.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// Instruction sets, weakest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) enum Isa {
+pub enum Isa {
     /// Plain Rust, compiled for the baseline target.
     Portable,
     /// AVX2 and FMA.
@@ -35,7 +26,7 @@ impl Isa {
     const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
 
     /// The name `MULTIHEAD_CPU_ISA` takes for it.
-    pub(crate) fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
@@ -107,7 +98,7 @@ fn from_env() -> Option<Isa> {
 static FORCED: AtomicU8 = AtomicU8::new(0);
 
 /// The instruction set to run with now.
-pub(crate) fn current() -> Isa {
+pub fn current() -> Isa {
     let forced = match FORCED.load(Ordering::Relaxed) {
         0 => from_env(),
         i => Isa::ALL.get(usize::from(i) - 1).copied(),
@@ -115,16 +106,17 @@ pub(crate) fn current() -> Isa {
     forced.map_or(detected(), |f| f.min(detected()))
 }
 
-/// Held by tests that [`force`] an instruction set, so that two of them
-/// do not interleave.
+/// Held by the crate's tests that [`force`] an instruction set, so that two
+/// of them do not interleave.
 #[cfg(test)]
 pub(crate) static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Forces an instruction set (`None`: back to the default) for the whole
-/// process; tests use it (holding [`FORCE_LOCK`]) to run every variant the
-/// processor supports.
-#[cfg(test)]
-pub(crate) fn force(isa: Option<Isa>) {
+/// Caps the instruction set at `isa` (`None`: back to `MULTIHEAD_CPU_ISA`
+/// or the best the processor has) for the whole process, from the next
+/// kernel call on; more than the processor has gets what it has. Tests use
+/// it to run every variant the processor supports; tests that force
+/// different sets must not run at once.
+pub fn force(isa: Option<Isa>) {
     let i = isa.map_or(0, |isa| {
         Isa::ALL.iter().position(|&x| x == isa).map_or(0, |i| i as u8 + 1)
     });
@@ -132,8 +124,7 @@ pub(crate) fn force(isa: Option<Isa>) {
 }
 
 /// Every instruction set this processor runs, weakest first.
-#[cfg(test)]
-pub(crate) fn supported() -> Vec<Isa> {
+pub fn supported() -> Vec<Isa> {
     Isa::ALL.into_iter().filter(|&i| i <= detected()).collect()
 }
 
@@ -151,9 +142,12 @@ mod tests {
         let _lock = FORCE_LOCK.lock();
         for isa in supported() {
             force(Some(isa));
-            assert_eq!(crate::cpu_isa(), isa.name());
+            assert_eq!(super::current().name(), isa.name());
         }
         force(None);
-        assert_eq!(crate::cpu_isa(), super::current().name());
+        assert_eq!(
+            super::current(),
+            super::detected().min(super::from_env().unwrap_or(super::detected()))
+        );
     }
 }

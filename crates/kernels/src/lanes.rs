@@ -5,7 +5,7 @@
 //! instructions.
 //!
 //! Here: the two products of a decode-sized attention tile (fewer query
-//! rows than the packed micro-kernels want, `avx2::MIN_Q_LEN`), read in
+//! rows than the packed micro-kernels want, `tile::MIN_Q_LEN`), read in
 //! place, each key and value row once.
 
 use std::arch::x86_64::*;
@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 const PF_KEYS: usize = 16;
 
 /// A vector of `f32` lanes.
-pub(super) trait Lanes: Copy {
+pub(crate) trait Lanes: Copy {
     const N: usize;
     /// # Safety
     /// The instruction set is enabled in the calling function.
@@ -53,11 +53,11 @@ pub(super) trait Lanes: Copy {
 
 /// AVX2+FMA: 8 lanes.
 #[derive(Clone, Copy)]
-pub(super) struct Ymm(__m256);
+pub(crate) struct Ymm(__m256);
 
 /// AVX-512F: 16 lanes.
 #[derive(Clone, Copy)]
-pub(super) struct Zmm(__m512);
+pub(crate) struct Zmm(__m512);
 
 /// The lane operations that are one intrinsic each, for the lane type
 /// `$t` of `$n` lanes.
@@ -282,13 +282,8 @@ unsafe fn scores<V: Lanes>(
 /// `acc[r·dv + c] += Σⱼ p[r·cols + j] · v[j·v_rs + c]` for `rows` rows,
 /// `cols` keys and `dv` columns: blocks of up to 4 vectors of columns kept
 /// in two sets of accumulators (even and odd keys) across the keys, or on
-/// `ymm` blocks of 8 in one set. With AVX2, the whole call (one query row
-/// against 2048 keys, 8 heads) ran 1.095-1.118x with the blocks of 8
-/// against two passes of 4 over three runs (one process, a switch not
-/// kept in the repo, a second copy of the two passes as the null:
-/// 0.955-1.012x; the README's Xeon, two threads), and 1.072x and 1.076x
-/// at batch 8 with 512 keys (nulls 0.995x, 0.992x); one set of 4 `zmm`
-/// vectors against the two sets, 0.980x (null 1.032x).
+/// `ymm` blocks of 8 in one set (with 16 registers, AVX2 keeps a row's 64
+/// columns in one pass over the keys rather than two).
 ///
 /// # Safety
 /// The instruction set of `V` is enabled; `v` covers `cols` rows of `dv`.
@@ -387,14 +382,14 @@ unsafe fn weighted_values<V: Lanes>(
 macro_rules! instances {
     ($(#[$doc:meta])* $name:ident, $lanes:ty, $features:literal) => {
         $(#[$doc])*
-        pub(super) mod $name {
+        pub(crate) mod $name {
             /// [`super::scores`] on these lanes.
             ///
             /// # Safety
             /// The instruction set; as [`super::scores`].
             #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $features)]
-            pub(in crate::cpu) unsafe fn scores(
+            pub(crate) unsafe fn scores(
                 rows: usize,
                 q: *const f32,
                 q_rs: usize,
@@ -414,7 +409,7 @@ macro_rules! instances {
             /// # Safety
             /// The instruction set; as [`super::weighted_values`].
             #[target_feature(enable = $features)]
-            pub(in crate::cpu) unsafe fn weighted_values(
+            pub(crate) unsafe fn weighted_values(
                 rows: usize,
                 p: &[f32],
                 cols: usize,

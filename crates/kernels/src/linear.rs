@@ -1,57 +1,12 @@
-//! A linear layer whose weight is packed for the CPU micro-kernels once,
-//! when it is built.
+//! `PackedLinear`: a linear layer whose weight is packed for the CPU
+//! micro-kernels once, when it is built (`packed.rs`).
 
 use std::sync::Arc;
 
 use candle::{bail, DType, Module, Result, Storage, Tensor};
 
-use crate::cpu::linear::{Epilogue, PackedWeight};
-
-/// `max(xs, 0)` elementwise as PyTorch's `relu` computes it: NaN stays NaN
-/// (candle's `Tensor::relu` turns it into 0). Any device and dtype;
-/// gradients flow where `xs >= 0`.
-pub fn relu(xs: &Tensor) -> Result<Tensor> {
-    xs.lt(0f32)?.where_cond(&xs.zeros_like()?, xs)
-}
-
-/// `silu(gate) · up` for `gate_up = [gate | up]` along the last dim (two
-/// halves of equal width, as one projection to both gives them): the
-/// SwiGLU of Llama's MLP (`act_fn(gate_proj(x)) * up_proj(x)`), one pass
-/// over plain f32 CPU tensors (vectorised, no intermediate tensor), candle's
-/// `silu` and multiply otherwise (any device; gradients flow). NaN stays
-/// NaN.
-pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
-    let dims = gate_up.dims();
-    let Some(&width) = dims.last() else {
-        bail!("silu_and_mul: expected (..., 2 * features), found a scalar")
-    };
-    if width % 2 != 0 {
-        bail!("silu_and_mul: last dim is {width}, expected an even width (gate and up halves)")
-    }
-    let i = width / 2;
-    if !plain_cpu_f32(gate_up) {
-        let gate = gate_up.narrow(candle::D::Minus1, 0, i)?;
-        return gate.silu()? * gate_up.narrow(candle::D::Minus1, i, i)?;
-    }
-    let x = gate_up.contiguous()?;
-    let rows = x.elem_count() / width.max(1);
-    let out = {
-        let (storage, layout) = x.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            bail!("silu_and_mul: input is not on the CPU")
-        };
-        crate::cpu::linear::silu_and_mul(
-            &cpu.as_slice::<f32>()?[layout.start_offset()..][..rows * width],
-            rows,
-            i,
-        )
-    };
-    let mut shape = dims.to_vec();
-    if let Some(last) = shape.last_mut() {
-        *last = i;
-    }
-    Tensor::from_vec(out, shape, x.device())
-}
+use crate::activation::relu;
+use crate::packed::{Epilogue, PackedWeight};
 
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
 /// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
@@ -280,7 +235,7 @@ impl PackedLinear {
     /// Output features `lo..hi` only: `x · w[lo..hi]ᵀ + b[lo..hi]`. For
     /// the fused `(3E, E)` input projection, whose q, k and v rows a
     /// cross-attention call needs one at a time.
-    pub(crate) fn forward_features(&self, x: &Tensor, lo: usize, hi: usize) -> Result<Tensor> {
+    pub fn forward_features(&self, x: &Tensor, lo: usize, hi: usize) -> Result<Tensor> {
         self.forward_range(x, (lo, hi), Epilogue::Identity)
     }
 
@@ -386,8 +341,8 @@ mod tests {
     use candle::{Module, Result, Tensor};
 
     use super::PackedLinear;
-    use crate::cpu::isa::{force, supported, Isa};
-    use crate::cpu::testing::{randn, rel_err};
+    use crate::isa::{force, supported, Isa, FORCE_LOCK};
+    use crate::testing::{randn, rel_err};
 
     /// Packed for every instruction set the processor runs, the layer
     /// equals candle's `Linear` (and `gelu_erf`, `gelu`, `relu` or a
@@ -417,7 +372,7 @@ mod tests {
             (1, 1, 512, 1408, true),
             (1, 1, 300, 7, true),
         ];
-        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        let _lock = FORCE_LOCK.lock();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         pool.install(|| -> Result<()> {
             for isa in supported() {
@@ -478,59 +433,9 @@ mod tests {
 
     /// A NaN input reaches every output of its row through the fused ReLU,
     /// as through PyTorch's `relu`, on every instruction set.
-    /// `silu_and_mul` equals candle's `silu` times the other half, on every
-    /// ISA, serial and split over the pool, with NaN and infinities where
-    /// candle gives them; on variables it takes candle's ops (gradients
-    /// flow); an odd width is an error that says so.
-    #[test]
-    fn silu_and_mul_equals_silu_times_up() -> Result<()> {
-        use candle::{Device, Tensor, Var, D};
-
-        use super::silu_and_mul;
-        let reference = |x: &Tensor| -> Result<Tensor> {
-            let i = x.dim(D::Minus1)? / 2;
-            x.narrow(D::Minus1, 0, i)?.silu()? * x.narrow(D::Minus1, i, i)?
-        };
-        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
-        for isa in supported() {
-            force(Some(isa));
-            // A few rows (serial) and enough for the pool, widths off the
-            // vector lanes; arguments past exp's range both ways.
-            for shape in [[1, 3, 2 * 37], [2, 300, 2 * 176]] {
-                let x = (randn(&shape)? * 8.)?;
-                let y = silu_and_mul(&x)?;
-                assert!(rel_err(&y, &reference(&x)?)? < 1e-6, "{isa:?} {shape:?}");
-            }
-            let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0., -100., 100.];
-            // Every (gate, up) pair of them.
-            let (gate, up): (Vec<f32>, Vec<f32>) = specials
-                .iter()
-                .flat_map(|&g| specials.iter().map(move |&u| (g, u)))
-                .unzip();
-            let x = Tensor::new(&[gate, up].concat()[..], &Device::Cpu)?.unsqueeze(0)?;
-            let (ours, theirs) = (
-                silu_and_mul(&x)?.to_vec2::<f32>()?,
-                reference(&x)?.to_vec2::<f32>()?,
-            );
-            for (a, b) in ours[0].iter().zip(&theirs[0]) {
-                assert!(
-                    a == b || (a.is_nan() && b.is_nan()) || (a - b).abs() <= 1e-6 * b.abs(),
-                    "{isa:?}: {a} vs {b}"
-                );
-            }
-        }
-        force(None);
-        let var = Var::from_tensor(&randn(&[4, 8])?)?;
-        let grads = silu_and_mul(var.as_tensor())?.sum_all()?.backward()?;
-        assert!(grads.get(var.as_tensor()).is_some());
-        let err = silu_and_mul(&randn(&[2, 7])?).unwrap_err().to_string();
-        assert!(err.contains("even"), "{err}");
-        Ok(())
-    }
-
     #[test]
     fn fused_relu_keeps_nan() -> Result<()> {
-        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        let _lock = FORCE_LOCK.lock();
         for isa in supported() {
             force(Some(isa));
             let mut x = randn(&[3, 40])?.to_vec2::<f32>()?;
@@ -577,7 +482,7 @@ mod tests {
     /// weight (the pre-flight's placeholder) is neither packed nor copied.
     #[test]
     fn packed_rows_equal_the_table() -> Result<()> {
-        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        let _lock = FORCE_LOCK.lock();
         for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
             force(Some(isa));
             let w = randn(&[70, 40])?;
@@ -607,7 +512,7 @@ mod tests {
     #[test]
     fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
         use candle::Var;
-        let _lock = crate::cpu::isa::FORCE_LOCK.lock();
+        let _lock = FORCE_LOCK.lock();
         for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
             force(Some(isa));
             for bias in [true, false] {

@@ -111,12 +111,12 @@ impl FusedLayerNorm {
         // Written row by row below, never zeroed first: a zeroing pass
         // would run on the calling thread while the pool waits.
         let mut out: Vec<f32> = Vec::with_capacity(a.len());
-        // Each row in one vectorised call (`cpu::layer_norm_row`, compiled
+        // Each row in one vectorised call (`simd::layer_norm_row`, compiled
         // for AVX-512, AVX2+FMA and the baseline; the same sums in the same
         // order on each, so the same result).
         let norm_row = |(i, o): (usize, &mut [MaybeUninit<f32>])| {
             let b = b.map(|b| &b[i * d..][..d]);
-            crate::cpu::layer_norm_row(&a[i * d..][..d], b, &self.weight, &self.bias, self.eps, o);
+            crate::simd::layer_norm_row(&a[i * d..][..d], b, &self.weight, &self.bias, self.eps, o);
         };
         let spare = &mut out.spare_capacity_mut()[..a.len()];
         if a.len() > 1 << 14 {
@@ -188,7 +188,7 @@ mod tests {
     use candle_nn::{VarBuilder, VarMap};
 
     use super::LayerNorm;
-    use crate::cpu::testing::{randn, rel_err};
+    use crate::testing::{randn, rel_err};
 
     /// The CPU kernel's `norm(x)` and one-pass `norm(x + residual)` equal
     /// candle-nn's op-by-op `layer_norm_slow` (after the add), with and
@@ -253,7 +253,7 @@ mod tests {
     /// lanes.
     #[test]
     fn every_instruction_set_gives_the_same_floats() -> Result<()> {
-        use crate::cpu::isa::{force, supported, FORCE_LOCK};
+        use crate::isa::{force, supported, FORCE_LOCK};
         let _lock = FORCE_LOCK.lock();
         for d in [37, 512, 768] {
             let vb = VarBuilder::from_tensors(

@@ -11,12 +11,9 @@
 //!   (`avx2.rs`), which reads the rows of `x` in place;
 //! - **AVX-512**: panels of 32 for two `zmm` micro-kernels (`avx512.rs`):
 //!   12 rows by one panel for calls of up to 12 rows, 6 rows by two
-//!   panels for more ([`super::avx512::LinearTile`]), which read the rows
-//!   of `x` in place too, in groups of 12 or 6 (packing them per call into
-//!   `[input][row]` order was slower: in one process against it, with a
-//!   switch not kept in the repo, reading in place ran 1-11 % faster on
-//!   single linears of 197-1576 rows, 5-33 % on 8-64 rows, ViT-B/16 1-2 %
-//!   (B1) and 2-5 % (B8)); for a single row (a decoder's step),
+//!   panels for more ([`crate::avx512::LinearTile`]), which read the rows
+//!   of `x` in place too, in groups of 12 or 6 (no per-call packing of the
+//!   inputs); for a single row (a decoder's step),
 //!   `avx512::one_row`, which streams each panel once.
 //!
 //! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
@@ -35,9 +32,9 @@
 
 use rayon::prelude::*;
 
-use super::attention::SyncPtr;
-use super::isa::Isa;
-use super::simd;
+use crate::isa::Isa;
+use crate::pool::{par_for, SyncPtr};
+use crate::simd;
 
 /// Multiply-adds (or floats packed) from which a call's work is spread
 /// over rayon's pool.
@@ -49,27 +46,15 @@ const PARALLEL_FROM: usize = 1 << 16;
 /// half of the core's L2, between 384 and 1024 inputs; 384 where the
 /// processor does not report its L2.
 ///
-/// - AVX-512: 1024 on the README's Xeon (2 MiB), 512 on Zen 4 (1 MiB). On
-///   that Xeon, in one process against 384 (a switch not kept in the
-///   repo), single linears of 512 inputs and more ran level to 7 % faster
-///   (512 × 512 → 512 5-7 %, 1576 × 3072 → 768 4-7 %, 512 × 2048 → 512
-///   level), ViT-B/16 forwards 1-3 % (B1) and 5-8 % (B8), the transformer
-///   forward by a median of 4 % over six runs; slices of 768 were level
-///   with 1024, unbounded ones (the panels past L2) 10-30 % slower.
-/// - AVX2: 384 on the AVX2-only Zen 2 and 3 parts (512 KiB) and Intel's
-///   older ones (256 KiB); more on those with larger L2 (Alder Lake's
-///   1.25 MiB: 640). On the Xeon capped at AVX2, 1024 against 384 (one
-///   process, 20 alternations, a second 384 variant as the null at
-///   0.99-1.01x, a switch not kept): with two threads 1.04-1.08x at 197 ×
-///   768 → 2304, 197 × 3072 → 768, 1576 × 3072 → 768, 512 × 2048 → 512,
-///   1576 × 768 → 2304 and 512 × 512 → 2048; with one thread level (so
-///   likely because one slice lets rows split into units the threads
-///   share out, [`CHUNK_GROUPS`]).
+/// Slices past L2 stream the panels from L3 or memory once per row group;
+/// much shorter ones add a pass over the outputs per slice. With L2s of
+/// 2 MiB (Sapphire Rapids) that is 1024 inputs, 1 MiB (Zen 4) 512, and
+/// 384 for the AVX2-only parts' 256-512 KiB.
 fn slice_len(isa: Isa) -> usize {
     const DEFAULT: usize = 384;
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx2 => super::isa::l2_bytes().map_or(DEFAULT, |l2| {
+        Isa::Avx512 | Isa::Avx2 => crate::isa::l2_bytes().map_or(DEFAULT, |l2| {
             (l2 / 2 / (UNIT_FEATURES * std::mem::size_of::<f32>())).clamp(DEFAULT, 1024)
         }),
         _ => DEFAULT,
@@ -78,16 +63,8 @@ fn slice_len(isa: Isa) -> usize {
 
 /// Steps (inputs) ahead of itself that a tile of a unit's first row group
 /// prefetches its panels: 4 KiB a panel on AVX-512, into the next page,
-/// where the hardware's stream prefetch stops. With weights cold in memory
-/// (40 layers, in one process, with a switch not kept in the repo) 197 ×
-/// 768 → 2304 ran 1.03x, 1576 × 768 → 3072 1.11x, a ViT-B/16 B1 forward
-/// 1.02x. On 2026-12-02, two threads, weights cold (36-48 layers): 16, 64
-/// and 128 steps 0.91-1.06x against 32 (null 0.95-1.01x); the next unit's
-/// panel block prefetched by the later row groups of a unit of more (as
-/// before `179c03a`) level again (0.97-1.04x, null 0.97-1.02x, ViT-B/16 B1
-/// 0.98x against a null of 0.97x); the packed weights on 2 MiB pages
-/// (`MADV_HUGEPAGE`, checked in `smaps`), cold or warm (6-12 layers, one
-/// thread), 0.93-1.05x (nulls 1.00-1.05x).
+/// where the hardware's stream prefetch stops (weights cold in memory, as
+/// a model's layers are one after another).
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 32;
 
@@ -99,11 +76,7 @@ const UNIT_FEATURES: usize = 256;
 /// rows to the next, and rayon hands the later ones of a thread's share to
 /// the thread that finishes first. On a shared host one core can run a
 /// third slower than the other for seconds at a time, and a call split
-/// into equal halves waits for the slow one. In one process against whole
-/// units (a switch not kept in the repo), with the next rule, on the
-/// README's Xeon: the `nn.Transformer` forward 1.01-1.08x (median of each
-/// run's per-round ratios, five runs), ViT-B/16 B1 1.02-1.05x, B8
-/// 1.03-1.05x; units of 4 or 16 groups were level with 8.
+/// into equal halves waits for the slow one.
 const CHUNK_GROUPS: usize = 8;
 
 /// Work units per thread, at least, where the reduction is in slices:
@@ -111,11 +84,8 @@ const CHUNK_GROUPS: usize = 8;
 /// a unit's panels for all its slices would not stay in L2 between units
 /// of rows), so panel blocks are halved down to one tile instead. Each
 /// unit then reads all the rows' inputs, so fewer, wider units read them
-/// fewer times; on 2026-12-02, two threads, in one process against 4 (a
-/// switch not kept in the repo, null 0.99-1.01x): 2 and 1 a thread ran
-/// 512 × 2048 → 512 1.01x and 0.98x, 197 × 3072 → 768 0.98x and 1.02x,
-/// the `nn.Transformer` forward 1.08x and 1.00x, ViT-B/16 B1 0.95x and
-/// 0.99x: level.
+/// fewer times; 4 a thread still lets a thread that finishes first take
+/// over part of the other's share.
 const SLICED_UNITS_PER_THREAD: usize = 4;
 
 /// `(panels, row groups)` per work unit for `panels` panels of `nr`
@@ -159,9 +129,9 @@ fn unit_shape(
 fn panel_width(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => super::avx512::LINEAR_NR,
+        Isa::Avx512 => crate::avx512::LINEAR_NR,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => super::avx2::NR,
+        Isa::Avx2 => crate::panel::NR,
         _ => 16,
     }
 }
@@ -189,27 +159,6 @@ impl Epilogue {
             Epilogue::Relu => simd::relu(xs),
         }
     }
-}
-
-/// `silu(gate_up[.., :i]) · gate_up[.., i:]` for `rows` rows of `2i`
-/// floats, into `rows` rows of `i`; rows split over rayon's pool where
-/// there are enough of them.
-pub(crate) fn silu_and_mul(gate_up: &[f32], rows: usize, i: usize) -> Vec<f32> {
-    let mut out = vec![0f32; rows * i];
-    if i == 0 {
-        return out;
-    }
-    let row = |(o, x): (&mut [f32], &[f32])| simd::silu_mul(&x[..i], &x[i..], o);
-    // About 16 K outputs a task, as candle's elementwise ops take.
-    let per_task = (16 * 1024 / i).max(1);
-    if rows * i >= 64 * 1024 {
-        out.par_chunks_mut(per_task * i)
-            .zip(gate_up.par_chunks(per_task * 2 * i))
-            .for_each(|(o, x)| o.chunks_mut(i).zip(x.chunks(2 * i)).for_each(row));
-    } else {
-        out.chunks_mut(i).zip(gate_up.chunks(2 * i)).for_each(row);
-    }
-    out
 }
 
 /// A weight and bias in panel layout, for the instruction set it was
@@ -243,7 +192,7 @@ impl PackedWeight {
     /// The instruction set a weight packed now would run with, if any
     /// kernel serves this processor.
     pub(crate) fn isa() -> Option<Isa> {
-        match super::isa::current() {
+        match crate::isa::current() {
             Isa::Portable => None,
             isa => Some(isa),
         }
@@ -383,12 +332,12 @@ impl PackedWeight {
         // Both read the rows of x in place, in groups of `mr`. A tile
         // covers `tp` panels.
         #[cfg(target_arch = "x86_64")]
-        let tile = super::avx512::LinearTile::for_rows(m);
+        let tile = crate::avx512::LinearTile::for_rows(m);
         let (mr, tp) = match self.isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => tile.shape(),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => (super::avx2::MR, 1),
+            Isa::Avx2 => (crate::avx2::MR, 1),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
         // Slices of the reduction of at most `slice_len` inputs, of equal
@@ -486,7 +435,7 @@ impl PackedWeight {
                             };
                             match self.isa {
                                 #[cfg(target_arch = "x86_64")]
-                                Isa::Avx512 => super::avx512::linear_tile(
+                                Isa::Avx512 => crate::avx512::linear_tile(
                                     tile,
                                     rows,
                                     cols,
@@ -544,7 +493,8 @@ impl PackedWeight {
     ) {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::avx2::{MR, NR};
+            use crate::avx2::MR;
+            use crate::panel::NR;
             debug_assert!(self.isa == Isa::Avx2 && rows <= MR);
             // SAFETY: rows × cols of `out` and of a non-null residual, and
             // `cols` of `bias`, are in bounds; the tile holds MR × NR.
@@ -567,14 +517,14 @@ impl PackedWeight {
                             start(r, out.add(r * out_rs));
                         }
                     }
-                    super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs, None);
+                    crate::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs, None);
                     return;
                 }
                 let mut tile = [0f32; MR * NR];
                 for r in 0..rows {
                     start(r, tile.as_mut_ptr().add(r * NR));
                 }
-                super::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR, None);
+                crate::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR, None);
                 for r in 0..rows {
                     std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), out.add(r * out_rs), cols);
                 }
@@ -601,13 +551,13 @@ impl PackedWeight {
         };
         let per_task = panels.div_ceil(tasks) * nr;
         let out_ptr = SyncPtr(out.as_mut_ptr());
-        super::par_for(width.div_ceil(per_task), width * k, |t| {
+        par_for(width.div_ceil(per_task), width * k, |t| {
             let c0 = t * per_task;
             // SAFETY: this task's columns c0.. of the output are its own;
             // x holds k floats; panels from (lo + c0) / nr on cover the
             // columns; `self.isa` is AVX-512, detected when packed.
             unsafe {
-                super::avx512::one_row(
+                crate::avx512::one_row(
                     x.as_ptr(),
                     k,
                     self.panels()[(lo + c0) / nr * k * nr..].as_ptr(),

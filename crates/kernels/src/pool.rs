@@ -1,72 +1,5 @@
-//! The memory-efficient CPU attention kernel.
-//!
-//! FlashAttention's algorithm (Dao et al., 2022) on the CPU: queries are cut
-//! into blocks of rows, keys into blocks of columns; each query block keeps a
-//! running row max, row sum and output accumulator, so the `(q_len, kv_len)`
-//! score matrix never exists, only one `(BLOCK_Q, BLOCK_K)` tile per thread.
-//! The two products per tile go, on x86-64, through register-blocked
-//! micro-kernels over packed keys and values (`avx2.rs` with AVX2+FMA,
-//! `avx512.rs` with AVX-512F, whose `Q·Kᵀ` kernel also keeps each row's max
-//! for the softmax); elsewhere through the `gemm` crate (the one candle's
-//! CPU matmul uses). The softmax goes through a vectorised `exp` compiled
-//! for the best instruction set the processor has. Work is spread over
-//! rayon's pool by (batch, head, query block); a decode-sized call from
-//! outside the pool keeps the calling thread working beside the pool's
-//! helpers ([`par_for`]).
-//!
-//! Inputs are read in place through their strides (only the last dim must be
-//! contiguous), so `(batch, seq, heads, head_dim)` views from a projection
-//! need no transposing copy; the output is written as
-//! `(batch, q_len, heads, v_head_dim)`, the layout the output projection
-//! wants.
-//!
-//! The files, one concept each:
-//! - `attention.rs`: the tiled attention (work units, masks by parts,
-//!   the `gemm`-tile path and the dispatch to the AVX2 tiles);
-//! - `linear.rs`: linear layers packed once ([`crate::PackedLinear`]);
-//! - `simd.rs`: softmax, `exp`, mask rows, GELU, compiled per ISA;
-//! - `avx2.rs`: the AVX2+FMA micro-kernels (attention tiles and linears),
-//!   and the packed unit both tile kinds share;
-//! - `avx512.rs`: the AVX-512F micro-kernels (attention tiles, the
-//!   linears' 12 × 32 and 6 × 64 tiles and one-row kernel);
-//! - `lanes.rs`: kernels written once over the vector width (`ymm`,
-//!   `zmm`): the products of decode-sized tiles, read in place;
-//! - `isa.rs`: the one place that picks the instruction set
-//!   (`MULTIHEAD_CPU_ISA=avx512|avx2|portable` caps it).
-
-/// `$step!(i)` for `i` in `0..$n`: a step for each offset of the list
-/// (`[0, 1]`, `[0, 1, 2, 3]`) an iteration of the loop, then the rest one
-/// at a time: the micro-kernels' reduction loops, whose counter and
-/// pointers then come once per iteration.
-#[cfg(target_arch = "x86_64")]
-macro_rules! unrolled {
-    ($n:expr, [$($k:literal),+], $step:ident) => {{
-        let (n, by) = ($n, [$($k),+].len());
-        let mut i = 0;
-        while i + by <= n {
-            $($step!(i + $k);)+
-            i += by;
-        }
-        while i < n {
-            $step!(i);
-            i += 1;
-        }
-    }};
-}
-
-mod attention;
-#[cfg(target_arch = "x86_64")]
-mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
-pub(crate) mod isa;
-#[cfg(target_arch = "x86_64")]
-mod lanes;
-pub(crate) mod linear;
-mod simd;
-
-pub(crate) use attention::{sdpa_cpu, supports};
-pub(crate) use simd::layer_norm_row;
+//! The threads: [`par_for`] over rayon's pool, and [`Pool`], buffers kept
+//! from call to call.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -89,11 +22,10 @@ const MIN_ITEM: usize = 1 << 16;
 /// thread takes items from a counter, and helper tasks spawned on the pool
 /// take from the same counter when a worker picks them up. The caller
 /// never sleeps; it waits only for items a helper has already taken, and a
-/// helper that arrives after the last item has been taken does nothing. On
-/// the README's Xeon, in alternating runs against handing the job to the
-/// pool, a decode call's attention (8 heads, 2048 keys) ran 1.3–1.5×
-/// faster this way, and a Llama-shaped decoder's step about 2×. Other jobs, and
-/// calls from inside the pool, take rayon's own splitting.
+/// helper that arrives after the last item has been taken does nothing:
+/// a decode step's attention and linears, each a few hundred microseconds,
+/// do not wait for a sleeping worker to wake. Other jobs, and calls from
+/// inside the pool, take rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
@@ -237,20 +169,19 @@ impl Pool {
     }
 }
 
-/// Helpers of the crate's unit tests.
-#[cfg(test)]
-pub(crate) mod testing {
-    use candle::{Device, Result, Tensor};
+/// A raw output pointer shared by the work units, which write disjoint rows.
+#[derive(Clone, Copy)]
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
+// SAFETY: the units that share one write disjoint parts; the pointer outlives
+// the parallel loop, which joins before the buffer is used.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
 
-    pub(crate) fn randn(shape: &[usize]) -> Result<Tensor> {
-        Tensor::randn(0f32, 1., shape, &Device::Cpu)
-    }
-
-    /// Largest difference over the expected tensor's largest magnitude.
-    pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
-        Ok(diff / scale)
+impl SyncPtr {
+    /// The pointer; a method, so that closures capture the `SyncPtr`
+    /// (`Send + Sync`), not its raw field.
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
     }
 }
 

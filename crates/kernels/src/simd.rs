@@ -331,7 +331,7 @@ macro_rules! dispatch {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     $impl($($arg),*)
                 }
-                use crate::cpu::isa::{current, Isa};
+                use crate::isa::{current, Isa};
                 match current() {
                     // SAFETY: `current` never exceeds what was detected.
                     Isa::Avx512 => return unsafe { avx512($($arg),*) },

@@ -1,0 +1,361 @@
+//! The tiled CPU kernel behind [`crate::AttnPath::CpuTiled`]
+//! (`multihead_kernels::attention`), given a [`Mask`] as it reads one.
+
+use candle::{Result, Tensor};
+use multihead_kernels::attention::{self as kernel, Masking, TileOptions};
+
+use crate::mask::Mask;
+use crate::sdpa::sdpa_reference;
+
+/// Whether the kernel can serve these inputs.
+pub(crate) fn supports(q: &Tensor) -> bool {
+    kernel::supports(q)
+}
+
+/// `softmax(q kᵀ · scale + mask) v` through the tiled kernel; shapes as
+/// [`crate::scaled_dot_product_attention`] (validated by the caller), the
+/// last `appended` keys outside the mask.
+pub(crate) fn sdpa_tiled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    sdpa_tiled_with(q, k, v, mask, appended, scale, TileOptions::default())
+}
+
+/// [`sdpa_tiled`] with the kernel's tiles and packing as `options` asks.
+fn sdpa_tiled_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+    options: TileOptions,
+) -> Result<Tensor> {
+    let (batch, heads, q_len, _) = q.dims4()?;
+    let masked_keys = k.dim(2)?.saturating_sub(appended);
+    // Key padding and attention masks are read in their own shapes (bytes
+    // stay bytes); the causal rule stays a rule, so tiles above the
+    // diagonal are skipped instead of computed and masked.
+    let masking = Masking {
+        parts: mask.tensor_parts((batch, heads, q_len, masked_keys))?,
+        causal: mask.causal.map(|c| c.offset(q_len, masked_keys)),
+        window: mask.window,
+        alibi: mask
+            .alibi
+            .as_ref()
+            .map(|a| (a.slopes(), mask.alibi_offset(q_len, masked_keys))),
+    };
+    match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
+        Some(out) => Ok(out),
+        // A non-finite value met a hidden key: the reference path, which
+        // reads no hidden value, decides.
+        None => Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Device, Result, Tensor};
+
+    use multihead_kernels::attention::{Packing, TileOptions, Tiles};
+    use multihead_kernels::isa::{current, force, supported, Isa};
+
+    use super::sdpa_tiled_with;
+    use crate::mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
+    use crate::sdpa::sdpa_reference;
+    use crate::testing::{randn, rel_err};
+
+    /// Held by the tests that force an instruction set.
+    static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// [`sdpa_tiled_with`] with the tiles (and packing) forced.
+    fn forced(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Mask,
+        scale: f64,
+        tiles: Tiles,
+        packing: Packing,
+    ) -> Result<Tensor> {
+        let options = TileOptions {
+            tiles: Some(tiles),
+            packing: Some(packing),
+        };
+        sdpa_tiled_with(q, k, v, mask, 0, scale, options)
+    }
+
+    /// Every tile implementation the processor runs under the current ISA,
+    /// the packed ones with each packing.
+    fn runnable_tiles() -> Vec<(Tiles, Packing)> {
+        let mut tiles = vec![(Tiles::Gemm, Packing::Shared)];
+        let mut packed = |t| tiles.extend([(t, Packing::Shared), (t, Packing::PerThread)]);
+        if cfg!(target_arch = "x86_64") && current() >= Isa::Avx2 {
+            packed(Tiles::Avx2);
+        }
+        if cfg!(target_arch = "x86_64") && current() >= Isa::Avx512 {
+            packed(Tiles::Avx512);
+        }
+        tiles
+    }
+
+    /// Every tile implementation this CPU runs, forced, under every
+    /// instruction set it runs, equals the reference path, including shapes
+    /// `Tiles::best` would not give it: single query rows for the
+    /// micro-kernels, partial row groups, key counts off the panel and
+    /// block sizes, value widths off the panel width; decode-sized blocks
+    /// (the `lanes.rs` products) with dims off the vector widths.
+    #[test]
+    fn every_tile_implementation_equals_reference() -> Result<()> {
+        let _lock = FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            every_tile_implementation_equals_reference_under(isa)?;
+        }
+        force(None);
+        Ok(())
+    }
+
+    fn every_tile_implementation_equals_reference_under(isa: Isa) -> Result<()> {
+        let tiles = runnable_tiles();
+        // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim)
+        let shapes = [
+            (1, 2, 2, 1, 300, 64, 64),
+            (2, 3, 1, 7, 17, 8, 8),
+            (1, 4, 2, 3, 530, 37, 75),
+            (1, 2, 2, 100, 257, 64, 24),
+            (2, 4, 2, 37, 530, 40, 72),
+            (1, 1, 1, 200, 5, 256, 256),
+        ];
+        for (b, h, kh, l, s, d, dv) in shapes {
+            let (q, k, v) = (
+                randn(&[b, h, l, d])?,
+                randn(&[b, kh, s, d])?,
+                randn(&[b, kh, s, dv])?,
+            );
+            let lengths: Vec<usize> = (0..b).map(|i| s - i * s / 2).collect();
+            let masks = [
+                Mask::new(),
+                Mask::causal(Causal::TopLeft),
+                Mask::causal(Causal::BottomRight),
+                Mask::causal(Causal::Offset(2)),
+                Mask::causal(Causal::TopLeft)
+                    .with_attn(AttnMask::Additive(randn(&[l, s])?))
+                    .with_key_padding(KeyPaddingMask::from_lengths(&lengths, s, &Device::Cpu)?),
+                // Windows narrower and wider than a key block and a panel.
+                Mask::causal(Causal::BottomRight).with_window(3),
+                Mask::causal(Causal::BottomRight)
+                    .with_window(70)
+                    .with_alibi(Alibi::new(h)),
+                Mask::new().with_alibi(Alibi::new(h)),
+            ];
+            for (m, mask) in masks.iter().enumerate() {
+                let scale = 0.7 / (d as f64).sqrt().max(1.);
+                let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(scale), None)?.0;
+                for &(t, packing) in &tiles {
+                    let ours = forced(&q, &k, &v, mask, scale, t, packing)?;
+                    let err = rel_err(&ours, &reference)?;
+                    let what = format!(
+                        "{isa:?} {t:?} {packing:?} shape {:?} mask {m}",
+                        (b, h, kh, l, s, d, dv)
+                    );
+                    assert!(err < 1e-5, "{what}: relative error {err:e}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Scores far from 0 (hundreds, all negative for some rows) give the
+    /// reference's result on every tile implementation and instruction
+    /// set: the row max the AVX-512 scores kernel keeps must be the row's
+    /// (a max off by more than about 87 turns every weight to 0 or `inf`),
+    /// and must leave out the zero-padded keys of a last panel. Scores this
+    /// large carry absolute rounding errors of about 1e-5 between summation
+    /// orders, so the weights agree to about that, not to 1e-7; a wrong max
+    /// is off by orders of magnitude more.
+    #[test]
+    fn far_from_zero_scores_equal_reference_on_every_variant() -> Result<()> {
+        let _lock = FORCE_LOCK.lock();
+        // (batch, heads, q_len, kv_len, head_dim): key counts off the panel.
+        for (b, h, l, s, d) in [(1, 2, 40, 37, 64), (2, 1, 30, 300, 16)] {
+            let offset = |t: Tensor, by: f64| -> Result<Tensor> { t.affine(1., by) };
+            let cases = [
+                // Every score about -17.5·√d (-140 at d = 64): all negative.
+                (
+                    offset(randn(&[b, h, l, d])?, 5.)?,
+                    offset(randn(&[b, h, s, d])?, -5.)?,
+                ),
+                // Scores of either sign, hundreds apart.
+                ((randn(&[b, h, l, d])? * 8.)?, (randn(&[b, h, s, d])? * 8.)?),
+            ];
+            let v = randn(&[b, h, s, d])?;
+            for (c, (q, k)) in cases.iter().enumerate() {
+                for mask in [Mask::new(), Mask::causal(Causal::BottomRight)] {
+                    let scale = 0.7 / (d as f64).sqrt();
+                    let reference = sdpa_reference(q, k, &v, &mask, 0, Some(scale), None)?.0;
+                    for isa in supported() {
+                        force(Some(isa));
+                        for (t, packing) in runnable_tiles() {
+                            let ours = forced(q, k, &v, &mask, scale, t, packing)?;
+                            let err = rel_err(&ours, &reference)?;
+                            let what = format!(
+                                "{isa:?} {t:?} {packing:?} case {c} {:?} causal {:?}",
+                                (b, h, l, s, d),
+                                mask.causal
+                            );
+                            assert!(err < 1e-3, "{what}: relative error {err:e}");
+                        }
+                    }
+                    force(None);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `a` and `b` have NaN and infinities (with their signs) in
+    /// the same places and finite values within `tol` of `b`'s largest
+    /// finite magnitude; the first difference otherwise.
+    fn nan_aware_diff(a: &Tensor, b: &Tensor, tol: f32) -> Result<Option<String>> {
+        let a = a.flatten_all()?.to_vec1::<f32>()?;
+        let b = b.flatten_all()?.to_vec1::<f32>()?;
+        let scale = b
+            .iter()
+            .filter(|x| x.is_finite())
+            .fold(1e-30f32, |m, x| m.max(x.abs()));
+        for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+            let same = if x.is_finite() && y.is_finite() {
+                (x - y).abs() <= tol * scale
+            } else {
+                (x.is_nan() && y.is_nan()) || x == y
+            };
+            if !same {
+                return Ok(Some(format!("element {i}: {x} vs reference {y}")));
+            }
+        }
+        Ok(None)
+    }
+
+    /// NaN and infinities in q, k, v and additive masks give the same
+    /// result on every tile implementation and instruction set, at decode
+    /// and prefill lengths, as the reference path, NaN for NaN: a hidden
+    /// key takes no part, visible pairs follow IEEE arithmetic.
+    #[test]
+    fn non_finite_inputs_equal_reference_on_every_variant() -> Result<()> {
+        let _lock = FORCE_LOCK.lock();
+        let dev = Device::Cpu;
+        let (b, h, kh, s, d, dv) = (2, 2, 1, 40, 16, 24);
+        let tiles = runnable_tiles();
+        // (tensor, flat index, value): q is (b, h, l, d), k (b, kh, s, d),
+        // v (b, kh, s, dv), the additive mask (l, s). Key 33 is padding in
+        // batch 0 (length 30) and past the causal diagonal of early rows.
+        let pokes: &[(&str, [usize; 4], f32)] = &[
+            ("q", [0, 1, 2, 3], f32::NAN),
+            ("q", [1, 0, 0, 0], f32::INFINITY),
+            ("k", [0, 0, 5, 1], f32::NAN),
+            ("k", [1, 0, 9, 2], f32::INFINITY),
+            ("k", [0, 0, 33, 0], f32::NAN),
+            ("k", [1, 0, 3, 4], f32::NEG_INFINITY),
+            ("v", [0, 0, 5, 2], f32::NAN),
+            ("v", [1, 0, 7, 0], f32::INFINITY),
+            ("v", [0, 0, 33, 1], f32::NAN),
+            ("v", [0, 0, 2, 5], f32::NEG_INFINITY),
+            ("mask", [0, 0, 1, 4], f32::NAN),
+            ("mask", [0, 0, 0, 2], f32::INFINITY),
+            ("mask", [0, 0, 3, 6], f32::NEG_INFINITY),
+        ];
+        let poke = |t: &Tensor, at: [usize; 4], x: f32| -> Result<Tensor> {
+            let dims = t.dims4()?;
+            let mut data = t.flatten_all()?.to_vec1::<f32>()?;
+            let i = ((at[0] * dims.1 + at[1]) * dims.2 + at[2]) * dims.3 + at[3];
+            data[i] = x;
+            Tensor::from_vec(data, dims, &dev)
+        };
+        let mut checked = 0;
+        for l in [1, 3, 20, 40] {
+            let (q0, k0, v0) = (
+                randn(&[b, h, l, d])?,
+                randn(&[b, kh, s, d])?,
+                randn(&[b, kh, s, dv])?,
+            );
+            let m0 = randn(&[1, 1, l, s])?;
+            for &(what, at, x) in pokes {
+                let at = [
+                    at[0],
+                    at[1],
+                    at[2].min(if what == "q" || what == "mask" {
+                        l - 1
+                    } else {
+                        s - 1
+                    }),
+                    at[3],
+                ];
+                let (mut q, mut k, mut v, mut m) = (q0.clone(), k0.clone(), v0.clone(), m0.clone());
+                match what {
+                    "q" => q = poke(&q, at, x)?,
+                    "k" => k = poke(&k, at, x)?,
+                    "v" => v = poke(&v, at, x)?,
+                    _ => m = poke(&m, at, x)?,
+                }
+                let padding = KeyPaddingMask::from_lengths(&[30, s], s, &dev)?;
+                let masks = [
+                    Mask::new(),
+                    Mask::causal(Causal::BottomRight),
+                    Mask::new().with_key_padding(padding.clone()),
+                    Mask::causal(Causal::TopLeft)
+                        .with_key_padding(padding)
+                        .with_attn(AttnMask::Additive(m.clone())),
+                    Mask::new().with_attn(AttnMask::IgnoreWhereTrue(m.ge(1.)?)),
+                ];
+                for (mi, mask) in masks.iter().enumerate() {
+                    let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(0.5), None)?.0;
+                    for isa in supported() {
+                        force(Some(isa));
+                        for &(t, packing) in &tiles {
+                            // Under a forced ISA, only the tiles it runs.
+                            if !runnable_tiles().contains(&(t, packing)) {
+                                continue;
+                            }
+                            let ours = forced(&q, &k, &v, mask, 0.5, t, packing)?;
+                            if let Some(diff) = nan_aware_diff(&ours, &reference, 1e-5)? {
+                                force(None);
+                                panic!("{isa:?} {t:?} {packing:?} q_len {l}, {what}{at:?} = {x}, mask {mi}: {diff}");
+                            }
+                            checked += 1;
+                        }
+                    }
+                    force(None);
+                }
+            }
+        }
+        assert!(checked > 0);
+        Ok(())
+    }
+
+    /// Zero-width heads take the path that handles them: scores of 0 (a
+    /// plain average of the values), and an empty output.
+    #[test]
+    fn zero_width_heads_equal_reference() -> Result<()> {
+        for (d, dv) in [(0, 8), (8, 0), (0, 0)] {
+            let (q, k, v) = (
+                randn(&[1, 2, 20, d])?,
+                randn(&[1, 2, 7, d])?,
+                randn(&[1, 2, 7, dv])?,
+            );
+            let mask = Mask::causal(Causal::TopLeft);
+            let reference = sdpa_reference(&q, &k, &v, &mask, 0, Some(1.), None)?.0;
+            let ours = sdpa_tiled_with(&q, &k, &v, &mask, 0, 1., TileOptions::default())?;
+            assert_eq!(ours.dims(), reference.dims());
+            if dv > 0 {
+                assert!(rel_err(&ours, &reference)? < 1e-6, "head dims ({d}, {dv})");
+            }
+        }
+        Ok(())
+    }
+}
