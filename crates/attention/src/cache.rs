@@ -1,8 +1,6 @@
 //! Keys and values kept across calls: the cache of a decoder's
-//! self-attention and the one call that steps through it
-//! ([`MultiheadAttention::forward_cached`]), and attention over keys and
-//! values projected once ([`MultiheadAttention::project_kv`],
-//! [`MultiheadAttention::forward_projected`]: a fixed encoder memory).
+//! self-attention, which [`crate::MultiheadAttention::forward_cached`]
+//! steps through.
 //!
 //! Like candle-nn's `kv_cache::Cache`, keys and values live in a
 //! preallocated buffer written in place with `slice_set`; unlike it, the
@@ -10,11 +8,9 @@
 //! rows can be reordered for beam search, and each row may start after
 //! some left padding.
 
-use candle::{bail, DType, Device, IndexOp, Result, Tensor};
+use candle::{bail, DType, Device, Result, Tensor};
 
-use crate::mask::{Causal, KeyPaddingMask};
-use crate::mha::MultiheadAttention;
-use crate::options::{MhaOptions, MhaOutput, SeqLayout};
+use crate::mask::KeyPaddingMask;
 
 /// Keys and values of the positions a decoder has seen, per layer.
 ///
@@ -231,7 +227,7 @@ impl KvCache {
 
     /// The key padding mask over `kv_len` positions from the left padding;
     /// `None` when no row is padded.
-    fn padding_mask(&self, kv_len: usize, device: &Device) -> Result<Option<KeyPaddingMask>> {
+    pub(crate) fn padding_mask(&self, kv_len: usize, device: &Device) -> Result<Option<KeyPaddingMask>> {
         if self.starts.iter().all(|&s| s == 0) {
             return Ok(None);
         }
@@ -253,220 +249,4 @@ fn grow(
         buf.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
     }
     Ok(buf)
-}
-
-impl MultiheadAttention {
-    /// Projects keys and values and splits them into heads, for reuse across
-    /// calls: cross-attention over a fixed encoder memory, or a decoder's
-    /// self-attention cache (append along dim 2).
-    ///
-    /// # Shapes
-    /// - `key`: `(batch, kv_len, kdim)`, `value`: `(batch, kv_len, vdim)`
-    /// - returns `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)` each,
-    ///   contiguous (after qk-norm on `k` when configured)
-    ///
-    /// No position encoding is applied: with rotary embeddings configured,
-    /// use [`MultiheadAttention::forward_cached`], which places each key.
-    pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.check_no_extra_keys("project_kv")?;
-        if self.rotary.is_some() {
-            bail!(
-                "MultiheadAttention::project_kv: rotary embeddings need each key's position; \
-                 use forward_cached with a KvCache"
-            )
-        }
-        if key.rank() != 3 || value.rank() != 3 {
-            bail!(
-                "MultiheadAttention::project_kv: key and value must be 3-D (batch, kv_len, features), found {:?} and {:?}",
-                key.dims(),
-                value.dims()
-            )
-        }
-        let (kb, s, ke) = key.dims3()?;
-        let (vb, vs, ve) = value.dims3()?;
-        if (ke, ve) != (self.cfg.kdim(), self.cfg.vdim()) {
-            bail!(
-                "MultiheadAttention::project_kv: key/value have {ke}/{ve} features, expected kdim {} / vdim {}",
-                self.cfg.kdim(),
-                self.cfg.vdim()
-            )
-        }
-        if (kb, s) != (vb, vs) {
-            bail!(
-                "MultiheadAttention::project_kv: key is {:?} but value is {:?}",
-                key.dims(),
-                value.dims()
-            )
-        }
-        let (k, v) = self.in_proj.forward_kv(key, value)?;
-        let kvh = self.cfg.kv_heads();
-        // Contiguous, so that caches which copy in place (candle-nn's
-        // `KvCache`, `slice_set`) take them as they are.
-        Ok((
-            self.norm_k(&self.split_heads(&k, kvh)?)?.contiguous()?,
-            self.split_heads(&v, kvh)?.contiguous()?,
-        ))
-    }
-
-    /// Attention of `query` over keys and values already projected by
-    /// [`MultiheadAttention::project_kv`], batch-first.
-    ///
-    /// # Shapes
-    /// - `query`: `(batch, q_len, embed_dim)`, or unbatched `(q_len, embed_dim)`
-    /// - `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)`, or unbatched
-    ///   `(num_kv_heads, kv_len, head_dim)`
-    /// - output: the query's shape; weights as `opts.need_weights` says.
-    ///
-    /// `opts.layout` must be batch-first. For a decoder step over a cache
-    /// holding earlier positions, use [`MultiheadAttention::forward_cached`],
-    /// or pass `Mask::causal(Causal::BottomRight)`.
-    pub fn forward_projected(
-        &self,
-        query: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        opts: &MhaOptions,
-    ) -> Result<MhaOutput> {
-        self.check_no_extra_keys("forward_projected")?;
-        if self.rotary.is_some() {
-            bail!(
-                "MultiheadAttention::forward_projected: rotary embeddings need each query's position; \
-                 use forward_cached with a KvCache"
-            )
-        }
-        if opts.layout != SeqLayout::BatchFirst {
-            bail!(
-                "MultiheadAttention::forward_projected: takes batch-first inputs only, found {:?}",
-                opts.layout
-            )
-        }
-        let unbatched = match (query.rank(), k.rank(), v.rank()) {
-            (3, 4, 4) => false,
-            (2, 3, 3) => true,
-            _ => bail!(
-                "MultiheadAttention::forward_projected: expected query (batch, q_len, embed_dim) with k, v \
-                 (batch, kv_heads, kv_len, head_dim), or all unbatched; found query {:?}, k {:?}, v {:?}",
-                query.dims(),
-                k.dims(),
-                v.dims()
-            ),
-        };
-        let batch = |t: &Tensor| if unbatched { t.unsqueeze(0) } else { Ok(t.clone()) };
-        let (query, k, v) = (batch(query)?, batch(k)?, batch(v)?);
-        let opts = &opts.map_residual(batch)?;
-        let (b, l) = self.check_query(&query)?;
-        let expected = (b, self.cfg.kv_heads(), self.cfg.head_dim());
-        for (name, t) in [("k", &k), ("v", &v)] {
-            let (tb, th, _, thd) = t.dims4()?;
-            if (tb, th, thd) != expected {
-                bail!(
-                    "MultiheadAttention::forward_projected: {name} is {:?}, expected (batch, kv_heads, kv_len, head_dim) with {expected:?}",
-                    t.dims()
-                )
-            }
-        }
-        if k.dim(2)? != v.dim(2)? || k.dim(2)? == 0 {
-            bail!(
-                "MultiheadAttention::forward_projected: k has {} positions and v {} (equal and > 0 needed)",
-                k.dim(2)?,
-                v.dim(2)?
-            )
-        }
-        let mask = self.with_config_rules(&opts.mask);
-        mask.validate(b, self.cfg.num_heads, l, k.dim(2)?)?;
-        let q = self.in_proj.forward_q(&query)?;
-        let q = self.norm_q(&self.split_heads(&q, self.cfg.num_heads)?)?;
-        let (output, weights) = self.attend(&q, &k, &v, &mask, 0, opts)?;
-        Ok(if unbatched {
-            MhaOutput {
-                output: output.squeeze(0)?,
-                weights: weights.map(|w| w.squeeze(0)).transpose()?,
-            }
-        } else {
-            MhaOutput { output, weights }
-        })
-    }
-
-    /// One decoder step of causal self-attention over `cache`: projects
-    /// `x` once, applies qk-norm and the rotary embedding at the positions
-    /// the cache gives, appends the keys and values, and attends causally
-    /// with the cache length as offset (plus the config's sliding window
-    /// and ALiBi, the cache's left padding, and `opts.mask`'s key padding
-    /// or attention mask over all `len + new` keys, if any).
-    ///
-    /// Prefill of any length, chunked prefill and single-token decoding
-    /// are this same call, and equal the full causal pass.
-    ///
-    /// # Shapes
-    /// - `x`: `(batch, new, embed_dim)`, or unbatched `(new, embed_dim)`
-    /// - output: the shape of `x`; weights over all `len + new` keys
-    pub fn forward_cached(&self, x: &Tensor, cache: &mut KvCache, opts: &MhaOptions) -> Result<MhaOutput> {
-        self.check_no_extra_keys("forward_cached")?;
-        if opts.layout != SeqLayout::BatchFirst {
-            bail!(
-                "MultiheadAttention::forward_cached: takes batch-first inputs only, found {:?}",
-                opts.layout
-            )
-        }
-        if opts.mask.causal.is_some() {
-            bail!(
-                "MultiheadAttention::forward_cached: the causal rule comes from the cache (offset = cache length); \
-                 leave opts.mask.causal unset"
-            )
-        }
-        let unbatched = match x.rank() {
-            3 => false,
-            2 => true,
-            _ => bail!(
-                "MultiheadAttention::forward_cached: x must be (batch, new, embed_dim) or (new, embed_dim), found {:?}",
-                x.dims()
-            ),
-        };
-        let x = if unbatched { x.unsqueeze(0)? } else { x.clone() };
-        let opts = &opts.map_residual(|r| if unbatched { r.unsqueeze(0) } else { Ok(r.clone()) })?;
-        let (b, t) = self.check_query(&x)?;
-        let (h, kvh) = (self.cfg.num_heads, self.cfg.kv_heads());
-        let offset = cache.len();
-        // (B, H, T, hd), (B, Hkv, T, hd), (B, Hkv, T, hd)
-        let (q, k, v) = match self.in_proj.self_attention_heads(&x, &x, &x, h)? {
-            Some(heads) => heads,
-            None => {
-                let (q, k, v) = self.in_proj.forward(&x, &x, &x)?;
-                (
-                    self.split_heads(&q, h)?,
-                    self.split_heads(&k, kvh)?,
-                    self.split_heads(&v, kvh)?,
-                )
-            }
-        };
-        let (mut q, mut k) = (self.norm_q(&q)?, self.norm_k(&k)?);
-        if let Some(rotary) = &self.rotary {
-            let pos = cache.positions(b, t, x.device())?;
-            (q, k) = rotary.apply_qk(&q, &k, &pos)?;
-        }
-        let (k, v) = cache.append(&k, &v)?;
-        let s = cache.len();
-        let mut mask = self
-            .with_config_rules(&opts.mask)
-            .with_causal(Causal::Offset(offset));
-        if let Some(pad) = cache.padding_mask(s, x.device())? {
-            if mask.key_padding.is_some() {
-                bail!(
-                    "MultiheadAttention::forward_cached: the cache tracks left padding; \
-                     a key padding mask in opts would conflict with it"
-                )
-            }
-            mask.key_padding = Some(pad);
-        }
-        mask.validate(b, h, t, s)?;
-        let (out, weights) = self.attend(&q, &k, &v, &mask, 0, opts)?;
-        Ok(if unbatched {
-            MhaOutput {
-                output: out.squeeze(0)?,
-                weights: weights.map(|w| w.i(0)).transpose()?,
-            }
-        } else {
-            MhaOutput { output: out, weights }
-        })
-    }
 }

@@ -1,4 +1,13 @@
-//! Multi-head attention with PyTorch's semantics.
+//! Multi-head attention with PyTorch's semantics: the module, and its
+//! entry points, which share one path (inputs made batch-first, the
+//! config's rules joined to the mask, heads projected, normed and
+//! rotated, attention, output projection):
+//! - [`MultiheadAttention::forward_attn`]: query, key and value;
+//! - [`MultiheadAttention::forward_cached`]: a decoder step over a
+//!   [`KvCache`];
+//! - [`MultiheadAttention::project_kv`] and
+//!   [`MultiheadAttention::forward_projected`]: keys and values projected
+//!   once (a fixed encoder memory).
 //!
 //! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
@@ -9,9 +18,10 @@ use candle_nn::{Init, Module, ModuleT, VarBuilder};
 use multihead_kernels::LayerNorm;
 use multihead_kernels::PackedLinear;
 
+use crate::cache::KvCache;
 use crate::config::{MhaConfig, NormKind, PositionEncoding};
 use crate::layout::WeightLayout;
-use crate::mask::{Alibi, KeyPaddingMask, Mask};
+use crate::mask::{Alibi, Causal, KeyPaddingMask, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 use crate::projection::{linear, xavier_uniform, InKind, InProjection, Stored};
 use crate::rotary::Rotary;
@@ -239,66 +249,17 @@ impl MultiheadAttention {
                  found ranks {q}, {k}, {v}"
             ),
         };
+        let call = Batching::new(unbatched, opts.layout);
         let self_attn = query.id() == key.id() && key.id() == value.id();
-        let to_batch_first = |t: &Tensor| -> Result<Tensor> {
-            match (unbatched, opts.layout) {
-                (true, _) => t.unsqueeze(0),
-                (false, SeqLayout::BatchFirst) => Ok(t.clone()),
-                (false, SeqLayout::SeqFirst) => t.transpose(0, 1),
-            }
-        };
-        let q_in = to_batch_first(query)?;
-        let (k_in, v_in) = if self_attn {
-            (q_in.clone(), q_in.clone())
+        let query = call.input(query)?;
+        let (key, value) = if self_attn {
+            (query.clone(), query.clone())
         } else {
-            (to_batch_first(key)?, to_batch_first(value)?)
+            (call.input(key)?, call.input(value)?)
         };
-        let mut mask = opts.mask.clone();
-        if unbatched {
-            if let Some(kp) = &mask.key_padding {
-                mask.key_padding = Some(match kp {
-                    KeyPaddingMask::PadWhereTrue(t) if t.rank() == 1 => {
-                        KeyPaddingMask::PadWhereTrue(t.unsqueeze(0)?)
-                    }
-                    KeyPaddingMask::Additive(t) if t.rank() == 1 => KeyPaddingMask::Additive(t.unsqueeze(0)?),
-                    other => other.clone(),
-                });
-            }
-        }
-        let opts = &opts.map_residual(to_batch_first)?;
-        let (out, weights) = self.forward_batch_first(&q_in, &k_in, &v_in, &mask, opts)?;
-        let (out, weights) = match (unbatched, opts.layout) {
-            (true, _) => (out.squeeze(0)?, weights.map(|w| w.squeeze(0)).transpose()?),
-            (false, SeqLayout::BatchFirst) => (out, weights),
-            (false, SeqLayout::SeqFirst) => (out.transpose(0, 1)?, weights),
-        };
-        Ok(MhaOutput { output: out, weights })
-    }
-
-    /// Self-attention in eval mode: `(batch, seq, embed_dim)` → same.
-    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.forward_t(xs, false)
-    }
-
-    /// Self-attention, with dropout on the attention weights when `train`:
-    /// `(batch, seq, embed_dim)` → same. The [`ModuleT`] implementation.
-    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
-        let opts = MhaOptions::new().with_train(train);
-        Ok(self.forward_attn(xs, xs, xs, &opts)?.output)
-    }
-
-    /// `(B, L, E)`, `(B, S, kdim)`, `(B, S, vdim)` → `(B, L, E)` and weights.
-    fn forward_batch_first(
-        &self,
-        query: &Tensor,
-        key: &Tensor,
-        value: &Tensor,
-        mask: &Mask,
-        opts: &MhaOptions,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+        let opts = &call.options(opts)?;
         let cfg = &self.cfg;
-        let (e, h) = (cfg.embed_dim, cfg.num_heads);
-        let (b, l) = self.check_query(query)?;
+        let (b, l) = self.check_query(&query)?;
         let (kb, s, ke) = key.dims3()?;
         let (vb, vs, ve) = value.dims3()?;
         if ke != cfg.kdim() {
@@ -322,29 +283,23 @@ impl MultiheadAttention {
         if s == 0 {
             bail!("MultiheadAttention: key and value are empty sequences (kv_len 0)")
         }
-        let mask = self.with_config_rules(mask);
-        mask.validate(b, h, l, s)?;
-
+        let mask = self.mask_for(&opts.mask, b, l, s)?;
         // (B, H, L, hd), (B, Hkv, S, hd), (B, Hkv, S, hd)
-        let (q, mut k, mut v) = match self.in_proj.self_attention_heads(query, key, value, h)? {
-            Some(heads) if self.bias_kv.is_none() => heads,
-            _ => {
-                // (B, L, E), (B, S, kv_dim), (B, S, kv_dim)
-                let (q, mut k, mut v) = self.in_proj.forward(query, key, value)?;
-                if let Some((bk, bv)) = &self.bias_kv {
-                    k = Tensor::cat(&[&k, &bk.broadcast_as((b, 1, e))?], 1)?;
-                    v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
-                }
-                let kvh = cfg.kv_heads();
-                (
-                    self.split_heads(&q, h)?,
-                    self.split_heads(&k, kvh)?,
-                    self.split_heads(&v, kvh)?,
-                )
+        let (q, mut k, mut v) = match &self.bias_kv {
+            None => self.project_heads(&query, &key, &value)?,
+            Some((bk, bv)) => {
+                // `bias_k`, `bias_v` join the keys and values before the
+                // heads split: (B, S + 1, E).
+                let (q, k, v) = self.in_proj.forward(&query, &key, &value)?;
+                let e = cfg.embed_dim;
+                let k = Tensor::cat(&[&k, &bk.broadcast_as((b, 1, e))?], 1)?;
+                let v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
+                let (h, kvh) = (cfg.num_heads, cfg.kv_heads());
+                let (q, k) = (self.split_heads(&q, h)?, self.split_heads(&k, kvh)?);
+                (self.norm_q(&q)?, self.norm_k(&k)?, self.split_heads(&v, kvh)?)
             }
         };
-        let mut q = self.norm_q(&q)?;
-        k = self.norm_k(&k)?;
+        let mut q = q;
         if let Some(rotary) = &self.rotary {
             // Positions 0.. for the queries and for the keys.
             if l == s {
@@ -356,19 +311,216 @@ impl MultiheadAttention {
         }
         let mut extra_keys = usize::from(self.bias_kv.is_some());
         if cfg.add_zero_attn {
-            let zeros = Tensor::zeros((b, h, 1, cfg.head_dim()), k.dtype(), k.device())?;
+            let zeros = Tensor::zeros((b, cfg.num_heads, 1, cfg.head_dim()), k.dtype(), k.device())?;
             k = Tensor::cat(&[&k, &zeros], 2)?;
             v = Tensor::cat(&[&v, &zeros], 2)?;
             extra_keys += 1;
         }
         // The appended keys are visible to every query (PyTorch pads its
         // masks with zeros): the mask covers the keys before them.
-        self.attend(&q, &k, &v, &mask, extra_keys, opts)
+        call.output(self.attend(&q, &k, &v, &mask, extra_keys, opts)?)
+    }
+
+    /// Self-attention in eval mode: `(batch, seq, embed_dim)` → same.
+    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_t(xs, false)
+    }
+
+    /// Self-attention, with dropout on the attention weights when `train`:
+    /// `(batch, seq, embed_dim)` → same. The [`ModuleT`] implementation.
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Result<Tensor> {
+        let opts = MhaOptions::new().with_train(train);
+        Ok(self.forward_attn(xs, xs, xs, &opts)?.output)
+    }
+
+    /// Projects keys and values and splits them into heads, for reuse across
+    /// calls: cross-attention over a fixed encoder memory, or a decoder's
+    /// self-attention cache (append along dim 2).
+    ///
+    /// # Shapes
+    /// - `key`: `(batch, kv_len, kdim)`, `value`: `(batch, kv_len, vdim)`
+    /// - returns `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)` each,
+    ///   contiguous (after qk-norm on `k` when configured)
+    ///
+    /// No position encoding is applied: with rotary embeddings configured,
+    /// use [`MultiheadAttention::forward_cached`], which places each key.
+    pub fn project_kv(&self, key: &Tensor, value: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.check_no_extra_keys("project_kv")?;
+        if self.rotary.is_some() {
+            bail!(
+                "MultiheadAttention::project_kv: rotary embeddings need each key's position; \
+                 use forward_cached with a KvCache"
+            )
+        }
+        if key.rank() != 3 || value.rank() != 3 {
+            bail!(
+                "MultiheadAttention::project_kv: key and value must be 3-D (batch, kv_len, features), found {:?} and {:?}",
+                key.dims(),
+                value.dims()
+            )
+        }
+        let (kb, s, ke) = key.dims3()?;
+        let (vb, vs, ve) = value.dims3()?;
+        if (ke, ve) != (self.cfg.kdim(), self.cfg.vdim()) {
+            bail!(
+                "MultiheadAttention::project_kv: key/value have {ke}/{ve} features, expected kdim {} / vdim {}",
+                self.cfg.kdim(),
+                self.cfg.vdim()
+            )
+        }
+        if (kb, s) != (vb, vs) {
+            bail!(
+                "MultiheadAttention::project_kv: key is {:?} but value is {:?}",
+                key.dims(),
+                value.dims()
+            )
+        }
+        let (k, v) = self.in_proj.forward_kv(key, value)?;
+        let kvh = self.cfg.kv_heads();
+        // Contiguous, so that caches which copy in place (candle-nn's
+        // `KvCache`, `slice_set`) take them as they are.
+        Ok((
+            self.norm_k(&self.split_heads(&k, kvh)?)?.contiguous()?,
+            self.split_heads(&v, kvh)?.contiguous()?,
+        ))
+    }
+
+    /// Attention of `query` over keys and values already projected by
+    /// [`MultiheadAttention::project_kv`], batch-first.
+    ///
+    /// # Shapes
+    /// - `query`: `(batch, q_len, embed_dim)`, or unbatched `(q_len, embed_dim)`
+    /// - `k`, `v`: `(batch, num_kv_heads, kv_len, head_dim)`, or unbatched
+    ///   `(num_kv_heads, kv_len, head_dim)`
+    /// - output: the query's shape; weights as `opts.need_weights` says.
+    ///
+    /// `opts.layout` must be batch-first. For a decoder step over a cache
+    /// holding earlier positions, use [`MultiheadAttention::forward_cached`],
+    /// or pass `Mask::causal(Causal::BottomRight)`.
+    pub fn forward_projected(
+        &self,
+        query: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &MhaOptions,
+    ) -> Result<MhaOutput> {
+        self.check_no_extra_keys("forward_projected")?;
+        if self.rotary.is_some() {
+            bail!(
+                "MultiheadAttention::forward_projected: rotary embeddings need each query's position; \
+                 use forward_cached with a KvCache"
+            )
+        }
+        if opts.layout != SeqLayout::BatchFirst {
+            bail!(
+                "MultiheadAttention::forward_projected: takes batch-first inputs only, found {:?}",
+                opts.layout
+            )
+        }
+        let unbatched = match (query.rank(), k.rank(), v.rank()) {
+            (3, 4, 4) => false,
+            (2, 3, 3) => true,
+            _ => bail!(
+                "MultiheadAttention::forward_projected: expected query (batch, q_len, embed_dim) with k, v \
+                 (batch, kv_heads, kv_len, head_dim), or all unbatched; found query {:?}, k {:?}, v {:?}",
+                query.dims(),
+                k.dims(),
+                v.dims()
+            ),
+        };
+        let call = Batching::new(unbatched, SeqLayout::BatchFirst);
+        let (query, k, v) = (call.input(query)?, call.input(k)?, call.input(v)?);
+        let opts = &call.options(opts)?;
+        let (b, l) = self.check_query(&query)?;
+        let expected = (b, self.cfg.kv_heads(), self.cfg.head_dim());
+        for (name, t) in [("k", &k), ("v", &v)] {
+            let (tb, th, _, thd) = t.dims4()?;
+            if (tb, th, thd) != expected {
+                bail!(
+                    "MultiheadAttention::forward_projected: {name} is {:?}, expected (batch, kv_heads, kv_len, head_dim) with {expected:?}",
+                    t.dims()
+                )
+            }
+        }
+        if k.dim(2)? != v.dim(2)? || k.dim(2)? == 0 {
+            bail!(
+                "MultiheadAttention::forward_projected: k has {} positions and v {} (equal and > 0 needed)",
+                k.dim(2)?,
+                v.dim(2)?
+            )
+        }
+        let mask = self.mask_for(&opts.mask, b, l, k.dim(2)?)?;
+        let q = self.in_proj.forward_q(&query)?;
+        let q = self.norm_q(&self.split_heads(&q, self.cfg.num_heads)?)?;
+        call.output(self.attend(&q, &k, &v, &mask, 0, opts)?)
+    }
+
+    /// One decoder step of causal self-attention over `cache`: projects
+    /// `x` once, applies qk-norm and the rotary embedding at the positions
+    /// the cache gives, appends the keys and values, and attends causally
+    /// with the cache length as offset (plus the config's sliding window
+    /// and ALiBi, the cache's left padding, and `opts.mask`'s key padding
+    /// or attention mask over all `len + new` keys, if any).
+    ///
+    /// Prefill of any length, chunked prefill and single-token decoding
+    /// are this same call, and equal the full causal pass.
+    ///
+    /// # Shapes
+    /// - `x`: `(batch, new, embed_dim)`, or unbatched `(new, embed_dim)`
+    /// - output: the shape of `x`; weights over all `len + new` keys
+    pub fn forward_cached(&self, x: &Tensor, cache: &mut KvCache, opts: &MhaOptions) -> Result<MhaOutput> {
+        self.check_no_extra_keys("forward_cached")?;
+        if opts.layout != SeqLayout::BatchFirst {
+            bail!(
+                "MultiheadAttention::forward_cached: takes batch-first inputs only, found {:?}",
+                opts.layout
+            )
+        }
+        if opts.mask.causal.is_some() {
+            bail!(
+                "MultiheadAttention::forward_cached: the causal rule comes from the cache (offset = cache length); \
+                 leave opts.mask.causal unset"
+            )
+        }
+        let unbatched = match x.rank() {
+            3 => false,
+            2 => true,
+            _ => bail!(
+                "MultiheadAttention::forward_cached: x must be (batch, new, embed_dim) or (new, embed_dim), found {:?}",
+                x.dims()
+            ),
+        };
+        let call = Batching::new(unbatched, SeqLayout::BatchFirst);
+        let x = call.input(x)?;
+        let opts = &call.options(opts)?;
+        let (b, t) = self.check_query(&x)?;
+        let offset = cache.len();
+        // (B, H, T, hd), (B, Hkv, T, hd), (B, Hkv, T, hd)
+        let (mut q, mut k, v) = self.project_heads(&x, &x, &x)?;
+        if let Some(rotary) = &self.rotary {
+            let pos = cache.positions(b, t, x.device())?;
+            (q, k) = rotary.apply_qk(&q, &k, &pos)?;
+        }
+        let (k, v) = cache.append(&k, &v)?;
+        let s = cache.len();
+        let mut mask = opts.mask.clone().with_causal(Causal::Offset(offset));
+        if let Some(pad) = cache.padding_mask(s, x.device())? {
+            if mask.key_padding.is_some() {
+                bail!(
+                    "MultiheadAttention::forward_cached: the cache tracks left padding; \
+                     a key padding mask in opts would conflict with it"
+                )
+            }
+            mask.key_padding = Some(pad);
+        }
+        let mask = self.mask_for(&mask, b, t, s)?;
+        call.output(self.attend(&q, &k, &v, &mask, 0, opts)?)
     }
 
     /// `mask` with the config's sliding window and ALiBi added where it
-    /// has none of its own.
-    pub(crate) fn with_config_rules(&self, mask: &Mask) -> Mask {
+    /// has none of its own, checked against `(batch, heads, q_len,
+    /// kv_len)`: the mask every entry point attends with.
+    fn mask_for(&self, mask: &Mask, batch: usize, q_len: usize, kv_len: usize) -> Result<Mask> {
         let mut mask = mask.clone();
         if mask.window.is_none() {
             mask.window = self.cfg.sliding_window;
@@ -376,11 +528,36 @@ impl MultiheadAttention {
         if mask.alibi.is_none() && self.cfg.position == PositionEncoding::Alibi {
             mask.alibi = Some(Alibi::new(self.cfg.num_heads));
         }
-        mask
+        mask.validate(batch, self.cfg.num_heads, q_len, kv_len)?;
+        Ok(mask)
+    }
+
+    /// The heads of `(B, L, E)`, `(B, S, kdim)`, `(B, S, vdim)`:
+    /// `(B, H, L, hd)`, `(B, Hkv, S, hd)`, `(B, Hkv, S, hd)`, qk-normed
+    /// where configured; self-attention in one fused projection.
+    fn project_heads(
+        &self,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (h, kvh) = (self.cfg.num_heads, self.cfg.kv_heads());
+        let (q, k, v) = match self.in_proj.self_attention_heads(query, key, value, h)? {
+            Some(heads) => heads,
+            None => {
+                let (q, k, v) = self.in_proj.forward(query, key, value)?;
+                (
+                    self.split_heads(&q, h)?,
+                    self.split_heads(&k, kvh)?,
+                    self.split_heads(&v, kvh)?,
+                )
+            }
+        };
+        Ok((self.norm_q(&q)?, self.norm_k(&k)?, v))
     }
 
     /// `(B, L)` of a `(B, L, E)` query, or an error naming the wrong size.
-    pub(crate) fn check_query(&self, query: &Tensor) -> Result<(usize, usize)> {
+    fn check_query(&self, query: &Tensor) -> Result<(usize, usize)> {
         let (b, l, qe) = query.dims3()?;
         if l == 0 {
             bail!("MultiheadAttention: query is an empty sequence (q_len 0)")
@@ -394,7 +571,7 @@ impl MultiheadAttention {
         Ok((b, l))
     }
 
-    pub(crate) fn check_no_extra_keys(&self, what: &str) -> Result<()> {
+    fn check_no_extra_keys(&self, what: &str) -> Result<()> {
         if self.cfg.add_bias_kv || self.cfg.add_zero_attn {
             bail!("MultiheadAttention::{what}: not supported with add_bias_kv or add_zero_attn")
         }
@@ -403,19 +580,19 @@ impl MultiheadAttention {
 
     /// `(B, T, heads * hd)` → `(B, heads, T, hd)`, a view where `t` is
     /// contiguous.
-    pub(crate) fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
+    fn split_heads(&self, t: &Tensor, heads: usize) -> Result<Tensor> {
         let (b, t_len, _) = t.dims3()?;
         t.reshape((b, t_len, heads, self.cfg.head_dim()))?.transpose(1, 2)
     }
 
-    pub(crate) fn norm_q(&self, q: &Tensor) -> Result<Tensor> {
+    fn norm_q(&self, q: &Tensor) -> Result<Tensor> {
         match &self.qk_norm {
             Some((qn, _)) => qn.forward(q),
             None => Ok(q.clone()),
         }
     }
 
-    pub(crate) fn norm_k(&self, k: &Tensor) -> Result<Tensor> {
+    fn norm_k(&self, k: &Tensor) -> Result<Tensor> {
         match &self.qk_norm {
             Some((_, kn)) => kn.forward(k),
             None => Ok(k.clone()),
@@ -427,7 +604,7 @@ impl MultiheadAttention {
     /// here), and the weights asked for. Weights and
     /// dropout need the reference path; otherwise `opts.path` decides. The
     /// last `appended` keys lie outside `mask`.
-    pub(crate) fn attend(
+    fn attend(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -467,6 +644,67 @@ impl MultiheadAttention {
             _ => None,
         };
         Ok((out, weights))
+    }
+}
+
+/// How an entry point's inputs are batched: turned batch-first on the way
+/// in, back on the way out.
+#[derive(Debug, Clone, Copy)]
+struct Batching {
+    unbatched: bool,
+    seq_first: bool,
+}
+
+impl Batching {
+    fn new(unbatched: bool, layout: SeqLayout) -> Self {
+        Self {
+            unbatched,
+            seq_first: layout == SeqLayout::SeqFirst,
+        }
+    }
+
+    /// An input `(B, T, ..)`: unsqueezed when unbatched, transposed from
+    /// `(T, B, ..)` when sequence-first.
+    fn input(self, t: &Tensor) -> Result<Tensor> {
+        match (self.unbatched, self.seq_first) {
+            (true, _) => t.unsqueeze(0),
+            (false, true) => t.transpose(0, 1),
+            (false, false) => Ok(t.clone()),
+        }
+    }
+
+    /// `opts` for the batch-first inputs: the residual laid out as they
+    /// are, and an unbatched call's 1-D key padding mask given its batch.
+    fn options(self, opts: &MhaOptions) -> Result<MhaOptions> {
+        let mut opts = opts.map_residual(|r| self.input(r))?;
+        if self.unbatched {
+            if let Some(kp) = &opts.mask.key_padding {
+                opts.mask.key_padding = Some(match kp {
+                    KeyPaddingMask::PadWhereTrue(t) if t.rank() == 1 => {
+                        KeyPaddingMask::PadWhereTrue(t.unsqueeze(0)?)
+                    }
+                    KeyPaddingMask::Additive(t) if t.rank() == 1 => KeyPaddingMask::Additive(t.unsqueeze(0)?),
+                    other => other.clone(),
+                });
+            }
+        }
+        Ok(opts)
+    }
+
+    /// The batch-first output `(B, L, E)` and weights `(B, .., L, S)` in
+    /// the caller's layout.
+    fn output(self, (output, weights): (Tensor, Option<Tensor>)) -> Result<MhaOutput> {
+        Ok(match (self.unbatched, self.seq_first) {
+            (true, _) => MhaOutput {
+                output: output.squeeze(0)?,
+                weights: weights.map(|w| w.squeeze(0)).transpose()?,
+            },
+            (false, true) => MhaOutput {
+                output: output.transpose(0, 1)?,
+                weights,
+            },
+            (false, false) => MhaOutput { output, weights },
+        })
     }
 }
 
