@@ -6,10 +6,10 @@
 //! batches of 32.
 //!
 //! ```text
-//! cargo run --release --example train_vit_digits -- --epochs 30 --out runs/softmax
-//! cargo run --release --example train_vit_digits -- --epochs 30 --hydra-layers 2,3 --out runs/hydra
-//! cargo run --release -- vit --weights runs/hydra/model.safetensors \
-//!     --config runs/hydra/config.json --eval weights/vit-digits/heldout
+//! cargo run --release --example train_vit_digits -- --epochs 30 --out target/runs/softmax
+//! cargo run --release --example train_vit_digits -- --epochs 30 --hydra-layers 2,3 --out target/runs/hydra
+//! cargo run --release -- vit --weights target/runs/hydra/model.safetensors \
+//!     --config target/runs/hydra/config.json --eval weights/vit-digits/heldout
 //! ```
 //!
 //! Training images: `weights/vit-digits/train-8x8.safetensors`
@@ -48,7 +48,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Output directory: model.safetensors and config.json.
-    #[arg(long, default_value = "runs/vit-digits")]
+    #[arg(long, default_value = "target/runs/vit-digits")]
     out: PathBuf,
 }
 

@@ -16,3 +16,25 @@
 pub use multihead_attention as attention;
 pub use multihead_kernels as kernels;
 pub use multihead_models as models;
+
+/// The README's and docs/'s Rust snippets, compiled and run as doctests
+/// (`cargo test --doc`), so that every example a reader copies works as
+/// written. Their paths are relative to this package's root, the doctests'
+/// working directory.
+#[cfg(doctest)]
+mod snippets {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/vit.md")]
+    struct Vit;
+    #[doc = include_str!("../docs/seq2seq.md")]
+    struct Seq2Seq;
+    #[doc = include_str!("../docs/decoders.md")]
+    struct Decoders;
+    #[doc = include_str!("../docs/hydra.md")]
+    struct Hydra;
+    #[doc = include_str!("../docs/untrusted.md")]
+    struct Untrusted;
+    #[doc = include_str!("../docs/benchmarks.md")]
+    struct Benchmarks;
+}
