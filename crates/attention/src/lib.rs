@@ -96,3 +96,8 @@ pub(crate) mod testing {
         Ok(diff / scale)
     }
 }
+
+/// The crate README's Rust snippets, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -17,3 +17,8 @@ pub mod image_input;
 pub mod inspect;
 pub mod transformer;
 pub mod vit;
+
+/// The crate README's Rust snippets, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
