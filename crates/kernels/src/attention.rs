@@ -6,7 +6,7 @@
 //! score matrix never exists, only one tile per thread. The two products per
 //! tile go, on x86-64, through register-blocked micro-kernels over packed
 //! keys and values (`tile.rs` drives them, `avx2.rs` and `avx512.rs` hold
-//! them); decode-sized blocks take the products read in place (`lanes.rs`);
+//! them); decode-sized blocks take the products read in place (`direct.rs`);
 //! elsewhere they go through the `gemm` crate (the one candle's CPU matmul
 //! uses). Work is spread over rayon's pool by (batch, head, query block)
 //! ([`crate::pool::par_for`]).
@@ -24,9 +24,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle::{bail, DType, Layout, Result, Storage, Tensor};
 use gemm::{gemm, Parallelism};
 
-use crate::isa::Isa;
 #[cfg(target_arch = "x86_64")]
-use crate::lanes;
+use crate::direct;
+use crate::isa::Isa;
 use crate::pool::{par_for, SyncPtr};
 use crate::simd;
 #[cfg(target_arch = "x86_64")]
@@ -55,7 +55,7 @@ const BLOCK_Q: usize = 384;
 const AVX2_BLOCK_Q: usize = 96;
 /// Keys per tile.
 const BLOCK_K: usize = 512;
-/// Query blocks of fewer rows take the `lanes.rs` products on AVX2 and
+/// Query blocks of fewer rows take the `direct.rs` products on AVX2 and
 /// AVX-512 (each key and value read once per row, no packing).
 const DIRECT_ROWS: usize = 16;
 
@@ -602,7 +602,7 @@ impl Problem<'_> {
         let mut tile = vec![0f32; rows * bk];
         let q_off = self.q.offset(bi, hi, i0);
         // Decode-sized blocks (too few rows for `gemm` to pay for its
-        // packing) take the products read in place (`lanes.rs`).
+        // packing) take the products read in place (`direct.rs`).
         let lanes = if rows < DIRECT_ROWS {
             crate::isa::current()
         } else {
@@ -620,9 +620,11 @@ impl Problem<'_> {
                 let (q_rs, k_rs) = (self.q.stride[2], self.k.stride[2]);
                 match lanes {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => lanes::zmm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
+                    Isa::Avx512 => {
+                        direct::zmm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile)
+                    }
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => lanes::ymm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
+                    Isa::Avx2 => direct::ymm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
                     // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
                     _ => gemm(
                         rows,
@@ -659,9 +661,9 @@ impl Problem<'_> {
                 let (v, v_rs) = (self.v.data.as_ptr().add(v_off), self.v.stride[2]);
                 match lanes {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => lanes::zmm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
+                    Isa::Avx512 => direct::zmm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => lanes::ymm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
+                    Isa::Avx2 => direct::ymm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
                     // acc (rows, dv) += P (rows, cols) · V (cols, dv)
                     _ => gemm(
                         rows,
@@ -699,7 +701,7 @@ pub(crate) fn write_rows(acc: &[f32], acc_rs: usize, dv: usize, row_sum: &[f32],
     let mut finite = true;
     for (r, &sum) in row_sum.iter().enumerate() {
         // A row that saw no key keeps sum 0 and an all-zero accumulator; a
-        // NaN row (`simd::poison`) keeps sum NaN and NaN accumulators.
+        // NaN row (`softmax::poison`) keeps sum NaN and NaN accumulators.
         let inv = if sum > 0. || sum.is_nan() { 1. / sum } else { 0. };
         for (c, a) in acc[r * acc_rs..][..dv].iter().enumerate() {
             let y = a * inv;

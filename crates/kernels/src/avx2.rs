@@ -1,9 +1,9 @@
 //! The AVX2+FMA micro-kernels: the attention tiles' two products over the
 //! packed keys and values (`panel.rs`), 6 query rows by a panel of 16 in
 //! 12 `ymm` accumulators, 12 FMAs per 8 loads; the linear layers' tile
-//! over panels of 16 (the same `Q·Kᵀ` kernel); the row max, `exp` and sum
-//! of the online softmax, 8 lanes at a time; and the 8 × 8 transposes that
-//! pack keys and queries. The tile driver is `tile.rs`.
+//! over panels of 16 (the same `Q·Kᵀ` kernel); and the 8 × 8 transposes
+//! that pack keys and queries. The tile driver is `tile.rs`; the softmax
+//! between the products is `softmax.rs` on `ymm` lanes.
 
 use std::arch::x86_64::*;
 
@@ -209,17 +209,6 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
     }
 }
 
-/// The largest of the 8 lanes at `m`, for the maxima [`scores`] kept.
-///
-/// # Safety
-/// AVX2+FMA; `m` holds 8 floats.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-pub(crate) unsafe fn lanes_max(m: *const f32) -> f32 {
-    // SAFETY: 8 floats, as the caller vouched.
-    hmax(unsafe { _mm256_loadu_ps(m) })
-}
-
 /// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] · v[p·panel + j·NR +
 /// c]` for `rows` rows, `cols` keys and all `dvp / NR` panels.
 ///
@@ -270,137 +259,5 @@ unsafe fn weighted_values_rows<const R: usize>(
                 _mm256_storeu_ps(acc.add(r * dvp + c0 + 8), c[1]);
             }
         }
-    }
-}
-
-/// The largest score of `row` (a multiple of 8 long); `max_ps` may skip a
-/// NaN (it returns its second operand when either is NaN).
-///
-/// # Safety
-/// AVX2+FMA.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-pub(crate) unsafe fn row_max(row: &[f32]) -> f32 {
-    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-    for j in (0..row.len()).step_by(8) {
-        // SAFETY: a whole vector inside `row`.
-        mx = _mm256_max_ps(mx, unsafe { _mm256_loadu_ps(row.as_ptr().add(j)) });
-    }
-    hmax(mx)
-}
-
-/// `row[j] = e^(row[j] - max)` in place (a multiple of 8 long); the sum.
-///
-/// # Safety
-/// AVX2+FMA.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-pub(crate) unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
-    let (n, x) = (row.len(), row.as_mut_ptr());
-    let mv = _mm256_set1_ps(max);
-    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    // SAFETY: (here and below) whole vectors inside `row`.
-    unsafe {
-        // Two vectors a step: the exp is one long dependency chain.
-        let pairs = n / 16 * 16;
-        for j in (0..pairs).step_by(16) {
-            let e0 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x.add(j)), mv));
-            let e1 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x.add(j + 8)), mv));
-            _mm256_storeu_ps(x.add(j), e0);
-            _mm256_storeu_ps(x.add(j + 8), e1);
-            s0 = _mm256_add_ps(s0, e0);
-            s1 = _mm256_add_ps(s1, e1);
-        }
-        if pairs < n {
-            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x.add(pairs)), mv));
-            _mm256_storeu_ps(x.add(pairs), e);
-            s0 = _mm256_add_ps(s0, e);
-        }
-    }
-    hsum(_mm256_add_ps(s0, s1))
-}
-
-#[target_feature(enable = "avx2,fma")]
-fn hmax(v: __m256) -> f32 {
-    let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    let h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    _mm_cvtss_f32(h)
-}
-
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    _mm_cvtss_f32(h)
-}
-
-/// `e^x` for `x <= 0` (and `-inf`), 8 lanes, in 13 instructions: `x = n·ln2
-/// + r` with `|r| <= ln2/2` and a degree-5 polynomial for `e^r` (fitted for
-/// relative error over that range, constant term exactly 1); relative error
-/// < 5e-7, `e^0 = 1` exactly, and exactly 0 below -87.
-#[target_feature(enable = "avx2,fma")]
-fn exp_nonpositive(x: __m256) -> __m256 {
-    // n = round(x / ln2), held in the low mantissa bits of `big`: adding
-    // 1.5·2²³ rounds to an integer.
-    let magic = _mm256_set1_ps(12_582_912.0);
-    let big = _mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), magic);
-    let n = _mm256_sub_ps(big, magic);
-    // One FMA suffices: f32's ln2 is 1.9e-9 off and |n| <= 126.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(std::f32::consts::LN_2), x);
-    let mut p = _mm256_set1_ps(8.290_317e-3);
-    for c in [4.189_793e-2, 1.666_763_6e-1, 4.999_915e-1, 9.999_997e-1, 1.0] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    }
-    // 2^n: n's two's-complement bits, shifted into the exponent field (the
-    // magic's own bits shift out), plus the bias. n is in [-126, 0] for x
-    // in [-87, 0]; below, the result is masked to 0 whatever it was.
-    let pow2n = _mm256_castsi256_ps(_mm256_add_epi32(
-        _mm256_slli_epi32::<23>(_mm256_castps_si256(big)),
-        _mm256_set1_epi32(127 << 23),
-    ));
-    let hidden = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
-    _mm256_andnot_ps(hidden, _mm256_mul_ps(p, pow2n))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::arch::x86_64::{_mm256_loadu_ps, _mm256_storeu_ps};
-
-    #[test]
-    fn vector_exp_matches_std_on_its_range() {
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            return;
-        }
-        let mut worst = 0f64;
-        let xs: Vec<f32> = (0..=87_000).map(|i| -(i as f32) / 1000.).collect();
-        for chunk in xs.chunks_exact(8) {
-            let mut out = [0f32; 8];
-            // SAFETY: AVX2+FMA checked above; 8 floats in and out.
-            unsafe {
-                _mm256_storeu_ps(
-                    out.as_mut_ptr(),
-                    super::exp_nonpositive(_mm256_loadu_ps(chunk.as_ptr())),
-                )
-            };
-            for (&x, &y) in chunk.iter().zip(&out) {
-                let e = (x as f64).exp();
-                worst = worst.max(((y as f64 - e) / e).abs());
-            }
-        }
-        assert!(worst < 5e-7, "worst relative error {worst:e}");
-        let mut out = [1f32; 8];
-        let special = [f32::NEG_INFINITY, -100., -87.5, -1e30, 0., -0., -1e-30, -88.];
-        // SAFETY: as above.
-        unsafe {
-            _mm256_storeu_ps(
-                out.as_mut_ptr(),
-                super::exp_nonpositive(_mm256_loadu_ps(special.as_ptr())),
-            )
-        };
-        assert_eq!(out[..4], [0.; 4]);
-        assert_eq!(out[4..7], [1.; 3]);
-        assert_eq!(out[7], 0.);
     }
 }

@@ -4,8 +4,8 @@
 //! accumulators, 24 FMAs per 2 panel loads and 12 broadcasts, each
 //! broadcast at a fixed offset from one pointer (the group's queries
 //! interleaved, the score strip's row stride a constant); the `Q·Kᵀ` kernel
-//! keeps each row's max as it stores the scores; and the online softmax
-//! between the two, 16 lanes at a time.
+//! keeps each row's max as it stores the scores (the softmax between the
+//! two is `softmax.rs` on `zmm` lanes).
 
 use std::arch::x86_64::*;
 
@@ -129,18 +129,6 @@ unsafe fn scores_rows<const R: usize>(
     }
 }
 
-/// The largest of 16 lanes (`_mm512_reduce_max_ps`), for the maxima
-/// [`scores`] kept.
-///
-/// # Safety
-/// AVX-512F; `m` holds 16 floats.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) unsafe fn lanes_max(m: *const f32) -> f32 {
-    // SAFETY: 16 floats, as the caller vouched.
-    _mm512_reduce_max_ps(unsafe { _mm512_loadu_ps(m) })
-}
-
 /// `acc[r·dvp + p·NR + c] += Σⱼ strip[r·STRIP_RS + j] ·
 /// v[p·panel + j·NR + c]` for `rows` rows, `cols` keys and all `dvp / NR`
 /// panels. The strip's row stride is a constant, so that a step's
@@ -219,73 +207,6 @@ unsafe fn weighted_values_rows<const R: usize>(
             }
         }
     }
-}
-
-/// The largest score of `row` (a multiple of 16 long); `max_ps` may skip a
-/// NaN.
-///
-/// # Safety
-/// AVX-512F.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) unsafe fn row_max(row: &[f32]) -> f32 {
-    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
-    for j in (0..row.len()).step_by(16) {
-        // SAFETY: a whole vector inside `row`.
-        mx = _mm512_max_ps(mx, unsafe { _mm512_loadu_ps(row.as_ptr().add(j)) });
-    }
-    _mm512_reduce_max_ps(mx)
-}
-
-/// `row[j] = e^(row[j] - max)` in place (a multiple of 16 long); the sum.
-///
-/// # Safety
-/// AVX-512F.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
-    let (n, x) = (row.len(), row.as_mut_ptr());
-    let mv = _mm512_set1_ps(max);
-    let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    // SAFETY: (here and below) whole vectors inside `row`.
-    unsafe {
-        // Two vectors a step: the exp is one long dependency chain.
-        let pairs = n / 32 * 32;
-        for j in (0..pairs).step_by(32) {
-            let e0 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x.add(j)), mv));
-            let e1 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x.add(j + 16)), mv));
-            _mm512_storeu_ps(x.add(j), e0);
-            _mm512_storeu_ps(x.add(j + 16), e1);
-            s0 = _mm512_add_ps(s0, e0);
-            s1 = _mm512_add_ps(s1, e1);
-        }
-        if pairs < n {
-            let e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x.add(pairs)), mv));
-            _mm512_storeu_ps(x.add(pairs), e);
-            s0 = _mm512_add_ps(s0, e);
-        }
-    }
-    _mm512_reduce_add_ps(_mm512_add_ps(s0, s1))
-}
-
-/// `e^x` for `x <= 0` (and `-inf`), 16 lanes: the AVX2 kernel's reduction
-/// and degree-5 polynomial; exactly 0 below -87, NaN stays NaN.
-/// `vscalefps` applies `2^n` and the zeroing for `x < -87` in one
-/// instruction, where AVX2 builds `2^n` from its bits, multiplies and
-/// masks.
-#[target_feature(enable = "avx512f")]
-fn exp_nonpositive(x: __m512) -> __m512 {
-    let magic = _mm512_set1_ps(12_582_912.0);
-    let big = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), magic);
-    let n = _mm512_sub_ps(big, magic);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(std::f32::consts::LN_2), x);
-    let mut p = _mm512_set1_ps(8.290_317e-3);
-    for c in [4.189_793e-2, 1.666_763_6e-1, 4.999_915e-1, 9.999_997e-1, 1.0] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    // Not below -87, or NaN (which the arithmetic keeps).
-    let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, _mm512_set1_ps(-87.0));
-    _mm512_maskz_scalef_ps(kept, p, n)
 }
 
 /// Output features per panel of the linear layers' AVX-512 layout: two
@@ -544,48 +465,5 @@ pub(crate) unsafe fn one_row(
                 _mm512_mask_storeu_ps(out.add(c0 + 16 * v), masks[v], sum);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
-
-    #[test]
-    fn vector_exp_matches_std_on_its_range() {
-        if !is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let mut worst = 0f64;
-        let xs: Vec<f32> = (0..87_008)
-            .map(|i: i32| -(i.min(87_000) as f32) / 1000.)
-            .collect();
-        let mut out = [0f32; 16];
-        for chunk in xs.chunks_exact(16) {
-            // SAFETY: AVX-512F checked above; 16 floats in and out.
-            unsafe {
-                _mm512_storeu_ps(
-                    out.as_mut_ptr(),
-                    super::exp_nonpositive(_mm512_loadu_ps(chunk.as_ptr())),
-                )
-            };
-            for (&x, &y) in chunk.iter().zip(&out) {
-                let e = (x as f64).exp();
-                worst = worst.max(((y as f64 - e) / e).abs());
-            }
-        }
-        assert!(worst < 5e-7, "worst relative error {worst:e}");
-        let mut special = [0f32; 16];
-        special[..6].copy_from_slice(&[f32::NEG_INFINITY, -100., -87.5, 0., -0., f32::NAN]);
-        // SAFETY: as above.
-        unsafe {
-            _mm512_storeu_ps(
-                out.as_mut_ptr(),
-                super::exp_nonpositive(_mm512_loadu_ps(special.as_ptr())),
-            )
-        };
-        assert_eq!(out[..3], [0.; 3]);
-        assert_eq!(out[3..5], [1.; 2]);
-        assert!(out[5].is_nan());
     }
 }

@@ -1,17 +1,14 @@
-//! Kernels written once over the vector width: a [`Lanes`] type per
-//! instruction set (`ymm` for AVX2+FMA, `zmm` for AVX-512F) and code
-//! generic over it, instantiated inside a `#[target_feature]` function per
-//! set, where the `#[inline(always)]` lane operations compile to that set's
-//! instructions.
-//!
-//! Here: the two products of a decode-sized attention tile (fewer query
-//! rows than the packed micro-kernels want, `tile::MIN_Q_LEN`), read in
-//! place, each key and value row once.
+//! A vector of `f32` lanes per instruction set, so that kernels are
+//! written once over the vector width (`softmax.rs`, `direct.rs`) and
+//! instantiated inside a `#[target_feature]` function per set, where the
+//! `#[inline(always)]` lane operations compile to that set's instructions:
+//! [`Ymm`] (AVX2+FMA, 8 lanes), [`Zmm`] (AVX-512F, 16), and [`Portable`]
+//! (16 lanes as an array, which the compiler vectorises for whatever set
+//! the calling function is compiled for); `f32` itself is the one-lane
+//! type, for the tails.
 
+#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
-
-/// Keys ahead of the one in use whose rows are prefetched into L1.
-const PF_KEYS: usize = 16;
 
 /// A vector of `f32` lanes.
 pub(crate) trait Lanes: Copy {
@@ -49,20 +46,190 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`]; `v` holds at least `N` vectors.
     unsafe fn sums(v: &[Self]) -> Self;
+    /// `self - b`.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn sub(self, b: Self) -> Self;
+    /// The larger of `self` and `b` per lane; `b` where either is NaN (as
+    /// `maxps`), so a NaN may be skipped.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn max(self, b: Self) -> Self;
+    /// The largest lane (a NaN lane may be skipped).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn max_lane(self) -> f32;
+    /// `p · 2ⁿ` per lane where `x >= -87`, for `n` an integer in `[-126,
+    /// 0]` there; 0 where `x < -87`; NaN where `x` or `p` is NaN: the last
+    /// step of [`crate::softmax::exp_nonpositive`].
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self;
+}
+
+/// 16 lanes as an array: elementwise loops the compiler vectorises for
+/// the instruction set of the function they are inlined into.
+#[derive(Clone, Copy)]
+pub(crate) struct Portable([f32; 16]);
+
+/// `f(i)` for each of a [`Portable`]'s lanes.
+#[inline(always)]
+fn lanes16(f: impl Fn(usize) -> f32) -> Portable {
+    Portable(std::array::from_fn(f))
+}
+
+impl Lanes for Portable {
+    const N: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Portable([0.; 16])
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Portable([x; 16])
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's: `p` holds 16 floats.
+        Portable(unsafe { p.cast::<[f32; 16]>().read_unaligned() })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: as `load`.
+        unsafe { p.cast::<[f32; 16]>().write_unaligned(self.0) }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
+        lanes16(|i| a.0[i].mul_add(b.0[i], self.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        lanes16(|i| self.0[i] + b.0[i])
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        lanes16(|i| self.0[i] * b.0[i])
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        self.0.iter().sum()
+    }
+    #[inline(always)]
+    unsafe fn sums(v: &[Self]) -> Self {
+        lanes16(|i| v[i].0.iter().sum())
+    }
+    #[inline(always)]
+    unsafe fn sub(self, b: Self) -> Self {
+        lanes16(|i| self.0[i] - b.0[i])
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        lanes16(|i| max_f32(self.0[i], b.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn max_lane(self) -> f32 {
+        self.0.iter().fold(f32::NEG_INFINITY, |m, &x| max_f32(m, x))
+    }
+    #[inline(always)]
+    unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self {
+        // SAFETY: f32 lanes need no instruction set.
+        lanes16(|i| unsafe { f32::scale_pow2(p.0[i], n.0[i], x.0[i]) })
+    }
+}
+
+/// `maxps`'s rule: `a` where `a > b`, else `b` (so `b` where either is
+/// NaN).
+#[inline(always)]
+fn max_f32(a: f32, b: f32) -> f32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// One lane: the tails of rows that are not a whole number of vectors,
+/// and the scalar uses of [`crate::softmax::exp_nonpositive`].
+impl Lanes for f32 {
+    const N: usize = 1;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        0.
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller's.
+        unsafe { p.read() }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller's.
+        unsafe { p.write(self) }
+    }
+    #[inline(always)]
+    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
+        a.mul_add(b, self)
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        self + b
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        self * b
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    unsafe fn sums(v: &[Self]) -> Self {
+        v[0]
+    }
+    #[inline(always)]
+    unsafe fn sub(self, b: Self) -> Self {
+        self - b
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        max_f32(self, b)
+    }
+    #[inline(always)]
+    unsafe fn max_lane(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self {
+        // 2^n from its exponent bits; `n` saturates to i32::MIN for -inf
+        // (a lane that is then 0), and is 0 for NaN.
+        let pow2n = f32::from_bits(((n as i32).wrapping_add(127) << 23) as u32);
+        if x < -87. {
+            0.
+        } else {
+            p * pow2n
+        }
+    }
 }
 
 /// AVX2+FMA: 8 lanes.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct Ymm(__m256);
 
 /// AVX-512F: 16 lanes.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(crate) struct Zmm(__m512);
 
 /// The lane operations that are one intrinsic each, for the lane type
 /// `$t` of `$n` lanes.
+#[cfg(target_arch = "x86_64")]
 macro_rules! elementwise {
-    ($t:ident, $n:literal, $setzero:ident, $set1:ident, $loadu:ident, $storeu:ident, $fmadd:ident, $add:ident, $mul:ident) => {
+    ($t:ident, $n:literal, $setzero:ident, $set1:ident, $loadu:ident, $storeu:ident, $fmadd:ident, $add:ident, $mul:ident, $sub:ident, $max:ident) => {
         const N: usize = $n;
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -93,9 +260,18 @@ macro_rules! elementwise {
         unsafe fn mul(self, b: Self) -> Self {
             $t(unsafe { $mul(self.0, b.0) })
         }
+        #[inline(always)]
+        unsafe fn sub(self, b: Self) -> Self {
+            $t(unsafe { $sub(self.0, b.0) })
+        }
+        #[inline(always)]
+        unsafe fn max(self, b: Self) -> Self {
+            $t(unsafe { $max(self.0, b.0) })
+        }
     };
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Lanes for Ymm {
     elementwise!(
         Ymm,
@@ -106,8 +282,27 @@ impl Lanes for Ymm {
         _mm256_storeu_ps,
         _mm256_fmadd_ps,
         _mm256_add_ps,
-        _mm256_mul_ps
+        _mm256_mul_ps,
+        _mm256_sub_ps,
+        _mm256_max_ps
     );
+    #[inline(always)]
+    unsafe fn max_lane(self) -> f32 {
+        let h = _mm_max_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps::<1>(self.0));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)))
+    }
+    #[inline(always)]
+    unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self {
+        // 2^n: n's bits shifted into the exponent field, plus the bias;
+        // lanes below -87 are masked to 0 whatever they held.
+        let pow2n = _mm256_castsi256_ps(_mm256_add_epi32(
+            _mm256_slli_epi32::<23>(_mm256_cvtps_epi32(n.0)),
+            _mm256_set1_epi32(127 << 23),
+        ));
+        let hidden = _mm256_cmp_ps::<_CMP_LT_OQ>(x.0, _mm256_set1_ps(-87.0));
+        Ymm(_mm256_andnot_ps(hidden, _mm256_mul_ps(p.0, pow2n)))
+    }
     #[inline(always)]
     unsafe fn sum(self) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps::<1>(self.0));
@@ -137,6 +332,7 @@ impl Lanes for Ymm {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Lanes for Zmm {
     elementwise!(
         Zmm,
@@ -147,8 +343,25 @@ impl Lanes for Zmm {
         _mm512_storeu_ps,
         _mm512_fmadd_ps,
         _mm512_add_ps,
-        _mm512_mul_ps
+        _mm512_mul_ps,
+        _mm512_sub_ps,
+        _mm512_max_ps
     );
+    #[inline(always)]
+    unsafe fn max_lane(self) -> f32 {
+        // SAFETY: the caller's.
+        unsafe { _mm512_reduce_max_ps(self.0) }
+    }
+    #[inline(always)]
+    unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self {
+        // `vscalefps` applies 2^n, and the zeroing below -87 (NaN kept),
+        // in one instruction.
+        // SAFETY: the caller's.
+        unsafe {
+            let kept = _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x.0, _mm512_set1_ps(-87.0));
+            Zmm(_mm512_maskz_scalef_ps(kept, p.0, n.0))
+        }
+    }
     #[inline(always)]
     unsafe fn sum(self) -> f32 {
         // SAFETY: the caller's.
@@ -182,254 +395,3 @@ impl Lanes for Zmm {
         }
     }
 }
-
-/// `Σₑ a[e] · b[e]` over `d` floats, two accumulators of lanes and a scalar
-/// tail.
-///
-/// # Safety
-/// The instruction set of `V` is enabled; `a` and `b` hold `d` floats.
-#[inline(always)]
-unsafe fn dot<V: Lanes>(a: *const f32, b: *const f32, d: usize) -> f32 {
-    // SAFETY: (the block) e + N <= d inside the loops.
-    unsafe {
-        let (mut s0, mut s1) = (V::zero(), V::zero());
-        let mut e = 0;
-        while e + 2 * V::N <= d {
-            s0 = s0.fmadd(V::load(a.add(e)), V::load(b.add(e)));
-            s1 = s1.fmadd(V::load(a.add(e + V::N)), V::load(b.add(e + V::N)));
-            e += 2 * V::N;
-        }
-        if e + V::N <= d {
-            s0 = s0.fmadd(V::load(a.add(e)), V::load(b.add(e)));
-            e += V::N;
-        }
-        let mut s = s0.add(s1).sum();
-        for e in e..d {
-            s += *a.add(e) * *b.add(e);
-        }
-        s
-    }
-}
-
-/// `tile[r·cols + j] = scale · q_r · k_j` for `rows` query rows (row stride
-/// `q_rs`) and `cols` keys (row stride `k_rs`), `d` dims each: `N` keys at
-/// a time into `N` accumulators summed by one transposing tree
-/// ([`Lanes::sums`]) where `d` is a whole number of vectors, one key at a
-/// time otherwise and for the last keys.
-///
-/// # Safety
-/// The instruction set of `V` is enabled; the pointers cover the extents.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn scores<V: Lanes>(
-    rows: usize,
-    q: *const f32,
-    q_rs: usize,
-    k: *const f32,
-    k_rs: usize,
-    cols: usize,
-    d: usize,
-    scale: f32,
-    tile: &mut [f32],
-) {
-    let prefetch = |j: usize| {
-        if j + PF_KEYS < cols {
-            // SAFETY: key j + PF_KEYS < cols is in bounds.
-            let ahead = unsafe { k.add((j + PF_KEYS) * k_rs) };
-            for l in (0..d).step_by(16) {
-                // SAFETY: within the key's d floats.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8) };
-            }
-        }
-    };
-    let mut j = 0;
-    if d.is_multiple_of(V::N) {
-        // SAFETY: (the block) keys j..j + N < cols and row r < rows, d
-        // dims each; the tile holds rows · cols.
-        unsafe {
-            let scale = V::splat(scale);
-            while j + V::N <= cols {
-                for i in 0..V::N {
-                    prefetch(j + i);
-                }
-                for r in 0..rows {
-                    let q = q.add(r * q_rs);
-                    // Room for the widest vector's N (16) accumulators.
-                    let mut acc = [V::zero(); 16];
-                    for e in (0..d).step_by(V::N) {
-                        let qv = V::load(q.add(e));
-                        for (i, acc) in acc[..V::N].iter_mut().enumerate() {
-                            *acc = acc.fmadd(qv, V::load(k.add((j + i) * k_rs + e)));
-                        }
-                    }
-                    V::sums(&acc)
-                        .mul(scale)
-                        .store(tile.as_mut_ptr().add(r * cols + j));
-                }
-                j += V::N;
-            }
-        }
-    }
-    for j in j..cols {
-        prefetch(j);
-        for r in 0..rows {
-            // SAFETY: row r < rows, key j < cols, d dims each.
-            tile[r * cols + j] = scale * unsafe { dot::<V>(q.add(r * q_rs), k.add(j * k_rs), d) };
-        }
-    }
-}
-
-/// `acc[r·dv + c] += Σⱼ p[r·cols + j] · v[j·v_rs + c]` for `rows` rows,
-/// `cols` keys and `dv` columns: blocks of up to 4 vectors of columns kept
-/// in two sets of accumulators (even and odd keys) across the keys, or on
-/// `ymm` blocks of 8 in one set (with 16 registers, AVX2 keeps a row's 64
-/// columns in one pass over the keys rather than two).
-///
-/// # Safety
-/// The instruction set of `V` is enabled; `v` covers `cols` rows of `dv`.
-#[inline(always)]
-unsafe fn weighted_values<V: Lanes>(
-    rows: usize,
-    p: &[f32],
-    cols: usize,
-    v: *const f32,
-    v_rs: usize,
-    dv: usize,
-    acc: &mut [f32],
-) {
-    /// Columns `c0..c0 + NV·N` of row r, in `SETS` sets of accumulators
-    /// (set `s` takes keys `s`, `s + SETS`, …): two for up to 4 vectors,
-    /// one for 8 `ymm` vectors (64 columns), where two sets would take all
-    /// 16 registers, so that each value row is read in one pass rather
-    /// than in two of half a row each.
-    #[inline(always)]
-    unsafe fn block<V: Lanes, const NV: usize, const SETS: usize>(
-        p: &[f32],
-        v: *const f32,
-        v_rs: usize,
-        c0: usize,
-        acc: *mut f32,
-    ) {
-        const { assert!(SETS == 1 || SETS == 2) };
-        // SAFETY: (the block) the caller's extents.
-        unsafe {
-            let mut a: [[V; NV]; SETS] = [[V::zero(); NV]; SETS];
-            a[0] = std::array::from_fn(|i| V::load(acc.add(c0 + i * V::N)));
-            let mut keys = p.chunks_exact(SETS);
-            let mut row = v.add(c0);
-            for (step, pj) in (&mut keys).enumerate() {
-                if SETS * step + PF_KEYS < p.len() {
-                    for l in (0..NV * V::N).step_by(16) {
-                        for s in 0..SETS {
-                            let ahead = row.wrapping_add((PF_KEYS + s) * v_rs + l);
-                            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-                        }
-                    }
-                }
-                for (s, a) in a.iter_mut().enumerate() {
-                    let ps = V::splat(pj[s]);
-                    for (i, a) in a.iter_mut().enumerate() {
-                        *a = a.fmadd(ps, V::load(row.add(s * v_rs + i * V::N)));
-                    }
-                }
-                row = row.wrapping_add(SETS * v_rs);
-            }
-            // One key left at most (`SETS` is 1 or 2).
-            if let Some(&pj) = keys.remainder().first() {
-                let p0 = V::splat(pj);
-                for (i, a) in a[0].iter_mut().enumerate() {
-                    *a = a.fmadd(p0, V::load(row.add(i * V::N)));
-                }
-            }
-            for i in 0..NV {
-                let sum = a[1..].iter().fold(a[0][i], |t, set| t.add(set[i]));
-                sum.store(acc.add(c0 + i * V::N));
-            }
-        }
-    }
-    for r in 0..rows {
-        let (p, acc) = (&p[r * cols..][..cols], &mut acc[r * dv..][..dv]);
-        let mut c0 = 0;
-        // SAFETY: blocks stay within dv columns.
-        unsafe {
-            // 64 columns a pass: 4 `zmm` vectors (two sets), 8 `ymm`.
-            while V::N == 8 && c0 + 8 * V::N <= dv {
-                block::<V, 8, 1>(p, v, v_rs, c0, acc.as_mut_ptr());
-                c0 += 8 * V::N;
-            }
-            while c0 + 4 * V::N <= dv {
-                block::<V, 4, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
-                c0 += 4 * V::N;
-            }
-            while c0 + V::N <= dv {
-                block::<V, 1, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
-                c0 += V::N;
-            }
-        }
-        for (c, a) in acc.iter_mut().enumerate().skip(c0) {
-            // SAFETY: key j < cols, column c < dv.
-            *a += p
-                .iter()
-                .enumerate()
-                .map(|(j, &pj)| pj * unsafe { *v.add(j * v_rs + c) })
-                .sum::<f32>();
-        }
-    }
-}
-
-/// The instances of the generic kernels for one lane type, each compiled
-/// with its instruction set enabled.
-macro_rules! instances {
-    ($(#[$doc:meta])* $name:ident, $lanes:ty, $features:literal) => {
-        $(#[$doc])*
-        pub(crate) mod $name {
-            /// [`super::scores`] on these lanes.
-            ///
-            /// # Safety
-            /// The instruction set; as [`super::scores`].
-            #[allow(clippy::too_many_arguments)]
-            #[target_feature(enable = $features)]
-            pub(crate) unsafe fn scores(
-                rows: usize,
-                q: *const f32,
-                q_rs: usize,
-                k: *const f32,
-                k_rs: usize,
-                cols: usize,
-                d: usize,
-                scale: f32,
-                tile: &mut [f32],
-            ) {
-                // SAFETY: forwarded.
-                unsafe { super::scores::<$lanes>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
-            }
-
-            /// [`super::weighted_values`] on these lanes.
-            ///
-            /// # Safety
-            /// The instruction set; as [`super::weighted_values`].
-            #[target_feature(enable = $features)]
-            pub(crate) unsafe fn weighted_values(
-                rows: usize,
-                p: &[f32],
-                cols: usize,
-                v: *const f32,
-                v_rs: usize,
-                dv: usize,
-                acc: &mut [f32],
-            ) {
-                // SAFETY: forwarded.
-                unsafe { super::weighted_values::<$lanes>(rows, p, cols, v, v_rs, dv, acc) }
-            }
-        }
-    };
-}
-
-instances!(
-    /// The AVX-512F instances.
-    zmm, super::Zmm, "avx512f"
-);
-instances!(
-    /// The AVX2+FMA instances.
-    ymm, super::Ymm, "avx2,fma"
-);

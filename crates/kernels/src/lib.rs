@@ -17,9 +17,12 @@
 //!   holds the layout it shares with the micro-kernels);
 //! - `avx2.rs`, `avx512.rs`: the micro-kernels of one instruction set
 //!   each, importing nothing from one another;
-//! - `lanes.rs`: kernels written once over the vector width (`ymm`, `zmm`);
-//! - `simd.rs`: row operations (softmax, masks, GELU, SiLU, LayerNorm rows)
-//!   written once as plain Rust and compiled for each instruction set;
+//! - `lanes.rs`: a vector type per instruction set (`ymm`, `zmm`, and
+//!   portable lanes the compiler vectorises), so that kernels are written
+//!   once over the vector width: `softmax.rs` (the online softmax and its
+//!   `exp`) and `direct.rs` (decode-sized attention products read in place);
+//! - `simd.rs`: row operations (masks, GELU, SiLU, LayerNorm rows) written
+//!   once as plain Rust and compiled for each instruction set;
 //! - `attention.rs`: the attention kernel's problem, masks and dispatch;
 //! - `pool.rs`: work spread over rayon's pool, buffers kept between calls.
 //!
@@ -55,8 +58,9 @@ pub mod attention;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-pub mod isa;
 #[cfg(target_arch = "x86_64")]
+mod direct;
+pub mod isa;
 mod lanes;
 mod linear;
 mod norm;
@@ -65,6 +69,7 @@ mod packed;
 mod panel;
 mod pool;
 mod simd;
+mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod tile;
 

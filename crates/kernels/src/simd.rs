@@ -1,151 +1,22 @@
-//! Vectorised row operations: the online softmax and its `exp`, the mask
-//! application, the exact and tanh GELUs, SiLU times a gate's other half,
-//! a finiteness check, LayerNorm's rows. Each is written once as plain
+//! Vectorised row operations: the online softmax of a row (`softmax.rs`
+//! on portable lanes), the mask application, the exact and tanh GELUs, SiLU
+//! times a gate's other half, a finiteness check, LayerNorm's rows. Each is written once as plain
 //! Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
 //! instruction set is picked at run time (`isa.rs`).
 
-/// `e^x = 2^n · e^f` with `n = round(x / ln2)` and a degree-7 Taylor
-/// polynomial for `e^f`, `|f| <= ln2 / 2`: relative error < 1e-6 for `x`
-/// in `[-87, 0]`; exactly 0 below -87 (and for `-inf`).
+use crate::lanes::Portable;
+use crate::softmax::{exp, online_softmax_block};
+
 #[inline(always)]
-pub(crate) fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // Adding 1.5·2²³ rounds to an integer held in the low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
-    // NaN passes through (the caller detects it in the row's sum).
-    let xc = if x < -87.0 { -87.0 } else { x };
-    let t = xc * LOG2E;
-    let r = t + MAGIC;
-    let n = r - MAGIC;
-    // x - n·ln2 in two steps (Cody–Waite): C1 has few mantissa bits, so
-    // n·C1 is exact and the reduction keeps full relative accuracy.
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    let f = xc - n * C1 - n * C2;
-    // e^f for |f| <= ln2/2, Taylor to degree 7.
-    let p = 1.0
-        + f * (1.0
-            + f * (0.5
-                + f * (1.0 / 6.0
-                    + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0 + f * (1.0 / 5040.0)))))));
-    let ni = r.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    let pow2n = f32::from_bits(((ni + 127) << 23) as u32);
-    let y = p * pow2n;
-    if x < -87.0 {
-        0.0
-    } else {
-        y
-    }
+fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    // SAFETY: portable lanes run on any processor (vectorised for the set
+    // this is compiled for).
+    unsafe { online_softmax_block::<Portable>(row, m, l, acc, None) }
 }
 
 /// Lanes of the explicit reductions: float sums and maxes only
 /// vectorise when their order is spelled out as independent lanes.
 const LANES: usize = 16;
-
-#[inline(always)]
-fn max_of(row: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (m, &x) in lanes.iter_mut().zip(c) {
-            *m = if x > *m { x } else { *m };
-        }
-    }
-    let m = tail
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-    lanes.iter().fold(m, |m, &x| if x > m { x } else { m })
-}
-
-/// `row[j] = e^(row[j] - max)` in place; returns the sum.
-#[inline(always)]
-fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
-    let mut lanes = [0f32; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (s, x) in lanes.iter_mut().zip(c.iter_mut()) {
-            *x = exp_nonpositive(*x - max);
-            *s += *x;
-        }
-    }
-    let mut sum = 0f32;
-    for x in chunks.into_remainder() {
-        *x = exp_nonpositive(*x - max);
-        sum += *x;
-    }
-    sum + lanes.iter().sum::<f32>()
-}
-
-/// Marks a row NaN for good (a NaN or `+inf` score, as PyTorch's
-/// softmax gives): NaN max, sum and accumulator; the tile row becomes 0
-/// so that the `P · V` product adds nothing to it.
-pub(crate) fn poison(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-    *m = f32::NAN;
-    *l = f32::NAN;
-    acc.fill(f32::NAN);
-    row.fill(0.);
-}
-
-/// One key block of a row's online softmax, the logic every instruction
-/// set shares: the new running max `m` takes the row's scores into account,
-/// the row becomes `e^(score - m)`, the sum `l` and the accumulator `acc`
-/// are rescaled to the new max and `l` gains the row's sum. A row with no
-/// visible key so far becomes 0; a NaN or `+inf` score poisons the row
-/// ([`poison`]). `max_of(row)` (which may skip NaN: a NaN score shows in the
-/// sum) and `exp_sub_sum(row, max)` (in place, returning the sum) are the
-/// caller's, vectorised for its instruction set.
-#[inline(always)]
-pub(crate) fn online_softmax_block(
-    row: &mut [f32],
-    m: &mut f32,
-    l: &mut f32,
-    acc: &mut [f32],
-    max_of: impl FnOnce(&[f32]) -> f32,
-    exp_sub_sum: impl FnOnce(&mut [f32], f32) -> f32,
-) {
-    if m.is_nan() {
-        row.fill(0.);
-        return;
-    }
-    let new_max = m.max(max_of(row));
-    if new_max == f32::NEG_INFINITY {
-        // Every key so far is hidden or scores -inf (weights 0), unless
-        // a score is NaN.
-        if row.iter().any(|x| x.is_nan()) {
-            poison(row, m, l, acc);
-        } else {
-            row.fill(0.);
-        }
-        return;
-    }
-    if new_max == f32::INFINITY {
-        poison(row, m, l, acc);
-        return;
-    }
-    let sum = exp_sub_sum(row, new_max);
-    if sum.is_nan() {
-        poison(row, m, l, acc);
-        return;
-    }
-    // A row's first visible keys: `l` is 0 and the accumulator holds 0
-    // (or NaN from a hidden non-finite value, which a factor of 0 keeps),
-    // so rescaling them changes nothing.
-    if *m != new_max && *m != f32::NEG_INFINITY {
-        let alpha = exp_nonpositive(*m - new_max);
-        *l *= alpha;
-        for a in acc.iter_mut() {
-            *a *= alpha;
-        }
-    }
-    *l += sum;
-    *m = new_max;
-}
-
-#[inline(always)]
-fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-    online_softmax_block(row, m, l, acc, max_of, exp_sub_sum);
-}
 
 /// `row[j] += data[j]` where `data[j]` is not `-inf` (a hiding entry,
 /// applied by `hide_where_neg_inf`); `broadcast`: one entry for all.
@@ -210,7 +81,7 @@ fn gelu_erf_impl(xs: &mut [f32]) {
         let t = 1. / (1. + P * z);
         let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
         // erfc(z) for z >= 0.
-        let erfc = poly * exp_nonpositive(-z * z);
+        let erfc = poly * exp(-z * z);
         let one_plus_erf = if *x < 0. { erfc } else { 2. - erfc };
         *x = 0.5 * *x * one_plus_erf;
     }
@@ -227,7 +98,7 @@ fn gelu_tanh_impl(xs: &mut [f32]) {
     const TWO_C: f32 = 1.595_769;
     for x in xs.iter_mut() {
         let t = TWO_C * *x * (1. + 0.044_715 * *x * *x);
-        let z = exp_nonpositive(-t.abs());
+        let z = exp(-t.abs());
         let num = if t < 0. { z } else { 1. };
         *x = *x * num / (1. + z);
     }
@@ -240,7 +111,7 @@ fn gelu_tanh_impl(xs: &mut [f32]) {
 #[inline(always)]
 fn silu_mul_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        let z = exp_nonpositive(-g.abs());
+        let z = exp(-g.abs());
         let num = if g < 0. { z } else { 1. };
         *o = g * num / (1. + z) * u;
     }
@@ -424,11 +295,11 @@ mod tests {
         let mut worst = 0f64;
         for i in 0..=87_000 {
             let x = -(i as f32) / 1000.;
-            let (a, b) = (super::exp_nonpositive(x) as f64, (x as f64).exp());
+            let (a, b) = (super::exp(x) as f64, (x as f64).exp());
             worst = worst.max(((a - b) / b).abs());
         }
         assert!(worst < 1e-6, "worst relative error {worst:e}");
-        assert_eq!(super::exp_nonpositive(f32::NEG_INFINITY), 0.);
-        assert_eq!(super::exp_nonpositive(-100.), 0.);
+        assert_eq!(super::exp(f32::NEG_INFINITY), 0.);
+        assert_eq!(super::exp(-100.), 0.);
     }
 }

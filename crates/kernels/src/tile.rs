@@ -20,9 +20,10 @@
 use rayon::prelude::*;
 
 use crate::attention::{write_rows, Problem, Unit};
+use crate::lanes::{Ymm, Zmm};
 use crate::panel::{BLOCK_K, NR, STRIP_RS};
 use crate::pool::KV_PACKS;
-use crate::{avx2, avx512, simd};
+use crate::{avx2, avx512, softmax};
 
 /// Fewer query rows than this and packing the keys costs about as much as
 /// the products it speeds up (a decode step): `gemm` serves those.
@@ -412,7 +413,7 @@ pub(crate) fn softmax_group_with(
     }
 }
 
-/// [`softmax_group_with`] with 8-lane max and `exp`.
+/// [`softmax_group_with`] on `ymm` lanes.
 ///
 /// # Safety
 /// AVX2+FMA; `g.width` is a multiple of 8.
@@ -424,21 +425,12 @@ unsafe fn softmax_group_avx2(p: &Problem, bi: usize, hi: usize, g: Group) {
         bi,
         hi,
         g,
-        |m| unsafe { avx2::lanes_max(m.as_ptr()) },
-        |row, m, l, acc, known| {
-            simd::online_softmax_block(
-                row,
-                m,
-                l,
-                acc,
-                |r| known.unwrap_or_else(|| unsafe { avx2::row_max(r) }),
-                |r, mx| unsafe { avx2::exp_sub_sum(r, mx) },
-            )
-        },
+        |m| unsafe { softmax::lanes_max::<Ymm>(m.as_ptr()) },
+        |row, m, l, acc, known| unsafe { softmax::online_softmax_block::<Ymm>(row, m, l, acc, known) },
     );
 }
 
-/// [`softmax_group_with`] with 16-lane max and `exp`.
+/// [`softmax_group_with`] on `zmm` lanes.
 ///
 /// # Safety
 /// AVX-512F; `g.width` is a multiple of 16.
@@ -450,16 +442,7 @@ unsafe fn softmax_group_avx512(p: &Problem, bi: usize, hi: usize, g: Group) {
         bi,
         hi,
         g,
-        |m| unsafe { avx512::lanes_max(m.as_ptr()) },
-        |row, m, l, acc, known| {
-            simd::online_softmax_block(
-                row,
-                m,
-                l,
-                acc,
-                |r| known.unwrap_or_else(|| unsafe { avx512::row_max(r) }),
-                |r, mx| unsafe { avx512::exp_sub_sum(r, mx) },
-            )
-        },
+        |m| unsafe { softmax::lanes_max::<Zmm>(m.as_ptr()) },
+        |row, m, l, acc, known| unsafe { softmax::online_softmax_block::<Zmm>(row, m, l, acc, known) },
     );
 }
