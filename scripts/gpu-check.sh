@@ -9,7 +9,7 @@
 # nvcc and its headers from NVIDIA's PyPI wheels in .venv-cuda, and puts the
 # device test binary and the GPU benchmark in target/gpu-bundle (about 20
 # MB, compressed). Carry that folder to the GPU machine and call `run` there: it runs
-# tests/devices.rs (the PyTorch fixtures and every dtype of the default path
+# crates/attention/tests/devices.rs (the PyTorch fixtures and every dtype of the default path
 # on the GPU against the CPU reference) and examples/bench_gpu.rs (bf16: our
 # dispatch, candle-flash-attn directly, the reference path), and prints the
 # table last. With the device tool:
@@ -41,9 +41,9 @@ build() {
   local cuda
   cuda=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13"))')
   export PATH="$cuda/bin:$PATH" CUDA_ROOT="$cuda" CUDA_PATH="$cuda" CUDA_COMPUTE_CAP=90
-  # A target dir of its own: `cargo test --test devices` also builds the
-  # `multihead` binary, which in target/ would replace the CPU build with
-  # one linked to libcuda.so.1 (unusable here). The first build there
+  # A target dir of its own: CUDA builds of the crates in target/ would
+  # replace the CPU builds (and the `multihead` binary the example builds)
+  # with ones linked to libcuda.so.1 (unusable here). The first build there
   # compiles every dependency once more.
   export CARGO_TARGET_DIR="$cuda_target"
   if [ "$features" = cuda,flash-attn ]; then
@@ -68,7 +68,7 @@ build() {
   export LIBRARY_PATH="$root/target/cuda-link-stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
   cargo build --release --features "$features" --example bench_gpu
   local tests
-  tests=$(cargo test --release --features "$features" --test devices --no-run --message-format=json |
+  tests=$(cargo test --release -p multihead-attention --features "$features" --test devices --no-run --message-format=json |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
   # The kernels candle embeds make each binary ~50 MB: the device tool
   # carries 64 MiB, so they travel compressed.

@@ -25,12 +25,22 @@ pub fn plain_copy(varmap: &candle_nn::VarMap) -> Result<candle_nn::VarBuilder<'s
     ))
 }
 
-/// `tests/fixtures/<sub>`; `MULTIHEAD_FIXTURES` names another fixtures folder
-/// (test binaries carried to a machine where the checkout lives elsewhere).
+/// `tests/fixtures/<sub>` of the repository (the one place every crate's
+/// tests read fixtures from); `MULTIHEAD_FIXTURES` names another fixtures
+/// folder (test binaries carried to a machine where the checkout lives
+/// elsewhere).
 pub fn fixture_dir(sub: &str) -> PathBuf {
     std::env::var_os("MULTIHEAD_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"))
+        .unwrap_or_else(|| {
+            // The package's own folder, or a member crate's under crates/.
+            let package = Path::new(env!("CARGO_MANIFEST_DIR"));
+            package
+                .ancestors()
+                .map(|dir| dir.join("tests/fixtures"))
+                .find(|dir| dir.is_dir())
+                .unwrap_or_else(|| package.join("tests/fixtures"))
+        })
         .join(sub)
 }
 
@@ -62,12 +72,18 @@ impl Fixture {
             .and_then(|m| m.get("case"))
             .context("fixture has no 'case' metadata")?;
         let case = serde_json::from_str(case)?;
-        // Through the checked reader, so that BOOL tensors load as u8.
-        let ckpt = multihead::models::checkpoint::Checkpoint::from_bytes(bytes, &path.display().to_string())?;
-        let tensors = ckpt
+        let file = safetensors::SafeTensors::deserialize(&bytes)?;
+        let tensors = file
             .tensors()
-            .iter()
-            .map(|t| Ok((t.name.clone(), ckpt.tensor(&t.name, device)?)))
+            .into_iter()
+            .map(|(name, view)| {
+                let t = match view.dtype() {
+                    // Boolean masks load as u8 (candle has no bool dtype).
+                    safetensors::Dtype::BOOL => Tensor::from_vec(view.data().to_vec(), view.shape(), device)?,
+                    _ => candle::safetensors::Load::load(&view, device)?,
+                };
+                Ok((name, t))
+            })
             .collect::<Result<HashMap<_, _>>>()?;
         let name = path
             .file_stem()

@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
-use multihead::attention::{scaled_dot_product_attention_via, AttnMask, AttnPath, KeyPaddingMask, Mask};
+use multihead_attention::{scaled_dot_product_attention_via, AttnMask, AttnPath, KeyPaddingMask, Mask};
 
 const PATHS: [AttnPath; 2] = [AttnPath::Reference, AttnPath::CpuTiled];
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];

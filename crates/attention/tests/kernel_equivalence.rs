@@ -1,12 +1,13 @@
 //! The tiled CPU kernel equals the reference path: random inputs of many
 //! shapes, every mask kind, grouped-query, half precision.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor};
 use common::assert_close;
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention_via, AttnMask, AttnPath, Causal, KeyPaddingMask, Mask, MhaConfig,
     MhaOptions, MultiheadAttention, NeedWeights,
 };
@@ -348,7 +349,7 @@ fn invalid_scale_is_an_error_everywhere() -> Result<()> {
             let res = scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), Some(scale), path);
             common::assert_err(res, &["scale", "finite and > 0"]);
         }
-        let res = multihead::attention::scaled_dot_product_attention_with_weights(
+        let res = multihead_attention::scaled_dot_product_attention_with_weights(
             &q,
             &k,
             &v,

@@ -2,6 +2,7 @@
 //! that hold for any weights: masking, causality, the equivalence of the
 //! weight layouts and of the fused and unfused paths, cached decoding.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;
@@ -10,7 +11,7 @@ use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention, scaled_dot_product_attention_with_weights, Causal, KeyPaddingMask, Mask,
     MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
 };
@@ -314,7 +315,7 @@ fn initialisation_follows_pytorch() -> Result<()> {
 /// that names it.
 #[test]
 fn residual_option_adds_to_the_output_in_every_layout() -> Result<()> {
-    use multihead::attention::{KvCache, SeqLayout};
+    use multihead_attention::{KvCache, SeqLayout};
     let (mha_vars, varmap) = random_mha(&MhaConfig::new(64, H))?;
     let mha_plain = MultiheadAttention::new(&MhaConfig::new(64, H), common::plain_copy(&varmap)?)?;
     for mha in [&mha_plain, &mha_vars] {

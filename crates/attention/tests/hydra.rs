@@ -2,13 +2,14 @@
 //! fixtures, `scripts/make_hydra_fixtures.py`) and against a direct O(N²)
 //! evaluation of the same formula, written out below.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use anyhow::Result;
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use common::{assert_close, fixture_dir, fixture_files, Fixture};
-use multihead::attention::{
+use multihead_attention::{
     hydra_attention, AttnMask, Causal, HydraAttention, HydraConfig, KeyPaddingMask, Mask,
 };
 

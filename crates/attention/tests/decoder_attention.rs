@@ -5,6 +5,7 @@
 //! reordering and truncation keep each row's result; the tiled kernel's
 //! window and ALiBi equal the reference path.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;
@@ -13,7 +14,7 @@ use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use common::{assert_close, max_abs_diff};
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention_via, Alibi, AttnMask, AttnPath, Causal, KvCache, Mask, MhaConfig,
     MhaOptions, MultiheadAttention, NormKind, PositionEncoding, RotaryConfig, RotaryStyle, WeightLayout,
 };

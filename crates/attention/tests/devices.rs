@@ -4,13 +4,14 @@
 //! device, and each device's default path in f32/f16/bf16 against the CPU
 //! reference.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use common::{assert_close, fixture_dir, Fixture};
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, KeyPaddingMask, Mask, MhaConfig, MhaOptions,
     MultiheadAttention, NeedWeights,
 };

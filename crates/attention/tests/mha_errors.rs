@@ -1,5 +1,6 @@
 //! Bad input ends in an error that names the problem, never a panic.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use common::assert_err;
@@ -9,7 +10,7 @@ use std::collections::HashMap;
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention, AttnMask, KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
     WeightLayout,
 };
