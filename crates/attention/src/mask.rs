@@ -350,9 +350,12 @@ fn hidden_and_added(part: &MaskPart) -> Result<(Tensor, Option<Tensor>)> {
 }
 
 impl Mask {
-    /// The key padding and attention masks as [`MaskPart`]s over
-    /// `(batch, heads, q_len, kv_len)`, validated; the causal rule is not
-    /// among them.
+    /// The key padding and attention masks as the kernel's [`MaskPart`]s
+    /// over `(batch, heads, q_len, kv_len)`, validated; the causal rule is
+    /// not among them. The kernel names what a byte does, these types what
+    /// PyTorch's `True` means: `PadWhereTrue` and `IgnoreWhereTrue` hide
+    /// where non-zero, `AttendWhereTrue` where zero; additive masks stay
+    /// additive, `-inf` hiding.
     pub(crate) fn tensor_parts(
         &self,
         (batch, heads, q_len, kv_len): (usize, usize, usize, usize),

@@ -554,31 +554,22 @@ impl Problem<'_> {
                 *x += m * d as f32;
             }
         }
-        let at = |p: &PartView| bi * p.stride[0] + hi * p.stride[1] + i * p.stride[2] + j0 * p.stride[3];
+        // A part's entries for this row: one per key, or one for all where
+        // the part is broadcast along the keys.
+        let entries = |p: &PartView| {
+            let off = bi * p.stride[0] + hi * p.stride[1] + i * p.stride[2] + j0 * p.stride[3];
+            off..off + if p.stride[3] == 0 { 1 } else { masked }
+        };
         for p in self.parts {
             if let PartData::Additive(data) = p.data {
-                let off = at(p);
-                match p.stride[3] {
-                    0 => simd::add_visible(row, &[data[off]], true),
-                    _ => simd::add_visible(row, &data[off..off + masked], false),
-                }
+                simd::add_visible(row, &data[entries(p)]);
             }
         }
         for p in self.parts {
-            let off = at(p);
-            match (p.data, p.stride[3]) {
-                (PartData::Additive(data), 0) => simd::hide_where_neg_inf(row, &[data[off]], true),
-                (PartData::Additive(data), _) => {
-                    simd::hide_where_neg_inf(row, &data[off..off + masked], false)
-                }
-                (PartData::HideWhereNonZero(data), 0) => simd::hide_where(row, &[data[off]], true, true),
-                (PartData::HideWhereNonZero(data), _) => {
-                    simd::hide_where(row, &data[off..off + masked], true, false)
-                }
-                (PartData::HideWhereZero(data), 0) => simd::hide_where(row, &[data[off]], false, true),
-                (PartData::HideWhereZero(data), _) => {
-                    simd::hide_where(row, &data[off..off + masked], false, false)
-                }
+            match p.data {
+                PartData::Additive(data) => simd::hide_where_neg_inf(row, &data[entries(p)]),
+                PartData::HideWhereNonZero(data) => simd::hide_where_nonzero(row, &data[entries(p)]),
+                PartData::HideWhereZero(data) => simd::hide_where_zero(row, &data[entries(p)]),
             }
         }
         let visible = self.causal_end(i).saturating_sub(j0).min(masked);

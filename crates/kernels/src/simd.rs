@@ -18,44 +18,45 @@ fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut 
 /// vectorise when their order is spelled out as independent lanes.
 const LANES: usize = 16;
 
-/// `row[j] += data[j]` where `data[j]` is not `-inf` (a hiding entry,
-/// applied by `hide_where_neg_inf`); `broadcast`: one entry for all.
+/// `f(x, entry)` for each score of `row` and its mask entry: `entries`
+/// holds one per score, or one for all (a mask broadcast along the keys).
 #[inline(always)]
-fn add_visible_impl(row: &mut [f32], data: &[f32], broadcast: bool) {
-    let add = |x: &mut f32, b: f32| *x += if b == f32::NEG_INFINITY { 0. } else { b };
-    if broadcast {
-        row.iter_mut().for_each(|x| add(x, data[0]));
-    } else {
-        row.iter_mut().zip(data).for_each(|(x, &b)| add(x, b));
+fn each_entry<T: Copy>(row: &mut [f32], entries: &[T], f: impl Fn(&mut f32, T)) {
+    match entries {
+        [one] => row.iter_mut().for_each(|x| f(x, *one)),
+        _ => row.iter_mut().zip(entries).for_each(|(x, &e)| f(x, e)),
     }
+}
+
+/// `row[j] += data[j]` where `data[j]` is not `-inf` (a hiding entry,
+/// applied by `hide_where_neg_inf`).
+#[inline(always)]
+fn add_visible_impl(row: &mut [f32], data: &[f32]) {
+    each_entry(row, data, |x, b| {
+        *x += if b == f32::NEG_INFINITY { 0. } else { b }
+    });
 }
 
 /// `row[j] = -inf` where `data[j]` is `-inf`.
 #[inline(always)]
-fn hide_where_neg_inf_impl(row: &mut [f32], data: &[f32], broadcast: bool) {
-    let hide = |x: &mut f32, b: f32| *x = if b == f32::NEG_INFINITY { b } else { *x };
-    if broadcast {
-        row.iter_mut().for_each(|x| hide(x, data[0]));
-    } else {
-        row.iter_mut().zip(data).for_each(|(x, &b)| hide(x, b));
-    }
+fn hide_where_neg_inf_impl(row: &mut [f32], data: &[f32]) {
+    each_entry(row, data, |x, b| *x = if b == f32::NEG_INFINITY { b } else { *x });
 }
 
-/// `row[j] = -inf` where `(bytes[j] != 0) == nonzero_hides`.
+/// `row[j] = -inf` where `bytes[j]` is non-zero.
 #[inline(always)]
-fn hide_where_impl(row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool) {
-    let hide = |x: &mut f32, b: u8| {
-        *x = if (b != 0) == nonzero_hides {
-            f32::NEG_INFINITY
-        } else {
-            *x
-        }
-    };
-    if broadcast {
-        row.iter_mut().for_each(|x| hide(x, bytes[0]));
-    } else {
-        row.iter_mut().zip(bytes).for_each(|(x, &b)| hide(x, b));
-    }
+fn hide_where_nonzero_impl(row: &mut [f32], bytes: &[u8]) {
+    each_entry(row, bytes, |x, b| {
+        *x = if b != 0 { f32::NEG_INFINITY } else { *x }
+    });
+}
+
+/// `row[j] = -inf` where `bytes[j]` is zero.
+#[inline(always)]
+fn hide_where_zero_impl(row: &mut [f32], bytes: &[u8]) {
+    each_entry(row, bytes, |x, b| {
+        *x = if b == 0 { f32::NEG_INFINITY } else { *x }
+    });
 }
 
 /// `max(x, 0)` in place, NaN kept (PyTorch's `relu`); a select, not a
@@ -217,9 +218,10 @@ macro_rules! dispatch {
 }
 
 dispatch!(online_softmax_row, online_softmax_row_impl, (row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]));
-dispatch!(add_visible, add_visible_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
-dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32], broadcast: bool));
-dispatch!(hide_where, hide_where_impl, (row: &mut [f32], bytes: &[u8], nonzero_hides: bool, broadcast: bool));
+dispatch!(add_visible, add_visible_impl, (row: &mut [f32], data: &[f32]));
+dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32]));
+dispatch!(hide_where_nonzero, hide_where_nonzero_impl, (row: &mut [f32], bytes: &[u8]));
+dispatch!(hide_where_zero, hide_where_zero_impl, (row: &mut [f32], bytes: &[u8]));
 dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
 dispatch!(layer_norm_row, layer_norm_row_impl, (a: &[f32], b: Option<&[f32]>, w: &[f32], bias: &[f32], eps: f32, out: &mut [std::mem::MaybeUninit<f32>]));
 dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
