@@ -2,10 +2,8 @@
 //! written once over the vector width (`softmax.rs`, `direct.rs`) and
 //! instantiated inside a `#[target_feature]` function per set, where the
 //! `#[inline(always)]` lane operations compile to that set's instructions:
-//! [`Ymm`] (AVX2+FMA, 8 lanes), [`Zmm`] (AVX-512F, 16), and [`Portable`]
-//! (16 lanes as an array, which the compiler vectorises for whatever set
-//! the calling function is compiled for); `f32` itself is the one-lane
-//! type, for the tails.
+//! [`Ymm`] (AVX2+FMA, 8 lanes) and [`Zmm`] (AVX-512F, 16); `f32` itself is
+//! the one-lane type, for tails, scalar uses and the portable path.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -67,76 +65,6 @@ pub(crate) trait Lanes: Copy {
     unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self;
 }
 
-/// 16 lanes as an array: elementwise loops the compiler vectorises for
-/// the instruction set of the function they are inlined into.
-#[derive(Clone, Copy)]
-pub(crate) struct Portable([f32; 16]);
-
-/// `f(i)` for each of a [`Portable`]'s lanes.
-#[inline(always)]
-fn lanes16(f: impl Fn(usize) -> f32) -> Portable {
-    Portable(std::array::from_fn(f))
-}
-
-impl Lanes for Portable {
-    const N: usize = 16;
-    #[inline(always)]
-    unsafe fn zero() -> Self {
-        Portable([0.; 16])
-    }
-    #[inline(always)]
-    unsafe fn splat(x: f32) -> Self {
-        Portable([x; 16])
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self {
-        // SAFETY: the caller's: `p` holds 16 floats.
-        Portable(unsafe { p.cast::<[f32; 16]>().read_unaligned() })
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32) {
-        // SAFETY: as `load`.
-        unsafe { p.cast::<[f32; 16]>().write_unaligned(self.0) }
-    }
-    #[inline(always)]
-    unsafe fn fmadd(self, a: Self, b: Self) -> Self {
-        lanes16(|i| a.0[i].mul_add(b.0[i], self.0[i]))
-    }
-    #[inline(always)]
-    unsafe fn add(self, b: Self) -> Self {
-        lanes16(|i| self.0[i] + b.0[i])
-    }
-    #[inline(always)]
-    unsafe fn mul(self, b: Self) -> Self {
-        lanes16(|i| self.0[i] * b.0[i])
-    }
-    #[inline(always)]
-    unsafe fn sum(self) -> f32 {
-        self.0.iter().sum()
-    }
-    #[inline(always)]
-    unsafe fn sums(v: &[Self]) -> Self {
-        lanes16(|i| v[i].0.iter().sum())
-    }
-    #[inline(always)]
-    unsafe fn sub(self, b: Self) -> Self {
-        lanes16(|i| self.0[i] - b.0[i])
-    }
-    #[inline(always)]
-    unsafe fn max(self, b: Self) -> Self {
-        lanes16(|i| max_f32(self.0[i], b.0[i]))
-    }
-    #[inline(always)]
-    unsafe fn max_lane(self) -> f32 {
-        self.0.iter().fold(f32::NEG_INFINITY, |m, &x| max_f32(m, x))
-    }
-    #[inline(always)]
-    unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self {
-        // SAFETY: f32 lanes need no instruction set.
-        lanes16(|i| unsafe { f32::scale_pow2(p.0[i], n.0[i], x.0[i]) })
-    }
-}
-
 /// `maxps`'s rule: `a` where `a > b`, else `b` (so `b` where either is
 /// NaN).
 #[inline(always)]
@@ -149,7 +77,8 @@ fn max_f32(a: f32, b: f32) -> f32 {
 }
 
 /// One lane: the tails of rows that are not a whole number of vectors,
-/// and the scalar uses of [`crate::softmax::exp_nonpositive`].
+/// the scalar uses of [`crate::softmax::exp_nonpositive`] (vectorised by
+/// the compiler in `simd.rs`'s loops), and processors without AVX2.
 impl Lanes for f32 {
     const N: usize = 1;
     #[inline(always)]
@@ -204,9 +133,13 @@ impl Lanes for f32 {
     }
     #[inline(always)]
     unsafe fn scale_pow2(p: Self, n: Self, x: Self) -> Self {
-        // 2^n from its exponent bits; `n` saturates to i32::MIN for -inf
-        // (a lane that is then 0), and is 0 for NaN.
-        let pow2n = f32::from_bits(((n as i32).wrapping_add(127) << 23) as u32);
+        // 2^n from its exponent bits. `n` as an integer through the bits of
+        // `n + 1.5·2²³` rather than a cast, whose saturation keeps the
+        // compiler from vectorising; lanes below -87 (where `n` may be
+        // -inf) are 0 whatever the bits.
+        const MAGIC: f32 = 12_582_912.0;
+        let n = (n + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+        let pow2n = f32::from_bits((n.wrapping_add(127) << 23) as u32);
         if x < -87. {
             0.
         } else {

@@ -1,18 +1,11 @@
 //! Vectorised row operations: the online softmax of a row (`softmax.rs`
-//! on portable lanes), the mask application, the exact and tanh GELUs, SiLU
-//! times a gate's other half, a finiteness check, LayerNorm's rows. Each is written once as plain
+//! on the instruction set's lanes), the mask application, the exact and
+//! tanh GELUs, SiLU times a gate's other half, a finiteness check,
+//! LayerNorm's rows. Each is written once as plain
 //! Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
 //! instruction set is picked at run time (`isa.rs`).
 
-use crate::lanes::Portable;
 use crate::softmax::{exp, online_softmax_block};
-
-#[inline(always)]
-fn online_softmax_row_impl(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
-    // SAFETY: portable lanes run on any processor (vectorised for the set
-    // this is compiled for).
-    unsafe { online_softmax_block::<Portable>(row, m, l, acc, None) }
-}
 
 /// Lanes of the explicit reductions: float sums and maxes only
 /// vectorise when their order is spelled out as independent lanes.
@@ -190,6 +183,36 @@ fn layer_norm_row_impl(
     }
 }
 
+/// One key block of a row's online softmax ([`online_softmax_block`]) on
+/// the widest lanes the instruction set has (any row length: whole
+/// vectors, then the tail one lane at a time).
+pub(crate) fn online_softmax_row(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::isa::{current, Isa};
+        use crate::lanes::{Ymm, Zmm};
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+            // SAFETY: this function's set.
+            unsafe { online_softmax_block::<Zmm>(row, m, l, acc, None) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+            // SAFETY: this function's set.
+            unsafe { online_softmax_block::<Ymm>(row, m, l, acc, None) }
+        }
+        match current() {
+            // SAFETY: `current` never exceeds what was detected.
+            Isa::Avx512 => return unsafe { avx512(row, m, l, acc) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { avx2(row, m, l, acc) },
+            Isa::Portable => {}
+        }
+    }
+    // SAFETY: one-lane f32 needs no instruction set.
+    unsafe { online_softmax_block::<f32>(row, m, l, acc, None) }
+}
+
 macro_rules! dispatch {
     ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
         pub(crate) fn $name($($arg: $ty),*) $(-> $ret)? {
@@ -217,7 +240,6 @@ macro_rules! dispatch {
     };
 }
 
-dispatch!(online_softmax_row, online_softmax_row_impl, (row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]));
 dispatch!(add_visible, add_visible_impl, (row: &mut [f32], data: &[f32]));
 dispatch!(hide_where_neg_inf, hide_where_neg_inf_impl, (row: &mut [f32], data: &[f32]));
 dispatch!(hide_where_nonzero, hide_where_nonzero_impl, (row: &mut [f32], bytes: &[u8]));
