@@ -419,6 +419,51 @@ def decoders(args, env):
         print()
 
 
+class Tee:
+    """Standard output kept as well as printed, for `--write`."""
+
+    def __init__(self, out):
+        self.out, self.lines = out, []
+
+    def write(self, text):
+        self.lines.append(text)
+        return self.out.write(text)
+
+    def flush(self):
+        self.out.flush()
+
+
+def machine():
+    """The CPU's model name and the vector extensions the kernels use, from
+    `lscpu`."""
+    info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    name = fields.get("Model name", "unknown CPU").strip()
+    flags = set(fields.get("Flags", "").split())
+    isa = [label for flag, label in [("avx512f", "AVX-512F"), ("avx512_bf16", "AVX512-BF16"),
+                                     ("avx512_vnni", "AVX512-VNNI"), ("avx2", "AVX2"), ("fma", "FMA")]
+           if flag in flags]
+    cores = fields.get("CPU(s)", "?").strip()
+    return f'"{name}", {cores} CPUs, {", ".join(isa) or "no AVX2"}'
+
+
+def write_section(path, key, command, body):
+    """Replaces the table between `<!-- bench: KEY -->` and `<!-- end bench:
+    KEY -->` in `path` (appended under a heading of its own where there is
+    none) with `body`, headed by the date, the machine and the command."""
+    start, end = f"<!-- bench: {key} -->", f"<!-- end bench: {key} -->"
+    block = (f"{start}\n{time.strftime('%Y-%m-%d')}, {machine()}:\n\n```sh\n{command}\n```\n\n"
+             f"{body.strip()}\n{end}")
+    with open(path) as f:
+        text = f.read()
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + f"\n\n## {key}\n\n{block}\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -431,7 +476,26 @@ def main():
                     help="time one linear layer at the models' shapes against torch.nn.Linear, one thread and --threads")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: cap both sides at AVX2+FMA, as on an AVX2-only server")
+    ap.add_argument("--write", metavar="FILE",
+                    help="also put the table into FILE (docs/benchmarks.md), in place of the "
+                         "one this mode wrote there before, with the date, machine and command")
     args = ap.parse_args()
+    if args.write:
+        tee = sys.stdout = Tee(sys.stdout)
+        mode = ("decoders" if args.decoders else "models" if args.models
+                else "linears" if args.linears else "attention")
+        key = mode + (", AVX2 on both sides" if CAP_AVX2 else "")
+        command = ".venv-ref/bin/python scripts/bench_vs_pytorch.py " + " ".join(
+            a for a in sys.argv[1:] if not a.startswith("--write") and a != args.write)
+        status = run(args)
+        sys.stdout = tee.out
+        write_section(args.write, key, command.strip(), "".join(tee.lines))
+        return status
+    return run(args)
+
+
+def run(args):
+    """The mode `args` asks for; its table on standard output."""
     if args.rounds is not None:
         print(f"--rounds {args.rounds} is gone: the sides now take turns sample by sample, "
               f"--pairs {args.pairs} a work", file=sys.stderr)
