@@ -1,4 +1,4 @@
-//! Times attention paths on the shapes of the README's benchmark table and
+//! Times attention paths on the shapes of docs/benchmarks.md's attention table and
 //! prints one JSON object per line (`scripts/bench_vs_pytorch.py` runs this
 //! beside PyTorch and prints the ratios).
 //!

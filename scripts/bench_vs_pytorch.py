@@ -468,7 +468,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=21, help="paired samples per work")
-    # The README's older runs name it; the sides took turns in rounds then.
+    # Refused with a note: the sides take turns sample by sample (--pairs).
     ap.add_argument("--rounds", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")

@@ -83,9 +83,9 @@ fn refuses_empty_input() -> Result<()> {
     Ok(())
 }
 
-/// One blank line used to abort the whole batch with no output. Now the
-/// good lines are translated, each bad one gets an empty output line and a
-/// message naming its line, and the exit status says something was wrong.
+/// One blank line does not abort the batch: the good lines are translated,
+/// each bad one gets an empty output line and a message naming its line,
+/// and the exit status says something was wrong.
 #[test]
 fn a_bad_line_does_not_stop_the_batch() -> Result<()> {
     let o = run(&[], Some("March 3, 2021\n\n4 May 2020\nMarch ☃\n"))?;

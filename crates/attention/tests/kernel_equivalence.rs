@@ -336,7 +336,7 @@ fn nan_propagates_the_same_on_every_path() -> Result<()> {
 }
 
 /// A scale that is NaN, infinite, zero or negative is refused on every
-/// path (a NaN scale used to give all zeros).
+/// path (a NaN scale would otherwise give all zeros).
 #[test]
 fn invalid_scale_is_an_error_everywhere() -> Result<()> {
     let (q, k, v) = (
