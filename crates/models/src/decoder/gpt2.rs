@@ -6,9 +6,10 @@ use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
 
-use super::config::{Activation, Gpt2Config};
+use super::config::Gpt2Config;
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
+use crate::mlp::Activation;
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
@@ -41,7 +42,7 @@ impl Block {
             scale /= (layer + 1) as f64;
         }
         mha = mha.with_scale(scale);
-        let act = Activation::parse(&cfg.activation_function, "GPT-2 config")?;
+        let act = Activation::from_hf_name(&cfg.activation_function, "GPT-2 config")?;
         Ok(Self {
             ln_1: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
             attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::gpt2(), vb.pp("attn"))?,
@@ -60,7 +61,14 @@ impl Block {
             .attn
             .forward_cached(&self.ln_1.forward(x)?, cache, &opts)?
             .output;
-        let h = self.act.forward_fused(&self.c_fc, &self.ln_2.forward(&x)?)?;
+        let x2 = self.ln_2.forward(&x)?;
+        // The activation fused into c_fc's write-out where it can be.
+        let h = match self.act {
+            Activation::GeluTanh => self.c_fc.forward_gelu_tanh(&x2)?,
+            Activation::Gelu => self.c_fc.forward_gelu(&x2)?,
+            Activation::Relu => self.c_fc.forward_relu(&x2)?,
+            act => act.apply(&self.c_fc.forward(&x2)?)?,
+        };
         self.c_proj.forward_add(&h, &x)
     }
 }

@@ -9,7 +9,8 @@ use multihead_attention::{
     KvCache, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
 };
 
-use super::config::{Activation, TransformerConfig};
+use super::config::TransformerConfig;
+use crate::mlp::Activation;
 
 /// A LayerNorm over `d_model` with the config's epsilon; without a bias
 /// when `bias = false`, as PyTorch's `LayerNorm(bias=False)`. The
@@ -48,6 +49,7 @@ impl FeedForward {
         match self.activation {
             Activation::Gelu => self.linear1.forward_gelu(xs),
             Activation::Relu => self.linear1.forward_relu(xs),
+            other => other.apply(&self.linear1.forward(xs)?),
         }
     }
 

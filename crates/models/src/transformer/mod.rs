@@ -20,8 +20,9 @@ mod search;
 mod seq2seq;
 mod vocab;
 
+pub use crate::mlp::Activation;
 pub use cache::{DecoderCache, DecoderStep};
-pub use config::{Activation, TransformerConfig};
+pub use config::TransformerConfig;
 pub use layer::{TransformerDecoderLayer, TransformerEncoderLayer};
 pub use model::{FinalNorm, Transformer, TransformerDecoder, TransformerEncoder, TransformerMasks};
 pub use search::{Attended, CacheMode, Hypothesis};
