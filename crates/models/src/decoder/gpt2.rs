@@ -9,7 +9,7 @@ use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, 
 use super::config::Gpt2Config;
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
-use crate::mlp::Activation;
+use crate::mlp::{Activation, Mlp};
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
@@ -24,9 +24,7 @@ struct Block {
     ln_1: LayerNorm,
     attn: MultiheadAttention,
     ln_2: LayerNorm,
-    c_fc: PackedLinear,
-    c_proj: PackedLinear,
-    act: Activation,
+    mlp: Mlp,
 }
 
 impl Block {
@@ -47,9 +45,11 @@ impl Block {
             ln_1: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
             attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::gpt2(), vb.pp("attn"))?,
             ln_2: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
-            c_fc: conv1d(e, cfg.n_inner(), vb.pp("mlp.c_fc"))?,
-            c_proj: conv1d(cfg.n_inner(), e, vb.pp("mlp.c_proj"))?,
-            act,
+            mlp: Mlp::new(
+                conv1d(e, cfg.n_inner(), vb.pp("mlp.c_fc"))?,
+                conv1d(cfg.n_inner(), e, vb.pp("mlp.c_proj"))?,
+                act,
+            )?,
         })
     }
 
@@ -61,15 +61,7 @@ impl Block {
             .attn
             .forward_cached(&self.ln_1.forward(x)?, cache, &opts)?
             .output;
-        let x2 = self.ln_2.forward(&x)?;
-        // The activation fused into c_fc's write-out where it can be.
-        let h = match self.act {
-            Activation::GeluTanh => self.c_fc.forward_gelu_tanh(&x2)?,
-            Activation::Gelu => self.c_fc.forward_gelu(&x2)?,
-            Activation::Relu => self.c_fc.forward_relu(&x2)?,
-            act => act.apply(&self.c_fc.forward(&x2)?)?,
-        };
-        self.c_proj.forward_add(&h, &x)
+        self.mlp.forward_add(&self.ln_2.forward(&x)?, &x)
     }
 }
 

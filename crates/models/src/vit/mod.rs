@@ -29,7 +29,9 @@ mod preprocess;
 mod resample;
 mod rollout;
 
-pub use block::{Block, LayerScale, Mlp};
+#[allow(deprecated)]
+pub use block::VitMlp as Mlp;
+pub use block::{Block, LayerScale};
 pub use config::{AttentionKind, GlobalPool, Naming, VitConfig};
 pub use embed::PatchEmbed;
 pub use folder::{ConfigKind, ModelFolder, Weights};
