@@ -2,14 +2,14 @@
 
 use candle::{bail, DType, Device, Result, Tensor, D};
 
-use super::cache::DecoderCache;
+use super::cache::Seq2SeqCache;
 use super::seq2seq::Seq2Seq;
 use crate::generation::{generate, Decoding, GenerateConfig, Generated, LogitsProcessor, StepModel};
 
 /// Whether decoding keeps the decoder's keys and values between steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CacheMode {
-    /// Feed one token per step through a [`super::DecoderCache`].
+    /// Feed one token per step through a [`super::Seq2SeqCache`].
     #[default]
     Use,
     /// Re-run the decoder over the whole prefix at every step (the
@@ -189,15 +189,15 @@ impl Seq2Seq {
 
 /// Cached decoding: one target token per row and step.
 impl StepModel for Seq2Seq {
-    type Cache = DecoderCache;
+    type Cache = Seq2SeqCache;
 
-    fn step(&self, tokens: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+    fn step(&self, tokens: &Tensor, cache: &mut Seq2SeqCache) -> Result<Tensor> {
         // (B, new_len, V) -> the last position's (B, V).
         let logits = Seq2Seq::step(self, tokens, cache)?;
         logits.narrow(1, logits.dim(1)? - 1, 1)?.squeeze(1)
     }
 
-    fn select_rows(&self, cache: &mut DecoderCache, rows: &Tensor) -> Result<()> {
+    fn select_rows(&self, cache: &mut Seq2SeqCache, rows: &Tensor) -> Result<()> {
         cache.select_rows(rows)
     }
 
