@@ -70,11 +70,11 @@ impl Seq2SeqCache {
             };
         }
         self.self_attn.select_rows(rows)?;
-        self.memory_key_padding = match self.memory_key_padding.take() {
-            None => None,
-            Some(KeyPaddingMask::PadWhereTrue(t)) => Some(KeyPaddingMask::PadWhereTrue(pick(&t)?)),
-            Some(KeyPaddingMask::Additive(t)) => Some(KeyPaddingMask::Additive(pick(&t)?)),
-        };
+        self.memory_key_padding = self
+            .memory_key_padding
+            .as_ref()
+            .map(|kp| select_padding_rows(kp, rows))
+            .transpose()?;
         self.batch = n;
         Ok(())
     }
@@ -85,6 +85,15 @@ impl Seq2SeqCache {
             None => Mask::new(),
         }
     }
+}
+
+/// Rows `rows` (`u32`, may repeat) of a `(batch, src_len)` padding mask.
+pub(crate) fn select_padding_rows(kp: &KeyPaddingMask, rows: &Tensor) -> Result<KeyPaddingMask> {
+    let pick = |t: &Tensor| t.contiguous()?.index_select(rows, 0);
+    Ok(match kp {
+        KeyPaddingMask::PadWhereTrue(t) => KeyPaddingMask::PadWhereTrue(pick(t)?),
+        KeyPaddingMask::Additive(t) => KeyPaddingMask::Additive(pick(t)?),
+    })
 }
 
 /// What [`TransformerDecoder::step_with_weights`] returns.

@@ -30,6 +30,8 @@ pub type DecoderCache = Seq2SeqCache;
 pub use config::TransformerConfig;
 pub use layer::{TransformerDecoderLayer, TransformerEncoderLayer};
 pub use model::{FinalNorm, Transformer, TransformerDecoder, TransformerEncoder, TransformerMasks};
-pub use search::{Attended, CacheMode, Hypothesis};
+#[allow(deprecated)]
+pub use search::Hypothesis;
+pub use search::{Attended, CacheMode};
 pub use seq2seq::{sinusoidal_positions, Encoded, Seq2Seq, Seq2SeqConfig, MAX_COMPUTED_POSITIONS};
 pub use vocab::CharVocab;
