@@ -12,7 +12,13 @@
 //! use multihead_models::generation::GenerateConfig;
 //! # fn main() -> candle::Result<()> {
 //! let model = DecoderModel::from_folder("tests/fixtures/decoders/llama".as_ref(), &candle::Device::Cpu)?;
-//! let cfg = GenerateConfig::greedy(10, 0, 1, 0);
+//! let cfg = GenerateConfig {
+//!     max_len: 10,
+//!     start_id: 0,
+//!     eos_id: 1,
+//!     pad_id: 0,
+//!     ..GenerateConfig::default()
+//! };
 //! let out = generate_from_prompts(&model, &[vec![5, 6, 7], vec![8, 9]], 0, &cfg, &[])?;
 //! println!("{:?}", out[0][0].tokens);
 //! # Ok(()) }

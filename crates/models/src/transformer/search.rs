@@ -138,7 +138,13 @@ impl Seq2Seq {
     /// the [`GenerateConfig`] to start from.
     pub fn generation_config(&self) -> GenerateConfig {
         let c = self.config();
-        GenerateConfig::greedy(c.max_tgt_len, c.bos_id, c.eos_id, c.pad_id)
+        GenerateConfig {
+            max_len: c.max_tgt_len,
+            start_id: c.bos_id,
+            eos_id: c.eos_id,
+            pad_id: c.pad_id,
+            ..GenerateConfig::default()
+        }
     }
 
     /// Encodes `src` and runs [`generate`] over the cached decoder:

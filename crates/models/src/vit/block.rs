@@ -312,7 +312,14 @@ mod tests {
     #[test]
     fn prefix_equals_the_full_blocks_first_tokens() -> Result<()> {
         let dev = Device::Cpu;
-        let mut cfg = VitConfig::new(32, 8, 64, 1, 4);
+        let mut cfg = VitConfig {
+            img_size: 32,
+            patch_size: 8,
+            embed_dim: 64,
+            depth: 1,
+            num_heads: 4,
+            ..VitConfig::default()
+        };
         let xs = Tensor::randn(0f32, 1., (3, 17, 64), &dev)?;
         for (kind, init_values, trains) in [
             (AttentionKind::Softmax, None, false),

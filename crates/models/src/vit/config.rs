@@ -180,17 +180,20 @@ fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
 }
 
-impl VitConfig {
-    /// A config with timm's defaults around the given architecture sizes.
-    pub fn new(img_size: usize, patch_size: usize, embed_dim: usize, depth: usize, num_heads: usize) -> Self {
+impl Default for VitConfig {
+    /// timm's `VisionTransformer()` defaults: 224-pixel images in 16-pixel
+    /// patches, width 768, 12 blocks, 12 heads (`vit_base_patch16_224`),
+    /// 1000 classes. Set the sizes by name:
+    /// `VitConfig { embed_dim: 64, depth: 2, num_heads: 4, ..VitConfig::default() }`.
+    fn default() -> Self {
         Self {
-            img_size,
-            patch_size,
+            img_size: 224,
+            patch_size: 16,
             in_chans: default_in_chans(),
             num_classes: default_num_classes(),
-            embed_dim,
-            depth,
-            num_heads,
+            embed_dim: 768,
+            depth: 12,
+            num_heads: 12,
             mlp_ratio: default_mlp_ratio(),
             qkv_bias: true,
             qk_norm: false,
@@ -213,20 +216,45 @@ impl VitConfig {
             hydra_layers: Vec::new(),
         }
     }
+}
+
+impl VitConfig {
+    /// A config with timm's defaults around the given architecture sizes.
+    #[deprecated(
+        note = "name the sizes: VitConfig { img_size, patch_size, embed_dim, depth, num_heads, ..VitConfig::default() }"
+    )]
+    pub fn new(img_size: usize, patch_size: usize, embed_dim: usize, depth: usize, num_heads: usize) -> Self {
+        Self {
+            img_size,
+            patch_size,
+            embed_dim,
+            depth,
+            num_heads,
+            ..Self::default()
+        }
+    }
 
     /// timm `vit_tiny_patch16_224`: width 192, 12 blocks, 3 heads.
     pub fn tiny_patch16_224() -> Self {
-        Self::new(224, 16, 192, 12, 3)
+        Self {
+            embed_dim: 192,
+            num_heads: 3,
+            ..Self::default()
+        }
     }
 
     /// timm `vit_small_patch16_224`: width 384, 12 blocks, 6 heads.
     pub fn small_patch16_224() -> Self {
-        Self::new(224, 16, 384, 12, 6)
+        Self {
+            embed_dim: 384,
+            num_heads: 6,
+            ..Self::default()
+        }
     }
 
     /// timm `vit_base_patch16_224`: width 768, 12 blocks, 12 heads.
     pub fn base_patch16_224() -> Self {
-        Self::new(224, 16, 768, 12, 12)
+        Self::default()
     }
 
     /// Reads and validates a `config.json`.

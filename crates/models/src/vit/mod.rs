@@ -7,8 +7,15 @@
 //! use multihead_models::vit::{VisionTransformer, VitConfig};
 //!
 //! # fn main() -> candle::Result<()> {
-//! let mut cfg = VitConfig::new(32, 8, 64, 2, 4);
-//! cfg.num_classes = 10;
+//! let cfg = VitConfig {
+//!     img_size: 32,
+//!     patch_size: 8,
+//!     embed_dim: 64,
+//!     depth: 2,
+//!     num_heads: 4,
+//!     num_classes: 10,
+//!     ..VitConfig::default()
+//! };
 //! let varmap = VarMap::new();
 //! let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
 //! let images = Tensor::zeros((2, 3, 32, 32), DType::F32, &Device::Cpu)?;

@@ -274,7 +274,14 @@ mod tests {
 
     #[test]
     fn resize_sizes() -> Result<()> {
-        let mut cfg = VitConfig::new(224, 16, 64, 1, 4);
+        let mut cfg = VitConfig {
+            img_size: 224,
+            patch_size: 16,
+            embed_dim: 64,
+            depth: 1,
+            num_heads: 4,
+            ..VitConfig::default()
+        };
         cfg.image_resize = ImageResize::ShortSideCrop { short_side: 248 };
         // 640x480 (w x h): short side 480 -> 248, long int(248 * 640 / 480) = 330.
         assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (248, 330));
@@ -302,7 +309,14 @@ mod tests {
     /// normalised; an image of another size is an error, not resized.
     #[test]
     fn as_is_takes_the_image_at_its_size() -> Result<()> {
-        let mut cfg = VitConfig::new(4, 2, 8, 1, 2);
+        let mut cfg = VitConfig {
+            img_size: 4,
+            patch_size: 2,
+            embed_dim: 8,
+            depth: 1,
+            num_heads: 2,
+            ..VitConfig::default()
+        };
         cfg.in_chans = 1;
         cfg.image_mean = vec![0.5];
         cfg.image_std = vec![0.25];

@@ -53,7 +53,14 @@ pub fn architecture(name: &str) -> Option<VitConfig> {
     if !matches!(patch, 8 | 14 | 16 | 32) || !(32..=1024).contains(&img) {
         return None;
     }
-    let mut cfg = VitConfig::new(img, patch, d, depth, heads);
+    let mut cfg = VitConfig {
+        img_size: img,
+        patch_size: patch,
+        embed_dim: d,
+        depth,
+        num_heads: heads,
+        ..VitConfig::default()
+    };
     cfg.dist_token = distilled;
     cfg.head_dist = distilled;
     if family == "deit3" {
