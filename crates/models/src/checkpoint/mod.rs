@@ -15,10 +15,9 @@ mod folder;
 mod preflight;
 mod shards;
 
-pub use capacity::{checked_product, MinWeights, CAPACITY_SLACK};
+pub use capacity::{checked_product, MinWeights};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
-pub use folder::{Weights, INDEX_NAME};
-pub use preflight::{
-    wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, EXTRA_WANTED, SUMMARY_ITEMS,
-};
-pub use shards::{read_index, MAX_SHARDS};
+pub use folder::Weights;
+pub(crate) use folder::INDEX_NAME;
+pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
+pub use shards::read_index;

@@ -46,7 +46,6 @@ pub use model::{VisionTransformer, VitOutput};
 pub use pil::resize_u8;
 pub use preprocess::{
     decode_target, preprocess, preprocess_to, resize_size, ImageResize, Resampler, MAX_RESIZE_FACTOR,
-    PIL_EXACT_PIXELS,
 };
 pub use resample::{resample_abs_pos_embed, resize, resize_weights, Interpolation};
 pub use rollout::attention_rollout;

@@ -156,7 +156,7 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
 /// The size the CLI may reduce a decoded image to in 8 bits before
 /// [`preprocess_to`] (see [`crate::image_input::PREREDUCE_ABOVE`]): the
 /// resize size for the float resampler; for PIL's, the image itself up to
-/// [`PIL_EXACT_PIXELS`].
+/// 4096 x 4096 pixels.
 pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
     let size = resize_size(cfg, (h, w), out)?;
     match cfg.image_resampler {
@@ -172,7 +172,7 @@ pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize
 /// Images up to this many pixels (4096 x 4096) reach PIL's resampler as
 /// they are, so that the input is PIL's to the bit; larger ones are
 /// reduced in 8 bits first (see [`decode_target`]) to bound memory.
-pub const PIL_EXACT_PIXELS: usize = 4096 * 4096;
+pub(crate) const PIL_EXACT_PIXELS: usize = 4096 * 4096;
 
 /// The top-left corner of the centre crop of `crop` out of `size`.
 fn crop_offset(mode: ImageResize, size: usize, crop: usize) -> usize {
