@@ -6,7 +6,6 @@ use candle::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{checked_product, MinWeights};
-use crate::vit::preprocess::{ImageResize, Resampler};
 use crate::vit::resample::Interpolation;
 
 /// Which names the checkpoint stores its tensors under.
@@ -141,6 +140,77 @@ pub struct VitConfig {
     /// ViT.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hydra_layers: Vec<usize>,
+}
+
+/// How an image is brought to the model's input size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum ImageResize {
+    /// Resize to the input size, aspect ratio not kept (HF
+    /// `ViTImageProcessor`; the shipped digits model).
+    #[default]
+    Squash,
+    /// timm's eval transform: resize the shorter side to `short_side`
+    /// keeping the aspect ratio (torchvision `Resize(int)`), then crop the
+    /// centre to the input size (torchvision `CenterCrop`, offsets rounded
+    /// half to even). timm's `short_side` is `floor(img_size / crop_pct)`.
+    ShortSideCrop {
+        /// The shorter side after resizing, at the config's `img_size`.
+        short_side: usize,
+    },
+    /// HF `DeiTImageProcessor`, timm's `crop_mode='squash'`: resize to
+    /// `height x width`, then crop the centre to the input size.
+    SquashCrop {
+        /// Height after resizing, at the config's `img_size`.
+        height: usize,
+        /// Width after resizing, at the config's `img_size`.
+        width: usize,
+        /// Round the crop offsets half to even, as torchvision's
+        /// `CenterCrop` (timm; transformers' `...Fast` processors), instead
+        /// of down, as transformers' PIL processors' `center_crop`.
+        #[serde(default, skip_serializing_if = "is_false")]
+        round_half_even: bool,
+    },
+    /// No resize (HF's `do_resize: false`): the image is used at its own
+    /// size, which must be the input size.
+    AsIs,
+}
+
+/// Most times the input size a resize before the crop may be (timm's
+/// `crop_pct` down to 0.25).
+pub const MAX_RESIZE_FACTOR: usize = 4;
+
+impl ImageResize {
+    /// Checks that the resize before the centre crop covers an input of
+    /// `img_size` and is at most [`MAX_RESIZE_FACTOR`] times it.
+    pub fn validate(&self, img_size: usize) -> Result<()> {
+        let sides = match *self {
+            Self::Squash | Self::AsIs => return Ok(()),
+            Self::ShortSideCrop { short_side } => [short_side, short_side],
+            Self::SquashCrop { height, width, .. } => [height, width],
+        };
+        let most = img_size.saturating_mul(MAX_RESIZE_FACTOR);
+        if let Some(s) = sides.iter().find(|&&s| s < img_size || s > most) {
+            bail!(
+                "VitConfig: image_resize size {s} must be between img_size ({img_size}) and \
+                 {MAX_RESIZE_FACTOR} times it ({most}) for the centre crop"
+            )
+        }
+        Ok(())
+    }
+}
+
+/// Which resampler resizes images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resampler {
+    /// PyTorch's `F.interpolate(x / 255, mode, antialias=True)` on floats
+    /// (torchvision `Resize` on tensors).
+    #[default]
+    Torch,
+    /// PIL's `Image.resize` on 8-bit pixels, rounded after each axis: what
+    /// timm's eval transform and transformers' PIL image processors run.
+    Pil,
 }
 
 /// Which attention a block computes.

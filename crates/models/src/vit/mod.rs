@@ -39,13 +39,11 @@ mod rollout;
 #[allow(deprecated)]
 pub use block::VitMlp as Mlp;
 pub use block::{Block, LayerScale};
-pub use config::{AttentionKind, GlobalPool, Naming, VitConfig};
+pub use config::{AttentionKind, GlobalPool, ImageResize, Naming, Resampler, VitConfig, MAX_RESIZE_FACTOR};
 pub use embed::PatchEmbed;
 pub use folder::{ConfigKind, ModelFolder, Weights};
 pub use model::{VisionTransformer, VitOutput};
 pub use pil::resize_u8;
-pub use preprocess::{
-    decode_target, preprocess, preprocess_to, resize_size, ImageResize, Resampler, MAX_RESIZE_FACTOR,
-};
+pub use preprocess::{decode_target, preprocess, preprocess_to, resize_size};
 pub use resample::{resample_abs_pos_embed, resize, resize_weights, Interpolation};
 pub use rollout::attention_rollout;

@@ -9,9 +9,8 @@
 
 use candle::Result;
 
-use crate::vit::config::{Naming, VitConfig};
+use crate::vit::config::{ImageResize, Naming, Resampler, VitConfig, MAX_RESIZE_FACTOR};
 use crate::vit::folder::json::{parse_object, Fields};
-use crate::vit::preprocess::{ImageResize, Resampler, MAX_RESIZE_FACTOR};
 use crate::vit::resample::Interpolation;
 
 /// `IMAGENET_STANDARD_MEAN` / `_STD`: ViTImageProcessor's defaults.

@@ -5,9 +5,8 @@
 
 use candle::Result;
 
-use crate::vit::config::{GlobalPool, VitConfig};
+use crate::vit::config::{GlobalPool, ImageResize, Resampler, VitConfig};
 use crate::vit::folder::json::{parse_object, short, Fields};
-use crate::vit::preprocess::{ImageResize, Resampler};
 use crate::vit::resample::Interpolation;
 
 /// timm's `IMAGENET_DEFAULT_MEAN` / `_STD` and `DEFAULT_CROP_PCT`.
