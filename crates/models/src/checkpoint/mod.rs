@@ -9,6 +9,11 @@
 //! assert!(err.to_string().contains("truncated"));
 //! ```
 
+// `Checkpoint`'s methods sit with the concern each serves: opening one
+// file and reading its tensors (file.rs), reading a sharded checkpoint
+// through its index (`read_sharded`, shards.rs), refusing a config too
+// large for the file (`ensure_holds`, beside `MinWeights` in capacity.rs),
+// and building a model after the pre-flight (`load`, preflight.rs).
 mod capacity;
 pub(crate) mod file;
 mod folder;
