@@ -76,8 +76,8 @@ pub struct Mlp {
     /// `(hidden, in)`; `(2 * hidden, in)` for [`Activation::SwiGlu`], the
     /// gate's rows first.
     up: PackedLinear,
-    /// The gate of a SwiGLU MLP whose weights train, kept apart from `up`
-    /// (a fused copy would not follow them); `None` otherwise.
+    /// The gate of a SwiGLU MLP whose gate and up cannot be one projection
+    /// (see [`Mlp::swiglu`]); `None` otherwise.
     gate: Option<PackedLinear>,
     /// `(out, hidden)`.
     down: PackedLinear,
