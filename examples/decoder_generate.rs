@@ -35,7 +35,13 @@ fn main() -> Result<()> {
     let model = DecoderModel::from_folder(dir.as_ref(), &Device::Cpu)?;
     // The fixtures have no end token: the last id stands in for one.
     let eos = model.vocab_size() as u32 - 1;
-    let greedy = GenerateConfig::greedy(12, 0, eos, 0);
+    let greedy = GenerateConfig {
+        max_len: 12,
+        start_id: 0,
+        eos_id: eos,
+        pad_id: 0,
+        ..GenerateConfig::default()
+    };
     let sampled = greedy.clone().with_decoding(Decoding::Sample { seed: 7 });
     let (top_k, penalty) = (TopK::new(20)?, RepetitionPenalty::new(1.3)?);
     for (name, cfg, procs) in [

@@ -85,7 +85,13 @@ fn greedy_generation_gives_hf_tokens() -> Result<()> {
         let (model, f) = load(name)?;
         let eos = unused_token(&f, model.vocab_size())?;
         let max_new = f.case["max_new_tokens"].as_u64().context("max_new_tokens")? as usize;
-        let cfg = GenerateConfig::greedy(max_new, 0, eos, 0);
+        let cfg = GenerateConfig {
+            max_len: max_new,
+            start_id: 0,
+            eos_id: eos,
+            pad_id: 0,
+            ..GenerateConfig::default()
+        };
         // Equal-length prompts, then the left-padded batch (row 1 shorter).
         for (prompt_ids, out_ids, mask) in [
             ("input_ids", "greedy_ids", None),

@@ -109,7 +109,13 @@ fn endless(_: &[u32]) -> [f32; 5] {
 }
 
 fn greedy(max_len: usize) -> GenerateConfig {
-    GenerateConfig::greedy(max_len, BOS, EOS, PAD)
+    GenerateConfig {
+        max_len,
+        start_id: BOS,
+        eos_id: EOS,
+        pad_id: PAD,
+        ..GenerateConfig::default()
+    }
 }
 
 fn close(a: f32, b: f32) -> bool {
@@ -407,7 +413,17 @@ fn bad_requests_fail_before_any_decoding_step() -> Result<()> {
             "beams",
         ),
         (greedy(0), vec![], "max_len"),
-        (GenerateConfig::greedy(5, 9, EOS, PAD), vec![], "start_id"),
+        (
+            GenerateConfig {
+                max_len: 5,
+                start_id: 9,
+                eos_id: EOS,
+                pad_id: PAD,
+                ..GenerateConfig::default()
+            },
+            vec![],
+            "start_id",
+        ),
         (greedy(5), vec![&ForcedBos(9)], "outside the vocabulary"),
         (greedy(6), vec![&long], "needs at least 6 tokens"),
     ];

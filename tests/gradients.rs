@@ -142,7 +142,14 @@ fn dropout_only_in_training() -> Result<()> {
 /// A small one-channel ViT with LayerScale: `VitConfig::new`'s arguments
 /// and the number of classes.
 fn small_vit(img: usize, dim: usize, depth: usize, heads: usize, classes: usize) -> VitConfig {
-    let mut cfg = VitConfig::new(img, 4, dim, depth, heads);
+    let mut cfg = VitConfig {
+        img_size: img,
+        patch_size: 4,
+        embed_dim: dim,
+        depth,
+        num_heads: heads,
+        ..VitConfig::default()
+    };
     cfg.in_chans = 1;
     cfg.num_classes = classes;
     cfg.image_mean = vec![0.5];

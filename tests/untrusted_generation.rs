@@ -246,7 +246,13 @@ fn non_finite_logits_and_overflowing_temperatures_are_errors() -> Result<()> {
                     serde_json::json!({"rope_type": "linear", "factor": 1e-300, "rope_theta": 50000.0})
             },
         )?;
-    let cfg = GenerateConfig::greedy(5, 0, 1, 0);
+    let cfg = GenerateConfig {
+        max_len: 5,
+        start_id: 0,
+        eos_id: 1,
+        pad_id: 0,
+        ..GenerateConfig::default()
+    };
     for dir in [dir, tiny_rope] {
         let model = match DecoderModel::from_folder(&dir, &dev) {
             Ok(m) => m,
@@ -287,9 +293,15 @@ fn non_finite_logits_and_overflowing_temperatures_are_errors() -> Result<()> {
 fn sampling_follows_the_source_not_its_batch() -> Result<()> {
     let model = DecoderModel::from_folder(&fixture_dir("decoders").join("llama"), &Device::Cpu)?;
     let prompts = vec![vec![5u32, 6, 7, 8], vec![9, 10, 11, 12], vec![13, 14, 15, 16]];
-    let cfg = GenerateConfig::greedy(8, 0, 1, 0)
-        .with_decoding(Decoding::Sample { seed: 42 })
-        .with_num_return(3);
+    let cfg = GenerateConfig {
+        max_len: 8,
+        start_id: 0,
+        eos_id: 1,
+        pad_id: 0,
+        ..GenerateConfig::default()
+    }
+    .with_decoding(Decoding::Sample { seed: 42 })
+    .with_num_return(3);
     let all = generate_from_prompts(&model, &prompts, 0, &cfg, &[])?;
     for (i, prompt) in prompts.iter().enumerate() {
         let alone = generate_from_prompts(
@@ -368,7 +380,13 @@ fn the_context_bounds_generation_before_it_starts() -> Result<()> {
     let model = DecoderModel::from_folder(&fixture_dir("decoders").join("gpt2"), &Device::Cpu)?;
     let prompt: Vec<u32> = (0..60).map(|i| (i * 5 + 1) % 128).collect();
     // Whatever the model picks, no step may feed a position past 63.
-    let cfg = GenerateConfig::greedy(10, 0, 0, 0);
+    let cfg = GenerateConfig {
+        max_len: 10,
+        start_id: 0,
+        eos_id: 0,
+        pad_id: 0,
+        ..GenerateConfig::default()
+    };
     let out = generate_from_prompts(&model, std::slice::from_ref(&prompt), 0, &cfg, &[])?;
     let row = &out[0][0];
     // Positions 59..=63 are fed: five tokens at most, the last at 64.
@@ -409,7 +427,13 @@ fn empty_batches_give_empty_outputs_everywhere() -> Result<()> {
     let out = mha.forward_cached(&x, &mut cache, &MhaOptions::new())?;
     assert_eq!(out.output.dims(), [0, 5, 8]);
     let model = DecoderModel::from_folder(&fixture_dir("decoders").join("llama"), &dev)?;
-    let cfg = GenerateConfig::greedy(4, 0, 1, 0);
+    let cfg = GenerateConfig {
+        max_len: 4,
+        start_id: 0,
+        eos_id: 1,
+        pad_id: 0,
+        ..GenerateConfig::default()
+    };
     assert!(generate_from_prompts(&model, &[], 0, &cfg, &[])?.is_empty());
     let ids = Tensor::zeros((0, 3), DType::U32, &dev)?;
     let logits = model.forward(&ids, &mut model.new_cache(vec![]))?;

@@ -142,7 +142,14 @@ fn empty_sequences_are_refused_by_name() -> Result<()> {
 
 #[test]
 fn vit_image_smaller_than_a_patch() -> Result<()> {
-    let mut cfg = multihead::models::vit::VitConfig::new(8, 4, 8, 1, 2);
+    let mut cfg = multihead::models::vit::VitConfig {
+        img_size: 8,
+        patch_size: 4,
+        embed_dim: 8,
+        depth: 1,
+        num_heads: 2,
+        ..multihead::models::vit::VitConfig::default()
+    };
     cfg.num_classes = 2;
     let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F32, &Device::Cpu);
     let vit = multihead::models::vit::VisionTransformer::new(&cfg, vb)?;

@@ -13,7 +13,14 @@ use multihead::models::vit::{VisionTransformer, VitConfig};
 
 /// A ViT small enough to build in a test: 8x8 grayscale, 4x4 patches.
 fn tiny_cfg() -> VitConfig {
-    let mut cfg = VitConfig::new(8, 4, 8, 1, 2);
+    let mut cfg = VitConfig {
+        img_size: 8,
+        patch_size: 4,
+        embed_dim: 8,
+        depth: 1,
+        num_heads: 2,
+        ..VitConfig::default()
+    };
     cfg.in_chans = 1;
     cfg.num_classes = 3;
     cfg.mlp_ratio = 2.;

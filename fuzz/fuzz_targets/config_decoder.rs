@@ -35,13 +35,23 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(ids) = Tensor::new(&[[4u32]], &dev) {
         let _ = model.forward(&ids, &mut cache);
     }
-    let cfg = GenerateConfig::greedy(4, 0, 1, 0).with_decoding(Decoding::Sample { seed: 7 });
+    let cfg = GenerateConfig {
+        max_len: 4,
+        start_id: 0,
+        eos_id: 1,
+        pad_id: 0,
+        ..GenerateConfig::default()
+    }
+    .with_decoding(Decoding::Sample { seed: 7 });
     let Ok(t) = Temperature::new(0.7) else {
         return;
     };
     if let Ok(out) = generate_from_prompts(&model, &[vec![1, 2, 3], vec![4]], 0, &cfg, &[&t]) {
         for row in out.iter().flatten() {
-            assert!(row.finished || !row.tokens.is_empty(), "a row ended with no token: {row:?}");
+            assert!(
+                row.finished || !row.tokens.is_empty(),
+                "a row ended with no token: {row:?}"
+            );
         }
     }
 });

@@ -21,7 +21,14 @@ fuzz_target!(|data: &[u8]| {
     let Ok(x) = Tensor::from_vec(px.data, (px.channels, px.height, px.width), &Device::Cpu) else {
         return;
     };
-    let mut cfg = VitConfig::new(side, 1, 8, 1, 1);
+    let mut cfg = VitConfig {
+        img_size: side,
+        patch_size: 1,
+        embed_dim: 8,
+        depth: 1,
+        num_heads: 1,
+        ..VitConfig::default()
+    };
     cfg.in_chans = channels;
     cfg.image_mean = vec![0.5; channels];
     cfg.image_std = vec![0.5; channels];

@@ -13,7 +13,14 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let _ = recognise(ckpt.tensors());
-    let mut cfg = VitConfig::new(8, 4, 8, 1, 2);
+    let mut cfg = VitConfig {
+        img_size: 8,
+        patch_size: 4,
+        embed_dim: 8,
+        depth: 1,
+        num_heads: 2,
+        ..VitConfig::default()
+    };
     cfg.num_classes = 3;
     let _ = ckpt.load(DType::F32, &Device::Cpu, |vb| VisionTransformer::new(&cfg, vb));
 });

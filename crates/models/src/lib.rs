@@ -15,6 +15,7 @@ pub mod generation;
 #[cfg(feature = "image")]
 pub mod image_input;
 pub mod inspect;
+pub mod mlp;
 pub mod transformer;
 pub mod vit;
 

@@ -13,7 +13,7 @@ use crate::checkpoint::file::Checkpoint;
 /// the full list of what is missing; one that asks for more cannot
 /// describe the file, and recording its model would cost time and memory
 /// in proportion to the config rather than the file.
-pub const CAPACITY_SLACK: usize = 2;
+pub(crate) const CAPACITY_SLACK: usize = 2;
 
 /// The fewest weights any checkpoint of a config stores, part by part,
 /// computed with checked arithmetic (an overflow is an error naming the
@@ -77,9 +77,8 @@ pub fn checked_product(factors: &[usize]) -> Option<usize> {
 }
 
 impl Checkpoint {
-    /// Refuses a config whose model needs more than [`CAPACITY_SLACK`]
-    /// times the weights this file holds; call it before building (or
-    /// pre-flighting) the model.
+    /// Refuses a config whose model needs more than twice the weights this
+    /// file holds; call it before building (or pre-flighting) the model.
     pub fn ensure_holds(&self, min: &MinWeights) -> Result<()> {
         let have = self.total_params();
         if min.total() <= have.saturating_mul(CAPACITY_SLACK) {

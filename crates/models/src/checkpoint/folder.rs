@@ -10,7 +10,7 @@ use candle::{bail, Result};
 use super::file::Checkpoint;
 
 /// The index of a sharded checkpoint.
-pub const INDEX_NAME: &str = "model.safetensors.index.json";
+pub(crate) const INDEX_NAME: &str = "model.safetensors.index.json";
 
 /// Where the weights are.
 #[derive(Debug, Clone, PartialEq, Eq)]

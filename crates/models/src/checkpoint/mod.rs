@@ -9,16 +9,20 @@
 //! assert!(err.to_string().contains("truncated"));
 //! ```
 
+// `Checkpoint`'s methods sit with the concern each serves: opening one
+// file and reading its tensors (file.rs), reading a sharded checkpoint
+// through its index (`read_sharded`, shards.rs), refusing a config too
+// large for the file (`ensure_holds`, beside `MinWeights` in capacity.rs),
+// and building a model after the pre-flight (`load`, preflight.rs).
 mod capacity;
 pub(crate) mod file;
 mod folder;
 mod preflight;
 mod shards;
 
-pub use capacity::{checked_product, MinWeights, CAPACITY_SLACK};
+pub use capacity::{checked_product, MinWeights};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
-pub use folder::{Weights, INDEX_NAME};
-pub use preflight::{
-    wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, EXTRA_WANTED, SUMMARY_ITEMS,
-};
-pub use shards::{read_index, MAX_SHARDS};
+pub use folder::Weights;
+pub(crate) use folder::INDEX_NAME;
+pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
+pub use shards::read_index;

@@ -76,13 +76,13 @@ impl SimpleBackend for Recorder {
 /// How many more tensors than the file holds a model may ask for before
 /// [`wanted_tensors`] gives up: a config a few layers off still gets its
 /// full list of missing tensors.
-pub const EXTRA_WANTED: usize = 256;
+pub(crate) const EXTRA_WANTED: usize = 256;
 
 /// The tensors `build` asks for when it constructs its model, in order,
 /// each once. `present` answers `vb.contains_tensor`.
 ///
 /// Stops with an error when the model asks for more than twice as many
-/// tensors as `present` holds, plus [`EXTRA_WANTED`], or for a shape whose
+/// tensors as `present` holds, plus 256, or for a shape whose
 /// size overflows: such a model cannot be in the file, and recording it
 /// would cost time and memory in proportion to the config, not the file.
 pub fn wanted_tensors<T>(
@@ -143,7 +143,7 @@ pub struct NonFinite {
 }
 
 /// How many entries of each kind [`Preflight::summary`] names.
-pub const SUMMARY_ITEMS: usize = 20;
+pub(crate) const SUMMARY_ITEMS: usize = 20;
 
 /// A checkpoint compared with what a model needs.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -212,8 +212,8 @@ impl Preflight {
             && self.non_finite.is_empty()
     }
 
-    /// One line naming every problem (the first [`SUMMARY_ITEMS`] of
-    /// each kind, and how many more), or `None` when clean.
+    /// One line naming every problem (the first 20 of each kind, and how
+    /// many more), or `None` when clean.
     pub fn summary(&self) -> Option<String> {
         fn list<T>(out: &mut Vec<String>, what: &str, items: &[T], show: impl Fn(&T) -> String) {
             if !items.is_empty() {

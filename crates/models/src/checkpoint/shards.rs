@@ -13,7 +13,7 @@ use crate::checkpoint::file::Checkpoint;
 
 /// Most shards an index may name (the largest models on the Hub have a few
 /// hundred).
-pub const MAX_SHARDS: usize = 4096;
+pub(crate) const MAX_SHARDS: usize = 4096;
 
 /// The shard files an index names, each once, in order, and which shard
 /// each tensor is in. Shard names must be plain file names in the index's

@@ -8,6 +8,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::checkpoint::{checked_product, MinWeights};
+use crate::mlp::Activation;
 
 /// Largest width, vocabulary, layer count or context a config may ask for:
 /// far beyond any released model, small enough that products of two of
@@ -156,7 +157,7 @@ impl Gpt2Config {
             )
         }
         check_eps(label, "layer_norm_epsilon", self.layer_norm_epsilon)?;
-        Activation::parse(&self.activation_function, label)?;
+        Activation::from_hf_name(&self.activation_function, label)?;
         Ok(())
     }
 
@@ -202,53 +203,6 @@ fn block_weights(parts: &[&[usize]], owner: &str, width: usize, mlp: usize) -> R
                 "{owner}: one block's weights overflow (width {width}, MLP width {mlp})"
             ))
         })
-}
-
-/// The MLP activations the decoders support, by their HF names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Activation {
-    GeluTanh,
-    GeluErf,
-    Relu,
-    Silu,
-}
-
-impl Activation {
-    pub(crate) fn parse(name: &str, label: &str) -> Result<Self> {
-        Ok(match name {
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Self::GeluTanh,
-            "gelu" => Self::GeluErf,
-            "relu" => Self::Relu,
-            "silu" | "swish" => Self::Silu,
-            other => bail!(
-                "{label}: activation '{other}' is not supported (gelu_new, gelu_pytorch_tanh, gelu, relu, silu)"
-            ),
-        })
-    }
-
-    /// `act(linear(x))`, the activation fused into the linear's write-out
-    /// where the linear can (both GELUs and ReLU).
-    pub(crate) fn forward_fused(
-        self,
-        linear: &multihead_attention::PackedLinear,
-        x: &candle::Tensor,
-    ) -> Result<candle::Tensor> {
-        match self {
-            Self::GeluTanh => linear.forward_gelu_tanh(x),
-            Self::GeluErf => linear.forward_gelu(x),
-            Self::Relu => linear.forward_relu(x),
-            Self::Silu => self.apply(&candle::Module::forward(linear, x)?),
-        }
-    }
-
-    pub(crate) fn apply(self, x: &candle::Tensor) -> Result<candle::Tensor> {
-        match self {
-            Self::GeluTanh => x.gelu(),
-            Self::GeluErf => x.gelu_erf(),
-            Self::Relu => multihead_attention::relu(x),
-            Self::Silu => x.silu(),
-        }
-    }
 }
 
 /// HF `LlamaConfig` / `MistralConfig`, the fields that shape the model.

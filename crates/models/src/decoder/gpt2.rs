@@ -6,9 +6,10 @@ use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
 
-use super::config::{Activation, Gpt2Config};
+use super::config::Gpt2Config;
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
+use crate::mlp::{Activation, Mlp};
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
 fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
@@ -23,9 +24,7 @@ struct Block {
     ln_1: LayerNorm,
     attn: MultiheadAttention,
     ln_2: LayerNorm,
-    c_fc: PackedLinear,
-    c_proj: PackedLinear,
-    act: Activation,
+    mlp: Mlp,
 }
 
 impl Block {
@@ -41,14 +40,16 @@ impl Block {
             scale /= (layer + 1) as f64;
         }
         mha = mha.with_scale(scale);
-        let act = Activation::parse(&cfg.activation_function, "GPT-2 config")?;
+        let act = Activation::from_hf_name(&cfg.activation_function, "GPT-2 config")?;
         Ok(Self {
             ln_1: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
             attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::gpt2(), vb.pp("attn"))?,
             ln_2: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
-            c_fc: conv1d(e, cfg.n_inner(), vb.pp("mlp.c_fc"))?,
-            c_proj: conv1d(cfg.n_inner(), e, vb.pp("mlp.c_proj"))?,
-            act,
+            mlp: Mlp::new(
+                conv1d(e, cfg.n_inner(), vb.pp("mlp.c_fc"))?,
+                conv1d(cfg.n_inner(), e, vb.pp("mlp.c_proj"))?,
+                act,
+            )?,
         })
     }
 
@@ -60,8 +61,7 @@ impl Block {
             .attn
             .forward_cached(&self.ln_1.forward(x)?, cache, &opts)?
             .output;
-        let h = self.act.forward_fused(&self.c_fc, &self.ln_2.forward(&x)?)?;
-        self.c_proj.forward_add(&h, &x)
+        self.mlp.forward_add(&self.ln_2.forward(&x)?, &x)
     }
 }
 

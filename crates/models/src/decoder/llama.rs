@@ -5,73 +5,23 @@
 use candle::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, RmsNorm, VarBuilder};
 use multihead_attention::{
-    is_broadcast, silu_and_mul, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear,
-    PositionEncoding, RotaryConfig, WeightLayout,
+    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear, PositionEncoding,
+    RotaryConfig, WeightLayout,
 };
 
 use super::config::LlamaConfig;
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
+use crate::mlp::Mlp;
 
-/// `LlamaMLP`: `down(silu(gate(x)) * up(x))`.
-#[derive(Debug, Clone)]
-struct Mlp {
-    gate_up: GateUp,
-    down_proj: PackedLinear,
-}
-
-/// The gate and up projections: one projection to both (`[gate | up]`,
-/// one pass over `x`, then [`silu_and_mul`]) where the weights are plain
-/// tensors; two where they are variables, which a fused copy would leave
-/// behind as they train.
-#[derive(Debug, Clone)]
-enum GateUp {
-    Fused(PackedLinear),
-    Separate { gate: PackedLinear, up: PackedLinear },
-}
-
-impl Mlp {
-    fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
-        let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-        let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
-        let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
-        // Variables stay separate (a fused copy would not follow them), and
-        // so do the pre-flight's broadcast placeholders (a copy of their
-        // full size would be made for nothing).
-        let plain = |l: &candle_nn::Linear| {
-            !l.weight().is_variable()
-                && !is_broadcast(l.weight())
-                && l.bias().is_none_or(|b| !b.is_variable())
-        };
-        let gate_up = if plain(&gate) && plain(&up) {
-            let bias = match (gate.bias(), up.bias()) {
-                (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?),
-                _ => None,
-            };
-            GateUp::Fused(PackedLinear::new(
-                Tensor::cat(&[gate.weight(), up.weight()], 0)?,
-                bias,
-            )?)
-        } else {
-            GateUp::Separate {
-                gate: PackedLinear::from_linear(gate)?,
-                up: PackedLinear::from_linear(up)?,
-            }
-        };
-        Ok(Self {
-            gate_up,
-            down_proj: PackedLinear::from_linear(linear_b(i, e, bias, vb.pp("down_proj"))?)?,
-        })
-    }
-
-    /// `residual + mlp(x)`, the add fused into `down_proj`'s write-out.
-    fn forward_add(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let h = match &self.gate_up {
-            GateUp::Fused(gate_up) => silu_and_mul(&gate_up.forward(x)?)?,
-            GateUp::Separate { gate, up } => (gate.forward(x)?.silu()? * up.forward(x)?)?,
-        };
-        self.down_proj.forward_add(&h, residual)
-    }
+/// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`
+/// = `mlp`.
+fn mlp(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Mlp> {
+    let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
+    let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
+    let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
+    let down = PackedLinear::from_linear(linear_b(i, e, bias, vb.pp("down_proj"))?)?;
+    Mlp::swiglu(gate, up, down)
 }
 
 /// `LlamaDecoderLayer`: pre-RMSNorm attention and MLP, each added back.
@@ -114,7 +64,7 @@ impl Layer {
                 cfg.rms_norm_eps,
                 vb.pp("post_attention_layernorm"),
             )?,
-            mlp: Mlp::new(cfg, vb.pp("mlp"))?,
+            mlp: mlp(cfg, vb.pp("mlp"))?,
         })
     }
 
@@ -208,66 +158,5 @@ impl CausalLm for Llama {
 
     fn device(&self) -> &Device {
         &self.device
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::HashMap;
-
-    use candle::{DType, Device, Result, Tensor};
-    use candle_nn::{VarBuilder, VarMap};
-
-    use super::{GateUp, Mlp};
-    use crate::decoder::config::HfDecoderConfig;
-
-    /// On plain tensors the gate and up projections are one (and
-    /// `silu_and_mul`), on variables two; both give the MLP's result, and
-    /// the variables' MLP follows a change to them (no fused copy left
-    /// behind), with and without biases.
-    #[test]
-    fn fused_gate_up_equals_separate_and_variables_stay_live() -> Result<()> {
-        let dev = Device::Cpu;
-        for bias in [false, true] {
-            let json = format!(
-                r#"{{"model_type": "llama", "vocab_size": 32, "hidden_size": 24, "intermediate_size": 40,
-                    "num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-6, "mlp_bias": {bias}}}"#
-            );
-            let HfDecoderConfig::Llama(cfg) = HfDecoderConfig::from_json(&json, "test config")? else {
-                panic!("not a Llama config")
-            };
-            let varmap = VarMap::new();
-            let live = Mlp::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
-            assert!(matches!(live.gate_up, GateUp::Separate { .. }));
-            let plain = || -> Result<Mlp> {
-                let tensors: HashMap<String, Tensor> = varmap
-                    .data()
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
-                    .collect();
-                Mlp::new(&cfg, VarBuilder::from_tensors(tensors, DType::F32, &dev))
-            };
-            let fused = plain()?;
-            assert!(matches!(fused.gate_up, GateUp::Fused(_)));
-            let (x, r) = (
-                Tensor::randn(0f32, 1., (2, 5, 24), &dev)?,
-                Tensor::randn(0f32, 1., (2, 5, 24), &dev)?,
-            );
-            // Largest difference over the largest magnitude.
-            let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
-                let max = |t: Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>();
-                Ok(max((a - b)?)? / max(b.clone())?)
-            };
-            assert!(diff(&live.forward_add(&x, &r)?, &fused.forward_add(&x, &r)?)? < 1e-5);
-            for var in varmap.all_vars() {
-                var.set(&(var.as_tensor() * 2.)?)?;
-            }
-            let moved = plain()?.forward_add(&x, &r)?;
-            assert!(diff(&moved, &fused.forward_add(&x, &r)?)? > 0.1);
-            assert!(diff(&live.forward_add(&x, &r)?, &moved)? < 1e-5, "bias {bias}");
-        }
-        Ok(())
     }
 }

@@ -12,7 +12,13 @@
 //! use multihead_models::generation::GenerateConfig;
 //! # fn main() -> candle::Result<()> {
 //! let model = DecoderModel::from_folder("tests/fixtures/decoders/llama".as_ref(), &candle::Device::Cpu)?;
-//! let cfg = GenerateConfig::greedy(10, 0, 1, 0);
+//! let cfg = GenerateConfig {
+//!     max_len: 10,
+//!     start_id: 0,
+//!     eos_id: 1,
+//!     pad_id: 0,
+//!     ..GenerateConfig::default()
+//! };
 //! let out = generate_from_prompts(&model, &[vec![5, 6, 7], vec![8, 9]], 0, &cfg, &[])?;
 //! println!("{:?}", out[0][0].tokens);
 //! # Ok(()) }
@@ -46,8 +52,10 @@ pub use llama::Llama;
 pub use pipeline::{Finish, GenerationSettings, Sampling, TextGenerator, TextOutput, DEFAULT_MAX_NEW_TOKENS};
 pub use text::{TextStream, TextTokenizer, MAX_TOKENIZER_BYTES};
 
-/// The self-attention caches of every layer, sharing one length and the
-/// rows' left padding.
+/// The self-attention keys and values of every layer, sharing one length
+/// and the rows' left padding: the whole state of a decoder-only model, and
+/// the self-attention part of an encoder–decoder's
+/// ([`crate::transformer::Seq2SeqCache`]).
 #[derive(Debug, Clone)]
 pub struct DecoderCache {
     layers: Vec<KvCache>,
@@ -57,9 +65,14 @@ impl DecoderCache {
     /// Empty caches for `n_layers` layers; `left_padding[b]` leading
     /// positions of row `b` will be padding (empty: none).
     pub fn new(n_layers: usize, left_padding: Vec<usize>) -> Self {
+        Self::with_chunk(n_layers, 256, left_padding)
+    }
+
+    /// [`DecoderCache::new`] whose buffers grow by `chunk` positions.
+    pub(crate) fn with_chunk(n_layers: usize, chunk: usize, left_padding: Vec<usize>) -> Self {
         Self {
             layers: (0..n_layers)
-                .map(|_| KvCache::with_left_padding(256, left_padding.clone()))
+                .map(|_| KvCache::with_left_padding(chunk, left_padding.clone()))
                 .collect(),
         }
     }
@@ -91,6 +104,11 @@ impl DecoderCache {
             Some(c) => c.positions(batch, new, device),
             None => KvCache::new(1).positions(batch, new, device),
         }
+    }
+
+    /// Every layer's cache, in order.
+    pub(crate) fn layers_mut(&mut self) -> &mut [KvCache] {
+        &mut self.layers
     }
 
     /// The cache of layer `i`.

@@ -243,12 +243,13 @@ impl TextGenerator {
         }
         let eos = &self.generation.eos_token_ids;
         let pad = self.generation.pad_token_id.or(eos.first().copied()).unwrap_or(0);
-        let mut cfg = GenerateConfig::greedy(
-            settings.max_new_tokens,
-            pad,
-            eos.first().copied().unwrap_or(0),
-            pad,
-        )
+        let mut cfg = GenerateConfig {
+            max_len: settings.max_new_tokens,
+            start_id: pad,
+            eos_id: eos.first().copied().unwrap_or(0),
+            pad_id: pad,
+            ..GenerateConfig::default()
+        }
         .with_extra_eos(eos.iter().skip(1).copied());
         cfg.ignore_eos = eos.is_empty();
         if let Some(s) = &settings.sampling {

@@ -68,19 +68,37 @@ pub struct GenerateConfig {
     pub first_source: usize,
 }
 
+impl Default for GenerateConfig {
+    /// Greedy decoding of one output per source, at most 20 tokens (HF's
+    /// `max_length`), every special id 0: name the model's ids,
+    /// `GenerateConfig { max_len: 10, start_id: 0, eos_id: 1, pad_id: 0, ..GenerateConfig::default() }`.
+    fn default() -> Self {
+        Self {
+            max_len: 20,
+            start_id: 0,
+            eos_id: 0,
+            extra_eos_ids: Vec::new(),
+            ignore_eos: false,
+            pad_id: 0,
+            decoding: Decoding::Greedy,
+            num_return: 1,
+            first_source: 0,
+        }
+    }
+}
+
 impl GenerateConfig {
     /// Greedy decoding of one output per source.
+    #[deprecated(
+        note = "name the values: GenerateConfig { max_len, start_id, eos_id, pad_id, ..GenerateConfig::default() }"
+    )]
     pub fn greedy(max_len: usize, start_id: u32, eos_id: u32, pad_id: u32) -> Self {
         Self {
             max_len,
             start_id,
             eos_id,
-            extra_eos_ids: Vec::new(),
-            ignore_eos: false,
             pad_id,
-            decoding: Decoding::Greedy,
-            num_return: 1,
-            first_source: 0,
+            ..Self::default()
         }
     }
 

@@ -11,28 +11,33 @@
 //! so the step's outputs equal the rows of the full pass.
 
 use candle::{bail, Result, Tensor};
-use multihead_attention::{KeyPaddingMask, KvCache, Mask, NeedWeights, SeqLayout};
+use multihead_attention::{KeyPaddingMask, Mask, NeedWeights, SeqLayout};
 
 use super::layer::ProjectedKv;
 use super::model::TransformerDecoder;
+use crate::decoder::DecoderCache;
 
-/// The state of incremental decoding for a batch of sequences; made by
-/// [`TransformerDecoder::start`], advanced by [`TransformerDecoder::step`].
+/// The state of incremental encoder–decoder decoding for a batch of
+/// sequences: the decoder's self-attention cache, and the encoder memory
+/// its cross-attention reads. Made by [`TransformerDecoder::start`],
+/// advanced by [`TransformerDecoder::step`].
 #[derive(Debug, Clone)]
-pub struct DecoderCache {
+pub struct Seq2SeqCache {
     /// Per layer: the projected encoder memory, `(batch, heads, src_len,
     /// head_dim)`.
     memory: Vec<ProjectedKv>,
     /// Per layer: the self-attention keys and values of every position fed
     /// so far, `(batch, heads, len, head_dim)`, grown in place.
-    self_kv: Vec<KvCache>,
+    self_attn: DecoderCache,
     /// Which memory positions are padding, `(batch, src_len)`.
     memory_key_padding: Option<KeyPaddingMask>,
+    /// Target positions fed so far (kept apart from `self_attn`'s, which a
+    /// decoder without layers does not count).
     len: usize,
     batch: usize,
 }
 
-impl DecoderCache {
+impl Seq2SeqCache {
     /// Number of target positions fed so far.
     pub fn len(&self) -> usize {
         self.len
@@ -64,14 +69,12 @@ impl DecoderCache {
                 v: pick(&kv.v)?,
             };
         }
-        for kv in self.self_kv.iter_mut() {
-            kv.select_rows(rows)?;
-        }
-        self.memory_key_padding = match self.memory_key_padding.take() {
-            None => None,
-            Some(KeyPaddingMask::PadWhereTrue(t)) => Some(KeyPaddingMask::PadWhereTrue(pick(&t)?)),
-            Some(KeyPaddingMask::Additive(t)) => Some(KeyPaddingMask::Additive(pick(&t)?)),
-        };
+        self.self_attn.select_rows(rows)?;
+        self.memory_key_padding = self
+            .memory_key_padding
+            .as_ref()
+            .map(|kp| select_padding_rows(kp, rows))
+            .transpose()?;
         self.batch = n;
         Ok(())
     }
@@ -82,6 +85,15 @@ impl DecoderCache {
             None => Mask::new(),
         }
     }
+}
+
+/// Rows `rows` (`u32`, may repeat) of a `(batch, src_len)` padding mask.
+pub(crate) fn select_padding_rows(kp: &KeyPaddingMask, rows: &Tensor) -> Result<KeyPaddingMask> {
+    let pick = |t: &Tensor| t.contiguous()?.index_select(rows, 0);
+    Ok(match kp {
+        KeyPaddingMask::PadWhereTrue(t) => KeyPaddingMask::PadWhereTrue(pick(t)?),
+        KeyPaddingMask::Additive(t) => KeyPaddingMask::Additive(pick(t)?),
+    })
 }
 
 /// What [`TransformerDecoder::step_with_weights`] returns.
@@ -103,7 +115,7 @@ impl TransformerDecoder {
     /// - `memory`: `(batch, src_len, d_model)` when `batch_first`, else
     ///   `(src_len, batch, d_model)`
     /// - `memory_key_padding`: `(batch, src_len)`
-    pub fn start(&self, memory: &Tensor, memory_key_padding: Option<KeyPaddingMask>) -> Result<DecoderCache> {
+    pub fn start(&self, memory: &Tensor, memory_key_padding: Option<KeyPaddingMask>) -> Result<Seq2SeqCache> {
         if memory.rank() != 3 {
             bail!(
                 "TransformerDecoder::start: memory must be 3-D (batched), found {:?}",
@@ -117,9 +129,10 @@ impl TransformerDecoder {
             .iter()
             .map(|l| l.project_memory(&memory))
             .collect::<Result<_>>()?;
-        Ok(DecoderCache {
+        Ok(Seq2SeqCache {
             memory: projected,
-            self_kv: vec![KvCache::new(64); self.layers.len()],
+            // A target is short: buffers grow by 64 positions.
+            self_attn: DecoderCache::with_chunk(self.layers.len(), 64, Vec::new()),
             memory_key_padding,
             len: 0,
             batch,
@@ -134,20 +147,20 @@ impl TransformerDecoder {
     /// - `tgt`: `(batch, new_len, d_model)` when `batch_first`, else
     ///   `(new_len, batch, d_model)`; usually `new_len = 1`
     /// - returns the same shape
-    pub fn step(&self, tgt: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+    pub fn step(&self, tgt: &Tensor, cache: &mut Seq2SeqCache) -> Result<Tensor> {
         Ok(self.step_inner(tgt, cache, NeedWeights::No)?.output)
     }
 
     /// [`TransformerDecoder::step`] that also returns each layer's
     /// cross-attention weights (averaged over heads).
-    pub fn step_with_weights(&self, tgt: &Tensor, cache: &mut DecoderCache) -> Result<DecoderStep> {
+    pub fn step_with_weights(&self, tgt: &Tensor, cache: &mut Seq2SeqCache) -> Result<DecoderStep> {
         self.step_inner(tgt, cache, NeedWeights::Averaged)
     }
 
     fn step_inner(
         &self,
         tgt: &Tensor,
-        cache: &mut DecoderCache,
+        cache: &mut Seq2SeqCache,
         need_weights: NeedWeights,
     ) -> Result<DecoderStep> {
         if tgt.rank() != 3 {
@@ -170,7 +183,7 @@ impl TransformerDecoder {
             .layers
             .iter()
             .zip(&cache.memory)
-            .zip(cache.self_kv.iter_mut())
+            .zip(cache.self_attn.layers_mut())
         {
             let (out, w) = layer.forward_step(&x, kv, memory, &memory_mask, need_weights)?;
             x = out;

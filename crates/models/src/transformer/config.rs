@@ -1,33 +1,12 @@
 //! The configuration of a [`crate::transformer::Transformer`], mirroring
 //! the constructor of PyTorch's `nn.Transformer`.
 
-use candle::{bail, Result, Tensor};
+use candle::{bail, Result};
 use multihead_attention::{MhaConfig, SeqLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{checked_product, MinWeights};
-
-/// The feed-forward activation: PyTorch's `activation="relu"` or `"gelu"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Activation {
-    /// `F.relu` (PyTorch's default).
-    #[default]
-    Relu,
-    /// `F.gelu` with its default `approximate="none"`: the exact, erf-based
-    /// GELU (not the tanh approximation).
-    Gelu,
-}
-
-impl Activation {
-    /// Applies the activation elementwise.
-    pub fn apply(&self, xs: &Tensor) -> Result<Tensor> {
-        match self {
-            Activation::Relu => multihead_attention::relu(xs),
-            Activation::Gelu => xs.gelu_erf(),
-        }
-    }
-}
+use crate::mlp::Activation;
 
 /// Constructor arguments of `torch.nn.Transformer` (and of its layers,
 /// which take the same ones). Defaults are PyTorch's.
@@ -55,7 +34,8 @@ pub struct TransformerConfig {
     /// Dropout probability of the PyTorch model (unused here: eval only).
     #[serde(default = "default_dropout")]
     pub dropout: f32,
-    /// Feed-forward activation.
+    /// Feed-forward activation: [`Activation::Relu`] or
+    /// [`Activation::Gelu`], the two `nn.Transformer` takes by name.
     #[serde(default)]
     pub activation: Activation,
     /// Epsilon of every LayerNorm.
@@ -226,6 +206,12 @@ impl TransformerConfig {
         if self.dim_feedforward == 0 {
             bail!("TransformerConfig: dim_feedforward must be > 0")
         }
+        if !matches!(self.activation, Activation::Relu | Activation::Gelu) {
+            bail!(
+                "TransformerConfig: activation must be relu or gelu (nn.Transformer's), found {:?}",
+                self.activation
+            )
+        }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!(
                 "TransformerConfig: dropout must be in [0, 1), found {}",
@@ -238,26 +224,6 @@ impl TransformerConfig {
                 self.layer_norm_eps
             )
         }
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use candle::{Device, Tensor};
-
-    use super::Activation;
-
-    /// PyTorch's `relu` keeps NaN (candle's own turns it into 0).
-    #[test]
-    fn relu_keeps_nan() -> candle::Result<()> {
-        let x = Tensor::new(
-            &[f32::NAN, -1., 2., f32::NEG_INFINITY, f32::INFINITY],
-            &Device::Cpu,
-        )?;
-        let y = Activation::Relu.apply(&x)?.to_vec1::<f32>()?;
-        assert!(y[0].is_nan());
-        assert_eq!(y[1..], [0., 2., 0., f32::INFINITY]);
         Ok(())
     }
 }

@@ -9,7 +9,8 @@ use multihead_attention::{
     KvCache, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
 };
 
-use super::config::{Activation, TransformerConfig};
+use super::config::TransformerConfig;
+use crate::mlp::Mlp;
 
 /// A LayerNorm over `d_model` with the config's epsilon; without a bias
 /// when `bias = false`, as PyTorch's `LayerNorm(bias=False)`. The
@@ -22,46 +23,16 @@ pub(crate) fn norm(cfg: &TransformerConfig, vb: VarBuilder) -> Result<LayerNorm>
     }
 }
 
-/// `linear2(activation(linear1(x)))`, the `_ff_block` both layers share.
-#[derive(Debug, Clone)]
-struct FeedForward {
-    linear1: PackedLinear,
-    linear2: PackedLinear,
-    activation: Activation,
-}
-
-impl FeedForward {
-    /// `linear1` `(dim_feedforward, d_model)`, `linear2` `(d_model,
-    /// dim_feedforward)`, directly under the layer's prefix.
-    fn new(cfg: &TransformerConfig, vb: &VarBuilder) -> Result<Self> {
-        let (d, ff) = (cfg.d_model, cfg.dim_feedforward);
-        Ok(Self {
-            linear1: PackedLinear::from_linear(linear_b(d, ff, cfg.bias, vb.pp("linear1"))?)?,
-            linear2: PackedLinear::from_linear(linear_b(ff, d, cfg.bias, vb.pp("linear2"))?)?,
-            activation: cfg.activation,
-        })
-    }
-
-    /// `activation(linear1(x))`, the activation fused into linear1's
-    /// write-out where the weight is packed.
-    fn hidden(&self, xs: &Tensor) -> Result<Tensor> {
-        match self.activation {
-            Activation::Gelu => self.linear1.forward_gelu(xs),
-            Activation::Relu => self.linear1.forward_relu(xs),
-        }
-    }
-
-    /// `residual + ff(x)`, the pre-norm block's add fused into linear2's
-    /// write-out where the weight is packed.
-    fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.linear2.forward_add(&self.hidden(xs)?, residual)
-    }
-}
-
-impl Module for FeedForward {
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.linear2.forward(&self.hidden(xs)?)
-    }
+/// `linear2(activation(linear1(x)))`, the `_ff_block` both layers share:
+/// `linear1` `(dim_feedforward, d_model)`, `linear2` `(d_model,
+/// dim_feedforward)`, directly under the layer's prefix.
+fn feed_forward(cfg: &TransformerConfig, vb: &VarBuilder) -> Result<Mlp> {
+    let (d, ff) = (cfg.d_model, cfg.dim_feedforward);
+    Mlp::new(
+        PackedLinear::from_linear(linear_b(d, ff, cfg.bias, vb.pp("linear1"))?)?,
+        PackedLinear::from_linear(linear_b(ff, d, cfg.bias, vb.pp("linear2"))?)?,
+        cfg.activation,
+    )
 }
 
 /// The options with `residual` added to the output, where given.
@@ -81,7 +52,7 @@ fn plus(opts: MhaOptions, residual: Option<&Tensor>) -> MhaOptions {
 #[derive(Debug, Clone)]
 pub struct TransformerEncoderLayer {
     self_attn: MultiheadAttention,
-    ff: FeedForward,
+    ff: Mlp,
     norm1: LayerNorm,
     norm2: LayerNorm,
     cfg: TransformerConfig,
@@ -93,7 +64,7 @@ impl TransformerEncoderLayer {
         cfg.validate()?;
         Ok(Self {
             self_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("self_attn"))?,
-            ff: FeedForward::new(cfg, &vb)?,
+            ff: feed_forward(cfg, &vb)?,
             norm1: norm(cfg, vb.pp("norm1"))?,
             norm2: norm(cfg, vb.pp("norm2"))?,
             cfg: cfg.clone(),
@@ -154,7 +125,7 @@ pub(crate) struct ProjectedKv {
 pub struct TransformerDecoderLayer {
     self_attn: MultiheadAttention,
     multihead_attn: MultiheadAttention,
-    ff: FeedForward,
+    ff: Mlp,
     norm1: LayerNorm,
     norm2: LayerNorm,
     norm3: LayerNorm,
@@ -168,7 +139,7 @@ impl TransformerDecoderLayer {
         Ok(Self {
             self_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("self_attn"))?,
             multihead_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("multihead_attn"))?,
-            ff: FeedForward::new(cfg, &vb)?,
+            ff: feed_forward(cfg, &vb)?,
             norm1: norm(cfg, vb.pp("norm1"))?,
             norm2: norm(cfg, vb.pp("norm2"))?,
             norm3: norm(cfg, vb.pp("norm3"))?,

@@ -9,7 +9,7 @@ use candle_nn::{embedding, linear, Embedding, VarBuilder};
 use multihead_attention::{Causal, KeyPaddingMask, Mask, PackedLinear};
 use serde::{Deserialize, Serialize};
 
-use super::cache::DecoderCache;
+use super::cache::Seq2SeqCache;
 use super::config::TransformerConfig;
 use super::model::Transformer;
 use crate::checkpoint::{checked_product, MinWeights};
@@ -276,7 +276,7 @@ impl Seq2Seq {
     }
 
     /// Starts cached decoding over an encoded source.
-    pub fn start(&self, enc: &Encoded) -> Result<DecoderCache> {
+    pub fn start(&self, enc: &Encoded) -> Result<Seq2SeqCache> {
         self.transformer
             .decoder()
             .start(&enc.memory, Some(enc.padding.clone()))
@@ -288,7 +288,7 @@ impl Seq2Seq {
     /// # Shapes
     /// - `tgt`: `(batch, new_len)`, `u32`
     /// - returns `(batch, new_len, tgt_vocab_size)`
-    pub fn step(&self, tgt: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+    pub fn step(&self, tgt: &Tensor, cache: &mut Seq2SeqCache) -> Result<Tensor> {
         let x = self.embed(&self.tgt_embed, &tgt.to_dtype(DType::U32)?, cache.len())?;
         let out = self.transformer.decoder().step(&x, cache)?;
         self.generator.forward(&out)
@@ -296,7 +296,7 @@ impl Seq2Seq {
 
     /// [`Seq2Seq::step`] that also returns the cross-attention weights,
     /// averaged over heads and layers: `(batch, new_len, src_len)`.
-    pub fn step_with_attention(&self, tgt: &Tensor, cache: &mut DecoderCache) -> Result<(Tensor, Tensor)> {
+    pub fn step_with_attention(&self, tgt: &Tensor, cache: &mut Seq2SeqCache) -> Result<(Tensor, Tensor)> {
         let x = self.embed(&self.tgt_embed, &tgt.to_dtype(DType::U32)?, cache.len())?;
         let step = self.transformer.decoder().step_with_weights(&x, cache)?;
         let n = step.cross_attention.len();

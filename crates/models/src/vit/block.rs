@@ -8,6 +8,7 @@ use multihead_attention::{
     PackedLinear, WeightLayout,
 };
 
+use crate::mlp::{Activation, Mlp};
 use crate::vit::config::{AttentionKind, Naming, VitConfig};
 
 /// The checkpoint names of one block's submodules.
@@ -66,37 +67,42 @@ impl Module for LayerScale {
 }
 
 /// `fc2(gelu(fc1(x)))` with the exact (erf) GELU, as timm's `Mlp` and HF's
-/// `ViTIntermediate` + `ViTOutput` compute it.
+/// `ViTIntermediate` + `ViTOutput` compute it: the linears at `fc1` and
+/// `fc2` under `vb`.
+fn mlp(cfg: &VitConfig, (fc1, fc2): (&str, &str), vb: VarBuilder) -> Result<Mlp> {
+    let (d, hidden) = (cfg.embed_dim, cfg.mlp_hidden_dim());
+    Mlp::new(
+        PackedLinear::from_linear(candle_nn::linear(d, hidden, vb.pp(fc1))?)?,
+        PackedLinear::from_linear(candle_nn::linear(hidden, d, vb.pp(fc2))?)?,
+        Activation::Gelu,
+    )
+}
+
+/// ViT's MLP built from its config and checkpoint names: a thin wrapper
+/// over [`Mlp`].
+#[deprecated(note = "use multihead_models::mlp::Mlp, which vit::Block builds")]
 #[derive(Debug, Clone)]
-pub struct Mlp {
-    fc1: PackedLinear,
-    fc2: PackedLinear,
-}
+pub struct VitMlp(Mlp);
 
-impl Mlp {
+#[allow(deprecated)]
+impl VitMlp {
     /// Loads the two linears at `fc1` and `fc2` under `vb`.
-    pub fn new(cfg: &VitConfig, (fc1, fc2): (&str, &str), vb: VarBuilder) -> Result<Self> {
-        let (d, hidden) = (cfg.embed_dim, cfg.mlp_hidden_dim());
-        Ok(Self {
-            fc1: PackedLinear::from_linear(candle_nn::linear(d, hidden, vb.pp(fc1))?)?,
-            fc2: PackedLinear::from_linear(candle_nn::linear(hidden, d, vb.pp(fc2))?)?,
-        })
+    pub fn new(cfg: &VitConfig, names: (&str, &str), vb: VarBuilder) -> Result<Self> {
+        mlp(cfg, names, vb).map(Self)
     }
-}
 
-impl Mlp {
     /// `residual + mlp(xs)`, the add fused into fc2's write-out where the
     /// weight is packed.
     pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.fc2.forward_add(&self.fc1.forward_gelu(xs)?, residual)
+        self.0.forward_add(xs, residual)
     }
 }
 
-impl Module for Mlp {
+#[allow(deprecated)]
+impl Module for VitMlp {
     /// `(..., embed_dim)` → same.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        // The GELU is fused into fc1's write-out where the weight is packed.
-        self.fc2.forward(&self.fc1.forward_gelu(xs)?)
+        self.0.forward(xs)
     }
 }
 
@@ -168,7 +174,7 @@ impl Block {
         };
         let ls1 = ls("ls1")?;
         let norm2 = LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm2))?;
-        let mlp = Mlp::new(cfg, (names.fc1, names.fc2), vb.clone())?;
+        let mlp = mlp(cfg, (names.fc1, names.fc2), vb.clone())?;
         let mut block = Self {
             norm1,
             attn,
@@ -187,8 +193,8 @@ impl Block {
             }
         }
         if let Some(ls) = &block.ls2 {
-            if let Some(fc2) = block.mlp.fc2.scaled_outputs(&ls.gamma)? {
-                block.mlp.fc2 = fc2;
+            if let Some(mlp) = block.mlp.with_output_scale(&ls.gamma)? {
+                block.mlp = mlp;
                 block.ls2 = None;
             }
         }
@@ -306,7 +312,14 @@ mod tests {
     #[test]
     fn prefix_equals_the_full_blocks_first_tokens() -> Result<()> {
         let dev = Device::Cpu;
-        let mut cfg = VitConfig::new(32, 8, 64, 1, 4);
+        let mut cfg = VitConfig {
+            img_size: 32,
+            patch_size: 8,
+            embed_dim: 64,
+            depth: 1,
+            num_heads: 4,
+            ..VitConfig::default()
+        };
         let xs = Tensor::randn(0f32, 1., (3, 17, 64), &dev)?;
         for (kind, init_values, trains) in [
             (AttentionKind::Softmax, None, false),

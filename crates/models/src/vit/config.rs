@@ -6,7 +6,6 @@ use candle::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{checked_product, MinWeights};
-use crate::vit::preprocess::{ImageResize, Resampler};
 use crate::vit::resample::Interpolation;
 
 /// Which names the checkpoint stores its tensors under.
@@ -143,6 +142,77 @@ pub struct VitConfig {
     pub hydra_layers: Vec<usize>,
 }
 
+/// How an image is brought to the model's input size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum ImageResize {
+    /// Resize to the input size, aspect ratio not kept (HF
+    /// `ViTImageProcessor`; the shipped digits model).
+    #[default]
+    Squash,
+    /// timm's eval transform: resize the shorter side to `short_side`
+    /// keeping the aspect ratio (torchvision `Resize(int)`), then crop the
+    /// centre to the input size (torchvision `CenterCrop`, offsets rounded
+    /// half to even). timm's `short_side` is `floor(img_size / crop_pct)`.
+    ShortSideCrop {
+        /// The shorter side after resizing, at the config's `img_size`.
+        short_side: usize,
+    },
+    /// HF `DeiTImageProcessor`, timm's `crop_mode='squash'`: resize to
+    /// `height x width`, then crop the centre to the input size.
+    SquashCrop {
+        /// Height after resizing, at the config's `img_size`.
+        height: usize,
+        /// Width after resizing, at the config's `img_size`.
+        width: usize,
+        /// Round the crop offsets half to even, as torchvision's
+        /// `CenterCrop` (timm; transformers' `...Fast` processors), instead
+        /// of down, as transformers' PIL processors' `center_crop`.
+        #[serde(default, skip_serializing_if = "is_false")]
+        round_half_even: bool,
+    },
+    /// No resize (HF's `do_resize: false`): the image is used at its own
+    /// size, which must be the input size.
+    AsIs,
+}
+
+/// Most times the input size a resize before the crop may be (timm's
+/// `crop_pct` down to 0.25).
+pub const MAX_RESIZE_FACTOR: usize = 4;
+
+impl ImageResize {
+    /// Checks that the resize before the centre crop covers an input of
+    /// `img_size` and is at most [`MAX_RESIZE_FACTOR`] times it.
+    pub fn validate(&self, img_size: usize) -> Result<()> {
+        let sides = match *self {
+            Self::Squash | Self::AsIs => return Ok(()),
+            Self::ShortSideCrop { short_side } => [short_side, short_side],
+            Self::SquashCrop { height, width, .. } => [height, width],
+        };
+        let most = img_size.saturating_mul(MAX_RESIZE_FACTOR);
+        if let Some(s) = sides.iter().find(|&&s| s < img_size || s > most) {
+            bail!(
+                "VitConfig: image_resize size {s} must be between img_size ({img_size}) and \
+                 {MAX_RESIZE_FACTOR} times it ({most}) for the centre crop"
+            )
+        }
+        Ok(())
+    }
+}
+
+/// Which resampler resizes images.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resampler {
+    /// PyTorch's `F.interpolate(x / 255, mode, antialias=True)` on floats
+    /// (torchvision `Resize` on tensors).
+    #[default]
+    Torch,
+    /// PIL's `Image.resize` on 8-bit pixels, rounded after each axis: what
+    /// timm's eval transform and transformers' PIL image processors run.
+    Pil,
+}
+
 /// Which attention a block computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKind {
@@ -180,17 +250,20 @@ fn is_default<T: Default + PartialEq>(v: &T) -> bool {
     *v == T::default()
 }
 
-impl VitConfig {
-    /// A config with timm's defaults around the given architecture sizes.
-    pub fn new(img_size: usize, patch_size: usize, embed_dim: usize, depth: usize, num_heads: usize) -> Self {
+impl Default for VitConfig {
+    /// timm's `VisionTransformer()` defaults: 224-pixel images in 16-pixel
+    /// patches, width 768, 12 blocks, 12 heads (`vit_base_patch16_224`),
+    /// 1000 classes. Set the sizes by name:
+    /// `VitConfig { embed_dim: 64, depth: 2, num_heads: 4, ..VitConfig::default() }`.
+    fn default() -> Self {
         Self {
-            img_size,
-            patch_size,
+            img_size: 224,
+            patch_size: 16,
             in_chans: default_in_chans(),
             num_classes: default_num_classes(),
-            embed_dim,
-            depth,
-            num_heads,
+            embed_dim: 768,
+            depth: 12,
+            num_heads: 12,
             mlp_ratio: default_mlp_ratio(),
             qkv_bias: true,
             qk_norm: false,
@@ -213,20 +286,45 @@ impl VitConfig {
             hydra_layers: Vec::new(),
         }
     }
+}
+
+impl VitConfig {
+    /// A config with timm's defaults around the given architecture sizes.
+    #[deprecated(
+        note = "name the sizes: VitConfig { img_size, patch_size, embed_dim, depth, num_heads, ..VitConfig::default() }"
+    )]
+    pub fn new(img_size: usize, patch_size: usize, embed_dim: usize, depth: usize, num_heads: usize) -> Self {
+        Self {
+            img_size,
+            patch_size,
+            embed_dim,
+            depth,
+            num_heads,
+            ..Self::default()
+        }
+    }
 
     /// timm `vit_tiny_patch16_224`: width 192, 12 blocks, 3 heads.
     pub fn tiny_patch16_224() -> Self {
-        Self::new(224, 16, 192, 12, 3)
+        Self {
+            embed_dim: 192,
+            num_heads: 3,
+            ..Self::default()
+        }
     }
 
     /// timm `vit_small_patch16_224`: width 384, 12 blocks, 6 heads.
     pub fn small_patch16_224() -> Self {
-        Self::new(224, 16, 384, 12, 6)
+        Self {
+            embed_dim: 384,
+            num_heads: 6,
+            ..Self::default()
+        }
     }
 
     /// timm `vit_base_patch16_224`: width 768, 12 blocks, 12 heads.
     pub fn base_patch16_224() -> Self {
-        Self::new(224, 16, 768, 12, 12)
+        Self::default()
     }
 
     /// Reads and validates a `config.json`.

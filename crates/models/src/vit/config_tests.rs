@@ -18,7 +18,14 @@ fn presets_validate() -> Result<()> {
 
 #[test]
 fn errors_name_the_value() {
-    let mut cfg = VitConfig::new(30, 16, 64, 2, 4);
+    let mut cfg = VitConfig {
+        img_size: 30,
+        patch_size: 16,
+        embed_dim: 64,
+        depth: 2,
+        num_heads: 4,
+        ..VitConfig::default()
+    };
     let err = cfg.validate().unwrap_err().to_string();
     assert!(
         err.contains("img_size (30)") && err.contains("patch_size (16)"),
@@ -40,14 +47,31 @@ fn json_defaults_and_unknown_fields() -> Result<()> {
     let cfg = VitConfig::from_json(
         r#"{"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4}"#,
     )?;
-    assert_eq!(cfg, VitConfig::new(32, 4, 64, 2, 4));
+    assert_eq!(
+        cfg,
+        VitConfig {
+            img_size: 32,
+            patch_size: 4,
+            embed_dim: 64,
+            depth: 2,
+            num_heads: 4,
+            ..VitConfig::default()
+        }
+    );
     let err = VitConfig::from_json(
         r#"{"img_size": 32, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4, "dept": 3}"#,
     )
     .unwrap_err()
     .to_string();
     assert!(err.contains("dept"), "{err}");
-    let mut cfg = VitConfig::new(32, 4, 64, 2, 4);
+    let mut cfg = VitConfig {
+        img_size: 32,
+        patch_size: 4,
+        embed_dim: 64,
+        depth: 2,
+        num_heads: 4,
+        ..VitConfig::default()
+    };
     cfg.hydra_layers = vec![1, 2];
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("block 2"), "{err}");

@@ -7,8 +7,15 @@
 //! use multihead_models::vit::{VisionTransformer, VitConfig};
 //!
 //! # fn main() -> candle::Result<()> {
-//! let mut cfg = VitConfig::new(32, 8, 64, 2, 4);
-//! cfg.num_classes = 10;
+//! let cfg = VitConfig {
+//!     img_size: 32,
+//!     patch_size: 8,
+//!     embed_dim: 64,
+//!     depth: 2,
+//!     num_heads: 4,
+//!     num_classes: 10,
+//!     ..VitConfig::default()
+//! };
 //! let varmap = VarMap::new();
 //! let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
 //! let images = Tensor::zeros((2, 3, 32, 32), DType::F32, &Device::Cpu)?;
@@ -29,15 +36,14 @@ mod preprocess;
 mod resample;
 mod rollout;
 
-pub use block::{Block, LayerScale, Mlp};
-pub use config::{AttentionKind, GlobalPool, Naming, VitConfig};
+#[allow(deprecated)]
+pub use block::VitMlp as Mlp;
+pub use block::{Block, LayerScale};
+pub use config::{AttentionKind, GlobalPool, ImageResize, Naming, Resampler, VitConfig, MAX_RESIZE_FACTOR};
 pub use embed::PatchEmbed;
 pub use folder::{ConfigKind, ModelFolder, Weights};
 pub use model::{VisionTransformer, VitOutput};
 pub use pil::resize_u8;
-pub use preprocess::{
-    decode_target, preprocess, preprocess_to, resize_size, ImageResize, Resampler, MAX_RESIZE_FACTOR,
-    PIL_EXACT_PIXELS,
-};
+pub use preprocess::{decode_target, preprocess, preprocess_to, resize_size};
 pub use resample::{resample_abs_pos_embed, resize, resize_weights, Interpolation};
 pub use rollout::attention_rollout;

@@ -2,87 +2,10 @@
 //! PyTorch's float resampler or PIL's 8-bit one, scale to `[0, 1]`,
 //! normalise per channel.
 
-use candle::{bail, DType, Result, Tensor};
-use serde::{Deserialize, Serialize};
-
-use crate::vit::config::VitConfig;
+use crate::vit::config::{ImageResize, Resampler, VitConfig};
 use crate::vit::pil::resize_u8;
 use crate::vit::resample::resize;
-
-/// How an image is brought to the model's input size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "mode")]
-pub enum ImageResize {
-    /// Resize to the input size, aspect ratio not kept (HF
-    /// `ViTImageProcessor`; the shipped digits model).
-    #[default]
-    Squash,
-    /// timm's eval transform: resize the shorter side to `short_side`
-    /// keeping the aspect ratio (torchvision `Resize(int)`), then crop the
-    /// centre to the input size (torchvision `CenterCrop`, offsets rounded
-    /// half to even). timm's `short_side` is `floor(img_size / crop_pct)`.
-    ShortSideCrop {
-        /// The shorter side after resizing, at the config's `img_size`.
-        short_side: usize,
-    },
-    /// HF `DeiTImageProcessor`, timm's `crop_mode='squash'`: resize to
-    /// `height x width`, then crop the centre to the input size.
-    SquashCrop {
-        /// Height after resizing, at the config's `img_size`.
-        height: usize,
-        /// Width after resizing, at the config's `img_size`.
-        width: usize,
-        /// Round the crop offsets half to even, as torchvision's
-        /// `CenterCrop` (timm; transformers' `...Fast` processors), instead
-        /// of down, as transformers' PIL processors' `center_crop`.
-        #[serde(default, skip_serializing_if = "is_false")]
-        round_half_even: bool,
-    },
-    /// No resize (HF's `do_resize: false`): the image is used at its own
-    /// size, which must be the input size.
-    AsIs,
-}
-
-/// Most times the input size a resize before the crop may be (timm's
-/// `crop_pct` down to 0.25).
-pub const MAX_RESIZE_FACTOR: usize = 4;
-
-impl ImageResize {
-    /// Checks that the resize before the centre crop covers an input of
-    /// `img_size` and is at most [`MAX_RESIZE_FACTOR`] times it.
-    pub fn validate(&self, img_size: usize) -> Result<()> {
-        let sides = match *self {
-            Self::Squash | Self::AsIs => return Ok(()),
-            Self::ShortSideCrop { short_side } => [short_side, short_side],
-            Self::SquashCrop { height, width, .. } => [height, width],
-        };
-        let most = img_size.saturating_mul(MAX_RESIZE_FACTOR);
-        if let Some(s) = sides.iter().find(|&&s| s < img_size || s > most) {
-            bail!(
-                "VitConfig: image_resize size {s} must be between img_size ({img_size}) and \
-                 {MAX_RESIZE_FACTOR} times it ({most}) for the centre crop"
-            )
-        }
-        Ok(())
-    }
-}
-
-fn is_false(b: &bool) -> bool {
-    !b
-}
-
-/// Which resampler resizes images.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Resampler {
-    /// PyTorch's `F.interpolate(x / 255, mode, antialias=True)` on floats
-    /// (torchvision `Resize` on tensors).
-    #[default]
-    Torch,
-    /// PIL's `Image.resize` on 8-bit pixels, rounded after each axis: what
-    /// timm's eval transform and transformers' PIL image processors run.
-    Pil,
-}
+use candle::{bail, DType, Result, Tensor};
 
 /// Scales pixels to `[0, 1]`, resizes them to the config's `img_size`
 /// (as `image_resize` and `image_resampler` say) and normalises each
@@ -156,7 +79,7 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
 /// The size the CLI may reduce a decoded image to in 8 bits before
 /// [`preprocess_to`] (see [`crate::image_input::PREREDUCE_ABOVE`]): the
 /// resize size for the float resampler; for PIL's, the image itself up to
-/// [`PIL_EXACT_PIXELS`].
+/// 4096 x 4096 pixels.
 pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
     let size = resize_size(cfg, (h, w), out)?;
     match cfg.image_resampler {
@@ -172,7 +95,7 @@ pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize
 /// Images up to this many pixels (4096 x 4096) reach PIL's resampler as
 /// they are, so that the input is PIL's to the bit; larger ones are
 /// reduced in 8 bits first (see [`decode_target`]) to bound memory.
-pub const PIL_EXACT_PIXELS: usize = 4096 * 4096;
+pub(crate) const PIL_EXACT_PIXELS: usize = 4096 * 4096;
 
 /// The top-left corner of the centre crop of `crop` out of `size`.
 fn crop_offset(mode: ImageResize, size: usize, crop: usize) -> usize {
@@ -274,7 +197,14 @@ mod tests {
 
     #[test]
     fn resize_sizes() -> Result<()> {
-        let mut cfg = VitConfig::new(224, 16, 64, 1, 4);
+        let mut cfg = VitConfig {
+            img_size: 224,
+            patch_size: 16,
+            embed_dim: 64,
+            depth: 1,
+            num_heads: 4,
+            ..VitConfig::default()
+        };
         cfg.image_resize = ImageResize::ShortSideCrop { short_side: 248 };
         // 640x480 (w x h): short side 480 -> 248, long int(248 * 640 / 480) = 330.
         assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (248, 330));
@@ -302,7 +232,14 @@ mod tests {
     /// normalised; an image of another size is an error, not resized.
     #[test]
     fn as_is_takes_the_image_at_its_size() -> Result<()> {
-        let mut cfg = VitConfig::new(4, 2, 8, 1, 2);
+        let mut cfg = VitConfig {
+            img_size: 4,
+            patch_size: 2,
+            embed_dim: 8,
+            depth: 1,
+            num_heads: 2,
+            ..VitConfig::default()
+        };
         cfg.in_chans = 1;
         cfg.image_mean = vec![0.5];
         cfg.image_std = vec![0.25];

@@ -9,9 +9,8 @@
 
 use candle::Result;
 
-use crate::vit::config::{Naming, VitConfig};
+use crate::vit::config::{ImageResize, Naming, Resampler, VitConfig, MAX_RESIZE_FACTOR};
 use crate::vit::folder::json::{parse_object, Fields};
-use crate::vit::preprocess::{ImageResize, Resampler, MAX_RESIZE_FACTOR};
 use crate::vit::resample::Interpolation;
 
 /// `IMAGENET_STANDARD_MEAN` / `_STD`: ViTImageProcessor's defaults.
@@ -118,7 +117,14 @@ pub fn parse(text: &str, file: &str, pre: Option<(&str, &str)>) -> Result<(VitCo
     if !img.is_multiple_of(patch) {
         return Err(f.error("patch_size", format!("{patch} does not divide image_size {img}")));
     }
-    let mut cfg = VitConfig::new(img, patch, hidden, depth, heads);
+    let mut cfg = VitConfig {
+        img_size: img,
+        patch_size: patch,
+        embed_dim: hidden,
+        depth,
+        num_heads: heads,
+        ..VitConfig::default()
+    };
     cfg.in_chans = chans;
     cfg.mlp_ratio = inter as f64 / hidden as f64;
     if cfg.mlp_hidden_dim() != inter {

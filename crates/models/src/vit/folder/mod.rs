@@ -28,7 +28,8 @@ use crate::vit::folder::hf::HfArchitecture;
 use crate::vit::folder::json::parse_object;
 use crate::vit::model::VisionTransformer;
 
-pub use crate::checkpoint::{Weights, INDEX_NAME};
+pub use crate::checkpoint::Weights;
+use crate::checkpoint::INDEX_NAME;
 pub use crate::files::MAX_CONFIG_BYTES;
 
 /// Which writer the `config.json` comes from.

@@ -5,9 +5,8 @@
 
 use candle::Result;
 
-use crate::vit::config::{GlobalPool, VitConfig};
+use crate::vit::config::{GlobalPool, ImageResize, Resampler, VitConfig};
 use crate::vit::folder::json::{parse_object, short, Fields};
-use crate::vit::preprocess::{ImageResize, Resampler};
 use crate::vit::resample::Interpolation;
 
 /// timm's `IMAGENET_DEFAULT_MEAN` / `_STD` and `DEFAULT_CROP_PCT`.
@@ -53,7 +52,14 @@ pub fn architecture(name: &str) -> Option<VitConfig> {
     if !matches!(patch, 8 | 14 | 16 | 32) || !(32..=1024).contains(&img) {
         return None;
     }
-    let mut cfg = VitConfig::new(img, patch, d, depth, heads);
+    let mut cfg = VitConfig {
+        img_size: img,
+        patch_size: patch,
+        embed_dim: d,
+        depth,
+        num_heads: heads,
+        ..VitConfig::default()
+    };
     cfg.dist_token = distilled;
     cfg.head_dist = distilled;
     if family == "deit3" {
