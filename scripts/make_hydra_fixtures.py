@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fixtures for tests/hydra_pytorch.rs: Hydra attention as the paper writes
+"""Fixtures for crates/attention/tests/hydra.rs: Hydra attention as the paper writes
 it (Bolya et al., 2022, Algorithm 1), inside timm-style `qkv`/`proj`
 projections, computed in float64 from float32 inputs.
 

@@ -14,7 +14,7 @@ Regenerate (a few seconds; the venv of scripts/requirements.txt):
 The files are written to a temporary folder and replace the committed ones
 only when every case has been written.
 
-The Rust side is tests/mha_pytorch.rs.
+The Rust side is crates/attention/tests/mha_pytorch.rs.
 """
 
 import json

@@ -24,7 +24,7 @@ Regenerate (a second; the venv of scripts/requirements.txt):
 The files are written to a temporary folder and replace the committed ones
 only when every case has been written.
 
-The Rust side is tests/transformer_pytorch.rs.
+The Rust side is crates/models/tests/transformer_pytorch.rs.
 """
 
 import json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the timm fixtures for the ViT's tests (tests/vit_timm.rs).
+"""Write the timm fixtures for the ViT's tests (crates/models/tests/vit_timm.rs).
 
 Each case is one safetensors file in tests/fixtures/vit/: a randomly
 initialised timm `VisionTransformer`'s state_dict under `model.` (timm's own

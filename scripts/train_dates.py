@@ -40,7 +40,7 @@ that replaces the files only when everything is written:
 - vocab.json: source and target characters, by id;
 - heldout.json: the held-out inputs with their family and reading token,
   their ISO answers and PyTorch's greedy outputs (what
-  tests/seq2seq_dates.rs compares against).
+  crates/models/tests/seq2seq_dates.rs compares against).
 
 Regenerate (torch, safetensors; one thread, about 0.27 s a step on an idle
 core). From scratch, ~11 minutes for 2,500 steps; fine-tuning the shipped

@@ -6,7 +6,7 @@
 //! ends in a match within the length budget.
 
 use anyhow::Result;
-use multihead::models::generation::{Pattern, TokenConstraint};
+use multihead_models::generation::{Pattern, TokenConstraint};
 
 /// xorshift64*: a fixed stream, so a failure reproduces.
 struct Rng(u64);

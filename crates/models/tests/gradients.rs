@@ -9,14 +9,15 @@
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::attention::{
+use multihead_attention::{
     HydraAttention, HydraConfig, Mask, MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
 };
-use multihead::models::transformer::{
+use multihead_models::transformer::{
     Activation, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig, TransformerMasks,
 };
-use multihead::models::vit::{VisionTransformer, VitConfig};
+use multihead_models::vit::{VisionTransformer, VitConfig};
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 /// Backpropagates `loss` and checks that every variable of `varmap` has a
@@ -101,7 +102,7 @@ fn every_attention_parameter_gets_a_gradient() -> Result<()> {
         VarBuilder::from_varmap(&varmap, DType::F32, &dev),
     )?;
     let x = Tensor::randn(0f32, 1., (2, 9, 16), &dev)?;
-    let out = hydra.forward_masked(&x, &Mask::causal(multihead::attention::Causal::TopLeft))?;
+    let out = hydra.forward_masked(&x, &Mask::causal(multihead_attention::Causal::TopLeft))?;
     assert_all_grads("hydra", &varmap, &weighted_sum(&out)?)?;
     Ok(())
 }
@@ -251,10 +252,10 @@ fn every_transformer_parameter_gets_a_gradient() -> Result<()> {
         let model = Transformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
         let src = Tensor::randn(0f32, 1., (2, 7, 16), &dev)?;
         let tgt = Tensor::randn(0f32, 1., (2, 5, 16), &dev)?;
-        let padding = multihead::attention::KeyPaddingMask::from_lengths(&[7, 4], 7, &dev)?;
+        let padding = multihead_attention::KeyPaddingMask::from_lengths(&[7, 4], 7, &dev)?;
         let masks = TransformerMasks {
             src: Mask::new().with_key_padding(padding.clone()),
-            tgt: Mask::causal(multihead::attention::Causal::TopLeft),
+            tgt: Mask::causal(multihead_attention::Causal::TopLeft),
             memory: Mask::new().with_key_padding(padding),
         };
         let out = model.forward(&src, &tgt, &masks)?;

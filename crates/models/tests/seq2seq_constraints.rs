@@ -3,6 +3,7 @@
 //! changes nothing, the generic search equals `Seq2Seq::greedy`, and the
 //! ISO-date automaton accepts exactly the days of the calendar.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
@@ -11,13 +12,13 @@ use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_nn::VarBuilder;
 use common::padded;
-use multihead::models::dates::{self, DateReading, ISO_DATE_PATTERN};
-use multihead::models::generation::{Decoding, LogitsProcessor, TokenConstraint};
-use multihead::models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
+use multihead_models::dates::{self, DateReading, ISO_DATE_PATTERN};
+use multihead_models::generation::{Decoding, LogitsProcessor, TokenConstraint};
+use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 use serde_json::Value;
 
 fn weights_dir() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/weights/dates"))
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../weights/dates"))
 }
 
 fn load(dev: &Device) -> Result<(Seq2Seq, CharVocab)> {
@@ -138,7 +139,7 @@ fn sampling_the_date_model_is_reproducible_and_always_a_date() -> Result<()> {
         .generation_config()
         .with_decoding(Decoding::Sample { seed: 11 })
         .with_num_return(20);
-    let t = multihead::models::generation::Temperature::new(3.)?;
+    let t = multihead_models::generation::Temperature::new(3.)?;
     let a = model.generate(&src, &cfg, &[&c, &t])?;
     assert_eq!(a, model.generate(&src, &cfg, &[&c, &t])?);
     for h in a.iter().flatten() {

@@ -4,6 +4,7 @@
 //! batches, left padding that is never fed, contexts that run out,
 //! empty batches. Each is refused by name or answered correctly.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -12,12 +13,12 @@ use std::process::Command;
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use common::fixture_dir;
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, KvCache, Mask, MhaConfig, MhaOptions,
     MultiheadAttention, NeedWeights,
 };
-use multihead::models::decoder::{generate_from_prompts, CausalLm, DecoderModel, HfDecoderConfig};
-use multihead::models::generation::{Decoding, GenerateConfig, LogitsProcessor, StepContext, Temperature};
+use multihead_models::decoder::{generate_from_prompts, CausalLm, DecoderModel, HfDecoderConfig};
+use multihead_models::generation::{Decoding, GenerateConfig, LogitsProcessor, StepContext, Temperature};
 
 /// A copy of the decoder fixture `name` in a fresh folder, with its
 /// `config.json` edited by `edit`.
@@ -311,7 +312,7 @@ fn sampling_follows_the_source_not_its_batch() -> Result<()> {
             &cfg.clone().with_first_source(i),
             &[],
         )?;
-        let tokens = |g: &[multihead::models::generation::Generated]| -> Vec<Vec<u32>> {
+        let tokens = |g: &[multihead_models::generation::Generated]| -> Vec<Vec<u32>> {
             g.iter().map(|h| h.tokens.clone()).collect()
         };
         assert_eq!(tokens(&alone[0]), tokens(&all[i]), "source {i}");

@@ -1,6 +1,7 @@
 //! Bad weight files and configs: each ends in an error that says what is
 //! wrong, from the library, never a panic. Inputs are built in the test.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use common::assert_err;
@@ -8,8 +9,8 @@ use common::assert_err;
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::models::checkpoint::Checkpoint;
-use multihead::models::vit::{VisionTransformer, VitConfig};
+use multihead_models::checkpoint::Checkpoint;
+use multihead_models::vit::{VisionTransformer, VitConfig};
 
 /// A ViT small enough to build in a test: 8x8 grayscale, 4x4 patches.
 fn tiny_cfg() -> VitConfig {
@@ -325,7 +326,7 @@ fn config_with_missing_unknown_or_contradictory_fields() {
 fn position_table_shorter_than_the_sequence() -> Result<()> {
     // A table for a 2x2 grid cannot serve a 4x4 grid's 16 patches as is.
     let table = Tensor::zeros((1, 1 + 4, 8), DType::F32, &Device::Cpu)?;
-    let res = multihead::models::vit::resample_abs_pos_embed(&table, (4, 4), (4, 4), 1);
+    let res = multihead_models::vit::resample_abs_pos_embed(&table, (4, 4), (4, 4), 1);
     assert_err(res, &["5 positions do not match 1 prefix tokens and a 4x4 grid"]);
     Ok(())
 }
@@ -333,8 +334,8 @@ fn position_table_shorter_than_the_sequence() -> Result<()> {
 #[test]
 fn inspect_recognises_the_tiny_vit() -> Result<()> {
     let ckpt = Checkpoint::from_bytes(tiny_bytes()?, "tiny.safetensors")?;
-    let layout = multihead::models::inspect::recognise(ckpt.tensors());
-    let multihead::models::inspect::Layout::TimmVit(f) = layout else {
+    let layout = multihead_models::inspect::recognise(ckpt.tensors());
+    let multihead_models::inspect::Layout::TimmVit(f) = layout else {
         anyhow::bail!("not recognised as timm: {layout:?}")
     };
     assert_eq!(

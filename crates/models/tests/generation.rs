@@ -1,4 +1,4 @@
-//! `multihead::models::generation` on a toy model whose next-token
+//! `multihead_models::generation` on a toy model whose next-token
 //! probabilities are written out below, so every expected output and score
 //! is arithmetic: greedy, beam search, seeded sampling, each processor, the
 //! token constraint, and the errors raised before any decoding step.
@@ -7,7 +7,7 @@ use std::cell::Cell;
 
 use anyhow::Result;
 use candle::{Device, Tensor};
-use multihead::models::generation::{
+use multihead_models::generation::{
     generate, Decoding, ForcedBos, ForcedEos, GenerateConfig, Generated, LogitsProcessor, MaxLength,
     MinLength, PrefixAllowedTokens, RepetitionPenalty, StepContext, StepModel, Temperature, TokenConstraint,
     TopK, TopP,

@@ -2,6 +2,7 @@
 //! held-out example (`weights/dates/heldout.json`, written by
 //! `scripts/train_dates.py`), with and without the KV cache.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
@@ -10,12 +11,12 @@ use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_nn::VarBuilder;
 use common::padded;
-use multihead::models::dates::{encode_source, DateOrder};
-use multihead::models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
+use multihead_models::dates::{encode_source, DateOrder};
+use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
 use serde_json::Value;
 
 fn weights_dir() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/weights/dates"))
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../weights/dates"))
 }
 
 fn load(dir: &Path, dev: &Device) -> Result<(Seq2Seq, CharVocab)> {

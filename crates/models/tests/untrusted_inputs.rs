@@ -1,6 +1,7 @@
 //! Bad images, sequences and masks: each ends in an error that says what
 //! is wrong, never a panic or an allocation the header asked for.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use common::assert_err;
@@ -8,10 +9,10 @@ use common::assert_err;
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use multihead::attention::{
+use multihead_attention::{
     scaled_dot_product_attention, AttnMask, KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
 };
-use multihead::models::image_input::{decode_image, MAX_IMAGE_SIDE};
+use multihead_models::image_input::{decode_image, MAX_IMAGE_SIDE};
 
 /// CRC-32 (IEEE), as PNG chunks carry it.
 fn crc32(bytes: &[u8]) -> u32 {
@@ -125,16 +126,16 @@ fn empty_sequences_are_refused_by_name() -> Result<()> {
     let empty = Tensor::zeros((2, 0, 8), DType::F32, &Device::Cpu)?;
     let x = Tensor::zeros((2, 3, 8), DType::F32, &Device::Cpu)?;
     assert_err(m.forward(&empty), &["query is an empty sequence"]);
-    let opts = multihead::attention::MhaOptions::new();
+    let opts = multihead_attention::MhaOptions::new();
     assert_err(
         m.forward_attn(&x, &empty, &empty, &opts).map(|o| o.output),
         &["key and value are empty sequences"],
     );
     let q = Tensor::zeros((1, 2, 3, 4), DType::F32, &Device::Cpu)?;
     let kv = Tensor::zeros((1, 2, 0, 4), DType::F32, &Device::Cpu)?;
-    let mask = multihead::attention::Mask::new();
+    let mask = multihead_attention::Mask::new();
     assert_err(
-        multihead::attention::scaled_dot_product_attention(&q, &kv, &kv, &mask, None),
+        multihead_attention::scaled_dot_product_attention(&q, &kv, &kv, &mask, None),
         &["empty sequence: q_len 3, kv_len 0"],
     );
     Ok(())
@@ -142,17 +143,17 @@ fn empty_sequences_are_refused_by_name() -> Result<()> {
 
 #[test]
 fn vit_image_smaller_than_a_patch() -> Result<()> {
-    let mut cfg = multihead::models::vit::VitConfig {
+    let mut cfg = multihead_models::vit::VitConfig {
         img_size: 8,
         patch_size: 4,
         embed_dim: 8,
         depth: 1,
         num_heads: 2,
-        ..multihead::models::vit::VitConfig::default()
+        ..multihead_models::vit::VitConfig::default()
     };
     cfg.num_classes = 2;
     let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F32, &Device::Cpu);
-    let vit = multihead::models::vit::VisionTransformer::new(&cfg, vb)?;
+    let vit = multihead_models::vit::VisionTransformer::new(&cfg, vb)?;
     let x = Tensor::zeros((1, 3, 0, 0), DType::F32, &Device::Cpu)?;
     assert_err(candle::Module::forward(&vit, &x), &["image size 0x0"]);
     let x = Tensor::zeros((1, 3, 3, 3), DType::F32, &Device::Cpu)?;

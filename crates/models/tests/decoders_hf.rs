@@ -5,13 +5,14 @@
 //! every cached decoding step's logits and greedy generation (plain and
 //! left-padded batches) equal HF's.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
-use multihead::models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
-use multihead::models::generation::GenerateConfig;
+use multihead_models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
+use multihead_models::generation::GenerateConfig;
 
 const MODELS: [&str; 6] = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3"];
 

@@ -1,6 +1,7 @@
 //! Hostile or broken decoder folders: each gets one clear error naming the
 //! file and the field, never a panic or a model that runs wrong.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
@@ -8,7 +9,7 @@ use std::path::Path;
 use anyhow::Result;
 use candle::{Device, Tensor};
 use common::fixture_dir;
-use multihead::models::decoder::{CausalLm, DecoderModel, HfDecoderConfig};
+use multihead_models::decoder::{CausalLm, DecoderModel, HfDecoderConfig};
 
 fn config_error(json: &str) -> String {
     match HfDecoderConfig::from_json(json, "config.json") {

@@ -2,6 +2,7 @@
 //! `scripts/make_vit_fixtures.py`: logits within 1e-4 relative error and
 //! the attention weights of every stored layer.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
@@ -10,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module};
 use candle_nn::VarBuilder;
 use common::{assert_close, fixture_dir, fixture_files, max_abs_diff, Fixture};
-use multihead::models::vit::{VisionTransformer, VitConfig};
+use multihead_models::vit::{VisionTransformer, VitConfig};
 
 /// The bar for logits.
 const RTOL: f64 = 1e-4;
@@ -129,7 +130,7 @@ fn wrong_checkpoint_names_the_tensor() -> Result<()> {
 #[test]
 #[ignore = "needs scripts/make_vit_fixtures.py --full (not committed: too large)"]
 fn full_architectures_match_timm() -> Result<()> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/vit-full-fixtures");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/vit-full-fixtures");
     let files = fixture_files(&dir)?;
     if files.is_empty() {
         bail!(
