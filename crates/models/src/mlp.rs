@@ -120,7 +120,8 @@ impl Mlp {
         if plain(&gate) && plain(&up) {
             let bias = match (gate.bias(), up.bias()) {
                 (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?),
-                _ => None,
+                (None, None) => None,
+                _ => bail!("Mlp: the gate and up projections must both have a bias or neither"),
             };
             let gate_up = PackedLinear::new(Tensor::cat(&[gate.weight(), up.weight()], 0)?, bias)?;
             Self::new(gate_up, down, Activation::SwiGlu)
