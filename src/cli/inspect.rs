@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use multihead::attention::{MhaConfig, MultiheadAttention};
-use multihead::models::checkpoint::{wanted_tensors, Checkpoint, MinWeights, NonFinite, Preflight};
+use multihead::models::checkpoint::{
+    wanted_tensors, Checkpoint, MinWeights, ModelFiles, NonFinite, Preflight,
+};
 use multihead::models::decoder::{DecoderModel, HfDecoderConfig};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
 use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
 use multihead::models::vit::{folder, VisionTransformer, VitConfig};
-
-use super::model_files::WeightsPath;
 
 /// Entries of each list the text output shows without `--all`: a header
 /// of 100,000 tensors prints a screenful and a count, not 100,000 lines.
@@ -51,7 +51,7 @@ struct ConfigCheck {
 /// Runs the command.
 pub fn run(args: Args) -> Result<()> {
     // A folder means its weights as `--weights DIR` finds them.
-    let at = WeightsPath::resolve(&args.file)?;
+    let at = ModelFiles::resolve(&args.file)?;
     let ckpt = at.read()?;
     let layout = recognise(ckpt.tensors());
     let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();

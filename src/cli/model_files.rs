@@ -1,14 +1,15 @@
 //! Where a command's model comes from: `--weights PATH` (a weights file, or
 //! a folder holding `model.safetensors`, with the config and any vocabulary
-//! beside it), or, without `--weights`, the demo models built into the
-//! binary, so that an installed or copied `multihead` runs from any
-//! directory. Both go through [`Checkpoint`]'s checks: the built-in bytes
+//! beside it: [`multihead::models::checkpoint::ModelFiles`], as every
+//! model kind resolves it), or, without `--weights`, the demo models built
+//! into the binary, so that an installed or copied `multihead` runs from
+//! any directory. Both go through [`Checkpoint`]'s checks: the built-in bytes
 //! are parsed by [`Checkpoint::from_bytes`] exactly as a file would be.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::{Context, Result};
-use multihead::models::checkpoint::{Checkpoint, Weights};
+use anyhow::Result;
+use multihead::models::checkpoint::Checkpoint;
 use multihead::models::files;
 
 /// A text file of a model (config, vocabulary): its contents and the name
@@ -35,59 +36,6 @@ impl Text {
             label: format!("built-in '{name}'"),
             text: text.to_string(),
         }
-    }
-}
-
-/// `--weights PATH` resolved: the weights file and the folder its config
-/// (and vocabulary) are read from.
-#[derive(Debug, Clone)]
-pub struct WeightsPath {
-    pub weights: Weights,
-    pub dir: PathBuf,
-}
-
-impl WeightsPath {
-    /// A folder means its weights as every model kind finds them
-    /// ([`Weights::find`]: `model.safetensors`, a shard index, or the one
-    /// `*.safetensors` file) with its files beside them; a file means that
-    /// file (a `.safetensors` or a shard index), with its config in the
-    /// same folder.
-    pub fn resolve(path: &Path) -> Result<Self> {
-        let meta =
-            std::fs::metadata(path).with_context(|| format!("reading weights '{}'", path.display()))?;
-        if meta.is_dir() {
-            return Ok(Self {
-                weights: Weights::find(path)?,
-                dir: path.to_path_buf(),
-            });
-        }
-        // A device or FIFO is refused here, before its config is looked for.
-        files::regular_file_len(path, "weights")?;
-        let dir = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let is_index = path
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().ends_with(".index.json"));
-        Ok(Self {
-            weights: if is_index {
-                Weights::Sharded(path.to_path_buf())
-            } else {
-                Weights::File(path.to_path_buf())
-            },
-            dir,
-        })
-    }
-
-    /// The checkpoint (shards merged).
-    pub fn read(&self) -> Result<Checkpoint> {
-        Ok(self.weights.read()?)
-    }
-
-    /// `name` in the weights' folder.
-    pub fn beside(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
     }
 }
 

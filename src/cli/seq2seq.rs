@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
+use multihead_models::checkpoint::ModelFiles;
 use multihead_models::dates::{self, DateOrder, DateReading, StatedYear};
 use multihead_models::generation::{
     Decoding, Generated, LogitsProcessor, Temperature, TokenConstraint, TopK, TopP,
@@ -14,7 +15,7 @@ use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig
 
 use super::heatmap;
 use super::input::{preview, read_lines};
-use super::model_files::{self, Text, WeightsPath};
+use super::model_files::{self, Text};
 
 /// Sources translated per forward pass.
 const BATCH: usize = 64;
@@ -143,7 +144,7 @@ impl Translator {
         let (config, vocab, ckpt) = match weights {
             None => model_files::dates()?,
             Some(path) => {
-                let at = WeightsPath::resolve(path)?;
+                let at = ModelFiles::resolve(path)?;
                 let config = Text::read(&at.beside("config.json"), "config")?;
                 let vocab = Text::read(&at.beside("vocab.json"), "vocab")?;
                 (config, vocab, at.read()?)

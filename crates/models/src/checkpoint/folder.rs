@@ -1,13 +1,15 @@
-//! Where a model folder keeps its weights, for every model kind (ViT,
-//! decoders): the sharded index, `model.safetensors`, or the one
-//! `*.safetensors` file; pickles refused with the command that converts
-//! them.
+//! Model folders, for every model kind (ViT, decoders, the seq2seq model,
+//! the binary's commands and `inspect`): a path resolved to its weights
+//! (the sharded index, `model.safetensors`, or the one `*.safetensors`
+//! file; pickles refused with the command that converts them) and the
+//! folder its config and other files are read from, each read capped.
 
 use std::path::{Path, PathBuf};
 
 use candle::{bail, Result};
 
-use super::file::Checkpoint;
+use super::file::{pickle_error, Checkpoint};
+use crate::files;
 
 /// The index of a sharded checkpoint.
 pub(crate) const INDEX_NAME: &str = "model.safetensors.index.json";
@@ -90,5 +92,137 @@ impl Weights {
         match self {
             Self::File(p) | Self::Sharded(p) => p,
         }
+    }
+}
+
+/// A model as a path names it: a folder, or a weights file (a
+/// `.safetensors` file or a shard index) in one. The one resolution every
+/// model kind and command goes through; its config and other files are
+/// read from [`ModelFiles::dir`], each capped in size
+/// ([`ModelFiles::read_text`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelFiles {
+    weights: Weights,
+    dir: PathBuf,
+}
+
+impl ModelFiles {
+    /// A folder means its weights as [`Weights::find`] finds them; a file
+    /// means that file, with the folder it is in. Refused before any config
+    /// is read: a path that does not exist, a device or FIFO, a pickle
+    /// (with the command that converts it), a JSON file other than a
+    /// shard index.
+    pub fn resolve(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            bail!("reading weights '{}': no such file or folder", path.display())
+        }
+        if path.is_dir() {
+            return Ok(Self {
+                weights: Weights::find(path)?,
+                dir: path.to_path_buf(),
+            });
+        }
+        files::regular_file_len(path, "weights")?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_ascii_lowercase())
+            .unwrap_or_default();
+        let weights = if name.ends_with(".index.json") {
+            Weights::Sharded(path.to_path_buf())
+        } else if name.ends_with(".json") {
+            bail!(
+                "'{}' is a JSON file, not weights: pass the folder, a .safetensors file or {INDEX_NAME}",
+                path.display()
+            )
+        } else if [".bin", ".pt", ".pth", ".ckpt", ".pkl"]
+            .iter()
+            .any(|ext| name.ends_with(ext))
+        {
+            return Err(pickle_error(&path.display().to_string()));
+        } else {
+            Weights::File(path.to_path_buf())
+        };
+        let dir = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        Ok(Self { weights, dir })
+    }
+
+    /// Where the weights are.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// The folder the config and the other files are read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `name` in [`ModelFiles::dir`].
+    pub fn beside(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The text of `name` in [`ModelFiles::dir`] (a config, vocabulary,
+    /// tokenizer config), at most [`files::MAX_CONFIG_BYTES`]; errors name
+    /// it as `what` and give its path.
+    pub fn read_beside(&self, name: &str, what: &str) -> Result<String> {
+        files::read_text(&self.beside(name), what, files::MAX_CONFIG_BYTES)
+    }
+
+    /// The checkpoint: the file mapped, or the shards merged.
+    pub fn read(&self) -> Result<Checkpoint> {
+        self.weights.read()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::{ModelFiles, Weights, INDEX_NAME};
+
+    fn err(path: &Path) -> String {
+        ModelFiles::resolve(path).unwrap_err().to_string()
+    }
+
+    /// A folder, a weights file and a shard index resolve to their weights
+    /// and the folder beside them; a missing path, a pickle and a JSON file
+    /// that is no index are refused, each naming the path.
+    #[test]
+    fn paths_resolve_to_weights_and_their_folder() -> candle::Result<()> {
+        let dir = std::env::temp_dir().join(format!("multihead-model-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let model = dir.join("model.safetensors");
+        std::fs::write(&model, b"not read here")?;
+        let folder = ModelFiles::resolve(&dir)?;
+        assert_eq!(folder.weights(), &Weights::File(model.clone()));
+        assert_eq!(
+            (folder.dir(), folder.beside("config.json")),
+            (dir.as_path(), dir.join("config.json"))
+        );
+        assert_eq!(ModelFiles::resolve(&model)?, folder);
+        let index = dir.join(INDEX_NAME);
+        std::fs::write(&index, b"{}")?;
+        assert_eq!(
+            ModelFiles::resolve(&index)?.weights(),
+            &Weights::Sharded(index.clone())
+        );
+        assert_eq!(ModelFiles::resolve(&dir)?.weights(), &Weights::Sharded(index));
+        let missing = dir.join("nowhere");
+        assert!(
+            err(&missing).contains("no such file or folder"),
+            "{}",
+            err(&missing)
+        );
+        for (name, says) in [("pytorch_model.bin", "pickle"), ("config.json", "is a JSON file")] {
+            let path = dir.join(name);
+            std::fs::write(&path, b"{}")?;
+            let e = err(&path);
+            assert!(e.contains(says) && e.contains(name), "{name}: {e}");
+        }
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
     }
 }

@@ -22,7 +22,6 @@ mod shards;
 
 pub use capacity::{checked_product, MinWeights};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
-pub use folder::Weights;
-pub(crate) use folder::INDEX_NAME;
+pub use folder::{ModelFiles, Weights};
 pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
 pub use shards::read_index;

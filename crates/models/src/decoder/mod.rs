@@ -39,7 +39,7 @@ use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::{wanted_tensors, Checkpoint, LoadProgress, Wanted, Weights};
+use crate::checkpoint::{wanted_tensors, Checkpoint, LoadProgress, ModelFiles, Wanted};
 use crate::generation::{
     generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
 };
@@ -235,11 +235,12 @@ pub enum DecoderModel {
 }
 
 impl DecoderModel {
-    /// Loads `dir/config.json` and the weights ([`Weights::find`]:
+    /// Loads `dir/config.json` and the weights ([`ModelFiles::resolve`]:
     /// `model.safetensors`, the shards `model.safetensors.index.json`
-    /// lists, or the one `*.safetensors` file) as HF transformers'
-    /// `save_pretrained` writes them, through the checked loader (every
-    /// missing, extra or mis-shaped tensor named at once).
+    /// lists, or the one `*.safetensors` file; or a weights file, its
+    /// config beside it) as HF transformers' `save_pretrained` writes
+    /// them, through the checked loader (every missing, extra or
+    /// mis-shaped tensor named at once).
     pub fn from_folder(dir: &Path, device: &Device) -> Result<Self> {
         Self::from_folder_with_progress(dir, device, None)
     }
@@ -251,10 +252,10 @@ impl DecoderModel {
         device: &Device,
         progress: Option<LoadProgress>,
     ) -> Result<Self> {
-        let config = dir.join("config.json");
-        let text = crate::files::read_text(&config, "config", crate::files::MAX_CONFIG_BYTES)?;
-        let cfg = HfDecoderConfig::from_json(&text, &config.display().to_string())?;
-        let ckpt = Weights::find(dir)?.read()?;
+        let files = ModelFiles::resolve(dir)?;
+        let text = files.read_beside("config.json", "config")?;
+        let cfg = HfDecoderConfig::from_json(&text, &files.beside("config.json").display().to_string())?;
+        let ckpt = files.read()?;
         Self::from_checkpoint(&cfg, &ckpt.with_progress(progress), device)
     }
 

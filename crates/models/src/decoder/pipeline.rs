@@ -11,7 +11,7 @@ use super::{
     generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderModel, HfGenerationConfig,
     TextTokenizer,
 };
-use crate::checkpoint::LoadProgress;
+use crate::checkpoint::{LoadProgress, ModelFiles};
 use crate::generation::{
     Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TopK, TopP,
 };
@@ -109,11 +109,13 @@ impl TextGenerator {
         device: &Device,
         progress: Option<LoadProgress>,
     ) -> Result<Self> {
-        let tokenizer = TextTokenizer::from_folder(dir)?;
-        let generation = HfGenerationConfig::from_folder(dir)?;
-        let chat = ChatTemplate::from_folder(dir)?;
+        // The folder, also where a weights file inside one is named.
+        let folder = ModelFiles::resolve(dir)?.dir().to_path_buf();
+        let tokenizer = TextTokenizer::from_folder(&folder)?;
+        let generation = HfGenerationConfig::from_folder(&folder)?;
+        let chat = ChatTemplate::from_folder(&folder)?;
         let model = DecoderModel::from_folder_with_progress(dir, device, progress)?;
-        Ok(Self::new(model, tokenizer, generation, &dir.display().to_string())?.with_chat_template(chat))
+        Ok(Self::new(model, tokenizer, generation, &folder.display().to_string())?.with_chat_template(chat))
     }
 
     /// The three parts, checked against each other; `label` names the

@@ -22,14 +22,13 @@ use std::path::{Path, PathBuf};
 
 use candle::{bail, DType, Device, Result};
 
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, ModelFiles};
 use crate::vit::config::VitConfig;
 use crate::vit::folder::hf::HfArchitecture;
 use crate::vit::folder::json::parse_object;
 use crate::vit::model::VisionTransformer;
 
 pub use crate::checkpoint::Weights;
-use crate::checkpoint::INDEX_NAME;
 pub use crate::files::MAX_CONFIG_BYTES;
 
 /// Which writer the `config.json` comes from.
@@ -78,36 +77,9 @@ impl ModelFolder {
     /// [`Self::open`] with the config at `config` instead of beside the
     /// weights (any of the three formats).
     pub fn open_with_config(path: &Path, config: Option<&Path>) -> Result<Self> {
-        if !path.exists() {
-            bail!("reading weights '{}': no such file or folder", path.display())
-        }
-        let weights = if path.is_dir() {
-            Weights::find(path)?
-        } else {
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            if name.ends_with(".index.json") {
-                Weights::Sharded(path.to_path_buf())
-            } else if name.ends_with(".json") {
-                bail!(
-                    "'{}' is a JSON file, not weights: pass the folder, a .safetensors file or {INDEX_NAME}",
-                    path.display()
-                )
-            } else {
-                Weights::File(path.to_path_buf())
-            }
-        };
-        if let Weights::File(p) = &weights {
-            let ext = p
-                .extension()
-                .and_then(|e| e.to_str())
-                .map(str::to_ascii_lowercase);
-            if matches!(ext.as_deref(), Some("bin" | "pt" | "pth" | "ckpt" | "pkl")) {
-                // The same refusal reading it would give, before any config.
-                return Err(crate::checkpoint::file::pickle_error(&p.display().to_string()));
-            }
-        }
-        let dir = weights.path().parent().map(Path::to_path_buf).unwrap_or_default();
-        let config_path = config.map_or_else(|| dir.join("config.json"), Path::to_path_buf);
+        let files = ModelFiles::resolve(path)?;
+        let weights = files.weights().clone();
+        let config_path = config.map_or_else(|| files.beside("config.json"), Path::to_path_buf);
         if config.is_none() && !config_path.is_file() {
             bail!(
                 "no config.json beside weights '{}' (a VitConfig, HF transformers or timm config.json); \
