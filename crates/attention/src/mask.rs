@@ -176,10 +176,16 @@ pub struct Mask {
     pub attn: Option<AttnMask>,
     /// Sliding window: with the causal rule, query `i` sees only the
     /// `window` keys ending at its diagonal, `j > i + offset - window`.
-    /// Tiles wholly outside the window are skipped.
+    /// Tiles wholly outside the window are skipped. For
+    /// [`crate::scaled_dot_product_attention`]; a [`crate::MultiheadAttention`]
+    /// takes its window from [`crate::MhaConfig::sliding_window`] and
+    /// refuses one here.
     pub window: Option<usize>,
     /// ALiBi: a per-head linear bias on the distance between query and key,
-    /// computed where the scores are, never as a matrix.
+    /// computed where the scores are, never as a matrix. For
+    /// [`crate::scaled_dot_product_attention`]; a [`crate::MultiheadAttention`]
+    /// takes ALiBi from its config ([`crate::PositionEncoding::Alibi`]) and
+    /// refuses it here.
     pub alibi: Option<Alibi>,
 }
 

@@ -517,15 +517,28 @@ impl MultiheadAttention {
         call.output(self.attend(&q, &k, &v, &mask, 0, opts)?)
     }
 
-    /// `mask` with the config's sliding window and ALiBi added where it
-    /// has none of its own, checked against `(batch, heads, q_len,
-    /// kv_len)`: the mask every entry point attends with.
+    /// `mask` with the config's sliding window and ALiBi, checked against
+    /// `(batch, heads, q_len, kv_len)`: the mask every entry point attends
+    /// with. A module's window and ALiBi are configured in its
+    /// [`MhaConfig`] only (`sliding_window`, [`PositionEncoding::Alibi`]);
+    /// a call's mask that sets either is refused, so that neither can be
+    /// set in two places that disagree.
     fn mask_for(&self, mask: &Mask, batch: usize, q_len: usize, kv_len: usize) -> Result<Mask> {
-        let mut mask = mask.clone();
-        if mask.window.is_none() {
-            mask.window = self.cfg.sliding_window;
+        if mask.window.is_some() {
+            bail!(
+                "MultiheadAttention: a sliding window is configured in MhaConfig::sliding_window, \
+                 not in the call's Mask (Mask::with_window is for scaled_dot_product_attention)"
+            )
         }
-        if mask.alibi.is_none() && self.cfg.position == PositionEncoding::Alibi {
+        if mask.alibi.is_some() {
+            bail!(
+                "MultiheadAttention: ALiBi is configured in MhaConfig::position (PositionEncoding::Alibi), \
+                 not in the call's Mask (Mask::with_alibi is for scaled_dot_product_attention)"
+            )
+        }
+        let mut mask = mask.clone();
+        mask.window = self.cfg.sliding_window;
+        if self.cfg.position == PositionEncoding::Alibi {
             mask.alibi = Some(Alibi::new(self.cfg.num_heads));
         }
         mask.validate(batch, self.cfg.num_heads, q_len, kv_len)?;

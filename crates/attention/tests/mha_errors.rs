@@ -192,3 +192,39 @@ fn weight_files_with_missing_or_misshaped_tensors_are_named() -> Result<()> {
     assert_err(load(good, &cfg.with_kv_dims(8, 8)), &["q_proj_weight"]);
     Ok(())
 }
+
+/// A module's sliding window and ALiBi are configured in its `MhaConfig`
+/// only: a call's mask that sets either is refused on every entry point,
+/// naming the config field, so that the two cannot disagree.
+#[test]
+fn window_and_alibi_come_from_the_config_only() -> Result<()> {
+    use multihead_attention::{Alibi, Causal, KvCache};
+    let m = mha(&MhaConfig::new(E, 4).with_sliding_window(3))?;
+    let x = randn(&[1, 5, E]);
+    let masks = [
+        (
+            Mask::causal(Causal::TopLeft).with_window(2),
+            "MhaConfig::sliding_window",
+        ),
+        (
+            Mask::causal(Causal::TopLeft).with_alibi(Alibi::new(4)),
+            "PositionEncoding::Alibi",
+        ),
+    ];
+    for (mask, names) in masks {
+        let opts = MhaOptions::new().with_mask(mask.clone());
+        assert_err(m.forward_attn(&x, &x, &x, &opts), &[names]);
+        let (k, v) = m.project_kv(&x, &x)?;
+        assert_err(m.forward_projected(&x, &k, &v, &opts), &[names]);
+        let cached = MhaOptions::new().with_mask(Mask { causal: None, ..mask });
+        assert_err(m.forward_cached(&x, &mut KvCache::default(), &cached), &[names]);
+    }
+    // A call without a window or ALiBi of its own runs with the config's.
+    m.forward_attn(
+        &x,
+        &x,
+        &x,
+        &MhaOptions::new().with_mask(Mask::causal(Causal::TopLeft)),
+    )?;
+    Ok(())
+}
