@@ -386,7 +386,7 @@ def decoders(args, env):
         model = cls(cfg).eval()
         tmp = tempfile.mkdtemp()
         model.save_pretrained(tmp, safe_serialization=True)
-        print(f"weights: {tmp} (for target/release/examples/bench_models decoder {tmp})")
+        print(f"weights: {tmp} (for target/release/examples/bench_models decoder {tmp})", file=sys.stderr)
         ids = lambda n: torch.tensor([[(i * 7919 + 13) % cfg.vocab_size for i in range(n)]])
 
         with torch.no_grad():
