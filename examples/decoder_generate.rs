@@ -37,9 +37,7 @@ fn main() -> Result<()> {
     let eos = model.vocab_size() as u32 - 1;
     let greedy = GenerateConfig {
         max_len: 12,
-        start_id: 0,
         eos_id: eos,
-        pad_id: 0,
         ..GenerateConfig::default()
     };
     let sampled = greedy.clone().with_decoding(Decoding::Sample { seed: 7 });

@@ -88,9 +88,7 @@ fn greedy_generation_gives_hf_tokens() -> Result<()> {
         let max_new = f.case["max_new_tokens"].as_u64().context("max_new_tokens")? as usize;
         let cfg = GenerateConfig {
             max_len: max_new,
-            start_id: 0,
             eos_id: eos,
-            pad_id: 0,
             ..GenerateConfig::default()
         };
         // Equal-length prompts, then the left-padded batch (row 1 shorter).

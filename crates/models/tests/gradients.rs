@@ -143,20 +143,19 @@ fn dropout_only_in_training() -> Result<()> {
 /// A small one-channel ViT with LayerScale: `VitConfig::new`'s arguments
 /// and the number of classes.
 fn small_vit(img: usize, dim: usize, depth: usize, heads: usize, classes: usize) -> VitConfig {
-    let mut cfg = VitConfig {
+    VitConfig {
         img_size: img,
         patch_size: 4,
         embed_dim: dim,
         depth,
         num_heads: heads,
+        in_chans: 1,
+        num_classes: classes,
+        image_mean: vec![0.5],
+        image_std: vec![0.5],
+        init_values: Some(0.1),
         ..VitConfig::default()
-    };
-    cfg.in_chans = 1;
-    cfg.num_classes = classes;
-    cfg.image_mean = vec![0.5];
-    cfg.image_std = vec![0.5];
-    cfg.init_values = Some(0.1);
-    cfg
+    }
 }
 
 #[test]

@@ -249,9 +249,7 @@ fn non_finite_logits_and_overflowing_temperatures_are_errors() -> Result<()> {
         )?;
     let cfg = GenerateConfig {
         max_len: 5,
-        start_id: 0,
         eos_id: 1,
-        pad_id: 0,
         ..GenerateConfig::default()
     };
     for dir in [dir, tiny_rope] {
@@ -296,9 +294,7 @@ fn sampling_follows_the_source_not_its_batch() -> Result<()> {
     let prompts = vec![vec![5u32, 6, 7, 8], vec![9, 10, 11, 12], vec![13, 14, 15, 16]];
     let cfg = GenerateConfig {
         max_len: 8,
-        start_id: 0,
         eos_id: 1,
-        pad_id: 0,
         ..GenerateConfig::default()
     }
     .with_decoding(Decoding::Sample { seed: 42 })
@@ -383,9 +379,7 @@ fn the_context_bounds_generation_before_it_starts() -> Result<()> {
     // Whatever the model picks, no step may feed a position past 63.
     let cfg = GenerateConfig {
         max_len: 10,
-        start_id: 0,
         eos_id: 0,
-        pad_id: 0,
         ..GenerateConfig::default()
     };
     let out = generate_from_prompts(&model, std::slice::from_ref(&prompt), 0, &cfg, &[])?;
@@ -430,9 +424,7 @@ fn empty_batches_give_empty_outputs_everywhere() -> Result<()> {
     let model = DecoderModel::from_folder(&fixture_dir("decoders").join("llama"), &dev)?;
     let cfg = GenerateConfig {
         max_len: 4,
-        start_id: 0,
         eos_id: 1,
-        pad_id: 0,
         ..GenerateConfig::default()
     };
     assert!(generate_from_prompts(&model, &[], 0, &cfg, &[])?.is_empty());

@@ -14,20 +14,19 @@ use multihead_models::vit::{VisionTransformer, VitConfig};
 
 /// A ViT small enough to build in a test: 8x8 grayscale, 4x4 patches.
 fn tiny_cfg() -> VitConfig {
-    let mut cfg = VitConfig {
+    VitConfig {
         img_size: 8,
         patch_size: 4,
         embed_dim: 8,
         depth: 1,
         num_heads: 2,
+        in_chans: 1,
+        num_classes: 3,
+        mlp_ratio: 2.,
+        image_mean: vec![0.5],
+        image_std: vec![0.5],
         ..VitConfig::default()
-    };
-    cfg.in_chans = 1;
-    cfg.num_classes = 3;
-    cfg.mlp_ratio = 2.;
-    cfg.image_mean = vec![0.5];
-    cfg.image_std = vec![0.5];
-    cfg
+    }
 }
 
 /// The tiny ViT's randomly initialised tensors, by name.

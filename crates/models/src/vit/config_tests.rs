@@ -70,9 +70,9 @@ fn json_defaults_and_unknown_fields() -> Result<()> {
         embed_dim: 64,
         depth: 2,
         num_heads: 4,
+        hydra_layers: vec![1, 2],
         ..VitConfig::default()
     };
-    cfg.hydra_layers = vec![1, 2];
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("block 2"), "{err}");
     cfg.hydra_layers = vec![1];

@@ -203,9 +203,9 @@ mod tests {
             embed_dim: 64,
             depth: 1,
             num_heads: 4,
+            image_resize: ImageResize::ShortSideCrop { short_side: 248 },
             ..VitConfig::default()
         };
-        cfg.image_resize = ImageResize::ShortSideCrop { short_side: 248 };
         // 640x480 (w x h): short side 480 -> 248, long int(248 * 640 / 480) = 330.
         assert_eq!(resize_size(&cfg, (480, 640), (224, 224))?, (248, 330));
         assert_eq!(resize_size(&cfg, (640, 480), (224, 224))?, (330, 248));
@@ -238,12 +238,12 @@ mod tests {
             embed_dim: 8,
             depth: 1,
             num_heads: 2,
+            in_chans: 1,
+            image_mean: vec![0.5],
+            image_std: vec![0.25],
+            image_resize: ImageResize::AsIs,
             ..VitConfig::default()
         };
-        cfg.in_chans = 1;
-        cfg.image_mean = vec![0.5];
-        cfg.image_std = vec![0.25];
-        cfg.image_resize = ImageResize::AsIs;
         let px: Vec<f32> = (0..16).map(|i| (i * 17) as f32).collect();
         let want: Vec<f32> = px.iter().map(|&p| (p / 255. - 0.5) / 0.25).collect();
         for resampler in [Resampler::Torch, Resampler::Pil] {

@@ -123,10 +123,10 @@ pub fn parse(text: &str, file: &str, pre: Option<(&str, &str)>) -> Result<(VitCo
         embed_dim: hidden,
         depth,
         num_heads: heads,
+        in_chans: chans,
+        mlp_ratio: inter as f64 / hidden as f64,
         ..VitConfig::default()
     };
-    cfg.in_chans = chans;
-    cfg.mlp_ratio = inter as f64 / hidden as f64;
     if cfg.mlp_hidden_dim() != inter {
         return Err(f.error(
             "intermediate_size",

@@ -58,10 +58,10 @@ pub fn architecture(name: &str) -> Option<VitConfig> {
         embed_dim: d,
         depth,
         num_heads: heads,
+        dist_token: distilled,
+        head_dist: distilled,
         ..VitConfig::default()
     };
-    cfg.dist_token = distilled;
-    cfg.head_dist = distilled;
     if family == "deit3" {
         cfg.no_embed_class = true;
         cfg.init_values = Some(1e-6);
