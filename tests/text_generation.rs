@@ -488,3 +488,129 @@ fn stop_strings_stop_where_hf_stops() -> Result<()> {
     }
     Ok(())
 }
+
+/// Each token's bytes ([`TextTokenizer::token_bytes`]) are what the
+/// tokenizers crate decodes it to, wherever that decode is whole UTF-8
+/// (byte-level tokens that are part of a character decode to U+FFFD there,
+/// and are checked through the runs they form below); special tokens have
+/// none, and ids past the tokenizer have none.
+#[test]
+fn token_bytes_are_what_the_tokenizer_decodes() -> Result<()> {
+    for name in ["gpt2-bpe", "llama2-sp", "llama3"] {
+        let tok = TextTokenizer::from_folder(&fixtures().join(name))?;
+        let n = tok.vocab_size();
+        let bytes = tok.token_bytes(n + 3);
+        assert!(
+            bytes[n..].iter().all(Option::is_none),
+            "{name}: ids past the tokenizer"
+        );
+        let mut checked = 0;
+        for (id, b) in bytes[..n].iter().enumerate() {
+            let Some(b) = b else { continue };
+            let Ok(text) = std::str::from_utf8(b) else {
+                continue;
+            };
+            // A SentencePiece decoder drops the space of a word's first
+            // token at the start of a text: compare after one.
+            let decoded = tok.decode(&[id as u32])?;
+            assert!(
+                decoded == text || decoded == text.trim_start_matches(' '),
+                "{name}: token {id}: {decoded:?} against {text:?}"
+            );
+            checked += 1;
+        }
+        assert!(checked > n / 2, "{name}: only {checked} of {n} tokens checked");
+    }
+    // The byte-level vocabulary splits multi-byte characters across tokens:
+    // their bytes join into the characters.
+    let tok = TextTokenizer::from_folder(&fixtures().join("gpt2-bpe"))?;
+    let ids = tok.encode_plain("中文字符 한국어 ミ")?;
+    let bytes = tok.token_bytes(tok.vocab_size());
+    let joined: Vec<u8> = ids
+        .iter()
+        .flat_map(|&i| bytes[i as usize].clone().unwrap_or_default())
+        .collect();
+    assert_eq!(String::from_utf8(joined)?, "中文字符 한국어 ミ");
+    assert!(ids
+        .iter()
+        .any(|&i| std::str::from_utf8(bytes[i as usize].as_deref().unwrap_or(b"")).is_err()));
+    Ok(())
+}
+
+/// Whether a constrained output is what its regex allows.
+type Check<'a> = &'a dyn Fn(&str) -> bool;
+
+/// A regex constraint over real vocabularies (byte-level BPE, SentencePiece
+/// with byte fallback): greedy continuations of random models match a date
+/// pattern, one of several words, and a CJK string whose characters the
+/// byte-level tokens split, each ending with the end token; through the
+/// library and the binary.
+#[test]
+fn constrained_continuations_match_their_regex() -> Result<()> {
+    let is_date = |t: &str| {
+        t.len() == 10
+            && t.bytes().enumerate().all(|(i, b)| match i {
+                4 | 7 => b == b'-',
+                _ => b.is_ascii_digit(),
+            })
+    };
+    for name in ["gpt2-bpe", "llama2-sp", "llama3"] {
+        let g = TextGenerator::from_folder(&fixtures().join(name), &Device::Cpu)?;
+        let mut settings = g.settings();
+        settings.sampling = None;
+        settings.max_new_tokens = 24;
+        let cases: [(&str, Check); 3] = [
+            ("[0-9]{4}-[0-9]{2}-[0-9]{2}", &is_date),
+            ("(yes|no|maybe)", &|t: &str| ["yes", "no", "maybe"].contains(&t)),
+            ("日本語|한국어", &|t: &str| t == "日本語" || t == "한국어"),
+        ];
+        for (regex, ok) in cases {
+            settings.constraint = Some(regex.to_string());
+            let out = g.generate("The answer is", &settings, &mut |_| Ok(()))?;
+            assert!(ok(&out.text), "{name} {regex}: {:?}", out.text);
+            assert_eq!(out.finish, Finish::Eos, "{name} {regex}");
+        }
+    }
+    let out = multihead(
+        &[
+            "generate",
+            "--model",
+            &fixtures().join("gpt2-bpe").display().to_string(),
+            "--constraint",
+            "[0-9]{4}-[0-9]{2}-[0-9]{2}",
+            "Today is",
+        ],
+        None,
+    )?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout)?;
+    assert!(is_date(text.trim_end_matches('\n')), "{text:?}");
+    // A regex that does not parse, or that cannot fit the tokens left, is
+    // one line naming it.
+    for (regex, says) in [("(", "regex \"(\""), ("[0-9]{40}", "needs at least 40 tokens")] {
+        let out = multihead(
+            &[
+                "generate",
+                "--model",
+                &fixtures().join("gpt2-bpe").display().to_string(),
+                "--max-new-tokens",
+                "5",
+                "--constraint",
+                regex,
+                "x",
+            ],
+            None,
+        )?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && !stderr.contains("panicked"),
+            "{regex}: {stderr}"
+        );
+        let last = stderr.lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("error: ") && last.contains(says),
+            "{regex}: {stderr}"
+        );
+    }
+    Ok(())
+}

@@ -51,6 +51,12 @@ pub struct Args {
     /// given several times. Adds to the folder's `stop_strings`.
     #[arg(long, value_name = "TEXT")]
     pub stop: Vec<String>,
+    /// A regular expression the whole continuation must match (the `regex`
+    /// crate's syntax): only tokens after which it still can are chosen,
+    /// the end token once it does, e.g. `[0-9]{4}-[0-9]{2}-[0-9]{2}` or
+    /// `(yes|no)`.
+    #[arg(long, value_name = "REGEX")]
+    pub constraint: Option<String>,
     /// Seed of the samples: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -136,6 +142,7 @@ pub fn run(args: Args) -> Result<()> {
         settings.min_new_tokens = n;
     }
     settings.stop_strings.extend(args.stop.iter().cloned());
+    settings.constraint = args.constraint.clone();
     if args.greedy {
         settings.sampling = None;
     } else if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {

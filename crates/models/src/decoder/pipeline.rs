@@ -13,7 +13,8 @@ use super::{
 };
 use crate::checkpoint::{LoadProgress, ModelFiles};
 use crate::generation::{
-    Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TopK, TopP,
+    Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TokenConstraint,
+    TopK, TopP,
 };
 
 /// How a continuation is generated; [`TextGenerator::settings`] starts
@@ -31,6 +32,12 @@ pub struct GenerationSettings {
     /// Generation stops once the text holds one of these (HF's
     /// `stop_strings`); the text keeps it.
     pub stop_strings: Vec<String>,
+    /// A regular expression the whole continuation must match (the
+    /// `regex` crate's syntax, over the text's bytes): every step allows
+    /// only the tokens after which it still can, within the tokens left,
+    /// and the end token once it does
+    /// ([`crate::generation::TokenConstraint::from_regex_bytes`]).
+    pub constraint: Option<String>,
 }
 
 /// Sampling: the seed of the draws and the warpers, in HF's order.
@@ -186,6 +193,7 @@ impl TextGenerator {
             }),
             repetition_penalty: g.repetition_penalty.filter(|&p| p != 1.),
             stop_strings: g.stop_strings.clone(),
+            constraint: None,
         }
     }
 
@@ -277,8 +285,23 @@ impl TextGenerator {
             ),
             None => (None, None, None),
         };
-        // HF's order: processors (penalty, minimum length), then warpers.
+        let constraint = match &settings.constraint {
+            Some(regex) => {
+                let Some(&eos_id) = eos.first() else {
+                    bail!("a constraint needs an end token, and the folder's configs name none")
+                };
+                let tokens = self.tokenizer.token_bytes(self.model.vocab_size());
+                let c = TokenConstraint::from_regex_bytes(regex, &tokens, eos_id)?;
+                c.check_max_len(settings.max_new_tokens)?;
+                Some(c)
+            }
+            None => None,
+        };
+        // The constraint first, so that the warpers choose among the tokens
+        // it allows; then HF's order: processors (penalty, minimum length),
+        // then warpers.
         let mut processors: Vec<&dyn LogitsProcessor> = Vec::new();
+        processors.extend(constraint.iter().map(|p| p as &dyn LogitsProcessor));
         processors.extend(penalty.iter().map(|p| p as &dyn LogitsProcessor));
         processors.extend(min_len.iter().map(|p| p as &dyn LogitsProcessor));
         processors.extend(temperature.iter().map(|p| p as &dyn LogitsProcessor));

@@ -145,6 +145,40 @@ impl TextTokenizer {
         Ok(if self.clean_up { clean_up(&text) } else { text })
     }
 
+    /// The bytes each of the first `n` ids stands for in decoded text,
+    /// for constraints over byte strings
+    /// ([`crate::generation::TokenConstraint::from_regex_bytes`]): a
+    /// byte-level BPE's token through GPT-2's byte-to-character map (often
+    /// part of a UTF-8 character), a byte-fallback token (`<0xE6>`) its
+    /// byte, other tokens their text with SentencePiece's `▁` as a space.
+    /// `None` for special tokens and ids past the tokenizer (a padded
+    /// embedding's), which a constraint never allows.
+    pub fn token_bytes(&self, n: usize) -> Vec<Option<Vec<u8>>> {
+        let byte_level = self
+            .inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .is_some_and(|json| json.contains("\"ByteLevel\""));
+        let unicode_to_byte = gpt2_unicode_to_byte();
+        let added = self.inner.get_added_tokens_decoder();
+        (0..n as u32)
+            .map(|id| {
+                if let Some(t) = added.get(&id) {
+                    return (!t.special).then(|| t.content.as_bytes().to_vec());
+                }
+                let token = self.inner.id_to_token(id)?;
+                if self.is_byte_token(id) {
+                    return u8::from_str_radix(&token[3..5], 16).ok().map(|b| vec![b]);
+                }
+                if byte_level {
+                    token.chars().map(|c| unicode_to_byte.get(&c).copied()).collect()
+                } else {
+                    Some(token.replace('\u{2581}', " ").into_bytes())
+                }
+            })
+            .collect()
+    }
+
     /// Whether `id` is a byte-fallback token (`<0xE6>`).
     fn is_byte_token(&self, id: u32) -> bool {
         self.byte_tokens.binary_search(&id).is_ok()
@@ -241,4 +275,23 @@ impl TextStream<'_> {
         self.shown = text.to_string();
         Some(piece)
     }
+}
+
+/// GPT-2's byte-level alphabet read backwards: the printable bytes stand
+/// for themselves, the others for the characters from U+0100 on, in order
+/// (`bytes_to_unicode` in GPT-2's `encoder.py`).
+fn gpt2_unicode_to_byte() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            let c = if printable(b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(255 + next).unwrap_or(char::REPLACEMENT_CHARACTER)
+            };
+            (c, b)
+        })
+        .collect()
 }

@@ -15,6 +15,8 @@ const DEAD: u32 = u32::MAX;
 /// Most entries of the state × token table (64 MiB of `u32`): a big
 /// vocabulary times a big automaton is refused rather than allocated.
 const MAX_TABLE: usize = 16 << 20;
+/// Most bytes a regex's DFA may take while it is built and once built.
+const MAX_REGEX_DFA_BYTES: usize = 16 << 20;
 
 /// An allowed-token automaton: which tokens may follow a prefix so that the
 /// output can still match a pattern.
@@ -46,48 +48,117 @@ impl TokenConstraint {
     /// Refuses a pattern that no sequence of these tokens can match (it
     /// needs characters the vocabulary lacks, say).
     pub fn new(pattern: &Pattern, tokens: &[Option<String>], eos_id: u32) -> Result<Self> {
-        let v = tokens.len();
-        if eos_id as usize >= v {
-            bail!("TokenConstraint: eos_id {eos_id} is outside the vocabulary of {v}")
-        }
         let mut alphabet: Vec<char> = tokens.iter().flatten().flat_map(|t| t.chars()).collect();
         alphabet.sort_unstable();
         alphabet.dedup();
         let dfa = pattern.dfa(&alphabet)?;
+        Self::lift(
+            pattern.as_str(),
+            tokens.len(),
+            eos_id,
+            0usize,
+            |s, id| match &tokens[id] {
+                Some(t) if !t.is_empty() => dfa.walk(s, t),
+                _ => None,
+            },
+            |s| dfa.is_accepting(s),
+        )
+    }
+
+    /// Lifts a regular expression over bytes to a vocabulary of byte
+    /// strings (a byte-level BPE's tokens are partial UTF-8 as often as
+    /// not): `tokens[id]` is the bytes token `id` decodes to, `None` for
+    /// special tokens, and the whole output must match `regex` (the
+    /// `regex` crate's syntax, anchored at both ends, over UTF-8). The
+    /// automaton is `regex-automata`'s dense DFA, its size capped.
+    pub fn from_regex_bytes(regex: &str, tokens: &[Option<Vec<u8>>], eos_id: u32) -> Result<Self> {
+        use regex_automata::dfa::{dense, Automaton, StartKind};
+        use regex_automata::util::start;
+        use regex_automata::Anchored;
+        let max = super::parse::MAX_PATTERN_CHARS;
+        if regex.chars().take(max + 1).count() > max {
+            bail!(
+                "regex {} is too long: more than {max} characters",
+                super::parse::shown(regex)
+            )
+        }
+        let dfa = dense::Builder::new()
+            .configure(
+                dense::Config::new()
+                    .start_kind(StartKind::Anchored)
+                    .dfa_size_limit(Some(MAX_REGEX_DFA_BYTES))
+                    .determinize_size_limit(Some(MAX_REGEX_DFA_BYTES)),
+            )
+            .build(regex)
+            .map_err(|e| regex_error(regex, &e))?;
+        let start = dfa
+            .start_state(&start::Config::new().anchored(Anchored::Yes))
+            .map_err(|e| regex_error(regex, &e))?;
+        let live = |s| !dfa.is_dead_state(s) && !dfa.is_quit_state(s);
+        Self::lift(
+            regex,
+            tokens.len(),
+            eos_id,
+            start,
+            |s, id| match &tokens[id] {
+                Some(bytes) if !bytes.is_empty() => {
+                    let mut s = s;
+                    for &b in bytes {
+                        s = dfa.next_state(s, b);
+                        if !live(s) {
+                            return None;
+                        }
+                    }
+                    Some(s)
+                }
+                _ => None,
+            },
+            |s| dfa.is_match_state(dfa.next_eoi_state(s)),
+        )
+    }
+
+    /// The token automaton of a character or byte automaton whose states
+    /// are `S`, from `start`: `walk(s, id)` is the state after token `id`
+    /// (`None`: dead, special or empty), `accepting(s)` whether the output
+    /// may end there. `shown` names the pattern in errors.
+    fn lift<S: Copy + Eq + std::hash::Hash>(
+        shown: &str,
+        v: usize,
+        eos_id: u32,
+        start: S,
+        walk: impl Fn(S, usize) -> Option<S>,
+        accepting: impl Fn(S) -> bool,
+    ) -> Result<Self> {
+        if eos_id as usize >= v {
+            bail!("TokenConstraint: eos_id {eos_id} is outside the vocabulary of {v}")
+        }
+        let shown_pattern = super::parse::shown(shown);
         // The token graph over the states reachable from the start.
-        let mut index = vec![DEAD; dfa.len()];
-        let mut order = vec![0usize];
-        index[0] = 0;
+        let mut index: std::collections::HashMap<S, u32> = std::collections::HashMap::from([(start, 0)]);
+        let mut order = vec![start];
         let mut next: Vec<u32> = Vec::new();
         let mut i = 0;
         while i < order.len() {
             if (i + 1).saturating_mul(v) > MAX_TABLE {
                 bail!(
-                    "pattern {} is too large for a vocabulary of {v} tokens: its token automaton would exceed {MAX_TABLE} entries",
-                    pattern.shown()
+                    "pattern {shown_pattern} is too large for a vocabulary of {v} tokens: its token automaton would exceed {MAX_TABLE} entries"
                 )
             }
             let s = order[i];
-            for (id, tok) in tokens.iter().enumerate() {
-                let to = match tok {
-                    Some(t) if !t.is_empty() && id as u32 != eos_id => dfa.walk(s, t),
-                    _ => None,
-                };
+            for id in 0..v {
+                let to = if id as u32 == eos_id { None } else { walk(s, id) };
                 next.push(match to {
                     None => DEAD,
-                    Some(to) => {
-                        if index[to] == DEAD {
-                            index[to] = order.len() as u32;
-                            order.push(to);
-                        }
-                        index[to]
-                    }
+                    Some(to) => *index.entry(to).or_insert_with(|| {
+                        order.push(to);
+                        order.len() as u32 - 1
+                    }),
                 });
             }
             i += 1;
         }
         let n = order.len();
-        let accept: Vec<bool> = order.iter().map(|&s| dfa.is_accepting(s)).collect();
+        let accept: Vec<bool> = order.iter().map(|&s| accepting(s)).collect();
         // Fewest tokens to a match: breadth-first from the accepting states
         // along reversed edges.
         let mut rev: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -112,10 +183,7 @@ impl TokenConstraint {
             }
         }
         if dist[0] == u32::MAX {
-            bail!(
-                "pattern {} conflicts with the vocabulary: no sequence of its {v} tokens matches it",
-                pattern.shown()
-            )
+            bail!("pattern {shown_pattern} conflicts with the vocabulary: no sequence of its {v} tokens matches it")
         }
         // Edges into states that cannot reach a match are dead ends.
         for to in next.iter_mut() {
@@ -124,7 +192,7 @@ impl TokenConstraint {
             }
         }
         Ok(Self {
-            pattern: pattern.as_str().to_string(),
+            pattern: shown.to_string(),
             vocab_size: v,
             eos_id,
             next,
@@ -204,6 +272,20 @@ impl TokenConstraint {
     }
 }
 
+/// A regex's build error in one line: the error and its causes (the
+/// parser's, with the position), newlines folded.
+fn regex_error(regex: &str, e: &dyn std::error::Error) -> candle::Error {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    candle::Error::Msg(format!("regex {}: {text}", super::parse::shown(regex)))
+}
+
 impl LogitsProcessor for TokenConstraint {
     fn process(&self, ctx: &StepContext<'_>, scores: &mut [f32]) -> Result<()> {
         if scores.len() != self.vocab_size {
@@ -233,5 +315,39 @@ impl LogitsProcessor for TokenConstraint {
             )
         }
         self.check_max_len(max_len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenConstraint;
+
+    /// Over byte tokens that split a character (`日` is E6 97 A5), the
+    /// regex follows the bytes: `日` is reachable whole or in parts, a
+    /// part alone never matches, and the end token comes only after a
+    /// match.
+    #[test]
+    fn byte_tokens_may_split_characters() -> candle::Result<()> {
+        // 0: end, 1: E6, 2: 97 A5, 3: 日, 4: "a", 5: special.
+        let tokens = vec![
+            Some(Vec::new()),
+            Some(vec![0xE6]),
+            Some(vec![0x97, 0xA5]),
+            Some("日".as_bytes().to_vec()),
+            Some(b"a".to_vec()),
+            None,
+        ];
+        let c = TokenConstraint::from_regex_bytes("日a?", &tokens, 0)?;
+        assert_eq!(c.allowed(&[], 5), vec![1, 3]);
+        assert_eq!(c.allowed(&[1], 5), vec![2]);
+        assert_eq!(c.allowed(&[1, 2], 5), vec![0, 4]);
+        assert!(c.matches(&[1, 2]) && c.matches(&[3, 4]) && !c.matches(&[1]));
+        assert_eq!(c.min_tokens(), 1);
+        // Bytes that are no character can never match.
+        let err = TokenConstraint::from_regex_bytes("é", &tokens, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("conflicts with the vocabulary"), "{err}");
+        Ok(())
     }
 }

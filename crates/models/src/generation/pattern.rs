@@ -68,11 +68,6 @@ impl Pattern {
         &self.source
     }
 
-    /// The pattern quoted for a message, cut if long.
-    pub(crate) fn shown(&self) -> String {
-        shown(&self.source)
-    }
-
     fn state(&mut self) -> Result<usize> {
         if self.states.len() >= MAX_NFA_STATES {
             bail!(
@@ -222,10 +217,6 @@ pub(crate) struct CharDfa {
 }
 
 impl CharDfa {
-    pub(crate) fn len(&self) -> usize {
-        self.trans.len()
-    }
-
     pub(crate) fn is_accepting(&self, state: usize) -> bool {
         self.accept[state]
     }
