@@ -74,7 +74,7 @@ impl TokenConstraint {
     pub fn from_regex_bytes(regex: &str, tokens: &[Option<Vec<u8>>], eos_id: u32) -> Result<Self> {
         use regex_automata::dfa::{dense, Automaton, StartKind};
         use regex_automata::util::start;
-        use regex_automata::Anchored;
+        use regex_automata::{Anchored, MatchKind};
         let max = super::parse::MAX_PATTERN_CHARS;
         if regex.chars().take(max + 1).count() > max {
             bail!(
@@ -85,6 +85,9 @@ impl TokenConstraint {
         let dfa = dense::Builder::new()
             .configure(
                 dense::Config::new()
+                    // Every match, not the leftmost-first one: `yes`
+                    // matching first must not end `yesterday`'s path.
+                    .match_kind(MatchKind::All)
                     .start_kind(StartKind::Anchored)
                     .dfa_size_limit(Some(MAX_REGEX_DFA_BYTES))
                     .determinize_size_limit(Some(MAX_REGEX_DFA_BYTES)),
@@ -343,6 +346,12 @@ mod tests {
         assert_eq!(c.allowed(&[1, 2], 5), vec![0, 4]);
         assert!(c.matches(&[1, 2]) && c.matches(&[3, 4]) && !c.matches(&[1]));
         assert_eq!(c.min_tokens(), 1);
+        // Whole-output matching: an alternative that matches first does not
+        // cut off a longer one.
+        let words = vec![Some(Vec::new()), Some(b"yes".to_vec()), Some(b"terday".to_vec())];
+        let c = TokenConstraint::from_regex_bytes("yes|yesterday", &words, 0)?;
+        assert_eq!(c.allowed(&[1], 5), vec![0, 2]);
+        assert!(c.matches(&[1]) && c.matches(&[1, 2]));
         // Bytes that are no character can never match.
         let err = TokenConstraint::from_regex_bytes("é", &tokens, 0)
             .unwrap_err()
