@@ -578,7 +578,7 @@ fn constrained_continuations_match_their_regex() -> Result<()> {
             &fixtures().join("gpt2-bpe").display().to_string(),
             "--constraint",
             "[0-9]{4}-[0-9]{2}-[0-9]{2}",
-            "Today is",
+            "The date is",
         ],
         None,
     )?;

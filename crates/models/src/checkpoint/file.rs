@@ -51,6 +51,16 @@ fn export_hint(path: &str) -> String {
     )
 }
 
+/// Whether `path` names a PyTorch pickle by its extension (`.bin`, `.pt`,
+/// `.pth`, `.ckpt`, `.pkl`).
+pub(crate) fn is_pickle(path: &Path) -> bool {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    matches!(ext.as_deref(), Some("bin" | "pt" | "pth" | "ckpt" | "pkl"))
+}
+
 pub(crate) fn pickle_error(label: &str) -> candle::Error {
     candle::Error::Msg(format!(
         "'{label}' is a PyTorch pickle, not safetensors: loading a pickle can run arbitrary code, \
@@ -165,11 +175,7 @@ impl Checkpoint {
     /// `.ckpt`) with the command that converts them.
     pub fn read(path: &Path) -> Result<Self> {
         let label = path.display().to_string();
-        let ext = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase);
-        if matches!(ext.as_deref(), Some("bin" | "pt" | "pth" | "ckpt" | "pkl")) {
+        if is_pickle(path) {
             return Err(pickle_error(&label));
         }
         let len = crate::files::regular_file_len(path, "weights")?;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle::{bail, Result};
 
-use super::file::{pickle_error, Checkpoint};
+use super::file::{is_pickle, pickle_error, Checkpoint};
 use crate::files;
 
 /// The index of a sharded checkpoint.
@@ -42,14 +42,13 @@ impl Weights {
             .map_err(|e| candle::Error::Msg(format!("reading folder '{}': {e}", dir.display())))?;
         for entry in entries.flatten() {
             let path = entry.path();
-            let ext = path
+            if is_pickle(&path) {
+                pickles.push(path);
+            } else if path
                 .extension()
-                .and_then(|e| e.to_str())
-                .map(str::to_ascii_lowercase);
-            match ext.as_deref() {
-                Some("safetensors") => safetensors.push(path),
-                Some("bin" | "pt" | "pth" | "ckpt" | "pkl") => pickles.push(path),
-                _ => {}
+                .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
+            {
+                safetensors.push(path);
             }
         }
         safetensors.sort();
@@ -134,10 +133,7 @@ impl ModelFiles {
                 "'{}' is a JSON file, not weights: pass the folder, a .safetensors file or {INDEX_NAME}",
                 path.display()
             )
-        } else if [".bin", ".pt", ".pth", ".ckpt", ".pkl"]
-            .iter()
-            .any(|ext| name.ends_with(ext))
-        {
+        } else if is_pickle(path) {
             return Err(pickle_error(&path.display().to_string()));
         } else {
             Weights::File(path.to_path_buf())

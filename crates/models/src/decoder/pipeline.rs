@@ -3,6 +3,7 @@
 //! each prompt's continuation as it is generated.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle::{bail, Device, Result};
@@ -90,6 +91,10 @@ pub struct TextGenerator {
     tokenizer: TextTokenizer,
     generation: HfGenerationConfig,
     chat: Option<ChatTemplate>,
+    /// The last regex constraint lifted to the vocabulary, for the next
+    /// call with the same regex: lifting walks every token from every
+    /// state, the same work for every prompt.
+    last_constraint: Arc<Mutex<Option<Arc<TokenConstraint>>>>,
 }
 
 /// Tokens generated when neither the folder nor the caller says how many
@@ -147,6 +152,7 @@ impl TextGenerator {
             tokenizer,
             generation,
             chat: None,
+            last_constraint: Arc::default(),
         })
     }
 
@@ -174,6 +180,27 @@ impl TextGenerator {
     /// The folder's generation config.
     pub fn generation(&self) -> &HfGenerationConfig {
         &self.generation
+    }
+
+    /// `regex` lifted to the model's vocabulary with `eos_id` as the end
+    /// token: the one kept from the last call when its regex is the same.
+    fn constraint(&self, regex: &str, eos_id: u32) -> Result<Arc<TokenConstraint>> {
+        let kept = |c: &Arc<TokenConstraint>| c.pattern() == regex;
+        if let Some(c) = self
+            .last_constraint
+            .lock()
+            .ok()
+            .and_then(|k| k.clone())
+            .filter(kept)
+        {
+            return Ok(c);
+        }
+        let tokens = self.tokenizer.token_bytes(self.model.vocab_size());
+        let c = Arc::new(TokenConstraint::from_regex_bytes(regex, &tokens, eos_id)?);
+        if let Ok(mut k) = self.last_constraint.lock() {
+            *k = Some(Arc::clone(&c));
+        }
+        Ok(c)
     }
 
     /// The folder's defaults: its `max_new_tokens` (else
@@ -290,8 +317,7 @@ impl TextGenerator {
                 let Some(&eos_id) = eos.first() else {
                     bail!("a constraint needs an end token, and the folder's configs name none")
                 };
-                let tokens = self.tokenizer.token_bytes(self.model.vocab_size());
-                let c = TokenConstraint::from_regex_bytes(regex, &tokens, eos_id)?;
+                let c = self.constraint(regex, eos_id)?;
                 c.check_max_len(settings.max_new_tokens)?;
                 Some(c)
             }
@@ -301,7 +327,7 @@ impl TextGenerator {
         // it allows; then HF's order: processors (penalty, minimum length),
         // then warpers.
         let mut processors: Vec<&dyn LogitsProcessor> = Vec::new();
-        processors.extend(constraint.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(constraint.as_deref().map(|p| p as &dyn LogitsProcessor));
         processors.extend(penalty.iter().map(|p| p as &dyn LogitsProcessor));
         processors.extend(min_len.iter().map(|p| p as &dyn LogitsProcessor));
         processors.extend(temperature.iter().map(|p| p as &dyn LogitsProcessor));

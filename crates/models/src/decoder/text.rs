@@ -29,6 +29,9 @@ pub struct TextTokenizer {
     /// a run of them decodes as one group of bytes, so their text is not
     /// final until a token of another kind follows.
     byte_tokens: Vec<u32>,
+    /// Whether the decoder is GPT-2's byte-level one: tokens are bytes
+    /// written as characters ([`TextTokenizer::token_bytes`]).
+    byte_level: bool,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -92,11 +95,16 @@ impl TextTokenizer {
             .map(|(_, id)| id)
             .collect();
         byte_tokens.sort_unstable();
+        let byte_level = inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_string(d).ok())
+            .is_some_and(|json| json.contains("\"ByteLevel\""));
         Ok(Self {
             inner,
             label: label.to_string(),
             clean_up,
             byte_tokens,
+            byte_level,
         })
     }
 
@@ -154,11 +162,6 @@ impl TextTokenizer {
     /// `None` for special tokens and ids past the tokenizer (a padded
     /// embedding's), which a constraint never allows.
     pub fn token_bytes(&self, n: usize) -> Vec<Option<Vec<u8>>> {
-        let byte_level = self
-            .inner
-            .get_decoder()
-            .and_then(|d| serde_json::to_string(d).ok())
-            .is_some_and(|json| json.contains("\"ByteLevel\""));
         let unicode_to_byte = gpt2_unicode_to_byte();
         let added = self.inner.get_added_tokens_decoder();
         (0..n as u32)
@@ -170,7 +173,7 @@ impl TextTokenizer {
                 if self.is_byte_token(id) {
                     return u8::from_str_radix(&token[3..5], 16).ok().map(|b| vec![b]);
                 }
-                if byte_level {
+                if self.byte_level {
                     token.chars().map(|c| unicode_to_byte.get(&c).copied()).collect()
                 } else {
                     Some(token.replace('\u{2581}', " ").into_bytes())

@@ -85,8 +85,8 @@ impl TokenConstraint {
         let dfa = dense::Builder::new()
             .configure(
                 dense::Config::new()
-                    // Every match, not the leftmost-first one: `yes`
-                    // matching first must not end `yesterday`'s path.
+                    // Every match, not the leftmost-first one: `no`
+                    // matching first must not end `none`'s path.
                     .match_kind(MatchKind::All)
                     .start_kind(StartKind::Anchored)
                     .dfa_size_limit(Some(MAX_REGEX_DFA_BYTES))
@@ -348,8 +348,8 @@ mod tests {
         assert_eq!(c.min_tokens(), 1);
         // Whole-output matching: an alternative that matches first does not
         // cut off a longer one.
-        let words = vec![Some(Vec::new()), Some(b"yes".to_vec()), Some(b"terday".to_vec())];
-        let c = TokenConstraint::from_regex_bytes("yes|yesterday", &words, 0)?;
+        let words = vec![Some(Vec::new()), Some(b"no".to_vec()), Some(b"ne".to_vec())];
+        let c = TokenConstraint::from_regex_bytes("no|none", &words, 0)?;
         assert_eq!(c.allowed(&[1], 5), vec![0, 2]);
         assert!(c.matches(&[1]) && c.matches(&[1, 2]));
         // Bytes that are no character can never match.
