@@ -7,6 +7,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::elem::PanelElem;
 use crate::panel::{NR, STRIP_RS};
 
 /// Query rows per micro-kernel.
@@ -98,34 +99,37 @@ fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 }
 /// Picks the micro-kernel instance for a group of `rows` (1..=MR).
 macro_rules! by_rows {
-    ($rows:expr, $f:ident$(::<_, $acc:tt>)?($($arg:expr),*)) => {
+    ($rows:expr, $f:ident$(::<_, $($p:tt),+>)?($($arg:expr),*)) => {
         match $rows {
-            1 => $f::<1 $(, $acc)?>($($arg),*),
-            2 => $f::<2 $(, $acc)?>($($arg),*),
-            3 => $f::<3 $(, $acc)?>($($arg),*),
-            4 => $f::<4 $(, $acc)?>($($arg),*),
-            5 => $f::<5 $(, $acc)?>($($arg),*),
-            _ => $f::<MR $(, $acc)?>($($arg),*),
+            1 => $f::<1 $($(, $p)+)?>($($arg),*),
+            2 => $f::<2 $($(, $p)+)?>($($arg),*),
+            3 => $f::<3 $($(, $p)+)?>($($arg),*),
+            4 => $f::<4 $($(, $p)+)?>($($arg),*),
+            5 => $f::<5 $($(, $p)+)?>($($arg),*),
+            _ => $f::<MR $($(, $p)+)?>($($arg),*),
         }
     };
 }
 
 /// `out[r·out_rs + c] = Σₑ q[r·q_rs + e] · Kᵀ[e, c]` for `rows` rows, `d`
-/// dims and `panels · NR` keys (or output features), `+=` with `ACC`. With
+/// dims and `panels · NR` keys (or output features), `+=` with `ACC`; the
+/// panels hold f32, or a linear layer's bf16 or f16 weights
+/// ([`PanelElem`]), widened as they are loaded. With
 /// `maxes` `Some((m, cols))`, the softmax's row max comes with it: lane `c`
 /// of `m[r·16..]` becomes the largest of itself and row `r`'s scores of
 /// keys `c`, `c + 8`, … below `cols` (a NaN score may be skipped, as by
 /// `row_max`).
 ///
 /// # Safety
-/// AVX2+FMA; the pointers cover those extents (`m` `rows · 16` floats).
+/// AVX2, FMA and F16C; the pointers cover those extents (`m` `rows · 16`
+/// floats).
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn scores<const ACC: bool>(
+pub(crate) unsafe fn scores<const ACC: bool, E: PanelElem>(
     rows: usize,
     q: *const f32,
     q_rs: usize,
     d: usize,
-    kt: *const f32,
+    kt: *const E,
     panels: usize,
     out: *mut f32,
     out_rs: usize,
@@ -135,18 +139,18 @@ pub(crate) unsafe fn scores<const ACC: bool>(
     unsafe {
         by_rows!(
             rows,
-            scores_rows::<_, ACC>(q, q_rs, d, kt, panels, out, out_rs, maxes)
+            scores_rows::<_, ACC, E>(q, q_rs, d, kt, panels, out, out_rs, maxes)
         )
     }
 }
 
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scores_rows<const R: usize, const ACC: bool>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scores_rows<const R: usize, const ACC: bool, E: PanelElem>(
     q: *const f32,
     q_rs: usize,
     d: usize,
-    kt: *const f32,
+    kt: *const E,
     panels: usize,
     strip: *mut f32,
     out_rs: usize,
@@ -172,8 +176,8 @@ unsafe fn scores_rows<const R: usize, const ACC: bool>(
             macro_rules! step {
                 ($e:expr) => {{
                     let e = $e;
-                    let k0 = _mm256_loadu_ps(kt.add(e * NR));
-                    let k1 = _mm256_loadu_ps(kt.add(e * NR + 8));
+                    let k0 = E::load_ymm(kt.add(e * NR));
+                    let k1 = E::load_ymm(kt.add(e * NR + 8));
                     for (c, row) in c.iter_mut().zip(rows_at) {
                         let a = _mm256_broadcast_ss(&*row.add(e));
                         c[0] = _mm256_fmadd_ps(a, k0, c[0]);

@@ -9,6 +9,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::elem::PanelElem;
 use crate::panel::{NR, STRIP_RS};
 
 /// Query rows per micro-kernel.
@@ -257,34 +258,36 @@ fn lanes(n: usize) -> __mmask16 {
 /// With a bias, a non-null `res.0` adds a residual to it, `res.0[r·res.1 +
 /// c]`, as the tile starts (the same sum, rounded alike, as a pass that
 /// writes `residual + bias` into the output first, without that pass).
-/// Lines `0..prefetch.1`
-/// from each non-null pointer of `prefetch.0` on are prefetched into L2,
-/// two a step.
+/// The panel rows
+/// of steps `0..prefetch.1` from each non-null pointer of `prefetch.0` on
+/// (`LINEAR_NR` elements a step) are prefetched into L2, one step's a step.
+/// The weights are `f32`, `bf16` or `f16` ([`PanelElem`]), widened to f32
+/// as they are loaded.
 ///
 /// # Safety
 /// AVX-512F; the pointers cover those extents (`x` `rows` rows of `kc`
-/// inputs, `x_rs` apart, each panel slice `LINEAR_NR` floats per input,
+/// inputs, `x_rs` apart, each panel slice `LINEAR_NR` elements per input,
 /// `init` `cols` floats, a non-null `res.0` `rows` rows of `cols` floats
 /// `res.1` apart); `w + w_next` is only read where `cols > LINEAR_NR`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn linear_tile(
+pub(crate) unsafe fn linear_tile<E: PanelElem>(
     tile: LinearTile,
     rows: usize,
     cols: usize,
     kc: usize,
     x: (*const f32, usize),
-    (w, w_next): (*const f32, usize),
+    (w, w_next): (*const E, usize),
     init: *const f32,
     res: (*const f32, usize),
     out: *mut f32,
     out_rs: usize,
-    prefetch: ([*const f32; 2], usize),
+    prefetch: ([*const E; 2], usize),
 ) {
     macro_rules! go {
         ($mr:literal, $v:literal, $($r:literal)*) => {
             match rows {
-                $($r => linear_tile_rows::<$r, $v>(cols, kc, x, (w, w_next), init, res, out, out_rs, prefetch),)*
-                _ => linear_tile_rows::<$mr, $v>(cols, kc, x, (w, w_next), init, res, out, out_rs, prefetch),
+                $($r => linear_tile_rows::<$r, $v, E>(cols, kc, x, (w, w_next), init, res, out, out_rs, prefetch),)*
+                _ => linear_tile_rows::<$mr, $v, E>(cols, kc, x, (w, w_next), init, res, out, out_rs, prefetch),
             }
         };
     }
@@ -301,16 +304,16 @@ pub(crate) unsafe fn linear_tile(
 
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn linear_tile_rows<const R: usize, const V: usize>(
+unsafe fn linear_tile_rows<const R: usize, const V: usize, E: PanelElem>(
     cols: usize,
     kc: usize,
     (x, x_rs): (*const f32, usize),
-    (w, w_next): (*const f32, usize),
+    (w, w_next): (*const E, usize),
     init: *const f32,
     (res, res_rs): (*const f32, usize),
     out: *mut f32,
     out_rs: usize,
-    (pf, pf_lines): ([*const f32; 2], usize),
+    (pf, pf_steps): ([*const E; 2], usize),
 ) {
     let masks: [__mmask16; V] = std::array::from_fn(|v| lanes(cols.saturating_sub(16 * v)));
     // SAFETY: (the block) inside the extents the caller vouched for; lanes
@@ -336,12 +339,12 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
             }
         }
         // Vector v of a step: panel v / 2, lanes (v % 2) · 16.
-        let wp: [*const f32; V] = std::array::from_fn(|v| w.wrapping_add((v / 2) * w_next + (v % 2) * 16));
+        let wp: [*const E; V] = std::array::from_fn(|v| w.wrapping_add((v / 2) * w_next + (v % 2) * 16));
         // Step `e`: the panel rows' loads, a broadcast and V FMAs a row.
         macro_rules! step {
             ($e:expr) => {{
                 let e = $e;
-                let wv: [__m512; V] = std::array::from_fn(|v| _mm512_load_ps(wp[v].add(e * LINEAR_NR)));
+                let wv: [__m512; V] = std::array::from_fn(|v| E::load_zmm(wp[v].add(e * LINEAR_NR)));
                 for (r, c) in c.iter_mut().enumerate() {
                     let a = _mm512_set1_ps(*x.add(r * x_rs + e));
                     for (c, &wv) in c.iter_mut().zip(&wv) {
@@ -350,12 +353,16 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
                 }
             }};
         }
-        // Lines 2e and 2e + 1 from each pointer to prefetch.
+        // Step e's panel row from each pointer to prefetch: two lines of
+        // f32, one of bf16 or f16.
         macro_rules! prefetch {
             ($e:expr) => {{
                 for pf in pf.iter().filter(|pf| !pf.is_null()) {
-                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add($e * 32) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add($e * 32 + 16) as *const i8);
+                    let line = pf.wrapping_add($e * LINEAR_NR) as *const i8;
+                    _mm_prefetch::<_MM_HINT_T1>(line);
+                    if size_of::<E>() * LINEAR_NR > 64 {
+                        _mm_prefetch::<_MM_HINT_T1>(line.wrapping_add(64));
+                    }
                 }
             }};
         }
@@ -393,15 +400,8 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
                 }
             }};
         }
-        // The steps whose two lines are both in `0..pf_lines`, then, where
-        // that is odd, the last line alone.
         let prefetching = pf.iter().any(|pf| !pf.is_null());
-        steps!(if prefetching { (pf_lines / 2).min(kc) } else { 0 }, true);
-        if prefetching && e < kc && 2 * e < pf_lines {
-            for pf in pf.iter().filter(|pf| !pf.is_null()) {
-                _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(e * 32) as *const i8);
-            }
-        }
+        steps!(if prefetching { pf_steps.min(kc) } else { 0 }, true);
         steps!(kc, false);
         for (r, c) in c.iter().enumerate() {
             for (v, c) in c.iter().enumerate() {
@@ -413,18 +413,18 @@ unsafe fn linear_tile_rows<const R: usize, const V: usize>(
 
 /// `out[c] = init[c] + Σₑ x[e] · w[p·k·LINEAR_NR + e·LINEAR_NR + c % 32]`
 /// (`p = c / 32`) for `cols` columns: one row (a decoder's step) through
-/// the packed panels, each streamed once, four inputs at a time into 8
-/// accumulators.
+/// the packed panels (f32, bf16 or f16), each streamed once, four inputs at
+/// a time into 8 accumulators.
 ///
 /// # Safety
 /// AVX-512F; `w` starts at a panel (64-byte aligned) and covers
 /// `ceil(cols / 32)` panels of `k` inputs, `x` holds `k` floats, `init`
 /// and `out` `cols`.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn one_row(
+pub(crate) unsafe fn one_row<E: PanelElem>(
     x: *const f32,
     k: usize,
-    w: *const f32,
+    w: *const E,
     cols: usize,
     init: *const f32,
     out: *mut f32,
@@ -443,7 +443,7 @@ pub(crate) unsafe fn one_row(
                 for (u, acc) in acc.iter_mut().enumerate() {
                     let a = _mm512_set1_ps(*x.add(e + u));
                     for (v, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(u * LINEAR_NR + 16 * v)), *acc);
+                        *acc = _mm512_fmadd_ps(a, E::load_zmm(w.add(u * LINEAR_NR + 16 * v)), *acc);
                     }
                 }
                 w = w.add(U * LINEAR_NR);
@@ -452,7 +452,7 @@ pub(crate) unsafe fn one_row(
             for e in e..k {
                 let a = _mm512_set1_ps(*x.add(e));
                 for (v, acc) in acc[0].iter_mut().enumerate() {
-                    *acc = _mm512_fmadd_ps(a, _mm512_load_ps(w.add(16 * v)), *acc);
+                    *acc = _mm512_fmadd_ps(a, E::load_zmm(w.add(16 * v)), *acc);
                 }
                 w = w.add(LINEAR_NR);
             }

@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// Plain Rust, compiled for the baseline target.
     Portable,
-    /// AVX2 and FMA.
+    /// AVX2, FMA and F16C.
     Avx2,
     /// AVX-512F (with AVX2 and FMA).
     Avx512,
@@ -46,7 +46,13 @@ fn detected() -> Isa {
     *DETECTED.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // F16C (half-precision conversions) came with or before AVX2
+            // on every processor that has it; the f16 weights' kernels
+            // use it.
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return if is_x86_feature_detected!("avx512f") {
                     Isa::Avx512
                 } else {

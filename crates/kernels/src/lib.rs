@@ -60,6 +60,7 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod direct;
+mod elem;
 pub mod isa;
 mod lanes;
 mod linear;

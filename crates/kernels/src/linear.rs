@@ -11,16 +11,24 @@ use crate::packed::{Epilogue, PackedWeight};
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
 /// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
 ///
-/// Built from plain f32 CPU tensors on an x86-64 processor with AVX2+FMA
-/// or AVX-512F, it packs the weight into the micro-kernels' panel layout
-/// once and keeps only that copy (no second resident weight); every call
-/// then runs without the per-call packing a general GEMM does, with the
-/// bias and the GELU applied while the output is in cache. Anything else
-/// keeps candle's `Linear`: weights that track gradients (a `VarMap`'s
-/// variables, which a training step changes in place: a packed copy would
-/// go stale), other devices and dtypes, and calls whose input tracks
-/// gradients (computed through the unpacked weight, so gradients reach the
-/// input). Both give the same results within float rounding.
+/// Built from plain CPU tensors (f32, bf16 or f16 weights) on an x86-64
+/// processor with AVX2+FMA or AVX-512F, it packs the weight into the
+/// micro-kernels' panel layout once, in the weight's own dtype, and keeps
+/// only that copy (no second resident weight); every call then runs
+/// without the per-call packing a general GEMM does, with the bias and the
+/// GELU applied while the output is in cache. A bf16 or f16 weight stays
+/// bf16 or f16 (half the bytes to hold and to read), widened to f32 in
+/// registers: the products accumulate in f32, so the layer equals the
+/// f32 layer over the same (rounded) weights within float rounding. Inputs
+/// are f32; bf16 and f16 inputs are widened on the way in and the output
+/// rounded back to their dtype, as PyTorch's half-precision `linear`
+/// rounds its f32 accumulators.
+///
+/// Anything else keeps candle's `Linear`: weights that track gradients (a
+/// `VarMap`'s variables, which a training step changes in place: a packed
+/// copy would go stale), other devices and dtypes, and calls whose input
+/// tracks gradients (computed through the unpacked weight, so gradients
+/// reach the input). Both give the same results within float rounding.
 #[derive(Debug, Clone)]
 pub struct PackedLinear {
     inner: Inner,
@@ -38,6 +46,12 @@ pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op()
 }
 
+/// Whether a weight can be packed: a CPU tensor of a dtype the panels hold
+/// that tracks no gradient.
+fn packable_weight(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) && !t.track_op()
+}
+
 /// Whether `t` repeats its data along some dimension (a zero stride over
 /// more than one element): a broadcast, such as the zeros a checkpoint's
 /// pre-flight recorder answers with. Packing or copying one would
@@ -46,31 +60,39 @@ pub fn is_broadcast(t: &Tensor) -> bool {
     t.stride().iter().zip(t.dims()).any(|(&s, &d)| s == 0 && d > 1)
 }
 
-/// `f` over the f32 data of a CPU tensor, borrowed in place when the
-/// tensor is contiguous, else from a contiguous copy.
-fn with_f32_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    if !t.is_contiguous() {
-        return f(&cpu_f32(t)?);
-    }
+/// `f` over the data of a contiguous CPU tensor of element type `S`,
+/// borrowed in place.
+fn with_slice<S: candle::WithDType, R>(t: &Tensor, f: impl FnOnce(&[S]) -> Result<R>) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let candle::Storage::Cpu(cpu) = &*storage else {
         bail!("PackedLinear: the weight is not on the CPU")
     };
-    let data = cpu.as_slice::<f32>()?;
+    let data = cpu.as_slice::<S>()?;
     match data.get(layout.start_offset()..layout.start_offset() + t.elem_count()) {
         Some(slice) => f(slice),
         None => bail!("PackedLinear: the weight's view runs past its storage"),
     }
 }
 
-/// The contiguous f32 data of a CPU tensor.
+/// The contiguous data of a CPU tensor as f32.
 fn cpu_f32(t: &Tensor) -> Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
+    t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+}
+
+/// candle's `Linear` over `w` and `b`, in `x`'s dtype where the weight's
+/// differs (a half-precision layer on a processor without the packed
+/// kernels computes in f32 over the widened weight, as the packed path
+/// does).
+fn candle_linear(w: &Tensor, b: Option<&Tensor>, x: &Tensor) -> Result<Tensor> {
+    let w = w.to_dtype(x.dtype())?;
+    let b = b.map(|b| b.to_dtype(x.dtype())).transpose()?;
+    candle_nn::Linear::new(w, b).forward(x)
 }
 
 impl PackedLinear {
     /// A layer over `weight` `(out, in)` and `bias` `(out)`, packed where
-    /// the packed path serves them (see the type's docs).
+    /// the packed path serves them (see the type's docs), in the weight's
+    /// dtype.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
         let (n, k) = weight.dims2()?;
         if let Some(b) = &bias {
@@ -78,9 +100,9 @@ impl PackedLinear {
                 bail!("PackedLinear: bias has shape {:?}, expected ({n},)", b.dims())
             }
         }
-        let packable = plain_cpu_f32(&weight)
+        let packable = packable_weight(&weight)
             && !is_broadcast(&weight)
-            && bias.as_ref().is_none_or(plain_cpu_f32)
+            && bias.as_ref().is_none_or(packable_weight)
             && n > 0
             && k > 0;
         let isa = PackedWeight::isa().filter(|_| packable);
@@ -92,7 +114,18 @@ impl PackedLinear {
         let b = bias.as_ref().map(cpu_f32).transpose()?;
         // Packed straight from the weight's storage: no copy of a layer
         // beside its packed form while a model loads.
-        let packed = with_f32_slice(&weight, |w| Ok(PackedWeight::new(w, n, k, b.as_deref(), isa)))?;
+        let weight = weight.contiguous()?;
+        let dtype = weight.dtype();
+        let b = b.as_deref();
+        let packed = match dtype {
+            DType::BF16 => with_slice(&weight, |w: &[half::bf16]| {
+                PackedWeight::new(w, n, k, b, isa, dtype)
+            })?,
+            DType::F16 => with_slice(&weight, |w: &[half::f16]| {
+                PackedWeight::new(w, n, k, b, isa, dtype)
+            })?,
+            _ => with_slice(&weight, |w: &[f32]| PackedWeight::new(w, n, k, b, isa, dtype))?,
+        };
         Ok(Self {
             inner: Inner::Packed(Arc::new(packed)),
         })
@@ -126,10 +159,20 @@ impl PackedLinear {
         }
     }
 
+    /// The weight's dtype: the dtype it is packed (or held) in.
+    pub fn dtype(&self) -> DType {
+        match &self.inner {
+            Inner::Candle(l) => l.weight().dtype(),
+            Inner::Packed(p) => p.dtype(),
+        }
+    }
+
     /// Rows `ids` of the weight: the lookup of a token embedding tied to
     /// this layer (GPT-2's `wte`, Llama's `embed_tokens` with
     /// `tie_word_embeddings`), so that a model keeps one copy of the table,
-    /// packed for the output projection.
+    /// packed for the output projection. The rows of a packed weight come
+    /// as f32 (a half-precision table's rows widened exactly), the inputs
+    /// the packed layers take; those of an unpacked one in its dtype.
     ///
     /// # Shapes
     /// - `ids`: any shape, `u32`, each `< out_features`
@@ -150,13 +193,14 @@ impl PackedLinear {
         }
     }
 
-    /// The weight `(out, in)`: the tensor itself, or an unpacked copy.
+    /// The weight `(out, in)`: the tensor itself, or an unpacked copy in
+    /// the dtype it was packed in.
     pub fn weight(&self) -> Result<Tensor> {
         match &self.inner {
             Inner::Candle(l) => Ok(l.weight().clone()),
             Inner::Packed(p) => {
                 let (n, k) = p.dims();
-                Tensor::from_vec(p.unpack().0, (n, k), &candle::Device::Cpu)
+                Tensor::from_vec(p.unpack().0, (n, k), &candle::Device::Cpu)?.to_dtype(p.dtype())
             }
         }
     }
@@ -198,7 +242,7 @@ impl PackedLinear {
             return Ok(None);
         }
         Ok(Some(Self {
-            inner: Inner::Packed(Arc::new(p.scaled(&cpu_f32(gamma)?))),
+            inner: Inner::Packed(Arc::new(p.scaled(&cpu_f32(gamma)?)?)),
         }))
     }
 
@@ -291,16 +335,30 @@ impl PackedLinear {
             {
                 p
             }
+            // Half-precision inputs: widened, through the packed path, and
+            // the output rounded back.
+            Inner::Packed(p)
+                if x.device().is_cpu()
+                    && !x.track_op()
+                    && matches!(x.dtype(), DType::BF16 | DType::F16)
+                    && residual.is_none_or(|r| !r.track_op())
+                    && p.serves_range(lo, hi) =>
+            {
+                let r = residual.map(|r| r.to_dtype(DType::F32)).transpose()?;
+                let y = self.forward_range_add(&x.to_dtype(DType::F32)?, (lo, hi), epilogue, r.as_ref())?;
+                return y.to_dtype(x.dtype());
+            }
             Inner::Packed(_) => {
                 let b = self.bias()?.map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
-                let lin = candle_nn::Linear::new(self.weight()?.narrow(0, lo, hi - lo)?, b);
-                return epilogue_of(lin.forward(x)?);
+                return epilogue_of(candle_linear(
+                    &self.weight()?.narrow(0, lo, hi - lo)?,
+                    b.as_ref(),
+                    x,
+                )?);
             }
-            Inner::Candle(l) if (lo, hi) == (0, n) => return epilogue_of(l.forward(x)?),
             Inner::Candle(l) => {
                 let b = l.bias().map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
-                let lin = candle_nn::Linear::new(l.weight().narrow(0, lo, hi - lo)?, b);
-                return epilogue_of(lin.forward(x)?);
+                return epilogue_of(candle_linear(&l.weight().narrow(0, lo, hi - lo)?, b.as_ref(), x)?);
             }
         };
         let m = x.elem_count() / k.max(1);
@@ -427,6 +485,76 @@ mod tests {
             }
             Ok(())
         })?;
+        force(None);
+        Ok(())
+    }
+
+    /// bf16 and f16 weights are packed as they are, and the layer equals
+    /// the f32 layer over the same weights widened, on every instruction
+    /// set (the portable one through candle, over the widened weight):
+    /// single rows, the tall and wide tiles, sliced reductions and a last
+    /// panel cut short, a fused residual and a range of features. The
+    /// unpacked weight and a tied table's rows are the stored values
+    /// exactly. Half-precision inputs come back in their dtype, equal to
+    /// the f32 result rounded to it.
+    #[test]
+    fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
+        use candle::DType;
+        let shapes = [
+            (1, 300, 7, true),
+            (1, 512, 1408, false),
+            (5, 40, 70, true),
+            (13, 2100, 300, true),
+            (40, 96, 200, false),
+        ];
+        let _lock = FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            for dtype in [DType::BF16, DType::F16] {
+                for (m, k, n, bias) in shapes {
+                    let what = format!("{isa:?} {dtype:?} ({m}, {k}) x ({n}, {k})");
+                    let x = randn(&[m, k])?;
+                    let w = randn(&[n, k])?.to_dtype(dtype)?;
+                    let b = bias.then(|| randn(&[n])).transpose()?;
+                    let wide = w.to_dtype(DType::F32)?;
+                    let expected = candle_nn::Linear::new(wide.clone(), b.clone()).forward(&x)?;
+                    let ours = PackedLinear::new(w.clone(), b)?;
+                    assert_eq!(ours.is_packed(), isa != Isa::Portable, "{what}");
+                    assert_eq!(ours.dtype(), dtype, "{what}");
+                    let y = ours.forward(&x)?;
+                    assert_eq!(y.dtype(), DType::F32, "{what}");
+                    assert!(
+                        rel_err(&y, &expected)? < 1e-5,
+                        "{what}: {:e}",
+                        rel_err(&y, &expected)?
+                    );
+                    let residual = randn(expected.dims())?;
+                    let a = ours.forward_add(&x, &residual)?;
+                    assert!(rel_err(&a, &(&expected + &residual)?)? < 1e-5, "{what} residual");
+                    let tail = ours.forward_features(&x, n - 5, n)?;
+                    assert!(
+                        rel_err(&tail, &expected.narrow(1, n - 5, 5)?)? < 1e-5,
+                        "{what} tail"
+                    );
+                    let back = ours.weight()?;
+                    assert_eq!(back.dtype(), dtype, "{what}");
+                    assert_eq!(rel_err(&back.to_dtype(DType::F32)?, &wide)?, 0., "{what} weight");
+                    if ours.is_packed() {
+                        let ids = Tensor::new(&[0u32, n as u32 - 1, n as u32 / 2], &candle::Device::Cpu)?;
+                        let rows = ours.embed(&ids)?;
+                        assert_eq!(rel_err(&rows, &wide.index_select(&ids, 0)?)?, 0., "{what} rows");
+                    }
+                    let xh = x.to_dtype(dtype)?;
+                    let yh = ours.forward(&xh)?;
+                    assert_eq!(yh.dtype(), dtype, "{what} half input");
+                    let want = candle_nn::Linear::new(wide, ours.bias()?)
+                        .forward(&xh.to_dtype(DType::F32)?)?
+                        .to_dtype(dtype)?;
+                    let err = rel_err(&yh.to_dtype(DType::F32)?, &want.to_dtype(DType::F32)?)?;
+                    assert!(err < 1e-2, "{what} half input: {err:e}");
+                }
+            }
+        }
         force(None);
         Ok(())
     }

@@ -4,9 +4,11 @@
 //! or ReLU applied while the output block is still in cache.
 //!
 //! The weight `(n, k)` (PyTorch's `(out, in)`) becomes `ceil(n / nr)`
-//! panels of `k × nr` floats, output feature `p·nr + c`'s input `e` at
-//! `p·k·nr + e·nr + c`, zero past `n`, 64-byte aligned, where `nr` is the
-//! width of the instruction set's micro-kernel:
+//! panels of `k × nr` elements, output feature `p·nr + c`'s input `e` at
+//! `p·k·nr + e·nr + c`, zero past `n`, 64-byte aligned, in f32, bf16 or
+//! f16 (`elem.rs`: the micro-kernels widen half-precision panels to f32 as
+//! they load them and accumulate in f32, so they read half the bytes),
+//! where `nr` is the width of the instruction set's micro-kernel:
 //! - **AVX2**: panels of 16 for the attention's 6 × 16 micro-kernel
 //!   (`avx2.rs`), which reads the rows of `x` in place;
 //! - **AVX-512**: panels of 32 for two `zmm` micro-kernels (`avx512.rs`):
@@ -30,8 +32,11 @@
 //! epilogue (GELU or ReLU) runs on each tile as its last slice is written,
 //! while it is in L1.
 
+use candle::{DType, Result};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::elem::PanelElem;
 use crate::isa::Isa;
 use crate::pool::{par_for, SyncPtr};
 use crate::simd;
@@ -161,14 +166,73 @@ impl Epilogue {
     }
 }
 
-/// A weight and bias in panel layout, for the instruction set it was
-/// packed for.
-pub(crate) struct PackedWeight {
-    /// The panels (or the transposed weight) start at `data[start]`; panels
-    /// are 64-byte aligned, so that a panel row's two loads never straddle
-    /// a cache line.
-    data: Vec<f32>,
+/// A weight's panels in one element type, 64-byte aligned from `start`,
+/// so that a panel row's loads never straddle a cache line.
+pub(crate) struct Panels<E> {
+    data: Vec<E>,
     start: usize,
+}
+
+impl<E: PanelElem> Panels<E> {
+    /// `w`, `n` rows of `k` elements, as panels of `nr` features, each
+    /// element rounded to `E`.
+    fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize) -> Self {
+        let np = n.div_ceil(nr) * nr;
+        // 64 bytes of slack to align the start.
+        let slack = 64 / size_of::<E>();
+        let mut data = vec![E::default(); np * k + slack];
+        let start = data.as_ptr().align_offset(64).min(slack);
+        data[start..start + np * k]
+            .par_chunks_mut(k * nr)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                for c in 0..nr.min(n.saturating_sub(p * nr)) {
+                    let row = &w[(p * nr + c) * k..][..k];
+                    for (e, &x) in row.iter().enumerate() {
+                        panel[e * nr + c] = E::from_f32(x.to_f32());
+                    }
+                }
+            });
+        Panels { data, start }
+    }
+
+    fn get(&self) -> &[E] {
+        &self.data[self.start..]
+    }
+
+    /// Output feature `j`'s `k` weights as f32, into `row`.
+    fn row_into(&self, j: usize, nr: usize, row: &mut [f32]) {
+        let k = row.len();
+        let panel = &self.get()[(j / nr) * k * nr..];
+        for (e, x) in row.iter_mut().enumerate() {
+            *x = panel[e * nr + j % nr].to_f32();
+        }
+    }
+}
+
+/// The panels in the dtype they were packed in.
+enum PanelData {
+    F32(Panels<f32>),
+    Bf16(Panels<bf16>),
+    F16(Panels<f16>),
+}
+
+/// `$body` with `$p` bound to the [`Panels`] of whichever dtype `$data`
+/// holds: code written once over [`PanelElem`], instantiated per dtype.
+macro_rules! on_panels {
+    ($data:expr, $p:ident => $body:expr) => {
+        match $data {
+            PanelData::F32($p) => $body,
+            PanelData::Bf16($p) => $body,
+            PanelData::F16($p) => $body,
+        }
+    };
+}
+
+/// A weight and bias in panel layout, for the instruction set it was
+/// packed for: the weight in f32, bf16 or f16, the bias in f32.
+pub(crate) struct PackedWeight {
+    panels: PanelData,
     /// `np` floats, zero past `n` (all zero without a bias).
     bias: Vec<f32>,
     has_bias: bool,
@@ -182,6 +246,7 @@ impl std::fmt::Debug for PackedWeight {
         f.debug_struct("PackedWeight")
             .field("out", &self.n)
             .field("in", &self.k)
+            .field("dtype", &self.dtype())
             .field("bias", &self.has_bias)
             .field("isa", &self.isa)
             .finish()
@@ -203,42 +268,46 @@ impl PackedWeight {
         panel_width(self.isa)
     }
 
-    /// Packs `w`, `n` rows of `k` floats, and `bias` (`n` floats) for `isa`
-    /// (from [`PackedWeight::isa`]); `n, k > 0`.
-    pub(crate) fn new(w: &[f32], n: usize, k: usize, bias: Option<&[f32]>, isa: Isa) -> Self {
+    /// Packs `w`, `n` rows of `k` elements, into panels of `dtype` (F32,
+    /// BF16 or F16; each element rounded to it), and `bias` (`n` floats),
+    /// for `isa` (from [`PackedWeight::isa`]); `n, k > 0`.
+    pub(crate) fn new<S: PanelElem>(
+        w: &[S],
+        n: usize,
+        k: usize,
+        bias: Option<&[f32]>,
+        isa: Isa,
+        dtype: DType,
+    ) -> Result<Self> {
         let nr = panel_width(isa);
         let np = n.div_ceil(nr) * nr;
         let mut b = vec![0f32; np];
         if let Some(bias) = bias {
             b[..n].copy_from_slice(bias);
         }
-        let mut data = vec![0f32; np * k + 16];
-        let start = data.as_ptr().align_offset(64).min(16);
-        data[start..start + np * k]
-            .par_chunks_mut(k * nr)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                for c in 0..nr.min(n.saturating_sub(p * nr)) {
-                    let row = &w[(p * nr + c) * k..][..k];
-                    for (e, &x) in row.iter().enumerate() {
-                        panel[e * nr + c] = x;
-                    }
-                }
-            });
-        PackedWeight {
-            data,
-            start,
+        let panels = match dtype {
+            DType::F32 => PanelData::F32(Panels::pack(w, n, k, nr)),
+            DType::BF16 => PanelData::Bf16(Panels::pack(w, n, k, nr)),
+            DType::F16 => PanelData::F16(Panels::pack(w, n, k, nr)),
+            other => candle::bail!("PackedLinear: weights cannot be packed as {other:?} (f32, bf16 or f16)"),
+        };
+        Ok(PackedWeight {
+            panels,
             bias: b,
             has_bias: bias.is_some(),
             n,
             k,
             isa,
-        }
+        })
     }
 
-    /// The packed panels.
-    fn panels(&self) -> &[f32] {
-        &self.data[self.start..]
+    /// The dtype the panels hold.
+    pub(crate) fn dtype(&self) -> DType {
+        match self.panels {
+            PanelData::F32(_) => DType::F32,
+            PanelData::Bf16(_) => DType::BF16,
+            PanelData::F16(_) => DType::F16,
+        }
     }
 
     /// `(out_features, in_features)`.
@@ -248,44 +317,35 @@ impl PackedWeight {
 
     /// The weight, `n` rows of `k` floats, and the bias.
     pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
-        let nr = self.nr();
-        let mut w = vec![0f32; self.n * self.k];
-        let bias = self.has_bias.then(|| self.bias[..self.n].to_vec());
-        for (j, row) in w.chunks_exact_mut(self.k).enumerate() {
-            let panel = &self.panels()[(j / nr) * self.k * nr..];
-            for (e, x) in row.iter_mut().enumerate() {
-                *x = panel[e * nr + j % nr];
-            }
-        }
-        (w, bias)
+        let ids: Vec<u32> = (0..self.n as u32).collect();
+        (
+            self.rows(&ids),
+            self.has_bias.then(|| self.bias[..self.n].to_vec()),
+        )
     }
 
-    /// Rows `ids` of the weight (each `< n`), one after another: the
-    /// lookup of an embedding table tied to this layer.
+    /// Rows `ids` of the weight (each `< n`), one after another, as f32:
+    /// the lookup of an embedding table tied to this layer.
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
-        let nr = self.nr();
-        let panels = self.panels();
-        let mut out = vec![0f32; ids.len() * self.k];
-        for (row, &j) in out.chunks_exact_mut(self.k).zip(ids) {
-            let j = j as usize;
-            let panel = &panels[(j / nr) * self.k * nr..];
-            for (e, x) in row.iter_mut().enumerate() {
-                *x = panel[e * nr + j % nr];
-            }
-        }
+        let (nr, k) = (self.nr(), self.k);
+        let mut out = vec![0f32; ids.len() * k];
+        on_panels!(&self.panels, p => out
+            .par_chunks_mut(k)
+            .zip(ids)
+            .for_each(|(row, &j)| p.row_into(j as usize, nr, row)));
         out
     }
 
     /// The layer times a per-feature scale: each output feature's weights
     /// and bias times `gamma[feature]` (`n` floats), packed anew for the
-    /// same instruction set.
-    pub(crate) fn scaled(&self, gamma: &[f32]) -> PackedWeight {
+    /// same instruction set and dtype.
+    pub(crate) fn scaled(&self, gamma: &[f32]) -> Result<PackedWeight> {
         let (mut w, bias) = self.unpack();
         for (row, &g) in w.chunks_exact_mut(self.k).zip(gamma) {
             row.iter_mut().for_each(|x| *x *= g);
         }
         let bias = bias.map(|b| b.iter().zip(gamma).map(|(b, g)| b * g).collect::<Vec<_>>());
-        PackedWeight::new(&w, self.n, self.k, bias.as_deref(), self.isa)
+        PackedWeight::new(&w, self.n, self.k, bias.as_deref(), self.isa, self.dtype())
     }
 
     /// Whether output features `lo..hi` are whole panels (or end at `n`),
@@ -305,6 +365,19 @@ impl PackedWeight {
         &self,
         x: &[f32],
         m: usize,
+        range: (usize, usize),
+        epilogue: Epilogue,
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
+        on_panels!(&self.panels, p => self.forward_with(p.get(), x, m, range, epilogue, residual))
+    }
+
+    /// [`PackedWeight::forward`] over the panels in their dtype.
+    fn forward_with<E: PanelElem>(
+        &self,
+        panels: &[E],
+        x: &[f32],
+        m: usize,
         (lo, hi): (usize, usize),
         epilogue: Epilogue,
         residual: Option<&[f32]>,
@@ -318,7 +391,7 @@ impl PackedWeight {
         }
         #[cfg(target_arch = "x86_64")]
         if self.isa == Isa::Avx512 && m == 1 {
-            self.one_row(x, (lo, hi), &mut out);
+            self.one_row(panels, x, (lo, hi), &mut out);
             // SAFETY: one_row wrote the row's `width` floats.
             unsafe { out.set_len(width) };
             epilogue.apply(&mut out);
@@ -359,9 +432,9 @@ impl PackedWeight {
         // The pair of panel slices a tile spanning panels `q..q + tp`
         // reads from input `e` on, a panel at or past `end` left out.
         #[cfg(target_arch = "x86_64")]
-        let panel_pair = |q: usize, end: usize, e: usize| -> [*const f32; 2] {
+        let panel_pair = |q: usize, end: usize, e: usize| -> [*const E; 2] {
             let at = |q: usize| match q < end {
-                true => self.panels()[q * k * nr + e * nr..].as_ptr(),
+                true => panels[q * k * nr + e * nr..].as_ptr(),
                 false => std::ptr::null(),
             };
             [at(q), if tp > 1 { at(q + 1) } else { std::ptr::null() }]
@@ -372,7 +445,7 @@ impl PackedWeight {
             let g1 = (g0 + gpu).min(groups);
             let p1 = (p0 + ppu).min(p_hi);
             // What an AVX-512 tile at slice `k0` of row group `g` and panel
-            // `p` prefetches into L2 as it runs, two lines a step. In a unit
+            // `p` prefetches into L2 as it runs, a panel row a step. In a unit
             // of one row group, which reads each panel slice once and is
             // bound by fetching them: the unit's next tile, else the next
             // slice's first, else the next unit's (the next a thread runs,
@@ -392,13 +465,8 @@ impl PackedWeight {
                     units.get(u + 1).map(|&(q0, _)| (q0, (q0 + ppu).min(p_hi), 0))
                 };
                 match next {
-                    Some((q, end, k1)) => {
-                        (panel_pair(q, end, k1), (kc_max.min(k - k1) * nr / 16).min(2 * kc))
-                    }
-                    None if g == g0 => (
-                        panel_pair(p, p1, k0 + AHEAD.min(kc)),
-                        kc.saturating_sub(AHEAD) * nr / 16,
-                    ),
+                    Some((q, end, k1)) => (panel_pair(q, end, k1), kc_max.min(k - k1).min(kc)),
+                    None if g == g0 => (panel_pair(p, p1, k0 + AHEAD.min(kc)), kc.saturating_sub(AHEAD)),
                     None => ([std::ptr::null(); 2], 0),
                 }
             };
@@ -411,7 +479,7 @@ impl PackedWeight {
                     let rows = mr.min(m - g * mr);
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
-                        let w = self.panels()[p * k * nr + k0 * nr..].as_ptr();
+                        let w = panels[p * k * nr + k0 * nr..].as_ptr();
                         let xg = x[g * mr * k + k0..].as_ptr();
                         // SAFETY: rows g·mr.. (`rows` of them) and columns
                         // c0..c0 + cols of the m × width output are this
@@ -480,13 +548,13 @@ impl PackedWeight {
     /// # Safety
     /// The extents are in bounds, and `self.isa` runs on this processor.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn avx2_tile(
+    unsafe fn avx2_tile<E: PanelElem>(
         &self,
         rows: usize,
         cols: usize,
         x: *const f32,
         kc: usize,
-        w: *const f32,
+        w: *const E,
         (bias, res): (*const f32, (*const f32, usize)),
         out: *mut f32,
         out_rs: usize,
@@ -517,14 +585,14 @@ impl PackedWeight {
                             start(r, out.add(r * out_rs));
                         }
                     }
-                    crate::avx2::scores::<true>(rows, x, self.k, kc, w, 1, out, out_rs, None);
+                    crate::avx2::scores::<true, E>(rows, x, self.k, kc, w, 1, out, out_rs, None);
                     return;
                 }
                 let mut tile = [0f32; MR * NR];
                 for r in 0..rows {
                     start(r, tile.as_mut_ptr().add(r * NR));
                 }
-                crate::avx2::scores::<true>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR, None);
+                crate::avx2::scores::<true, E>(rows, x, self.k, kc, w, 1, tile.as_mut_ptr(), NR, None);
                 for r in 0..rows {
                     std::ptr::copy_nonoverlapping(tile.as_ptr().add(r * NR), out.add(r * out_rs), cols);
                 }
@@ -540,16 +608,16 @@ impl PackedWeight {
     /// `x · wᵀ + b` for one row and output features `lo..hi`, into `out`'s
     /// spare capacity: the panels split into one run per thread.
     #[cfg(target_arch = "x86_64")]
-    fn one_row(&self, x: &[f32], (lo, hi): (usize, usize), out: &mut Vec<f32>) {
+    fn one_row<E: PanelElem>(&self, panels: &[E], x: &[f32], (lo, hi): (usize, usize), out: &mut Vec<f32>) {
         let (nr, k, width) = (self.nr(), self.k, hi - lo);
         debug_assert!(out.capacity() >= width);
-        let panels = width.div_ceil(nr);
+        let n_panels = width.div_ceil(nr);
         let tasks = if width * k > PARALLEL_FROM {
-            rayon::current_num_threads().min(panels)
+            rayon::current_num_threads().min(n_panels)
         } else {
             1
         };
-        let per_task = panels.div_ceil(tasks) * nr;
+        let per_task = n_panels.div_ceil(tasks) * nr;
         let out_ptr = SyncPtr(out.as_mut_ptr());
         par_for(width.div_ceil(per_task), width * k, |t| {
             let c0 = t * per_task;
@@ -560,7 +628,7 @@ impl PackedWeight {
                 crate::avx512::one_row(
                     x.as_ptr(),
                     k,
-                    self.panels()[(lo + c0) / nr * k * nr..].as_ptr(),
+                    panels[(lo + c0) / nr * k * nr..].as_ptr(),
                     per_task.min(width - c0),
                     self.bias[lo + c0..].as_ptr(),
                     out_ptr.get().add(c0),

@@ -299,7 +299,7 @@ pub(crate) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels
             unsafe {
                 let (q, kt, panels) = (q[g0 * d..].as_ptr(), kt[j0 * d..].as_ptr(), cols.div_ceil(NR));
                 match kernels {
-                    Kernels::Avx2 => avx2::scores::<false>(
+                    Kernels::Avx2 => avx2::scores::<false, f32>(
                         gr,
                         q,
                         d,

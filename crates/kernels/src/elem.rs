@@ -1,0 +1,108 @@
+//! The element types a packed weight's panels hold: `f32`, and `bf16` and
+//! `f16` as checkpoints store them. The micro-kernels are written once over
+//! [`PanelElem`] and widen a panel row to f32 lanes as they load it, so a
+//! half-precision weight is read from memory at half the bytes and every
+//! product still accumulates in f32.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+/// An element of packed weight panels.
+pub(crate) trait PanelElem: Copy + Default + Send + Sync + 'static {
+    /// The element nearest `x` (round to nearest, ties to even, as
+    /// PyTorch's `.to(dtype)`).
+    fn from_f32(x: f32) -> Self;
+    /// The element as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// 16 elements from `p` as f32 lanes.
+    /// # Safety
+    /// AVX-512F is enabled in the calling function; `p` holds 16 elements
+    /// and is aligned to their size times 16.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load_zmm(p: *const Self) -> __m512;
+    /// 8 elements from `p` as f32 lanes.
+    /// # Safety
+    /// AVX2 and F16C are enabled in the calling function; `p` holds 8
+    /// elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load_ymm(p: *const Self) -> __m256;
+}
+
+impl PanelElem for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe { _mm512_load_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_ymm(p: *const Self) -> __m256 {
+        // SAFETY: as the trait says.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+/// bf16 is f32's top half: widening shifts the bits up by 16.
+impl PanelElem for bf16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe {
+            let h = _mm256_load_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_ymm(p: *const Self) -> __m256 {
+        // SAFETY: as the trait says.
+        unsafe {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+    }
+}
+
+/// f16 widens with `vcvtph2ps` (F16C; AVX-512F's 16-lane form).
+impl PanelElem for f16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe { _mm512_cvtph_ps(_mm256_load_si256(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load_ymm(p: *const Self) -> __m256 {
+        // SAFETY: as the trait says.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
