@@ -166,6 +166,18 @@ impl Epilogue {
     }
 }
 
+/// `x` as an `E`: rounded, or, where `S` is `E`, itself (a bf16 weight
+/// packed as bf16 is copied, not widened and rounded back).
+#[inline(always)]
+fn convert<S: PanelElem, E: PanelElem>(x: S) -> E {
+    if std::any::TypeId::of::<S>() == std::any::TypeId::of::<E>() {
+        // SAFETY: S and E are the same type.
+        unsafe { std::mem::transmute_copy::<S, E>(&x) }
+    } else {
+        E::from_f32(x.to_f32())
+    }
+}
+
 /// A weight's panels in one element type, 64-byte aligned from `start`,
 /// so that a panel row's loads never straddle a cache line.
 pub(crate) struct Panels<E> {
@@ -186,10 +198,16 @@ impl<E: PanelElem> Panels<E> {
             .par_chunks_mut(k * nr)
             .enumerate()
             .for_each(|(p, panel)| {
-                for c in 0..nr.min(n.saturating_sub(p * nr)) {
-                    let row = &w[(p * nr + c) * k..][..k];
-                    for (e, &x) in row.iter().enumerate() {
-                        panel[e * nr + c] = E::from_f32(x.to_f32());
+                // In blocks of inputs whose panel rows stay in L1 while
+                // every feature's inputs are written into them.
+                const BLOCK: usize = 64;
+                for e0 in (0..k).step_by(BLOCK) {
+                    let e1 = (e0 + BLOCK).min(k);
+                    for c in 0..nr.min(n.saturating_sub(p * nr)) {
+                        let row = &w[(p * nr + c) * k..][e0..e1];
+                        for (e, &x) in (e0..).zip(row) {
+                            panel[e * nr + c] = convert(x);
+                        }
                     }
                 }
             });

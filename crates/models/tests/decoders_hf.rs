@@ -11,6 +11,7 @@ mod common;
 use anyhow::{Context, Result};
 use candle::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
+use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
 use multihead_models::generation::GenerateConfig;
 
@@ -55,6 +56,53 @@ fn prompt_logits_equal_hf() -> Result<()> {
             "{name}: max |ours - HF| over the prompt logits: {:.2e}",
             max_abs_diff(&logits, f.get("logits")?)?
         );
+    }
+    Ok(())
+}
+
+/// Loaded with the weight matrices in bf16 or f16 (rounded from the f32
+/// fixture, packed as such), the prompt's and every cached step's logits
+/// equal HF's with the same weights rounded and computed in f32
+/// (`scripts/make_half_fixtures.py`), and differ from our f32 ones: the
+/// weights were rounded.
+#[test]
+fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()> {
+    let dir = fixture_dir("decoders");
+    let half = Fixture::load(&dir.join("half_expected.safetensors"), &Device::Cpu)?;
+    for name in MODELS {
+        let (f32_model, f) = load(name)?;
+        let input = ids(&f, "input_ids")?;
+        let f32_logits = f32_model.forward(&input, &mut f32_model.new_cache(vec![]))?;
+        for dtype in [WeightDtype::Bf16, WeightDtype::F16] {
+            let opts = LoadOptions {
+                dtype,
+                ..LoadOptions::default()
+            };
+            let model = DecoderModel::from_folder_with(&dir.join(name), &Device::Cpu, &opts)?;
+            let what = format!("{name} {dtype}");
+            let expected = half.get(&format!("{name}.{dtype}.logits"))?;
+            let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
+            assert_close(&format!("{what} prompt logits"), &logits, expected, 1e-5)?;
+            let moved = max_abs_diff(&logits, &f32_logits)?;
+            assert!(
+                moved > 1e-3,
+                "{what}: the logits equal the f32 model's: not rounded?"
+            );
+            let greedy = ids(&f, "greedy_ids")?;
+            let steps = half.get(&format!("{name}.{dtype}.steps"))?;
+            let mut cache = model.new_cache(vec![]);
+            let mut step = model.forward(&greedy.i((.., ..7))?, &mut cache)?.i((.., 6))?;
+            for s in 0..steps.dim(1)? {
+                assert_close(&format!("{what} step {s}"), &step, &steps.i((.., s))?, 1e-5)?;
+                step = model
+                    .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
+                    .i((.., 0))?;
+            }
+            eprintln!(
+                "{what}: max |ours - HF| over the prompt logits {:.2e}; rounding moved them {moved:.2e}",
+                max_abs_diff(&logits, expected)?
+            );
+        }
     }
     Ok(())
 }

@@ -12,6 +12,8 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde::Serialize;
 
+use super::WeightDtype;
+
 /// One tensor as the header describes it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TensorInfo {
@@ -157,6 +159,9 @@ pub struct Checkpoint {
     index: HashMap<String, usize>,
     metadata: Vec<(String, String)>,
     progress: Option<LoadProgress>,
+    /// The dtype [`Checkpoint::load`] gives the weight matrices, where
+    /// set; else the model's.
+    matrices: Option<WeightDtype>,
 }
 
 impl Checkpoint {
@@ -164,6 +169,19 @@ impl Checkpoint {
     pub fn with_progress(mut self, progress: Option<LoadProgress>) -> Self {
         self.progress = progress;
         self
+    }
+
+    /// The same, giving the model's weight matrices (its 2-D tensors)
+    /// `dtype` in [`Checkpoint::load`], whatever the model asks for; `None`:
+    /// the model's dtype for every tensor.
+    pub fn with_weight_dtype(mut self, dtype: Option<WeightDtype>) -> Self {
+        self.matrices = dtype;
+        self
+    }
+
+    /// The dtype the weight matrices load in, if set.
+    pub(crate) fn weight_dtype(&self) -> Option<WeightDtype> {
+        self.matrices
     }
 
     /// The progress callback, if one was set.
@@ -244,6 +262,7 @@ impl Checkpoint {
             index,
             metadata,
             progress: None,
+            matrices: None,
         })
     }
 
@@ -423,6 +442,7 @@ impl Checkpoint {
             index,
             metadata: Vec::new(),
             progress: None,
+            matrices: None,
         }
     }
 }
@@ -442,28 +462,42 @@ fn dtype_name(d: Dtype) -> String {
 /// dtypes that are not F64, F32, F16 or BF16.
 fn count_non_finite(dtype: Dtype, data: &[u8]) -> (usize, usize) {
     // A float is non-finite when its exponent bits are all ones; NaN when
-    // its mantissa is then non-zero.
-    fn count<const N: usize>(data: &[u8], exp: u64, man: u64) -> (usize, usize) {
-        let (mut nan, mut inf) = (0, 0);
-        for c in data.chunks_exact(N) {
-            let mut b = [0u8; 8];
-            b[..N].copy_from_slice(c);
-            let bits = u64::from_le_bytes(b);
-            if bits & exp == exp {
-                if bits & man != 0 {
-                    nan += 1;
-                } else {
-                    inf += 1;
-                }
+    // its mantissa is then non-zero. The first count is branch-free, so it
+    // vectorises: a model's pre-flight scans its whole file.
+    macro_rules! count {
+        ($t:ty, $exp:expr, $man:expr) => {{
+            const N: usize = size_of::<$t>();
+            // Counted in u16 lanes, blocks short enough not to wrap.
+            let bad_in = |words: &[$t]| -> usize {
+                words
+                    .chunks(u16::MAX as usize)
+                    .map(|b| usize::from(b.iter().fold(0u16, |n, &w| n + u16::from(w & $exp == $exp))))
+                    .sum()
+            };
+            // SAFETY: every bit pattern is a valid integer.
+            let bad = match unsafe { data.align_to::<$t>() } {
+                (&[], words, rest) if cfg!(target_endian = "little") && rest.len() < N => bad_in(words),
+                _ => data
+                    .chunks_exact(N)
+                    .map(|c| usize::from(<$t>::from_le_bytes(c.try_into().expect("N bytes")) & $exp == $exp))
+                    .sum(),
+            };
+            if bad == 0 {
+                return (0, 0);
             }
-        }
-        (nan, inf)
+            let nan = data
+                .chunks_exact(N)
+                .map(|c| <$t>::from_le_bytes(c.try_into().expect("N bytes")))
+                .filter(|&w| w & $exp == $exp && w & $man != 0)
+                .count();
+            (nan, bad - nan)
+        }};
     }
     match dtype {
-        Dtype::F64 => count::<8>(data, 0x7ff0_0000_0000_0000, 0x000f_ffff_ffff_ffff),
-        Dtype::F32 => count::<4>(data, 0x7f80_0000, 0x007f_ffff),
-        Dtype::F16 => count::<2>(data, 0x7c00, 0x03ff),
-        Dtype::BF16 => count::<2>(data, 0x7f80, 0x007f),
+        Dtype::F64 => count!(u64, 0x7ff0_0000_0000_0000, 0x000f_ffff_ffff_ffff),
+        Dtype::F32 => count!(u32, 0x7f80_0000, 0x007f_ffff),
+        Dtype::F16 => count!(u16, 0x7c00, 0x03ff),
+        Dtype::BF16 => count!(u16, 0x7f80, 0x007f),
         _ => (0, 0),
     }
 }

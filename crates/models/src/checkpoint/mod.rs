@@ -15,12 +15,14 @@
 // large for the file (`ensure_holds`, beside `MinWeights` in capacity.rs),
 // and building a model after the pre-flight (`load`, preflight.rs).
 mod capacity;
+mod dtype;
 pub(crate) mod file;
 mod folder;
 mod preflight;
 mod shards;
 
 pub use capacity::{checked_product, MinWeights};
+pub use dtype::{LoadOptions, WeightDtype};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
 pub use folder::{ModelFiles, Weights};
 pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};

@@ -250,7 +250,8 @@ impl Checkpoint {
     /// tensors `build` asks for are compared with the file first, and
     /// every missing, unexpected, mis-shaped, integer-typed or non-finite
     /// tensor is reported in one error. Weights stored as f32, f16 or
-    /// bf16 are converted to `dtype`.
+    /// bf16 are converted to `dtype`, the weight matrices to the
+    /// checkpoint's [`Checkpoint::with_weight_dtype`] where set.
     ///
     /// `build` runs twice: once against a recorder, once for real.
     pub fn load<T>(
@@ -287,6 +288,11 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        // A weight matrix in the dtype the load asks for.
+        let dtype = match self.ckpt.weight_dtype() {
+            Some(w) if self.ckpt.info(name).is_some_and(|t| t.shape.len() == 2) => w.dtype(),
+            _ => dtype,
+        };
         let widened = match (dtype, dev) {
             (DType::F32, Device::Cpu) => self.ckpt.bf16_as_f32(name)?,
             _ => None,

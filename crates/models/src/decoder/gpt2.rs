@@ -171,7 +171,8 @@ impl CausalLm for Gpt2 {
             )
         }
         // (B, T, E)
-        let mut x = (self.wte.forward(ids, &self.lm_head)? + self.wpe.forward(&pos)?)?;
+        let mut x =
+            (self.wte.forward(ids, &self.lm_head)? + self.wpe.forward(&pos)?.to_dtype(DType::F32)?)?;
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, cache.layer(i)?)?;
         }

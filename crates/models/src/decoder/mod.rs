@@ -34,12 +34,12 @@ mod text;
 
 use std::path::Path;
 
-use candle::{bail, Device, Result, Tensor};
+use candle::{bail, DType, Device, Result, Tensor};
 use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::{wanted_tensors, Checkpoint, LoadProgress, ModelFiles, Wanted};
+use crate::checkpoint::{wanted_tensors, Checkpoint, LoadOptions, LoadProgress, ModelFiles, Wanted};
 use crate::generation::{
     generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
 };
@@ -196,11 +196,12 @@ impl TokenEmbedding {
         })
     }
 
-    /// `(B, T)` ids to `(B, T, E)`.
+    /// `(B, T)` ids to `(B, T, E)` f32 (a half-precision table's rows
+    /// widened).
     pub(crate) fn forward(&self, ids: &Tensor, head: &multihead_attention::PackedLinear) -> Result<Tensor> {
         match self {
-            Self::Own(e) => candle::Module::forward(e, ids),
-            Self::TiedToHead => head.embed(ids),
+            Self::Own(e) => candle::Module::forward(e, ids)?.to_dtype(DType::F32),
+            Self::TiedToHead => head.embed(ids)?.to_dtype(DType::F32),
         }
     }
 }
@@ -252,11 +253,25 @@ impl DecoderModel {
         device: &Device,
         progress: Option<LoadProgress>,
     ) -> Result<Self> {
+        let opts = LoadOptions {
+            progress,
+            ..LoadOptions::default()
+        };
+        Self::from_folder_with(dir, device, &opts)
+    }
+
+    /// [`DecoderModel::from_folder`] with the weight matrices in
+    /// `opts.dtype` (a bf16 folder loaded as bf16 keeps its weights as
+    /// stored), telling `opts.progress` how far it got.
+    pub fn from_folder_with(dir: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
         let files = ModelFiles::resolve(dir)?;
         let text = files.read_beside("config.json", "config")?;
         let cfg = HfDecoderConfig::from_json(&text, &files.beside("config.json").display().to_string())?;
-        let ckpt = files.read()?;
-        Self::from_checkpoint(&cfg, &ckpt.with_progress(progress), device)
+        let ckpt = files
+            .read()?
+            .with_progress(opts.progress.clone())
+            .with_weight_dtype(Some(opts.dtype));
+        Self::from_checkpoint(&cfg, &ckpt, device)
     }
 
     /// The tensors the model `cfg` describes asks `ckpt` for, after the

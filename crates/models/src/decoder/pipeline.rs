@@ -12,7 +12,7 @@ use super::{
     generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderModel, HfGenerationConfig,
     TextTokenizer,
 };
-use crate::checkpoint::{LoadProgress, ModelFiles};
+use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles};
 use crate::generation::{
     Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TokenConstraint,
     TopK, TopP,
@@ -121,12 +121,23 @@ impl TextGenerator {
         device: &Device,
         progress: Option<LoadProgress>,
     ) -> Result<Self> {
+        let opts = LoadOptions {
+            progress,
+            ..LoadOptions::default()
+        };
+        Self::from_folder_with(dir, device, &opts)
+    }
+
+    /// [`TextGenerator::from_folder`] with the model's weight matrices in
+    /// `opts.dtype`, telling `opts.progress` how far the weights got
+    /// ([`DecoderModel::from_folder_with`]).
+    pub fn from_folder_with(dir: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
         // The folder, also where a weights file inside one is named.
         let folder = ModelFiles::resolve(dir)?.dir().to_path_buf();
         let tokenizer = TextTokenizer::from_folder(&folder)?;
         let generation = HfGenerationConfig::from_folder(&folder)?;
         let chat = ChatTemplate::from_folder(&folder)?;
-        let model = DecoderModel::from_folder_with_progress(dir, device, progress)?;
+        let model = DecoderModel::from_folder_with(dir, device, opts)?;
         Ok(Self::new(model, tokenizer, generation, &folder.display().to_string())?.with_chat_template(chat))
     }
 

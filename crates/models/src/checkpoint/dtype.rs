@@ -1,0 +1,91 @@
+//! How a model folder loads: the dtype its weight matrices are kept in,
+//! and a progress callback.
+
+use candle::{DType, Result};
+
+use super::LoadProgress;
+
+/// How a model folder loads (`DecoderModel::from_folder_with`,
+/// `TextGenerator::from_folder_with`).
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// The dtype the weight matrices are kept in.
+    pub dtype: WeightDtype,
+    /// Told how many of the weights' bytes were read, as they are.
+    pub progress: Option<LoadProgress>,
+}
+
+/// The dtype a model's weight matrices (its 2-D tensors: the linear
+/// layers' weights and the embedding tables) are kept in once loaded,
+/// whatever the file stores: `multihead generate --dtype`. The packed
+/// linear layers read bf16 and f16 panels as stored and widen them in
+/// registers. Norms, biases
+/// and convolution kernels stay in the model's own dtype (f32), as
+/// PyTorch's autocast and llama.cpp's converter keep them; activations and
+/// accumulation stay f32. A bf16 file loaded as bf16 is read as stored;
+/// f32 rounds to bf16 or f16 as PyTorch's `.to(dtype)` does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightDtype {
+    /// 4 bytes a weight.
+    #[default]
+    F32,
+    /// bfloat16: f32's range, 8 bits of mantissa; 2 bytes.
+    Bf16,
+    /// IEEE half precision: 11 bits of mantissa, a range to 65504; 2 bytes.
+    F16,
+}
+
+impl WeightDtype {
+    const ALL: [WeightDtype; 3] = [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16];
+
+    /// The name `--dtype` takes: `f32`, `bf16` or `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+            WeightDtype::F16 => "f16",
+        }
+    }
+
+    /// candle's dtype for it.
+    pub fn dtype(self) -> DType {
+        match self {
+            WeightDtype::F32 => DType::F32,
+            WeightDtype::Bf16 => DType::BF16,
+            WeightDtype::F16 => DType::F16,
+        }
+    }
+}
+
+impl std::str::FromStr for WeightDtype {
+    type Err = candle::Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let names: Vec<&str> = Self::ALL.iter().map(|d| d.name()).collect();
+        Self::ALL
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| candle::Error::Msg(format!("dtype '{s}' is not one of {}", names.join(", "))))
+    }
+}
+
+impl std::fmt::Display for WeightDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WeightDtype;
+
+    #[test]
+    fn names_parse_back_and_others_are_refused() {
+        for d in WeightDtype::ALL {
+            assert_eq!(d.name().parse::<WeightDtype>().unwrap(), d);
+            assert_eq!(d.name().to_uppercase().parse::<WeightDtype>().unwrap(), d);
+        }
+        let err = "fp8".parse::<WeightDtype>().unwrap_err().to_string();
+        assert!(err.contains("'fp8'") && err.contains("f32, bf16, f16"), "{err}");
+    }
+}

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Write the oracle for the decoders with half-precision weight matrices.
+
+For each decoder fixture folder of tests/fixtures/decoders (written by
+make_decoder_fixtures.py), HF transformers' model with every 2-D weight (the
+linear layers and the embedding tables) rounded to bfloat16 or float16 and
+computed in float32, as `multihead generate --dtype bf16|f16` keeps them:
+
+* `{name}.{dtype}.logits`: `model(input_ids).logits`, the prompt's;
+* `{name}.{dtype}.steps`: the logits at positions 6.. of
+  `model(greedy_ids)`, teacher-forced over the f32 model's greedy tokens
+  (the logits that chose greedy_ids[:, 7 + i] in the f32 fixture's
+  `step_logits`).
+
+Everything lands in tests/fixtures/decoders/half_expected.safetensors, with
+the torch / transformers versions in its metadata under "case". It also prints each
+model's largest error against the f32 logits, relative to their largest
+magnitude: what rounding the weights costs, whoever computes it.
+
+    .venv-ref/bin/python scripts/make_half_fixtures.py
+"""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DIR = os.path.join(ROOT, "tests", "fixtures", "decoders")
+MODELS = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3"]
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def main():
+    out = {}
+    for name in MODELS:
+        f = load_file(os.path.join(DIR, f"{name}_expected.safetensors"))
+        greedy = f["greedy_ids"].long()
+        steps = f["step_logits"].shape[1]
+        for short, dtype in DTYPES.items():
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.join(DIR, name), dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.copy_(p.to(dtype).float())
+                logits = model(f["input_ids"].long()).logits.float()
+                stepped = model(greedy).logits.float()[:, 6 : 6 + steps]
+            out[f"{name}.{short}.logits"] = logits.contiguous()
+            out[f"{name}.{short}.steps"] = stepped.contiguous()
+            print(
+                f"{name} {short}: relative error against f32, prompt {rel(logits, f['logits']):.2e}, "
+                f"steps {rel(stepped, f['step_logits']):.2e}"
+            )
+    case = {
+        "what": "HF logits with every 2-D weight rounded to bf16 / f16, computed in f32",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    save_file(out, os.path.join(DIR, "half_expected.safetensors"), metadata={"case": json.dumps(case)})
+
+
+if __name__ == "__main__":
+    main()
