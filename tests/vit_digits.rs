@@ -70,3 +70,48 @@ fn binary_agrees_with_pytorch_on_every_heldout_image() -> Result<()> {
     assert!(acc >= 0.95, "held-out accuracy {acc} below 95%");
     Ok(())
 }
+
+/// With its weight matrices in bf16 or f16 (`--dtype`, packed as such on
+/// the CPU, activations in f32), the shipped model keeps PyTorch's f32
+/// prediction on every image, the held-out ones included, and its
+/// probabilities move, but by less than 1e-2: the weights were rounded.
+#[test]
+fn half_precision_weights_keep_every_prediction() -> Result<()> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("pytorch_predictions.json"))?)?;
+    let preds = reference["predictions"].as_object().context("predictions")?;
+    let rel: Vec<&String> = preds.keys().collect();
+    for dtype in ["bf16", "f16"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .current_dir(&dir)
+            .args(["vit", "--format", "json", "--top-k", "1", "--dtype", dtype])
+            .args(&rel)
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "multihead vit --dtype {dtype} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        }
+        let ours: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let ours = ours.as_array().context("array")?;
+        assert_eq!(ours.len(), rel.len());
+        let mut moved = 0f64;
+        for (path, got) in rel.iter().zip(ours) {
+            let want = &preds[path.as_str()];
+            let top = &got["top_k"][0];
+            let class = top["class"].as_u64().context("class")?;
+            assert_eq!(class, want["pred"].as_u64().context("pred")?, "{dtype} {path}");
+            let p = top["prob"].as_f64().context("prob")?;
+            let q = want["probs"][class as usize].as_f64().context("prob")?;
+            moved = moved.max((p - q).abs());
+        }
+        assert!(moved < 1e-2, "{dtype}: a probability moved by {moved}");
+        assert!(
+            moved > 1e-6,
+            "{dtype}: no probability moved: were the weights rounded?"
+        );
+    }
+    Ok(())
+}

@@ -17,7 +17,7 @@ use multihead::models::vit::{
     attention_rollout, decode_target, preprocess_to, ModelFolder, VisionTransformer, VitConfig,
 };
 
-use multihead::models::checkpoint::Checkpoint;
+use multihead::models::checkpoint::{Checkpoint, WeightDtype};
 
 use super::model_files::{self, Text};
 
@@ -78,7 +78,9 @@ pub struct Args {
     /// Device to run on.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
-    /// Dtype of weights and activations.
+    /// Dtype of the weights. On the CPU, bf16 and f16 are the weight
+    /// matrices' (half the memory; activations and sums stay f32); on cuda
+    /// or metal, the whole model's.
     #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
     dtype: DtypeArg,
     /// Side the images are resized to (default: the config's img_size);
@@ -164,22 +166,29 @@ impl Classifier {
             DeviceArg::Cuda => Device::new_cuda(0).context("--device cuda")?,
             DeviceArg::Metal => Device::new_metal(0).context("--device metal")?,
         };
-        let dtype = match args.dtype {
-            DtypeArg::F32 => DType::F32,
-            DtypeArg::F16 => DType::F16,
-            DtypeArg::Bf16 => DType::BF16,
+        // The model's dtype, and the weight matrices' where they differ:
+        // on the CPU, half-precision weights are packed as such and the
+        // activations stay f32.
+        let (dtype, matrices) = match (args.dtype, device.is_cpu()) {
+            (DtypeArg::F32, _) => (DType::F32, None),
+            (DtypeArg::F16, true) => (DType::F32, Some(WeightDtype::F16)),
+            (DtypeArg::Bf16, true) => (DType::F32, Some(WeightDtype::Bf16)),
+            (DtypeArg::F16, false) => (DType::F16, None),
+            (DtypeArg::Bf16, false) => (DType::BF16, None),
         };
-        if dtype == DType::BF16 && device.is_cpu() {
-            bail!("--dtype bf16 needs --device cuda or metal: candle's CPU matmul has no bf16 kernel (use f16 or f32)")
-        }
         // Sizes the weights cannot hold are refused before anything is
         // built; then every tensor is checked against the config.
         let vit = match &source {
-            Source::Folder(folder) => folder.load(dtype, &device)?,
+            Source::Folder(folder) => {
+                let ckpt = folder.checkpoint()?.with_weight_dtype(matrices);
+                folder.load_checkpoint(&ckpt, dtype, &device)?
+            }
             Source::BuiltIn { label, ckpt } => {
                 ckpt.ensure_holds(&cfg.min_weights()?)
                     .with_context(|| format!("config {label}"))?;
                 let vit = ckpt
+                    .clone()
+                    .with_weight_dtype(matrices)
                     .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
                     .with_context(|| format!("with config {label}"))?;
                 vit
