@@ -8,7 +8,9 @@ the hub stores it; it is made here (nothing is downloaded) unless --folder
 names one. The tokenizer is the llama3 text fixture's (its ids fit the
 vocabulary). Each side loads the folder, then generates 4 tokens greedily
 from a 5-token prompt, in a process of its own, 2 threads, `--runs` times
-alternating; the medians are printed.
+alternating; the medians are printed. Ours runs with `--dtype f32` (the
+weights widened at load) and `--dtype bf16` (kept as stored), HF with
+`dtype=torch.float32` and `torch.bfloat16`.
 
     .venv-ref/bin/python scripts/bench_load.py [--folder DIR] [--runs 3]
 """
@@ -55,9 +57,9 @@ print(f"load {loaded:.3f} total {total:.3f} peak {resource.getrusage(resource.RU
 """
 
 
-def ours(binary, folder):
+def ours(binary, folder, dtype):
     out = subprocess.run(
-        ["/usr/bin/time", "-f", "peak %M wall %e", binary, "generate", "--model", folder,
+        ["/usr/bin/time", "-f", "peak %M wall %e", binary, "generate", "--model", folder, "--dtype", dtype,
          "--max-new-tokens", "4", "--min-new-tokens", "4", "Hello world"],
         capture_output=True, text=True, check=True, env={**os.environ, "RAYON_NUM_THREADS": "2"},
     )
@@ -88,12 +90,12 @@ def main():
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(ROOT, "tests", "fixtures", "text", "llama3", f), folder)
     size = os.path.getsize(os.path.join(folder, "model.safetensors")) / 1e6
-    rows = {"ours f32": [], "HF f32": [], "HF bf16": []}
+    rows = {"ours f32": [], "ours bf16": [], "HF f32": [], "HF bf16": []}
     try:
         for _ in range(args.runs):
-            rows["ours f32"].append(ours(binary, folder))
-            rows["HF f32"].append(hf(folder, "f32")[:3])
-            rows["HF bf16"].append(hf(folder, "bf16")[:3])
+            for dtype in ("f32", "bf16"):
+                rows[f"ours {dtype}"].append(ours(binary, folder, dtype))
+                rows[f"HF {dtype}"].append(hf(folder, dtype)[:3])
     finally:
         if tmp:
             shutil.rmtree(tmp)
