@@ -33,10 +33,15 @@ pub enum WeightDtype {
     Bf16,
     /// IEEE half precision: 11 bits of mantissa, a range to 65504; 2 bytes.
     F16,
+    /// llama.cpp's Q8_0: blocks of 32 int8 weights with an f16 scale, 1.06
+    /// bytes a weight. The linear layers are quantized as they are packed,
+    /// from what the file stores; an embedding table not tied to the
+    /// output projection stays as stored.
+    Q8_0,
 }
 
 impl WeightDtype {
-    const ALL: [WeightDtype; 3] = [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16];
+    const ALL: [WeightDtype; 4] = [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16, WeightDtype::Q8_0];
 
     /// The name `--dtype` takes: `f32`, `bf16` or `f16`.
     pub fn name(self) -> &'static str {
@@ -44,15 +49,18 @@ impl WeightDtype {
             WeightDtype::F32 => "f32",
             WeightDtype::Bf16 => "bf16",
             WeightDtype::F16 => "f16",
+            WeightDtype::Q8_0 => "q8_0",
         }
     }
 
-    /// candle's dtype for it.
-    pub fn dtype(self) -> DType {
+    /// candle's dtype the matrices are read in; `None` for Q8_0, read as
+    /// stored and quantized as the layers pack them.
+    pub fn dtype(self) -> Option<DType> {
         match self {
-            WeightDtype::F32 => DType::F32,
-            WeightDtype::Bf16 => DType::BF16,
-            WeightDtype::F16 => DType::F16,
+            WeightDtype::F32 => Some(DType::F32),
+            WeightDtype::Bf16 => Some(DType::BF16),
+            WeightDtype::F16 => Some(DType::F16),
+            WeightDtype::Q8_0 => None,
         }
     }
 }
@@ -86,6 +94,6 @@ mod tests {
             assert_eq!(d.name().to_uppercase().parse::<WeightDtype>().unwrap(), d);
         }
         let err = "fp8".parse::<WeightDtype>().unwrap_err().to_string();
-        assert!(err.contains("'fp8'") && err.contains("f32, bf16, f16"), "{err}");
+        assert!(err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0"), "{err}");
     }
 }
