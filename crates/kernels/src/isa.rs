@@ -64,6 +64,23 @@ fn detected() -> Isa {
     })
 }
 
+/// Whether the AVX-512 kernels may take AVX512-VNNI's int8 dot products
+/// (`vpdpbusd`, with AVX512BW): the processor has both and the
+/// instruction set is not capped below [`Isa::Avx512`] (forcing AVX2 or
+/// the portable code turns them off with the rest of AVX-512).
+pub(crate) fn has_vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    let detected = *VNNI.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    });
+    detected && current() == Isa::Avx512
+}
+
 /// The L2 cache of one core in bytes, where the processor reports it
 /// (CPUID leaf `0x8000_0006`, which Intel and AMD both fill), read once.
 pub(crate) fn l2_bytes() -> Option<usize> {

@@ -24,6 +24,8 @@
 //! - `simd.rs`: row operations (masks, GELU, SiLU, LayerNorm rows) written
 //!   once as plain Rust and compiled for each instruction set;
 //! - `attention.rs`: the attention kernel's problem, masks and dispatch;
+//! - `q8.rs`: linear weights in llama.cpp's 8-bit Q8_0 blocks, with a
+//!   kernel per instruction set in `q8/` (AVX512-VNNI, AVX2, portable);
 //! - `pool.rs`: work spread over rayon's pool, buffers kept between calls.
 //!
 //! Every kernel variant can be forced ([`isa::force`], or
@@ -69,6 +71,9 @@ mod packed;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 mod pool;
+// Q8Weight is not yet behind a public layer; its tests use it.
+#[cfg_attr(not(test), allow(dead_code))]
+mod q8;
 mod simd;
 mod softmax;
 #[cfg(target_arch = "x86_64")]

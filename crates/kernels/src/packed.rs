@@ -43,7 +43,7 @@ use crate::simd;
 
 /// Multiply-adds (or floats packed) from which a call's work is spread
 /// over rayon's pool.
-const PARALLEL_FROM: usize = 1 << 16;
+pub(crate) const PARALLEL_FROM: usize = 1 << 16;
 
 /// Inputs per slice of the reduction, at most, for `isa`: a row group's
 /// slice of inputs stays in L1 while the unit's panel slices (`slice ·

@@ -1,0 +1,533 @@
+//! Linear layers with 8-bit weights in llama.cpp's Q8_0 format, computed
+//! as llama.cpp's `ggml_vec_dot_q8_0_q8_0` computes them.
+//!
+//! # Numerics
+//! Each output feature's row of `k` weights is cut into blocks of 32
+//! (`k` a multiple of 32), and each block quantized as llama.cpp's
+//! `quantize_row_q8_0_ref` does: `d = max|w| / 127`, kept as f16 (round to
+//! nearest), and `q = round(w · (1 / d))` in `i8` (ties away from zero,
+//! C's `roundf`; `1 / d` in f32 from the unrounded `d`, and 0 where `d`
+//! is). The inputs' rows are quantized the same way at every call. Then
+//!
+//! `y[r][j] = bias[j] + Σ_b (d_w · d_x) · isum_b`, `isum_b = Σ_{i ∈ b}
+//! q_w[i] · q_x[i]`,
+//!
+//! the integer dot exact in i32, each block's product and the running sum
+//! rounded to f32 in block order (llama.cpp's `sumf += sumi * (d_x *
+//! d_w)`), the bias added after the sum and a residual after that, as the
+//! separate adds of a ggml graph. Every kernel below follows that order
+//! (no fused multiply-add), so all of them give the same bits. A block
+//! holding NaN gets a NaN scale, so the outputs it reaches are NaN; an
+//! infinite weight or input zeroes its block's values, and its infinite
+//! scale makes those outputs NaN (as in llama.cpp).
+//!
+//! # Layout
+//! Panels of [`NR`] = 16 features. Panel `p`'s block `b` is 512 bytes at
+//! `(p·nb + b)·512` (`nb = k / 32`): 8 groups of 4 inputs, 64 bytes each,
+//! feature `c`'s 4 consecutive values at `4·c` of its group, so that one
+//! `zmm` holds a group for the panel's 16 features, each lane the 4 bytes
+//! `vpdpbusd` multiplies by 4 inputs broadcast to every lane (two `ymm`
+//! halves for AVX2). The block's 16 scales are f16 at `(p·nb + b)·16` of
+//! a second array. Features past `n` hold zeros. 34 bytes per 32 weights,
+//! as Q8_0's blocks.
+//!
+//! # Kernels
+//! Picked when the weight is quantized ([`crate::isa::current`], as for
+//! the packed weights), each in its own file:
+//! - `vnni.rs`: AVX-512 with AVX512-VNNI and AVX512BW; the weights are
+//!   stored as `q + 128` for `vpdpbusd`'s unsigned operand, corrected by
+//!   each input block's `-128 · Σ q_x`;
+//! - `avx2.rs`: AVX2 (and AVX-512 without VNNI), `vpmaddubsw` on `|x|`
+//!   and sign-applied weights;
+//! - `portable.rs`: plain Rust.
+//!
+//! The inputs are quantized once per call (by the kernel's instruction
+//! set, to the same values), in parallel over rows. A tile holds one
+//! block's i32 sums in registers, then adds them to its f32 sums: one row
+//! (a decoder's step) takes tiles of one row by four panels on VNNI, each
+//! weight byte streamed once; more rows take 4 rows by 2 panels on VNNI
+//! (2 by 1 on AVX2), so that each group of weights loaded feeds every row
+//! of the tile.
+//!
+//! Work units are blocks of [`UNIT_PANELS`] panels by [`UNIT_ROWS`] rows
+//! (one row: a run of panels per thread), spread over rayon's pool from
+//! [`PARALLEL_FROM`] multiply-adds on. A unit of several row groups cuts
+//! the reduction into slices of [`SLICE_BLOCKS`] blocks: a tile's panel
+//! slice stays in L1 while the unit's row groups pass it, and the unit's
+//! running sums stay in a buffer of its own between slices (the blocks
+//! still add in order). The bias and the residual are added as the unit
+//! writes its outputs.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+
+use candle::{bail, Result};
+use half::f16;
+use rayon::prelude::*;
+
+use crate::elem::PanelElem;
+use crate::isa::Isa;
+use crate::packed::PARALLEL_FROM;
+use crate::pool::{par_for, SyncPtr};
+
+/// Output features per panel.
+const NR: usize = 16;
+/// Inputs per block (Q8_0's `QK8_0`), each block with its own scale.
+const QK: usize = 32;
+/// Bytes of one panel's block: 16 features by 32 inputs.
+const BLOCK_BYTES: usize = NR * QK;
+/// Panels per work unit of a call of several rows (64 features).
+const UNIT_PANELS: usize = 4;
+/// Rows per work unit, at most.
+const UNIT_ROWS: usize = 32;
+/// Blocks per slice of the reduction where a unit has several row
+/// groups: a tile's two panels' slice (16 KiB) stays in L1 while the
+/// unit's row groups pass it.
+const SLICE_BLOCKS: usize = 16;
+/// Inputs a task of the inputs' quantization takes, about (whole rows,
+/// at least one): some microseconds of work.
+const QUANTIZE_TASK: usize = 1 << 14;
+
+/// The micro-kernel a weight is laid out for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    /// The kernel for `isa`, never past what runs now (so never past what
+    /// the processor has).
+    fn for_isa(isa: Isa) -> Kernel {
+        match isa.min(crate::isa::current()) {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if crate::isa::has_vnni() => Kernel::Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx2 => Kernel::Avx2,
+            _ => Kernel::Portable,
+        }
+    }
+
+    /// `(rows, panels)` of a tile for a call of `m` rows.
+    fn tile_shape(self, m: usize) -> (usize, usize) {
+        match self {
+            Kernel::Portable => (portable::MR, portable::NP),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => (avx2::MR, avx2::NP),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni if m == 1 => (1, vnni::NP_ONE_ROW),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => (vnni::MR, vnni::NP),
+        }
+    }
+
+    /// The byte a value `q` is stored as: `q + 128` for `vpdpbusd`'s
+    /// unsigned operand, else `q`'s bits.
+    fn encode(self, q: i8) -> u8 {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => (q as u8) ^ 0x80,
+            _ => q as u8,
+        }
+    }
+
+    /// The value a stored byte holds.
+    fn decode(self, byte: u8) -> i8 {
+        self.encode(byte as i8) as i8
+    }
+}
+
+/// One block of 32 values quantized as llama.cpp's `quantize_row_q8_0_ref`
+/// does: the scale `max|x| / 127` (f32; the caller rounds it to f16), the
+/// values `round(x · (1 / d))` (ties away from zero) into `q`, and their
+/// sum. A NaN sticks to the largest magnitude, so a block holding one gets
+/// a NaN scale. A block whose scale or its inverse is not finite (an
+/// infinite or NaN value; magnitudes all below 4e-37, whose scale is 0 in
+/// f16) gets zeros: C leaves the conversion of those `x · id` to `int8_t`
+/// undefined, and llama.cpp's x86 builds give 0.
+fn quantize_block(x: &[f32; QK], q: &mut [i8; QK]) -> (f32, i32) {
+    let amax = x
+        .iter()
+        .fold(0f32, |a, v| if v.abs() > a || v.is_nan() { v.abs() } else { a });
+    let d = amax / 127.;
+    let id = if d != 0. { 1. / d } else { 0. };
+    if !(d.is_finite() && id.is_finite()) {
+        q.fill(0);
+        return (d, 0);
+    }
+    let mut sum = 0;
+    for (q, &v) in q.iter_mut().zip(x) {
+        // |v · id| <= 127 (up to rounding, which `round` absorbs).
+        *q = (v * id).round() as i8;
+        sum += i32::from(*q);
+    }
+    (d, sum)
+}
+
+/// Rows of inputs quantized for the kernels: `q` `m` rows of `k` values,
+/// and per row and block (`m` rows of `nb`) the scale, rounded to f16 and
+/// widened, and `-128 · Σ q` (the start of `vnni.rs`'s block sums).
+struct Quantized {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    off: Vec<i32>,
+}
+
+/// Quantizes `x` (rows of `q.len()` values, `d.len()` blocks a row) into
+/// `q`, `d` and `off` ([`Quantized`]) with `kernel`'s instruction set:
+/// the same values whichever it is.
+fn quantize_rows(kernel: Kernel, x: &[f32], q: &mut [i8], d: &mut [f32], off: &mut [i32]) {
+    assert!(x.len() == q.len() && q.len() == d.len() * QK && d.len() == off.len());
+    match kernel {
+        // SAFETY: the slices hold the extents (asserted above); the kernel
+        // was picked for an instruction set the processor has.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Vnni => unsafe {
+            vnni::quantize_row(
+                x.as_ptr(),
+                d.len(),
+                q.as_mut_ptr(),
+                d.as_mut_ptr(),
+                off.as_mut_ptr(),
+            )
+        },
+        // SAFETY: as above; the AVX2 kernel reads no offsets.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::quantize_row(x.as_ptr(), d.len(), q.as_mut_ptr(), d.as_mut_ptr()) },
+        Kernel::Portable => {
+            let blocks = x.as_chunks::<QK>().0.iter().zip(q.as_chunks_mut::<QK>().0);
+            for ((xb, qb), (d, off)) in blocks.zip(d.iter_mut().zip(off)) {
+                let (scale, sum) = quantize_block(xb, qb);
+                *d = f16::from_f32(scale).to_f32();
+                *off = -128 * sum;
+            }
+        }
+    }
+}
+
+/// A linear layer's weight `(n, k)` in Q8_0 blocks, laid out for one
+/// kernel (see the module docs), and its bias in f32.
+pub(crate) struct Q8Weight {
+    /// The panels' values, from `start` on (64-byte aligned).
+    qs: Vec<u8>,
+    start: usize,
+    /// The panels' block scales.
+    d: Vec<f16>,
+    bias: Option<Vec<f32>>,
+    n: usize,
+    k: usize,
+    kernel: Kernel,
+}
+
+impl std::fmt::Debug for Q8Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Q8Weight")
+            .field("out", &self.n)
+            .field("in", &self.k)
+            .field("bias", &self.bias.is_some())
+            .field("kernel", &self.kernel)
+            .finish()
+    }
+}
+
+impl Q8Weight {
+    /// Quantizes `w`, `n` rows of `k` values (f32, bf16 or f16, widened
+    /// exactly), for the kernel of `isa` (capped at what runs now), with
+    /// `bias` (`n` floats). `k` must be a positive multiple of 32, `n`
+    /// positive.
+    pub(crate) fn quantize<S: PanelElem>(
+        w: &[S],
+        n: usize,
+        k: usize,
+        bias: Option<&[f32]>,
+        isa: Isa,
+    ) -> Result<Self> {
+        if k == 0 || !k.is_multiple_of(QK) {
+            bail!("Q8Weight: in_features {k} is not a positive multiple of the block size {QK}")
+        }
+        if n == 0 {
+            bail!("Q8Weight: out_features is 0")
+        }
+        if w.len() != n * k {
+            bail!("Q8Weight: {} weights for ({n}, {k})", w.len())
+        }
+        if let Some(b) = bias.filter(|b| b.len() != n) {
+            bail!("Q8Weight: bias of {} for {n} features", b.len())
+        }
+        let kernel = Kernel::for_isa(isa);
+        let (nb, panels) = (k / QK, n.div_ceil(NR));
+        let mut qs = vec![kernel.encode(0); panels * nb * BLOCK_BYTES + 63];
+        let start = qs.as_ptr().align_offset(64).min(63);
+        let mut d = vec![f16::ZERO; panels * nb * NR];
+        qs[start..start + panels * nb * BLOCK_BYTES]
+            .par_chunks_mut(nb * BLOCK_BYTES)
+            .zip(d.par_chunks_mut(nb * NR))
+            .enumerate()
+            .for_each(|(p, (qs, d))| {
+                let (mut x, mut q) = ([0f32; QK], [0i8; QK]);
+                for c in 0..NR.min(n - p * NR) {
+                    let row = &w[(p * NR + c) * k..][..k];
+                    for (b, src) in row.as_chunks::<QK>().0.iter().enumerate() {
+                        for (x, s) in x.iter_mut().zip(src) {
+                            *x = s.to_f32();
+                        }
+                        let (scale, _) = quantize_block(&x, &mut q);
+                        d[b * NR + c] = f16::from_f32(scale);
+                        let block = &mut qs[b * BLOCK_BYTES..][..BLOCK_BYTES];
+                        for (i, &q) in q.iter().enumerate() {
+                            block[(i / 4) * 64 + c * 4 + i % 4] = kernel.encode(q);
+                        }
+                    }
+                }
+            });
+        Ok(Q8Weight {
+            qs,
+            start,
+            d,
+            bias: bias.map(<[f32]>::to_vec),
+            n,
+            k,
+            kernel,
+        })
+    }
+
+    /// `(out_features, in_features)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Bytes held on the heap: the values, their scales and the bias.
+    pub(crate) fn bytes(&self) -> usize {
+        self.qs.capacity()
+            + self.d.capacity() * size_of::<f16>()
+            + self.bias.as_ref().map_or(0, |b| b.capacity() * 4)
+    }
+
+    fn panels(&self) -> &[u8] {
+        &self.qs[self.start..]
+    }
+
+    /// Rows `ids` of the weight (each `< n`), one after another, each value
+    /// `d · q` in f32: the lookup of an embedding table tied to this layer.
+    pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
+        let (k, nb) = (self.k, self.k / QK);
+        let mut out = vec![0f32; ids.len() * k];
+        out.par_chunks_mut(k).zip(ids).for_each(|(row, &j)| {
+            let (p, c) = (j as usize / NR, j as usize % NR);
+            for (b, row) in row.chunks_exact_mut(QK).enumerate() {
+                let block = &self.panels()[(p * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
+                let d = self.d[(p * nb + b) * NR + c].to_f32();
+                for (i, y) in row.iter_mut().enumerate() {
+                    *y = d * f32::from(self.kernel.decode(block[(i / 4) * 64 + c * 4 + i % 4]));
+                }
+            }
+        });
+        out
+    }
+
+    /// The weight dequantized (`n` rows of `k` floats, `d · q`) and the
+    /// bias.
+    pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
+        let ids: Vec<u32> = (0..self.n as u32).collect();
+        (self.rows(&ids), self.bias.clone())
+    }
+
+    /// `x`'s `m` rows of `k` floats quantized, in parallel over rows where
+    /// they are many.
+    fn quantize_inputs(&self, x: &[f32], m: usize) -> Quantized {
+        let (k, nb) = (self.k, self.k / QK);
+        let mut xq = Quantized {
+            q: vec![0; m * k],
+            d: vec![0.; m * nb],
+            off: vec![0; m * nb],
+        };
+        let rows = (QUANTIZE_TASK / k).max(1);
+        let tasks =
+            xq.q.chunks_mut(rows * k)
+                .zip(xq.d.chunks_mut(rows * nb))
+                .zip(xq.off.chunks_mut(rows * nb));
+        let kernel = self.kernel;
+        if m > rows {
+            let tasks: Vec<_> = tasks.zip(x.chunks(rows * k)).collect();
+            tasks
+                .into_par_iter()
+                .for_each(|(((q, d), off), x)| quantize_rows(kernel, x, q, d, off));
+        } else {
+            for (((q, d), off), x) in tasks.zip(x.chunks(rows * k)) {
+                quantize_rows(kernel, x, q, d, off);
+            }
+        }
+        xq
+    }
+
+    /// `x · wᵀ + b` for output features `lo..hi` (any range of `0..n`),
+    /// plus `residual` where given: `x` is `m` rows of `k` floats,
+    /// `residual` `m` rows of `hi - lo`; returns `m` rows of `hi - lo`
+    /// floats, as the module docs compute them. Panics where `lo..hi` is
+    /// not in `0..n`, `x` is shorter or `residual` another length.
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        (lo, hi): (usize, usize),
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let (k, nb, width) = (self.k, self.k / QK, hi - lo);
+        assert!(
+            lo < hi && hi <= self.n,
+            "Q8Weight: features {lo}..{hi} out of 0..{}",
+            self.n
+        );
+        assert!(x.len() >= m * k && residual.is_none_or(|r| r.len() == m * width));
+        let mut out = vec![0f32; m * width];
+        if m == 0 {
+            return out;
+        }
+        let xq = self.quantize_inputs(&x[..m * k], m);
+        let (mr, np) = self.kernel.tile_shape(m);
+        let (p_lo, p_hi) = (lo / NR, hi.div_ceil(NR));
+        let groups = m.div_ceil(mr);
+        let work = m * width * k;
+        let threads = if work > PARALLEL_FROM {
+            rayon::current_num_threads()
+        } else {
+            1
+        };
+        // A single row: one run of whole tiles a thread. More: units of
+        // UNIT_PANELS panels by UNIT_ROWS rows.
+        let (ppu, gpu) = if m == 1 {
+            ((p_hi - p_lo).div_ceil(threads).next_multiple_of(np), 1)
+        } else {
+            (UNIT_PANELS.next_multiple_of(np), (UNIT_ROWS / mr).max(1))
+        };
+        let units: Vec<(usize, usize)> = (p_lo..p_hi)
+            .step_by(ppu)
+            .flat_map(|p0| (0..groups).step_by(gpu).map(move |g0| (p0, g0)))
+            .collect();
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        let run = |u: usize| {
+            let (p0, g0) = units[u];
+            let (p1, g1) = ((p0 + ppu).min(p_hi), (g0 + gpu).min(groups));
+            let (r0, r1, cols) = (g0 * mr, (g1 * mr).min(m), (p1 - p0) * NR);
+            // The unit's running sums, its rows by its panels' features.
+            let mut acc = vec![0f32; (r1 - r0) * cols];
+            // Where the unit has several row groups, the reduction goes in
+            // slices whose panel slices stay in L1 while the groups pass.
+            let slice = if g1 - g0 > 1 { SLICE_BLOCKS } else { nb };
+            for b0 in (0..nb).step_by(slice) {
+                let blocks = b0..(b0 + slice).min(nb);
+                for p in (p0..p1).step_by(np) {
+                    for g in g0..g1 {
+                        let rows = mr.min(m - g * mr);
+                        let at = (g * mr - r0) * cols + (p - p0) * NR;
+                        self.tile(
+                            rows,
+                            np.min(p1 - p),
+                            blocks.clone(),
+                            &xq,
+                            g * mr,
+                            p,
+                            &mut acc[at..],
+                            cols,
+                        );
+                    }
+                }
+            }
+            // The unit's columns inside lo..hi, with the bias, then the
+            // residual.
+            let (c0, c1) = (lo.max(p0 * NR), hi.min(p1 * NR));
+            for (r, sums) in (r0..r1).zip(acc.chunks_exact(cols)) {
+                let at = r * width + c0 - lo;
+                // SAFETY: rows r0..r1 and columns c0 - lo..c1 - lo of the
+                // m × width output are this unit's alone (units cover
+                // disjoint panels and row groups).
+                let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), c1 - c0) };
+                dst.copy_from_slice(&sums[c0 - p0 * NR..c1 - p0 * NR]);
+                if let Some(bias) = &self.bias {
+                    for (y, b) in dst.iter_mut().zip(&bias[c0..c1]) {
+                        *y += b;
+                    }
+                }
+                if let Some(residual) = residual {
+                    for (y, r) in dst.iter_mut().zip(&residual[at..]) {
+                        *y += r;
+                    }
+                }
+            }
+        };
+        if units.len() > 1 && threads > 1 {
+            par_for(units.len(), work, run);
+        } else {
+            (0..units.len()).for_each(run);
+        }
+        out
+    }
+
+    /// The kernel's sums over `blocks` for `rows` rows from `r0` and
+    /// `panels` panels from `p`, added to `tile` (rows `tile_rs` apart).
+    #[allow(clippy::too_many_arguments)]
+    fn tile(
+        &self,
+        rows: usize,
+        panels: usize,
+        blocks: std::ops::Range<usize>,
+        xq: &Quantized,
+        r0: usize,
+        p: usize,
+        tile: &mut [f32],
+        tile_rs: usize,
+    ) {
+        let (k, nb) = (self.k, self.k / QK);
+        assert!(blocks.end <= nb);
+        let x = &xq.q[r0 * k..][..rows * k];
+        let (xd, xoff) = (&xq.d[r0 * nb..][..rows * nb], &xq.off[r0 * nb..][..rows * nb]);
+        let w = &self.panels()[p * nb * BLOCK_BYTES..][..panels * nb * BLOCK_BYTES];
+        let d = &self.d[p * nb * NR..][..panels * nb * NR];
+        assert!(tile.len() >= (rows - 1) * tile_rs + panels * NR && tile_rs >= panels * NR);
+        match self.kernel {
+            Kernel::Portable => portable::tile(rows, panels, (nb, blocks), x, xd, w, d, tile, tile_rs),
+            // SAFETY: the slices above hold the extents the kernel reads
+            // (`rows` rows of inputs and scales, `panels` panels of values
+            // and scales) and the tile the `rows` rows it writes; the
+            // kernel was picked for an instruction set the processor has.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe {
+                avx2::tile(
+                    rows,
+                    panels,
+                    (nb, blocks),
+                    x.as_ptr(),
+                    xd.as_ptr(),
+                    w.as_ptr(),
+                    d.as_ptr().cast(),
+                    tile.as_mut_ptr(),
+                    tile_rs,
+                )
+            },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => unsafe {
+                vnni::tile(
+                    rows,
+                    panels,
+                    (nb, blocks),
+                    x.as_ptr(),
+                    (xd.as_ptr(), xoff.as_ptr()),
+                    w.as_ptr(),
+                    d.as_ptr().cast(),
+                    tile.as_mut_ptr(),
+                    tile_rs,
+                )
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

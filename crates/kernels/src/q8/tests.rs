@@ -1,0 +1,386 @@
+//! The 8-bit layers' tests: llama.cpp's quantization rules on hand-made
+//! blocks, every kernel against the reference loop, rows and unpacking,
+//! the errors, and (ignored) timings beside the f32 packed layer.
+
+use half::{bf16, f16};
+
+use super::{Kernel, Q8Weight, QK};
+use crate::isa::{force, supported, Isa, FORCE_LOCK};
+
+/// `quantize_row_q8_0_ref` (ggml-quants.c) as written there, one
+/// block of finite values: `amax` by its `MAX` macro, `d = amax / 127`,
+/// `id = d ? 1/d : 0`, `q = roundf(x · id)`, the scale stored as f16;
+/// a non-finite `x · id` (C leaves its conversion undefined) is 0, as
+/// x86's `cvttss2si` truncated to a byte gives.
+fn llama_block(x: &[f32]) -> (f16, [i8; 32]) {
+    let mut amax = 0f32;
+    for &v in x {
+        amax = if amax > v.abs() { amax } else { v.abs() };
+    }
+    let d = amax / 127.;
+    let id = if d != 0. { 1. / d } else { 0. };
+    let q = std::array::from_fn(|j| {
+        let y = (x[j] * id).round();
+        if y.is_finite() {
+            y as i8
+        } else {
+            0
+        }
+    });
+    (f16::from_f32(d), q)
+}
+
+/// Rows of `k` values in llama.cpp's blocks.
+fn llama_rows(x: &[f32], k: usize) -> Vec<(f16, [i8; 32])> {
+    x.chunks_exact(k)
+        .flat_map(|row| row.chunks_exact(QK).map(llama_block))
+        .collect()
+}
+
+/// `ggml_vec_dot_q8_0_q8_0`'s reference loop for each row of `x` and
+/// feature `j` of `w`, then `+ bias`: `sumf += sumi * (d_w * d_x)`.
+fn reference(w: &[f32], x: &[f32], (m, n, k): (usize, usize, usize), bias: Option<&[f32]>) -> Vec<f32> {
+    let (wq, xq, nb) = (llama_rows(w, k), llama_rows(x, k), k / QK);
+    let mut y = vec![0f32; m * n];
+    for r in 0..m {
+        for j in 0..n {
+            let mut sumf = 0f32;
+            for b in 0..nb {
+                let ((dw, qw), (dx, qx)) = (&wq[j * nb + b], &xq[r * nb + b]);
+                let sumi: i32 = qw
+                    .iter()
+                    .zip(qx)
+                    .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                    .sum();
+                sumf += sumi as f32 * (dw.to_f32() * dx.to_f32());
+            }
+            y[r * n + j] = bias.map_or(sumf, |b| sumf + b[j]);
+        }
+    }
+    y
+}
+
+fn randn(len: usize) -> Vec<f32> {
+    crate::testing::randn(&[len]).and_then(|t| t.to_vec1()).unwrap()
+}
+
+/// The bits of each float, so that a mismatch prints both values.
+fn assert_same(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits(),
+            "{what}: output {i} is {g:e}, expected {w:e}"
+        );
+    }
+}
+
+/// Hand-made blocks, quantized as `quantize_row_q8_0_ref` rules:
+/// written out, then through the layer (a weight of one row).
+#[test]
+fn blocks_quantize_as_llama_cpp() {
+    let _lock = FORCE_LOCK.lock();
+    // (values, expected scale as f32 before the f16 rounding, expected
+    // values); positions past those listed are 0.
+    let mut cases: Vec<(Vec<f32>, f32, Vec<i8>)> = vec![
+        // max 127 maps to 127 with d = 1 exactly; .5 goes away from
+        // zero either side.
+        (
+            vec![127., -63.5, 0.5, -0.5, 2.5, 1.49, -126.6, 3.],
+            1.,
+            vec![127, -64, 1, -1, 3, 1, -127, 3],
+        ),
+        // A zero block: scale 0, inverse scale 0, all zeros.
+        (vec![0.; 4], 0., vec![0; 4]),
+        // The largest magnitude negative: -254 → d = 2, -127; 3/2 and
+        // -1/2 round away from zero.
+        (vec![-254., 3., -1., 127., 100.], 2., vec![-127, 2, -1, 64, 50]),
+        // d = 1/127 is rounded to f16 (0.0078735), but the values use
+        // the f32 inverse of the unrounded d (127 exactly): 0.5 → 63.5
+        // → 64, and 0.99603 → 126.4958 → 126 (127 by the f16 scale).
+        (vec![1., 0.5, -0.25, 0.99603], 1. / 127., vec![127, 64, -32, 126]),
+    ];
+    for (x, d, q) in &mut cases {
+        x.resize(QK, 0.);
+        q.resize(QK, 0);
+        let (got_d, got_q) = llama_block(x);
+        assert_eq!(got_d, f16::from_f32(*d), "{x:?}");
+        assert_eq!(&got_q[..], &q[..], "{x:?}");
+        let mut ours = [0i8; QK];
+        let (our_d, sum) = super::quantize_block(x.as_slice().try_into().unwrap(), &mut ours);
+        assert_eq!((f16::from_f32(our_d), ours), (got_d, got_q), "{x:?}");
+        assert_eq!(sum, q.iter().map(|&q| i32::from(q)).sum::<i32>());
+        for isa in supported() {
+            force(Some(isa));
+            let layer = Q8Weight::quantize(x, 1, QK, None, isa).unwrap();
+            let want: Vec<f32> = q.iter().map(|&q| got_d.to_f32() * f32::from(q)).collect();
+            assert_same(&layer.rows(&[0]), &want, &format!("{isa:?} {x:?}"));
+        }
+    }
+    force(None);
+    // A NaN sticks to the block's scale whatever its position.
+    for at in [0, 7, 16, 31] {
+        let mut x = [1f32; QK];
+        x[at] = f32::NAN;
+        let (d, _) = super::quantize_block(&x, &mut [0; QK]);
+        assert!(d.is_nan(), "NaN at {at}");
+    }
+}
+
+/// The inputs' quantizers of every kernel (AVX-512, AVX2, scalar) give
+/// llama.cpp's blocks: random values, ties at .5 either side, a zero
+/// block, magnitudes so small that `1 / d` overflows (zeros), and a
+/// NaN or an infinity (a NaN or infinite scale, zeros); VNNI's block
+/// starts are `-128 · Σ q`.
+#[test]
+fn inputs_quantize_as_llama_cpp_on_every_kernel() {
+    let _lock = FORCE_LOCK.lock();
+    let mut blocks: Vec<[f32; QK]> = (0..3).map(|_| randn(QK).try_into().unwrap()).collect();
+    let ties: [f32; QK] = std::array::from_fn(|i| if i == 0 { 127. } else { i as f32 * 3.5 - 56. });
+    blocks.extend([
+        ties,
+        ties.map(|x| -x),
+        [0.; QK],
+        [1e-38; QK],
+        std::array::from_fn(|i| i as f32 * -1e-39),
+    ]);
+    let (mut nan, mut inf) = (blocks[0], blocks[1]);
+    nan[9] = f32::NAN;
+    inf[30] = f32::NEG_INFINITY;
+    let x: Vec<f32> = blocks.iter().chain([&nan, &inf]).flatten().copied().collect();
+    let (m, k) = (2, x.len() / 2);
+    for isa in supported() {
+        force(Some(isa));
+        let layer = Q8Weight::quantize(&vec![0f32; k], 1, k, None, isa).unwrap();
+        let xq = layer.quantize_inputs(&x, m);
+        for (b, xb) in x.chunks_exact(QK).enumerate() {
+            let what = format!("{isa:?} block {b}: {xb:?}");
+            let q = &xq.q[b * QK..][..QK];
+            if b < blocks.len() {
+                let (d, want) = llama_block(xb);
+                assert_eq!(xq.d[b].to_bits(), d.to_f32().to_bits(), "{what}");
+                assert_eq!(q, want, "{what}");
+            } else {
+                assert!(!xq.d[b].is_finite() && q.iter().all(|&q| q == 0), "{what}");
+            }
+            if layer.kernel != Kernel::Avx2 {
+                assert_eq!(
+                    xq.off[b],
+                    -128 * q.iter().map(|&q| i32::from(q)).sum::<i32>(),
+                    "{what}"
+                );
+            }
+        }
+    }
+    force(None);
+}
+
+/// Every kernel the processor runs equals the reference loop above bit
+/// for bit (the same quantization, exact integer dots, the same f32
+/// block order), on every shape of m = 1, 3, 13, 40 rows, k = 32, 96,
+/// 896, 4864 inputs and n = 1, 17, 100, 896 features (off the tiles'
+/// rows and panels, one unit and several, serial and parallel), with
+/// and without a bias, with a residual, and for a range of features
+/// off the panels; on 3 threads, so that units share out unevenly.
+#[test]
+fn every_kernel_equals_the_reference() {
+    let _lock = FORCE_LOCK.lock();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    let mut case = 0;
+    for k in [32, 96, 896, 4864] {
+        for n in [1, 17, 100, 896] {
+            let w = randn(n * k);
+            let bias = randn(n);
+            let bias = (case % 2 == 0).then_some(&bias[..]);
+            case += 1;
+            for m in [1, 3, 13, 40] {
+                let x = randn(m * k);
+                let want = reference(&w, &x, (m, n, k), bias);
+                let (lo, hi) = (n / 3, n - n / 5);
+                let part: Vec<f32> = want.chunks(n).flat_map(|row| &row[lo..hi]).copied().collect();
+                let residual = randn(m * (hi - lo));
+                let with_residual: Vec<f32> = part.iter().zip(&residual).map(|(y, r)| y + r).collect();
+                for isa in supported() {
+                    force(Some(isa));
+                    let what = format!("{isa:?} m {m} k {k} n {n} bias {}", bias.is_some());
+                    let layer = Q8Weight::quantize(&w, n, k, bias, isa).unwrap();
+                    assert_eq!(layer.kernel, Kernel::for_isa(isa), "{what}");
+                    assert_eq!(layer.dims(), (n, k));
+                    pool.install(|| {
+                        assert_same(&layer.forward(&x, m, (0, n), None), &want, &what);
+                        let y = layer.forward(&x, m, (lo, hi), Some(&residual));
+                        assert_same(
+                            &y,
+                            &with_residual,
+                            &format!("{what} features {lo}..{hi}, residual"),
+                        );
+                    });
+                }
+            }
+        }
+    }
+    force(None);
+}
+
+/// A NaN input makes every output of its row NaN (its block's scale
+/// is NaN), and no other row's, on every kernel.
+#[test]
+fn a_nan_input_reaches_its_row_only() {
+    let _lock = FORCE_LOCK.lock();
+    let (m, n, k) = (3, 40, 96);
+    let mut x = randn(m * k);
+    x[k + 50] = f32::NAN;
+    for isa in supported() {
+        force(Some(isa));
+        let layer = Q8Weight::quantize(&randn(n * k), n, k, Some(&randn(n)), isa).unwrap();
+        let y = layer.forward(&x, m, (0, n), None);
+        assert!(y[n..2 * n].iter().all(|y| y.is_nan()), "{isa:?}");
+        assert!(y[..n].iter().chain(&y[2 * n..]).all(|y| y.is_finite()), "{isa:?}");
+    }
+    force(None);
+}
+
+/// Forcing an instruction set picks its kernel: AVX-512 with VNNI
+/// where the processor has it (else AVX2's), AVX2, portable.
+#[test]
+fn forcing_an_isa_picks_its_kernel() {
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported() {
+        force(Some(isa));
+        let layer = Q8Weight::quantize(&randn(64), 2, 32, None, Isa::Avx512).unwrap();
+        let want = match isa {
+            Isa::Portable => Kernel::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Kernel::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") => {
+                Kernel::Vnni
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Kernel::Avx2,
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => Kernel::Portable,
+        };
+        assert_eq!(layer.kernel, want, "{isa:?}");
+    }
+    force(None);
+}
+
+/// `rows` and `unpack` give `d · q` of llama.cpp's blocks, for each
+/// kernel's layout (a last panel cut short), from f32, bf16 and f16
+/// weights (the halves widened exactly first); the bias comes back as
+/// given; `bytes` counts 34 bytes per 32 weights and the bias.
+#[test]
+fn rows_and_unpack_are_the_dequantized_blocks() {
+    let _lock = FORCE_LOCK.lock();
+    let (n, k) = (37, 96);
+    let w = randn(n * k);
+    let bias = randn(n);
+    let wb: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
+    let wh: Vec<f16> = w.iter().map(|&x| f16::from_f32(x)).collect();
+    let dequantized = |w: &[f32]| -> Vec<f32> {
+        llama_rows(w, k)
+            .iter()
+            .flat_map(|(d, q)| q.map(|q| d.to_f32() * f32::from(q)))
+            .collect()
+    };
+    for isa in supported() {
+        force(Some(isa));
+        let sources = [
+            (Q8Weight::quantize(&w, n, k, Some(&bias), isa).unwrap(), w.clone()),
+            (
+                Q8Weight::quantize(&wb, n, k, None, isa).unwrap(),
+                wb.iter().map(|x| x.to_f32()).collect(),
+            ),
+            (
+                Q8Weight::quantize(&wh, n, k, None, isa).unwrap(),
+                wh.iter().map(|x| x.to_f32()).collect(),
+            ),
+        ];
+        for (i, (layer, wide)) in sources.iter().enumerate() {
+            let what = format!("{isa:?} source {i}");
+            let want = dequantized(wide);
+            let (got, b) = layer.unpack();
+            assert_same(&got, &want, &what);
+            assert_eq!(b.is_some(), i == 0, "{what}");
+            let ids = [36u32, 0, 17, 16, 36];
+            let rows: Vec<f32> = ids
+                .iter()
+                .flat_map(|&j| &want[j as usize * k..][..k])
+                .copied()
+                .collect();
+            assert_same(&layer.rows(&ids), &rows, &format!("{what} rows"));
+            let bias_bytes = if i == 0 { 4 * n } else { 0 };
+            let (lo, hi) = (34 * n * k / 32, 34 * n.next_multiple_of(16) * k / 32 + 63);
+            assert!(
+                (lo + bias_bytes..=hi + bias_bytes).contains(&layer.bytes()),
+                "{what}"
+            );
+        }
+        assert_same(&sources[0].0.unpack().1.unwrap(), &bias, "bias");
+    }
+    force(None);
+}
+
+/// A row length off the blocks is an error that names it; so are a
+/// weight or bias of the wrong length.
+#[test]
+fn inputs_off_the_blocks_are_an_error() {
+    for k in [0, 33, 100] {
+        let err = Q8Weight::quantize(&vec![0f32; 2 * k], 2, k, None, Isa::Portable).unwrap_err();
+        assert!(err.to_string().contains(&format!("in_features {k} ")), "{err}");
+    }
+    assert!(Q8Weight::quantize(&[0f32; 63], 2, 32, None, Isa::Portable).is_err());
+    assert!(Q8Weight::quantize(&[0f32; 64], 2, 32, Some(&[0.]), Isa::Portable).is_err());
+}
+
+/// Timings of one row (a decoder step) and of prefill-sized calls on 1
+/// and 2 threads, the f32 packed layer beside them:
+/// `cargo test --release -p multihead-kernels q8_timings -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn q8_timings() {
+    use crate::packed::{Epilogue, PackedWeight};
+    let isa = crate::isa::current();
+    // The fastest of 60 calls after 5 to warm up: on a shared host, the
+    // calls another process did not slow down.
+    let time = |f: &dyn Fn()| {
+        (0..5).for_each(|_| f());
+        let once = || {
+            let t = std::time::Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        };
+        (0..60).map(|_| once()).fold(f64::MAX, f64::min) * 1e6
+    };
+    for threads in [1, 2] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for (n, k) in [(4864, 896), (896, 4864)] {
+            let w = randn(n * k);
+            let q8 = Q8Weight::quantize(&w, n, k, None, isa).unwrap();
+            let f32w = PackedWeight::isa()
+                .map(|i| PackedWeight::new(&w, n, k, None, i, candle::DType::F32).unwrap());
+            for m in [1, 4, 16, 64, 128] {
+                let x = randn(m * k);
+                pool.install(|| {
+                    let tq = time(&|| {
+                        std::hint::black_box(q8.forward(&x, m, (0, n), None));
+                    });
+                    let tf = f32w.as_ref().map(|p| {
+                        time(&|| {
+                            std::hint::black_box(p.forward(&x, m, (0, n), Epilogue::Identity, None));
+                        })
+                    });
+                    println!(
+                        "{:?}, {threads} threads, n {n} k {k} m {m}: q8 {tq:.0} µs, f32 packed {} µs",
+                        q8.kernel,
+                        tf.map_or("-".into(), |t| format!("{t:.0}"))
+                    );
+                });
+            }
+        }
+    }
+}
