@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Prefill and decode speed of our Llama decoder beside llama.cpp's, at f32,
+bf16 and q8_0 weights, on 2 threads; prints a Markdown table for
+docs/benchmarks.md, with the machine's read bandwidth and each decode rate
+as a share of it.
+
+The folder is Llama-shaped at Qwen2.5-0.5B's size (24 layers, 896 wide, MLP
+4864, GQA 14/2, vocabulary 32,000, tied embeddings: 0.39 B parameters) with
+random bf16 weights, made here (nothing is downloaded) unless --folder names
+one. Its tokenizer is a SentencePiece BPE of 8,000 pieces trained here on
+generated text (tokenizer.model, and the tokenizer.json transformers converts
+it to); llama.cpp's converter pads the vocabulary to 32,000 with unused
+tokens. convert_hf_to_gguf.py writes one GGUF per dtype.
+
+Each run, for each dtype, llama.cpp's side is
+`llama-bench -m FILE -t 2 -p 128 -n 32 -r 3 -o json` (pp128 and tg32, the
+mean of its 3 repetitions), ours is `multihead generate --dtype D --format
+json --greedy` on a prompt of about 128 tokens, 32 new tokens
+(RAYON_NUM_THREADS=2; prefill = prompt tokens / prefill time, decode = the
+31 tokens after the first over their time); the two sides alternate which
+goes first, `--runs` times, and the medians are printed. A dtype our binary
+refuses is shown as n/a. llama-bench's tg32 decodes from an empty cache,
+ours after the prompt; at these lengths the KV cache is under 1% of the
+bytes read per token.
+
+The bandwidth is a C loop summing a 2 GiB buffer on 2 OpenMP threads
+(compiled here with cc, best of 5 passes), measured before and after the
+runs; the higher is used (on a shared machine the two can differ by
+half). A decode rate's share of it is
+GGUF file size x tokens/s / bandwidth: every weight matrix, the tied
+embedding as the output head, is read once per token.
+
+llama.cpp is built from the source that the llama-cpp-python sdist vendors
+(CPU, native), its converter run with this venv (PYTHONPATH=gguf-py;
+protobuf, in requirements.txt, is what transformers needs to turn
+tokenizer.model into tokenizer.json):
+
+    pip download --no-deps --no-binary llama-cpp-python llama-cpp-python -d SRC
+    tar xzf SRC/llama_cpp_python-*.tar.gz -C SRC && cd SRC/llama_cpp_python-*/vendor/llama.cpp
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build -j2 --target llama-bench
+    .venv-ref/bin/python scripts/bench_llamacpp.py --llama-cpp SRC/llama_cpp_python-*/vendor/llama.cpp \
+        [--folder DIR] [--work DIR] [--runs 3] [--dtypes f32,bf16,q8_0]
+"""
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+THREADS = 2
+PROMPT_TOKENS = 128
+NEW_TOKENS = 32
+
+MAKE = """
+import os, random, sys
+os.environ["HF_HUB_OFFLINE"] = "1"
+import sentencepiece as spm, torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+folder = sys.argv[1]
+os.makedirs(folder, exist_ok=True)
+# Text of made-up words, enough for a BPE of 8,000 pieces (32,000 would need far more text).
+rng = random.Random(0)
+cons = "b c d f g h j k l m n p r s t v w z ch sh th st tr pl".split()
+vows = "a e i o u ai ea ou io".split()
+words = sorted({"".join(rng.choice(cons) + rng.choice(vows) for _ in range(rng.randint(1, 3))) for _ in range(6000)})
+lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))).capitalize() + rng.choice(".?!,;")
+         for _ in range(20000)]
+spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=os.path.join(folder, "tokenizer"),
+    vocab_size=8000, model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2,
+    pad_id=-1, num_threads=1, minloglevel=2)
+os.remove(os.path.join(folder, "tokenizer.vocab"))
+LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)  # tokenizer.json, tokenizer_config.json
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True, max_shard_size="10GB")
+"""
+
+BANDWIDTH = r"""
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+int main(int argc, char **argv) {
+    size_t bytes = strtoull(argv[1], NULL, 10), n = bytes / 8;
+    int passes = atoi(argv[2]);
+    uint64_t *a = aligned_alloc(64, n * 8), sink = 0;
+    double best = 0;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) a[i] = i;  /* first touch by the thread that reads it */
+    for (int p = 0; p < passes; p++) {
+        uint64_t s = 0;
+        double t = omp_get_wtime();
+#pragma omp parallel for schedule(static) reduction(+ : s)
+        for (size_t i = 0; i < n; i++) s += a[i];
+        t = omp_get_wtime() - t;
+        sink += s;
+        if (bytes / t > best) best = bytes / t;
+    }
+    printf("%.3f %llu\n", best / 1e9, (unsigned long long)sink);
+    return 0;
+}
+"""
+
+
+def bandwidth(tmp):
+    """Best read bandwidth in GB/s of THREADS threads over 2 GiB."""
+    src, exe = os.path.join(tmp, "bw.c"), os.path.join(tmp, "bw")
+    with open(src, "w") as f:
+        f.write(BANDWIDTH)
+    subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", src, "-o", exe], check=True)
+    out = subprocess.run([exe, str(2 << 30), "5"], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(THREADS), "OMP_PROC_BIND": "spread"})
+    return float(out.stdout.split()[0])
+
+
+def convert(llama_cpp, folder, dtype, path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(llama_cpp, "gguf-py"),
+                                                                        os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, os.path.join(llama_cpp, "convert_hf_to_gguf.py"), folder,
+                          "--outtype", dtype, "--outfile", path], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"convert_hf_to_gguf.py --outtype {dtype} failed:\n{out.stderr[-3000:]}")
+
+
+def llama_bench(exe, gguf):
+    """(prefill, decode) tokens/s: llama-bench's pp128 and tg32 means."""
+    out = subprocess.run([exe, "-m", gguf, "-t", str(THREADS), "-p", str(PROMPT_TOKENS), "-n", str(NEW_TOKENS),
+                          "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    tests = json.loads(out.stdout)
+    pp = next(t["avg_ts"] for t in tests if t["n_prompt"] == PROMPT_TOKENS and t["n_gen"] == 0)
+    tg = next(t["avg_ts"] for t in tests if t["n_prompt"] == 0 and t["n_gen"] == NEW_TOKENS)
+    return pp, tg
+
+
+def ours(binary, folder, dtype, prompt, refused):
+    """(prefill, decode) tokens/s and the prompt's length, or None when the binary refuses the dtype."""
+    base = [binary, "generate", "--model", folder, "--format", "json", "--max-new-tokens", str(NEW_TOKENS),
+            "--min-new-tokens", str(NEW_TOKENS), "--greedy"]
+    env = {**os.environ, "RAYON_NUM_THREADS": str(THREADS)}
+    out = subprocess.run(base + ["--dtype", dtype, prompt], capture_output=True, text=True, env=env)
+    if out.returncode != 0 and dtype == "f32" and "--dtype" in out.stderr:
+        out = subprocess.run(base + [prompt], capture_output=True, text=True, env=env)  # before --dtype existed
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
+        refused[dtype] = next((line for line in lines if line.lower().startswith("error")), lines[-1])
+        return None
+    (r,) = json.loads(out.stdout)
+    if r["new_tokens"] != NEW_TOKENS:
+        sys.exit(f"ours at {dtype}: {r['new_tokens']} new tokens, expected {NEW_TOKENS}")
+    return r["prompt_tokens"] / (r["prefill_ms"] / 1e3), r["decode_tokens_per_s"], r["prompt_tokens"]
+
+
+def make_prompt(folder):
+    """Words of English that the folder's tokenizer.json makes PROMPT_TOKENS tokens of (or just under): a
+    word that would go past is skipped, so the short ones fill the end."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    words = ("The quick brown fox jumps over the lazy dog while a committee of seven reviewers reads "
+             "every page of the long report on bandwidth, caches and the cost of moving weights from memory "
+             "to the cores that multiply them, one token after another, until the summary is done.").split()
+    prompt, n = "", 0
+    for i in range(10 * PROMPT_TOKENS):
+        longer = (prompt + " " + words[i % len(words)]).strip()
+        if (m := len(tok.encode(longer).ids)) <= PROMPT_TOKENS:
+            prompt, n = longer, m
+        if n == PROMPT_TOKENS:
+            break
+    return prompt
+
+
+def cpu_model():
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-cpp", required=True, metavar="DIR",
+                    help="llama.cpp source tree with build/bin/llama-bench and convert_hf_to_gguf.py")
+    ap.add_argument("--folder", help="an HF Llama folder (default: one made here)")
+    ap.add_argument("--work", metavar="DIR", help="keep the made folder and the GGUF files here, reused if present "
+                    "(default: a temporary folder, removed)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--dtypes", default="f32,bf16,q8_0")
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+    bench = os.path.join(args.llama_cpp, "build", "bin", "llama-bench")
+    if not os.access(bench, os.X_OK):
+        sys.exit(f"no {bench}: build it with cmake --build build --target llama-bench")
+    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    binary = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "multihead")
+
+    theirs_runs = {d: [] for d in dtypes}
+    ours_runs = {d: [] for d in dtypes}
+    refused = {}
+    sizes = {}
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
+        work = args.work or tmp
+        os.makedirs(work, exist_ok=True)
+        folder = args.folder or os.path.join(work, "llama-0.39b-shaped")
+        if not glob.glob(os.path.join(folder, "*.safetensors")):
+            subprocess.run([sys.executable, "-c", MAKE, folder], check=True)
+        ggufs = {}
+        for dtype in dtypes:
+            ggufs[dtype] = os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{dtype}.gguf")
+            if not os.path.exists(ggufs[dtype]):
+                convert(args.llama_cpp, folder, dtype, ggufs[dtype])
+            sizes[dtype] = os.path.getsize(ggufs[dtype])
+        prompt = make_prompt(folder)
+        bw_before = bandwidth(tmp)
+        for run in range(args.runs):
+            for dtype in dtypes:
+                sides = [lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype])),
+                         lambda: ours_runs[dtype].append(ours(binary, folder, dtype, prompt, refused))]
+                for side in sides if run % 2 == 0 else reversed(sides):
+                    side()
+        bw_after = bandwidth(tmp)
+    bw = max(bw_before, bw_after)
+
+    def median(runs, i):
+        got = [r[i] for r in runs if r is not None]
+        return statistics.median(got) if got else None
+
+    def fmt(x, spec=".1f"):
+        return "n/a" if x is None else format(x, spec)
+
+    def ratio(a, b):
+        return "n/a" if a is None or b is None else f"{a / b:.2f}"
+
+    def share(size, rate):
+        return "n/a" if rate is None else f"{100 * size * rate / (bw * 1e9):.0f}%"
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{now}, {cpu_model()}, {THREADS} threads\n")
+    print(f"    {command}\n")
+    print(f"read bandwidth ({THREADS} threads, 2 GiB): {bw:.1f} GB/s ({bw_before:.1f} before the runs, "
+          f"{bw_after:.1f} after); medians of {args.runs} alternating runs; "
+          f"llama.cpp: pp{PROMPT_TOKENS} and tg{NEW_TOKENS}; "
+          f"ours: a {fmt(median(sum(ours_runs.values(), []), 2), '.0f')}-token prompt, {NEW_TOKENS} new tokens\n")
+    print("| weights | GGUF (MB) | prefill tok/s llama.cpp | ours | ours / llama.cpp | decode tok/s llama.cpp "
+          "| ours | ours / llama.cpp | decode share of bandwidth llama.cpp | ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        size = sizes[dtype]
+        tpp, ttg = median(theirs_runs[dtype], 0), median(theirs_runs[dtype], 1)
+        opp, otg = median(ours_runs[dtype], 0), median(ours_runs[dtype], 1)
+        print(f"| {dtype} | {size / 1e6:.0f} | {fmt(tpp)} | {fmt(opp)} | {ratio(opp, tpp)} | {fmt(ttg, '.2f')} "
+              f"| {fmt(otg, '.2f')} | {ratio(otg, ttg)} | {share(size, ttg)} | {share(size, otg)} |")
+    print("\nEach run (prefill/decode tok/s), to judge the spread:\n")
+    for dtype in dtypes:
+        runs = [" ".join(f"{pp:.0f}/{tg:.1f}" for pp, tg, *_ in side) or "n/a"
+                for side in (theirs_runs[dtype], [r for r in ours_runs[dtype] if r is not None])]
+        print(f"- {dtype}: llama.cpp {runs[0]}; ours {runs[1]}")
+    for dtype, why in refused.items():
+        print(f"\nours at {dtype}: n/a ({why})")
+
+
+if __name__ == "__main__":
+    main()
