@@ -11,7 +11,9 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 fn multihead(args: &[&str]) -> Result<std::process::Output> {
-    Ok(Command::new(env!("CARGO_BIN_EXE_multihead")).args(args).output()?)
+    Ok(Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args(args)
+        .output()?)
 }
 
 fn ids(v: &Value) -> Vec<u64> {
@@ -28,7 +30,16 @@ fn expected() -> Result<Value> {
 }
 
 fn generate_json(model: &str, extra: &[&str], prompt: &str) -> Result<Value> {
-    let mut args = vec!["generate", "--model", model, "--greedy", "--max-new-tokens", "8", "--format", "json"];
+    let mut args = vec![
+        "generate",
+        "--model",
+        model,
+        "--greedy",
+        "--max-new-tokens",
+        "8",
+        "--format",
+        "json",
+    ];
     args.extend_from_slice(extra);
     args.push(prompt);
     let out = multihead(&args)?;
@@ -72,7 +83,14 @@ fn a_file_without_a_tokenizer_asks_for_one() -> Result<()> {
     assert_eq!(ids(&got["tokens"]), ids(&want["greedy"]["ids"]));
 
     let folder = common::fixture_dir("text").join("llama3");
-    let out = multihead(&["generate", "--model", &folder.display().to_string(), "--tokenizer", "x.json", "hi"])?;
+    let out = multihead(&[
+        "generate",
+        "--model",
+        &folder.display().to_string(),
+        "--tokenizer",
+        "x.json",
+        "hi",
+    ])?;
     common::assert_one_line_error(&out, &["--tokenizer is for a GGUF model"]);
     Ok(())
 }

@@ -35,7 +35,9 @@ fn expected() -> Result<Fixture> {
 }
 
 fn model_case<'a>(f: &'a Fixture, name: &str) -> Result<&'a Value> {
-    f.case["models"].get(name).with_context(|| format!("no case for {name}"))
+    f.case["models"]
+        .get(name)
+        .with_context(|| format!("no case for {name}"))
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -106,7 +108,11 @@ fn q8_0_stays_close_to_f32() -> Result<()> {
         let (a, b) = (top(&got)?, top(want)?);
         let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
         eprintln!("{name}-q8_0: top-1 as f32's at {same} of {} positions", a.len());
-        assert!(same * 10 >= a.len() * 9, "{name}: top-1 agrees at only {same} of {}", a.len());
+        assert!(
+            same * 10 >= a.len() * 9,
+            "{name}: top-1 agrees at only {same} of {}",
+            a.len()
+        );
     }
     Ok(())
 }
@@ -128,9 +134,21 @@ fn metadata_gives_the_hf_config() -> Result<()> {
         assert_eq!(Some(cfg.vocab_size), n("vocab_size"), "{name}");
         let head_dim = n("head_dim").or(n("hidden_size").zip(n("num_attention_heads")).map(|(e, h)| e / h));
         assert_eq!(Some(cfg.head_width()), head_dim, "{name}");
-        assert_eq!(cfg.tie_word_embeddings, hf["tie_word_embeddings"] == true, "{name}");
-        assert_eq!(cfg.rms_norm_eps, hf["rms_norm_eps"].as_f64().context("eps")?, "{name}");
-        assert_eq!(cfg.theta(), hf["rope_parameters"]["rope_theta"].as_f64().context("theta")?, "{name}");
+        assert_eq!(
+            cfg.tie_word_embeddings,
+            hf["tie_word_embeddings"] == true,
+            "{name}"
+        );
+        assert_eq!(
+            cfg.rms_norm_eps,
+            hf["rms_norm_eps"].as_f64().context("eps")?,
+            "{name}"
+        );
+        assert_eq!(
+            cfg.theta(),
+            hf["rope_parameters"]["rope_theta"].as_f64().context("theta")?,
+            "{name}"
+        );
         match name {
             "llama" => assert!(cfg.attention_bias && !cfg.qk_norm),
             "qwen2" => assert!(cfg.qkv_bias && !cfg.attention_bias && !cfg.qk_norm),
@@ -152,7 +170,11 @@ fn the_file_s_tokenizer_encodes_and_decodes_as_hf() -> Result<()> {
             let text = p["text"].as_str().context("text")?;
             let want = ids(&p["ids"]);
             assert_eq!(tok.encode(text)?, want, "{name}: {text:?}");
-            assert_eq!(tok.decode(&want)?, p["decoded"].as_str().context("decoded")?, "{name}");
+            assert_eq!(
+                tok.decode(&want)?,
+                p["decoded"].as_str().context("decoded")?,
+                "{name}"
+            );
         }
     }
     Ok(())
@@ -166,7 +188,11 @@ fn text_generation_from_a_gguf_file_is_hf_s() -> Result<()> {
     for (name, _) in FILES {
         let g = TextGenerator::from_gguf(&gguf(name, "f32"), None, &Device::Cpu, &LoadOptions::default())?;
         let case = model_case(&f, name)?;
-        assert_eq!(g.generation().eos_token_ids, ids(&case["eos_token_ids"]), "{name}");
+        assert_eq!(
+            g.generation().eos_token_ids,
+            ids(&case["eos_token_ids"]),
+            "{name}"
+        );
         let mut settings = g.settings();
         settings.max_new_tokens = 8;
         settings.sampling = None;
@@ -176,7 +202,11 @@ fn text_generation_from_a_gguf_file_is_hf_s() -> Result<()> {
             assert_eq!(out.ids, ids(&p["greedy"]["ids"]), "{name}: {}", p["text"]);
             assert_eq!(out.text, p["greedy"]["text"].as_str().context("text")?, "{name}");
             let finish = format!("{:?}", out.finish).to_lowercase();
-            assert_eq!(finish, p["greedy"]["finish"].as_str().context("finish")?, "{name}");
+            assert_eq!(
+                finish,
+                p["greedy"]["finish"].as_str().context("finish")?,
+                "{name}"
+            );
         }
     }
     Ok(())
@@ -191,18 +221,30 @@ fn a_sentencepiece_file_needs_tokenizer_json() -> Result<()> {
         Ok(())
     })?;
     let err = TextGenerator::from_gguf(&path, None, &Device::Cpu, &LoadOptions::default());
-    assert_err(err, &["SentencePiece", "--tokenizer", "tokenizer.json", &path.display().to_string()]);
+    assert_err(
+        err,
+        &[
+            "SentencePiece",
+            "--tokenizer",
+            "tokenizer.json",
+            &path.display().to_string(),
+        ],
+    );
     let json = fixture_dir("text").join("llama3").join("tokenizer.json");
     let g = TextGenerator::from_gguf(&path, Some(&json), &Device::Cpu, &LoadOptions::default())?;
     let f = expected()?;
     let p = &model_case(&f, "llama")?["prompts"][0];
-    assert_eq!(g.tokenizer().encode(p["text"].as_str().context("text")?)?, ids(&p["ids"]));
+    assert_eq!(
+        g.tokenizer().encode(p["text"].as_str().context("text")?)?,
+        ids(&p["ids"])
+    );
     std::fs::remove_file(&path)?;
     Ok(())
 }
 
 type Meta = Vec<(String, GgufValue)>;
 type Tensors = Vec<(String, QTensor)>;
+type MetaEdit = Box<dyn Fn(&mut Meta)>;
 
 fn set(meta: &mut Meta, key: &str, value: GgufValue) {
     meta.retain(|(k, _)| k != key);
@@ -211,11 +253,19 @@ fn set(meta: &mut Meta, key: &str, value: GgufValue) {
 
 /// The fixture `{name}-f32.gguf` read by candle, edited, and written back
 /// with candle's writer to a temporary file.
-fn rewrite(name: &str, tag: &str, edit: impl FnOnce(&mut Meta, &mut Tensors) -> Result<()>) -> Result<PathBuf> {
+fn rewrite(
+    name: &str,
+    tag: &str,
+    edit: impl FnOnce(&mut Meta, &mut Tensors) -> Result<()>,
+) -> Result<PathBuf> {
     let src = gguf(name, "f32");
     let mut file = std::fs::File::open(&src)?;
     let content = gguf_file::Content::read(&mut file)?;
-    let mut meta: Meta = content.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut meta: Meta = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
     meta.sort_by(|a, b| a.0.cmp(&b.0));
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
@@ -272,7 +322,7 @@ fn truncated_files_are_refused() -> Result<()> {
 /// metadata it cannot honour.
 #[test]
 fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
-    let cases: [(&str, Box<dyn Fn(&mut Meta)>, Vec<&str>); 4] = [
+    let cases: [(&str, MetaEdit, Vec<&str>); 4] = [
         (
             "gemma",
             Box::new(|m| set(m, "general.architecture", GgufValue::String("gemma".into()))),
@@ -332,7 +382,13 @@ fn unsupported_types_and_wrong_tensors_are_named() -> Result<()> {
     })?;
     let msg = load_error(&odd);
     std::fs::remove_file(&odd)?;
-    assert_mentions(&msg, &["1 missing: blk.0.ffn_down.weight [32, 64]", "1 unexpected: blk.0.ffn_mystery.weight"]);
+    assert_mentions(
+        &msg,
+        &[
+            "1 missing: blk.0.ffn_down.weight [32, 64]",
+            "1 unexpected: blk.0.ffn_mystery.weight",
+        ],
+    );
     Ok(())
 }
 

@@ -17,9 +17,11 @@ use candle::quantized::GgmlDType;
 use candle::{bail, DType, Device, Result, Tensor};
 
 use super::file::natural_key;
+use super::gguf_header::check_header;
 
 /// The ggml types whose tensors this reader returns.
-pub const GGUF_TENSOR_TYPES: [GgmlDType; 4] = [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16, GgmlDType::Q8_0];
+pub const GGUF_TENSOR_TYPES: [GgmlDType; 4] =
+    [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16, GgmlDType::Q8_0];
 
 /// Bytes of one Q8_0 block: an f16 scale and 32 signed bytes.
 const Q8_0_BLOCK_BYTES: usize = 34;
@@ -148,20 +150,15 @@ impl GgufFile {
             bail!("'{label}' is not a GGUF file: it does not start with the magic 'GGUF' (or is truncated: {len} bytes)")
         }
         // candle's reader bounds every string, array and count by the
-        // file's size; an alignment of 0 in the metadata makes it divide by
-        // zero, which is caught here rather than taking the process down.
-        let read = std::panic::catch_unwind(|| Content::read(&mut Cursor::new(&bytes[..])));
-        let content = match read {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => bail!("GGUF file '{label}' ({len} bytes): {}", explain(&e.to_string())),
-            Err(_) => bail!("GGUF file '{label}': malformed header (general.alignment must be a positive power of two)"),
-        };
-        if let Some(v) = content.metadata.get("general.alignment") {
-            match value_u64(v) {
-                Some(a) if a.is_power_of_two() => {}
-                _ => bail!("GGUF file '{label}': metadata 'general.alignment' must be a positive power of two, found {}", show(v)),
-            }
-        }
+        // file's size, but not what they take in memory once read, and
+        // divides by the alignment: both are checked first.
+        check_header(&bytes, label)?;
+        let content = Content::read(&mut Cursor::new(&bytes[..])).map_err(|e| {
+            candle::Error::Msg(format!(
+                "GGUF file '{label}' ({len} bytes): {}",
+                explain(&e.to_string())
+            ))
+        })?;
         let data_start = usize::try_from(content.tensor_data_offset).unwrap_or(usize::MAX);
         let mut tensors = Vec::with_capacity(content.tensor_infos.len());
         for (name, info) in &content.tensor_infos {
@@ -170,7 +167,11 @@ impl GgufFile {
             let numel = shape
                 .iter()
                 .try_fold(1usize, |n, &d| n.checked_mul(d))
-                .ok_or_else(|| candle::Error::Msg(format!("GGUF file '{label}': tensor '{name}' has dims {shape:?}, whose product overflows")))?;
+                .ok_or_else(|| {
+                    candle::Error::Msg(format!(
+                        "GGUF file '{label}': tensor '{name}' has dims {shape:?}, whose product overflows"
+                    ))
+                })?;
             // ggml stores whole blocks along each row (the innermost dim).
             let row = shape.last().copied().unwrap_or(1);
             if !row.is_multiple_of(t.block_size()) {
@@ -181,7 +182,9 @@ impl GgufFile {
                 )
             }
             let size = numel / t.block_size() * t.type_size();
-            let start = usize::try_from(info.offset).ok().and_then(|o| o.checked_add(data_start));
+            let start = usize::try_from(info.offset)
+                .ok()
+                .and_then(|o| o.checked_add(data_start));
             let end = start.and_then(|s| s.checked_add(size));
             let range = match (start, end) {
                 (Some(s), Some(e)) if e <= len => s..e,
@@ -199,7 +202,11 @@ impl GgufFile {
             });
         }
         tensors.sort_by_cached_key(|t| natural_key(&t.name));
-        let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
         Ok(Self {
             label: label.to_string(),
             bytes,
@@ -265,7 +272,10 @@ impl GgufFile {
     pub fn float(&self, key: &str) -> Result<Option<f64>> {
         self.get(key)
             .map(|v| match v {
-                Value::F32(x) => x.to_string().parse::<f64>().map_err(|_| self.wrong(key, "a number", v)),
+                Value::F32(x) => x
+                    .to_string()
+                    .parse::<f64>()
+                    .map_err(|_| self.wrong(key, "a number", v)),
                 Value::F64(x) => Ok(*x),
                 other => value_u64(other)
                     .map(|n| n as f64)
@@ -355,7 +365,11 @@ impl GgufFile {
                 Tensor::from_vec(v, shape, device)?
             }
             GgmlDType::Q8_0 => dequantize_q8_0(bytes, shape, device)?,
-            other => bail!("GGUF file '{}': tensor '{name}' is {}", self.label, unsupported(other)),
+            other => bail!(
+                "GGUF file '{}': tensor '{name}' is {}",
+                self.label,
+                unsupported(other)
+            ),
         };
         debug_assert_eq!(t.dtype(), stored_dtype(info.ggml_type).unwrap_or(DType::F32));
         Ok(t)
@@ -374,7 +388,7 @@ pub fn stored_dtype(t: GgmlDType) -> Option<DType> {
 }
 
 /// Why a tensor of type `t` is refused, after "tensor 'x' is ".
-pub(crate) fn unsupported(t: GgmlDType) -> String {
+fn unsupported(t: GgmlDType) -> String {
     let names: Vec<&str> = GGUF_TENSOR_TYPES.iter().map(|&t| ggml_type_name(t)).collect();
     format!(
         "{}, a ggml type this loader does not read (it reads {})",
@@ -433,7 +447,9 @@ fn value_i64(v: &Value) -> Option<i64> {
 /// A metadata value for an error message: short, whatever its size.
 fn show(v: &Value) -> String {
     match v {
-        Value::String(s) if s.chars().count() > 40 => format!("{:?}...", s.chars().take(40).collect::<String>()),
+        Value::String(s) if s.chars().count() > 40 => {
+            format!("{:?}...", s.chars().take(40).collect::<String>())
+        }
         Value::String(s) => format!("{s:?}"),
         Value::Array(a) => format!("an array of {} values", a.len()),
         other => format!("{other:?}"),
@@ -478,13 +494,17 @@ mod tests {
 
     #[test]
     fn q8_0_refuses_a_wrong_length() {
-        let err = dequantize_q8_0(&[0u8; 33], &[32], &Device::Cpu).unwrap_err().to_string();
+        let err = dequantize_q8_0(&[0u8; 33], &[32], &Device::Cpu)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("33 bytes"), "{err}");
     }
 
     #[test]
     fn refuses_what_is_not_gguf() {
-        let err = GgufFile::from_bytes(b"PK\x03\x04 not gguf".to_vec(), "x.gguf").unwrap_err().to_string();
+        let err = GgufFile::from_bytes(b"PK\x03\x04 not gguf".to_vec(), "x.gguf")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("'x.gguf'") && err.contains("magic"), "{err}");
     }
 }

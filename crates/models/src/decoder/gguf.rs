@@ -17,8 +17,8 @@ use multihead_attention::RopeScaling;
 use super::config::LlamaConfig;
 use super::{DecoderModel, Llama};
 use crate::checkpoint::{
-    ggml_type_name, stored_dtype, unsupported_ggml_type, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
-    Misshaped, Preflight, Wanted,
+    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, Preflight,
+    Wanted, GGUF_TENSOR_TYPES,
 };
 
 /// The `general.architecture` values this loader runs.
@@ -115,7 +115,7 @@ impl Arch {
 
 /// The `{arch}.*` keys read below; any other is refused, since it may
 /// change what the model computes.
-const KNOWN_KEYS: [&str; 18] = [
+const KNOWN_KEYS: [&str; 19] = [
     "block_count",
     "context_length",
     "embedding_length",
@@ -133,7 +133,9 @@ const KNOWN_KEYS: [&str; 18] = [
     "rope.scaling.factor",
     "rope.scaling.original_context_length",
     "rope.scale_linear",
+    // Refused unless 0.
     "expert_count",
+    "expert_used_count",
 ];
 
 impl LlamaConfig {
@@ -156,7 +158,7 @@ fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     let key = |k: &str| format!("{prefix}{k}");
     for k in file.keys() {
         if let Some(rest) = k.strip_prefix(&prefix) {
-            if !KNOWN_KEYS.contains(&rest) && rest != "expert_used_count" {
+            if !KNOWN_KEYS.contains(&rest) {
                 bail!("GGUF file '{label}': metadata '{k}' is not one this loader can honour")
             }
         }
@@ -170,7 +172,10 @@ fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     };
     for k in ["expert_count", "expert_used_count"] {
         if file.usize(&key(k))?.unwrap_or(0) > 0 {
-            bail!("GGUF file '{label}': '{}' > 0: mixture-of-experts models are not supported", key(k))
+            bail!(
+                "GGUF file '{label}': '{}' > 0: mixture-of-experts models are not supported",
+                key(k)
+            )
         }
     }
     if file.info("rope_freqs.weight").is_some() {
@@ -189,7 +194,10 @@ fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     };
     if let Some(v) = file.usize(&key("vocab_size"))? {
         if v != vocab {
-            bail!("GGUF file '{label}': '{}' is {v} but token_embd.weight has {vocab} rows", key("vocab_size"))
+            bail!(
+                "GGUF file '{label}': '{}' is {v} but token_embd.weight has {vocab} rows",
+                key("vocab_size")
+            )
         }
     }
     let heads = required("attention.head_count")?;
@@ -197,11 +205,16 @@ fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     let head_dim = file.usize(&key("attention.key_length"))?;
     if let (Some(k), Some(v)) = (head_dim, file.usize(&key("attention.value_length"))?) {
         if k != v {
-            bail!("GGUF file '{label}': key_length {k} and value_length {v} differ, which these models do not")
+            bail!(
+                "GGUF file '{label}': key_length {k} and value_length {v} differ, which these models do not"
+            )
         }
     }
     let Some(eps) = file.float(&key("attention.layer_norm_rms_epsilon"))? else {
-        bail!("GGUF file '{label}': no metadata '{}'", key("attention.layer_norm_rms_epsilon"))
+        bail!(
+            "GGUF file '{label}': no metadata '{}'",
+            key("attention.layer_norm_rms_epsilon")
+        )
     };
     let rope_scaling = match file.string(&key("rope.scaling.type"))? {
         None | Some("none") => match file.float(&key("rope.scale_linear"))? {
@@ -210,7 +223,10 @@ fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         },
         Some("linear") => match file.float(&key("rope.scaling.factor"))? {
             Some(factor) => Some(RopeScaling::Linear { factor }),
-            None => bail!("GGUF file '{label}': rope scaling 'linear' without '{}'", key("rope.scaling.factor")),
+            None => bail!(
+                "GGUF file '{label}': rope scaling 'linear' without '{}'",
+                key("rope.scaling.factor")
+            ),
         },
         Some(other) => bail!(
             "GGUF file '{label}': '{}' '{other}' is not supported; only 'none' and 'linear'",
@@ -279,7 +295,10 @@ fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
     }
     let mut shape = vec![heads, rows / heads / 2, 2];
     shape.extend_from_slice(&t.dims()[1..]);
-    t.reshape(shape)?.transpose(1, 2)?.contiguous()?.reshape(t.shape())
+    t.reshape(shape)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(t.shape())
 }
 
 /// Answers `vb.get` under HF's names with the GGUF file's tensors: q and
@@ -298,22 +317,33 @@ struct GgufReader<'a> {
 impl GgufReader<'_> {
     fn read(&self, name: &str, dev: &Device) -> Result<Tensor> {
         let Some(g) = gguf_name(name) else {
-            bail!("GGUF file '{}': the model asks for '{name}', which GGUF files do not name", self.file.label())
+            bail!(
+                "GGUF file '{}': the model asks for '{name}', which GGUF files do not name",
+                self.file.label()
+            )
         };
         let mut t = self.file.tensor(&g, dev)?;
         if let Some((heads, kv_heads)) = self.permuted {
-            let rest = g.split_once('.').and_then(|(_, r)| r.split_once('.')).map(|(_, r)| r);
+            let rest = g
+                .split_once('.')
+                .and_then(|(_, r)| r.split_once('.'))
+                .map(|(_, r)| r);
             let heads = match rest {
                 Some("attn_q.weight" | "attn_q.bias") => Some(heads),
                 Some("attn_k.weight" | "attn_k.bias") => Some(kv_heads),
                 _ => None,
             };
             if let Some(h) = heads {
-                t = unpermute_rows(&t, h)
-                    .map_err(|e| candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label())))?;
+                t = unpermute_rows(&t, h).map_err(|e| {
+                    candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
+                })?;
             }
         }
-        let t = t.to_dtype(if t.rank() == 2 { self.weight_dtype } else { DType::F32 })?;
+        let t = t.to_dtype(if t.rank() == 2 {
+            self.weight_dtype
+        } else {
+            DType::F32
+        })?;
         if let (Some(progress), Some(info)) = (&self.progress, self.file.info(&g)) {
             let n = info.range.len() as u64;
             let read = self.read.fetch_add(n, Ordering::Relaxed) + n;
@@ -356,19 +386,19 @@ fn check_types(file: &GgufFile) -> Result<()> {
         .filter(|t| stored_dtype(t.ggml_type).is_none())
         .map(|t| format!("{} ({})", t.name, ggml_type_name(t.ggml_type)))
         .collect();
-    if let Some(first) = file.tensors().iter().find(|t| stored_dtype(t.ggml_type).is_none()) {
+    if !bad.is_empty() {
         let more = if bad.len() > NAMED {
             format!(" and {} more", bad.len() - NAMED)
         } else {
             String::new()
         };
+        let read: Vec<&str> = GGUF_TENSOR_TYPES.iter().map(|&t| ggml_type_name(t)).collect();
         bail!(
-            "GGUF file '{}': {} tensor(s) of a type this loader does not read: {}{more}; tensor '{}' is {}",
+            "GGUF file '{}': {} tensor(s) of a ggml type this loader does not read (it reads {}): {}{more}",
             file.label(),
             bad.len(),
-            bad[..bad.len().min(NAMED)].join(", "),
-            first.name,
-            unsupported_ggml_type(first.ggml_type)
+            read.join(", "),
+            bad[..bad.len().min(NAMED)].join(", ")
         )
     }
     Ok(())
@@ -390,10 +420,17 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
     let mut needed = HashSet::new();
     for w in wanted {
         let Some(g) = gguf_name(&w.name) else {
-            bail!("GGUF file '{}': the model asks for '{}', which GGUF files do not name", file.label(), w.name)
+            bail!(
+                "GGUF file '{}': the model asks for '{}', which GGUF files do not name",
+                file.label(),
+                w.name
+            )
         };
         match file.info(&g) {
-            None => report.missing.push(Wanted { name: g.clone(), shape: w.shape }),
+            None => report.missing.push(Wanted {
+                name: g.clone(),
+                shape: w.shape,
+            }),
             Some(info) if info.shape != w.shape => report.misshaped.push(Misshaped {
                 name: g.clone(),
                 expected: w.shape,
@@ -459,13 +496,21 @@ mod tests {
         for (hf, g) in [
             ("model.embed_tokens.weight", "token_embd.weight"),
             ("lm_head.weight", "output.weight"),
-            ("model.layers.11.self_attn.k_norm.weight", "blk.11.attn_k_norm.weight"),
+            (
+                "model.layers.11.self_attn.k_norm.weight",
+                "blk.11.attn_k_norm.weight",
+            ),
             ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
         ] {
             assert_eq!(gguf_name(hf).as_deref(), Some(g));
             assert_eq!(hf_name(g).as_deref(), Some(hf));
         }
-        for bad in ["blk.x.attn_q.weight", "blk.0.", "rope_freqs.weight", "blk.0.attn_qkv.weight"] {
+        for bad in [
+            "blk.x.attn_q.weight",
+            "blk.0.",
+            "rope_freqs.weight",
+            "blk.0.attn_qkv.weight",
+        ] {
             assert_eq!(hf_name(bad), None, "{bad}");
         }
         assert_eq!(gguf_name("model.layers.0."), None);
@@ -481,8 +526,15 @@ mod tests {
         let back = unpermute_rows(&file, 2)?.to_vec1::<f32>()?;
         assert_eq!(back, [0., 1., 2., 3., 4., 5., 6., 7.]);
         let w = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((8, 3))?;
-        let permuted = w.reshape((2, 2, 2, 3))?.transpose(1, 2)?.contiguous()?.reshape((8, 3))?;
-        let diff = (unpermute_rows(&permuted, 2)? - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let permuted = w
+            .reshape((2, 2, 2, 3))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((8, 3))?;
+        let diff = (unpermute_rows(&permuted, 2)? - w)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
         assert_eq!(diff, 0.);
         assert!(unpermute_rows(&file, 3).is_err());
         Ok(())

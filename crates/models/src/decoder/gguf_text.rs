@@ -56,7 +56,9 @@ impl Pre {
             ]})
         };
         match self {
-            Self::Gpt2 => json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
+            Self::Gpt2 => {
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
+            }
             Self::Llama3 => split(LLAMA3_REGEX),
             Self::Qwen2 => split(QWEN2_REGEX),
         }
@@ -96,7 +98,12 @@ impl TextTokenizer {
         let label = file.label();
         let model = match file.string("tokenizer.ggml.model")? {
             Some(m) => m,
-            None => return Err(needs_tokenizer(label, "it carries no tokenizer (no tokenizer.ggml.model)")),
+            None => {
+                return Err(needs_tokenizer(
+                    label,
+                    "it carries no tokenizer (no tokenizer.ggml.model)",
+                ))
+            }
         };
         match model {
             "gpt2" => {}
@@ -123,7 +130,12 @@ impl TextTokenizer {
                     ),
                 )
             })?,
-            None => return Err(needs_tokenizer(label, "it names no pre-tokenizer (tokenizer.ggml.pre)")),
+            None => {
+                return Err(needs_tokenizer(
+                    label,
+                    "it names no pre-tokenizer (tokenizer.ggml.pre)",
+                ))
+            }
         };
         let Some(tokens) = file.strings("tokenizer.ggml.tokens")? else {
             return Err(needs_tokenizer(label, "it has no tokenizer.ggml.tokens"));
@@ -161,7 +173,9 @@ impl TextTokenizer {
         let n = tokens.len();
         let bos = token_id(file, "tokenizer.ggml.bos_token_id", n)?;
         let eos = token_id(file, "tokenizer.ggml.eos_token_id", n)?;
-        let add_bos = file.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(pre == Pre::Llama3);
+        let add_bos = file
+            .bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(pre == Pre::Llama3);
         let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         let mut ends = Vec::new();
         for (add, id, what) in [(add_bos, bos, "bos"), (add_eos, eos, "eos")] {
@@ -225,7 +239,10 @@ impl HfGenerationConfig {
             file.usize(key)?
                 .map(|id| {
                     u32::try_from(id).map_err(|_| {
-                        candle::Error::Msg(format!("GGUF file '{}': metadata '{key}' is {id}, not a token id", file.label()))
+                        candle::Error::Msg(format!(
+                            "GGUF file '{}': metadata '{key}' is {id}, not a token id",
+                            file.label()
+                        ))
                     })
                 })
                 .transpose()
@@ -255,7 +272,12 @@ fn gguf_chat_template(file: &GgufFile) -> Result<Option<ChatTemplate>> {
     };
     let mut special = BTreeMap::new();
     if let Some(tokens) = file.strings("tokenizer.ggml.tokens")? {
-        for (name, key) in [("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")] {
+        for (name, key) in [
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        ] {
             if let Some(id) = token_id(file, &format!("tokenizer.ggml.{key}_token_id"), tokens.len())? {
                 special.insert(name.to_string(), tokens[id as usize].to_string());
             }
@@ -278,7 +300,12 @@ impl TextGenerator {
     /// ([`HfGenerationConfig::from_gguf`]) and chat template (else the one
     /// beside `tokenizer`). The tokenizer is read first, so a file whose
     /// tokenizer cannot be rebuilt is refused before its weights are read.
-    pub fn from_gguf(path: &Path, tokenizer: Option<&Path>, device: &Device, opts: &LoadOptions) -> Result<Self> {
+    pub fn from_gguf(
+        path: &Path,
+        tokenizer: Option<&Path>,
+        device: &Device,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
         let file = GgufFile::read(path)?;
         let label = file.label().to_string();
         let (tokenizer, folder_chat) = match tokenizer {

@@ -230,7 +230,7 @@ pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(
 }
 
 /// A decoder loaded from a model folder, whichever architecture its
-/// `config.json` names.
+/// `config.json` names, or from a GGUF file ([`DecoderModel::from_gguf`]).
 #[derive(Debug, Clone)]
 pub enum DecoderModel {
     /// `model_type` `gpt2`.
