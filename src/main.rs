@@ -2,7 +2,7 @@
 //!
 //! - `multihead vit [IMAGES…]`: classify images with a Vision Transformer.
 //! - `multihead seq2seq [TEXT…]`: translate with the encoder–decoder.
-//! - `multihead generate --model DIR [PROMPT…]`: continue text with a decoder folder.
+//! - `multihead generate --model DIR|FILE.gguf [PROMPT…]`: continue text with a decoder folder or GGUF file.
 //! - `multihead inspect FILE.safetensors`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};

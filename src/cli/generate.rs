@@ -1,6 +1,6 @@
 //! `multihead generate`: continue text with a decoder folder as HF
-//! transformers saves it (GPT-2, Llama, Mistral, Qwen2, Qwen3), streaming
-//! each continuation as it is generated.
+//! transformers saves it (GPT-2, Llama, Mistral, Qwen2, Qwen3), or a
+//! Llama-family GGUF file, streaming each continuation as it is generated.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use multihead::models::checkpoint::{LoadOptions, LoadProgress, WeightDtype};
+use multihead::models::checkpoint::{is_gguf, LoadOptions, LoadProgress, WeightDtype};
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
 
 use super::input::{preview, read_lines};
@@ -24,9 +24,14 @@ pub struct Args {
     /// standard input.
     pub prompts: Vec<String>,
     /// The model folder: config.json, model.safetensors (or shards),
-    /// tokenizer.json, and generation_config.json if it has one.
-    #[arg(long, value_name = "DIR")]
+    /// tokenizer.json, and generation_config.json if it has one; or a
+    /// GGUF file (llama, Mistral, Qwen2, Qwen3; F32, F16, BF16 or Q8_0).
+    #[arg(long, value_name = "DIR|FILE.gguf")]
     pub model: PathBuf,
+    /// With a GGUF model: the tokenizer.json to use instead of the one the
+    /// file carries (needed where that one is SentencePiece).
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Most tokens generated per prompt (default: the folder's
     /// generation_config.json, else 20).
     #[arg(long, value_name = "N")]
@@ -135,8 +140,14 @@ pub fn run(args: Args) -> Result<()> {
         dtype: args.dtype,
         progress: Some(progress),
     };
-    let generator = TextGenerator::from_folder_with(&args.model, &device, &opts)
-        .with_context(|| format!("loading '{}'", args.model.display()))?;
+    let generator = if is_gguf(&args.model) {
+        TextGenerator::from_gguf(&args.model, args.tokenizer.as_deref(), &device, &opts)
+    } else if args.tokenizer.is_some() {
+        bail!("--tokenizer is for a GGUF model; a folder's tokenizer is its tokenizer.json")
+    } else {
+        TextGenerator::from_folder_with(&args.model, &device, &opts)
+    }
+    .with_context(|| format!("loading '{}'", args.model.display()))?;
     bar.finish_and_clear();
     eprintln!(
         "loaded {} ({}) in {:.0} ms",

@@ -14,10 +14,15 @@
 // through its index (`read_sharded`, shards.rs), refusing a config too
 // large for the file (`ensure_holds`, beside `MinWeights` in capacity.rs),
 // and building a model after the pre-flight (`load`, preflight.rs).
+// A GGUF file (llama.cpp's format) has a reader of its own, gguf.rs,
+// after its header was walked for what candle's reader would not refuse
+// (gguf_header.rs).
 mod capacity;
 mod dtype;
 pub(crate) mod file;
 mod folder;
+mod gguf;
+mod gguf_header;
 mod preflight;
 mod shards;
 
@@ -25,5 +30,8 @@ pub use capacity::{checked_product, MinWeights};
 pub use dtype::{LoadOptions, WeightDtype};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
 pub use folder::{ModelFiles, Weights};
+pub use gguf::{
+    dequantize_q8_0, ggml_type_name, is_gguf, stored_dtype, GgufFile, GgufTensorInfo, GGUF_TENSOR_TYPES,
+};
 pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
 pub use shards::read_index;

@@ -338,7 +338,7 @@ impl LlamaConfig {
         Ok(())
     }
 
-    fn validate(&self, label: &str) -> Result<()> {
+    pub(crate) fn validate(&self, label: &str) -> Result<()> {
         check_dims(
             label,
             &[

@@ -27,6 +27,8 @@
 mod chat;
 mod config;
 mod generation_config;
+mod gguf;
+mod gguf_text;
 mod gpt2;
 mod llama;
 mod pipeline;
@@ -47,6 +49,8 @@ use crate::generation::{
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
 pub use generation_config::HfGenerationConfig;
+pub use gguf::GGUF_ARCHITECTURES;
+pub use gguf_text::GGUF_PRE_TOKENIZERS;
 pub use gpt2::Gpt2;
 pub use llama::Llama;
 pub use pipeline::{Finish, GenerationSettings, Sampling, TextGenerator, TextOutput, DEFAULT_MAX_NEW_TOKENS};
@@ -226,7 +230,7 @@ pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(
 }
 
 /// A decoder loaded from a model folder, whichever architecture its
-/// `config.json` names.
+/// `config.json` names, or from a GGUF file ([`DecoderModel::from_gguf`]).
 #[derive(Debug, Clone)]
 pub enum DecoderModel {
     /// `model_type` `gpt2`.

@@ -47,9 +47,14 @@ impl std::fmt::Debug for TextTokenizer {
 impl TextTokenizer {
     /// Reads `dir/tokenizer.json` and, if present, `dir/tokenizer_config.json`.
     pub fn from_folder(dir: &Path) -> Result<Self> {
-        let path = dir.join("tokenizer.json");
-        let bytes = read_bytes(&path, "tokenizer", MAX_TOKENIZER_BYTES)?;
-        let config = dir.join("tokenizer_config.json");
+        Self::from_file(&dir.join("tokenizer.json"))
+    }
+
+    /// Reads the `tokenizer.json` file `path` and, if present, the
+    /// `tokenizer_config.json` beside it.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let bytes = read_bytes(path, "tokenizer", MAX_TOKENIZER_BYTES)?;
+        let config = path.with_file_name("tokenizer_config.json");
         let config = if config.exists() {
             Some((
                 read_text(&config, "tokenizer config", MAX_CONFIG_BYTES)?,

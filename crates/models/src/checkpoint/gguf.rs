@@ -1,0 +1,510 @@
+//! A GGUF file (llama.cpp's format) read from an untrusted source through
+//! candle's reader ([`candle::quantized::gguf_file::Content::read`]):
+//! every tensor's size and byte range checked against the file before
+//! anything is read, every error naming the file and the key or tensor.
+//!
+//! The tensors come back as candle tensors in the dtype they are stored
+//! in (F32, F16, BF16); Q8_0 blocks are dequantized to f32 in one place,
+//! [`dequantize_q8_0`]. Other ggml types are refused by name.
+
+use std::collections::HashMap;
+use std::io::Cursor;
+use std::ops::{Deref, Range};
+use std::path::Path;
+
+use candle::quantized::gguf_file::{Content, Value};
+use candle::quantized::GgmlDType;
+use candle::{bail, DType, Device, Result, Tensor};
+
+use super::file::natural_key;
+use super::gguf_header::check_header;
+
+/// The ggml types whose tensors this reader returns.
+pub const GGUF_TENSOR_TYPES: [GgmlDType; 4] =
+    [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16, GgmlDType::Q8_0];
+
+/// Bytes of one Q8_0 block: an f16 scale and 32 signed bytes.
+const Q8_0_BLOCK_BYTES: usize = 34;
+/// Weights in one Q8_0 block.
+const Q8_0_BLOCK: usize = 32;
+
+/// One tensor as the file's header describes it, after the checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GgufTensorInfo {
+    /// The file's name, e.g. `blk.0.attn_q.weight`.
+    pub name: String,
+    /// How its elements are stored.
+    pub ggml_type: GgmlDType,
+    /// Dimensions, outermost first (the reverse of ggml's `ne`): a linear
+    /// layer's weight is `(out, in)`, as in PyTorch.
+    pub shape: Vec<usize>,
+    /// Where its bytes are in the file.
+    pub range: Range<usize>,
+}
+
+/// A GGUF file's bytes: mapped read-only, or in memory.
+enum Bytes {
+    Owned(Vec<u8>),
+    Mapped(memmap2::Mmap),
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Mapped(m) => m,
+        }
+    }
+}
+
+/// A validated GGUF file: its metadata and the tensors' byte ranges, each
+/// inside the file and of the size its shape and type give.
+pub struct GgufFile {
+    label: String,
+    bytes: Bytes,
+    metadata: HashMap<String, Value>,
+    /// In natural name order.
+    tensors: Vec<GgufTensorInfo>,
+    index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("label", &self.label)
+            .field("bytes", &self.bytes.len())
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+/// Whether `path` names a GGUF file: its extension is `.gguf`, or its
+/// first bytes are the magic `GGUF`.
+pub fn is_gguf(path: &Path) -> bool {
+    if path
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return true;
+    }
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// The name llama.cpp gives a ggml type (`Q4_K`, ...).
+pub fn ggml_type_name(t: GgmlDType) -> &'static str {
+    match t {
+        GgmlDType::F32 => "F32",
+        GgmlDType::F16 => "F16",
+        GgmlDType::BF16 => "BF16",
+        GgmlDType::Q4_0 => "Q4_0",
+        GgmlDType::Q4_1 => "Q4_1",
+        GgmlDType::Q5_0 => "Q5_0",
+        GgmlDType::Q5_1 => "Q5_1",
+        GgmlDType::Q8_0 => "Q8_0",
+        GgmlDType::Q8_1 => "Q8_1",
+        GgmlDType::Q2K => "Q2_K",
+        GgmlDType::Q3K => "Q3_K",
+        GgmlDType::Q4K => "Q4_K",
+        GgmlDType::Q5K => "Q5_K",
+        GgmlDType::Q6K => "Q6_K",
+        GgmlDType::Q8K => "Q8_K",
+    }
+}
+
+impl GgufFile {
+    /// Maps `path` read-only and reads its header.
+    pub fn read(path: &Path) -> Result<Self> {
+        let label = path.display().to_string();
+        let len = crate::files::regular_file_len(path, "GGUF file")?;
+        if len == 0 {
+            // An empty file cannot be mapped; it is refused as truncated.
+            return Self::from_bytes(Vec::new(), &label);
+        }
+        let file = std::fs::File::open(path)
+            .map_err(|e| candle::Error::Msg(format!("reading GGUF file '{label}': {e}")))?;
+        // SAFETY: the mapping is read-only and private to this process; as
+        // with any mapped file, the file must not be truncated or rewritten
+        // while it is loaded.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| candle::Error::Msg(format!("mapping GGUF file '{label}': {e}")))?;
+        Self::parse(Bytes::Mapped(map), &label)
+    }
+
+    /// Reads a GGUF file held in memory; `label` names it in errors.
+    pub fn from_bytes(bytes: Vec<u8>, label: &str) -> Result<Self> {
+        Self::parse(Bytes::Owned(bytes), label)
+    }
+
+    fn parse(bytes: Bytes, label: &str) -> Result<Self> {
+        let len = bytes.len();
+        if len < 8 || &bytes[..4] != b"GGUF" {
+            bail!("'{label}' is not a GGUF file: it does not start with the magic 'GGUF' (or is truncated: {len} bytes)")
+        }
+        // candle's reader bounds every string, array and count by the
+        // file's size, but not what they take in memory once read, and
+        // divides by the alignment: both are checked first.
+        check_header(&bytes, label)?;
+        let content = Content::read(&mut Cursor::new(&bytes[..])).map_err(|e| {
+            candle::Error::Msg(format!(
+                "GGUF file '{label}' ({len} bytes): {}",
+                explain(&e.to_string())
+            ))
+        })?;
+        let data_start = usize::try_from(content.tensor_data_offset).unwrap_or(usize::MAX);
+        let mut tensors = Vec::with_capacity(content.tensor_infos.len());
+        for (name, info) in &content.tensor_infos {
+            let shape = info.shape.dims().to_vec();
+            let t = info.ggml_dtype;
+            let numel = shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d))
+                .ok_or_else(|| {
+                    candle::Error::Msg(format!(
+                        "GGUF file '{label}': tensor '{name}' has dims {shape:?}, whose product overflows"
+                    ))
+                })?;
+            // ggml stores whole blocks along each row (the innermost dim).
+            let row = shape.last().copied().unwrap_or(1);
+            if !row.is_multiple_of(t.block_size()) {
+                bail!(
+                    "GGUF file '{label}': tensor '{name}' ({}) has rows of {row} elements, not a multiple of the type's block of {}",
+                    ggml_type_name(t),
+                    t.block_size()
+                )
+            }
+            let size = numel / t.block_size() * t.type_size();
+            let start = usize::try_from(info.offset)
+                .ok()
+                .and_then(|o| o.checked_add(data_start));
+            let end = start.and_then(|s| s.checked_add(size));
+            let range = match (start, end) {
+                (Some(s), Some(e)) if e <= len => s..e,
+                _ => bail!(
+                    "GGUF file '{label}': tensor '{name}' ({}, shape {shape:?}) needs {size} bytes at offset {} of the data, past the end of the file ({len} bytes): truncated or corrupt",
+                    ggml_type_name(t),
+                    info.offset
+                ),
+            };
+            tensors.push(GgufTensorInfo {
+                name: name.clone(),
+                ggml_type: t,
+                shape,
+                range,
+            });
+        }
+        tensors.sort_by_cached_key(|t| natural_key(&t.name));
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Self {
+            label: label.to_string(),
+            bytes,
+            metadata: content.metadata,
+            tensors,
+            index,
+        })
+    }
+
+    /// The file it was read from.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    /// Its size in bytes.
+    pub fn file_size(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Every tensor, in natural name order (`blk.2` before `blk.10`).
+    pub fn tensors(&self) -> &[GgufTensorInfo] {
+        &self.tensors
+    }
+
+    /// Tensor `name`'s description, if the file has it.
+    pub fn info(&self, name: &str) -> Option<&GgufTensorInfo> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    /// The metadata value under `key`.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.get(key)
+    }
+
+    /// The metadata keys, sorted.
+    pub fn keys(&self) -> Vec<&str> {
+        let mut keys: Vec<&str> = self.metadata.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    fn wrong(&self, key: &str, want: &str, v: &Value) -> candle::Error {
+        candle::Error::Msg(format!(
+            "GGUF file '{}': metadata '{key}' must be {want}, found {}",
+            self.label,
+            show(v)
+        ))
+    }
+
+    /// `key` as a count or an id: any integer type, not negative.
+    pub fn usize(&self, key: &str) -> Result<Option<usize>> {
+        self.get(key)
+            .map(|v| {
+                value_u64(v)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| self.wrong(key, "a non-negative integer", v))
+            })
+            .transpose()
+    }
+
+    /// `key` as a number: a float (an f32 read back as the decimal it was
+    /// written from: `1e-6`, not `9.99999997e-7`) or an integer.
+    pub fn float(&self, key: &str) -> Result<Option<f64>> {
+        self.get(key)
+            .map(|v| match v {
+                Value::F32(x) => x
+                    .to_string()
+                    .parse::<f64>()
+                    .map_err(|_| self.wrong(key, "a number", v)),
+                Value::F64(x) => Ok(*x),
+                other => value_u64(other)
+                    .map(|n| n as f64)
+                    .ok_or_else(|| self.wrong(key, "a number", v)),
+            })
+            .transpose()
+    }
+
+    /// `key` as a string.
+    pub fn string(&self, key: &str) -> Result<Option<&str>> {
+        self.get(key)
+            .map(|v| match v {
+                Value::String(s) => Ok(s.as_str()),
+                other => Err(self.wrong(key, "a string", other)),
+            })
+            .transpose()
+    }
+
+    /// `key` as a boolean.
+    pub fn bool(&self, key: &str) -> Result<Option<bool>> {
+        self.get(key)
+            .map(|v| match v {
+                Value::Bool(b) => Ok(*b),
+                other => Err(self.wrong(key, "true or false", other)),
+            })
+            .transpose()
+    }
+
+    /// `key` as an array of strings.
+    pub fn strings(&self, key: &str) -> Result<Option<Vec<&str>>> {
+        self.get(key)
+            .map(|v| match v {
+                Value::Array(items) => items
+                    .iter()
+                    .map(|i| match i {
+                        Value::String(s) => Ok(s.as_str()),
+                        other => Err(self.wrong(key, "an array of strings", other)),
+                    })
+                    .collect(),
+                other => Err(self.wrong(key, "an array of strings", other)),
+            })
+            .transpose()
+    }
+
+    /// `key` as an array of integers.
+    pub fn integers(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        self.get(key)
+            .map(|v| match v {
+                Value::Array(items) => items
+                    .iter()
+                    .map(|i| value_i64(i).ok_or_else(|| self.wrong(key, "an array of integers", i)))
+                    .collect(),
+                other => Err(self.wrong(key, "an array of integers", other)),
+            })
+            .transpose()
+    }
+
+    /// Tensor `name` on `device`: F32, F16 and BF16 in that dtype, as
+    /// stored; Q8_0 dequantized to f32 ([`dequantize_q8_0`]). Other ggml
+    /// types are refused, naming the tensor and its type.
+    pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let Some(info) = self.info(name) else {
+            bail!("GGUF file '{}': no tensor '{name}'", self.label)
+        };
+        let bytes = &self.bytes[info.range.clone()];
+        let shape = info.shape.as_slice();
+        let t = match info.ggml_type {
+            GgmlDType::F32 => {
+                let v: Vec<f32> = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                Tensor::from_vec(v, shape, device)?
+            }
+            GgmlDType::F16 => {
+                let v: Vec<half::f16> = bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+                Tensor::from_vec(v, shape, device)?
+            }
+            GgmlDType::BF16 => {
+                let v: Vec<half::bf16> = bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+                Tensor::from_vec(v, shape, device)?
+            }
+            GgmlDType::Q8_0 => dequantize_q8_0(bytes, shape, device)?,
+            other => bail!(
+                "GGUF file '{}': tensor '{name}' is {}",
+                self.label,
+                unsupported(other)
+            ),
+        };
+        debug_assert_eq!(t.dtype(), stored_dtype(info.ggml_type).unwrap_or(DType::F32));
+        Ok(t)
+    }
+}
+
+/// The candle dtype [`GgufFile::tensor`] returns for a ggml type, or
+/// `None` for a type it refuses.
+pub fn stored_dtype(t: GgmlDType) -> Option<DType> {
+    match t {
+        GgmlDType::F32 | GgmlDType::Q8_0 => Some(DType::F32),
+        GgmlDType::F16 => Some(DType::F16),
+        GgmlDType::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// Why a tensor of type `t` is refused, after "tensor 'x' is ".
+fn unsupported(t: GgmlDType) -> String {
+    let names: Vec<&str> = GGUF_TENSOR_TYPES.iter().map(|&t| ggml_type_name(t)).collect();
+    format!(
+        "{}, a ggml type this loader does not read (it reads {})",
+        ggml_type_name(t),
+        names.join(", ")
+    )
+}
+
+/// Q8_0 blocks (ggml's `block_q8_0`: an f16 scale `d`, then 32 signed
+/// bytes `q`, each weight `d * q`) as an f32 tensor of `shape`, rows
+/// along the last dim. The one place Q8_0 weights become floats.
+pub fn dequantize_q8_0(bytes: &[u8], shape: &[usize], device: &Device) -> Result<Tensor> {
+    let numel: usize = shape.iter().product();
+    if bytes.len() != numel / Q8_0_BLOCK * Q8_0_BLOCK_BYTES || !numel.is_multiple_of(Q8_0_BLOCK) {
+        bail!(
+            "Q8_0: {} bytes do not hold {numel} weights in blocks of {Q8_0_BLOCK}",
+            bytes.len()
+        )
+    }
+    let mut out = Vec::with_capacity(numel);
+    for block in bytes.chunks_exact(Q8_0_BLOCK_BYTES) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        out.extend(block[2..].iter().map(|&q| d * f32::from(q as i8)));
+    }
+    Tensor::from_vec(out, shape, device)
+}
+
+fn value_u64(v: &Value) -> Option<u64> {
+    match *v {
+        Value::U8(n) => Some(n.into()),
+        Value::U16(n) => Some(n.into()),
+        Value::U32(n) => Some(n.into()),
+        Value::U64(n) => Some(n),
+        Value::I8(n) => u64::try_from(n).ok(),
+        Value::I16(n) => u64::try_from(n).ok(),
+        Value::I32(n) => u64::try_from(n).ok(),
+        Value::I64(n) => u64::try_from(n).ok(),
+        _ => None,
+    }
+}
+
+fn value_i64(v: &Value) -> Option<i64> {
+    match *v {
+        Value::U8(n) => Some(n.into()),
+        Value::U16(n) => Some(n.into()),
+        Value::U32(n) => Some(n.into()),
+        Value::U64(n) => i64::try_from(n).ok(),
+        Value::I8(n) => Some(n.into()),
+        Value::I16(n) => Some(n.into()),
+        Value::I32(n) => Some(n.into()),
+        Value::I64(n) => Some(n),
+        _ => None,
+    }
+}
+
+/// A metadata value for an error message: short, whatever its size.
+fn show(v: &Value) -> String {
+    match v {
+        Value::String(s) if s.chars().count() > 40 => {
+            format!("{:?}...", s.chars().take(40).collect::<String>())
+        }
+        Value::String(s) => format!("{s:?}"),
+        Value::Array(a) => format!("an array of {} values", a.len()),
+        other => format!("{other:?}"),
+    }
+}
+
+/// candle's message, with what an unknown type number means.
+fn explain(msg: &str) -> String {
+    match msg.strip_prefix("unknown dtype for tensor ") {
+        Some(n) => format!(
+            "a tensor has ggml type {n}, which candle's GGUF reader does not know (an IQ or TQ quantization, say); this loader reads {}",
+            GGUF_TENSOR_TYPES
+                .iter()
+                .map(|&t| ggml_type_name(t))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        None if msg.contains("failed to fill whole buffer") || msg.contains("remaining") => {
+            format!("the header runs past the end of the file: truncated or corrupt ({msg})")
+        }
+        None => msg.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle::quantized::QTensor;
+
+    /// Our Q8_0 blocks read back as candle's own dequantization does, bit
+    /// for bit.
+    #[test]
+    fn q8_0_equals_candle() -> Result<()> {
+        let w = Tensor::randn(0f32, 1., (4, 64), &Device::Cpu)?;
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0)?;
+        let ours = dequantize_q8_0(&q.data()?, &[4, 64], &Device::Cpu)?;
+        let theirs = q.dequantize(&Device::Cpu)?;
+        let diff = (ours - theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.);
+        Ok(())
+    }
+
+    #[test]
+    fn q8_0_refuses_a_wrong_length() {
+        let err = dequantize_q8_0(&[0u8; 33], &[32], &Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("33 bytes"), "{err}");
+    }
+
+    #[test]
+    fn refuses_what_is_not_gguf() {
+        let err = GgufFile::from_bytes(b"PK\x03\x04 not gguf".to_vec(), "x.gguf")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("'x.gguf'") && err.contains("magic"), "{err}");
+    }
+}

