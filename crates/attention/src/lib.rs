@@ -65,7 +65,9 @@ mod tiled;
 
 /// The CPU building blocks the attention and the models run on, from
 /// `multihead-kernels`.
-pub use multihead_kernels::{cpu_isa, is_broadcast, relu, silu_and_mul, LayerNorm, PackedLinear};
+pub use multihead_kernels::{
+    cpu_isa, is_broadcast, packing_as, relu, silu_and_mul, LayerNorm, PackFormat, PackedLinear,
+};
 
 pub use cache::KvCache;
 pub use config::{MhaConfig, NormKind, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};

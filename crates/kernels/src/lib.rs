@@ -72,7 +72,6 @@ mod packed;
 mod panel;
 mod pool;
 // Q8Weight is not yet behind a public layer; its tests use it.
-#[cfg_attr(not(test), allow(dead_code))]
 mod q8;
 mod simd;
 mod softmax;
@@ -80,7 +79,7 @@ mod softmax;
 mod tile;
 
 pub use activation::{relu, silu_and_mul};
-pub use linear::{is_broadcast, PackedLinear};
+pub use linear::{is_broadcast, packing_as, PackFormat, PackedLinear};
 pub use norm::LayerNorm;
 
 /// The instruction set the CPU kernels run with now: `"avx512"` (AVX-512F),

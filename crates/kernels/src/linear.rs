@@ -7,6 +7,7 @@ use candle::{bail, DType, Module, Result, Storage, Tensor};
 
 use crate::activation::relu;
 use crate::packed::{Epilogue, PackedWeight};
+use crate::q8::Q8Weight;
 
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
 /// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
@@ -38,6 +39,40 @@ pub struct PackedLinear {
 enum Inner {
     Candle(candle_nn::Linear),
     Packed(Arc<PackedWeight>),
+    Q8(Arc<Q8Weight>),
+}
+
+/// How [`PackedLinear::new`] packs the weights of the layers it builds on
+/// the calling thread (see [`packing_as`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PackFormat {
+    /// In the weight's own dtype: f32, bf16 or f16.
+    #[default]
+    AsStored,
+    /// Quantized to llama.cpp's Q8_0 (blocks of 32 int8 with an f16
+    /// scale; the inputs quantized alike at each call, integer dot
+    /// products), where the input size is a multiple of 32; as stored
+    /// otherwise.
+    Q8_0,
+}
+
+thread_local! {
+    static PACK_FORMAT: std::cell::Cell<PackFormat> = const { std::cell::Cell::new(PackFormat::AsStored) };
+}
+
+/// Runs `build` with every layer [`PackedLinear::new`] packs on this
+/// thread in `format`, then restores the format before (also when `build`
+/// panics): a model loader quantizes every linear layer of a model it
+/// builds without each layer's constructor taking an option.
+pub fn packing_as<R>(format: PackFormat, build: impl FnOnce() -> R) -> R {
+    struct Restore(PackFormat);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PACK_FORMAT.with(|f| f.set(self.0));
+        }
+    }
+    let _restore = Restore(PACK_FORMAT.with(|f| f.replace(format)));
+    build()
 }
 
 /// Whether a tensor can take part in the packed path (and the other fused
@@ -105,6 +140,19 @@ impl PackedLinear {
             && bias.as_ref().is_none_or(packable_weight)
             && n > 0
             && k > 0;
+        if packable && k.is_multiple_of(32) && PACK_FORMAT.with(|f| f.get()) == PackFormat::Q8_0 {
+            let b = bias.as_ref().map(cpu_f32).transpose()?;
+            let (b, isa) = (b.as_deref(), crate::isa::current());
+            let weight = weight.contiguous()?;
+            let q = match weight.dtype() {
+                DType::BF16 => with_slice(&weight, |w: &[half::bf16]| Q8Weight::quantize(w, n, k, b, isa))?,
+                DType::F16 => with_slice(&weight, |w: &[half::f16]| Q8Weight::quantize(w, n, k, b, isa))?,
+                _ => with_slice(&weight, |w: &[f32]| Q8Weight::quantize(w, n, k, b, isa))?,
+            };
+            return Ok(Self {
+                inner: Inner::Q8(Arc::new(q)),
+            });
+        }
         let isa = PackedWeight::isa().filter(|_| packable);
         let Some(isa) = isa else {
             return Ok(Self {
@@ -148,7 +196,12 @@ impl PackedLinear {
     /// Whether the weight is held packed (the fast path serves plain
     /// inputs).
     pub fn is_packed(&self) -> bool {
-        matches!(self.inner, Inner::Packed(_))
+        matches!(self.inner, Inner::Packed(_) | Inner::Q8(_))
+    }
+
+    /// Whether the weight is held quantized (Q8_0, [`packing_as`]).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.inner, Inner::Q8(_))
     }
 
     /// `(out_features, in_features)`.
@@ -156,14 +209,18 @@ impl PackedLinear {
         match &self.inner {
             Inner::Candle(l) => l.weight().dims2(),
             Inner::Packed(p) => Ok(p.dims()),
+            Inner::Q8(q) => Ok(q.dims()),
         }
     }
 
-    /// The weight's dtype: the dtype it is packed (or held) in.
+    /// The weight's dtype: the dtype it is packed (or held) in, the one
+    /// [`PackedLinear::weight`] returns; f32 for a quantized weight, which
+    /// it returns dequantized.
     pub fn dtype(&self) -> DType {
         match &self.inner {
             Inner::Candle(l) => l.weight().dtype(),
             Inner::Packed(p) => p.dtype(),
+            Inner::Q8(_) => DType::F32,
         }
     }
 
@@ -181,14 +238,19 @@ impl PackedLinear {
         let (n, k) = self.dims()?;
         match &self.inner {
             Inner::Candle(l) => candle_nn::Embedding::new(l.weight().clone(), k).forward(ids),
-            Inner::Packed(p) => {
+            Inner::Packed(_) | Inner::Q8(_) => {
                 let idx = ids.flatten_all()?.to_vec1::<u32>()?;
                 if let Some(&bad) = idx.iter().find(|&&i| i as usize >= n) {
                     bail!("PackedLinear::embed: id {bad} is out of range for {n} rows")
                 }
                 let mut dims = ids.dims().to_vec();
                 dims.push(k);
-                Tensor::from_vec(p.rows(&idx), dims, &candle::Device::Cpu)
+                let rows = match &self.inner {
+                    Inner::Packed(p) => p.rows(&idx),
+                    Inner::Q8(q) => q.rows(&idx),
+                    Inner::Candle(_) => unreachable!("matched above"),
+                };
+                Tensor::from_vec(rows, dims, &candle::Device::Cpu)
             }
         }
     }
@@ -202,6 +264,7 @@ impl PackedLinear {
                 let (n, k) = p.dims();
                 Tensor::from_vec(p.unpack().0, (n, k), &candle::Device::Cpu)?.to_dtype(p.dtype())
             }
+            Inner::Q8(q) => Tensor::from_vec(q.unpack().0, q.dims(), &candle::Device::Cpu),
         }
     }
 
@@ -212,6 +275,13 @@ impl PackedLinear {
             Inner::Packed(p) => {
                 let n = p.dims().0;
                 p.unpack()
+                    .1
+                    .map(|b| Tensor::from_vec(b, n, &candle::Device::Cpu))
+                    .transpose()
+            }
+            Inner::Q8(q) => {
+                let n = q.dims().0;
+                q.unpack()
                     .1
                     .map(|b| Tensor::from_vec(b, n, &candle::Device::Cpu))
                     .transpose()
@@ -329,38 +399,32 @@ impl PackedLinear {
                 None => Ok(y),
             }
         };
-        let packed = match &self.inner {
-            Inner::Packed(p)
-                if plain_cpu_f32(x) && residual.is_none_or(plain_cpu_f32) && p.serves_range(lo, hi) =>
-            {
-                p
-            }
+        // Whether the packed (or quantized) weight computes these features.
+        let serves = match &self.inner {
+            Inner::Packed(p) => p.serves_range(lo, hi),
+            Inner::Q8(_) => true,
+            Inner::Candle(_) => false,
+        };
+        if !(serves && plain_cpu_f32(x) && residual.is_none_or(plain_cpu_f32)) {
             // Half-precision inputs: widened, through the packed path, and
             // the output rounded back.
-            Inner::Packed(p)
-                if x.device().is_cpu()
-                    && !x.track_op()
-                    && matches!(x.dtype(), DType::BF16 | DType::F16)
-                    && residual.is_none_or(|r| !r.track_op())
-                    && p.serves_range(lo, hi) =>
+            if serves
+                && x.device().is_cpu()
+                && !x.track_op()
+                && matches!(x.dtype(), DType::BF16 | DType::F16)
+                && residual.is_none_or(|r| !r.track_op())
             {
                 let r = residual.map(|r| r.to_dtype(DType::F32)).transpose()?;
                 let y = self.forward_range_add(&x.to_dtype(DType::F32)?, (lo, hi), epilogue, r.as_ref())?;
                 return y.to_dtype(x.dtype());
             }
-            Inner::Packed(_) => {
-                let b = self.bias()?.map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
-                return epilogue_of(candle_linear(
-                    &self.weight()?.narrow(0, lo, hi - lo)?,
-                    b.as_ref(),
-                    x,
-                )?);
-            }
-            Inner::Candle(l) => {
-                let b = l.bias().map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
-                return epilogue_of(candle_linear(&l.weight().narrow(0, lo, hi - lo)?, b.as_ref(), x)?);
-            }
-        };
+            let (w, b) = match &self.inner {
+                Inner::Candle(l) => (l.weight().clone(), l.bias().cloned()),
+                _ => (self.weight()?, self.bias()?),
+            };
+            let b = b.map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
+            return epilogue_of(candle_linear(&w.narrow(0, lo, hi - lo)?, b.as_ref(), x)?);
+        }
         let m = x.elem_count() / k.max(1);
         let x = x.contiguous()?;
         let residual = residual.map(Tensor::contiguous).transpose()?;
@@ -377,12 +441,35 @@ impl PackedLinear {
                         bail!("PackedLinear: residual is not on the CPU")
                     };
                     let rs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * (hi - lo)];
-                    packed.forward(xs, m, (lo, hi), epilogue, Some(rs))
+                    self.forward_slices(xs, m, (lo, hi), epilogue, Some(rs))
                 }
-                None => packed.forward(xs, m, (lo, hi), epilogue, None),
+                None => self.forward_slices(xs, m, (lo, hi), epilogue, None),
             }
         };
         Tensor::from_vec(out, shape, x.device())
+    }
+}
+
+impl PackedLinear {
+    /// The packed or quantized weight's product over plain slices (see
+    /// [`PackedWeight::forward`]).
+    fn forward_slices(
+        &self,
+        x: &[f32],
+        m: usize,
+        range: (usize, usize),
+        epilogue: Epilogue,
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
+        match &self.inner {
+            Inner::Packed(p) => p.forward(x, m, range, epilogue, residual),
+            Inner::Q8(q) => {
+                let mut y = q.forward(x, m, range, residual);
+                epilogue.apply(&mut y);
+                y
+            }
+            Inner::Candle(_) => unreachable!("only packed weights take slices"),
+        }
     }
 }
 
@@ -554,6 +641,53 @@ mod tests {
                     assert!(err < 1e-2, "{what} half input: {err:e}");
                 }
             }
+        }
+        force(None);
+        Ok(())
+    }
+
+    /// Under `packing_as(Q8_0)`, layers whose input size is a multiple of
+    /// 32 are quantized (on every instruction set, the portable one
+    /// included): the forward, the fused residual and GELU and a range of
+    /// features equal candle's layer over the dequantized weight within
+    /// the inputs' quantization error, a tied table's rows are the
+    /// dequantized rows; other layers pack as stored; the format is
+    /// restored after the scope.
+    #[test]
+    fn q8_0_packing_quantizes_within_its_scope() -> Result<()> {
+        use super::{packing_as, PackFormat};
+        let _lock = FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            let (w, b) = (randn(&[70, 96])?, Some(randn(&[70])?));
+            let layer = packing_as(PackFormat::Q8_0, || PackedLinear::new(w.clone(), b.clone()))?;
+            let odd = packing_as(PackFormat::Q8_0, || PackedLinear::new(randn(&[8, 40])?, None))?;
+            let after = PackedLinear::new(w.clone(), b.clone())?;
+            assert!(
+                layer.is_quantized() && !odd.is_quantized() && !after.is_quantized(),
+                "{isa:?}"
+            );
+            let deq = layer.weight()?;
+            assert!(rel_err(&deq, &w)? < 1e-2 && rel_err(&deq, &w)? > 0., "{isa:?}");
+            let x = randn(&[2, 5, 96])?;
+            let want = candle_nn::Linear::new(deq.clone(), layer.bias()?).forward(&x)?;
+            let y = layer.forward(&x)?;
+            assert!(rel_err(&y, &want)? < 2e-2, "{isa:?}: {:e}", rel_err(&y, &want)?);
+            let residual = randn(want.dims())?;
+            let a = layer.forward_add(&x, &residual)?;
+            assert_eq!(rel_err(&a, &(&y + &residual)?)?, 0., "{isa:?} residual");
+            assert!(
+                rel_err(&layer.forward_gelu(&x)?, &y.gelu_erf()?)? < 1e-5,
+                "{isa:?} gelu"
+            );
+            let tail = layer.forward_features(&x, 65, 70)?;
+            assert_eq!(rel_err(&tail, &y.narrow(2, 65, 5)?)?, 0., "{isa:?} tail");
+            let ids = Tensor::new(&[3u32, 69], &candle::Device::Cpu)?;
+            assert_eq!(
+                rel_err(&layer.embed(&ids)?, &deq.index_select(&ids, 0)?)?,
+                0.,
+                "{isa:?} rows"
+            );
         }
         force(None);
         Ok(())

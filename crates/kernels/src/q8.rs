@@ -303,6 +303,7 @@ impl Q8Weight {
     }
 
     /// Bytes held on the heap: the values, their scales and the bias.
+    #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
         self.qs.capacity()
             + self.d.capacity() * size_of::<f16>()

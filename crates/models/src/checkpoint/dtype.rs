@@ -41,7 +41,12 @@ pub enum WeightDtype {
 }
 
 impl WeightDtype {
-    const ALL: [WeightDtype; 4] = [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16, WeightDtype::Q8_0];
+    const ALL: [WeightDtype; 4] = [
+        WeightDtype::F32,
+        WeightDtype::Bf16,
+        WeightDtype::F16,
+        WeightDtype::Q8_0,
+    ];
 
     /// The name `--dtype` takes: `f32`, `bf16` or `f16`.
     pub fn name(self) -> &'static str {
@@ -62,6 +67,19 @@ impl WeightDtype {
             WeightDtype::F16 => Some(DType::F16),
             WeightDtype::Q8_0 => None,
         }
+    }
+}
+
+impl WeightDtype {
+    /// `build` with the linear layers it packs in this format
+    /// (`multihead_attention::packing_as`): quantized for Q8_0, as read
+    /// otherwise.
+    pub(crate) fn packing<R>(self, build: impl FnOnce() -> R) -> R {
+        let format = match self {
+            WeightDtype::Q8_0 => multihead_attention::PackFormat::Q8_0,
+            _ => multihead_attention::PackFormat::AsStored,
+        };
+        multihead_attention::packing_as(format, build)
     }
 }
 
@@ -94,6 +112,9 @@ mod tests {
             assert_eq!(d.name().to_uppercase().parse::<WeightDtype>().unwrap(), d);
         }
         let err = "fp8".parse::<WeightDtype>().unwrap_err().to_string();
-        assert!(err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0"), "{err}");
+        assert!(
+            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0"),
+            "{err}"
+        );
     }
 }

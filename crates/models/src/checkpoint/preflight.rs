@@ -272,7 +272,10 @@ impl Checkpoint {
             total: self.tensors().iter().map(|t| t.bytes as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), dtype, device.clone());
-        build(vb)
+        match self.weight_dtype() {
+            Some(w) => w.packing(|| build(vb)),
+            None => build(vb),
+        }
     }
 }
 
@@ -292,11 +295,12 @@ impl Reader<'_> {
         // float dtype the layers pack) where they quantize it.
         let dtype = match self.ckpt.weight_dtype() {
             Some(w) if self.ckpt.info(name).is_some_and(|t| t.shape.len() == 2) => {
-                w.dtype().unwrap_or_else(|| match self.ckpt.info(name).map(|t| t.dtype.as_str()) {
-                    Some("BF16") => DType::BF16,
-                    Some("F16") => DType::F16,
-                    _ => DType::F32,
-                })
+                w.dtype()
+                    .unwrap_or_else(|| match self.ckpt.info(name).map(|t| t.dtype.as_str()) {
+                        Some("BF16") => DType::BF16,
+                        Some("F16") => DType::F16,
+                        _ => DType::F32,
+                    })
             }
             _ => dtype,
         };

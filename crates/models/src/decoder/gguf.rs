@@ -308,7 +308,9 @@ struct GgufReader<'a> {
     file: &'a GgufFile,
     /// `(heads, kv_heads)` where q and k are permuted (arch `llama`).
     permuted: Option<(usize, usize)>,
-    weight_dtype: DType,
+    /// The matrices' dtype; `None`: as stored (Q8_0, which the layers
+    /// quantize as they pack them).
+    weight_dtype: Option<DType>,
     progress: Option<LoadProgress>,
     read: AtomicU64,
     total: u64,
@@ -339,11 +341,11 @@ impl GgufReader<'_> {
                 })?;
             }
         }
-        let t = t.to_dtype(if t.rank() == 2 {
-            self.weight_dtype
-        } else {
-            DType::F32
-        })?;
+        let t = match (t.rank(), self.weight_dtype) {
+            (2, Some(d)) => t.to_dtype(d)?,
+            (2, None) => t,
+            _ => t.to_dtype(DType::F32)?,
+        };
         if let (Some(progress), Some(info)) = (&self.progress, self.file.info(&g)) {
             let n = info.range.len() as u64;
             let read = self.read.fetch_add(n, Ordering::Relaxed) + n;
@@ -483,7 +485,7 @@ impl DecoderModel {
             total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
-        Ok(Self::Llama(Llama::new(&cfg, vb)?))
+        Ok(Self::Llama(opts.dtype.packing(|| Llama::new(&cfg, vb))?))
     }
 }
 
