@@ -109,12 +109,6 @@ fn other_dtypes_and_sizes_run() -> Result<()> {
 }
 
 #[test]
-fn bf16_on_the_cpu_is_refused() -> Result<()> {
-    assert_one_line_error(&vit(&["--dtype", "bf16"])?, "bf16 needs");
-    Ok(())
-}
-
-#[test]
 fn missing_file() -> Result<()> {
     assert_one_line_error(&vit(&["no-such-image.png"])?, "no-such-image.png");
     Ok(())
