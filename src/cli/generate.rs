@@ -81,7 +81,8 @@ pub struct Args {
     pub system: Option<String>,
     /// The dtype the weight matrices are kept in: f32, or bf16 and f16
     /// (half the memory and the bytes read a token; a bf16 folder is kept
-    /// as stored). Activations and sums stay f32.
+    /// as stored), or q8_0 (llama.cpp's 8-bit blocks, quantized at load).
+    /// Activations stay f32.
     #[arg(long, value_name = "DTYPE", default_value = "f32")]
     pub dtype: WeightDtype,
     /// cpu, cuda, cuda:N or metal.
