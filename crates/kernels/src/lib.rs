@@ -24,6 +24,8 @@
 //! - `simd.rs`: row operations (masks, GELU, SiLU, LayerNorm rows) written
 //!   once as plain Rust and compiled for each instruction set;
 //! - `attention.rs`: the attention kernel's problem, masks and dispatch;
+//! - `elem.rs`: the element types of weight panels (f32, bf16, f16), which
+//!   the linear micro-kernels widen to f32 lanes as they load them;
 //! - `q8.rs`: linear weights in llama.cpp's 8-bit Q8_0 blocks, with a
 //!   kernel per instruction set in `q8/` (AVX512-VNNI, AVX2, portable);
 //! - `pool.rs`: work spread over rayon's pool, buffers kept between calls.
@@ -71,7 +73,6 @@ mod packed;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 mod pool;
-// Q8Weight is not yet behind a public layer; its tests use it.
 mod q8;
 mod simd;
 mod softmax;
