@@ -3,7 +3,7 @@
 //! files (`weights/vit-digits/pytorch_predictions.json`, written by
 //! `scripts/train_vit_digits.py`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -11,11 +11,16 @@ use anyhow::{bail, Context, Result};
 /// Probabilities agree to float rounding; the predictions must be equal.
 const PROB_ATOL: f64 = 1e-4;
 
+/// The shipped model's folder and PyTorch's predictions there.
+fn reference() -> Result<(PathBuf, serde_json::Value)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
+    let text = std::fs::read_to_string(dir.join("pytorch_predictions.json"))?;
+    Ok((dir, serde_json::from_str(&text)?))
+}
+
 #[test]
 fn binary_agrees_with_pytorch_on_every_heldout_image() -> Result<()> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("pytorch_predictions.json"))?)?;
+    let (dir, reference) = reference()?;
     let preds = reference["predictions"].as_object().context("predictions")?;
     let rel: Vec<&String> = preds.keys().collect();
     let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
@@ -77,9 +82,7 @@ fn binary_agrees_with_pytorch_on_every_heldout_image() -> Result<()> {
 /// probabilities move, but by less than 1e-2: the weights were rounded.
 #[test]
 fn half_precision_weights_keep_every_prediction() -> Result<()> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("pytorch_predictions.json"))?)?;
+    let (dir, reference) = reference()?;
     let preds = reference["predictions"].as_object().context("predictions")?;
     let rel: Vec<&String> = preds.keys().collect();
     for dtype in ["bf16", "f16"] {

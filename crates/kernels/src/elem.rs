@@ -61,7 +61,7 @@ impl PanelElem for bf16 {
     }
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.to_bits()) << 16)
+        bf16::to_f32(self)
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

@@ -140,43 +140,39 @@ impl PackedLinear {
             && bias.as_ref().is_none_or(packable_weight)
             && n > 0
             && k > 0;
-        if packable && k.is_multiple_of(32) && PACK_FORMAT.with(|f| f.get()) == PackFormat::Q8_0 {
-            let b = bias.as_ref().map(cpu_f32).transpose()?;
-            let (b, isa) = (b.as_deref(), crate::isa::current());
-            let weight = weight.contiguous()?;
-            let q = match weight.dtype() {
-                DType::BF16 => with_slice(&weight, |w: &[half::bf16]| Q8Weight::quantize(w, n, k, b, isa))?,
-                DType::F16 => with_slice(&weight, |w: &[half::f16]| Q8Weight::quantize(w, n, k, b, isa))?,
-                _ => with_slice(&weight, |w: &[f32]| Q8Weight::quantize(w, n, k, b, isa))?,
-            };
-            return Ok(Self {
-                inner: Inner::Q8(Arc::new(q)),
-            });
-        }
-        let isa = PackedWeight::isa().filter(|_| packable);
+        let quantize = packable && k.is_multiple_of(32) && PACK_FORMAT.with(|f| f.get()) == PackFormat::Q8_0;
+        let isa = match quantize {
+            true => Some(crate::isa::current()),
+            false => PackedWeight::isa().filter(|_| packable),
+        };
         let Some(isa) = isa else {
             return Ok(Self {
                 inner: Inner::Candle(candle_nn::Linear::new(weight, bias)),
             });
         };
         let b = bias.as_ref().map(cpu_f32).transpose()?;
+        let b = b.as_deref();
         // Packed straight from the weight's storage: no copy of a layer
         // beside its packed form while a model loads.
         let weight = weight.contiguous()?;
         let dtype = weight.dtype();
-        let b = b.as_deref();
-        let packed = match dtype {
-            DType::BF16 => with_slice(&weight, |w: &[half::bf16]| {
-                PackedWeight::new(w, n, k, b, isa, dtype)
-            })?,
-            DType::F16 => with_slice(&weight, |w: &[half::f16]| {
-                PackedWeight::new(w, n, k, b, isa, dtype)
-            })?,
-            _ => with_slice(&weight, |w: &[f32]| PackedWeight::new(w, n, k, b, isa, dtype))?,
+        // `$body` over the weight's data as `&[$w]`, in its own dtype.
+        macro_rules! from_weight {
+            ($w:ident => $body:expr) => {
+                match dtype {
+                    DType::BF16 => with_slice(&weight, |$w: &[half::bf16]| $body)?,
+                    DType::F16 => with_slice(&weight, |$w: &[half::f16]| $body)?,
+                    _ => with_slice(&weight, |$w: &[f32]| $body)?,
+                }
+            };
+        }
+        let inner = match quantize {
+            true => Inner::Q8(Arc::new(from_weight!(w => Q8Weight::quantize(w, n, k, b, isa)))),
+            false => Inner::Packed(Arc::new(
+                from_weight!(w => PackedWeight::new(w, n, k, b, isa, dtype)),
+            )),
         };
-        Ok(Self {
-            inner: Inner::Packed(Arc::new(packed)),
-        })
+        Ok(Self { inner })
     }
 
     /// A layer over a weight stored `(in, out)`, as GPT-2's `Conv1D` stores

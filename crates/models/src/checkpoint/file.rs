@@ -108,11 +108,31 @@ fn explain(e: &SafeTensorError, len: usize) -> String {
 /// A tensor's dtype, the index of its file, and its bytes' range there.
 type Stored = (Dtype, usize, Range<usize>);
 
-/// A checkpoint's bytes: read into memory, or a file mapped read-only.
+/// A weights file's bytes (safetensors or GGUF): read into memory, or a
+/// file mapped read-only.
 #[derive(Debug)]
-enum Bytes {
+pub(crate) enum Bytes {
     Owned(Vec<u8>),
     Mapped(memmap2::Mmap),
+}
+
+impl Bytes {
+    /// `path` mapped read-only (an empty file, which cannot be mapped, as
+    /// no bytes); `what` names the file's kind in errors.
+    pub(crate) fn map(path: &Path, what: &str) -> Result<Self> {
+        let label = path.display();
+        if crate::files::regular_file_len(path, what)? == 0 {
+            return Ok(Self::Owned(Vec::new()));
+        }
+        let file = std::fs::File::open(path)
+            .map_err(|e| candle::Error::Msg(format!("reading {what} '{label}': {e}")))?;
+        // SAFETY: the mapping is read-only and private to this process; as
+        // with any mapped file (candle maps safetensors the same way), the
+        // file must not be truncated or rewritten while it is loaded.
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| candle::Error::Msg(format!("mapping {what} '{label}': {e}")))?;
+        Ok(Self::Mapped(map))
+    }
 }
 
 impl Deref for Bytes {
@@ -196,19 +216,8 @@ impl Checkpoint {
         if is_pickle(path) {
             return Err(pickle_error(&label));
         }
-        let len = crate::files::regular_file_len(path, "weights")?;
-        if len == 0 {
-            // An empty file cannot be mapped; it is refused as truncated.
-            return Self::from_bytes(Vec::new(), &label);
-        }
-        let file = std::fs::File::open(path)
-            .map_err(|e| candle::Error::Msg(format!("reading weights '{label}': {e}")))?;
-        // SAFETY: the mapping is read-only and private to this process; as
-        // with any mapped file (candle maps safetensors the same way), the
-        // file must not be truncated or rewritten while it is loaded.
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| candle::Error::Msg(format!("mapping weights '{label}': {e}")))?;
-        Self::parse(Bytes::Mapped(map), &label)
+        // An empty file is refused as truncated.
+        Self::parse(Bytes::map(path, "weights")?, &label)
     }
 
     /// Parses `bytes`; `label` names the file in errors.

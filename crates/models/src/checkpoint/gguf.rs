@@ -9,14 +9,14 @@
 
 use std::collections::HashMap;
 use std::io::Cursor;
-use std::ops::{Deref, Range};
+use std::ops::Range;
 use std::path::Path;
 
 use candle::quantized::gguf_file::{Content, Value};
 use candle::quantized::GgmlDType;
 use candle::{bail, DType, Device, Result, Tensor};
 
-use super::file::natural_key;
+use super::file::{natural_key, Bytes};
 use super::gguf_header::check_header;
 
 /// The ggml types whose tensors this reader returns.
@@ -40,23 +40,6 @@ pub struct GgufTensorInfo {
     pub shape: Vec<usize>,
     /// Where its bytes are in the file.
     pub range: Range<usize>,
-}
-
-/// A GGUF file's bytes: mapped read-only, or in memory.
-enum Bytes {
-    Owned(Vec<u8>),
-    Mapped(memmap2::Mmap),
-}
-
-impl Deref for Bytes {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        match self {
-            Self::Owned(v) => v,
-            Self::Mapped(m) => m,
-        }
-    }
 }
 
 /// A validated GGUF file: its metadata and the tensors' byte ranges, each
@@ -124,19 +107,8 @@ impl GgufFile {
     /// Maps `path` read-only and reads its header.
     pub fn read(path: &Path) -> Result<Self> {
         let label = path.display().to_string();
-        let len = crate::files::regular_file_len(path, "GGUF file")?;
-        if len == 0 {
-            // An empty file cannot be mapped; it is refused as truncated.
-            return Self::from_bytes(Vec::new(), &label);
-        }
-        let file = std::fs::File::open(path)
-            .map_err(|e| candle::Error::Msg(format!("reading GGUF file '{label}': {e}")))?;
-        // SAFETY: the mapping is read-only and private to this process; as
-        // with any mapped file, the file must not be truncated or rewritten
-        // while it is loaded.
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| candle::Error::Msg(format!("mapping GGUF file '{label}': {e}")))?;
-        Self::parse(Bytes::Mapped(map), &label)
+        // An empty file is refused as truncated.
+        Self::parse(Bytes::map(path, "GGUF file")?, &label)
     }
 
     /// Reads a GGUF file held in memory; `label` names it in errors.

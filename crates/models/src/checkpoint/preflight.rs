@@ -293,15 +293,12 @@ impl Reader<'_> {
     fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
         // A weight matrix in the dtype the load asks for; as stored (a
         // float dtype the layers pack) where they quantize it.
-        let dtype = match self.ckpt.weight_dtype() {
-            Some(w) if self.ckpt.info(name).is_some_and(|t| t.shape.len() == 2) => {
-                w.dtype()
-                    .unwrap_or_else(|| match self.ckpt.info(name).map(|t| t.dtype.as_str()) {
-                        Some("BF16") => DType::BF16,
-                        Some("F16") => DType::F16,
-                        _ => DType::F32,
-                    })
-            }
+        let dtype = match (self.ckpt.weight_dtype(), self.ckpt.info(name)) {
+            (Some(w), Some(t)) if t.shape.len() == 2 => w.dtype().unwrap_or(match t.dtype.as_str() {
+                "BF16" => DType::BF16,
+                "F16" => DType::F16,
+                _ => DType::F32,
+            }),
             _ => dtype,
         };
         let widened = match (dtype, dev) {
