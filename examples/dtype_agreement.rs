@@ -1,0 +1,94 @@
+//! How far a decoder's logits move when its weight matrices are kept in
+//! bf16, f16 or Q8_0 instead of f32: one teacher-forced prompt through the
+//! same folder at each dtype, compared position by position with f32's.
+//!
+//! ```text
+//! cargo run --release --example dtype_agreement -- MODEL_DIR [TOKENS] [DTYPES]
+//! ```
+//!
+//! `TOKENS` (default 128) is the prompt's length: English text from the
+//! folder's `tokenizer.json`, repeated as needed. `DTYPES` (default
+//! `bf16,f16,q8_0`) are compared with f32. For each it prints the share of
+//! positions whose top-1 token is f32's, and the largest logit difference
+//! relative to the largest f32 logit of its position.
+
+use anyhow::{ensure, Context, Result};
+use candle::{Device, Tensor};
+use multihead::models::checkpoint::{LoadOptions, WeightDtype};
+use multihead::models::decoder::{CausalLm, DecoderModel, TextTokenizer};
+
+const TEXT: &str = "The committee read every page of the long report on bandwidth, caches and the cost of \
+                    moving weights from memory to the cores that multiply them. One token follows another \
+                    until the summary is done, and the reviewers check each figure against the machine it \
+                    came from before they sign. ";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let dir = args
+        .first()
+        .context("usage: dtype_agreement MODEL_DIR [TOKENS] [DTYPES]")?;
+    let tokens: usize = match args.get(1) {
+        Some(n) => n
+            .parse()
+            .with_context(|| format!("TOKENS: '{n}' is not a count"))?,
+        None => 128,
+    };
+    let dtypes = args
+        .get(2)
+        .map_or("bf16,f16,q8_0", String::as_str)
+        .split(',')
+        .map(|d| d.parse::<WeightDtype>())
+        .collect::<candle::Result<Vec<_>>>()?;
+
+    let tokenizer = TextTokenizer::from_folder(dir.as_ref())?;
+    let mut ids = Vec::new();
+    while ids.len() < tokens {
+        ids.extend(tokenizer.encode_plain(TEXT)?);
+    }
+    ids.truncate(tokens);
+    ensure!(!ids.is_empty(), "TOKENS must be at least 1");
+
+    let reference = logits(dir, WeightDtype::F32, &ids)?;
+    println!("{dir}: {} positions, each dtype against f32", ids.len());
+    for dtype in dtypes {
+        let other = logits(dir, dtype, &ids)?;
+        let (mut same, mut worst) = (0, 0f32);
+        for (r, o) in reference.iter().zip(&other) {
+            same += usize::from(argmax(r) == argmax(o));
+            let scale = r.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let diff = r.iter().zip(o).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            worst = worst.max(diff / scale);
+        }
+        println!(
+            "  {:>5}: top-1 equal at {same}/{} positions ({:.1} %), largest logit difference {:.2e} of the largest logit",
+            dtype.name(),
+            ids.len(),
+            100.0 * same as f64 / ids.len() as f64,
+            worst
+        );
+    }
+    Ok(())
+}
+
+/// Every position's logits, the model's weights kept in `dtype`.
+fn logits(dir: &str, dtype: WeightDtype, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+    let opts = LoadOptions {
+        dtype,
+        ..LoadOptions::default()
+    };
+    let model = DecoderModel::from_folder_with(dir.as_ref(), &Device::Cpu, &opts)
+        .with_context(|| format!("loading {dir} in {}", dtype.name()))?;
+    let input = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+    let mut cache = model.new_cache(vec![0]);
+    Ok(model.forward(&input, &mut cache)?.squeeze(0)?.to_vec2()?)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |best, (i, &x)| if x > best.1 { (i, x) } else { best },
+        )
+        .0
+}
