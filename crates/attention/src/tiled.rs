@@ -60,7 +60,7 @@ fn sdpa_tiled_with(
 
 #[cfg(test)]
 mod tests {
-    use candle::{Device, Result, Tensor};
+    use candle::{DType, Device, Result, Tensor};
 
     use multihead_kernels::attention::{Packing, TileOptions, Tiles};
     use multihead_kernels::isa::{current, force, supported, Isa};
@@ -216,6 +216,58 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// bf16 and f16 keys and values (a half-precision cache beside f32
+    /// queries) give the f32 path's result over the same values, bit for
+    /// bit, under every instruction set: read in place on decode-sized
+    /// calls (widened as the direct products load them, or a tile at a
+    /// time for `gemm`), converted first on longer ones. The output comes
+    /// in the queries' dtype.
+    #[test]
+    fn half_precision_keys_and_values_equal_the_f32_path_over_them() -> Result<()> {
+        let _lock = FORCE_LOCK.lock();
+        let dev = Device::Cpu;
+        // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim):
+        // dims on and off the vector widths, grouped heads, a prefill.
+        let shapes = [
+            (1, 4, 2, 1, 300, 64, 64),
+            (2, 3, 1, 5, 37, 37, 75),
+            (2, 2, 2, 20, 40, 16, 16),
+        ];
+        for isa in supported() {
+            force(Some(isa));
+            for (b, h, kh, l, s, d, dv) in shapes {
+                let q = randn(&[b, h, l, d])?;
+                let masks = [
+                    Mask::new(),
+                    Mask::causal(Causal::BottomRight).with_window(9),
+                    Mask::new().with_key_padding(KeyPaddingMask::from_lengths(&vec![s - 3; b], s, &dev)?),
+                ];
+                for dtype in [DType::BF16, DType::F16] {
+                    let (k, v) = (
+                        randn(&[b, kh, s, d])?.to_dtype(dtype)?,
+                        randn(&[b, kh, s, dv])?.to_dtype(dtype)?,
+                    );
+                    let (k32, v32) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+                    for mask in &masks {
+                        let scale = 1. / (d as f64).sqrt();
+                        let half = sdpa_tiled_with(&q, &k, &v, mask, 0, scale, TileOptions::default())?;
+                        let full = sdpa_tiled_with(&q, &k32, &v32, mask, 0, scale, TileOptions::default())?;
+                        assert_eq!(half.dtype(), DType::F32);
+                        let diff = (half - full)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                        let what = format!(
+                            "{isa:?} {dtype:?} {:?} window {:?}",
+                            (b, h, kh, l, s, d, dv),
+                            mask.window
+                        );
+                        assert_eq!(diff, 0., "{what}: differs from the f32 path by {diff:e}");
+                    }
+                }
+            }
+        }
+        force(None);
         Ok(())
     }
 

@@ -21,11 +21,13 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle::{bail, DType, Layout, Result, Storage, Tensor};
+use candle::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
 use gemm::{gemm, Parallelism};
+use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
 use crate::direct;
+use crate::elem::PanelElem;
 use crate::isa::Isa;
 use crate::pool::{par_for, SyncPtr};
 use crate::simd;
@@ -59,26 +61,27 @@ const BLOCK_K: usize = 512;
 /// AVX-512 (each key and value read once per row, no packing).
 const DIRECT_ROWS: usize = 16;
 
-/// A read-only 4-D f32 view: base slice and element strides.
-pub(crate) struct View<'a> {
-    pub(crate) data: &'a [f32],
+/// A read-only 4-D view (f32, or a cache's bf16/f16 keys and values):
+/// base slice and element strides.
+pub(crate) struct View<'a, T = f32> {
+    pub(crate) data: &'a [T],
     pub(crate) stride: [usize; 4],
 }
 
-impl View<'_> {
+impl<T> View<'_, T> {
     /// Offset of element `(b, h, i, 0)`.
     pub(crate) fn offset(&self, b: usize, h: usize, i: usize) -> usize {
         b * self.stride[0] + h * self.stride[1] + i * self.stride[2]
     }
 }
 
-/// Borrows the f32 data of a CPU tensor with a contiguous last dim.
-fn with_view<R>(t: &Tensor, what: &str, f: impl FnOnce(View) -> Result<R>) -> Result<R> {
+/// Borrows the data of a CPU tensor of `T`s with a contiguous last dim.
+fn with_view<T: WithDType, R>(t: &Tensor, what: &str, f: impl FnOnce(View<T>) -> Result<R>) -> Result<R> {
     let (storage, layout): (_, &Layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         bail!("cpu attention kernel: {what} is not on the CPU")
     };
-    let data = cpu.as_slice::<f32>()?;
+    let data = cpu.as_slice::<T>()?;
     let stride = layout.stride();
     if stride.len() != 4 || (stride[3] != 1 && layout.dims()[3] > 1) {
         bail!("cpu attention kernel: {what} needs a contiguous last dim, found strides {stride:?}")
@@ -220,6 +223,12 @@ pub struct TileOptions {
 /// v_head_dim)` in `q`'s dtype, a view of a `(batch, q_len, heads,
 /// v_head_dim)` buffer; f16 and bf16 are computed in f32.
 ///
+/// Keys and values may be in another dtype than `q` (a bf16 or f16 cache
+/// beside f32 queries). On a decode-sized call (fewer than 16 query rows)
+/// bf16 or f16 keys and values are read in place, widened as they load
+/// (on AVX2 and AVX-512; elsewhere one tile of keys at a time for
+/// `gemm`); on longer calls they are converted to f32 first.
+///
 /// `None` where an output came out non-finite and a value is non-finite:
 /// the value may sit in a key the mask hides, which a tile still
 /// multiplied by its zero weight, so a path that reads no hidden value
@@ -234,13 +243,30 @@ pub fn sdpa(
     options: TileOptions,
 ) -> Result<Option<Tensor>> {
     let dtype = q.dtype();
-    if dtype != DType::F32 {
-        // Half precision: compute in f32 (f32 accumulation), cast back.
-        let f = |t: &Tensor| t.to_dtype(DType::F32);
-        return sdpa(&f(q)?, &f(k)?, &f(v)?, masking, appended, scale, options)?
-            .map(|t| t.to_dtype(dtype))
-            .transpose();
-    }
+    let q32 = q.to_dtype(DType::F32)?;
+    let in_place =
+        k.dtype() == v.dtype() && q.dim(2)? < DIRECT_ROWS && options.tiles.is_none_or(|t| t == Tiles::Gemm);
+    let out = match k.dtype() {
+        DType::BF16 if in_place => sdpa_in::<bf16>(&q32, k, v, masking, appended, scale, options)?,
+        DType::F16 if in_place => sdpa_in::<f16>(&q32, k, v, masking, appended, scale, options)?,
+        _ => {
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            sdpa_in::<f32>(&q32, &f(k)?, &f(v)?, masking, appended, scale, options)?
+        }
+    };
+    out.map(|t| t.to_dtype(dtype)).transpose()
+}
+
+/// [`sdpa`] on f32 queries and keys and values of `KV`.
+fn sdpa_in<KV: KvElem>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masking: &Masking,
+    appended: usize,
+    scale: f64,
+    options: TileOptions,
+) -> Result<Option<Tensor>> {
     let TileOptions { tiles, packing } = options;
     // The kernel reads rows in place; any other layout is copied once.
     let (q, k, v) = (
@@ -292,9 +318,9 @@ pub fn sdpa(
         .zip(&guards)
         .map(|(part, (storage, layout))| PartView::new(part, storage, layout))
         .collect::<Result<Vec<_>>>()?;
-    with_view(&q, "q", |qv| {
-        with_view(&k, "k", |kv| {
-            with_view(&v, "v", |vv| {
+    with_view::<f32, _>(&q, "q", |qv| {
+        with_view::<KV, _>(&k, "k", |kv| {
+            with_view::<KV, _>(&v, "v", |vv| {
                 let problem = Problem {
                     q: &qv,
                     k: &kv,
@@ -320,26 +346,31 @@ pub fn sdpa(
                     base: (bi * l + i0) * h * dv + hi * dv,
                     out_rs: h * dv,
                 };
+                // The packed tiles read f32 keys and values (`sdpa` takes
+                // half-precision ones only where the tiles are `Gemm`).
                 #[cfg(target_arch = "x86_64")]
-                if let Some(kernels) = match tiles {
-                    Tiles::Avx2 => Some(tile::Kernels::Avx2),
-                    Tiles::Avx512 => Some(tile::Kernels::Avx512),
-                    Tiles::Gemm => None,
-                } {
-                    let packing = packing.unwrap_or_else(|| Packing::best(&problem, b * kh));
+                if let (Some(kernels), Some(problem)) = (
+                    match tiles {
+                        Tiles::Avx2 => Some(tile::Kernels::Avx2),
+                        Tiles::Avx512 => Some(tile::Kernels::Avx512),
+                        Tiles::Gemm => None,
+                    },
+                    KV::f32_problem(&problem),
+                ) {
+                    let packing = packing.unwrap_or_else(|| Packing::best(problem, b * kh));
                     let run = |packed: &tile::Packed, (bi, hi, i0): (usize, usize, usize)| {
                         // SAFETY: `Tiles::Avx2` and `Tiles::Avx512` are only
                         // chosen (or forced by tests) where the processor
                         // runs them; `packed` holds the unit's keys and
                         // values; the unit's rows are its own.
-                        if !unsafe { tile::run_block(&problem, packed, unit(bi, hi, i0), kernels) } {
+                        if !unsafe { tile::run_block(problem, packed, unit(bi, hi, i0), kernels) } {
                             non_finite.store(true, Ordering::Relaxed);
                         }
                     };
                     match packing {
                         Packing::Shared => {
                             // SAFETY: as above.
-                            let packed = unsafe { tile::Packed::new(&problem, b, kh) };
+                            let packed = unsafe { tile::Packed::new(problem, b, kh) };
                             par_for(units.len(), work, |u| run(&packed, units[u]));
                         }
                         Packing::PerThread => {
@@ -357,7 +388,7 @@ pub fn sdpa(
                                         // SAFETY: as above.
                                         kept => unsafe {
                                             tile::Packed::one(
-                                                &problem,
+                                                problem,
                                                 kh,
                                                 pack,
                                                 kept.map(|(_, p)| p.release()),
@@ -393,7 +424,7 @@ pub fn sdpa(
     // +inf score: right as it is) or from a non-finite value; the latter
     // may sit in a hidden key that a tile still multiplied by its zero
     // weight, so the reference path, which reads no hidden value, decides.
-    if non_finite.into_inner() && !all_finite_tensor(&v)? {
+    if non_finite.into_inner() && !all_finite_tensor(&v.to_dtype(DType::F32)?)? {
         return Ok(None);
     }
     Ok(Some(
@@ -472,10 +503,12 @@ pub(crate) struct Unit {
     pub(crate) out_rs: usize,
 }
 
-pub(crate) struct Problem<'a> {
+/// One [`sdpa`] call as its work units read it: queries in f32, keys and
+/// values in `KV`.
+pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) q: &'a View<'a>,
-    pub(crate) k: &'a View<'a>,
-    pub(crate) v: &'a View<'a>,
+    pub(crate) k: &'a View<'a, KV>,
+    pub(crate) v: &'a View<'a, KV>,
     /// Key padding and attention masks, over the first `masked_keys` keys.
     parts: &'a [PartView<'a>],
     pub(crate) heads_per_kv: usize,
@@ -493,7 +526,33 @@ pub(crate) struct Problem<'a> {
     pub(crate) masked_keys: usize,
 }
 
-impl Problem<'_> {
+/// The element types [`sdpa`] reads keys and values in: f32, and bf16 and
+/// f16 in place on decode-sized calls, where the direct products widen
+/// them as they load. The packed tiles and `gemm` read f32.
+pub(crate) trait KvElem: PanelElem + WithDType {
+    /// The problem itself where its keys and values are f32.
+    fn f32_problem<'p, 'a>(p: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>>;
+}
+
+impl KvElem for f32 {
+    fn f32_problem<'p, 'a>(p: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>> {
+        Some(p)
+    }
+}
+
+impl KvElem for bf16 {
+    fn f32_problem<'p, 'a>(_: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>> {
+        None
+    }
+}
+
+impl KvElem for f16 {
+    fn f32_problem<'p, 'a>(_: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>> {
+        None
+    }
+}
+
+impl<KV: KvElem> Problem<'_, KV> {
     /// One past the last masked key query `i` may see by the causal rule.
     fn causal_end(&self, i: usize) -> usize {
         match self.causal {
@@ -617,27 +676,30 @@ impl Problem<'_> {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => direct::ymm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
                     // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
-                    _ => gemm(
-                        rows,
-                        cols,
-                        d,
-                        tile.as_mut_ptr(),
-                        1,
-                        cols as isize,
-                        false,
-                        q,
-                        1,
-                        q_rs as isize,
-                        k,
-                        k_rs as isize,
-                        1,
-                        0.,
-                        self.scale,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    ),
+                    _ => {
+                        let (k, k_rs, _widened) = f32_rows(k, k_rs, cols, d);
+                        gemm(
+                            rows,
+                            cols,
+                            d,
+                            tile.as_mut_ptr(),
+                            1,
+                            cols as isize,
+                            false,
+                            q,
+                            1,
+                            q_rs as isize,
+                            k,
+                            k_rs as isize,
+                            1,
+                            0.,
+                            self.scale,
+                            false,
+                            false,
+                            false,
+                            Parallelism::None,
+                        )
+                    }
                 }
             }
             for r in 0..rows {
@@ -656,33 +718,60 @@ impl Problem<'_> {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => direct::ymm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
                     // acc (rows, dv) += P (rows, cols) · V (cols, dv)
-                    _ => gemm(
-                        rows,
-                        dv,
-                        cols,
-                        acc.as_mut_ptr(),
-                        1,
-                        dv as isize,
-                        true,
-                        tile.as_ptr(),
-                        1,
-                        cols as isize,
-                        v,
-                        1,
-                        v_rs as isize,
-                        1.,
-                        1.,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
-                    ),
+                    _ => {
+                        let (v, v_rs, _widened) = f32_rows(v, v_rs, cols, dv);
+                        gemm(
+                            rows,
+                            dv,
+                            cols,
+                            acc.as_mut_ptr(),
+                            1,
+                            dv as isize,
+                            true,
+                            tile.as_ptr(),
+                            1,
+                            cols as isize,
+                            v,
+                            1,
+                            v_rs as isize,
+                            1.,
+                            1.,
+                            false,
+                            false,
+                            false,
+                            Parallelism::None,
+                        )
+                    }
                 }
             }
             j0 += cols;
         }
         write_rows(&acc, dv, dv, &row_sum, unit)
     }
+}
+
+/// `rows` rows of `d` elements from `p` (row stride `rs`) as f32 rows for
+/// `gemm`: in place where they are f32, else widened into the returned
+/// buffer, which the pointer borrows.
+///
+/// # Safety
+/// `p` covers the rows.
+unsafe fn f32_rows<E: PanelElem>(
+    p: *const E,
+    rs: usize,
+    rows: usize,
+    d: usize,
+) -> (*const f32, usize, Vec<f32>) {
+    if let Some(p) = E::f32_ptr(p) {
+        return (p, rs, Vec::new());
+    }
+    let mut widened = Vec::with_capacity(rows * d);
+    for j in 0..rows {
+        // SAFETY: row j < rows of d elements, as the caller vouched.
+        let row = unsafe { std::slice::from_raw_parts(p.add(j * rs), d) };
+        widened.extend(row.iter().map(|x| x.to_f32()));
+    }
+    (widened.as_ptr(), d, widened)
 }
 
 /// Writes the unit's normalised rows: row `r`'s first `dv` accumulators

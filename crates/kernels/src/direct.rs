@@ -1,38 +1,42 @@
 //! The two products of a decode-sized attention tile (fewer query rows
 //! than the packed micro-kernels want, `tile::MIN_Q_LEN`), read in place,
 //! each key and value row once; written once over the vector width
-//! ([`Lanes`]) and instantiated for `ymm` (AVX2+FMA) and `zmm` (AVX-512F).
+//! ([`Lanes`]) and instantiated for `ymm` (AVX2+FMA+F16C) and `zmm`
+//! (AVX-512F). Keys and values are f32, bf16 or f16 ([`PanelElem`]), as
+//! a cache stores them, widened as they load; queries, scores and sums
+//! are f32.
 
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
+use crate::elem::PanelElem;
 use crate::lanes::Lanes;
 
 /// Keys ahead of the one in use whose rows are prefetched into L1.
 const PF_KEYS: usize = 16;
 
-/// `Σₑ a[e] · b[e]` over `d` floats, two accumulators of lanes and a scalar
-/// tail.
+/// `Σₑ a[e] · b[e]` over `d` elements, two accumulators of lanes and a
+/// scalar tail.
 ///
 /// # Safety
-/// The instruction set of `V` is enabled; `a` and `b` hold `d` floats.
+/// The instruction set of `V` is enabled; `a` and `b` hold `d` elements.
 #[inline(always)]
-unsafe fn dot<V: Lanes>(a: *const f32, b: *const f32, d: usize) -> f32 {
+unsafe fn dot<V: Lanes, E: PanelElem>(a: *const f32, b: *const E, d: usize) -> f32 {
     // SAFETY: (the block) e + N <= d inside the loops.
     unsafe {
         let (mut s0, mut s1) = (V::zero(), V::zero());
         let mut e = 0;
         while e + 2 * V::N <= d {
-            s0 = s0.fmadd(V::load(a.add(e)), V::load(b.add(e)));
-            s1 = s1.fmadd(V::load(a.add(e + V::N)), V::load(b.add(e + V::N)));
+            s0 = s0.fmadd(V::load(a.add(e)), V::load_elem(b.add(e)));
+            s1 = s1.fmadd(V::load(a.add(e + V::N)), V::load_elem(b.add(e + V::N)));
             e += 2 * V::N;
         }
         if e + V::N <= d {
-            s0 = s0.fmadd(V::load(a.add(e)), V::load(b.add(e)));
+            s0 = s0.fmadd(V::load(a.add(e)), V::load_elem(b.add(e)));
             e += V::N;
         }
         let mut s = s0.add(s1).sum();
         for e in e..d {
-            s += *a.add(e) * *b.add(e);
+            s += *a.add(e) * (*b.add(e)).to_f32();
         }
         s
     }
@@ -48,11 +52,11 @@ unsafe fn dot<V: Lanes>(a: *const f32, b: *const f32, d: usize) -> f32 {
 /// The instruction set of `V` is enabled; the pointers cover the extents.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn scores<V: Lanes>(
+unsafe fn scores<V: Lanes, E: PanelElem>(
     rows: usize,
     q: *const f32,
     q_rs: usize,
-    k: *const f32,
+    k: *const E,
     k_rs: usize,
     cols: usize,
     d: usize,
@@ -63,8 +67,8 @@ unsafe fn scores<V: Lanes>(
         if j + PF_KEYS < cols {
             // SAFETY: key j + PF_KEYS < cols is in bounds.
             let ahead = unsafe { k.add((j + PF_KEYS) * k_rs) };
-            for l in (0..d).step_by(16) {
-                // SAFETY: within the key's d floats.
+            for l in (0..d).step_by(64 / size_of::<E>()) {
+                // SAFETY: within the key's d elements.
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.add(l) as *const i8) };
             }
         }
@@ -86,7 +90,7 @@ unsafe fn scores<V: Lanes>(
                     for e in (0..d).step_by(V::N) {
                         let qv = V::load(q.add(e));
                         for (i, acc) in acc[..V::N].iter_mut().enumerate() {
-                            *acc = acc.fmadd(qv, V::load(k.add((j + i) * k_rs + e)));
+                            *acc = acc.fmadd(qv, V::load_elem(k.add((j + i) * k_rs + e)));
                         }
                     }
                     V::sums(&acc)
@@ -101,7 +105,7 @@ unsafe fn scores<V: Lanes>(
         prefetch(j);
         for r in 0..rows {
             // SAFETY: row r < rows, key j < cols, d dims each.
-            tile[r * cols + j] = scale * unsafe { dot::<V>(q.add(r * q_rs), k.add(j * k_rs), d) };
+            tile[r * cols + j] = scale * unsafe { dot::<V, E>(q.add(r * q_rs), k.add(j * k_rs), d) };
         }
     }
 }
@@ -115,11 +119,11 @@ unsafe fn scores<V: Lanes>(
 /// # Safety
 /// The instruction set of `V` is enabled; `v` covers `cols` rows of `dv`.
 #[inline(always)]
-unsafe fn weighted_values<V: Lanes>(
+unsafe fn weighted_values<V: Lanes, E: PanelElem>(
     rows: usize,
     p: &[f32],
     cols: usize,
-    v: *const f32,
+    v: *const E,
     v_rs: usize,
     dv: usize,
     acc: &mut [f32],
@@ -130,9 +134,9 @@ unsafe fn weighted_values<V: Lanes>(
     /// 16 registers, so that each value row is read in one pass rather
     /// than in two of half a row each.
     #[inline(always)]
-    unsafe fn block<V: Lanes, const NV: usize, const SETS: usize>(
+    unsafe fn block<V: Lanes, E: PanelElem, const NV: usize, const SETS: usize>(
         p: &[f32],
-        v: *const f32,
+        v: *const E,
         v_rs: usize,
         c0: usize,
         acc: *mut f32,
@@ -146,7 +150,7 @@ unsafe fn weighted_values<V: Lanes>(
             let mut row = v.add(c0);
             for (step, pj) in (&mut keys).enumerate() {
                 if SETS * step + PF_KEYS < p.len() {
-                    for l in (0..NV * V::N).step_by(16) {
+                    for l in (0..NV * V::N).step_by(64 / size_of::<E>()) {
                         for s in 0..SETS {
                             let ahead = row.wrapping_add((PF_KEYS + s) * v_rs + l);
                             _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
@@ -156,7 +160,7 @@ unsafe fn weighted_values<V: Lanes>(
                 for (s, a) in a.iter_mut().enumerate() {
                     let ps = V::splat(pj[s]);
                     for (i, a) in a.iter_mut().enumerate() {
-                        *a = a.fmadd(ps, V::load(row.add(s * v_rs + i * V::N)));
+                        *a = a.fmadd(ps, V::load_elem(row.add(s * v_rs + i * V::N)));
                     }
                 }
                 row = row.wrapping_add(SETS * v_rs);
@@ -165,7 +169,7 @@ unsafe fn weighted_values<V: Lanes>(
             if let Some(&pj) = keys.remainder().first() {
                 let p0 = V::splat(pj);
                 for (i, a) in a[0].iter_mut().enumerate() {
-                    *a = a.fmadd(p0, V::load(row.add(i * V::N)));
+                    *a = a.fmadd(p0, V::load_elem(row.add(i * V::N)));
                 }
             }
             for i in 0..NV {
@@ -181,15 +185,15 @@ unsafe fn weighted_values<V: Lanes>(
         unsafe {
             // 64 columns a pass: 4 `zmm` vectors (two sets), 8 `ymm`.
             while V::N == 8 && c0 + 8 * V::N <= dv {
-                block::<V, 8, 1>(p, v, v_rs, c0, acc.as_mut_ptr());
+                block::<V, E, 8, 1>(p, v, v_rs, c0, acc.as_mut_ptr());
                 c0 += 8 * V::N;
             }
             while c0 + 4 * V::N <= dv {
-                block::<V, 4, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
+                block::<V, E, 4, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
                 c0 += 4 * V::N;
             }
             while c0 + V::N <= dv {
-                block::<V, 1, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
+                block::<V, E, 1, 2>(p, v, v_rs, c0, acc.as_mut_ptr());
                 c0 += V::N;
             }
         }
@@ -198,7 +202,7 @@ unsafe fn weighted_values<V: Lanes>(
             *a += p
                 .iter()
                 .enumerate()
-                .map(|(j, &pj)| pj * unsafe { *v.add(j * v_rs + c) })
+                .map(|(j, &pj)| pj * unsafe { *v.add(j * v_rs + c) }.to_f32())
                 .sum::<f32>();
         }
     }
@@ -216,11 +220,11 @@ macro_rules! instances {
             /// The instruction set; as [`super::scores`].
             #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $features)]
-            pub(crate) unsafe fn scores(
+            pub(crate) unsafe fn scores<E: crate::elem::PanelElem>(
                 rows: usize,
                 q: *const f32,
                 q_rs: usize,
-                k: *const f32,
+                k: *const E,
                 k_rs: usize,
                 cols: usize,
                 d: usize,
@@ -228,7 +232,7 @@ macro_rules! instances {
                 tile: &mut [f32],
             ) {
                 // SAFETY: forwarded.
-                unsafe { super::scores::<$lanes>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
+                unsafe { super::scores::<$lanes, E>(rows, q, q_rs, k, k_rs, cols, d, scale, tile) }
             }
 
             /// [`super::weighted_values`] on these lanes.
@@ -236,17 +240,17 @@ macro_rules! instances {
             /// # Safety
             /// The instruction set; as [`super::weighted_values`].
             #[target_feature(enable = $features)]
-            pub(crate) unsafe fn weighted_values(
+            pub(crate) unsafe fn weighted_values<E: crate::elem::PanelElem>(
                 rows: usize,
                 p: &[f32],
                 cols: usize,
-                v: *const f32,
+                v: *const E,
                 v_rs: usize,
                 dv: usize,
                 acc: &mut [f32],
             ) {
                 // SAFETY: forwarded.
-                unsafe { super::weighted_values::<$lanes>(rows, p, cols, v, v_rs, dv, acc) }
+                unsafe { super::weighted_values::<$lanes, E>(rows, p, cols, v, v_rs, dv, acc) }
             }
         }
     };
@@ -257,6 +261,6 @@ instances!(
     zmm, crate::lanes::Zmm, "avx512f"
 );
 instances!(
-    /// The AVX2+FMA instances.
-    ymm, crate::lanes::Ymm, "avx2,fma"
+    /// The AVX2+FMA+F16C instances.
+    ymm, crate::lanes::Ymm, "avx2,fma,f16c"
 );

@@ -22,12 +22,23 @@ pub(crate) trait PanelElem: Copy + Default + Send + Sync + 'static {
     /// and is aligned to their size times 16.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load_zmm(p: *const Self) -> __m512;
+    /// 16 elements from `p`, which need not be aligned, as f32 lanes.
+    /// # Safety
+    /// AVX-512F is enabled in the calling function; `p` holds 16 elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512;
     /// 8 elements from `p` as f32 lanes.
     /// # Safety
     /// AVX2 and F16C are enabled in the calling function; `p` holds 8
     /// elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load_ymm(p: *const Self) -> __m256;
+    /// `p` itself where the elements are f32 (for code that reads f32 only,
+    /// such as `gemm`), else `None`.
+    fn f32_ptr(p: *const Self) -> Option<*const f32> {
+        let _ = p;
+        None
+    }
 }
 
 impl PanelElem for f32 {
@@ -47,9 +58,18 @@ impl PanelElem for f32 {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
     unsafe fn load_ymm(p: *const Self) -> __m256 {
         // SAFETY: as the trait says.
         unsafe { _mm256_loadu_ps(p) }
+    }
+    fn f32_ptr(p: *const Self) -> Option<*const f32> {
+        Some(p)
     }
 }
 
@@ -69,6 +89,15 @@ impl PanelElem for bf16 {
         // SAFETY: as the trait says.
         unsafe {
             let h = _mm256_load_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe {
+            let h = _mm256_loadu_si256(p.cast());
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         }
     }
@@ -98,6 +127,12 @@ impl PanelElem for f16 {
     unsafe fn load_zmm(p: *const Self) -> __m512 {
         // SAFETY: as the trait says.
         unsafe { _mm512_cvtph_ps(_mm256_load_si256(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

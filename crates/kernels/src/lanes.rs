@@ -8,6 +8,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use crate::elem::PanelElem;
+
 /// A vector of `f32` lanes.
 pub(crate) trait Lanes: Copy {
     const N: usize;
@@ -20,6 +22,10 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`]; `p` holds `N` floats.
     unsafe fn load(p: *const f32) -> Self;
+    /// `N` elements of a [`PanelElem`] type (f32, bf16 or f16), widened.
+    /// # Safety
+    /// As [`Lanes::zero`], with F16C for `ymm`; `p` holds `N` elements.
+    unsafe fn load_elem<E: PanelElem>(p: *const E) -> Self;
     /// # Safety
     /// As [`Lanes::load`].
     unsafe fn store(self, p: *mut f32);
@@ -93,6 +99,11 @@ impl Lanes for f32 {
     unsafe fn load(p: *const f32) -> Self {
         // SAFETY: the caller's.
         unsafe { p.read() }
+    }
+    #[inline(always)]
+    unsafe fn load_elem<E: PanelElem>(p: *const E) -> Self {
+        // SAFETY: the caller's.
+        unsafe { p.read() }.to_f32()
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32) {
@@ -220,6 +231,11 @@ impl Lanes for Ymm {
         _mm256_max_ps
     );
     #[inline(always)]
+    unsafe fn load_elem<E: PanelElem>(p: *const E) -> Self {
+        // SAFETY: the caller's.
+        Ymm(unsafe { E::load_ymm(p) })
+    }
+    #[inline(always)]
     unsafe fn max_lane(self) -> f32 {
         let h = _mm_max_ps(_mm256_castps256_ps128(self.0), _mm256_extractf128_ps::<1>(self.0));
         let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -280,6 +296,11 @@ impl Lanes for Zmm {
         _mm512_sub_ps,
         _mm512_max_ps
     );
+    #[inline(always)]
+    unsafe fn load_elem<E: PanelElem>(p: *const E) -> Self {
+        // SAFETY: the caller's.
+        Zmm(unsafe { E::loadu_zmm(p) })
+    }
     #[inline(always)]
     unsafe fn max_lane(self) -> f32 {
         // SAFETY: the caller's.
