@@ -17,8 +17,8 @@ use multihead_attention::RopeScaling;
 use super::config::LlamaConfig;
 use super::{DecoderModel, Llama};
 use crate::checkpoint::{
-    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, Preflight,
-    Wanted, GGUF_TENSOR_TYPES,
+    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, NonFinite,
+    Preflight, Wanted, GGUF_TENSOR_TYPES,
 };
 
 /// The `general.architecture` values this loader runs.
@@ -407,7 +407,9 @@ fn check_types(file: &GgufFile) -> Result<()> {
 }
 
 /// Compares the tensors the model `cfg` asks for with the file's, by the
-/// file's names: every missing, unexpected and mis-shaped one at once.
+/// file's names: every missing, unexpected and mis-shaped one at once,
+/// then, where the shapes all match, every one holding NaN or infinity
+/// ([`GgufFile::non_finite`]), as a safetensors file's pre-flight does.
 fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
@@ -420,6 +422,7 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
     let wanted = wanted_tensors(&names, |vb| Llama::new(cfg, vb))?;
     let mut needed = HashSet::new();
+    let mut scanned = Vec::new();
     for w in wanted {
         let Some(g) = gguf_name(&w.name) else {
             bail!(
@@ -438,7 +441,7 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
                 expected: w.shape,
                 found: info.shape.clone(),
             }),
-            Some(_) => {}
+            Some(_) => scanned.push(g.clone()),
         }
         needed.insert(g);
     }
@@ -448,6 +451,13 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
             .filter(|t| hf_name(&t.name).is_some() && !needed.contains(&t.name))
             .map(|t| t.name.clone()),
     );
+    if report.misshaped.is_empty() {
+        report.non_finite = file
+            .non_finite(scanned.iter().map(String::as_str))?
+            .into_iter()
+            .map(|(name, nan, inf)| NonFinite { name, nan, inf })
+            .collect();
+    }
     if let Some(summary) = report.summary() {
         bail!(
             "GGUF file '{}' does not match the model its metadata describes: {summary}",
@@ -462,7 +472,8 @@ impl DecoderModel {
     /// use too, `qwen2` or `qwen3`) from a GGUF file as llama.cpp's
     /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
     /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
-    /// it (every missing, unexpected, mis-shaped or unreadable one named),
+    /// it (every missing, unexpected, mis-shaped or unreadable one named,
+    /// then every one holding NaN or infinity, with the counts),
     /// the weight matrices in `opts.dtype` as
     /// [`DecoderModel::from_folder_with`] keeps them (Q8_0 dequantized to
     /// f32 first), norms and biases f32.
