@@ -332,6 +332,29 @@ impl Q8Weight {
         out
     }
 
+    /// The weight in ggml's `block_q8_0` bytes, as a GGUF file stores a
+    /// Q8_0 tensor: row by row, `k / 32` blocks a row, each 34 bytes, the
+    /// scale `d` (f16, little-endian) then the 32 values `q` (`i8`).
+    pub(crate) fn blocks(&self) -> Vec<u8> {
+        const GGML_BLOCK: usize = 2 + QK;
+        let nb = self.k / QK;
+        let mut out = vec![0u8; self.n * nb * GGML_BLOCK];
+        out.par_chunks_mut(nb * GGML_BLOCK)
+            .enumerate()
+            .for_each(|(j, row)| {
+                let (p, c) = (j / NR, j % NR);
+                for (b, block) in row.chunks_exact_mut(GGML_BLOCK).enumerate() {
+                    let at = p * nb + b;
+                    block[..2].copy_from_slice(&self.d[at * NR + c].to_le_bytes());
+                    let src = &self.panels()[at * BLOCK_BYTES..][..BLOCK_BYTES];
+                    for (i, q) in block[2..].iter_mut().enumerate() {
+                        *q = self.kernel.decode(src[(i / 4) * 64 + c * 4 + i % 4]) as u8;
+                    }
+                }
+            });
+        out
+    }
+
     /// The weight dequantized (`n` rows of `k` floats, `d · q`) and the
     /// bias.
     pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {

@@ -15,6 +15,7 @@ use candle::quantized::gguf_file::{self, Value as GgufValue};
 use candle::quantized::{GgmlDType, QTensor};
 use candle::{DType, Device, Tensor};
 use common::{assert_close, assert_err, fixture_dir, max_abs_diff, Fixture};
+use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel, LlamaConfig, TextGenerator, TextTokenizer};
 use serde_json::Value;
@@ -113,6 +114,41 @@ fn q8_0_stays_close_to_f32() -> Result<()> {
             "{name}: top-1 agrees at only {same} of {}",
             a.len()
         );
+    }
+    Ok(())
+}
+
+/// Every Q8_0 tensor of the q8_0 files, read as the loader reads it
+/// (dequantized to f32) and quantized again as `--dtype q8_0` packs a
+/// linear layer, gives back the file's blocks byte for byte, scales and
+/// values: loading a Q8_0 file as q8_0 computes with the file's own
+/// weights. The loader's reordering of arch `llama`'s q and k rows moves
+/// whole rows, so whole blocks. (Why it is exact:
+/// `ggml_blocks_round_trip_exactly` in the kernels crate.)
+#[test]
+fn q8_0_tensors_requantize_to_the_file_s_blocks() -> Result<()> {
+    for name in ["llama", "qwen2"] {
+        let path = gguf(name, "q8_0");
+        let file = GgufFile::read(&path)?;
+        let bytes = std::fs::read(&path)?;
+        let q8: Vec<_> = file
+            .tensors()
+            .iter()
+            .filter(|t| t.ggml_type == GgmlDType::Q8_0)
+            .collect();
+        assert!(q8.len() > 10, "{name}: {} Q8_0 tensors", q8.len());
+        for t in q8 {
+            let w = file.tensor(&t.name, &Device::Cpu)?;
+            let layer = packing_as(PackFormat::Q8_0, || PackedLinear::new(w, None))?;
+            let blocks = layer
+                .q8_0_blocks()
+                .with_context(|| format!("{name}: {} was not quantized", t.name))?;
+            assert!(
+                blocks == bytes[t.range.clone()],
+                "{name}: {} comes back with other blocks",
+                t.name
+            );
+        }
     }
     Ok(())
 }

@@ -322,6 +322,92 @@ fn rows_and_unpack_are_the_dequantized_blocks() {
     force(None);
 }
 
+/// ggml's `block_q8_0` bytes of `blocks` (scale, values) in order.
+fn ggml_bytes(blocks: &[(f16, [i8; QK])]) -> Vec<u8> {
+    blocks
+        .iter()
+        .flat_map(|(d, q)| d.to_le_bytes().into_iter().chain(q.map(|q| q as u8)))
+        .collect()
+}
+
+/// `d · q` of each block of ggml bytes, in f32 (exact: 11 bits by 8).
+fn ggml_dequantize(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2 + QK)
+        .flat_map(|b| {
+            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            b[2..].iter().map(move |&q| d * f32::from(q as i8))
+        })
+        .collect()
+}
+
+/// Blocks as llama.cpp writes them (a positive finite f16 scale `d`,
+/// normal or subnormal, from 2⁻²⁴ to 65504; values `q` in -127..=127 with
+/// ±127 at the largest magnitude, as `quantize_row_q8_0_ref` always
+/// gives), dequantized to f32 (`d · q`, exact) and quantized again, give
+/// back the same bytes (`Q8Weight::blocks`), on every kernel, and through
+/// the reference quantizer above. Exact because the largest magnitude is
+/// `127 · d` exactly (`d` has 11 significant bits, `127 · d` 18, inside
+/// f32's 24), so the new scale `127 · d / 127` is `d` exactly and its f16
+/// rounding changes nothing; and `(d · q) · fl(1 / d)` is `q` within two
+/// f32 roundings, far from a tie. A zero scale's values are all 0: it
+/// comes back with its `q` zeroed.
+#[test]
+fn ggml_blocks_round_trip_exactly() {
+    let _lock = FORCE_LOCK.lock();
+    let (n, k) = (37, 128);
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut blocks: Vec<(f16, [i8; QK])> = (0..n * k / QK)
+        .map(|i| {
+            let bits = match i {
+                // The smallest subnormal, the largest subnormal, the
+                // largest finite.
+                0 => 0x0001,
+                1 => 0x03ff,
+                2 => 0x7bff,
+                // Any other positive finite f16.
+                _ => loop {
+                    let bits = (next() as u16) & 0x7fff;
+                    if bits != 0 && bits & 0x7c00 != 0x7c00 {
+                        break bits;
+                    }
+                },
+            };
+            let mut q: [i8; QK] = std::array::from_fn(|_| ((next() % 255) as i16 - 127) as i8);
+            q[(next() % QK as u64) as usize] = if next() % 2 == 0 { 127 } else { -127 };
+            (f16::from_bits(bits), q)
+        })
+        .collect();
+    let file = ggml_bytes(&blocks);
+    let w = ggml_dequantize(&file);
+    assert_eq!(ggml_bytes(&llama_rows(&w, k)), file, "the reference quantizer");
+    // A zero scale with values left in its block.
+    blocks[5].0 = f16::ZERO;
+    let zeroed = ggml_bytes(&blocks);
+    let w_zero = ggml_dequantize(&zeroed);
+    blocks[5].1 = [0; QK];
+    let want_zero = ggml_bytes(&blocks);
+    for isa in supported() {
+        force(Some(isa));
+        for (w, want, what) in [(&w, &file, "blocks"), (&w_zero, &want_zero, "a zero scale")] {
+            let got = Q8Weight::quantize(w, n, k, None, isa).unwrap().blocks();
+            assert_eq!(got.len(), want.len());
+            let bad = got
+                .chunks_exact(2 + QK)
+                .zip(want.chunks_exact(2 + QK))
+                .position(|(g, w)| g != w);
+            assert_eq!(bad, None, "{isa:?} {what}: first block that differs");
+        }
+    }
+    force(None);
+}
+
 /// A row length off the blocks is an error that names it; so are a
 /// weight or bias of the wrong length.
 #[test]
