@@ -7,6 +7,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// An element of packed weight panels.
@@ -16,12 +17,20 @@ pub(crate) trait PanelElem: Copy + Default + Send + Sync + 'static {
     fn from_f32(x: f32) -> Self;
     /// The element as f32 (exact).
     fn to_f32(self) -> f32;
+    /// `src` widened into `dst`, of the same length, exactly: a copy, or
+    /// `half`'s slice conversion (F16C where the processor has it).
+    fn widen(src: &[Self], dst: &mut [f32]);
     /// 16 elements from `p` as f32 lanes.
     /// # Safety
     /// AVX-512F is enabled in the calling function; `p` holds 16 elements
     /// and is aligned to their size times 16.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load_zmm(p: *const Self) -> __m512;
+    /// 16 elements from `p` as f32 lanes, `p` aligned to the element only.
+    /// # Safety
+    /// AVX-512F is enabled in the calling function; `p` holds 16 elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512;
     /// 8 elements from `p` as f32 lanes.
     /// # Safety
     /// AVX2 and F16C are enabled in the calling function; `p` holds 8
@@ -39,11 +48,20 @@ impl PanelElem for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load_zmm(p: *const Self) -> __m512 {
         // SAFETY: as the trait says.
         unsafe { _mm512_load_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe { _mm512_loadu_ps(p) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -63,12 +81,24 @@ impl PanelElem for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load_zmm(p: *const Self) -> __m512 {
         // SAFETY: as the trait says.
         unsafe {
             let h = _mm256_load_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe {
+            let h = _mm256_loadu_si256(p.cast());
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         }
     }
@@ -93,11 +123,20 @@ impl PanelElem for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load_zmm(p: *const Self) -> __m512 {
         // SAFETY: as the trait says.
         unsafe { _mm512_cvtph_ps(_mm256_load_si256(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn loadu_zmm(p: *const Self) -> __m512 {
+        // SAFETY: as the trait says.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

@@ -1,6 +1,7 @@
 //! The 8-bit layers' tests: llama.cpp's quantization rules on hand-made
-//! blocks, every kernel against the reference loop, rows and unpacking,
-//! the errors, and (ignored) timings beside the f32 packed layer.
+//! blocks, the inputs' and the weights' quantization on every kernel,
+//! every kernel against the reference loop, rows and unpacking, ggml's
+//! blocks back through a dequantization, and the errors.
 
 use half::{bf16, f16};
 
@@ -406,6 +407,90 @@ fn ggml_blocks_round_trip_exactly() {
         }
     }
     force(None);
+}
+
+/// Weights quantized on every kernel (each instruction set forced) give
+/// the portable kernel's blocks bit for bit, scales included, from f32,
+/// bf16 and f16 (widened exactly): random blocks with magnitudes from
+/// 1e-30 to 1e30, ties at .5 either side (scales 1 and 2, so that `x / d`
+/// lands on them), the floats either side of a tie, a zero block, -0,
+/// magnitudes so small that the scale is 0 or its inverse overflows, so
+/// large that the f16 scale overflows, the largest finite floats, a NaN
+/// and an infinity at several positions. Every block without a NaN is
+/// llama.cpp's (`llama_block`; its `MAX` drops a NaN that is not last).
+#[test]
+fn weights_quantize_alike_on_every_kernel() {
+    let _lock = FORCE_LOCK.lock();
+    let (n, k) = (19, 96);
+    let mut blocks: Vec<[f32; QK]> = Vec::new();
+    let ties: [f32; QK] = std::array::from_fn(|i| if i == 0 { 127. } else { i as f32 * 3.5 - 56. });
+    // Scale 1: the floats either side of each tie k + 0.5.
+    let tie = |i: usize| i as f32 - 15.5;
+    blocks.extend([
+        ties,
+        ties.map(|x| -x),
+        ties.map(|x| 2. * x),
+        std::array::from_fn(|i| if i == 0 { 127. } else { tie(i).next_down() }),
+        std::array::from_fn(|i| if i == 0 { -127. } else { tie(i).next_up() }),
+        [0.; QK],
+        std::array::from_fn(|i| if i % 2 == 0 { -0. } else { 1e-3 * i as f32 }),
+        [1e-38; QK],
+        std::array::from_fn(|i| i as f32 * -1e-39),
+        std::array::from_fn(|i| (i as f32 - 15.5) * 1e7),
+        std::array::from_fn(|i| {
+            if i == 3 {
+                f32::MAX
+            } else {
+                -f32::MAX / (i + 1) as f32
+            }
+        }),
+    ]);
+    for (i, at) in [0, 13, 31].into_iter().enumerate() {
+        let mut nan: [f32; QK] = randn(QK).try_into().unwrap();
+        nan[at] = f32::NAN;
+        let mut inf: [f32; QK] = randn(QK).try_into().unwrap();
+        inf[at] = if i % 2 == 0 {
+            f32::INFINITY
+        } else {
+            f32::NEG_INFINITY
+        };
+        blocks.extend([nan, inf]);
+    }
+    let scales = randn(n * k / QK);
+    while blocks.len() < n * k / QK {
+        // Magnitudes 10^-30 to 10^30.
+        let e = (scales[blocks.len()] * 10.).clamp(-30., 30.);
+        let r: Vec<f32> = randn(QK).iter().map(|x| x * 10f32.powf(e)).collect();
+        blocks.push(r.try_into().unwrap());
+    }
+    let w: Vec<f32> = blocks.iter().flatten().copied().collect();
+    let wb: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
+    let wh: Vec<f16> = w.iter().map(|&x| f16::from_f32(x)).collect();
+    fn check<S: crate::elem::PanelElem>(w: &[S], (n, k): (usize, usize), what: &str) {
+        let wide: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
+        force(Some(Isa::Portable));
+        let want = Q8Weight::quantize(w, n, k, None, Isa::Portable).unwrap().blocks();
+        for (b, (x, got)) in wide.chunks_exact(QK).zip(want.chunks_exact(2 + QK)).enumerate() {
+            if !x.iter().any(|x| x.is_nan()) {
+                assert_eq!(got, ggml_bytes(&[llama_block(x)]), "{what} block {b}: {x:?}");
+            }
+        }
+        for isa in supported() {
+            force(Some(isa));
+            let got = Q8Weight::quantize(w, n, k, None, isa).unwrap().blocks();
+            for (b, (g, want)) in got
+                .chunks_exact(2 + QK)
+                .zip(want.chunks_exact(2 + QK))
+                .enumerate()
+            {
+                assert_eq!(g, want, "{isa:?} {what} block {b}: {:?}", &wide[b * QK..][..QK]);
+            }
+        }
+        force(None);
+    }
+    check(&w, (n, k), "f32");
+    check(&wb, (n, k), "bf16");
+    check(&wh, (n, k), "f16");
 }
 
 /// A row length off the blocks is an error that names it; so are a
