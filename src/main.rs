@@ -3,7 +3,7 @@
 //! - `multihead vit [IMAGES…]`: classify images with a Vision Transformer.
 //! - `multihead seq2seq [TEXT…]`: translate with the encoder–decoder.
 //! - `multihead generate --model DIR|FILE.gguf [PROMPT…]`: continue text with a decoder folder or GGUF file.
-//! - `multihead inspect FILE.safetensors`: what a checkpoint holds and is.
+//! - `multihead inspect FILE.safetensors|FILE.gguf`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};
 

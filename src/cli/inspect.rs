@@ -1,5 +1,6 @@
 //! `multihead inspect FILE.safetensors`: what a checkpoint holds, what it
-//! is, and whether it fits a config.
+//! is, and whether it fits a config. A GGUF file goes to
+//! `inspect_gguf.rs`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -8,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use multihead::attention::{MhaConfig, MultiheadAttention};
 use multihead::models::checkpoint::{
-    wanted_tensors, Checkpoint, MinWeights, ModelFiles, NonFinite, Preflight,
+    is_gguf, wanted_tensors, Checkpoint, MinWeights, ModelFiles, NonFinite, Preflight,
 };
 use multihead::models::decoder::{DecoderModel, HfDecoderConfig};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
@@ -17,13 +18,13 @@ use multihead::models::vit::{folder, VisionTransformer, VitConfig};
 
 /// Entries of each list the text output shows without `--all`: a header
 /// of 100,000 tensors prints a screenful and a count, not 100,000 lines.
-const LISTED: usize = 200;
+pub(super) const LISTED: usize = 200;
 
 /// Arguments of `multihead inspect`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The checkpoint (safetensors; pickles are refused), or a folder
-    /// holding it as model.safetensors.
+    /// The checkpoint (safetensors, or a GGUF file; pickles are refused),
+    /// or a folder holding it as model.safetensors.
     #[arg(value_name = "FILE|DIR")]
     file: PathBuf,
     /// A model config (VitConfig or MhaConfig JSON) to check the tensors
@@ -50,6 +51,16 @@ struct ConfigCheck {
 
 /// Runs the command.
 pub fn run(args: Args) -> Result<()> {
+    if is_gguf(&args.file) && !args.file.is_dir() {
+        if let Some(config) = &args.config {
+            bail!(
+                "--config '{}' does not apply to the GGUF file '{}': its config is its metadata",
+                config.display(),
+                args.file.display()
+            )
+        }
+        return super::inspect_gguf::run(&args.file, args.json, args.all);
+    }
     // A folder means its weights as `--weights DIR` finds them.
     let at = ModelFiles::resolve(&args.file)?;
     let ckpt = at.read()?;
@@ -213,14 +224,14 @@ fn mha_min_weights(cfg: &MhaConfig) -> Result<MinWeights> {
 }
 
 /// `… N more` after the first `limit` of `total` entries, or nothing.
-fn more(out: &mut impl Write, indent: &str, total: usize, limit: usize, what: &str) -> Result<()> {
+pub(super) fn more(out: &mut impl Write, indent: &str, total: usize, limit: usize, what: &str) -> Result<()> {
     if total > limit {
         writeln!(out, "{indent}… {} more {what} (--all lists them)", total - limit)?;
     }
     Ok(())
 }
 
-fn human_bytes(n: usize) -> String {
+pub(super) fn human_bytes(n: usize) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut v = n as f64;
     let mut u = 0;

@@ -765,11 +765,10 @@ unsafe fn f32_rows<E: PanelElem>(
     if let Some(p) = E::f32_ptr(p) {
         return (p, rs, Vec::new());
     }
-    let mut widened = Vec::with_capacity(rows * d);
-    for j in 0..rows {
+    let mut widened = vec![0f32; rows * d];
+    for (j, dst) in widened.chunks_exact_mut(d.max(1)).enumerate() {
         // SAFETY: row j < rows of d elements, as the caller vouched.
-        let row = unsafe { std::slice::from_raw_parts(p.add(j * rs), d) };
-        widened.extend(row.iter().map(|x| x.to_f32()));
+        E::widen(unsafe { std::slice::from_raw_parts(p.add(j * rs), d) }, dst);
     }
     (widened.as_ptr(), d, widened)
 }

@@ -7,6 +7,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// An element of packed weight panels.
@@ -16,6 +17,9 @@ pub(crate) trait PanelElem: Copy + Default + Send + Sync + 'static {
     fn from_f32(x: f32) -> Self;
     /// The element as f32 (exact).
     fn to_f32(self) -> f32;
+    /// `src` widened into `dst`, of the same length, exactly: a copy, or
+    /// `half`'s slice conversion (F16C where the processor has it).
+    fn widen(src: &[Self], dst: &mut [f32]);
     /// 16 elements from `p` as f32 lanes.
     /// # Safety
     /// AVX-512F is enabled in the calling function; `p` holds 16 elements
@@ -50,6 +54,9 @@ impl PanelElem for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load_zmm(p: *const Self) -> __m512 {
@@ -82,6 +89,9 @@ impl PanelElem for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -121,6 +131,9 @@ impl PanelElem for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

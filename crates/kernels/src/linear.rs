@@ -264,6 +264,18 @@ impl PackedLinear {
         }
     }
 
+    /// The weight in llama.cpp's Q8_0 blocks (ggml's `block_q8_0`: per
+    /// row, `in / 32` blocks of an f16 scale `d`, little-endian, and 32
+    /// `i8` values `q`), the bytes a GGUF file stores for a Q8_0 tensor of
+    /// shape `(out, in)`; `None` where the weight is not quantized
+    /// ([`PackedLinear::is_quantized`]).
+    pub fn q8_0_blocks(&self) -> Option<Vec<u8>> {
+        match &self.inner {
+            Inner::Q8(q) => Some(q.blocks()),
+            Inner::Candle(_) | Inner::Packed(_) => None,
+        }
+    }
+
     /// The bias `(out)`, if any: the tensor itself, or an unpacked copy.
     pub fn bias(&self) -> Result<Option<Tensor>> {
         match &self.inner {
@@ -665,6 +677,21 @@ mod tests {
             );
             let deq = layer.weight()?;
             assert!(rel_err(&deq, &w)? < 1e-2 && rel_err(&deq, &w)? > 0., "{isa:?}");
+            // The blocks are the weight's: each d · q is its value.
+            let blocks = layer.q8_0_blocks().expect("quantized");
+            let from_blocks: Vec<f32> = blocks
+                .chunks_exact(34)
+                .flat_map(|b| {
+                    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    b[2..].iter().map(move |&q| d * f32::from(q as i8))
+                })
+                .collect();
+            assert_eq!(
+                from_blocks,
+                deq.flatten_all()?.to_vec1::<f32>()?,
+                "{isa:?} blocks"
+            );
+            assert!(odd.q8_0_blocks().is_none() && after.q8_0_blocks().is_none());
             let x = randn(&[2, 5, 96])?;
             let want = candle_nn::Linear::new(deq.clone(), layer.bias()?).forward(&x)?;
             let y = layer.forward(&x)?;

@@ -41,8 +41,11 @@
 //!   and sign-applied weights;
 //! - `portable.rs`: plain Rust.
 //!
-//! The inputs are quantized once per call (by the kernel's instruction
-//! set, to the same values), in parallel over rows. A tile holds one
+//! Each kernel's file also quantizes, one block in registers, to the
+//! values `quantize_block` gives bit for bit: the weights once, as they
+//! are packed (in parallel over panels, each feature's row read in its
+//! own dtype and its blocks written straight into the panel), and the
+//! inputs once per call, in parallel over rows. A tile holds one
 //! block's i32 sums in registers, then adds them to its f32 sums: one row
 //! (a decoder's step) takes tiles of one row by four panels on VNNI, each
 //! weight byte streamed once; more rows take 4 rows by 2 panels on VNNI
@@ -152,9 +155,15 @@ impl Kernel {
 /// f16) gets zeros: C leaves the conversion of those `x · id` to `int8_t`
 /// undefined, and llama.cpp's x86 builds give 0.
 fn quantize_block(x: &[f32; QK], q: &mut [i8; QK]) -> (f32, i32) {
-    let amax = x
-        .iter()
-        .fold(0f32, |a, v| if v.abs() > a || v.is_nan() { v.abs() } else { a });
+    // The magnitudes' bits: ordered as the magnitudes, a NaN's above
+    // infinity's. Integer lanes, so that the loop vectorises.
+    let top = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    // One NaN whatever the block's, as the vector kernels give.
+    let amax = if top > f32::INFINITY.to_bits() {
+        f32::NAN
+    } else {
+        f32::from_bits(top)
+    };
     let d = amax / 127.;
     let id = if d != 0. { 1. / d } else { 0. };
     if !(d.is_finite() && id.is_finite()) {
@@ -163,12 +172,20 @@ fn quantize_block(x: &[f32; QK], q: &mut [i8; QK]) -> (f32, i32) {
     }
     let mut sum = 0;
     for (q, &v) in q.iter_mut().zip(x) {
-        // |v · id| <= 127 (up to rounding, which `round` absorbs).
-        *q = (v * id).round() as i8;
+        // |v · id| <= 127 (up to rounding). Half away from zero (C's
+        // `roundf`) as `trunc(y + copysign(0.5 - 2⁻²⁵, y))`, exact for
+        // every float, with the truncation in the conversion: no call to
+        // `roundf`, which the baseline target does not inline.
+        let y = v * id;
+        *q = (y + ROUND_HALF.copysign(y)) as i32 as i8;
         sum += i32::from(*q);
     }
     (d, sum)
 }
+
+/// The largest float below 0.5: added before a truncation, it rounds half
+/// away from zero ([`quantize_block`]).
+const ROUND_HALF: f32 = 0.5 - f32::EPSILON / 4.;
 
 /// Rows of inputs quantized for the kernels: `q` `m` rows of `k` values,
 /// and per row and block (`m` rows of `nb`) the scale, rounded to f16 and
@@ -211,6 +228,29 @@ fn quantize_rows(kernel: Kernel, x: &[f32], q: &mut [i8], d: &mut [f32], off: &m
     }
 }
 
+/// Feature `c`'s row `w` of weights (`nb` blocks) quantized into its
+/// panel's values `qs` (`nb` blocks of [`BLOCK_BYTES`]) and scales `d`
+/// (`nb` blocks of [`NR`]), laid out for `kernel`, by its instruction set:
+/// the same blocks whichever it is, each as [`quantize_block`] gives it.
+fn quantize_weight_row<S: PanelElem>(kernel: Kernel, w: &[S], c: usize, qs: &mut [u8], d: &mut [f16]) {
+    let nb = w.len() / QK;
+    assert!(w.len() == nb * QK && qs.len() == nb * BLOCK_BYTES && d.len() == nb * NR && c < NR);
+    match kernel {
+        // SAFETY: the slices hold the extents (asserted above); the kernel
+        // was picked for an instruction set the processor has.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Vnni => unsafe {
+            vnni::quantize_weight_row(w.as_ptr(), nb, c, qs.as_mut_ptr(), d.as_mut_ptr().cast())
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe {
+            avx2::quantize_weight_row(w.as_ptr(), nb, c, qs.as_mut_ptr(), d.as_mut_ptr().cast())
+        },
+        Kernel::Portable => portable::quantize_weight_row(w, c, qs, d),
+    }
+}
+
 /// A linear layer's weight `(n, k)` in Q8_0 blocks, laid out for one
 /// kernel (see the module docs), and its bias in f32.
 pub(crate) struct Q8Weight {
@@ -238,9 +278,9 @@ impl std::fmt::Debug for Q8Weight {
 
 impl Q8Weight {
     /// Quantizes `w`, `n` rows of `k` values (f32, bf16 or f16, widened
-    /// exactly), for the kernel of `isa` (capped at what runs now), with
-    /// `bias` (`n` floats). `k` must be a positive multiple of 32, `n`
-    /// positive.
+    /// exactly), for the kernel of `isa` (capped at what runs now) and by
+    /// its instruction set (the same blocks whichever it is), with `bias`
+    /// (`n` floats). `k` must be a positive multiple of 32, `n` positive.
     pub(crate) fn quantize<S: PanelElem>(
         w: &[S],
         n: usize,
@@ -270,20 +310,8 @@ impl Q8Weight {
             .zip(d.par_chunks_mut(nb * NR))
             .enumerate()
             .for_each(|(p, (qs, d))| {
-                let (mut x, mut q) = ([0f32; QK], [0i8; QK]);
                 for c in 0..NR.min(n - p * NR) {
-                    let row = &w[(p * NR + c) * k..][..k];
-                    for (b, src) in row.as_chunks::<QK>().0.iter().enumerate() {
-                        for (x, s) in x.iter_mut().zip(src) {
-                            *x = s.to_f32();
-                        }
-                        let (scale, _) = quantize_block(&x, &mut q);
-                        d[b * NR + c] = f16::from_f32(scale);
-                        let block = &mut qs[b * BLOCK_BYTES..][..BLOCK_BYTES];
-                        for (i, &q) in q.iter().enumerate() {
-                            block[(i / 4) * 64 + c * 4 + i % 4] = kernel.encode(q);
-                        }
-                    }
+                    quantize_weight_row(kernel, &w[(p * NR + c) * k..][..k], c, qs, d);
                 }
             });
         Ok(Q8Weight {
@@ -329,6 +357,29 @@ impl Q8Weight {
                 }
             }
         });
+        out
+    }
+
+    /// The weight in ggml's `block_q8_0` bytes, as a GGUF file stores a
+    /// Q8_0 tensor: row by row, `k / 32` blocks a row, each 34 bytes, the
+    /// scale `d` (f16, little-endian) then the 32 values `q` (`i8`).
+    pub(crate) fn blocks(&self) -> Vec<u8> {
+        const GGML_BLOCK: usize = 2 + QK;
+        let nb = self.k / QK;
+        let mut out = vec![0u8; self.n * nb * GGML_BLOCK];
+        out.par_chunks_mut(nb * GGML_BLOCK)
+            .enumerate()
+            .for_each(|(j, row)| {
+                let (p, c) = (j / NR, j % NR);
+                for (b, block) in row.chunks_exact_mut(GGML_BLOCK).enumerate() {
+                    let at = p * nb + b;
+                    block[..2].copy_from_slice(&self.d[at * NR + c].to_le_bytes());
+                    let src = &self.panels()[at * BLOCK_BYTES..][..BLOCK_BYTES];
+                    for (i, q) in block[2..].iter_mut().enumerate() {
+                        *q = self.kernel.decode(src[(i / 4) * 64 + c * 4 + i % 4]) as u8;
+                    }
+                }
+            });
         out
     }
 

@@ -15,6 +15,7 @@ use candle::quantized::gguf_file::{self, Value as GgufValue};
 use candle::quantized::{GgmlDType, QTensor};
 use candle::{DType, Device, Tensor};
 use common::{assert_close, assert_err, fixture_dir, max_abs_diff, Fixture};
+use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel, LlamaConfig, TextGenerator, TextTokenizer};
 use serde_json::Value;
@@ -113,6 +114,41 @@ fn q8_0_stays_close_to_f32() -> Result<()> {
             "{name}: top-1 agrees at only {same} of {}",
             a.len()
         );
+    }
+    Ok(())
+}
+
+/// Every Q8_0 tensor of the q8_0 files, read as the loader reads it
+/// (dequantized to f32) and quantized again as `--dtype q8_0` packs a
+/// linear layer, gives back the file's blocks byte for byte, scales and
+/// values: loading a Q8_0 file as q8_0 computes with the file's own
+/// weights. The loader's reordering of arch `llama`'s q and k rows moves
+/// whole rows, so whole blocks. (Why it is exact:
+/// `ggml_blocks_round_trip_exactly` in the kernels crate.)
+#[test]
+fn q8_0_tensors_requantize_to_the_file_s_blocks() -> Result<()> {
+    for name in ["llama", "qwen2"] {
+        let path = gguf(name, "q8_0");
+        let file = GgufFile::read(&path)?;
+        let bytes = std::fs::read(&path)?;
+        let q8: Vec<_> = file
+            .tensors()
+            .iter()
+            .filter(|t| t.ggml_type == GgmlDType::Q8_0)
+            .collect();
+        assert!(q8.len() > 10, "{name}: {} Q8_0 tensors", q8.len());
+        for t in q8 {
+            let w = file.tensor(&t.name, &Device::Cpu)?;
+            let layer = packing_as(PackFormat::Q8_0, || PackedLinear::new(w, None))?;
+            let blocks = layer
+                .q8_0_blocks()
+                .with_context(|| format!("{name}: {} was not quantized", t.name))?;
+            assert!(
+                blocks == bytes[t.range.clone()],
+                "{name}: {} comes back with other blocks",
+                t.name
+            );
+        }
     }
     Ok(())
 }
@@ -425,5 +461,142 @@ fn hostile_headers_are_errors() -> Result<()> {
     b[48..56].copy_from_slice(&(1u64 << 20).to_le_bytes());
     let err = GgufFile::from_bytes(b, "big.gguf").map(|_| ());
     assert_err(err, &["big.gguf", "'huge'", "past the end of the file"]);
+    Ok(())
+}
+
+/// A copy of fixture `{name}-{ty}.gguf` in a temporary file with bytes of
+/// tensor `tensor` overwritten: `(byte offset in the tensor's data, bytes)`.
+fn patched(name: &str, ty: &str, tensor: &str, patches: &[(usize, Vec<u8>)]) -> Result<PathBuf> {
+    let src = gguf(name, ty);
+    let range = GgufFile::read(&src)?
+        .info(tensor)
+        .with_context(|| format!("{name}-{ty} has no tensor {tensor}"))?
+        .range
+        .clone();
+    let mut bytes = std::fs::read(&src)?;
+    for (at, b) in patches {
+        bytes[range.start + at..][..b.len()].copy_from_slice(b);
+    }
+    let path = std::env::temp_dir().join(format!(
+        "multihead-gguf-{}-{name}-{ty}-{tensor}.gguf",
+        std::process::id()
+    ));
+    std::fs::write(&path, bytes)?;
+    Ok(path)
+}
+
+/// One file of `non_finite_tensors_are_refused_by_name`: fixture
+/// `{name}-{ty}.gguf` with bytes of `tensor` (of type `ggml`) patched, and
+/// the counts `(NaN, Inf)` written out where they are.
+struct Patch {
+    name: &'static str,
+    ty: &'static str,
+    tensor: &'static str,
+    ggml: GgmlDType,
+    patches: Vec<(usize, Vec<u8>)>,
+    counts: Option<(usize, usize)>,
+}
+
+/// A tensor holding NaN or infinity is refused before the model is built,
+/// named with its counts as a safetensors file's pre-flight names it: f32,
+/// f16 and bf16 elements patched in a copy of a fixture (the counts
+/// written out), and Q8_0 block scales, one NaN and one infinite, whose
+/// counts are those of the values the file's tensor reads as
+/// (`GgufFile::tensor`, classified here with `is_nan`/`is_infinite`).
+#[test]
+fn non_finite_tensors_are_refused_by_name() -> Result<()> {
+    let f16 = |bits: u16| bits.to_le_bytes().to_vec();
+    let f32s = |x: f32| x.to_le_bytes().to_vec();
+    let cases = [
+        Patch {
+            name: "llama",
+            ty: "f32",
+            tensor: "blk.1.attn_v.weight",
+            ggml: GgmlDType::F32,
+            patches: vec![(4 * 5, f32s(f32::NAN)), (4 * 9, f32s(f32::NEG_INFINITY))],
+            counts: Some((1, 1)),
+        },
+        // f16: 0x7e00 NaN, 0x7c00 +Inf, 0xfc00 -Inf.
+        Patch {
+            name: "llama",
+            ty: "f16",
+            tensor: "blk.0.ffn_up.weight",
+            ggml: GgmlDType::F16,
+            patches: vec![(2 * 3, f16(0x7e00)), (2 * 4, f16(0x7c00)), (2 * 60, f16(0xfc00))],
+            counts: Some((1, 2)),
+        },
+        // bf16: 0x7fc0 NaN, 0xff80 -Inf.
+        Patch {
+            name: "qwen3",
+            ty: "bf16",
+            tensor: "blk.1.ffn_down.weight",
+            ggml: GgmlDType::BF16,
+            patches: vec![(0, f16(0x7fc0)), (2, f16(0x7fc0)), (2 * 17, f16(0xff80))],
+            counts: Some((2, 1)),
+        },
+        // Block 0's scale NaN, block 2's +Inf (34-byte blocks).
+        Patch {
+            name: "qwen2",
+            ty: "q8_0",
+            tensor: "blk.0.attn_k.weight",
+            ggml: GgmlDType::Q8_0,
+            patches: vec![(0, f16(0x7e00)), (2 * 34, f16(0x7c00))],
+            counts: None,
+        },
+    ];
+    for Patch {
+        name,
+        ty,
+        tensor,
+        ggml,
+        patches,
+        counts,
+    } in cases
+    {
+        let path = patched(name, ty, tensor, &patches)?;
+        let file = GgufFile::read(&path)?;
+        assert_eq!(
+            file.info(tensor).map(|t| t.ggml_type),
+            Some(ggml),
+            "{name}-{ty} {tensor}"
+        );
+        let values = file
+            .tensor(tensor, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let read = (
+            values.iter().filter(|x| x.is_nan()).count(),
+            values.iter().filter(|x| x.is_infinite()).count(),
+        );
+        if let Some(counts) = counts {
+            assert_eq!(read, counts, "{name}-{ty}: the patched values as read");
+        }
+        assert!(read.0 > 0 && read.1 > 0, "{name}-{ty}: {read:?}");
+        assert_eq!(
+            file.non_finite(file.tensors().iter().map(|t| t.name.as_str()))?,
+            [(tensor.to_string(), read.0, read.1)]
+        );
+        let msg = load_error(&path);
+        std::fs::remove_file(&path)?;
+        assert_mentions(
+            &msg,
+            &[
+                &path.display().to_string(),
+                &format!("1 with NaN/Inf: {tensor} ({} NaN, {} Inf)", read.0, read.1),
+            ],
+        );
+    }
+    // The fixtures themselves are clean.
+    for (name, types) in FILES {
+        for &ty in types {
+            let file = GgufFile::read(&gguf(name, ty))?;
+            assert_eq!(
+                file.non_finite(file.tensors().iter().map(|t| t.name.as_str()))?,
+                [],
+                "{name}-{ty}"
+            );
+        }
+    }
     Ok(())
 }

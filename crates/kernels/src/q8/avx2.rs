@@ -10,6 +10,10 @@
 
 use std::arch::x86_64::*;
 
+use half::f16;
+
+use crate::elem::PanelElem;
+
 /// Rows per tile of a call of several rows (16 `ymm` registers: two
 /// halves' i32 and f32 sums a row, the weights, the inputs).
 pub(crate) const MR: usize = 2;
@@ -109,55 +113,98 @@ unsafe fn tile_rows<const R: usize, const P: usize>(
     }
 }
 
+/// One block of 32 values quantized as `q8.rs`'s `quantize_block` does
+/// (the same values, bit for bit): its scale rounded to f16 (the bits),
+/// and its values in order, 32 bytes. Rounding half away from zero is
+/// `trunc(y + copysign(0.5 - 2⁻²⁵, y))`, exact for every float; a block
+/// whose scale or its inverse is not finite gets zeros.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn quantize_block(v: [__m256; 4]) -> (u16, __m256i) {
+    let sign = _mm256_set1_ps(-0.);
+    let half = _mm256_set1_ps(0.5 - f32::EPSILON / 4.);
+    let a = v.map(|v| _mm256_andnot_ps(sign, v));
+    let unord = _mm256_or_ps(
+        _mm256_cmp_ps::<_CMP_UNORD_Q>(a[0], a[1]),
+        _mm256_cmp_ps::<_CMP_UNORD_Q>(a[2], a[3]),
+    );
+    let amax = if _mm256_movemask_ps(unord) != 0 {
+        f32::NAN
+    } else {
+        let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+    };
+    let scale = amax / 127.;
+    let id = if scale != 0. { 1. / scale } else { 0. };
+    let bits = _mm_extract_epi16::<0>(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(scale))) as u16;
+    if !(scale.is_finite() && id.is_finite()) {
+        return (bits, _mm256_setzero_si256());
+    }
+    let idv = _mm256_set1_ps(id);
+    let i = v.map(|v| {
+        let y = _mm256_mul_ps(v, idv);
+        let y = _mm256_add_ps(y, _mm256_or_ps(_mm256_and_ps(y, sign), half));
+        _mm256_cvttps_epi32(y)
+    });
+    // Saturating packs (the values are in range) interleave the 128-bit
+    // lanes; the permutation puts them back in order.
+    let packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    (
+        bits,
+        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+    )
+}
+
 /// One row of `nb` blocks of inputs quantized as `q8.rs`'s
-/// `quantize_block` does (the same values, bit for bit): the block's
-/// values into `q + 32·b` and its scale rounded to f16 and widened into
-/// `d[b]`. Rounding half away from zero is `trunc(y + copysign(0.5 -
-/// 2⁻²⁵, y))`, exact for every float; a block whose scale or its
-/// inverse is not finite gets zeros.
+/// `quantize_block` does ([`quantize_block`]): the block's values into
+/// `q + 32·b` and its scale rounded to f16 and widened into `d[b]`.
 ///
 /// # Safety
 /// AVX2 and F16C; `x` and `q` hold `32·nb` values, `d` `nb`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn quantize_row(x: *const f32, nb: usize, q: *mut i8, d: *mut f32) {
-    let sign = _mm256_set1_ps(-0.);
-    let half = _mm256_set1_ps(0.5 - f32::EPSILON / 4.);
     // SAFETY: (the block) inside the extents the caller vouched for.
     unsafe {
         for b in 0..nb {
             let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.add(32 * b + 8 * i)));
-            let a = v.map(|v| _mm256_andnot_ps(sign, v));
-            let unord = _mm256_or_ps(
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(a[0], a[1]),
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(a[2], a[3]),
-            );
-            let amax = if _mm256_movemask_ps(unord) != 0 {
-                f32::NAN
-            } else {
-                let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
-                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
-                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-                _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
-            };
-            let scale = amax / 127.;
-            let id = if scale != 0. { 1. / scale } else { 0. };
-            let wide = _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(scale)));
-            *d.add(b) = _mm_cvtss_f32(wide);
-            if !(scale.is_finite() && id.is_finite()) {
-                std::ptr::write_bytes(q.add(32 * b), 0, 32);
-                continue;
+            let (bits, values) = quantize_block(v);
+            *d.add(b) = f16::from_bits(bits).to_f32();
+            _mm256_storeu_si256(q.add(32 * b).cast(), values);
+        }
+    }
+}
+
+/// Feature `c`'s row of `nb` blocks of weights `w` quantized as
+/// [`quantize_row`] quantizes inputs, straight into its panel (`q8.rs`'s
+/// layout): value `i` of block `b` at `qs + b·512 + (i / 4)·64 + 4·c +
+/// i % 4`, the scale's f16 bits at `d + b·16 + c`.
+///
+/// # Safety
+/// AVX2, FMA and F16C; `w` holds `32·nb` elements, `qs` `512·nb` bytes,
+/// `d` `16·nb` scales; `c < 16`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_weight_row<S: PanelElem>(
+    w: *const S,
+    nb: usize,
+    c: usize,
+    qs: *mut u8,
+    d: *mut u16,
+) {
+    // SAFETY: (the block) inside the extents the caller vouched for.
+    unsafe {
+        for b in 0..nb {
+            let v: [__m256; 4] = std::array::from_fn(|i| S::load_ymm(w.add(32 * b + 8 * i)));
+            let (bits, values) = quantize_block(v);
+            *d.add(b * 16 + c) = bits;
+            let mut bytes = [0u8; 32];
+            _mm256_storeu_si256(bytes.as_mut_ptr().cast(), values);
+            for (g, four) in bytes.as_chunks::<4>().0.iter().enumerate() {
+                qs.add(b * 512 + g * 64 + 4 * c)
+                    .cast::<[u8; 4]>()
+                    .write_unaligned(*four);
             }
-            let idv = _mm256_set1_ps(id);
-            let i = v.map(|v| {
-                let y = _mm256_mul_ps(v, idv);
-                let y = _mm256_add_ps(y, _mm256_or_ps(_mm256_and_ps(y, sign), half));
-                _mm256_cvttps_epi32(y)
-            });
-            // Saturating packs (the values are in range) interleave the
-            // 128-bit lanes; the permutation puts them back in order.
-            let packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-            let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256(q.add(32 * b).cast(), ordered);
         }
     }
 }

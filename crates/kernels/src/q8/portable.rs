@@ -4,6 +4,9 @@
 
 use half::f16;
 
+use super::{quantize_block, QK};
+use crate::elem::PanelElem;
+
 /// Rows per tile of a call of several rows.
 pub(crate) const MR: usize = 4;
 /// Panels per tile.
@@ -49,6 +52,23 @@ pub(crate) fn tile(
                     *acc += s as f32 * (dw.to_f32() * dx);
                 }
             }
+        }
+    }
+}
+
+/// Feature `c`'s row of weights `w` (whole blocks) quantized by `q8.rs`'s
+/// `quantize_block` into its panel, as `vnni::tile` reads it (stored as
+/// `q`): value `i` of block `b` at `qs[b·512 + (i / 4)·64 + 4·c + i % 4]`,
+/// the scale at `d[b·16 + c]`.
+pub(crate) fn quantize_weight_row<S: PanelElem>(w: &[S], c: usize, qs: &mut [u8], d: &mut [f16]) {
+    let (mut x, mut q) = ([0f32; QK], [0i8; QK]);
+    for (b, src) in w.as_chunks::<QK>().0.iter().enumerate() {
+        S::widen(src, &mut x);
+        let (scale, _) = quantize_block(&x, &mut q);
+        d[b * 16 + c] = f16::from_f32(scale);
+        let block = &mut qs[b * 512..][..512];
+        for (g, four) in q.as_chunks::<4>().0.iter().enumerate() {
+            block[g * 64 + 4 * c..][..4].copy_from_slice(&four.map(|q| q as u8));
         }
     }
 }

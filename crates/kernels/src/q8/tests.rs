@@ -1,6 +1,7 @@
 //! The 8-bit layers' tests: llama.cpp's quantization rules on hand-made
-//! blocks, every kernel against the reference loop, rows and unpacking,
-//! the errors, and (ignored) timings beside the f32 packed layer.
+//! blocks, the inputs' and the weights' quantization on every kernel,
+//! every kernel against the reference loop, rows and unpacking, ggml's
+//! blocks back through a dequantization, and the errors.
 
 use half::{bf16, f16};
 
@@ -320,6 +321,176 @@ fn rows_and_unpack_are_the_dequantized_blocks() {
         assert_same(&sources[0].0.unpack().1.unwrap(), &bias, "bias");
     }
     force(None);
+}
+
+/// ggml's `block_q8_0` bytes of `blocks` (scale, values) in order.
+fn ggml_bytes(blocks: &[(f16, [i8; QK])]) -> Vec<u8> {
+    blocks
+        .iter()
+        .flat_map(|(d, q)| d.to_le_bytes().into_iter().chain(q.map(|q| q as u8)))
+        .collect()
+}
+
+/// `d · q` of each block of ggml bytes, in f32 (exact: 11 bits by 8).
+fn ggml_dequantize(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2 + QK)
+        .flat_map(|b| {
+            let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            b[2..].iter().map(move |&q| d * f32::from(q as i8))
+        })
+        .collect()
+}
+
+/// Blocks as llama.cpp writes them (a positive finite f16 scale `d`,
+/// normal or subnormal, from 2⁻²⁴ to 65504; values `q` in -127..=127 with
+/// ±127 at the largest magnitude, as `quantize_row_q8_0_ref` always
+/// gives), dequantized to f32 (`d · q`, exact) and quantized again, give
+/// back the same bytes (`Q8Weight::blocks`), on every kernel, and through
+/// the reference quantizer above. Exact because the largest magnitude is
+/// `127 · d` exactly (`d` has 11 significant bits, `127 · d` 18, inside
+/// f32's 24), so the new scale `127 · d / 127` is `d` exactly and its f16
+/// rounding changes nothing; and `(d · q) · fl(1 / d)` is `q` within two
+/// f32 roundings, far from a tie. A zero scale's values are all 0: it
+/// comes back with its `q` zeroed.
+#[test]
+fn ggml_blocks_round_trip_exactly() {
+    let _lock = FORCE_LOCK.lock();
+    let (n, k) = (37, 128);
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut blocks: Vec<(f16, [i8; QK])> = (0..n * k / QK)
+        .map(|i| {
+            let bits = match i {
+                // The smallest subnormal, the largest subnormal, the
+                // largest finite.
+                0 => 0x0001,
+                1 => 0x03ff,
+                2 => 0x7bff,
+                // Any other positive finite f16.
+                _ => loop {
+                    let bits = (next() as u16) & 0x7fff;
+                    if bits != 0 && bits & 0x7c00 != 0x7c00 {
+                        break bits;
+                    }
+                },
+            };
+            let mut q: [i8; QK] = std::array::from_fn(|_| ((next() % 255) as i16 - 127) as i8);
+            q[(next() % QK as u64) as usize] = if next() % 2 == 0 { 127 } else { -127 };
+            (f16::from_bits(bits), q)
+        })
+        .collect();
+    let file = ggml_bytes(&blocks);
+    let w = ggml_dequantize(&file);
+    assert_eq!(ggml_bytes(&llama_rows(&w, k)), file, "the reference quantizer");
+    // A zero scale with values left in its block.
+    blocks[5].0 = f16::ZERO;
+    let zeroed = ggml_bytes(&blocks);
+    let w_zero = ggml_dequantize(&zeroed);
+    blocks[5].1 = [0; QK];
+    let want_zero = ggml_bytes(&blocks);
+    for isa in supported() {
+        force(Some(isa));
+        for (w, want, what) in [(&w, &file, "blocks"), (&w_zero, &want_zero, "a zero scale")] {
+            let got = Q8Weight::quantize(w, n, k, None, isa).unwrap().blocks();
+            assert_eq!(got.len(), want.len());
+            let bad = got
+                .chunks_exact(2 + QK)
+                .zip(want.chunks_exact(2 + QK))
+                .position(|(g, w)| g != w);
+            assert_eq!(bad, None, "{isa:?} {what}: first block that differs");
+        }
+    }
+    force(None);
+}
+
+/// Weights quantized on every kernel (each instruction set forced) give
+/// the portable kernel's blocks bit for bit, scales included, from f32,
+/// bf16 and f16 (widened exactly): random blocks with magnitudes from
+/// 1e-30 to 1e30, ties at .5 either side (scales 1 and 2, so that `x / d`
+/// lands on them), the floats either side of a tie, a zero block, -0,
+/// magnitudes so small that the scale is 0 or its inverse overflows, so
+/// large that the f16 scale overflows, the largest finite floats, a NaN
+/// and an infinity at several positions. Every block without a NaN is
+/// llama.cpp's (`llama_block`; its `MAX` drops a NaN that is not last).
+#[test]
+fn weights_quantize_alike_on_every_kernel() {
+    let _lock = FORCE_LOCK.lock();
+    let (n, k) = (19, 96);
+    let mut blocks: Vec<[f32; QK]> = Vec::new();
+    let ties: [f32; QK] = std::array::from_fn(|i| if i == 0 { 127. } else { i as f32 * 3.5 - 56. });
+    // Scale 1: the floats either side of each tie k + 0.5.
+    let tie = |i: usize| i as f32 - 15.5;
+    blocks.extend([
+        ties,
+        ties.map(|x| -x),
+        ties.map(|x| 2. * x),
+        std::array::from_fn(|i| if i == 0 { 127. } else { tie(i).next_down() }),
+        std::array::from_fn(|i| if i == 0 { -127. } else { tie(i).next_up() }),
+        [0.; QK],
+        std::array::from_fn(|i| if i % 2 == 0 { -0. } else { 1e-3 * i as f32 }),
+        [1e-38; QK],
+        std::array::from_fn(|i| i as f32 * -1e-39),
+        std::array::from_fn(|i| (i as f32 - 15.5) * 1e7),
+        std::array::from_fn(|i| {
+            if i == 3 {
+                f32::MAX
+            } else {
+                -f32::MAX / (i + 1) as f32
+            }
+        }),
+    ]);
+    for (i, at) in [0, 13, 31].into_iter().enumerate() {
+        let mut nan: [f32; QK] = randn(QK).try_into().unwrap();
+        nan[at] = f32::NAN;
+        let mut inf: [f32; QK] = randn(QK).try_into().unwrap();
+        inf[at] = if i % 2 == 0 {
+            f32::INFINITY
+        } else {
+            f32::NEG_INFINITY
+        };
+        blocks.extend([nan, inf]);
+    }
+    let scales = randn(n * k / QK);
+    while blocks.len() < n * k / QK {
+        // Magnitudes 10^-30 to 10^30.
+        let e = (scales[blocks.len()] * 10.).clamp(-30., 30.);
+        let r: Vec<f32> = randn(QK).iter().map(|x| x * 10f32.powf(e)).collect();
+        blocks.push(r.try_into().unwrap());
+    }
+    let w: Vec<f32> = blocks.iter().flatten().copied().collect();
+    let wb: Vec<bf16> = w.iter().map(|&x| bf16::from_f32(x)).collect();
+    let wh: Vec<f16> = w.iter().map(|&x| f16::from_f32(x)).collect();
+    fn check<S: crate::elem::PanelElem>(w: &[S], (n, k): (usize, usize), what: &str) {
+        let wide: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
+        force(Some(Isa::Portable));
+        let want = Q8Weight::quantize(w, n, k, None, Isa::Portable).unwrap().blocks();
+        for (b, (x, got)) in wide.chunks_exact(QK).zip(want.chunks_exact(2 + QK)).enumerate() {
+            if !x.iter().any(|x| x.is_nan()) {
+                assert_eq!(got, ggml_bytes(&[llama_block(x)]), "{what} block {b}: {x:?}");
+            }
+        }
+        for isa in supported() {
+            force(Some(isa));
+            let got = Q8Weight::quantize(w, n, k, None, isa).unwrap().blocks();
+            for (b, (g, want)) in got
+                .chunks_exact(2 + QK)
+                .zip(want.chunks_exact(2 + QK))
+                .enumerate()
+            {
+                assert_eq!(g, want, "{isa:?} {what} block {b}: {:?}", &wide[b * QK..][..QK]);
+            }
+        }
+        force(None);
+    }
+    check(&w, (n, k), "f32");
+    check(&wb, (n, k), "bf16");
+    check(&wh, (n, k), "f16");
 }
 
 /// A row length off the blocks is an error that names it; so are a

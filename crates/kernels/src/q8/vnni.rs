@@ -11,6 +11,10 @@
 
 use std::arch::x86_64::*;
 
+use half::f16;
+
+use crate::elem::PanelElem;
+
 /// Rows per tile of a call of several rows: each group of weights loaded
 /// feeds 4 rows, in 8 i32 and 8 f32 accumulators.
 pub(crate) const MR: usize = 4;
@@ -117,20 +121,50 @@ unsafe fn tile_rows<const R: usize, const P: usize>(
     }
 }
 
+/// One block of 32 values quantized as `q8.rs`'s `quantize_block` does
+/// (the same values, bit for bit): its scale rounded to f16 (the bits),
+/// and its values as i32 lanes, 16 in each half. Rounding half away from
+/// zero is `trunc(y + copysign(0.5 - 2⁻²⁵, y))`, exact for every float; a
+/// block whose scale or its inverse is not finite gets zeros.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+fn quantize_block(v: [__m512; 2]) -> (u16, [__m512i; 2]) {
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let half = _mm512_castps_si512(_mm512_set1_ps(0.5 - f32::EPSILON / 4.));
+    let a = v.map(|v| _mm512_abs_ps(v));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a[0], a[1]);
+    let amax = if nan != 0 {
+        f32::NAN
+    } else {
+        _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]))
+    };
+    let scale = amax / 127.;
+    let id = if scale != 0. { 1. / scale } else { 0. };
+    let bits = _mm_extract_epi16::<0>(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(scale))) as u16;
+    if !(scale.is_finite() && id.is_finite()) {
+        return (bits, [_mm512_setzero_si512(); 2]);
+    }
+    let idv = _mm512_set1_ps(id);
+    (
+        bits,
+        v.map(|v| {
+            let y = _mm512_mul_ps(v, idv);
+            let away = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(y), sign), half);
+            _mm512_cvttps_epi32(_mm512_add_ps(y, _mm512_castsi512_ps(away)))
+        }),
+    )
+}
+
 /// One row of `nb` blocks of inputs quantized as `q8.rs`'s
-/// `quantize_block` does (the same values, bit for bit): the block's
-/// values into `q + 32·b`, its scale rounded to f16 and widened into
-/// `d[b]`, and `-128 · Σ q` into `off[b]`. Rounding half away from zero is
-/// `trunc(y + copysign(0.5 - 2⁻²⁵, y))`, exact for every float; a block
-/// whose scale or its inverse is not finite gets zeros.
+/// `quantize_block` does ([`quantize_block`]): the block's values into
+/// `q + 32·b`, its scale rounded to f16 and widened into `d[b]`, and
+/// `-128 · Σ q` into `off[b]`.
 ///
 /// # Safety
 /// AVX-512F, AVX512BW and F16C; `x` and `q` hold `32·nb` values, `d` and `off`
 /// `nb`.
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
 pub(crate) unsafe fn quantize_row(x: *const f32, nb: usize, q: *mut i8, d: *mut f32, off: *mut i32) {
-    let sign = _mm512_set1_epi32(i32::MIN);
-    let half = _mm512_castps_si512(_mm512_set1_ps(0.5 - f32::EPSILON / 4.));
     // SAFETY: (the block) inside the extents the caller vouched for.
     unsafe {
         for b in 0..nb {
@@ -138,33 +172,50 @@ pub(crate) unsafe fn quantize_row(x: *const f32, nb: usize, q: *mut i8, d: *mut 
                 _mm512_loadu_ps(x.add(32 * b)),
                 _mm512_loadu_ps(x.add(32 * b + 16)),
             ];
-            let a = v.map(|v| _mm512_abs_ps(v));
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a[0], a[1]);
-            let amax = if nan != 0 {
-                f32::NAN
-            } else {
-                _mm512_reduce_max_ps(_mm512_max_ps(a[0], a[1]))
-            };
-            let scale = amax / 127.;
-            let id = if scale != 0. { 1. / scale } else { 0. };
-            let wide = _mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(scale)));
-            *d.add(b) = _mm_cvtss_f32(wide);
-            if !(scale.is_finite() && id.is_finite()) {
-                std::ptr::write_bytes(q.add(32 * b), 0, 32);
-                *off.add(b) = 0;
-                continue;
-            }
-            let idv = _mm512_set1_ps(id);
-            let mut sum = _mm512_setzero_si512();
-            for (h, &v) in v.iter().enumerate() {
-                let y = _mm512_mul_ps(v, idv);
-                let away = _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(y), sign), half);
-                let y = _mm512_add_ps(y, _mm512_castsi512_ps(away));
-                let i = _mm512_cvttps_epi32(y);
-                sum = _mm512_add_epi32(sum, i);
+            let (bits, values) = quantize_block(v);
+            *d.add(b) = f16::from_bits(bits).to_f32();
+            for (h, &i) in values.iter().enumerate() {
                 _mm_storeu_si128(q.add(32 * b + 16 * h).cast(), _mm512_cvtepi32_epi8(i));
             }
-            *off.add(b) = -128 * _mm512_reduce_add_epi32(sum);
+            *off.add(b) = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(values[0], values[1]));
+        }
+    }
+}
+
+/// Feature `c`'s row of `nb` blocks of weights `w` quantized as
+/// [`quantize_row`] quantizes inputs, straight into its panel (`q8.rs`'s
+/// layout): value `i` of block `b` stored as `q + 128` at `qs + b·512 +
+/// (i / 4)·64 + 4·c + i % 4`, the scale's f16 bits at `d + b·16 + c`.
+///
+/// # Safety
+/// AVX-512F, AVX512BW and F16C; `w` holds `32·nb` elements, `qs` `512·nb`
+/// bytes, `d` `16·nb` scales; `c < 16`.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+pub(crate) unsafe fn quantize_weight_row<S: PanelElem>(
+    w: *const S,
+    nb: usize,
+    c: usize,
+    qs: *mut u8,
+    d: *mut u16,
+) {
+    let flip = _mm512_set1_epi32(0x80);
+    // SAFETY: (the block) inside the extents the caller vouched for.
+    unsafe {
+        for b in 0..nb {
+            let v = [0, 16].map(|at| S::loadu_zmm(w.add(32 * b + at)));
+            let (bits, values) = quantize_block(v);
+            *d.add(b * 16 + c) = bits;
+            // `q + 128` is `q`'s byte with its top bit flipped.
+            let mut bytes = [0u8; 32];
+            for (h, &i) in values.iter().enumerate() {
+                let stored = _mm512_cvtepi32_epi8(_mm512_xor_si512(i, flip));
+                _mm_storeu_si128(bytes.as_mut_ptr().add(16 * h).cast(), stored);
+            }
+            for (g, four) in bytes.as_chunks::<4>().0.iter().enumerate() {
+                qs.add(b * 512 + g * 64 + 4 * c)
+                    .cast::<[u8; 4]>()
+                    .write_unaligned(*four);
+            }
         }
     }
 }

@@ -7,11 +7,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle::{Device, Result, Tensor};
-use rayon::prelude::*;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde::Serialize;
 
+use super::finite::par_count_non_finite;
 use super::WeightDtype;
 
 /// One tensor as the header describes it.
@@ -371,13 +371,7 @@ impl Checkpoint {
         let mut bad = Vec::new();
         for name in names {
             let Some(&i) = self.index.get(name) else { continue };
-            // In slices across the threads: a large model's scan is a pass
-            // over its whole file.
-            let (nan, inf) = self
-                .slice(i)
-                .par_chunks(1 << 20)
-                .map(|c| count_non_finite(self.data[i].0, c))
-                .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+            let (nan, inf) = par_count_non_finite(self.data[i].0, self.slice(i));
             self.release(i);
             if nan + inf > 0 {
                 bad.push((name.to_string(), nan, inf));
@@ -467,50 +461,6 @@ fn dtype_name(d: Dtype) -> String {
     format!("{d:?}")
 }
 
-/// `(NaN, ±Inf)` counts of little-endian float `data`; `(0, 0)` for
-/// dtypes that are not F64, F32, F16 or BF16.
-fn count_non_finite(dtype: Dtype, data: &[u8]) -> (usize, usize) {
-    // A float is non-finite when its exponent bits are all ones; NaN when
-    // its mantissa is then non-zero. The first count is branch-free, so it
-    // vectorises: a model's pre-flight scans its whole file.
-    macro_rules! count {
-        ($t:ty, $exp:expr, $man:expr) => {{
-            const N: usize = size_of::<$t>();
-            // Counted in u16 lanes, blocks short enough not to wrap.
-            let bad_in = |words: &[$t]| -> usize {
-                words
-                    .chunks(u16::MAX as usize)
-                    .map(|b| usize::from(b.iter().fold(0u16, |n, &w| n + u16::from(w & $exp == $exp))))
-                    .sum()
-            };
-            // SAFETY: every bit pattern is a valid integer.
-            let bad = match unsafe { data.align_to::<$t>() } {
-                (&[], words, rest) if cfg!(target_endian = "little") && rest.len() < N => bad_in(words),
-                _ => data
-                    .chunks_exact(N)
-                    .map(|c| usize::from(<$t>::from_le_bytes(c.try_into().expect("N bytes")) & $exp == $exp))
-                    .sum(),
-            };
-            if bad == 0 {
-                return (0, 0);
-            }
-            let nan = data
-                .chunks_exact(N)
-                .map(|c| <$t>::from_le_bytes(c.try_into().expect("N bytes")))
-                .filter(|&w| w & $exp == $exp && w & $man != 0)
-                .count();
-            (nan, bad - nan)
-        }};
-    }
-    match dtype {
-        Dtype::F64 => count!(u64, 0x7ff0_0000_0000_0000, 0x000f_ffff_ffff_ffff),
-        Dtype::F32 => count!(u32, 0x7f80_0000, 0x007f_ffff),
-        Dtype::F16 => count!(u16, 0x7c00, 0x03ff),
-        Dtype::BF16 => count!(u16, 0x7f80, 0x007f),
-        _ => (0, 0),
-    }
-}
-
 /// One dot-separated part of a name, for [`natural_key`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum NamePart {
@@ -534,30 +484,6 @@ pub(crate) fn natural_key(s: &str) -> Vec<NamePart> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn counts_non_finite_in_every_float_dtype() {
-        let f32s: Vec<u8> = [1f32, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        assert_eq!(count_non_finite(Dtype::F32, &f32s), (1, 2));
-        let f64s: Vec<u8> = [f64::NAN, 2.].iter().flat_map(|v| v.to_le_bytes()).collect();
-        assert_eq!(count_non_finite(Dtype::F64, &f64s), (1, 0));
-        // f16: 0x7c00 = +Inf, 0x7e00 = NaN, 0x3c00 = 1.0.
-        let f16s: Vec<u8> = [0x7c00u16, 0x7e00, 0x3c00]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        assert_eq!(count_non_finite(Dtype::F16, &f16s), (1, 1));
-        // bf16: 0xff80 = -Inf, 0x7fc0 = NaN, 0x3f80 = 1.0.
-        let bf16s: Vec<u8> = [0xff80u16, 0x7fc0, 0x3f80]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        assert_eq!(count_non_finite(Dtype::BF16, &bf16s), (1, 1));
-        assert_eq!(count_non_finite(Dtype::I32, &f32s), (0, 0));
-    }
 
     /// Valid safetensors, zero elements, but dims whose product overflows:
     /// an error, not an overflow in candle's strides.

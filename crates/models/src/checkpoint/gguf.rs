@@ -15,8 +15,10 @@ use std::path::Path;
 use candle::quantized::gguf_file::{Content, Value};
 use candle::quantized::GgmlDType;
 use candle::{bail, DType, Device, Result, Tensor};
+use safetensors::Dtype;
 
 use super::file::{natural_key, Bytes};
+use super::finite::{par_count_non_finite, par_count_non_finite_q8_0};
 use super::gguf_header::check_header;
 
 /// The ggml types whose tensors this reader returns.
@@ -24,7 +26,7 @@ pub const GGUF_TENSOR_TYPES: [GgmlDType; 4] =
     [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16, GgmlDType::Q8_0];
 
 /// Bytes of one Q8_0 block: an f16 scale and 32 signed bytes.
-const Q8_0_BLOCK_BYTES: usize = 34;
+pub(crate) const Q8_0_BLOCK_BYTES: usize = 34;
 /// Weights in one Q8_0 block.
 const Q8_0_BLOCK: usize = 32;
 
@@ -345,6 +347,35 @@ impl GgufFile {
         };
         debug_assert_eq!(t.dtype(), stored_dtype(info.ggml_type).unwrap_or(DType::F32));
         Ok(t)
+    }
+
+    /// The named tensors holding NaN or infinity, with the counts
+    /// `(name, nan, inf)`, as [`super::Checkpoint::non_finite`] gives them:
+    /// F32, F16 and BF16 element by element, Q8_0 as the values its blocks
+    /// dequantize to (only its f16 scales can be non-finite: a NaN scale
+    /// makes 32 NaN, an infinite one ±Inf, and NaN where `q` is 0). Names
+    /// not in the file and tensors of other types are skipped. Reads the
+    /// stored bytes in place.
+    pub fn non_finite<'a>(
+        &self,
+        names: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Vec<(String, usize, usize)>> {
+        let mut bad = Vec::new();
+        for name in names {
+            let Some(info) = self.info(name) else { continue };
+            let bytes = &self.bytes[info.range.clone()];
+            let (nan, inf) = match info.ggml_type {
+                GgmlDType::F32 => par_count_non_finite(Dtype::F32, bytes),
+                GgmlDType::F16 => par_count_non_finite(Dtype::F16, bytes),
+                GgmlDType::BF16 => par_count_non_finite(Dtype::BF16, bytes),
+                GgmlDType::Q8_0 => par_count_non_finite_q8_0(bytes),
+                _ => (0, 0),
+            };
+            if nan + inf > 0 {
+                bad.push((name.to_string(), nan, inf));
+            }
+        }
+        Ok(bad)
     }
 }
 

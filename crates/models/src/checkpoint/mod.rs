@@ -16,10 +16,12 @@
 // and building a model after the pre-flight (`load`, preflight.rs).
 // A GGUF file (llama.cpp's format) has a reader of its own, gguf.rs,
 // after its header was walked for what candle's reader would not refuse
-// (gguf_header.rs).
+// (gguf_header.rs). Both scan their stored bytes for NaN and infinity
+// in place (finite.rs).
 mod capacity;
 mod dtype;
 pub(crate) mod file;
+mod finite;
 mod folder;
 mod gguf;
 mod gguf_header;

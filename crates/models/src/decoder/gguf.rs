@@ -17,8 +17,8 @@ use multihead_attention::RopeScaling;
 use super::config::LlamaConfig;
 use super::{DecoderModel, Llama};
 use crate::checkpoint::{
-    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, Preflight,
-    Wanted, GGUF_TENSOR_TYPES,
+    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, NonFinite,
+    Preflight, Wanted, GGUF_TENSOR_TYPES,
 };
 
 /// The `general.architecture` values this loader runs.
@@ -408,7 +408,9 @@ fn check_types(file: &GgufFile) -> Result<()> {
 
 /// Compares the tensors the model `cfg` asks for with the file's, by the
 /// file's names: every missing, unexpected and mis-shaped one at once.
-fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
+/// Also returns the names of those present in the right shape, in the
+/// order the model asks for them.
+fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>)> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
     for t in file.tensors() {
@@ -420,6 +422,7 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
     let wanted = wanted_tensors(&names, |vb| Llama::new(cfg, vb))?;
     let mut needed = HashSet::new();
+    let mut matching = Vec::new();
     for w in wanted {
         let Some(g) = gguf_name(&w.name) else {
             bail!(
@@ -438,7 +441,7 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
                 expected: w.shape,
                 found: info.shape.clone(),
             }),
-            Some(_) => {}
+            Some(_) => matching.push(g.clone()),
         }
         needed.insert(g);
     }
@@ -448,6 +451,21 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
             .filter(|t| hf_name(&t.name).is_some() && !needed.contains(&t.name))
             .map(|t| t.name.clone()),
     );
+    Ok((report, matching))
+}
+
+/// [`compare`], then, where the shapes all match, every needed tensor
+/// holding NaN or infinity ([`GgufFile::non_finite`]), as a safetensors
+/// file's pre-flight does: one error naming every problem.
+fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
+    let (mut report, matching) = compare(file, cfg)?;
+    if report.misshaped.is_empty() {
+        report.non_finite = file
+            .non_finite(matching.iter().map(String::as_str))?
+            .into_iter()
+            .map(|(name, nan, inf)| NonFinite { name, nan, inf })
+            .collect();
+    }
     if let Some(summary) = report.summary() {
         bail!(
             "GGUF file '{}' does not match the model its metadata describes: {summary}",
@@ -457,12 +475,35 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
     Ok(())
 }
 
+/// The architecture, the tensors' types, and the config the metadata
+/// describes.
+fn checked_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
+    Arch::of(file)?;
+    check_types(file)?;
+    gguf_config(file)
+}
+
 impl DecoderModel {
+    /// What [`DecoderModel::from_gguf_file`] checks before it reads a
+    /// weight, short of the NaN/Inf scan ([`GgufFile::non_finite`]): an
+    /// error for an architecture, a tensor type or metadata it does not
+    /// run; else the config the metadata describes
+    /// ([`LlamaConfig::from_gguf`]) and the tensors that config needs
+    /// compared with the file's (every missing, unexpected and mis-shaped
+    /// one, by the file's names; clean where it loads).
+    /// `multihead inspect FILE.gguf` prints it.
+    pub fn gguf_preflight(file: &GgufFile) -> Result<(LlamaConfig, Preflight)> {
+        let (cfg, _) = checked_config(file)?;
+        let (report, _) = compare(file, &cfg)?;
+        Ok((cfg, report))
+    }
+
     /// Loads a Llama-family decoder (arch `llama`, which Mistral files
     /// use too, `qwen2` or `qwen3`) from a GGUF file as llama.cpp's
     /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
     /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
-    /// it (every missing, unexpected, mis-shaped or unreadable one named),
+    /// it (every missing, unexpected, mis-shaped or unreadable one named,
+    /// then every one holding NaN or infinity, with the counts),
     /// the weight matrices in `opts.dtype` as
     /// [`DecoderModel::from_folder_with`] keeps them (Q8_0 dequantized to
     /// f32 first), norms and biases f32.
@@ -472,9 +513,7 @@ impl DecoderModel {
 
     /// [`DecoderModel::from_gguf`] from a file already read.
     pub fn from_gguf_file(file: &GgufFile, device: &Device, opts: &LoadOptions) -> Result<Self> {
-        Arch::of(file)?;
-        check_types(file)?;
-        let (cfg, arch) = gguf_config(file)?;
+        let (cfg, arch) = checked_config(file)?;
         preflight(file, &cfg)?;
         let reader = GgufReader {
             file,

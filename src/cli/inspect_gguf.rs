@@ -1,0 +1,341 @@
+//! `multihead inspect FILE.gguf`: what a GGUF file holds, the config its
+//! metadata describes, and whether its tensors fit that config, in the
+//! form `inspect` gives a safetensors file.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use candle::quantized::gguf_file::Value;
+use multihead::models::checkpoint::{ggml_type_name, GgufFile, NonFinite, Preflight};
+use multihead::models::decoder::DecoderModel;
+
+use super::inspect::{human_bytes, more};
+
+/// Longest string metadata value the text output prints whole (a chat
+/// template runs to kilobytes).
+const SHOWN_CHARS: usize = 80;
+
+/// Longest array the output lists (a tokenizer's tokens run to 150,000).
+const SHOWN_ITEMS: usize = 8;
+
+/// The metadata keys that make a decoder's config, after `{arch}.`, with
+/// the names the text output gives them.
+const CONFIG_KEYS: [(&str, &str); 8] = [
+    ("layers", "block_count"),
+    ("heads", "attention.head_count"),
+    ("kv heads", "attention.head_count_kv"),
+    ("hidden", "embedding_length"),
+    ("vocab", "vocab_size"),
+    ("MLP", "feed_forward_length"),
+    ("rope theta", "rope.freq_base"),
+    ("context", "context_length"),
+];
+
+/// The config the metadata describes, and the file's tensors compared
+/// with it; or why the metadata gives none this loader runs.
+enum ConfigCheck {
+    Checked(Preflight),
+    Unusable(String),
+}
+
+/// One row of the tensor list, as the safetensors listing has it.
+struct Row<'a> {
+    name: &'a str,
+    dtype: &'static str,
+    shape: &'a [usize],
+    bytes: usize,
+}
+
+/// Runs `inspect` on the GGUF file `path`: the listing, the metadata, the
+/// config and the NaN/Inf scan of every tensor; fails where the tensors do
+/// not fit the config the metadata describes.
+pub fn run(path: &Path, json: bool, all: bool) -> Result<()> {
+    let file = GgufFile::read(path)?;
+    let non_finite: Vec<NonFinite> = file
+        .non_finite(file.tensors().iter().map(|t| t.name.as_str()))?
+        .into_iter()
+        .map(|(name, nan, inf)| NonFinite { name, nan, inf })
+        .collect();
+    let check = match DecoderModel::gguf_preflight(&file) {
+        Ok((_, report)) => ConfigCheck::Checked(report),
+        Err(e) => ConfigCheck::Unusable(e.to_string().lines().next().unwrap_or_default().to_string()),
+    };
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    if json {
+        print_json(&mut out, &file, &non_finite, &check)?;
+    } else {
+        let limit = if all { usize::MAX } else { super::inspect::LISTED };
+        print_text(&mut out, limit, &file, &non_finite, &check)?;
+    }
+    out.flush()?;
+    if let ConfigCheck::Checked(report) = &check {
+        if let Some(summary) = report.summary() {
+            bail!(
+                "'{}' does not fit the config its metadata describes: {summary}",
+                file.label()
+            )
+        }
+    }
+    Ok(())
+}
+
+fn rows(file: &GgufFile) -> Vec<Row<'_>> {
+    file.tensors()
+        .iter()
+        .map(|t| Row {
+            name: &t.name,
+            dtype: ggml_type_name(t.ggml_type),
+            shape: &t.shape,
+            bytes: t.range.len(),
+        })
+        .collect()
+}
+
+fn dtype_counts(file: &GgufFile) -> BTreeMap<&'static str, usize> {
+    let mut counts = BTreeMap::new();
+    for t in file.tensors() {
+        *counts.entry(ggml_type_name(t.ggml_type)).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Elements over all tensors (saturating: the reader checked each
+/// tensor's product, not their sum).
+fn total_params(file: &GgufFile) -> usize {
+    file.tensors()
+        .iter()
+        .fold(0usize, |n, t| n.saturating_add(t.shape.iter().product()))
+}
+
+fn architecture(file: &GgufFile) -> Option<&str> {
+    match file.get("general.architecture") {
+        Some(Value::String(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// Each of [`CONFIG_KEYS`] (its label and key) with its value, `show`n
+/// from the metadata; the vocabulary `count`ed from `token_embd.weight`'s
+/// rows where no key gives it (llama.cpp's converter often writes none).
+fn config_values<T>(
+    file: &GgufFile,
+    show: impl Fn(&Value) -> T,
+    count: impl Fn(usize) -> T,
+) -> Vec<(&'static str, &'static str, Option<T>)> {
+    let arch = architecture(file);
+    CONFIG_KEYS
+        .iter()
+        .map(|&(label, key)| {
+            let stored = arch.and_then(|a| file.get(&format!("{a}.{key}")));
+            let value = match (key, stored) {
+                (_, Some(v)) => Some(show(v)),
+                ("vocab_size", None) => file
+                    .info("token_embd.weight")
+                    .and_then(|t| t.shape.first())
+                    .map(|&n| count(n)),
+                (_, None) => None,
+            };
+            (label, key, value)
+        })
+        .collect()
+}
+
+/// A metadata value in a line: numbers and booleans as written, strings
+/// quoted (the first [`SHOWN_CHARS`] characters), arrays listed up to
+/// [`SHOWN_ITEMS`] items, counted past that.
+fn show(v: &Value) -> String {
+    match v {
+        Value::U8(n) => n.to_string(),
+        Value::I8(n) => n.to_string(),
+        Value::U16(n) => n.to_string(),
+        Value::I16(n) => n.to_string(),
+        Value::U32(n) => n.to_string(),
+        Value::I32(n) => n.to_string(),
+        Value::U64(n) => n.to_string(),
+        Value::I64(n) => n.to_string(),
+        Value::F32(x) => x.to_string(),
+        Value::F64(x) => x.to_string(),
+        Value::Bool(b) => b.to_string(),
+        Value::String(s) if s.chars().count() > SHOWN_CHARS => format!(
+            "{:?}… ({} characters)",
+            s.chars().take(SHOWN_CHARS).collect::<String>(),
+            s.chars().count()
+        ),
+        Value::String(s) => format!("{s:?}"),
+        Value::Array(items) if items.len() > SHOWN_ITEMS => format!("[{} values]", items.len()),
+        Value::Array(items) => format!("[{}]", items.iter().map(show).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// A metadata value in the JSON output: scalars as JSON values, strings
+/// whole, arrays of more than [`SHOWN_ITEMS`] items as `{"len": N}`.
+fn json_value(v: &Value) -> serde_json::Value {
+    use serde_json::json;
+    match v {
+        Value::U8(n) => json!(n),
+        Value::I8(n) => json!(n),
+        Value::U16(n) => json!(n),
+        Value::I16(n) => json!(n),
+        Value::U32(n) => json!(n),
+        Value::I32(n) => json!(n),
+        Value::U64(n) => json!(n),
+        Value::I64(n) => json!(n),
+        // The decimal it was written from (`1e-6`, not `9.99999997e-7`).
+        Value::F32(x) => x.to_string().parse::<f64>().map_or(json!(null), |x| json!(x)),
+        Value::F64(x) => json!(x),
+        Value::Bool(b) => json!(b),
+        Value::String(s) => json!(s),
+        Value::Array(items) if items.len() > SHOWN_ITEMS => json!({ "len": items.len() }),
+        Value::Array(items) => serde_json::Value::Array(items.iter().map(json_value).collect()),
+    }
+}
+
+fn print_text(
+    out: &mut impl Write,
+    limit: usize,
+    file: &GgufFile,
+    non_finite: &[NonFinite],
+    check: &ConfigCheck,
+) -> Result<()> {
+    let rows = rows(file);
+    let shown = &rows[..rows.len().min(limit)];
+    let w = shown.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
+    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
+    for t in shown {
+        let shape = format!("{:?}", t.shape);
+        writeln!(
+            out,
+            "{:<w$}  {:<5}  {:<20}  {}",
+            t.name,
+            t.dtype,
+            shape,
+            human_bytes(t.bytes)
+        )?;
+    }
+    more(out, "", rows.len(), limit, "tensors")?;
+    let dtypes: Vec<String> = dtype_counts(file)
+        .iter()
+        .map(|(d, n)| format!("{n} {d}"))
+        .collect();
+    writeln!(
+        out,
+        "total: {} tensors ({}), {} parameters, {} of data, file {}",
+        rows.len(),
+        dtypes.join(", "),
+        total_params(file),
+        human_bytes(rows.iter().map(|t| t.bytes).sum()),
+        human_bytes(file.file_size()),
+    )?;
+    let keys = file.keys();
+    for k in keys.iter().take(limit) {
+        if let Some(v) = file.get(k) {
+            writeln!(out, "metadata: {k} = {}", show(v))?;
+        }
+    }
+    more(out, "metadata: ", keys.len(), limit, "entries")?;
+    writeln!(
+        out,
+        "layout: GGUF, architecture {}",
+        architecture(file).unwrap_or("? (no general.architecture)")
+    )?;
+    let config: Vec<String> = config_values(file, show, |n| n.to_string())
+        .into_iter()
+        .map(|(label, _, v)| format!("{label} {}", v.as_deref().unwrap_or("?")))
+        .collect();
+    writeln!(out, "  {}", config.join(", "))?;
+    if non_finite.is_empty() {
+        writeln!(out, "values: all finite")?;
+    }
+    for n in non_finite.iter().take(limit) {
+        writeln!(out, "values: {} has {} NaN and {} Inf", n.name, n.nan, n.inf)?;
+    }
+    more(out, "values: ", non_finite.len(), limit, "tensors with NaN/Inf")?;
+    match check {
+        ConfigCheck::Unusable(why) => writeln!(out, "config: the file's metadata not used: {why}")?,
+        ConfigCheck::Checked(r) => {
+            writeln!(out, "config: LlamaConfig from the file's metadata")?;
+            if r.is_clean() {
+                writeln!(out, "  every tensor matches")?;
+            }
+            for m in r.missing.iter().take(limit) {
+                writeln!(out, "  missing     {} {:?}", m.name, m.shape)?;
+            }
+            more(out, "  ", r.missing.len(), limit, "missing")?;
+            for u in r.unexpected.iter().take(limit) {
+                writeln!(out, "  unexpected  {u}")?;
+            }
+            more(out, "  ", r.unexpected.len(), limit, "unexpected")?;
+            for m in r.misshaped.iter().take(limit) {
+                writeln!(
+                    out,
+                    "  mis-shaped  {} expected {:?} found {:?}",
+                    m.name, m.expected, m.found
+                )?;
+            }
+            more(out, "  ", r.misshaped.len(), limit, "mis-shaped")?;
+        }
+    }
+    Ok(())
+}
+
+fn print_json(
+    out: &mut impl Write,
+    file: &GgufFile,
+    non_finite: &[NonFinite],
+    check: &ConfigCheck,
+) -> Result<()> {
+    let rows = rows(file);
+    let metadata: BTreeMap<&str, serde_json::Value> = file
+        .keys()
+        .into_iter()
+        .filter_map(|k| file.get(k).map(|v| (k, json_value(v))))
+        .collect();
+    let facts: BTreeMap<&str, Option<serde_json::Value>> =
+        config_values(file, json_value, |n| serde_json::json!(n))
+            .into_iter()
+            .map(|(_, key, v)| (key, v))
+            .collect();
+    let (config, config_note) = match check {
+        ConfigCheck::Checked(r) => (
+            Some(serde_json::json!({
+                "kind": "LlamaConfig from the GGUF metadata",
+                "clean": r.is_clean(),
+                "missing": r.missing,
+                "unexpected": r.unexpected,
+                "misshaped": r.misshaped,
+            })),
+            None,
+        ),
+        ConfigCheck::Unusable(why) => (None, Some(why.as_str())),
+    };
+    let json = serde_json::json!({
+        "file": file.label(),
+        "file_size": file.file_size(),
+        "num_tensors": rows.len(),
+        "total_params": total_params(file),
+        "total_bytes": rows.iter().map(|t| t.bytes).sum::<usize>(),
+        "dtypes": dtype_counts(file),
+        "metadata": metadata,
+        "tensors": rows
+            .iter()
+            .map(|t| serde_json::json!({
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": t.shape,
+                "bytes": t.bytes,
+            }))
+            .collect::<Vec<_>>(),
+        "layout": {
+            "kind": "gguf",
+            "architecture": architecture(file),
+            "metadata": facts,
+        },
+        "non_finite": non_finite,
+        "config": config,
+        "config_note": config_note,
+    });
+    writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+    Ok(())
+}
