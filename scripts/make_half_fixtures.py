@@ -12,6 +12,13 @@ computed in float32, as `multihead generate --dtype bf16|f16` keeps them:
   (the logits that chose greedy_ids[:, 7 + i] in the f32 fixture's
   `step_logits`).
 
+and for `multihead generate --kv-dtype bf16|f16`, the f32 model with its
+cache storing keys and values rounded to that dtype (a `DynamicCache` that
+rounds what it is given, after the rotary embedding, before attention reads
+it back):
+
+* `{name}.kv_{dtype}.logits`, `{name}.kv_{dtype}.steps`: as above.
+
 Everything lands in tests/fixtures/decoders/half_expected.safetensors, with
 the torch / transformers versions in its metadata under "case". It also prints each
 model's largest error against the f32 logits, relative to their largest
@@ -29,12 +36,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DIR = os.path.join(ROOT, "tests", "fixtures", "decoders")
 MODELS = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3"]
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+class RoundingCache(DynamicCache):
+    """A cache that stores (and hands back) keys and values rounded to
+    `dtype`, in f32."""
+
+    def __init__(self, dtype, **kwargs):
+        super().__init__(**kwargs)
+        self.rounding = dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def r(t):
+            return t.to(self.rounding).float()
+
+        return super().update(r(key_states), r(value_states), layer_idx, *args, **kwargs)
 
 
 def rel(a, b):
@@ -63,8 +85,25 @@ def main():
                 f"{name} {short}: relative error against f32, prompt {rel(logits, f['logits']):.2e}, "
                 f"steps {rel(stepped, f['step_logits']):.2e}"
             )
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.join(DIR, name), dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+
+            def rounding(m):
+                return {"past_key_values": RoundingCache(dtype, config=m.config), "use_cache": True}
+
+            with torch.no_grad():
+                logits = model(f["input_ids"].long(), **rounding(model)).logits.float()
+                stepped = model(greedy, **rounding(model)).logits.float()[:, 6 : 6 + steps]
+            out[f"{name}.kv_{short}.logits"] = logits.contiguous()
+            out[f"{name}.kv_{short}.steps"] = stepped.contiguous()
+            print(
+                f"{name} kv {short}: relative error against f32, prompt {rel(logits, f['logits']):.2e}, "
+                f"steps {rel(stepped, f['step_logits']):.2e}"
+            )
     case = {
-        "what": "HF logits with every 2-D weight rounded to bf16 / f16, computed in f32",
+        "what": "HF logits with every 2-D weight, or the cached keys and values, rounded to bf16 / f16, "
+        "computed in f32",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }

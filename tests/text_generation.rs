@@ -195,6 +195,59 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
     Ok(())
 }
 
+/// `--kv-dtype bf16|f16` keeps the cache in half precision (its logits
+/// are checked against HF's in `decoders_hf.rs`): the CLI takes the flag,
+/// generates from every folder, and refuses a dtype it has no cache for.
+#[test]
+fn the_cli_keeps_the_cache_in_half_precision() -> Result<()> {
+    for name in FOLDERS {
+        let dir = fixtures().join(name);
+        for kv in ["bf16", "f16"] {
+            let out = multihead(
+                &[
+                    "generate",
+                    "--format",
+                    "json",
+                    "--kv-dtype",
+                    kv,
+                    "--model",
+                    dir.to_str().context("path")?,
+                    "Hello",
+                ],
+                None,
+            )?;
+            assert!(
+                out.status.success(),
+                "{name} {kv}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let got: Value = serde_json::from_slice(&out.stdout)?;
+            assert!(
+                got[0]["new_tokens"].as_u64().is_some_and(|n| n > 0),
+                "{name} {kv}: {got}"
+            );
+        }
+    }
+    let dir = fixtures().join(FOLDERS[0]);
+    let out = multihead(
+        &[
+            "generate",
+            "--kv-dtype",
+            "q8_0",
+            "--model",
+            dir.to_str().context("path")?,
+            "Hello",
+        ],
+        None,
+    )?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("q8_0") && err.contains("bf16"),
+        "{err}"
+    );
+    Ok(())
+}
+
 #[test]
 fn chat_templates_render_as_apply_chat_template() -> Result<()> {
     let want = expected()?;

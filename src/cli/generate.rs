@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use candle::DType;
 use indicatif::{ProgressBar, ProgressStyle};
 use multihead::models::checkpoint::{is_gguf, LoadOptions, LoadProgress, WeightDtype};
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
@@ -85,6 +86,11 @@ pub struct Args {
     /// Activations stay f32.
     #[arg(long, value_name = "DTYPE", default_value = "f32")]
     pub dtype: WeightDtype,
+    /// The dtype the key/value cache stores keys and values in: f32 (as
+    /// computed), or bf16 and f16 (half the cache's memory; decode steps
+    /// read it in place).
+    #[arg(long, value_enum, value_name = "DTYPE", default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
     /// cpu, cuda, cuda:N or metal.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -139,6 +145,7 @@ pub fn run(args: Args) -> Result<()> {
     }));
     let opts = LoadOptions {
         dtype: args.dtype,
+        kv_dtype: args.kv_dtype.dtype(),
         progress: Some(progress),
     };
     let generator = if is_gguf(&args.model) {
@@ -248,4 +255,23 @@ pub fn run(args: Args) -> Result<()> {
     }
     out.flush()?;
     Ok(())
+}
+
+/// `--kv-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl KvDtype {
+    /// The cache's storage dtype; `None` for f32, the dtype computed in.
+    fn dtype(self) -> Option<DType> {
+        match self {
+            KvDtype::F32 => None,
+            KvDtype::Bf16 => Some(DType::BF16),
+            KvDtype::F16 => Some(DType::F16),
+        }
+    }
 }

@@ -21,10 +21,17 @@ use crate::mask::KeyPaddingMask;
 /// appends with one in-place copy of the new positions; when full, the
 /// buffer grows to twice its size (at least the next multiple of `chunk`)
 /// with one copy, so appending `n` positions costs O(n) copies overall.
+///
+/// The buffers hold the keys and values in their own dtype, or in the one
+/// [`KvCache::with_dtype`] names: a bf16 or f16 cache beside an f32 model
+/// halves the cache's memory, and the CPU kernel reads it in place on
+/// decode steps.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     k: Option<Tensor>,
     v: Option<Tensor>,
+    /// The dtype keys and values are stored in; `None`: as they come.
+    dtype: Option<DType>,
     len: usize,
     chunk: usize,
     /// Per row, how many leading positions are padding (left padding of
@@ -45,6 +52,7 @@ impl KvCache {
         Self {
             k: None,
             v: None,
+            dtype: None,
             len: 0,
             chunk: chunk.max(1),
             starts: Vec::new(),
@@ -62,6 +70,18 @@ impl KvCache {
             starts,
             ..Self::new(chunk)
         }
+    }
+
+    /// The cache with keys and values stored in `dtype` (rounded as they
+    /// are appended), whatever the model computes in.
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = Some(dtype);
+        self
+    }
+
+    /// The dtype keys and values are stored in, where one was named.
+    pub fn dtype(&self) -> Option<DType> {
+        self.dtype
     }
 
     /// Positions held.
@@ -145,13 +165,22 @@ impl KvCache {
         Ok(())
     }
 
-    /// Appends `k` and `v` after the positions held and returns every
-    /// position's keys and values (views of the buffers).
+    /// Appends `k` and `v` after the positions held (in the cache's dtype
+    /// where it has one) and returns every position's keys and values
+    /// (views of the buffers).
     ///
     /// # Shapes
     /// - `k`, `v`: `(batch, num_kv_heads, new, head_dim)` each
     /// - returns `(batch, num_kv_heads, len + new, head_dim)` each
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let stored;
+        let (k, v) = match self.dtype {
+            Some(dtype) => {
+                stored = (k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+                (&stored.0, &stored.1)
+            }
+            None => (k, v),
+        };
         let (b, h, t, d) = k.dims4()?;
         let (vb, vh, vt, vd) = v.dims4()?;
         if (vb, vh, vt) != (b, h, t) {

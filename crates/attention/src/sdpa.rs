@@ -166,6 +166,12 @@ pub(crate) fn sdpa_dispatch(
         AttnPath::Auto => AttnPath::resolve(&call, mask, appended),
         p => p,
     };
+    // Half-precision keys and values beside f32 queries: the CPU kernel
+    // reads them as they are, every other path in the queries' dtype.
+    let (k, v) = &match path {
+        AttnPath::CpuTiled => (k.clone(), v.clone()),
+        _ => kv_in_dtype_of(q, k, v)?,
+    };
     match path {
         AttnPath::CpuTiled => tiled::sdpa_tiled(q, k, v, mask, appended, scale),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
@@ -174,6 +180,11 @@ pub(crate) fn sdpa_dispatch(
             Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0)
         }
     }
+}
+
+/// `k` and `v` in `q`'s dtype (themselves where they are in it).
+fn kv_in_dtype_of(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    Ok((k.to_dtype(q.dtype())?, v.to_dtype(q.dtype())?))
 }
 
 /// Whether `s` is a usable attention scale: finite and > 0 as an f32, the
@@ -340,9 +351,13 @@ pub(crate) fn check_qkv<'a>(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor) -> Resu
     if kh == 0 || h % kh != 0 {
         bail!("sdpa: q heads ({h}) must be a multiple of k/v heads ({kh})")
     }
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+    // f32 queries may meet bf16 or f16 keys and values: a cache stored in
+    // half precision beside an f32 model.
+    let half_cache = q.dtype() == DType::F32 && matches!(k.dtype(), DType::BF16 | DType::F16);
+    if k.dtype() != v.dtype() || (k.dtype() != q.dtype() && !half_cache) {
         bail!(
-            "sdpa: dtypes differ: q {:?}, k {:?}, v {:?}",
+            "sdpa: dtypes differ: q {:?}, k {:?}, v {:?} (k and v must match, and match q unless q is f32 \
+             and they are bf16 or f16)",
             q.dtype(),
             k.dtype(),
             v.dtype()
@@ -416,6 +431,7 @@ pub(crate) fn sdpa_reference(
         ..
     } = check_qkv(q, k, v)?;
     let scale = check_scale(scale, head_dim)?;
+    let (k, v) = &kv_in_dtype_of(q, k, v)?;
     if b * h == 0 {
         // An empty batch gives an empty output, as the tiled path does.
         let dv = v.dim(3)?;

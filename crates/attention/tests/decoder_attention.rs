@@ -399,3 +399,49 @@ fn projected_keys_go_into_candle_nn_kv_cache() -> Result<()> {
     assert_close("candle-nn cache", &out, &full.i((.., 3..))?, 1e-5)?;
     Ok(())
 }
+
+/// A cache stored in bf16 or f16 beside the f32 module holds its keys and
+/// values in that dtype; a prefill then steps through it (the steps read
+/// it in place) give what the reference path gives over the same stored
+/// keys and values, and stay within the rounding's reach of an f32 cache.
+#[test]
+fn a_half_precision_cache_equals_the_reference_path_over_it() -> Result<()> {
+    let x = randn(&[2, 9, E])?;
+    for (name, cfg, layout) in decoder_configs() {
+        let mha = random_mha(&cfg, &layout)?;
+        let f32_cache = cached(&mha, &x, &[4, 1, 1, 1, 1, 1])?;
+        for dtype in [DType::BF16, DType::F16] {
+            let run = |path: AttnPath| -> Result<(Tensor, KvCache)> {
+                let mut cache = KvCache::new(4).with_dtype(dtype);
+                let mut outs = Vec::new();
+                for (t0, n) in [(0, 4), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)] {
+                    let opts = MhaOptions::new().with_path(path);
+                    outs.push(
+                        mha.forward_cached(&x.i((.., t0..t0 + n))?, &mut cache, &opts)?
+                            .output,
+                    );
+                }
+                Ok((Tensor::cat(&outs, 1)?, cache))
+            };
+            let (kernel, cache) = run(AttnPath::Auto)?;
+            let (reference, _) = run(AttnPath::Reference)?;
+            let what = format!("{name}, {dtype:?} cache");
+            assert_eq!(cache.keys()?.map(|k| k.dtype()), Some(dtype), "{what}");
+            assert_eq!(kernel.dtype(), DType::F32, "{what}");
+            assert_close(
+                &format!("{what}: kernel against reference"),
+                &kernel,
+                &reference,
+                1e-5,
+            )?;
+            let rounding = if dtype == DType::BF16 { 3e-2 } else { 5e-3 };
+            assert_close(
+                &format!("{what}: against an f32 cache"),
+                &kernel,
+                &f32_cache,
+                rounding,
+            )?;
+        }
+    }
+    Ok(())
+}

@@ -107,6 +107,60 @@ fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()
     Ok(())
 }
 
+/// With the cache storing keys and values in bf16 or f16 (`--kv-dtype`),
+/// the prompt's logits and each cached step's equal HF's with its cache
+/// rounding keys and values the same way, computed in f32
+/// (`scripts/make_half_fixtures.py`): the prefill attends over the rounded
+/// keys it stored, and every step reads the cache in place.
+///
+/// Where ours and HF's f32 keys differ in their last bit (summation
+/// order) across a rounding boundary, they round one half-precision ulp
+/// apart. bf16's coarse grid makes that rare: the logits agree to about
+/// 5e-6 of the largest, 5e-5 where a key flipped (tolerance 2e-4, while
+/// rounding the cache at all moves them by 3e-3 to 6e-3). f16's grid is 8
+/// times finer, so flips are many and move the logits by up to 1.1e-3 of
+/// the largest, more than rounding to f16 moves them (3e-4 to 9e-4): the
+/// f16 tolerance, 3e-3, bounds ours near HF's, and that the cache rounds
+/// at all is checked against the f32 cache's logits.
+#[test]
+fn a_half_precision_cache_gives_hf_logits_over_the_rounded_keys_and_values() -> Result<()> {
+    let dir = fixture_dir("decoders");
+    let half = Fixture::load(&dir.join("half_expected.safetensors"), &Device::Cpu)?;
+    for name in MODELS {
+        let (f32_model, f) = load(name)?;
+        let input = ids(&f, "input_ids")?;
+        let f32_logits = f32_model.forward(&input, &mut f32_model.new_cache(vec![]))?;
+        for (short, dtype) in [("bf16", DType::BF16), ("f16", DType::F16)] {
+            let opts = LoadOptions {
+                kv_dtype: Some(dtype),
+                ..LoadOptions::default()
+            };
+            let model = DecoderModel::from_folder_with(&dir.join(name), &Device::Cpu, &opts)?;
+            let what = format!("{name} kv {short}");
+            let expected = half.get(&format!("{name}.kv_{short}.logits"))?;
+            let tol = if dtype == DType::BF16 { 2e-4 } else { 3e-3 };
+            let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
+            assert_close(&format!("{what} prompt logits"), &logits, expected, tol)?;
+            let moved = max_abs_diff(&logits, &f32_logits)?;
+            assert!(
+                moved > 1e-4,
+                "{what}: the logits equal the f32 cache's: not rounded?"
+            );
+            let greedy = ids(&f, "greedy_ids")?;
+            let steps = half.get(&format!("{name}.kv_{short}.steps"))?;
+            let mut cache = model.new_cache(vec![]);
+            let mut step = model.forward(&greedy.i((.., ..7))?, &mut cache)?.i((.., 6))?;
+            for s in 0..steps.dim(1)? {
+                assert_close(&format!("{what} step {s}"), &step, &steps.i((.., s))?, tol)?;
+                step = model
+                    .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
+                    .i((.., 0))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Loaded as Q8_0 (weights and, at each call, inputs quantized in blocks
 /// of 32, llama.cpp's `vec_dot_q8_0_q8_0`), the prompt's logits stay within
 /// 5e-2 of HF's f32 logits (relative to the largest; rounding these

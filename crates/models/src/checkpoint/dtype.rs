@@ -1,5 +1,6 @@
 //! How a model folder loads: the dtype its weight matrices are kept in,
-//! and a progress callback.
+//! the dtype its caches store keys and values in, and a progress
+//! callback.
 
 use candle::{DType, Result};
 
@@ -11,6 +12,10 @@ use super::LoadProgress;
 pub struct LoadOptions {
     /// The dtype the weight matrices are kept in.
     pub dtype: WeightDtype,
+    /// The dtype the key/value caches store keys and values in (`None`:
+    /// f32, as the model computes them): bf16 or f16 halve the cache's
+    /// memory, and decode steps read it in place.
+    pub kv_dtype: Option<DType>,
     /// Told how many of the weights' bytes were read, as they are.
     pub progress: Option<LoadProgress>,
 }

@@ -524,7 +524,8 @@ impl DecoderModel {
             total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
-        Ok(Self::Llama(opts.dtype.packing(|| Llama::new(&cfg, vb))?))
+        let model = opts.dtype.packing(|| Llama::new(&cfg, vb))?;
+        Ok(Self::Llama(model.with_kv_dtype(opts.kv_dtype)))
     }
 }
 

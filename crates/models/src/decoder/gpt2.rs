@@ -75,6 +75,8 @@ pub struct Gpt2 {
     lm_head: PackedLinear,
     cfg: Gpt2Config,
     device: Device,
+    /// The dtype its caches store keys and values in (`None`: f32).
+    kv_dtype: Option<DType>,
 }
 
 impl Gpt2 {
@@ -100,6 +102,7 @@ impl Gpt2 {
             ln_f,
             cfg: cfg.clone(),
             device: vb.device().clone(),
+            kv_dtype: None,
         })
     }
 
@@ -149,6 +152,14 @@ impl Gpt2 {
         }
     }
 
+    /// The model, its caches storing keys and values in `dtype` (`None`:
+    /// f32, as computed): a bf16 or f16 cache takes half the memory, and
+    /// decode steps read it in place.
+    pub fn with_kv_dtype(mut self, dtype: Option<DType>) -> Self {
+        self.kv_dtype = dtype;
+        self
+    }
+
     /// The config.
     pub fn config(&self) -> &Gpt2Config {
         &self.cfg
@@ -181,7 +192,7 @@ impl CausalLm for Gpt2 {
     }
 
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
-        DecoderCache::new(self.blocks.len(), left_padding)
+        DecoderCache::new(self.blocks.len(), left_padding).with_kv_dtype(self.kv_dtype)
     }
 
     fn vocab_size(&self) -> usize {

@@ -90,6 +90,8 @@ pub struct Llama {
     lm_head: PackedLinear,
     cfg: LlamaConfig,
     device: Device,
+    /// The dtype its caches store keys and values in (`None`: f32).
+    kv_dtype: Option<DType>,
 }
 
 impl Llama {
@@ -116,6 +118,7 @@ impl Llama {
             lm_head,
             cfg: cfg.clone(),
             device: vb.device().clone(),
+            kv_dtype: None,
         })
     }
 
@@ -125,6 +128,14 @@ impl Llama {
         // its size is built.
         ckpt.ensure_holds(&cfg.min_weights()?)?;
         ckpt.load(DType::F32, device, |vb| Self::new(cfg, vb))
+    }
+
+    /// The model, its caches storing keys and values in `dtype` (`None`:
+    /// f32, as computed): a bf16 or f16 cache takes half the memory, and
+    /// decode steps read it in place.
+    pub fn with_kv_dtype(mut self, dtype: Option<DType>) -> Self {
+        self.kv_dtype = dtype;
+        self
     }
 
     /// The config.
@@ -149,7 +160,7 @@ impl CausalLm for Llama {
     }
 
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
-        DecoderCache::new(self.layers.len(), left_padding)
+        DecoderCache::new(self.layers.len(), left_padding).with_kv_dtype(self.kv_dtype)
     }
 
     fn vocab_size(&self) -> usize {

@@ -72,6 +72,15 @@ impl DecoderCache {
         Self::with_chunk(n_layers, 256, left_padding)
     }
 
+    /// The caches with keys and values stored in `dtype` (`None`: as the
+    /// model computes them, f32): [`KvCache::with_dtype`].
+    pub fn with_kv_dtype(mut self, dtype: Option<DType>) -> Self {
+        if let Some(dtype) = dtype {
+            self.layers = self.layers.into_iter().map(|c| c.with_dtype(dtype)).collect();
+        }
+        self
+    }
+
     /// [`DecoderCache::new`] whose buffers grow by `chunk` positions.
     pub(crate) fn with_chunk(n_layers: usize, chunk: usize, left_padding: Vec<usize>) -> Self {
         Self {
@@ -275,7 +284,16 @@ impl DecoderModel {
             .read()?
             .with_progress(opts.progress.clone())
             .with_weight_dtype(Some(opts.dtype));
-        Self::from_checkpoint(&cfg, &ckpt, device)
+        Ok(Self::from_checkpoint(&cfg, &ckpt, device)?.with_kv_dtype(opts.kv_dtype))
+    }
+
+    /// The model, its caches storing keys and values in `dtype` (`None`:
+    /// f32, as computed).
+    pub fn with_kv_dtype(self, dtype: Option<DType>) -> Self {
+        match self {
+            Self::Gpt2(m) => Self::Gpt2(m.with_kv_dtype(dtype)),
+            Self::Llama(m) => Self::Llama(m.with_kv_dtype(dtype)),
+        }
     }
 
     /// The tensors the model `cfg` describes asks `ckpt` for, after the
