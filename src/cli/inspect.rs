@@ -366,32 +366,36 @@ fn print_text(
             (true, _) => " (beside the file)",
         };
         writeln!(out, "config: {} {}{whose}", c.kind, c.path.display())?;
-        let r = &c.report;
-        if r.is_clean() {
-            writeln!(out, "  every tensor matches")?;
-        }
-        for m in r.missing.iter().take(limit) {
-            writeln!(out, "  missing     {} {:?}", m.name, m.shape)?;
-        }
-        more(out, "  ", r.missing.len(), limit, "missing")?;
-        for u in r.unexpected.iter().take(limit) {
-            writeln!(out, "  unexpected  {u}")?;
-        }
-        more(out, "  ", r.unexpected.len(), limit, "unexpected")?;
-        for m in r.misshaped.iter().take(limit) {
-            writeln!(
-                out,
-                "  mis-shaped  {} expected {:?} found {:?}",
-                m.name, m.expected, m.found
-            )?;
-        }
-        more(out, "  ", r.misshaped.len(), limit, "mis-shaped")?;
-        for n in r.not_float.iter().take(limit) {
-            writeln!(out, "  not float   {} is {}", n.name, n.dtype)?;
-        }
-        more(out, "  ", r.not_float.len(), limit, "not float")?;
+        print_report(out, &c.report, limit)?;
     }
     Ok(())
+}
+
+/// The pre-flight's findings, at most `limit` of each kind.
+pub(super) fn print_report(out: &mut impl Write, r: &Preflight, limit: usize) -> Result<()> {
+    if r.is_clean() {
+        writeln!(out, "  every tensor matches")?;
+    }
+    for m in r.missing.iter().take(limit) {
+        writeln!(out, "  missing     {} {:?}", m.name, m.shape)?;
+    }
+    more(out, "  ", r.missing.len(), limit, "missing")?;
+    for u in r.unexpected.iter().take(limit) {
+        writeln!(out, "  unexpected  {u}")?;
+    }
+    more(out, "  ", r.unexpected.len(), limit, "unexpected")?;
+    for m in r.misshaped.iter().take(limit) {
+        writeln!(
+            out,
+            "  mis-shaped  {} expected {:?} found {:?}",
+            m.name, m.expected, m.found
+        )?;
+    }
+    more(out, "  ", r.misshaped.len(), limit, "mis-shaped")?;
+    for n in r.not_float.iter().take(limit) {
+        writeln!(out, "  not float   {} is {}", n.name, n.dtype)?;
+    }
+    more(out, "  ", r.not_float.len(), limit, "not float")
 }
 
 fn print_json(

@@ -11,7 +11,7 @@ use candle::quantized::gguf_file::Value;
 use multihead::models::checkpoint::{ggml_type_name, GgufFile, NonFinite, Preflight};
 use multihead::models::decoder::DecoderModel;
 
-use super::inspect::{human_bytes, more};
+use super::inspect::{human_bytes, more, print_report};
 
 /// Longest string metadata value the text output prints whole (a chat
 /// template runs to kilobytes).
@@ -256,25 +256,7 @@ fn print_text(
         ConfigCheck::Unusable(why) => writeln!(out, "config: the file's metadata not used: {why}")?,
         ConfigCheck::Checked(r) => {
             writeln!(out, "config: LlamaConfig from the file's metadata")?;
-            if r.is_clean() {
-                writeln!(out, "  every tensor matches")?;
-            }
-            for m in r.missing.iter().take(limit) {
-                writeln!(out, "  missing     {} {:?}", m.name, m.shape)?;
-            }
-            more(out, "  ", r.missing.len(), limit, "missing")?;
-            for u in r.unexpected.iter().take(limit) {
-                writeln!(out, "  unexpected  {u}")?;
-            }
-            more(out, "  ", r.unexpected.len(), limit, "unexpected")?;
-            for m in r.misshaped.iter().take(limit) {
-                writeln!(
-                    out,
-                    "  mis-shaped  {} expected {:?} found {:?}",
-                    m.name, m.expected, m.found
-                )?;
-            }
-            more(out, "  ", r.misshaped.len(), limit, "mis-shaped")?;
+            print_report(out, r, limit)?;
         }
     }
     Ok(())

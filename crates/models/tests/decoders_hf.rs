@@ -45,6 +45,27 @@ fn unused_token(f: &Fixture, vocab: usize) -> Result<u32> {
         .context("every token is used")
 }
 
+/// Prefills `greedy[:, ..7]`, then feeds one token at a time through the
+/// cache: the logits that chose `greedy[:, 7 + s]` are `steps[:, s]`
+/// within `tol` of their largest.
+fn cached_steps_match(
+    model: &DecoderModel,
+    greedy: &Tensor,
+    steps: &Tensor,
+    what: &str,
+    tol: f64,
+) -> Result<()> {
+    let mut cache = model.new_cache(vec![]);
+    let mut step = model.forward(&greedy.i((.., ..7))?, &mut cache)?.i((.., 6))?;
+    for s in 0..steps.dim(1)? {
+        assert_close(&format!("{what} step {s}"), &step, &steps.i((.., s))?, tol)?;
+        step = model
+            .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
+            .i((.., 0))?;
+    }
+    Ok(())
+}
+
 #[test]
 fn prompt_logits_equal_hf() -> Result<()> {
     for name in MODELS {
@@ -88,16 +109,8 @@ fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()
                 moved > 1e-3,
                 "{what}: the logits equal the f32 model's: not rounded?"
             );
-            let greedy = ids(&f, "greedy_ids")?;
             let steps = half.get(&format!("{name}.{dtype}.steps"))?;
-            let mut cache = model.new_cache(vec![]);
-            let mut step = model.forward(&greedy.i((.., ..7))?, &mut cache)?.i((.., 6))?;
-            for s in 0..steps.dim(1)? {
-                assert_close(&format!("{what} step {s}"), &step, &steps.i((.., s))?, 1e-5)?;
-                step = model
-                    .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
-                    .i((.., 0))?;
-            }
+            cached_steps_match(&model, &ids(&f, "greedy_ids")?, steps, &what, 1e-5)?;
             eprintln!(
                 "{what}: max |ours - HF| over the prompt logits {:.2e}; rounding moved them {moved:.2e}",
                 max_abs_diff(&logits, expected)?
@@ -146,16 +159,8 @@ fn a_half_precision_cache_gives_hf_logits_over_the_rounded_keys_and_values() -> 
                 moved > 1e-4,
                 "{what}: the logits equal the f32 cache's: not rounded?"
             );
-            let greedy = ids(&f, "greedy_ids")?;
             let steps = half.get(&format!("{name}.kv_{short}.steps"))?;
-            let mut cache = model.new_cache(vec![]);
-            let mut step = model.forward(&greedy.i((.., ..7))?, &mut cache)?.i((.., 6))?;
-            for s in 0..steps.dim(1)? {
-                assert_close(&format!("{what} step {s}"), &step, &steps.i((.., s))?, tol)?;
-                step = model
-                    .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
-                    .i((.., 0))?;
-            }
+            cached_steps_match(&model, &ids(&f, "greedy_ids")?, steps, &what, tol)?;
         }
     }
     Ok(())
