@@ -519,11 +519,13 @@ mod tests {
             (1, 13, 2100, 300, false),
             (2, 5, 40, 70, true),
             (1, 1, 8, 96, true),
-            // One row (a decode step): AVX-512's one-row kernel, one task
-            // and two, with columns off its 128-wide blocks and 16 lanes.
+            // One row (a decode step): each set's one-row kernel, one task
+            // and two, with columns off the panels and the vector lanes,
+            // and inputs off the four a step.
             (1, 1, 130, 261, false),
             (1, 1, 512, 1408, true),
             (1, 1, 300, 7, true),
+            (1, 1, 7, 21, true),
         ];
         let _lock = FORCE_LOCK.lock();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();

@@ -15,8 +15,10 @@
 //!   12 rows by one panel for calls of up to 12 rows, 6 rows by two
 //!   panels for more ([`crate::avx512::LinearTile`]), which read the rows
 //!   of `x` in place too, in groups of 12 or 6 (no per-call packing of the
-//!   inputs); for a single row (a decoder's step),
-//!   `avx512::one_row`, which streams each panel once.
+//!   inputs).
+//!
+//! A single row (a decoder's step) takes each set's `one_row`, which
+//! streams each panel once with 8 accumulators and a software prefetch.
 //!
 //! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
 //! by a block of row groups: with more than one thread, at most
@@ -408,7 +410,7 @@ impl PackedWeight {
             return out;
         }
         #[cfg(target_arch = "x86_64")]
-        if self.isa == Isa::Avx512 && m == 1 {
+        if self.isa >= Isa::Avx2 && m == 1 {
             self.one_row(panels, x, (lo, hi), &mut out);
             // SAFETY: one_row wrote the row's `width` floats.
             unsafe { out.set_len(width) };
@@ -639,18 +641,20 @@ impl PackedWeight {
         let out_ptr = SyncPtr(out.as_mut_ptr());
         par_for(width.div_ceil(per_task), width * k, |t| {
             let c0 = t * per_task;
+            let (w, cols) = (
+                panels[(lo + c0) / nr * k * nr..].as_ptr(),
+                per_task.min(width - c0),
+            );
+            let (bias, out) = (self.bias[lo + c0..].as_ptr(), out_ptr.get().wrapping_add(c0));
             // SAFETY: this task's columns c0.. of the output are its own;
             // x holds k floats; panels from (lo + c0) / nr on cover the
-            // columns; `self.isa` is AVX-512, detected when packed.
+            // columns, and the bias their panels' floats; `self.isa`, AVX2
+            // (with FMA and F16C) or AVX-512, was detected when packed.
             unsafe {
-                crate::avx512::one_row(
-                    x.as_ptr(),
-                    k,
-                    panels[(lo + c0) / nr * k * nr..].as_ptr(),
-                    per_task.min(width - c0),
-                    self.bias[lo + c0..].as_ptr(),
-                    out_ptr.get().add(c0),
-                )
+                match self.isa {
+                    Isa::Avx512 => crate::avx512::one_row(x.as_ptr(), k, w, cols, bias, out),
+                    _ => crate::avx2::one_row(x.as_ptr(), k, w, cols, bias, out),
+                }
             };
         });
     }
