@@ -15,7 +15,7 @@
 //! cargo run --release --example bench_models -- vit-linears 1
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
 //! cargo run --release --example bench_models -- serve [--sgemm] [--vit WEIGHTS|random] \
-//!     [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
+//!     [--vit-bf16 WEIGHTS] [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
 //! ```
 //!
 //! `serve`: answers `N WORK` requests on stdin with the median of `N` runs
@@ -23,7 +23,8 @@
 //! PyTorch's. The works are the flags': `--sgemm` candle's 2048² matmul
 //! (`sgemm 2048`) and a `PackedLinear 2048`; `--vit` and `--transformer`
 //! the two ViT-B/16 rows and the two transformer rows as the other modes
-//! name them; `--linear` a `PackedLinear` without bias (`linear MxKxN`);
+//! name them; `--vit-bf16` ViT-B/16 with its weight matrices in bf16
+//! (`vit_base_patch16_224 bf16 B1`, `B8`); `--linear` a `PackedLinear` without bias (`linear MxKxN`);
 //! `--decoder` the `decoder` mode's two works.
 //!
 //! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
@@ -87,6 +88,7 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear};
+use multihead::models::checkpoint::{Checkpoint, WeightDtype};
 use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
@@ -455,6 +457,22 @@ fn serve_works(args: &[&str]) -> Result<()> {
                     works.push((work, Box::new(move || Ok(vit.forward(&x).map(drop)?))));
                 }
             }
+            "--vit-bf16" => {
+                // The weight matrices kept in bf16 (`multihead vit --dtype
+                // bf16` on the CPU), activations in f32.
+                let path = value()?;
+                let cfg = VitConfig::base_patch16_224();
+                let vit = Rc::new(
+                    Checkpoint::read(path.as_ref())?
+                        .with_weight_dtype(Some(WeightDtype::Bf16))
+                        .load(DType::F32, &dev, |vb| VisionTransformer::new(&cfg, vb))?,
+                );
+                for batch in [1, 8] {
+                    let (vit, x) = (vit.clone(), Tensor::randn(0f32, 1., (batch, 3, 224, 224), &dev)?);
+                    let work = format!("vit_base_patch16_224 bf16 B{batch}");
+                    works.push((work, Box::new(move || Ok(vit.forward(&x).map(drop)?))));
+                }
+            }
             "--transformer" => {
                 let tr = Rc::new(TransformerBench::new(random_or(value()?).as_deref())?);
                 let tr2 = tr.clone();
@@ -486,8 +504,8 @@ fn serve_works(args: &[&str]) -> Result<()> {
                 works.push((prefill, Box::new(move || dec2.borrow().prefill())));
             }
             _ => bail!(
-                "serve takes --sgemm, --vit WEIGHTS|random, --transformer WEIGHTS|random, \
-                 --linear MxKxN and --decoder DIR, not {flag}"
+                "serve takes --sgemm, --vit WEIGHTS|random, --vit-bf16 WEIGHTS, --transformer \
+                 WEIGHTS|random, --linear MxKxN and --decoder DIR, not {flag}"
             ),
         }
     }

@@ -10,6 +10,7 @@ and an MHA's projections) as a share of our sgemm rate.
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --models [--threads 2] [--pairs 21]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --decoders
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --vit-bf16
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
 `--models` times the models instead (`bench_models`): the machine's sgemm
@@ -30,6 +31,15 @@ side's median sample and the median of the pairs' ratios, with their
 quartiles in brackets (half the pairs fall between them). The attention
 table's candle columns come from one full `bench_attention` run after
 the pairs. Compare ratios within one run, not times across runs.
+
+`--vit-bf16` times ViT-B/16 (timm's state_dict, random weights) at batch
+1 and 8 four ways, each paired with ours: timm in f32 against ours in f32;
+timm under `torch.autocast("cpu", dtype=torch.bfloat16)` against ours with
+the weight matrices in bf16 (`vit --dtype bf16`); ONNX Runtime in f32 (the
+model exported by `torch.onnx.export`, `onnxruntime` installed in the
+venv) against ours in f32; and ours in bf16 against ours in f32. Without
+AVX512-BF16 (`lscpu`: `avx512_bf16`), oneDNN and our kernels both widen
+bf16 to f32 before the FMAs.
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
 PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
@@ -325,6 +335,63 @@ def models(args, env):
         print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} | {share} | {rss} |")
 
 
+def vit_bf16(args, env):
+    import tempfile
+
+    import onnxruntime
+    import timm
+    from safetensors.torch import save_file
+
+    exe = example("bench_models")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_base_patch16_224", pretrained=False).eval()
+    tmp = tempfile.mkdtemp()
+    weights = os.path.join(tmp, "vit_base_patch16_224.safetensors")
+    save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, weights)
+    imgs = {1: torch.randn(1, 3, 224, 224), 8: torch.randn(8, 3, 224, 224)}
+    onnx_path = os.path.join(tmp, "vit.onnx")
+    torch.onnx.export(vit, (imgs[1],), onnx_path, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False)
+    opts = onnxruntime.SessionOptions()
+    opts.intra_op_num_threads = args.threads
+    opts.inter_op_num_threads = 1
+    ort = onnxruntime.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
+    arrays = {n: x.numpy() for n, x in imgs.items()}
+
+    def autocast(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            vit(imgs[n])
+
+    server = Server([exe, "serve", "--vit", weights, "--vit-bf16", weights], env)
+    rows = {}
+    with torch.no_grad():
+        for n in (1, 8):
+            f32, bf16 = f"vit_base_patch16_224 B{n}", f"vit_base_patch16_224 bf16 B{n}"
+            rows[f"B{n}: timm f32 / ours f32"] = summary(
+                paired(lambda r: server.ms(f32, r), lambda: vit(imgs[n]), args.pairs))
+            rows[f"B{n}: timm bf16 autocast / ours bf16"] = summary(
+                paired(lambda r: server.ms(bf16, r), lambda: autocast(n), args.pairs))
+            rows[f"B{n}: ONNX Runtime f32 / ours f32"] = summary(
+                paired(lambda r: server.ms(f32, r), lambda: ort.run(None, {"x": arrays[n]}), args.pairs))
+            rows[f"B{n}: ours f32 / ours bf16"] = summary(
+                paired(lambda r: server.ms(bf16, r), lambda: server.ms(f32, 1), args.pairs))
+    server.close()
+    print(f"torch {torch.__version__}, timm {timm.__version__}, onnxruntime {onnxruntime.__version__}, "
+          f"{args.threads} threads{capped()}, medians in ms over {args.pairs} pairs; "
+          f"CPU bf16 capability: torch {torch.backends.cpu.get_cpu_capability()}, "
+          f"avx512_bf16 {'yes' if has_avx512_bf16() else 'no'}")
+    print()
+    print("| ViT-B/16 | theirs (ms) | ours (ms) | theirs / ours |")
+    print("|---|---|---|---|")
+    for work, (ours, theirs, ratio, spread) in rows.items():
+        print(f"| {work} | {theirs:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} |")
+
+
+def has_avx512_bf16():
+    with open("/proc/cpuinfo") as f:
+        return "avx512_bf16" in f.read()
+
+
 def linears(args, env):
     """One linear layer (no bias) at the models' shapes, `torch.nn.Linear`
     against our `PackedLinear` (`bench_models serve --linear MxKxN`), with
@@ -472,6 +539,8 @@ def main():
     ap.add_argument("--rounds", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--models", action="store_true", help="time the models, not the attention")
     ap.add_argument("--decoders", action="store_true", help="time a Llama-shaped and a GPT-2-shaped decoder against HF transformers")
+    ap.add_argument("--vit-bf16", action="store_true",
+                    help="time ViT-B/16 in bf16 (ours, timm under autocast) and in f32 (ours, timm, ONNX Runtime)")
     ap.add_argument("--linears", action="store_true",
                     help="time one linear layer at the models' shapes against torch.nn.Linear, one thread and --threads")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
@@ -483,7 +552,7 @@ def main():
     if args.write:
         tee = sys.stdout = Tee(sys.stdout)
         mode = ("decoders" if args.decoders else "models" if args.models
-                else "linears" if args.linears else "attention")
+                else "linears" if args.linears else "vit-bf16" if args.vit_bf16 else "attention")
         key = mode + (", AVX2 on both sides" if CAP_AVX2 else "")
         command = ".venv-ref/bin/python scripts/bench_vs_pytorch.py " + " ".join(
             a for a in sys.argv[1:] if not a.startswith("--write") and a != args.write)
@@ -510,6 +579,9 @@ def run(args):
         return models(args, env)
     if args.linears:
         return linears(args, env)
+    if args.vit_bf16:
+        torch.set_num_threads(args.threads)
+        return vit_bf16(args, env)
     torch.set_num_threads(args.threads)
     peak = fma_peak(env)
     # The machine's sgemm rate, both sides, paired as the works are (ours
