@@ -9,8 +9,9 @@
 # nvcc and its headers from NVIDIA's PyPI wheels in .venv-cuda, and puts the
 # device test binary and the GPU benchmark in target/gpu-bundle (about 20
 # MB, compressed). Carry that folder to the GPU machine and call `run` there: it runs
-# crates/attention/tests/devices.rs (the PyTorch fixtures and every dtype of the default path
-# on the GPU against the CPU reference) and examples/bench_gpu.rs (bf16: our
+# crates/attention/tests/devices.rs (the PyTorch fixtures, every dtype of the default path, and
+# a bf16 Llama-shaped attention's prefill and cached steps with a bf16 cache, on the GPU against
+# the CPU reference) and examples/bench_gpu.rs (bf16: our
 # dispatch, candle-flash-attn directly, the reference path), and prints the
 # table last. With the device tool:
 #

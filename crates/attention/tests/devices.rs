@@ -1,8 +1,9 @@
 //! Device-generic checks, run on every device this build has: the CPU
 //! always, CUDA with `--features cuda` and Metal with `--features metal`
 //! when such a device is present. The PyTorch fixtures replayed on the
-//! device, and each device's default path in f32/f16/bf16 against the CPU
-//! reference.
+//! device, each device's default path in f32/f16/bf16 against the CPU
+//! reference, and a bf16 decoder's attention stepping through a bf16
+//! cache against the f32 full pass.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -116,6 +117,67 @@ fn default_path_on_every_device_and_dtype() -> Result<()> {
                 tol,
             )?;
         }
+    }
+    Ok(())
+}
+
+/// A Llama-shaped self-attention (grouped-query heads, rotary positions)
+/// in bf16 on each device, its cache in bf16 too: a prefill and then one
+/// token at a time (on CUDA with `flash-attn`, the flash-attn kernel)
+/// stay within bf16's reach of the f32 module's full causal pass on the
+/// CPU.
+#[test]
+fn bf16_decoder_steps_on_every_device() -> Result<()> {
+    use candle::IndexOp;
+    use multihead_attention::{KvCache, PositionEncoding, RotaryConfig, WeightLayout};
+
+    let cpu = Device::Cpu;
+    let (e, heads, kv_heads) = (256, 4, 2);
+    let cfg = MhaConfig::new(e, heads)
+        .with_bias(false)
+        .with_kv_heads(kv_heads)
+        .with_position(PositionEncoding::Rotary(RotaryConfig::new(10_000.)));
+    let (kv_dim, head_dim) = (kv_heads * e / heads, e / heads);
+    let mut weights = std::collections::HashMap::new();
+    for (name, rows) in [
+        ("q_proj", e),
+        ("k_proj", kv_dim),
+        ("v_proj", kv_dim),
+        ("o_proj", e),
+    ] {
+        let w = (Tensor::randn(0f32, 1., (rows, e), &cpu)? / (e as f64).sqrt())?;
+        weights.insert(format!("{name}.weight"), w);
+    }
+    let build = |dtype: DType, dev: &Device| -> Result<MultiheadAttention> {
+        let vb = VarBuilder::from_tensors(weights.clone(), dtype, dev);
+        Ok(MultiheadAttention::new_with_layout(
+            &cfg,
+            &WeightLayout::llama(),
+            vb,
+        )?)
+    };
+    let x = Tensor::randn(0f32, 1., (2, 9, e), &cpu)?;
+    let causal = MhaOptions::new().with_mask(Mask::causal(Causal::TopLeft));
+    let reference = build(DType::F32, &cpu)?.forward_attn(&x, &x, &x, &causal)?.output;
+    assert_eq!(head_dim, 64);
+    for dev in devices() {
+        let mha = build(DType::BF16, &dev)?;
+        let mut cache = KvCache::new(4);
+        let xd = x.to_device(&dev)?.to_dtype(DType::BF16)?;
+        let mut t0 = 0;
+        for n in [5, 1, 1, 1, 1] {
+            let out = mha.forward_cached(&xd.i((.., t0..t0 + n))?, &mut cache, &MhaOptions::new())?;
+            let out = out.output.to_device(&cpu)?.to_dtype(DType::F32)?;
+            let want = reference.i((.., t0..t0 + n))?;
+            assert_close(
+                &format!("bf16 on {dev:?}, positions {t0}..{}", t0 + n),
+                &out,
+                &want,
+                3e-2,
+            )?;
+            t0 += n;
+        }
+        assert_eq!(cache.keys()?.map(|k| k.dtype()), Some(DType::BF16), "{dev:?}");
     }
     Ok(())
 }
