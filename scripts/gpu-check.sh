@@ -135,5 +135,5 @@ run() {
 case "${1:-}" in
   build) shift; build "$@" ;;
   run) run ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
 esac
