@@ -117,6 +117,27 @@ pub(crate) enum Bytes {
 }
 
 impl Bytes {
+    /// Hands the whole pages inside `range` back to the system where the
+    /// bytes are a mapped file (they stay in the page cache, and a later
+    /// read faults them in again): a loader that releases each tensor once
+    /// read holds the model and one tensor's pages, not the model and the
+    /// file. Pages the range shares with its neighbours are kept.
+    pub(crate) fn release(&self, range: std::ops::Range<usize>) {
+        if let Bytes::Mapped(map) = self {
+            const PAGE: usize = 4096;
+            let start = range.start.next_multiple_of(PAGE);
+            let end = range.end / PAGE * PAGE;
+            if end > start {
+                // SAFETY: the mapping is read-only; MADV_DONTNEED on it drops
+                // this process's copies of the pages, and a later read
+                // faults them in again from the file.
+                let _ = unsafe {
+                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+                };
+            }
+        }
+    }
+
     /// `path` mapped read-only (an empty file, which cannot be mapped, as
     /// no bytes); `what` names the file's kind in errors.
     pub(crate) fn map(path: &Path, what: &str) -> Result<Self> {
@@ -392,21 +413,7 @@ impl Checkpoint {
     /// tensor's pages, not the model and the file.
     fn release(&self, i: usize) {
         let (_, file, range) = &self.data[i];
-        if let Bytes::Mapped(map) = &*self.files[*file] {
-            // Only whole pages inside the range: its neighbours may still be
-            // read.
-            const PAGE: usize = 4096;
-            let start = range.start.next_multiple_of(PAGE);
-            let end = range.end / PAGE * PAGE;
-            if end > start {
-                // SAFETY: the mapping is read-only; MADV_DONTNEED on it drops
-                // this process's copies of the pages, and a later read
-                // faults them in again from the file.
-                let _ = unsafe {
-                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
-                };
-            }
-        }
+        self.files[*file].release(range.clone());
     }
 
     /// Hands tensor `name`'s pages back (see [`Checkpoint::release`]) and

@@ -346,6 +346,8 @@ impl GgufFile {
             ),
         };
         debug_assert_eq!(t.dtype(), stored_dtype(info.ggml_type).unwrap_or(DType::F32));
+        // The tensor is a copy now: its pages go back (`Bytes::release`).
+        self.bytes.release(info.range.clone());
         Ok(t)
     }
 
@@ -371,6 +373,7 @@ impl GgufFile {
                 GgmlDType::Q8_0 => par_count_non_finite_q8_0(bytes),
                 _ => (0, 0),
             };
+            self.bytes.release(info.range.clone());
             if nan + inf > 0 {
                 bad.push((name.to_string(), nan, inf));
             }
