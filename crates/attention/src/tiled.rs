@@ -220,11 +220,11 @@ mod tests {
     }
 
     /// bf16 and f16 keys and values (a half-precision cache beside f32
-    /// queries) give the f32 path's result over the same values, bit for
-    /// bit, under every instruction set: read in place on decode-sized
-    /// calls (widened as the direct products load them, or a tile at a
-    /// time for `gemm`), converted first on longer ones. The output comes
-    /// in the queries' dtype.
+    /// queries), read in place, give the f32 path's result over the same
+    /// values, bit for bit, under every instruction set and through every
+    /// tile implementation it runs: widened as the direct products load
+    /// them, as the packed tiles pack them (with each packing), or a tile
+    /// at a time for `gemm`. The output comes in the queries' dtype.
     #[test]
     fn half_precision_keys_and_values_equal_the_f32_path_over_them() -> Result<()> {
         let _lock = FORCE_LOCK.lock();
@@ -251,18 +251,24 @@ mod tests {
                         randn(&[b, kh, s, dv])?.to_dtype(dtype)?,
                     );
                     let (k32, v32) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
-                    for mask in &masks {
-                        let scale = 1. / (d as f64).sqrt();
-                        let half = sdpa_tiled_with(&q, &k, &v, mask, 0, scale, TileOptions::default())?;
-                        let full = sdpa_tiled_with(&q, &k32, &v32, mask, 0, scale, TileOptions::default())?;
-                        assert_eq!(half.dtype(), DType::F32);
-                        let diff = (half - full)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-                        let what = format!(
-                            "{isa:?} {dtype:?} {:?} window {:?}",
-                            (b, h, kh, l, s, d, dv),
-                            mask.window
-                        );
-                        assert_eq!(diff, 0., "{what}: differs from the f32 path by {diff:e}");
+                    let forced = runnable_tiles().into_iter().map(|(tiles, packing)| TileOptions {
+                        tiles: Some(tiles),
+                        packing: Some(packing),
+                    });
+                    for options in forced.chain([TileOptions::default()]) {
+                        for mask in &masks {
+                            let scale = 1. / (d as f64).sqrt();
+                            let half = sdpa_tiled_with(&q, &k, &v, mask, 0, scale, options)?;
+                            let full = sdpa_tiled_with(&q, &k32, &v32, mask, 0, scale, options)?;
+                            assert_eq!(half.dtype(), DType::F32);
+                            let diff = (half - full)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                            let what = format!(
+                                "{isa:?} {dtype:?} {options:?} {:?} window {:?}",
+                                (b, h, kh, l, s, d, dv),
+                                mask.window
+                            );
+                            assert_eq!(diff, 0., "{what}: differs from the f32 path by {diff:e}");
+                        }
                     }
                 }
             }

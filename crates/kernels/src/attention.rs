@@ -185,7 +185,7 @@ impl Packing {
     /// Per thread where a (batch, kv-head) packs into half of L2 and there
     /// are enough of them (`packs`) that threads seldom pack the same one.
     #[cfg(target_arch = "x86_64")]
-    fn best(p: &Problem, packs: usize) -> Packing {
+    fn best<KV: KvElem>(p: &Problem<KV>, packs: usize) -> Packing {
         if packs >= 2 * rayon::current_num_threads() && tile::Packed::bytes_per_head(p) <= HEAD_PACK_MAX {
             Packing::PerThread
         } else {
@@ -224,10 +224,10 @@ pub struct TileOptions {
 /// v_head_dim)` buffer; f16 and bf16 are computed in f32.
 ///
 /// Keys and values may be in another dtype than `q` (a bf16 or f16 cache
-/// beside f32 queries). On a decode-sized call (fewer than 16 query rows)
-/// bf16 or f16 keys and values are read in place, widened as they load
-/// (on AVX2 and AVX-512; elsewhere one tile of keys at a time for
-/// `gemm`); on longer calls they are converted to f32 first.
+/// beside f32 queries). bf16 or f16 keys and values (of one dtype) are
+/// read in place, never copied whole to f32: the direct products of a
+/// decode-sized call widen each row as they load it, the packed tiles as
+/// they pack a (batch, kv-head), `gemm` one tile of keys at a time.
 ///
 /// `None` where an output came out non-finite and a value is non-finite:
 /// the value may sit in a key the mask hides, which a tile still
@@ -244,8 +244,7 @@ pub fn sdpa(
 ) -> Result<Option<Tensor>> {
     let dtype = q.dtype();
     let q32 = q.to_dtype(DType::F32)?;
-    let in_place =
-        k.dtype() == v.dtype() && q.dim(2)? < DIRECT_ROWS && options.tiles.is_none_or(|t| t == Tiles::Gemm);
+    let in_place = k.dtype() == v.dtype();
     let out = match k.dtype() {
         DType::BF16 if in_place => sdpa_in::<bf16>(&q32, k, v, masking, appended, scale, options)?,
         DType::F16 if in_place => sdpa_in::<f16>(&q32, k, v, masking, appended, scale, options)?,
@@ -346,31 +345,26 @@ fn sdpa_in<KV: KvElem>(
                     base: (bi * l + i0) * h * dv + hi * dv,
                     out_rs: h * dv,
                 };
-                // The packed tiles read f32 keys and values (`sdpa` takes
-                // half-precision ones only where the tiles are `Gemm`).
                 #[cfg(target_arch = "x86_64")]
-                if let (Some(kernels), Some(problem)) = (
-                    match tiles {
-                        Tiles::Avx2 => Some(tile::Kernels::Avx2),
-                        Tiles::Avx512 => Some(tile::Kernels::Avx512),
-                        Tiles::Gemm => None,
-                    },
-                    KV::f32_problem(&problem),
-                ) {
-                    let packing = packing.unwrap_or_else(|| Packing::best(problem, b * kh));
+                if let Some(kernels) = match tiles {
+                    Tiles::Avx2 => Some(tile::Kernels::Avx2),
+                    Tiles::Avx512 => Some(tile::Kernels::Avx512),
+                    Tiles::Gemm => None,
+                } {
+                    let packing = packing.unwrap_or_else(|| Packing::best(&problem, b * kh));
                     let run = |packed: &tile::Packed, (bi, hi, i0): (usize, usize, usize)| {
                         // SAFETY: `Tiles::Avx2` and `Tiles::Avx512` are only
                         // chosen (or forced by tests) where the processor
                         // runs them; `packed` holds the unit's keys and
                         // values; the unit's rows are its own.
-                        if !unsafe { tile::run_block(problem, packed, unit(bi, hi, i0), kernels) } {
+                        if !unsafe { tile::run_block(&problem, packed, unit(bi, hi, i0), kernels) } {
                             non_finite.store(true, Ordering::Relaxed);
                         }
                     };
                     match packing {
                         Packing::Shared => {
                             // SAFETY: as above.
-                            let packed = unsafe { tile::Packed::new(problem, b, kh) };
+                            let packed = unsafe { tile::Packed::new(&problem, b, kh) };
                             par_for(units.len(), work, |u| run(&packed, units[u]));
                         }
                         Packing::PerThread => {
@@ -388,7 +382,7 @@ fn sdpa_in<KV: KvElem>(
                                         // SAFETY: as above.
                                         kept => unsafe {
                                             tile::Packed::one(
-                                                problem,
+                                                &problem,
                                                 kh,
                                                 pack,
                                                 kept.map(|(_, p)| p.release()),
@@ -526,31 +520,26 @@ pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) masked_keys: usize,
 }
 
-/// The element types [`sdpa`] reads keys and values in: f32, and bf16 and
-/// f16 in place on decode-sized calls, where the direct products widen
-/// them as they load. The packed tiles and `gemm` read f32.
+/// The element types [`sdpa`] reads keys and values in, in place: f32,
+/// bf16 and f16. The direct products widen them as they load them, the
+/// packed tiles as they pack them, `gemm` a tile at a time.
 pub(crate) trait KvElem: PanelElem + WithDType {
-    /// The problem itself where its keys and values are f32.
-    fn f32_problem<'p, 'a>(p: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>>;
+    /// The slice itself where its elements are f32.
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        let _ = s;
+        None
+    }
 }
 
 impl KvElem for f32 {
-    fn f32_problem<'p, 'a>(p: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>> {
-        Some(p)
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 
-impl KvElem for bf16 {
-    fn f32_problem<'p, 'a>(_: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>> {
-        None
-    }
-}
+impl KvElem for bf16 {}
 
-impl KvElem for f16 {
-    fn f32_problem<'p, 'a>(_: &'p Problem<'a, Self>) -> Option<&'p Problem<'a, f32>> {
-        None
-    }
-}
+impl KvElem for f16 {}
 
 impl<KV: KvElem> Problem<'_, KV> {
     /// One past the last masked key query `i` may see by the causal rule.

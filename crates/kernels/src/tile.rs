@@ -19,7 +19,7 @@
 
 use rayon::prelude::*;
 
-use crate::attention::{write_rows, Problem, Unit};
+use crate::attention::{write_rows, KvElem, Problem, Unit};
 use crate::lanes::{Ymm, Zmm};
 use crate::panel::{BLOCK_K, NR, STRIP_RS};
 use crate::pool::KV_PACKS;
@@ -59,7 +59,7 @@ impl Packed {
     ///
     /// # Safety
     /// The CPU must have AVX2.
-    pub(crate) unsafe fn new(p: &Problem, batch: usize, kv_heads: usize) -> Packed {
+    pub(crate) unsafe fn new<KV: KvElem>(p: &Problem<KV>, batch: usize, kv_heads: usize) -> Packed {
         let (kt_len, v_len, _) = Self::lens(p);
         let bufs = (
             KV_PACKS.take(batch * kv_heads * kt_len),
@@ -75,8 +75,8 @@ impl Packed {
     ///
     /// # Safety
     /// The CPU must have AVX2.
-    pub(crate) unsafe fn one(
-        p: &Problem,
+    pub(crate) unsafe fn one<KV: KvElem>(
+        p: &Problem<KV>,
         kv_heads: usize,
         pack: usize,
         bufs: Option<(Vec<f32>, Vec<f32>)>,
@@ -95,7 +95,7 @@ impl Packed {
     }
 
     /// Bytes of one (batch, kv-head)'s packed keys and values.
-    pub(crate) fn bytes_per_head(p: &Problem) -> usize {
+    pub(crate) fn bytes_per_head<KV: KvElem>(p: &Problem<KV>) -> usize {
         let (kt_len, v_len, _) = Self::lens(p);
         (kt_len + v_len) * 4
     }
@@ -107,7 +107,7 @@ impl Packed {
 
     /// Floats per (batch, kv-head) of packed keys and of packed values,
     /// and `dvp`.
-    fn lens(p: &Problem) -> (usize, usize, usize) {
+    fn lens<KV: KvElem>(p: &Problem<KV>) -> (usize, usize, usize) {
         let (_, s, d, dv) = p.dims;
         let dvp = dv.div_ceil(NR) * NR;
         (s.div_ceil(NR) * NR * d, s * dvp, dvp)
@@ -117,8 +117,8 @@ impl Packed {
     ///
     /// # Safety
     /// The CPU must have AVX2.
-    unsafe fn fill(
-        p: &Problem,
+    unsafe fn fill<KV: KvElem>(
+        p: &Problem<KV>,
         kv_heads: usize,
         first: usize,
         bufs: (Vec<f32>, Vec<f32>),
@@ -139,13 +139,14 @@ impl Packed {
             for j in 0..s {
                 let src = &p.v.data[p.v.offset(bi, hi, j)..][..dv];
                 for (pc, panel) in dst.chunks_exact_mut(s * NR).enumerate() {
-                    let row: &mut [f32; NR] = (&mut panel[j * NR..][..NR]).try_into().unwrap();
+                    let row = &mut panel[j * NR..][..NR];
                     match src[pc * NR..].first_chunk::<NR>() {
-                        // A whole panel row: a copy of known size, inlined.
-                        Some(cols) => *row = *cols,
+                        // A whole panel row: a copy (or widening) of known
+                        // size, inlined.
+                        Some(cols) => KV::widen(cols, row),
                         None => {
                             let cols = &src[pc * NR..];
-                            row[..cols.len()].copy_from_slice(cols);
+                            KV::widen(cols, &mut row[..cols.len()]);
                             row[cols.len()..].fill(0.);
                         }
                     }
@@ -171,19 +172,38 @@ impl Packed {
     }
 }
 
-/// Packs `rows` rows of `d` floats (`row(j)`) into `dst`: panels of `NR`
-/// rows, transposed within a panel (`row(p·NR + c)[e]` at `p·d·NR + e·NR +
-/// c`), zero past `rows`. Writes every element of `dst`.
+/// Packs `rows` rows of `d` elements (`row(j)`, f32 or widened to it)
+/// into `dst`: panels of `NR` rows, transposed within a panel (`row(p·NR +
+/// c)[e]` at `p·d·NR + e·NR + c`), zero past `rows`. Writes every element
+/// of `dst`.
 ///
 /// # Safety
 /// The CPU must have AVX2.
 #[target_feature(enable = "avx2")]
-unsafe fn pack_panels<'a>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -> &'a [f32]) {
+unsafe fn pack_panels<'a, E: KvElem>(dst: &mut [f32], rows: usize, d: usize, row: impl Fn(usize) -> &'a [E]) {
+    // f32 rows are transposed where they are; half-precision ones are
+    // widened 8 at a time into `wide` first.
+    let in_place = E::as_f32(&[]).is_some();
+    let mut wide = Vec::new();
     for (pi, panel) in dst.chunks_exact_mut(d * NR).enumerate() {
         for half in 0..NR / 8 {
             let j0 = (pi * NR + half * 8).min(rows);
-            let srcs: [&[f32]; 8] = std::array::from_fn(|c| if j0 + c < rows { row(j0 + c) } else { &[] });
             let n = (rows - j0).min(8);
+            let srcs: [&[f32]; 8] = if in_place {
+                std::array::from_fn(|c| {
+                    if c < n {
+                        E::as_f32(row(j0 + c)).unwrap_or_default()
+                    } else {
+                        &[]
+                    }
+                })
+            } else {
+                wide.resize(8 * d, 0.);
+                for (c, dst) in wide.chunks_exact_mut(d.max(1)).take(n).enumerate() {
+                    E::widen(row(j0 + c), dst);
+                }
+                std::array::from_fn(|c| if c < n { &wide[c * d..][..d] } else { &[] })
+            };
             // SAFETY: `n` rows of `d` floats; `d` rows of `NR` floats from
             // column `half · 8` lie in the panel.
             unsafe { avx2::transpose_into(&srcs[..n], d, 1., panel[half * 8..].as_mut_ptr(), NR, 8) };
@@ -225,7 +245,12 @@ impl Kernels {
 /// The CPU must have AVX2 and FMA, and AVX-512F for
 /// [`Kernels::Avx512`]; `packed` must come from this problem; the unit's
 /// output rows are its own. Returns whether every output is finite.
-pub(crate) unsafe fn run_block(p: &Problem, packed: &Packed, unit: Unit, kernels: Kernels) -> bool {
+pub(crate) unsafe fn run_block<KV: KvElem>(
+    p: &Problem<KV>,
+    packed: &Packed,
+    unit: Unit,
+    kernels: Kernels,
+) -> bool {
     let Unit { bi, hi, i0, rows, .. } = unit;
     let (_, s, d, dv) = p.dims;
     let dvp = packed.dvp;
@@ -387,8 +412,8 @@ pub(crate) struct Group<'a> {
 /// lane maxima. Inlined into each instruction set's caller, so that its
 /// vector helpers inline too.
 #[inline(always)]
-pub(crate) fn softmax_group_with(
-    p: &Problem,
+pub(crate) fn softmax_group_with<KV: KvElem>(
+    p: &Problem<KV>,
     bi: usize,
     hi: usize,
     g: Group,
@@ -418,7 +443,7 @@ pub(crate) fn softmax_group_with(
 /// # Safety
 /// AVX2+FMA; `g.width` is a multiple of 8.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_group_avx2(p: &Problem, bi: usize, hi: usize, g: Group) {
+unsafe fn softmax_group_avx2<KV: KvElem>(p: &Problem<KV>, bi: usize, hi: usize, g: Group) {
     // SAFETY: this function's features; whole vectors of each row.
     softmax_group_with(
         p,
@@ -435,7 +460,7 @@ unsafe fn softmax_group_avx2(p: &Problem, bi: usize, hi: usize, g: Group) {
 /// # Safety
 /// AVX-512F; `g.width` is a multiple of 16.
 #[target_feature(enable = "avx512f")]
-unsafe fn softmax_group_avx512(p: &Problem, bi: usize, hi: usize, g: Group) {
+unsafe fn softmax_group_avx512<KV: KvElem>(p: &Problem<KV>, bi: usize, hi: usize, g: Group) {
     // SAFETY: this function's features; whole vectors of each row.
     softmax_group_with(
         p,
