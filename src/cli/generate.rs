@@ -87,8 +87,8 @@ pub struct Args {
     #[arg(long, value_name = "DTYPE", default_value = "f32")]
     pub dtype: WeightDtype,
     /// The dtype the key/value cache stores keys and values in: f32 (as
-    /// computed), or bf16 and f16 (half the cache's memory; decode steps
-    /// read it in place).
+    /// computed), or bf16 and f16 (half the cache's memory; the CPU
+    /// attention reads it in place).
     #[arg(long, value_enum, value_name = "DTYPE", default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,
     /// cpu, cuda, cuda:N or metal.

@@ -24,8 +24,8 @@ use crate::mask::KeyPaddingMask;
 ///
 /// The buffers hold the keys and values in their own dtype, or in the one
 /// [`KvCache::with_dtype`] names: a bf16 or f16 cache beside an f32 model
-/// halves the cache's memory, and the CPU kernel reads it in place on
-/// decode steps.
+/// halves the cache's memory, and the CPU kernel reads it in place (no f32
+/// copy).
 #[derive(Debug, Clone)]
 pub struct KvCache {
     k: Option<Tensor>,

@@ -14,7 +14,7 @@ pub struct LoadOptions {
     pub dtype: WeightDtype,
     /// The dtype the key/value caches store keys and values in (`None`:
     /// f32, as the model computes them): bf16 or f16 halve the cache's
-    /// memory, and decode steps read it in place.
+    /// memory, and the CPU attention reads it in place.
     pub kv_dtype: Option<DType>,
     /// Told how many of the weights' bytes were read, as they are.
     pub progress: Option<LoadProgress>,

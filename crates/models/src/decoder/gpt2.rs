@@ -154,7 +154,7 @@ impl Gpt2 {
 
     /// The model, its caches storing keys and values in `dtype` (`None`:
     /// f32, as computed): a bf16 or f16 cache takes half the memory, and
-    /// decode steps read it in place.
+    /// the CPU attention reads it in place.
     pub fn with_kv_dtype(mut self, dtype: Option<DType>) -> Self {
         self.kv_dtype = dtype;
         self
