@@ -13,6 +13,7 @@
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- vit-linears 1
+//! cargo run --release --example bench_models -- decode-layers bf16
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
 //! cargo run --release --example bench_models -- serve [--sgemm] [--vit WEIGHTS|random] \
 //!     [--vit-bf16 WEIGHTS] [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
@@ -88,6 +89,7 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear};
+use multihead::kernels::{packing_as, PackFormat};
 use multihead::models::checkpoint::{Checkpoint, WeightDtype};
 use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
@@ -124,6 +126,15 @@ fn alternating_ms(fs: &mut [&mut dyn FnMut() -> Result<()>]) -> Result<Vec<Vec<f
         }
     }
     Ok(times)
+}
+
+fn dtype_name(format: PackFormat, dtype: DType) -> &'static str {
+    match (format, dtype) {
+        (PackFormat::Q8_0, _) => "q8_0",
+        (_, DType::BF16) => "bf16",
+        (_, DType::F16) => "f16",
+        _ => "f32",
+    }
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -782,6 +793,54 @@ fn main() -> Result<()> {
                 r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}, "page_faults_per_forward": {faults}}}"#
             );
         }
+        ["decode-layers", dtype] => {
+            // A decode step's linears alone: the 0.39 B Llama-shaped
+            // decoder's (24 layers of 896 wide, GQA 14/2, 4864
+            // intermediate, a 32000-token head), one row through each in
+            // turn, weights in `dtype`, each from memory: the rate the
+            // weights stream at, to set beside the whole step's.
+            let (dtype, format) = match *dtype {
+                "f32" => (DType::F32, PackFormat::AsStored),
+                "bf16" => (DType::BF16, PackFormat::AsStored),
+                "f16" => (DType::F16, PackFormat::AsStored),
+                "q8_0" => (DType::F32, PackFormat::Q8_0),
+                other => bail!("decode-layers takes f32, bf16, f16 or q8_0, not {other}"),
+            };
+            let dev = Device::Cpu;
+            let mut shapes = Vec::new();
+            for _ in 0..24 {
+                shapes.extend([(896 + 2 * 128, 896), (896, 896), (2 * 4864, 896), (896, 4864)]);
+            }
+            shapes.push((32000, 896));
+            let layers = shapes
+                .iter()
+                .map(|&(n, k)| {
+                    let w = (Tensor::randn(0f32, 1., (n, k), &dev)? * 0.02)?.to_dtype(dtype)?;
+                    Ok(packing_as(format, || PackedLinear::new(w, None))?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let inputs = [896, 4864]
+                .map(|k| Tensor::randn(0f32, 1., (1, k), &dev))
+                .into_iter()
+                .collect::<candle::Result<Vec<_>>>()?;
+            let ms = median_ms(|| {
+                for (layer, &(_, k)) in layers.iter().zip(&shapes) {
+                    layer.forward(&inputs[usize::from(k != 896)])?;
+                }
+                Ok(())
+            })?;
+            let weights: usize = shapes.iter().map(|(n, k)| n * k).sum();
+            let bytes = match format {
+                PackFormat::Q8_0 => weights as f64 * 34. / 32.,
+                PackFormat::AsStored => (weights * dtype.size_in_bytes()) as f64,
+            };
+            println!(
+                r#"{{"work": "decode-layers {}", "median_ms": {ms:.2}, "gb_per_s": {:.1}, "tokens_per_s": {:.1}}}"#,
+                dtype_name(format, dtype),
+                bytes / (ms * 1e-3) / 1e9,
+                1e3 / ms
+            );
+        }
         ["vit-linears", batch] => {
             // The share of a ViT-B/16 forward that its 48 linears take on
             // their own: the forward (random weights) and the same linears
@@ -831,7 +890,7 @@ fn main() -> Result<()> {
         _ => bail!(
             "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] | share M K N [LAYERS] \
              | split M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
-             | vit-linears BATCH | residual BATCH \
+             | vit-linears BATCH | residual BATCH | decode-layers f32|bf16|f16|q8_0 \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
         ),
     }
