@@ -1,30 +1,34 @@
-//! The threads: [`par_for`] over rayon's pool, and [`Pool`], buffers kept
-//! from call to call.
+//! The threads: [`par_for`], on the caller and the [`Helpers`] or on
+//! rayon's pool, and [`Pool`], buffers kept from call to call.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
-/// Multiply-adds under which a parallel job is short: at most a few
-/// hundred microseconds on two cores, of which handing it to the pool and
-/// waking the caller afterwards is a large share.
-const SHORT_JOB: usize = 1 << 22;
-/// Multiply-adds per item from which a short job's caller works beside
-/// the helpers: a helper that wakes late still finds items to take. Under
-/// it (a B8 transformer's decoder step: 64 heads of up to 64 keys) rayon's
+/// Multiply-adds per item from which the caller works beside the helpers:
+/// a helper that comes late still finds items to take. Under it (a B8
+/// transformer's decoder step: 64 heads of up to 64 keys) rayon's
 /// splitting measured faster, and the caller alone slower still.
 const MIN_ITEM: usize = 1 << 16;
 
-/// Runs `f(i)` for every `i` in `0..n` on rayon's pool, with as many
-/// threads as the pool has; `work` is the job's multiply-adds.
+/// How long a helper keeps polling for the next job after its last before
+/// it sleeps: longer than the gap between two parallel jobs of a decode
+/// step (a norm, the rotary embedding), so that a decoder's jobs find the
+/// helpers awake.
+const SPIN: Duration = Duration::from_micros(300);
+
+/// Runs `f(i)` for every `i` in `0..n`, on as many threads as rayon's
+/// pool has; `work` is the job's multiply-adds.
 ///
-/// A short job ([`SHORT_JOB`], [`MIN_ITEM`]) called from outside the pool
-/// (a decoder step on the main thread) is not handed over: the calling
-/// thread takes items from a counter, and helper tasks spawned on the pool
-/// take from the same counter when a worker picks them up. The caller
-/// never sleeps; it waits only for items a helper has already taken, and a
-/// helper that arrives after the last item has been taken does nothing:
-/// a decode step's attention and linears, each a few hundred microseconds,
-/// do not wait for a sleeping worker to wake. Other jobs, and calls from
+/// Called from outside the pool (the model's thread), with items of at
+/// least [`MIN_ITEM`], the job is not handed over: the calling thread
+/// takes items from a counter, and the [`Helpers`] (one thread fewer than
+/// the pool) take from the same counter. The caller never sleeps; it waits
+/// only for items a helper has already taken, and a helper that comes
+/// after the last item was taken does nothing. A decode step's hundred-odd
+/// jobs, each a few hundred microseconds, then neither wake a sleeping
+/// worker nor sleep until one is done: handing them to rayon's pool took
+/// about 15 % of a Q8_0 decode step's time. Smaller items, and calls from
 /// inside the pool, take rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
@@ -32,7 +36,7 @@ pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
         (0..n).for_each(f);
         return;
     }
-    if work >= SHORT_JOB || work / n < MIN_ITEM || rayon::current_thread_index().is_some() {
+    if work / n < MIN_ITEM || rayon::current_thread_index().is_some() {
         use rayon::prelude::*;
         (0..n).into_par_iter().for_each(&f);
         return;
@@ -52,10 +56,7 @@ pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
         take: n.div_ceil(8 * threads),
         f,
     });
-    for _ in 1..threads {
-        let items = Arc::clone(&items);
-        rayon::spawn(move || items.work());
-    }
+    Helpers::get().submit(&items);
     items.work();
     let mut spins = 0u32;
     while items.done.load(Ordering::Acquire) < n {
@@ -72,7 +73,80 @@ pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     );
 }
 
-/// The items of a short [`par_for`] job, shared with its helpers.
+/// Threads that take the items of [`par_for`]'s jobs beside their caller:
+/// each polls for the next job for [`SPIN`] after its last, then sleeps
+/// until one comes. One job is offered at a time; a caller whose job was
+/// replaced by another caller's before a helper took it runs its items
+/// itself.
+struct Helpers {
+    /// The job on offer.
+    job: Mutex<Option<Arc<Items>>>,
+    /// Bumped for every job offered.
+    offered: AtomicUsize,
+    wake: Condvar,
+}
+
+impl Helpers {
+    /// The helpers: one thread fewer than rayon's pool has at the first
+    /// call, started then.
+    fn get() -> &'static Helpers {
+        static HELPERS: OnceLock<&'static Helpers> = OnceLock::new();
+        HELPERS.get_or_init(|| {
+            let helpers: &'static Helpers = Box::leak(Box::new(Helpers {
+                job: Mutex::new(None),
+                offered: AtomicUsize::new(0),
+                wake: Condvar::new(),
+            }));
+            for i in 1..rayon::current_num_threads() {
+                // One that cannot start leaves its share to the callers.
+                let _ = std::thread::Builder::new()
+                    .name(format!("multihead-helper-{i}"))
+                    .spawn(move || helpers.run());
+            }
+            helpers
+        })
+    }
+
+    /// Offers `items` to the helpers.
+    fn submit(&self, items: &Arc<Items>) {
+        if let Ok(mut job) = self.job.lock() {
+            *job = Some(Arc::clone(items));
+            self.offered.fetch_add(1, Ordering::Release);
+            self.wake.notify_all();
+        }
+    }
+
+    /// A helper's loop: wait for a job newer than the last one seen
+    /// (polling, then asleep), take its items.
+    fn run(&self) {
+        let mut seen = self.offered.load(Ordering::Acquire);
+        loop {
+            let since = Instant::now();
+            while self.offered.load(Ordering::Acquire) == seen {
+                if since.elapsed() < SPIN {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let Ok(mut job) = self.job.lock() else { return };
+                while self.offered.load(Ordering::Acquire) == seen {
+                    job = match self.wake.wait(job) {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    };
+                }
+            }
+            let Ok(job) = self.job.lock() else { return };
+            seen = self.offered.load(Ordering::Acquire);
+            let items = job.clone();
+            drop(job);
+            if let Some(items) = items {
+                items.work();
+            }
+        }
+    }
+}
+
+/// The items of a [`par_for`] job, shared with the helpers.
 struct Items {
     next: AtomicUsize,
     done: AtomicUsize,
@@ -189,7 +263,7 @@ impl SyncPtr {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::{par_for, Pool, MIN_ITEM, SHORT_JOB};
+    use super::{par_for, Pool, MIN_ITEM};
 
     /// A pool of two hands each length the kept buffer already that long
     /// (no zeroing, the wide one never cut down to a narrow call's
@@ -231,11 +305,9 @@ mod tests {
     fn par_for_runs_every_item_once() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         for n in [0, 1, 2, 7, 60, 1000] {
-            // A short job (the caller works beside helpers) where n allows
-            // one, and a long one (rayon's splitting).
-            let short = n * MIN_ITEM;
-            assert!(n > 60 || short < SHORT_JOB);
-            for work in [short, SHORT_JOB] {
+            // Items the caller and the helpers take, and smaller ones
+            // (rayon's splitting).
+            for work in [n * MIN_ITEM, n * MIN_ITEM / 2] {
                 // From outside the pool and from one of its workers.
                 assert_eq!(counts(n, work), vec![1; n], "n {n}, work {work}");
                 let inside = pool.install(|| counts(n, work));
@@ -244,9 +316,25 @@ mod tests {
         }
     }
 
+    /// Callers on several threads at once, whose jobs replace each other
+    /// on offer to the helpers: each still runs every item of its own once.
+    #[test]
+    fn concurrent_callers_each_run_every_item_once() {
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                s.spawn(move || {
+                    for round in 0..50 {
+                        let n = 2 + (t * 7 + round) % 40;
+                        assert_eq!(counts(n, n * MIN_ITEM), vec![1; n], "thread {t}, round {round}");
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn par_for_reports_a_panicking_item() {
-        for (n, work) in [(60, 60 * MIN_ITEM), (1000, SHORT_JOB)] {
+        for (n, work) in [(60, 60 * MIN_ITEM), (1000, 1000 * MIN_ITEM / 2)] {
             for bad in [0, n / 2, n - 1] {
                 let run = std::panic::catch_unwind(|| {
                     par_for(n, work, |i| {
