@@ -8,7 +8,7 @@
 //! keys and values (`tile.rs` drives them, `avx2.rs` and `avx512.rs` hold
 //! them); decode-sized blocks take the products read in place (`direct.rs`);
 //! elsewhere they go through the `gemm` crate (the one candle's CPU matmul
-//! uses). Work is spread over rayon's pool by (batch, head, query block)
+//! uses). Work is spread over the threads by (batch, head, query block)
 //! ([`crate::pool::par_for`]).
 //!
 //! Inputs are read in place through their strides (only the last dim must be

@@ -28,7 +28,8 @@
 //!   the linear micro-kernels widen to f32 lanes as they load them;
 //! - `q8.rs`: linear weights in llama.cpp's 8-bit Q8_0 blocks, with a
 //!   kernel per instruction set in `q8/` (AVX512-VNNI, AVX2, portable);
-//! - `pool.rs`: work spread over rayon's pool, buffers kept between calls.
+//! - `pool.rs`: work spread over the caller and polling helper threads (or
+//!   rayon's pool from inside it), buffers kept between calls.
 //!
 //! Every kernel variant can be forced ([`isa::force`], or
 //! `MULTIHEAD_CPU_ISA=avx512|avx2|portable` for a whole process), and the

@@ -29,8 +29,8 @@
 //! L2, where they stay across the row groups. On AVX-512 the tiles
 //! prefetch weights into L2 as they run: in a unit of one row group (a
 //! decoder's step at batch ≤ 12) the next tile's, in the first row group
-//! of a unit of more their own, `AHEAD` steps on. Units run on rayon's
-//! pool. The bias (or the residual) starts the accumulators, and the
+//! of a unit of more their own, `AHEAD` steps on. Units run on the
+//! threads of [`crate::pool::par_for`]. The bias (or the residual) starts the accumulators, and the
 //! epilogue (GELU or ReLU) runs on each tile as its last slice is written,
 //! while it is in L1.
 
@@ -44,7 +44,7 @@ use crate::pool::{par_for, SyncPtr};
 use crate::simd;
 
 /// Multiply-adds (or floats packed) from which a call's work is spread
-/// over rayon's pool.
+/// over the threads ([`crate::pool::par_for`]).
 pub(crate) const PARALLEL_FROM: usize = 1 << 16;
 
 /// Inputs per slice of the reduction, at most, for `isa`: a row group's
