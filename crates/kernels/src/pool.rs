@@ -27,9 +27,9 @@ const SPIN: Duration = Duration::from_micros(300);
 /// only for items a helper has already taken, and a helper that comes
 /// after the last item was taken does nothing. A decode step's hundred-odd
 /// jobs, each a few hundred microseconds, then neither wake a sleeping
-/// worker nor sleep until one is done: handing them to rayon's pool took
-/// about 15 % of a Q8_0 decode step's time. Smaller items, and calls from
-/// inside the pool, take rayon's own splitting.
+/// worker nor sleep until one is done (on rayon's pool, which does both,
+/// that handing-over costs about 15 % of a Q8_0 decode step). Smaller
+/// items, and calls from inside the pool, take rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
