@@ -5,10 +5,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Multiply-adds per item from which the caller works beside the helpers:
-/// a helper that comes late still finds items to take. Under it (a B8
-/// transformer's decoder step: 64 heads of up to 64 keys) rayon's
-/// splitting measured faster, and the caller alone slower still.
+/// Multiply-adds per item from which the caller works beside the helpers
+/// even while they sleep: a helper that comes late still finds items to
+/// take. Smaller items go to the helpers only while one is polling (a
+/// decoder step's attention between its linears, whose wake-ups through
+/// rayon's pool cost more than the attention); with the helpers asleep (a
+/// B8 transformer's decoder step, 64 heads of up to 64 keys, whose
+/// linears run on rayon's pool) rayon's splitting measured faster, and the
+/// caller alone slower still.
 const MIN_ITEM: usize = 1 << 16;
 
 /// How long a helper keeps polling for the next job after its last before
@@ -21,7 +25,7 @@ const SPIN: Duration = Duration::from_micros(300);
 /// pool has; `work` is the job's multiply-adds.
 ///
 /// Called from outside the pool (the model's thread), with items of at
-/// least [`MIN_ITEM`], the job is not handed over: the calling thread
+/// least [`MIN_ITEM`] or while a helper polls, the job is not handed over: the calling thread
 /// takes items from a counter, and the [`Helpers`] (one thread fewer than
 /// the pool) take from the same counter. The caller never sleeps; it waits
 /// only for items a helper has already taken, and a helper that comes
@@ -29,14 +33,16 @@ const SPIN: Duration = Duration::from_micros(300);
 /// jobs, each a few hundred microseconds, then neither wake a sleeping
 /// worker nor sleep until one is done (on rayon's pool, which does both,
 /// that handing-over costs about 15 % of a Q8_0 decode step). Smaller
-/// items, and calls from inside the pool, take rayon's own splitting.
+/// items while the helpers sleep, and calls from inside the pool, take
+/// rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(n);
     if threads <= 1 {
         (0..n).for_each(f);
         return;
     }
-    if work / n < MIN_ITEM || rayon::current_thread_index().is_some() {
+    let helpers = Helpers::get();
+    if rayon::current_thread_index().is_some() || (work / n < MIN_ITEM && !helpers.polling()) {
         use rayon::prelude::*;
         (0..n).into_par_iter().for_each(&f);
         return;
@@ -56,7 +62,7 @@ pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
         take: n.div_ceil(8 * threads),
         f,
     });
-    Helpers::get().submit(&items);
+    helpers.submit(&items);
     items.work();
     let mut spins = 0u32;
     while items.done.load(Ordering::Acquire) < n {
@@ -84,6 +90,8 @@ struct Helpers {
     /// Bumped for every job offered.
     offered: AtomicUsize,
     wake: Condvar,
+    /// Helpers awake: polling for a job or running one.
+    awake: AtomicUsize,
 }
 
 impl Helpers {
@@ -96,6 +104,7 @@ impl Helpers {
                 job: Mutex::new(None),
                 offered: AtomicUsize::new(0),
                 wake: Condvar::new(),
+                awake: AtomicUsize::new(0),
             }));
             for i in 1..rayon::current_num_threads() {
                 // One that cannot start leaves its share to the callers.
@@ -105,6 +114,12 @@ impl Helpers {
             }
             helpers
         })
+    }
+
+    /// Whether a helper is awake, and so takes a job's items without being
+    /// woken.
+    fn polling(&self) -> bool {
+        self.awake.load(Ordering::Relaxed) > 0
     }
 
     /// Offers `items` to the helpers.
@@ -120,6 +135,7 @@ impl Helpers {
     /// (polling, then asleep), take its items.
     fn run(&self) {
         let mut seen = self.offered.load(Ordering::Acquire);
+        self.awake.fetch_add(1, Ordering::Relaxed);
         loop {
             let since = Instant::now();
             while self.offered.load(Ordering::Acquire) == seen {
@@ -127,6 +143,7 @@ impl Helpers {
                     std::hint::spin_loop();
                     continue;
                 }
+                self.awake.fetch_sub(1, Ordering::Relaxed);
                 let Ok(mut job) = self.job.lock() else { return };
                 while self.offered.load(Ordering::Acquire) == seen {
                     job = match self.wake.wait(job) {
@@ -134,8 +151,12 @@ impl Helpers {
                         Err(_) => return,
                     };
                 }
+                self.awake.fetch_add(1, Ordering::Relaxed);
             }
-            let Ok(job) = self.job.lock() else { return };
+            let Ok(job) = self.job.lock() else {
+                self.awake.fetch_sub(1, Ordering::Relaxed);
+                return;
+            };
             seen = self.offered.load(Ordering::Acquire);
             let items = job.clone();
             drop(job);
