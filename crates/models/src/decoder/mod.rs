@@ -28,7 +28,6 @@ mod chat;
 mod config;
 mod generation_config;
 mod gguf;
-mod gguf_text;
 mod gpt2;
 mod llama;
 mod pipeline;
@@ -49,8 +48,7 @@ use crate::generation::{
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
 pub use generation_config::HfGenerationConfig;
-pub use gguf::GGUF_ARCHITECTURES;
-pub use gguf_text::GGUF_PRE_TOKENIZERS;
+pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
 pub use gpt2::Gpt2;
 pub use llama::Llama;
 pub use pipeline::{Finish, GenerationSettings, Sampling, TextGenerator, TextOutput, DEFAULT_MAX_NEW_TOKENS};

@@ -10,8 +10,8 @@ use std::path::Path;
 use candle::{bail, Device, Result};
 use serde_json::{json, Map, Value};
 
-use super::{ChatTemplate, DecoderModel, HfGenerationConfig, TextGenerator, TextTokenizer};
 use crate::checkpoint::{GgufFile, LoadOptions};
+use crate::decoder::{ChatTemplate, DecoderModel, HfGenerationConfig, TextGenerator, TextTokenizer};
 
 /// The `tokenizer.ggml.pre` values rebuilt, as llama.cpp names them
 /// (`src/llama-vocab.cpp`).
