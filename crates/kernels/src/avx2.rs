@@ -266,15 +266,18 @@ unsafe fn weighted_values_rows<const R: usize>(
     }
 }
 
-/// How far ahead of its loads [`one_row`] prefetches its panels, in bytes:
-/// as `avx512::one_row`, whose stream the hardware prefetcher does not keep
-/// ahead of.
+/// How far ahead of its loads [`one_row`] prefetches half-precision
+/// panels, in bytes: as `avx512::one_row`, whose stream the hardware
+/// prefetcher does not keep ahead of. f32 panels, whose loads come twice
+/// as fast per multiply-add, are left to the hardware prefetcher: on an
+/// AMD EPYC (AVX2) the step's linears read them 10–20 % faster without.
 const ONE_ROW_PREFETCH: usize = 2048;
 
 /// `out[c] = init[c] + Σₑ x[e] · w[p·k·NR + e·NR + c % NR]` (`p = c / NR`)
 /// for `cols` columns: one row (a decoder's step) through the packed
 /// panels of 16 (f32, bf16 or f16), each streamed once, four inputs at a
-/// time into 8 accumulators, prefetching `ONE_ROW_PREFETCH` bytes ahead.
+/// time into 8 accumulators, prefetching `ONE_ROW_PREFETCH` bytes ahead
+/// of half-precision panels.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; `w` covers `ceil(cols / NR)` panels of `k` inputs,
@@ -299,9 +302,11 @@ pub(crate) unsafe fn one_row<E: PanelElem>(
             let mut acc = [[_mm256_setzero_ps(); V]; U];
             let mut e = 0;
             while e + U <= k {
-                let ahead = w.cast::<i8>().wrapping_add(ONE_ROW_PREFETCH);
-                for line in (0..U * NR * size_of::<E>()).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                if size_of::<E>() < size_of::<f32>() {
+                    let ahead = w.cast::<i8>().wrapping_add(ONE_ROW_PREFETCH);
+                    for line in (0..U * NR * size_of::<E>()).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                    }
                 }
                 for (u, acc) in acc.iter_mut().enumerate() {
                     let a = _mm256_set1_ps(*x.add(e + u));
