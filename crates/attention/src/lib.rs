@@ -66,7 +66,8 @@ mod tiled;
 /// The CPU building blocks the attention and the models run on, from
 /// `multihead-kernels`.
 pub use multihead_kernels::{
-    cpu_isa, is_broadcast, packing_as, relu, silu_and_mul, LayerNorm, PackFormat, PackedLinear,
+    cpu_isa, is_broadcast, packing_as, packing_format, relu, silu_and_mul, LayerNorm, PackFormat,
+    PackedLinear,
 };
 
 pub use cache::KvCache;

@@ -81,7 +81,7 @@ mod softmax;
 mod tile;
 
 pub use activation::{relu, silu_and_mul};
-pub use linear::{is_broadcast, packing_as, PackFormat, PackedLinear};
+pub use linear::{is_broadcast, packing_as, packing_format, PackFormat, PackedLinear};
 pub use norm::LayerNorm;
 
 /// The instruction set the CPU kernels run with now: `"avx512"` (AVX-512F),

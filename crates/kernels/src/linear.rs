@@ -75,6 +75,12 @@ pub fn packing_as<R>(format: PackFormat, build: impl FnOnce() -> R) -> R {
     build()
 }
 
+/// The format [`PackedLinear::new`] packs in on this thread now (see
+/// [`packing_as`]).
+pub fn packing_format() -> PackFormat {
+    PACK_FORMAT.with(|f| f.get())
+}
+
 /// Whether a tensor can take part in the packed path (and the other fused
 /// CPU ops): an f32 CPU tensor that tracks no gradient.
 pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
@@ -124,6 +130,29 @@ fn candle_linear(w: &Tensor, b: Option<&Tensor>, x: &Tensor) -> Result<Tensor> {
     candle_nn::Linear::new(w, b).forward(x)
 }
 
+/// `a`'s output features then `b`'s, `a`'s buffers grown to take `b`'s
+/// panels, where both are packed alike and `a` is held by no other layer;
+/// `a` given back otherwise.
+fn join(a: Inner, b: &Inner) -> std::result::Result<Inner, Inner> {
+    match (a, b) {
+        (Inner::Packed(a), Inner::Packed(b)) => match Arc::try_unwrap(a) {
+            Ok(a) => a
+                .join(b)
+                .map(|w| Inner::Packed(Arc::new(w)))
+                .map_err(|a| Inner::Packed(Arc::new(a))),
+            Err(a) => Err(Inner::Packed(a)),
+        },
+        (Inner::Q8(a), Inner::Q8(b)) => match Arc::try_unwrap(a) {
+            Ok(a) => a
+                .join(b)
+                .map(|w| Inner::Q8(Arc::new(w)))
+                .map_err(|a| Inner::Q8(Arc::new(a))),
+            Err(a) => Err(Inner::Q8(a)),
+        },
+        (a, _) => Err(a),
+    }
+}
+
 impl PackedLinear {
     /// A layer over `weight` `(out, in)` and `bias` `(out)`, packed where
     /// the packed path serves them (see the type's docs), in the weight's
@@ -140,7 +169,7 @@ impl PackedLinear {
             && bias.as_ref().is_none_or(packable_weight)
             && n > 0
             && k > 0;
-        let quantize = packable && k.is_multiple_of(32) && PACK_FORMAT.with(|f| f.get()) == PackFormat::Q8_0;
+        let quantize = packable && k.is_multiple_of(32) && packing_format() == PackFormat::Q8_0;
         let isa = match quantize {
             true => Some(crate::isa::current()),
             false => PackedWeight::isa().filter(|_| packable),
@@ -187,6 +216,74 @@ impl PackedLinear {
     /// [`PackedLinear::new`] over a candle `Linear`'s weight and bias.
     pub fn from_linear(linear: candle_nn::Linear) -> Result<Self> {
         Self::new(linear.weight().clone(), linear.bias().cloned())
+    }
+
+    /// One layer computing `parts`' outputs side by side: their weights
+    /// concatenated along the output features, as `Tensor::cat(.., 0)`
+    /// makes them, and their biases (a part without one adds zeros). Parts
+    /// packed alike (the same format, dtype and instruction set, all but
+    /// the last filling whole panels, none shared with another layer) are
+    /// joined without unpacking, the first's buffers grown to take the
+    /// others' panels, so that a model packs a fused projection one part
+    /// at a time and never holds its unpacked whole; other parts are
+    /// unpacked, concatenated and packed again as [`PackedLinear::new`]
+    /// packs, in Q8_0 where one of them is.
+    pub fn cat(parts: Vec<PackedLinear>) -> Result<Self> {
+        if parts.is_empty() {
+            bail!("PackedLinear::cat: no parts")
+        }
+        let dims = parts.iter().map(PackedLinear::dims).collect::<Result<Vec<_>>>()?;
+        if dims.iter().any(|&(_, k)| k != dims[0].1) {
+            bail!("PackedLinear::cat: the parts take different input sizes: {dims:?} (out, in)")
+        }
+        // Joined in turn while each part joins; the first that does not
+        // (and the rest) go the unpacking way.
+        let mut parts = parts.into_iter();
+        let mut acc = parts.next().expect("not empty").inner;
+        let parts: Vec<PackedLinear> = loop {
+            let Some(part) = parts.next() else {
+                return Ok(Self { inner: acc });
+            };
+            match join(acc, &part.inner) {
+                Ok(inner) => acc = inner,
+                Err(inner) => break [Self { inner }, part].into_iter().chain(parts).collect(),
+            }
+        };
+        let dims = parts.iter().map(PackedLinear::dims).collect::<Result<Vec<_>>>()?;
+        let weights = parts.iter().map(|p| p.weight()).collect::<Result<Vec<_>>>()?;
+        let dtype = match weights.iter().all(|w| w.dtype() == weights[0].dtype()) {
+            true => weights[0].dtype(),
+            false => DType::F32,
+        };
+        let weights = weights
+            .iter()
+            .map(|w| w.to_dtype(dtype))
+            .collect::<Result<Vec<_>>>()?;
+        let biases = parts.iter().map(|p| p.bias()).collect::<Result<Vec<_>>>()?;
+        let given: Vec<&Tensor> = biases.iter().flatten().collect();
+        let bias = match given.first() {
+            None => None,
+            Some(b) => {
+                let bias_dtype = match given.iter().all(|g| g.dtype() == b.dtype()) {
+                    true => b.dtype(),
+                    false => DType::F32,
+                };
+                let biases = biases
+                    .iter()
+                    .zip(&dims)
+                    .map(|(b, &(n, _))| match b {
+                        Some(b) => b.to_dtype(bias_dtype),
+                        None => Tensor::zeros(n, bias_dtype, weights[0].device()),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(Tensor::cat(&biases, 0)?)
+            }
+        };
+        let format = match parts.iter().any(PackedLinear::is_quantized) {
+            true => PackFormat::Q8_0,
+            false => PackFormat::AsStored,
+        };
+        packing_as(format, || Self::new(Tensor::cat(&weights, 0)?, bias))
     }
 
     /// Whether the weight is held packed (the fast path serves plain
@@ -651,6 +748,65 @@ mod tests {
                     assert!(err < 1e-2, "{what} half input: {err:e}");
                 }
             }
+        }
+        force(None);
+        Ok(())
+    }
+
+    /// `cat` of layers packed one at a time equals the layer packed from
+    /// the concatenated weights and biases (a missing bias as zeros), bit
+    /// for bit, on every instruction set and in f32, bf16 and Q8_0: parts
+    /// filling whole panels are joined without unpacking, others (a first
+    /// part cut short of a panel, mixed formats) unpacked and packed again.
+    #[test]
+    fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
+        use super::{packing_as, PackFormat};
+        use candle::DType;
+        let _lock = FORCE_LOCK.lock();
+        for isa in supported() {
+            force(Some(isa));
+            for (dtype, format) in [
+                (DType::F32, PackFormat::AsStored),
+                (DType::BF16, PackFormat::AsStored),
+                (DType::F32, PackFormat::Q8_0),
+            ] {
+                // 64 and 96 fill whole panels (16 or 32 wide); 20 does not.
+                for (n1, n2, k) in [(64, 40, 96), (96, 7, 64), (20, 33, 64)] {
+                    let what = format!("{isa:?} {dtype:?} {format:?} ({n1} + {n2}, {k})");
+                    let w1 = randn(&[n1, k])?.to_dtype(dtype)?;
+                    let w2 = randn(&[n2, k])?.to_dtype(dtype)?;
+                    let b2 = randn(&[n2])?;
+                    let pack = |w: &Tensor, b: Option<Tensor>| {
+                        packing_as(format, || PackedLinear::new(w.clone(), b))
+                    };
+                    let ours = PackedLinear::cat(vec![pack(&w1, None)?, pack(&w2, Some(b2.clone()))?])?;
+                    let bias = Tensor::cat(&[&Tensor::zeros(n1, DType::F32, w1.device())?, &b2], 0)?;
+                    let want = pack(&Tensor::cat(&[&w1, &w2], 0)?, Some(bias))?;
+                    assert_eq!(ours.dims()?, (n1 + n2, k), "{what}");
+                    assert_eq!(ours.is_quantized(), want.is_quantized(), "{what}");
+                    assert_eq!(ours.q8_0_blocks(), want.q8_0_blocks(), "{what}");
+                    let flat = |t: Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+                    assert_eq!(flat(ours.weight()?)?, flat(want.weight()?)?, "{what} weight");
+                    for rows in [1, 5] {
+                        let x = randn(&[rows, k])?;
+                        assert_eq!(
+                            flat(ours.forward(&x)?)?,
+                            flat(want.forward(&x)?)?,
+                            "{what} {rows} rows"
+                        );
+                    }
+                }
+            }
+            // Mixed formats: Q8_0 with a plain part, quantized together.
+            let (w1, w2) = (randn(&[32, 64])?, randn(&[16, 64])?);
+            let q = packing_as(PackFormat::Q8_0, || PackedLinear::new(w1.clone(), None))?;
+            let mixed = PackedLinear::cat(vec![q.clone(), PackedLinear::new(w2.clone(), None)?])?;
+            let want = packing_as(PackFormat::Q8_0, || {
+                PackedLinear::new(Tensor::cat(&[&q.weight()?, &w2], 0)?, None)
+            })?;
+            assert_eq!(mixed.q8_0_blocks(), want.q8_0_blocks(), "{isa:?} mixed");
+            let err = PackedLinear::cat(vec![q, PackedLinear::new(randn(&[16, 32])?, None)?]).unwrap_err();
+            assert!(err.to_string().contains("different input sizes"), "{err}");
         }
         force(None);
         Ok(())

@@ -220,6 +220,23 @@ impl<E: PanelElem> Panels<E> {
         &self.data[self.start..]
     }
 
+    /// Its first `la` elements, then `b`'s first `lb`, realigned as
+    /// [`Panels::pack`] aligns them: the buffer grown in place where the
+    /// allocator can, so that joining holds one copy of `b` beside it.
+    fn extend(mut self, la: usize, b: &Self, lb: usize) -> Self {
+        let slack = 64 / size_of::<E>();
+        let old = self.start;
+        self.data.truncate(old + la);
+        self.data.resize(slack + la + lb, E::default());
+        let start = self.data.as_ptr().align_offset(64).min(slack);
+        self.data.copy_within(old..old + la, start);
+        self.data[start + la..][..lb].copy_from_slice(&b.get()[..lb]);
+        Panels {
+            data: self.data,
+            start,
+        }
+    }
+
     /// Output feature `j`'s `k` weights as f32, into `row`.
     fn row_into(&self, j: usize, nr: usize, row: &mut [f32]) {
         let k = row.len();
@@ -318,6 +335,35 @@ impl PackedWeight {
             n,
             k,
             isa,
+        })
+    }
+
+    /// Its output features, then `other`'s, `other`'s panels copied after
+    /// its own as they are (a missing bias as zeros); given back unchanged
+    /// unless both are packed for the same instruction set, in the same
+    /// dtype, over the same inputs, and its features fill whole panels.
+    pub(crate) fn join(self, other: &Self) -> std::result::Result<Self, Self> {
+        let (nr, k) = (self.nr(), self.k);
+        if self.isa != other.isa || other.k != k || !self.n.is_multiple_of(nr) {
+            return Err(self);
+        }
+        let (la, lb) = (self.n * k, other.n.div_ceil(nr) * nr * k);
+        let panels = match (self.panels, &other.panels) {
+            (PanelData::F32(a), PanelData::F32(b)) => PanelData::F32(a.extend(la, b, lb)),
+            (PanelData::Bf16(a), PanelData::Bf16(b)) => PanelData::Bf16(a.extend(la, b, lb)),
+            (PanelData::F16(a), PanelData::F16(b)) => PanelData::F16(a.extend(la, b, lb)),
+            (panels, _) => return Err(PackedWeight { panels, ..self }),
+        };
+        let mut bias = self.bias;
+        bias.truncate(self.n);
+        bias.extend_from_slice(&other.bias);
+        Ok(PackedWeight {
+            panels,
+            bias,
+            has_bias: self.has_bias || other.has_bias,
+            n: self.n + other.n,
+            k,
+            isa: self.isa,
         })
     }
 

@@ -330,6 +330,46 @@ impl Q8Weight {
         (self.n, self.k)
     }
 
+    /// Its output features, then `other`'s, `other`'s panels and scales
+    /// copied after its own as they are (the buffers grown in place where
+    /// the allocator can; a missing bias as zeros); given back unchanged
+    /// unless both are laid out for the same kernel over the same inputs
+    /// and its features fill whole panels.
+    pub(crate) fn join(mut self, other: &Self) -> std::result::Result<Self, Self> {
+        let k = self.k;
+        if self.kernel != other.kernel || other.k != k || !self.n.is_multiple_of(NR) {
+            return Err(self);
+        }
+        let nb = k / QK;
+        let (pa, pb) = (self.n / NR, other.n.div_ceil(NR));
+        let (la, lb) = (pa * nb * BLOCK_BYTES, pb * nb * BLOCK_BYTES);
+        let old = self.start;
+        self.qs.truncate(old + la);
+        self.qs.resize(63 + la + lb, 0);
+        let start = self.qs.as_ptr().align_offset(64).min(63);
+        self.qs.copy_within(old..old + la, start);
+        self.qs[start + la..][..lb].copy_from_slice(&other.panels()[..lb]);
+        self.d.truncate(pa * nb * NR);
+        self.d.extend_from_slice(&other.d[..pb * nb * NR]);
+        let bias = match (self.bias, &other.bias) {
+            (None, None) => None,
+            (a, b) => {
+                let mut bias = a.unwrap_or_else(|| vec![0.; self.n]);
+                bias.extend_from_slice(b.as_deref().unwrap_or(&vec![0.; other.n]));
+                Some(bias)
+            }
+        };
+        Ok(Q8Weight {
+            qs: self.qs,
+            start,
+            d: self.d,
+            bias,
+            n: self.n + other.n,
+            k,
+            kernel: self.kernel,
+        })
+    }
+
     /// Bytes held on the heap: the values, their scales and the bias.
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
