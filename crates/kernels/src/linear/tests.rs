@@ -1,0 +1,404 @@
+//! The packed linear layers against candle's, on every instruction set the
+//! processor runs.
+
+use candle::{Module, Result, Tensor};
+
+use super::PackedLinear;
+use crate::isa::{force, supported, Isa, FORCE_LOCK};
+use crate::testing::{randn, rel_err};
+
+/// Packed for every instruction set the processor runs, the layer
+/// equals candle's `Linear` (and `gelu_erf`, `gelu`, `relu` or a
+/// residual's add after it) on shapes off the
+/// row group, panel, unit and reduction-slice sizes, with and without
+/// bias, for the whole output and for panel-aligned feature ranges,
+/// single rows included; on 3 threads, so that units split the row
+/// groups as well as the panels.
+#[test]
+fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
+    let shapes = [
+        (2, 97, 33, 37, true),
+        (1, 197, 768, 2304, true),
+        (3, 250, 300, 16, false),
+        // Past one unit's 256 features, a last panel of 8 features
+        // (AVX-512's 32-wide panels), two slices on AVX2.
+        (1, 400, 600, 200, true),
+        // Three slices on AVX-512 too (at most 1024 inputs each); 12
+        // rows (one tall group) and 13.
+        (1, 12, 2100, 300, true),
+        (1, 13, 2100, 300, false),
+        (2, 5, 40, 70, true),
+        (1, 1, 8, 96, true),
+        // One row (a decode step): each set's one-row kernel, one task
+        // and two, with columns off the panels and the vector lanes,
+        // and inputs off the four a step.
+        (1, 1, 130, 261, false),
+        (1, 1, 512, 1408, true),
+        (1, 1, 300, 7, true),
+        (1, 1, 7, 21, true),
+    ];
+    let _lock = FORCE_LOCK.lock();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    pool.install(|| -> Result<()> {
+        for isa in supported() {
+            force(Some(isa));
+            for (batch, rows, k, n, bias) in shapes {
+                let x = randn(&[batch, rows, k])?;
+                let (w, b) = (randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
+                let expected = candle_nn::Linear::new(w.clone(), b.clone()).forward(&x)?;
+                let ours = PackedLinear::new(w, b)?;
+                assert_eq!(ours.is_packed(), isa != Isa::Portable, "{isa:?}");
+                let what = format!("{isa:?} ({batch}, {rows}, {k}) x ({n}, {k})");
+                let y = ours.forward(&x)?;
+                assert_eq!(y.dims(), expected.dims(), "{what}");
+                assert!(
+                    rel_err(&y, &expected)? < 1e-5,
+                    "{what}: {:e}",
+                    rel_err(&y, &expected)?
+                );
+                // The activations' error against the linear's output
+                // scale: where every output is far below zero (7
+                // outputs, one run in about 128), both sides are zero
+                // but for rounding (ours -5e-13, candle's -0.0), and a
+                // ratio to their own largest magnitude compares noise.
+                let scale = expected.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let act_err = |a: &Tensor, b: &Tensor| -> Result<f32> {
+                    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? / scale)
+                };
+                let g = ours.forward_gelu(&x)?;
+                assert!(act_err(&g, &expected.gelu_erf()?)? < 1e-5, "{what} gelu");
+                let g = ours.forward_gelu_tanh(&x)?;
+                assert!(act_err(&g, &expected.gelu()?)? < 1e-5, "{what} gelu tanh");
+                let r = ours.forward_relu(&x)?;
+                assert!(act_err(&r, &expected.relu()?)? < 1e-5, "{what} relu");
+                let residual = randn(expected.dims())?;
+                let a = ours.forward_add(&x, &residual)?;
+                assert!(rel_err(&a, &(&expected + &residual)?)? < 1e-5, "{what} residual");
+                // The unpacked weight is the weight.
+                assert_eq!(ours.weight()?.dims(), [n, k]);
+                if n >= 64 {
+                    let part = ours.forward_features(&x, 32, 64)?;
+                    assert!(
+                        rel_err(&part, &expected.narrow(2, 32, 32)?)? < 1e-5,
+                        "{what} features 32..64"
+                    );
+                }
+                let tail = ours.forward_features(&x, n - 5, n)?;
+                assert!(
+                    rel_err(&tail, &expected.narrow(2, n - 5, 5)?)? < 1e-5,
+                    "{what} last 5 features"
+                );
+            }
+        }
+        Ok(())
+    })?;
+    force(None);
+    Ok(())
+}
+
+/// bf16 and f16 weights are packed as they are, and the layer equals
+/// the f32 layer over the same weights widened, on every instruction
+/// set (the portable one through candle, over the widened weight):
+/// single rows, the tall and wide tiles, sliced reductions and a last
+/// panel cut short, a fused residual and a range of features. The
+/// unpacked weight and a tied table's rows are the stored values
+/// exactly. Half-precision inputs come back in their dtype, equal to
+/// the f32 result rounded to it.
+#[test]
+fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
+    use candle::DType;
+    let shapes = [
+        (1, 300, 7, true),
+        (1, 512, 1408, false),
+        (5, 40, 70, true),
+        (13, 2100, 300, true),
+        (40, 96, 200, false),
+    ];
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported() {
+        force(Some(isa));
+        for dtype in [DType::BF16, DType::F16] {
+            for (m, k, n, bias) in shapes {
+                let what = format!("{isa:?} {dtype:?} ({m}, {k}) x ({n}, {k})");
+                let x = randn(&[m, k])?;
+                let w = randn(&[n, k])?.to_dtype(dtype)?;
+                let b = bias.then(|| randn(&[n])).transpose()?;
+                let wide = w.to_dtype(DType::F32)?;
+                let expected = candle_nn::Linear::new(wide.clone(), b.clone()).forward(&x)?;
+                let ours = PackedLinear::new(w.clone(), b)?;
+                assert_eq!(ours.is_packed(), isa != Isa::Portable, "{what}");
+                assert_eq!(ours.dtype(), dtype, "{what}");
+                let y = ours.forward(&x)?;
+                assert_eq!(y.dtype(), DType::F32, "{what}");
+                assert!(
+                    rel_err(&y, &expected)? < 1e-5,
+                    "{what}: {:e}",
+                    rel_err(&y, &expected)?
+                );
+                let residual = randn(expected.dims())?;
+                let a = ours.forward_add(&x, &residual)?;
+                assert!(rel_err(&a, &(&expected + &residual)?)? < 1e-5, "{what} residual");
+                let tail = ours.forward_features(&x, n - 5, n)?;
+                assert!(
+                    rel_err(&tail, &expected.narrow(1, n - 5, 5)?)? < 1e-5,
+                    "{what} tail"
+                );
+                let back = ours.weight()?;
+                assert_eq!(back.dtype(), dtype, "{what}");
+                assert_eq!(rel_err(&back.to_dtype(DType::F32)?, &wide)?, 0., "{what} weight");
+                if ours.is_packed() {
+                    let ids = Tensor::new(&[0u32, n as u32 - 1, n as u32 / 2], &candle::Device::Cpu)?;
+                    let rows = ours.embed(&ids)?;
+                    assert_eq!(rel_err(&rows, &wide.index_select(&ids, 0)?)?, 0., "{what} rows");
+                }
+                let xh = x.to_dtype(dtype)?;
+                let yh = ours.forward(&xh)?;
+                assert_eq!(yh.dtype(), dtype, "{what} half input");
+                let want = candle_nn::Linear::new(wide, ours.bias()?)
+                    .forward(&xh.to_dtype(DType::F32)?)?
+                    .to_dtype(dtype)?;
+                let err = rel_err(&yh.to_dtype(DType::F32)?, &want.to_dtype(DType::F32)?)?;
+                assert!(err < 1e-2, "{what} half input: {err:e}");
+            }
+        }
+    }
+    force(None);
+    Ok(())
+}
+
+/// `cat` of layers packed one at a time equals the layer packed from
+/// the concatenated weights and biases (a missing bias as zeros), bit
+/// for bit, on every instruction set and in f32, bf16 and Q8_0: parts
+/// filling whole panels are joined without unpacking, others (a first
+/// part cut short of a panel, mixed formats) unpacked and packed again.
+#[test]
+fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
+    use super::{packing_as, PackFormat};
+    use candle::DType;
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported() {
+        force(Some(isa));
+        for (dtype, format) in [
+            (DType::F32, PackFormat::AsStored),
+            (DType::BF16, PackFormat::AsStored),
+            (DType::F32, PackFormat::Q8_0),
+        ] {
+            // 64 and 96 fill whole panels (16 or 32 wide); 20 does not.
+            for (n1, n2, k) in [(64, 40, 96), (96, 7, 64), (20, 33, 64)] {
+                let what = format!("{isa:?} {dtype:?} {format:?} ({n1} + {n2}, {k})");
+                let w1 = randn(&[n1, k])?.to_dtype(dtype)?;
+                let w2 = randn(&[n2, k])?.to_dtype(dtype)?;
+                let b2 = randn(&[n2])?;
+                let pack =
+                    |w: &Tensor, b: Option<Tensor>| packing_as(format, || PackedLinear::new(w.clone(), b));
+                let ours = PackedLinear::cat(vec![pack(&w1, None)?, pack(&w2, Some(b2.clone()))?])?;
+                let bias = Tensor::cat(&[&Tensor::zeros(n1, DType::F32, w1.device())?, &b2], 0)?;
+                let want = pack(&Tensor::cat(&[&w1, &w2], 0)?, Some(bias))?;
+                assert_eq!(ours.dims()?, (n1 + n2, k), "{what}");
+                assert_eq!(ours.is_quantized(), want.is_quantized(), "{what}");
+                assert_eq!(ours.q8_0_blocks(), want.q8_0_blocks(), "{what}");
+                let flat = |t: Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+                assert_eq!(flat(ours.weight()?)?, flat(want.weight()?)?, "{what} weight");
+                for rows in [1, 5] {
+                    let x = randn(&[rows, k])?;
+                    assert_eq!(
+                        flat(ours.forward(&x)?)?,
+                        flat(want.forward(&x)?)?,
+                        "{what} {rows} rows"
+                    );
+                }
+            }
+        }
+        // Mixed formats: Q8_0 with a plain part, quantized together.
+        let (w1, w2) = (randn(&[32, 64])?, randn(&[16, 64])?);
+        let q = packing_as(PackFormat::Q8_0, || PackedLinear::new(w1.clone(), None))?;
+        let mixed = PackedLinear::cat(vec![q.clone(), PackedLinear::new(w2.clone(), None)?])?;
+        let want = packing_as(PackFormat::Q8_0, || {
+            PackedLinear::new(Tensor::cat(&[&q.weight()?, &w2], 0)?, None)
+        })?;
+        assert_eq!(mixed.q8_0_blocks(), want.q8_0_blocks(), "{isa:?} mixed");
+        let err = PackedLinear::cat(vec![q, PackedLinear::new(randn(&[16, 32])?, None)?]).unwrap_err();
+        assert!(err.to_string().contains("different input sizes"), "{err}");
+    }
+    force(None);
+    Ok(())
+}
+
+/// Under `packing_as(Q8_0)`, layers whose input size is a multiple of
+/// 32 are quantized (on every instruction set, the portable one
+/// included): the forward, the fused residual and GELU and a range of
+/// features equal candle's layer over the dequantized weight within
+/// the inputs' quantization error, a tied table's rows are the
+/// dequantized rows; other layers pack as stored; the format is
+/// restored after the scope.
+#[test]
+fn q8_0_packing_quantizes_within_its_scope() -> Result<()> {
+    use super::{packing_as, PackFormat};
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported() {
+        force(Some(isa));
+        let (w, b) = (randn(&[70, 96])?, Some(randn(&[70])?));
+        let layer = packing_as(PackFormat::Q8_0, || PackedLinear::new(w.clone(), b.clone()))?;
+        let odd = packing_as(PackFormat::Q8_0, || PackedLinear::new(randn(&[8, 40])?, None))?;
+        let after = PackedLinear::new(w.clone(), b.clone())?;
+        assert!(
+            layer.is_quantized() && !odd.is_quantized() && !after.is_quantized(),
+            "{isa:?}"
+        );
+        let deq = layer.weight()?;
+        assert!(rel_err(&deq, &w)? < 1e-2 && rel_err(&deq, &w)? > 0., "{isa:?}");
+        // The blocks are the weight's: each d · q is its value.
+        let blocks = layer.q8_0_blocks().expect("quantized");
+        let from_blocks: Vec<f32> = blocks
+            .chunks_exact(34)
+            .flat_map(|b| {
+                let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                b[2..].iter().map(move |&q| d * f32::from(q as i8))
+            })
+            .collect();
+        assert_eq!(
+            from_blocks,
+            deq.flatten_all()?.to_vec1::<f32>()?,
+            "{isa:?} blocks"
+        );
+        assert!(odd.q8_0_blocks().is_none() && after.q8_0_blocks().is_none());
+        let x = randn(&[2, 5, 96])?;
+        let want = candle_nn::Linear::new(deq.clone(), layer.bias()?).forward(&x)?;
+        let y = layer.forward(&x)?;
+        assert!(rel_err(&y, &want)? < 2e-2, "{isa:?}: {:e}", rel_err(&y, &want)?);
+        let residual = randn(want.dims())?;
+        let a = layer.forward_add(&x, &residual)?;
+        assert_eq!(rel_err(&a, &(&y + &residual)?)?, 0., "{isa:?} residual");
+        assert!(
+            rel_err(&layer.forward_gelu(&x)?, &y.gelu_erf()?)? < 1e-5,
+            "{isa:?} gelu"
+        );
+        let tail = layer.forward_features(&x, 65, 70)?;
+        assert_eq!(rel_err(&tail, &y.narrow(2, 65, 5)?)?, 0., "{isa:?} tail");
+        let ids = Tensor::new(&[3u32, 69], &candle::Device::Cpu)?;
+        assert_eq!(
+            rel_err(&layer.embed(&ids)?, &deq.index_select(&ids, 0)?)?,
+            0.,
+            "{isa:?} rows"
+        );
+    }
+    force(None);
+    Ok(())
+}
+
+/// A NaN input reaches every output of its row through the fused ReLU,
+/// as through PyTorch's `relu`, on every instruction set.
+#[test]
+fn fused_relu_keeps_nan() -> Result<()> {
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported() {
+        force(Some(isa));
+        let mut x = randn(&[3, 40])?.to_vec2::<f32>()?;
+        x[1][7] = f32::NAN;
+        let x = candle::Tensor::new(x, &candle::Device::Cpu)?;
+        let layer = PackedLinear::new(randn(&[70, 40])?, Some(randn(&[70])?))?;
+        let y = layer.forward_relu(&x)?.to_vec2::<f32>()?;
+        assert!(y[1].iter().all(|v| v.is_nan()), "{isa:?}");
+        assert!(y[0].iter().chain(&y[2]).all(|&v| v >= 0.), "{isa:?}");
+    }
+    force(None);
+    Ok(())
+}
+
+/// Weights that track gradients are never packed: a training step
+/// changes them in place, and a packed copy would go stale.
+#[test]
+fn variables_are_not_packed_and_inputs_with_gradients_get_them() -> Result<()> {
+    let w = candle::Var::from_tensor(&randn(&[8, 4])?)?;
+    let lin = PackedLinear::new(w.as_tensor().clone(), None)?;
+    assert!(!lin.is_packed());
+    let x = randn(&[3, 4])?;
+    let before = lin.forward(&x)?;
+    w.set(&(w.as_tensor() * 2.)?)?;
+    let after = lin.forward(&x)?;
+    assert!(
+        rel_err(&after, &(before * 2.)?)? < 1e-6,
+        "the layer must see the updated variable"
+    );
+    // A packed layer under an input that tracks gradients.
+    let packed = PackedLinear::new(randn(&[8, 4])?, Some(randn(&[8])?))?;
+    let xv = candle::Var::from_tensor(&x)?;
+    let grads = packed.forward(xv.as_tensor())?.sum_all()?.backward()?;
+    assert!(
+        grads.get(xv.as_tensor()).is_some(),
+        "no gradient reached the input"
+    );
+    Ok(())
+}
+
+/// A tied embedding's lookup through the packed layer equals the
+/// table's own rows, on every ISA, for ids in any shape (row counts off
+/// the panel width); an id past the table is an error. A broadcast
+/// weight (the pre-flight's placeholder) is neither packed nor copied.
+#[test]
+fn packed_rows_equal_the_table() -> Result<()> {
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
+        force(Some(isa));
+        let w = randn(&[70, 40])?;
+        let layer = PackedLinear::new(w.clone(), None)?;
+        assert!(layer.is_packed());
+        let ids = Tensor::new(&[[0u32, 69, 33], [64, 1, 65]], &candle::Device::Cpu)?;
+        let want = candle_nn::Embedding::new(w, 40).forward(&ids)?;
+        let got = layer.embed(&ids)?;
+        assert_eq!(got.dims(), [2, 3, 40]);
+        assert_eq!(rel_err(&got, &want)?, 0., "{isa:?}");
+        let err = layer.embed(&Tensor::new(&[70u32], &candle::Device::Cpu)?);
+        assert!(err.is_err_and(|e| e.to_string().contains("id 70 is out of range for 70 rows")));
+    }
+    force(None);
+    let placeholder =
+        Tensor::zeros(1, candle::DType::F32, &candle::Device::Cpu)?.broadcast_as((4096, 4096))?;
+    assert!(super::is_broadcast(&placeholder));
+    assert!(!PackedLinear::new(placeholder, None)?.is_packed());
+    assert!(!super::is_broadcast(&randn(&[3, 4])?));
+    Ok(())
+}
+
+/// A scale folded into the weights equals the layer followed by the
+/// scale, on every ISA, with and without bias, through a fused residual
+/// too; a weight or scale that trains is not folded; a wrong-shaped
+/// scale is an error that names it.
+#[test]
+fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
+    use candle::Var;
+    let _lock = FORCE_LOCK.lock();
+    for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
+        force(Some(isa));
+        for bias in [true, false] {
+            let (w, b) = (randn(&[70, 40])?, bias.then(|| randn(&[70])).transpose()?);
+            let layer = PackedLinear::new(w, b)?;
+            let gamma = randn(&[70])?;
+            let scaled = layer
+                .scaled_outputs(&gamma)?
+                .expect("a packed layer folds a plain scale");
+            let x = randn(&[2, 30, 40])?;
+            let expected = layer.forward(&x)?.broadcast_mul(&gamma)?;
+            let what = format!("{isa:?} bias {bias}");
+            assert!(rel_err(&scaled.forward(&x)?, &expected)? < 1e-6, "{what}");
+            let residual = randn(expected.dims())?;
+            let fused = scaled.forward_add(&x, &residual)?;
+            assert!(
+                rel_err(&fused, &(&expected + &residual)?)? < 1e-6,
+                "{what} residual"
+            );
+        }
+    }
+    force(None);
+    let layer = PackedLinear::new(randn(&[8, 4])?, None)?;
+    let trained = Var::from_tensor(&randn(&[8])?)?;
+    assert!(layer.scaled_outputs(trained.as_tensor())?.is_none());
+    let variables = PackedLinear::new(Var::from_tensor(&randn(&[8, 4])?)?.as_tensor().clone(), None)?;
+    assert!(variables.scaled_outputs(&randn(&[8])?)?.is_none());
+    for layer in [&layer, &variables] {
+        let err = layer.scaled_outputs(&Tensor::ones(3, candle::DType::F32, &candle::Device::Cpu)?);
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("gamma") && err.contains("(8,)"), "{err}");
+    }
+    Ok(())
+}
