@@ -123,7 +123,7 @@ impl Mlp {
             }
             let gate_up = if packing_format() == PackFormat::Q8_0 {
                 // Each quantized, its tensors dropped, before the two are
-                // joined: no copy of the fused weight in f32 (4.5 times
+                // joined: no copy of the fused weight in f32 (3.8 times
                 // its Q8_0 size) beside them while a model loads. As
                 // stored, one fused tensor packed at once leaves the heap
                 // less fragmented than two parts and their join.
