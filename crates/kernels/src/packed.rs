@@ -18,7 +18,9 @@
 //!   inputs).
 //!
 //! A single row (a decoder's step) takes each set's `one_row`, which
-//! streams each panel once with 8 accumulators and a software prefetch.
+//! streams each panel once with 8 accumulators and a software prefetch
+//! (on AVX2 of half-precision panels only: f32 ones are left to the
+//! hardware prefetcher).
 //!
 //! A work unit is a block of panels ([`UNIT_FEATURES`] features at most)
 //! by a block of row groups: with more than one thread, at most
