@@ -223,6 +223,23 @@ fn mha_min_weights(cfg: &MhaConfig) -> Result<MinWeights> {
     Ok(m)
 }
 
+/// The tensor listing, `(name, dtype, shape, bytes)` a row, the first
+/// `limit` rows and a count of the rest.
+pub(super) fn print_tensors(
+    out: &mut impl Write,
+    rows: Vec<(&str, &str, &[usize], usize)>,
+    limit: usize,
+) -> Result<()> {
+    let shown = &rows[..rows.len().min(limit)];
+    let w = shown.iter().map(|t| t.0.len()).max().unwrap_or(4).max(4);
+    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
+    for &(name, dtype, shape, bytes) in shown {
+        let shape = format!("{shape:?}");
+        writeln!(out, "{name:<w$}  {dtype:<5}  {shape:<20}  {}", human_bytes(bytes))?;
+    }
+    more(out, "", rows.len(), limit, "tensors")
+}
+
 /// `… N more` after the first `limit` of `total` entries, or nothing.
 pub(super) fn more(out: &mut impl Write, indent: &str, total: usize, limit: usize, what: &str) -> Result<()> {
     if total > limit {
@@ -283,21 +300,11 @@ fn print_text(
     non_finite: &[NonFinite],
     check: Option<&ConfigCheck>,
 ) -> Result<()> {
-    let shown = &ckpt.tensors()[..ckpt.tensors().len().min(limit)];
-    let w = shown.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
-    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
-    for t in shown {
-        let shape = format!("{:?}", t.shape);
-        writeln!(
-            out,
-            "{:<w$}  {:<5}  {:<20}  {}",
-            t.name,
-            t.dtype,
-            shape,
-            human_bytes(t.bytes)
-        )?;
-    }
-    more(out, "", ckpt.tensors().len(), limit, "tensors")?;
+    let rows = ckpt
+        .tensors()
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice(), t.bytes));
+    print_tensors(out, rows.collect(), limit)?;
     let dtypes: Vec<String> = dtype_counts(ckpt)
         .iter()
         .map(|(d, n)| format!("{n} {d}"))

@@ -11,7 +11,7 @@ use candle::quantized::gguf_file::Value;
 use multihead::models::checkpoint::{ggml_type_name, GgufFile, NonFinite, Preflight};
 use multihead::models::decoder::DecoderModel;
 
-use super::inspect::{human_bytes, more, print_report};
+use super::inspect::{human_bytes, more, print_report, print_tensors};
 
 /// Longest string metadata value the text output prints whole (a chat
 /// template runs to kilobytes).
@@ -200,21 +200,11 @@ fn print_text(
     check: &ConfigCheck,
 ) -> Result<()> {
     let rows = rows(file);
-    let shown = &rows[..rows.len().min(limit)];
-    let w = shown.iter().map(|t| t.name.len()).max().unwrap_or(4).max(4);
-    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
-    for t in shown {
-        let shape = format!("{:?}", t.shape);
-        writeln!(
-            out,
-            "{:<w$}  {:<5}  {:<20}  {}",
-            t.name,
-            t.dtype,
-            shape,
-            human_bytes(t.bytes)
-        )?;
-    }
-    more(out, "", rows.len(), limit, "tensors")?;
+    print_tensors(
+        out,
+        rows.iter().map(|t| (t.name, t.dtype, t.shape, t.bytes)).collect(),
+        limit,
+    )?;
     let dtypes: Vec<String> = dtype_counts(file)
         .iter()
         .map(|(d, n)| format!("{n} {d}"))

@@ -268,9 +268,9 @@ unsafe fn weighted_values_rows<const R: usize>(
 
 /// How far ahead of its loads [`one_row`] prefetches half-precision
 /// panels, in bytes: as `avx512::one_row`, whose stream the hardware
-/// prefetcher does not keep ahead of. f32 panels, whose loads come twice
-/// as fast per multiply-add, are left to the hardware prefetcher: on an
-/// AMD EPYC (AVX2) the step's linears read them 10–20 % faster without.
+/// prefetcher does not keep ahead of. f32 panels, twice the bytes per
+/// multiply-add, stream at the hardware prefetcher's pace, and the extra
+/// prefetch instructions only slow them.
 const ONE_ROW_PREFETCH: usize = 2048;
 
 /// `out[c] = init[c] + Σₑ x[e] · w[p·k·NR + e·NR + c % NR]` (`p = c / NR`)

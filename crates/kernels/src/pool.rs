@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 /// decoder step's attention between its linears, whose wake-ups through
 /// rayon's pool cost more than the attention); with the helpers asleep (a
 /// B8 transformer's decoder step, 64 heads of up to 64 keys, whose
-/// linears run on rayon's pool) rayon's splitting measured faster, and the
-/// caller alone slower still.
+/// linears run on rayon's pool) rayon's awake workers take them sooner
+/// than a sleeping helper, and the caller alone is slower still.
 const MIN_ITEM: usize = 1 << 16;
 
 /// How long a helper keeps polling for the next job after its last before
@@ -32,7 +32,7 @@ const SPIN: Duration = Duration::from_micros(300);
 /// after the last item was taken does nothing. A decode step's hundred-odd
 /// jobs, each a few hundred microseconds, then neither wake a sleeping
 /// worker nor sleep until one is done (on rayon's pool, which does both,
-/// that handing-over costs about 15 % of a Q8_0 decode step). Smaller
+/// the handing-over is a large share of a Q8_0 decode step). Smaller
 /// items while the helpers sleep, and calls from inside the pool, take
 /// rayon's own splitting.
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
