@@ -176,7 +176,9 @@ fn fma_peak(iters: usize) -> f64 {
         // (24 spill and read low), enough to cover the FMA's latency on two
         // ports either way.
         match multihead::attention::cpu_isa() {
-            "avx512" => return chains!("avx512f", __m512, 16, 24, _mm512_set1_ps, _mm512_fmadd_ps),
+            "avx512" | "avx512bf16" => {
+                return chains!("avx512f", __m512, 16, 24, _mm512_set1_ps, _mm512_fmadd_ps)
+            }
             "avx2" => return chains!("avx2,fma", __m256, 8, 12, _mm256_set1_ps, _mm256_fmadd_ps),
             _ => {}
         }

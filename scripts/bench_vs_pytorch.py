@@ -39,7 +39,8 @@ the weight matrices in bf16 (`vit --dtype bf16`); ONNX Runtime in f32 (the
 model exported by `torch.onnx.export`, `onnxruntime` installed in the
 venv) against ours in f32; and ours in bf16 against ours in f32. Without
 AVX512-BF16 (`lscpu`: `avx512_bf16`), oneDNN and our kernels both widen
-bf16 to f32 before the FMAs.
+bf16 to f32 before the FMAs; with it, both multiply bf16 pairs with
+`vdpbf16ps` (ours: `MULTIHEAD_CPU_ISA=avx512` turns that off).
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
 PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`

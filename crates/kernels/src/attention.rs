@@ -158,7 +158,7 @@ impl Tiles {
         #[cfg(target_arch = "x86_64")]
         if q_len >= tile::MIN_Q_LEN && head_dim > 0 && v_head_dim > 0 {
             match crate::isa::current() {
-                crate::isa::Isa::Avx512 => return Tiles::Avx512,
+                crate::isa::Isa::Avx512 | crate::isa::Isa::Avx512Bf16 => return Tiles::Avx512,
                 crate::isa::Isa::Avx2 => return Tiles::Avx2,
                 crate::isa::Isa::Portable => {}
             }

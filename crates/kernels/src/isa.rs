@@ -1,9 +1,9 @@
 //! The one place that picks the instruction set the CPU code runs with.
 //!
-//! The best the processor has, unless `MULTIHEAD_CPU_ISA` (`avx512`,
-//! `avx2` or `portable`, read once) or [`force`] (tests, benchmarks) asks
-//! for less;
-//! asking for more than the processor has gets what it has.
+//! The best the processor has, unless `MULTIHEAD_CPU_ISA` (`avx512bf16`,
+//! `avx512`, `avx2` or `portable`, read once) or [`force`] (tests,
+//! benchmarks) asks for less; asking for more than the processor has gets
+//! what it has.
 //!
 //! AMX is not among them: its tiles multiply bf16 and int8, not f32, and
 //! an f32-exact product from bf16 parts costs more than AVX-512's FMAs.
@@ -20,10 +20,14 @@ pub enum Isa {
     Avx2,
     /// AVX-512F (with AVX2 and FMA).
     Avx512,
+    /// AVX-512F with AVX512-BF16: bf16 weights multiply bf16-rounded
+    /// inputs with `vdpbf16ps` (PyTorch's CPU bf16 autocast numerics);
+    /// everything else runs as with [`Isa::Avx512`].
+    Avx512Bf16,
 }
 
 impl Isa {
-    const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
 
     /// The name `MULTIHEAD_CPU_ISA` takes for it.
     pub fn name(self) -> &'static str {
@@ -31,6 +35,7 @@ impl Isa {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
     }
 
@@ -53,10 +58,13 @@ fn detected() -> Isa {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
-                return if is_x86_feature_detected!("avx512f") {
-                    Isa::Avx512
-                } else {
-                    Isa::Avx2
+                return match (
+                    is_x86_feature_detected!("avx512f"),
+                    is_x86_feature_detected!("avx512bf16"),
+                ) {
+                    (true, true) => Isa::Avx512Bf16,
+                    (true, false) => Isa::Avx512,
+                    (false, _) => Isa::Avx2,
                 };
             }
         }
@@ -78,7 +86,7 @@ pub(crate) fn has_vnni() -> bool {
         #[cfg(not(target_arch = "x86_64"))]
         false
     });
-    detected && current() == Isa::Avx512
+    detected && current() >= Isa::Avx512
 }
 
 /// The L2 cache of one core in bytes, where the processor reports it
@@ -111,7 +119,9 @@ fn from_env() -> Option<Isa> {
         let name = std::env::var("MULTIHEAD_CPU_ISA").ok()?;
         let isa = Isa::parse(&name);
         if isa.is_none() {
-            eprintln!("multihead: MULTIHEAD_CPU_ISA={name:?} is not avx512, avx2 or portable; ignored");
+            eprintln!(
+                "multihead: MULTIHEAD_CPU_ISA={name:?} is not avx512bf16, avx512, avx2 or portable; ignored"
+            );
         }
         isa
     })

@@ -16,7 +16,9 @@
 //! - `tile.rs`: the attention tiles' packing and work unit (`panel.rs`
 //!   holds the layout it shares with the micro-kernels);
 //! - `avx2.rs`, `avx512.rs`: the micro-kernels of one instruction set
-//!   each, importing nothing from one another;
+//!   each, importing nothing from one another; `avx512bf16.rs`: AVX-512's
+//!   linear kernels with `vdpbf16ps` for their step (bf16 weights times
+//!   inputs rounded to bf16);
 //! - `lanes.rs`: a vector type per instruction set (`ymm`, `zmm`, and
 //!   portable lanes the compiler vectorises), so that kernels are written
 //!   once over the vector width: `softmax.rs` (the online softmax and its
@@ -32,7 +34,8 @@
 //!   rayon's pool from inside it), buffers kept between calls.
 //!
 //! Every kernel variant can be forced ([`isa::force`], or
-//! `MULTIHEAD_CPU_ISA=avx512|avx2|portable` for a whole process), and the
+//! `MULTIHEAD_CPU_ISA=avx512bf16|avx512|avx2|portable` for a whole
+//! process), and the
 //! tests compare each one the processor runs with the reference path.
 
 #![warn(missing_docs)]
@@ -64,6 +67,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
+mod avx512bf16;
+#[cfg(target_arch = "x86_64")]
 mod direct;
 mod elem;
 pub mod isa;
@@ -84,10 +89,11 @@ pub use activation::{relu, silu_and_mul};
 pub use linear::{is_broadcast, packing_as, packing_format, PackFormat, PackedLinear};
 pub use norm::LayerNorm;
 
-/// The instruction set the CPU kernels run with now: `"avx512"` (AVX-512F),
-/// `"avx2"` (AVX2 and FMA) or `"portable"`; the best the processor has,
-/// unless `MULTIHEAD_CPU_ISA` (`avx512`, `avx2` or `portable`, read once)
-/// or [`isa::force`] asks for less. Benchmarks print it beside their
+/// The instruction set the CPU kernels run with now: `"avx512bf16"`
+/// (AVX-512F with AVX512-BF16: bf16 weights multiply inputs rounded to
+/// bf16), `"avx512"` (AVX-512F), `"avx2"` (AVX2 and FMA) or `"portable"`;
+/// the best the processor has, unless `MULTIHEAD_CPU_ISA` (one of those
+/// names, read once) or [`isa::force`] asks for less. Benchmarks print it beside their
 /// figures.
 pub fn cpu_isa() -> &'static str {
     isa::current().name()

@@ -528,6 +528,12 @@ impl PackedLinear {
                 _ => (self.weight()?, self.bias()?),
             };
             let b = b.map(|b| b.narrow(0, lo, hi - lo)).transpose()?;
+            // Where the packed path rounds its inputs to bf16, so does
+            // this one.
+            let x = match &self.inner {
+                Inner::Packed(p) if p.rounds_inputs() => &x.to_dtype(DType::BF16)?.to_dtype(x.dtype())?,
+                _ => x,
+            };
             return epilogue_of(candle_linear(&w.narrow(0, lo, hi - lo)?, b.as_ref(), x)?);
         }
         let m = x.elem_count() / k.max(1);

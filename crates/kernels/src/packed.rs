@@ -15,7 +15,10 @@
 //!   12 rows by one panel for calls of up to 12 rows, 6 rows by two
 //!   panels for more ([`crate::avx512::LinearTile`]), which read the rows
 //!   of `x` in place too, in groups of 12 or 6 (no per-call packing of the
-//!   inputs).
+//!   inputs);
+//! - **AVX512-BF16**: AVX-512's panels, but bf16 weights over an even
+//!   number of inputs interleave their inputs in pairs for `vdpbf16ps`
+//!   (`avx512bf16.rs`), and a call rounds its inputs to bf16 once.
 //!
 //! A single row (a decoder's step) takes each set's `one_row`, which
 //! streams each panel once with 8 accumulators and a software prefetch
@@ -63,7 +66,7 @@ const AHEAD: usize = 32;
 fn panel_width(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => crate::avx512::LINEAR_NR,
+        Isa::Avx512 | Isa::Avx512Bf16 => crate::avx512::LINEAR_NR,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => crate::panel::NR,
         _ => 16,
@@ -107,17 +110,31 @@ fn convert<S: PanelElem, E: PanelElem>(x: S) -> E {
     }
 }
 
+/// Where input `e` of feature `c` lies from the start of a panel of `nr`
+/// features: `e·nr + c`, or, `paired`, in the input pairs of
+/// `avx512bf16.rs`.
+fn panel_index(paired: bool, e: usize, c: usize, nr: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if paired {
+        return crate::avx512bf16::pair_index(e, c);
+    }
+    debug_assert!(!paired);
+    e * nr + c
+}
+
 /// A weight's panels in one element type, 64-byte aligned from `start`,
 /// so that a panel row's loads never straddle a cache line.
 pub(crate) struct Panels<E> {
     data: Vec<E>,
     start: usize,
+    /// In the input pairs of `avx512bf16.rs` ([`panel_index`]).
+    paired: bool,
 }
 
 impl<E: PanelElem> Panels<E> {
     /// `w`, `n` rows of `k` elements, as panels of `nr` features, each
-    /// element rounded to `E`.
-    fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize) -> Self {
+    /// element rounded to `E`, its inputs `paired` or not.
+    fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize, paired: bool) -> Self {
         let np = n.div_ceil(nr) * nr;
         // 64 bytes of slack to align the start.
         let slack = 64 / size_of::<E>();
@@ -135,12 +152,12 @@ impl<E: PanelElem> Panels<E> {
                     for c in 0..nr.min(n.saturating_sub(p * nr)) {
                         let row = &w[(p * nr + c) * k..][e0..e1];
                         for (e, &x) in (e0..).zip(row) {
-                            panel[e * nr + c] = convert(x);
+                            panel[panel_index(paired, e, c, nr)] = convert(x);
                         }
                     }
                 }
             });
-        Panels { data, start }
+        Panels { data, start, paired }
     }
 
     fn get(&self) -> &[E] {
@@ -161,6 +178,7 @@ impl<E: PanelElem> Panels<E> {
         Panels {
             data: self.data,
             start,
+            paired: self.paired,
         }
     }
 
@@ -169,7 +187,7 @@ impl<E: PanelElem> Panels<E> {
         let k = row.len();
         let panel = &self.get()[(j / nr) * k * nr..];
         for (e, x) in row.iter_mut().enumerate() {
-            *x = panel[e * nr + j % nr].to_f32();
+            *x = panel[panel_index(self.paired, e, j % nr, nr)].to_f32();
         }
     }
 }
@@ -249,10 +267,13 @@ impl PackedWeight {
         if let Some(bias) = bias {
             b[..n].copy_from_slice(bias);
         }
+        // AVX512-BF16 multiplies bf16 weights in input pairs, where the
+        // inputs pair up.
+        let paired = isa == Isa::Avx512Bf16 && dtype == DType::BF16 && k.is_multiple_of(2);
         let panels = match dtype {
-            DType::F32 => PanelData::F32(Panels::pack(w, n, k, nr)),
-            DType::BF16 => PanelData::Bf16(Panels::pack(w, n, k, nr)),
-            DType::F16 => PanelData::F16(Panels::pack(w, n, k, nr)),
+            DType::F32 => PanelData::F32(Panels::pack(w, n, k, nr, false)),
+            DType::BF16 => PanelData::Bf16(Panels::pack(w, n, k, nr, paired)),
+            DType::F16 => PanelData::F16(Panels::pack(w, n, k, nr, false)),
             other => candle::bail!("PackedLinear: weights cannot be packed as {other:?} (f32, bf16 or f16)"),
         };
         Ok(PackedWeight {
@@ -292,6 +313,31 @@ impl PackedWeight {
             k,
             isa: self.isa,
         })
+    }
+
+    /// Whether [`PackedWeight::forward`] rounds its inputs to bf16: the
+    /// panels are bf16 in input pairs, for `vdpbf16ps`.
+    pub(crate) fn rounds_inputs(&self) -> bool {
+        matches!(self.panels, PanelData::Bf16(Panels { paired: true, .. }))
+    }
+
+    /// `x` rounded to bf16 where the panels are bf16 in input pairs, for
+    /// `vdpbf16ps` (`avx512bf16.rs`); else `None`, the kernels reading `x`
+    /// as it is.
+    fn paired_inputs(&self, x: &[f32]) -> Option<Vec<bf16>> {
+        if !self.rounds_inputs() {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut xb = vec![bf16::ZERO; x.len()];
+            // SAFETY: the panels are paired only for `Isa::Avx512Bf16`,
+            // which was current, so detected, when they were packed.
+            unsafe { crate::avx512bf16::round(x, &mut xb) };
+            Some(xb)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("panels are paired only for AVX512-BF16")
     }
 
     /// The dtype the panels hold.
@@ -382,9 +428,10 @@ impl PackedWeight {
         if m == 0 {
             return out;
         }
+        let xb = self.paired_inputs(&x[..m * k]);
         #[cfg(target_arch = "x86_64")]
         if self.isa >= Isa::Avx2 && m == 1 {
-            self.one_row(panels, x, (lo, hi), &mut out);
+            self.one_row(panels, x, xb.as_deref(), (lo, hi), &mut out);
             // SAFETY: one_row wrote the row's `width` floats.
             unsafe { out.set_len(width) };
             epilogue.apply(&mut out);
@@ -401,14 +448,19 @@ impl PackedWeight {
         let tile = crate::avx512::LinearTile::for_rows(m);
         let (mr, tp) = match self.isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => tile.shape(),
+            Isa::Avx512 | Isa::Avx512Bf16 => tile.shape(),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => (crate::avx2::MR, 1),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
         // Slices of the reduction of at most `slice_len` inputs, of equal
-        // length.
+        // length, even where the inputs go in pairs.
         let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa)));
+        let kc_max = if xb.is_some() {
+            kc_max.next_multiple_of(2)
+        } else {
+            kc_max
+        };
         let groups = m.div_ceil(mr);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let threads = if m * width * k > PARALLEL_FROM {
@@ -496,19 +548,38 @@ impl PackedWeight {
                             };
                             match self.isa {
                                 #[cfg(target_arch = "x86_64")]
-                                Isa::Avx512 => crate::avx512::linear_tile(
-                                    tile,
-                                    rows,
-                                    cols,
-                                    kc,
-                                    (xg, k),
-                                    (w, k * nr),
-                                    bias,
-                                    res,
-                                    dst,
-                                    width,
-                                    prefetch(k0, kc, g, p),
-                                ),
+                                Isa::Avx512 | Isa::Avx512Bf16 => {
+                                    use crate::avx512::{linear_tile, Tile, Widen};
+                                    let (pf, pf_steps) = prefetch(k0, kc, g, p);
+                                    macro_rules! tile {
+                                        ($x:expr) => {
+                                            Tile {
+                                                cols,
+                                                kc,
+                                                x: $x,
+                                                x_rs: k,
+                                                w: w.cast(),
+                                                w_next: k * nr,
+                                                init: bias,
+                                                res: res.0,
+                                                res_rs: res.1,
+                                                out: dst,
+                                                out_rs: width,
+                                                pf: pf.map(|pf| pf.cast()),
+                                                pf_steps,
+                                            }
+                                        };
+                                    }
+                                    match &xb {
+                                        // Paired panels are bf16.
+                                        Some(xb) => linear_tile::<crate::avx512bf16::Pairs>(
+                                            tile,
+                                            rows,
+                                            &tile!(xb[g * mr * k + k0..].as_ptr()),
+                                        ),
+                                        None => linear_tile::<Widen<E>>(tile, rows, &tile!(xg)),
+                                    }
+                                }
                                 _ => self.avx2_tile(rows, cols, xg, kc, w, (bias, res), dst, width),
                             }
                             if k0 + kc == k && epilogue != Epilogue::Identity {
@@ -599,9 +670,17 @@ impl PackedWeight {
     }
 
     /// `x · wᵀ + b` for one row and output features `lo..hi`, into `out`'s
-    /// spare capacity: the panels split into one run per thread.
+    /// spare capacity: the panels split into one run per thread; `xb` is
+    /// `x` rounded to bf16 where the panels are paired.
     #[cfg(target_arch = "x86_64")]
-    fn one_row<E: PanelElem>(&self, panels: &[E], x: &[f32], (lo, hi): (usize, usize), out: &mut Vec<f32>) {
+    fn one_row<E: PanelElem>(
+        &self,
+        panels: &[E],
+        x: &[f32],
+        xb: Option<&[bf16]>,
+        (lo, hi): (usize, usize),
+        out: &mut Vec<f32>,
+    ) {
         let (nr, k, width) = (self.nr(), self.k, hi - lo);
         debug_assert!(out.capacity() >= width);
         let n_panels = width.div_ceil(nr);
@@ -624,8 +703,15 @@ impl PackedWeight {
             // columns, and the bias their panels' floats; `self.isa`, AVX2
             // (with FMA and F16C) or AVX-512, was detected when packed.
             unsafe {
-                match self.isa {
-                    Isa::Avx512 => crate::avx512::one_row(x.as_ptr(), k, w, cols, bias, out),
+                use crate::avx512::{one_row, Widen};
+                match (self.isa, xb) {
+                    // Paired panels are bf16 over an even `k`.
+                    (_, Some(xb)) => {
+                        one_row::<crate::avx512bf16::Pairs>(xb.as_ptr(), k, w.cast(), cols, bias, out)
+                    }
+                    (Isa::Avx512 | Isa::Avx512Bf16, None) => {
+                        one_row::<Widen<E>>(x.as_ptr(), k, w, cols, bias, out)
+                    }
                     _ => crate::avx2::one_row(x.as_ptr(), k, w, cols, bias, out),
                 }
             };

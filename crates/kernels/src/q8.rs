@@ -110,9 +110,9 @@ impl Kernel {
     fn for_isa(isa: Isa) -> Kernel {
         match isa.min(crate::isa::current()) {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if crate::isa::has_vnni() => Kernel::Vnni,
+            Isa::Avx512 | Isa::Avx512Bf16 if crate::isa::has_vnni() => Kernel::Vnni,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx2 => Kernel::Avx2,
+            Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => Kernel::Avx2,
             _ => Kernel::Portable,
         }
     }

@@ -203,7 +203,7 @@ pub(crate) fn online_softmax_row(row: &mut [f32], m: &mut f32, l: &mut f32, acc:
         }
         match current() {
             // SAFETY: `current` never exceeds what was detected.
-            Isa::Avx512 => return unsafe { avx512(row, m, l, acc) },
+            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512(row, m, l, acc) },
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { avx2(row, m, l, acc) },
             Isa::Portable => {}
@@ -229,7 +229,7 @@ macro_rules! dispatch {
                 use crate::isa::{current, Isa};
                 match current() {
                     // SAFETY: `current` never exceeds what was detected.
-                    Isa::Avx512 => return unsafe { avx512($($arg),*) },
+                    Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512($($arg),*) },
                     // SAFETY: as above.
                     Isa::Avx2 => return unsafe { avx2($($arg),*) },
                     Isa::Portable => {}

@@ -61,7 +61,8 @@ fn opts(dtype: WeightDtype) -> LoadOptions {
 /// Every file's prompt logits equal HF's with each weight rounded as the
 /// file stores it (gguf-py's own rounding), computed in f32, within 1e-5
 /// of the largest: f32 and q8_0 loaded as f32, f16 and bf16 both widened
-/// to f32 and kept as stored. Arch `llama` has its q and k (weights and
+/// to f32 and kept as stored (bf16 within 2e-2, the bf16 target, where
+/// AVX512-BF16's layers round their inputs to bf16). Arch `llama` has its q and k (weights and
 /// biases) permuted by the converter; qwen2 has biases and tied
 /// embeddings; qwen3 q/k norms and wider heads.
 #[test]
@@ -81,7 +82,11 @@ fn logits_equal_hf_over_the_weights_the_file_stores() -> Result<()> {
                 let model = DecoderModel::from_gguf(&gguf(name, ty), &Device::Cpu, &opts(dtype))
                     .with_context(|| format!("loading {name}-{ty}"))?;
                 let got = logits(&model, &input)?;
-                assert_close(&format!("{name}-{ty} as {dtype}"), &got, want, 1e-5)?;
+                let tol = match (dtype, multihead_attention::cpu_isa()) {
+                    (WeightDtype::Bf16, "avx512bf16") => 2e-2,
+                    _ => 1e-5,
+                };
+                assert_close(&format!("{name}-{ty} as {dtype}"), &got, want, tol)?;
                 eprintln!(
                     "{name}-{ty} as {dtype}: max |ours - HF| {:.2e} (largest logit {:.2})",
                     max_abs_diff(&got, want)?,

@@ -103,14 +103,15 @@ fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()
             let what = format!("{name} {dtype}");
             let expected = half.get(&format!("{name}.{dtype}.logits"))?;
             let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
-            assert_close(&format!("{what} prompt logits"), &logits, expected, 1e-5)?;
+            let tol = bf16_inputs_tolerance(dtype);
+            assert_close(&format!("{what} prompt logits"), &logits, expected, tol)?;
             let moved = max_abs_diff(&logits, &f32_logits)?;
             assert!(
                 moved > 1e-3,
                 "{what}: the logits equal the f32 model's: not rounded?"
             );
             let steps = half.get(&format!("{name}.{dtype}.steps"))?;
-            cached_steps_match(&model, &ids(&f, "greedy_ids")?, steps, &what, 1e-5)?;
+            cached_steps_match(&model, &ids(&f, "greedy_ids")?, steps, &what, tol)?;
             eprintln!(
                 "{what}: max |ours - HF| over the prompt logits {:.2e}; rounding moved them {moved:.2e}",
                 max_abs_diff(&logits, expected)?
@@ -118,6 +119,19 @@ fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()
         }
     }
     Ok(())
+}
+
+/// The tolerance, relative to the largest logit, against HF's f32 compute
+/// over the rounded weights: 1e-5, but 2e-2 (the bf16 target against
+/// f32) for bf16 weights where the CPU has AVX512-BF16, whose `vdpbf16ps`
+/// layers round their inputs to bf16 as PyTorch's CPU autocast does
+/// (`crates/kernels`' tests hold those layers to 1e-5 of the sums over the
+/// rounded inputs).
+fn bf16_inputs_tolerance(dtype: WeightDtype) -> f64 {
+    match (dtype, multihead_attention::cpu_isa()) {
+        (WeightDtype::Bf16, "avx512bf16") => 2e-2,
+        _ => 1e-5,
+    }
 }
 
 /// With the cache storing keys and values in bf16 or f16 (`--kv-dtype`),

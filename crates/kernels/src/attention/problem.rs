@@ -230,7 +230,7 @@ impl<KV: KvElem> Problem<'_, KV> {
                 let (q_rs, k_rs) = (self.q.stride[2], self.k.stride[2]);
                 match lanes {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => {
+                    Isa::Avx512 | Isa::Avx512Bf16 => {
                         direct::zmm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile)
                     }
                     #[cfg(target_arch = "x86_64")]
@@ -274,7 +274,9 @@ impl<KV: KvElem> Problem<'_, KV> {
                 let (v, v_rs) = (self.v.data.as_ptr().add(v_off), self.v.stride[2]);
                 match lanes {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => direct::zmm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
+                    Isa::Avx512 | Isa::Avx512Bf16 => {
+                        direct::zmm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx2 => direct::ymm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
                     // acc (rows, dv) += P (rows, cols) · V (cols, dv)

@@ -98,9 +98,12 @@ fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
 
 /// bf16 and f16 weights are packed as they are, and the layer equals
 /// the f32 layer over the same weights widened, on every instruction
-/// set (the portable one through candle, over the widened weight):
-/// single rows, the tall and wide tiles, sliced reductions and a last
-/// panel cut short, a fused residual and a range of features. The
+/// set (the portable one through candle, over the widened weight;
+/// AVX512-BF16's bf16 weights over an even number of inputs over the
+/// inputs rounded to bf16): single rows, the tall and wide tiles, sliced
+/// reductions (an odd number of inputs a slice, which pairs round up)
+/// and a last panel cut short, a fused residual and a range of features,
+/// an odd number of inputs (which does not pair). The
 /// unpacked weight and a tied table's rows are the stored values
 /// exactly. Half-precision inputs come back in their dtype, equal to
 /// the f32 result rounded to it.
@@ -113,6 +116,9 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
         (5, 40, 70, true),
         (13, 2100, 300, true),
         (40, 96, 200, false),
+        (13, 1538, 100, true),
+        (3, 41, 70, true),
+        (1, 41, 40, false),
     ];
     let _lock = FORCE_LOCK.lock();
     for isa in supported() {
@@ -124,7 +130,12 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
                 let w = randn(&[n, k])?.to_dtype(dtype)?;
                 let b = bias.then(|| randn(&[n])).transpose()?;
                 let wide = w.to_dtype(DType::F32)?;
-                let expected = candle_nn::Linear::new(wide.clone(), b.clone()).forward(&x)?;
+                let paired = isa == Isa::Avx512Bf16 && dtype == DType::BF16 && k % 2 == 0;
+                let x_seen = match paired {
+                    true => x.to_dtype(DType::BF16)?.to_dtype(DType::F32)?,
+                    false => x.clone(),
+                };
+                let expected = candle_nn::Linear::new(wide.clone(), b.clone()).forward(&x_seen)?;
                 let ours = PackedLinear::new(w.clone(), b)?;
                 assert_eq!(ours.is_packed(), isa != Isa::Portable, "{what}");
                 assert_eq!(ours.dtype(), dtype, "{what}");

@@ -18,7 +18,7 @@ pub(super) fn slice_len(isa: Isa) -> usize {
     const DEFAULT: usize = 384;
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx2 => crate::isa::l2_bytes().map_or(DEFAULT, |l2| {
+        Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => crate::isa::l2_bytes().map_or(DEFAULT, |l2| {
             (l2 / 2 / (UNIT_FEATURES * std::mem::size_of::<f32>())).clamp(DEFAULT, 1024)
         }),
         _ => DEFAULT,

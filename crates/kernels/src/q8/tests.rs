@@ -254,11 +254,13 @@ fn forcing_an_isa_picks_its_kernel() {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => Kernel::Avx2,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") => {
+            Isa::Avx512 | Isa::Avx512Bf16
+                if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") =>
+            {
                 Kernel::Vnni
             }
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Kernel::Avx2,
+            Isa::Avx512 | Isa::Avx512Bf16 => Kernel::Avx2,
             #[cfg(not(target_arch = "x86_64"))]
             _ => Kernel::Portable,
         };
