@@ -39,6 +39,7 @@
 //! epilogue (GELU or ReLU) runs on each tile as its last slice is written,
 //! while it is in L1.
 
+mod panels;
 mod units;
 
 use candle::{DType, Result};
@@ -49,6 +50,7 @@ use crate::elem::PanelElem;
 use crate::isa::Isa;
 use crate::pool::{par_for, SyncPtr};
 use crate::simd;
+use panels::Panels;
 use units::{slice_len, unit_shape};
 
 /// Multiply-adds (or floats packed) from which a call's work is spread
@@ -94,100 +96,6 @@ impl Epilogue {
             Epilogue::GeluErf => simd::gelu_erf(xs),
             Epilogue::GeluTanh => simd::gelu_tanh(xs),
             Epilogue::Relu => simd::relu(xs),
-        }
-    }
-}
-
-/// `x` as an `E`: rounded, or, where `S` is `E`, itself (a bf16 weight
-/// packed as bf16 is copied, not widened and rounded back).
-#[inline(always)]
-fn convert<S: PanelElem, E: PanelElem>(x: S) -> E {
-    if std::any::TypeId::of::<S>() == std::any::TypeId::of::<E>() {
-        // SAFETY: S and E are the same type.
-        unsafe { std::mem::transmute_copy::<S, E>(&x) }
-    } else {
-        E::from_f32(x.to_f32())
-    }
-}
-
-/// Where input `e` of feature `c` lies from the start of a panel of `nr`
-/// features: `e·nr + c`, or, `paired`, in the input pairs of
-/// `avx512bf16.rs`.
-fn panel_index(paired: bool, e: usize, c: usize, nr: usize) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if paired {
-        return crate::avx512bf16::pair_index(e, c);
-    }
-    debug_assert!(!paired);
-    e * nr + c
-}
-
-/// A weight's panels in one element type, 64-byte aligned from `start`,
-/// so that a panel row's loads never straddle a cache line.
-pub(crate) struct Panels<E> {
-    data: Vec<E>,
-    start: usize,
-    /// In the input pairs of `avx512bf16.rs` ([`panel_index`]).
-    paired: bool,
-}
-
-impl<E: PanelElem> Panels<E> {
-    /// `w`, `n` rows of `k` elements, as panels of `nr` features, each
-    /// element rounded to `E`, its inputs `paired` or not.
-    fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize, paired: bool) -> Self {
-        let np = n.div_ceil(nr) * nr;
-        // 64 bytes of slack to align the start.
-        let slack = 64 / size_of::<E>();
-        let mut data = vec![E::default(); np * k + slack];
-        let start = data.as_ptr().align_offset(64).min(slack);
-        data[start..start + np * k]
-            .par_chunks_mut(k * nr)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                // In blocks of inputs whose panel rows stay in L1 while
-                // every feature's inputs are written into them.
-                const BLOCK: usize = 64;
-                for e0 in (0..k).step_by(BLOCK) {
-                    let e1 = (e0 + BLOCK).min(k);
-                    for c in 0..nr.min(n.saturating_sub(p * nr)) {
-                        let row = &w[(p * nr + c) * k..][e0..e1];
-                        for (e, &x) in (e0..).zip(row) {
-                            panel[panel_index(paired, e, c, nr)] = convert(x);
-                        }
-                    }
-                }
-            });
-        Panels { data, start, paired }
-    }
-
-    fn get(&self) -> &[E] {
-        &self.data[self.start..]
-    }
-
-    /// Its first `la` elements, then `b`'s first `lb`, realigned as
-    /// [`Panels::pack`] aligns them: the buffer grown in place where the
-    /// allocator can, so that joining holds one copy of `b` beside it.
-    fn extend(mut self, la: usize, b: &Self, lb: usize) -> Self {
-        let slack = 64 / size_of::<E>();
-        let old = self.start;
-        self.data.truncate(old + la);
-        self.data.resize(slack + la + lb, E::default());
-        let start = self.data.as_ptr().align_offset(64).min(slack);
-        self.data.copy_within(old..old + la, start);
-        self.data[start + la..][..lb].copy_from_slice(&b.get()[..lb]);
-        Panels {
-            data: self.data,
-            start,
-            paired: self.paired,
-        }
-    }
-
-    /// Output feature `j`'s `k` weights as f32, into `row`.
-    fn row_into(&self, j: usize, nr: usize, row: &mut [f32]) {
-        let k = row.len();
-        let panel = &self.get()[(j / nr) * k * nr..];
-        for (e, x) in row.iter_mut().enumerate() {
-            *x = panel[panel_index(self.paired, e, j % nr, nr)].to_f32();
         }
     }
 }
