@@ -267,7 +267,7 @@ unsafe fn weighted_values_rows<const R: usize>(
 }
 
 /// How far ahead of its loads [`one_row`] prefetches half-precision
-/// panels, in bytes: as `avx512::one_row`, whose stream the hardware
+/// panels, in bytes: as AVX-512's `one_row_body`, whose stream the hardware
 /// prefetcher does not keep ahead of. f32 panels, twice the bytes per
 /// multiply-add, stream at the hardware prefetcher's pace, and the extra
 /// prefetch instructions only slow them.

@@ -122,7 +122,7 @@ mod tests {
     use half::bf16;
 
     use super::{pair_index, round, Pairs};
-    use crate::avx512::{linear_tile, one_row, LinearTile, Tile, LINEAR_NR};
+    use crate::avx512::{linear_tile, Dot, LinearTile, Tile, LINEAR_NR};
     use crate::isa::{supported, Isa};
 
     fn runs_here() -> bool {
@@ -204,7 +204,7 @@ mod tests {
         };
         let mut out = vec![0f32; n];
         // SAFETY: the processor has them; the extents are the buffers'.
-        unsafe { one_row::<Pairs>(x.as_ptr(), k, p.as_ptr(), n, bias.as_ptr(), out.as_mut_ptr()) };
+        unsafe { Pairs::one_row(x.as_ptr(), k, p.as_ptr(), n, bias.as_ptr(), out.as_mut_ptr()) };
         for (j, &y) in out.iter().enumerate() {
             close(y, want(0, j), &format!("one row, feature {j}"));
         }

@@ -611,14 +611,14 @@ impl PackedWeight {
             // columns, and the bias their panels' floats; `self.isa`, AVX2
             // (with FMA and F16C) or AVX-512, was detected when packed.
             unsafe {
-                use crate::avx512::{one_row, Widen};
+                use crate::avx512::{Dot, Widen};
                 match (self.isa, xb) {
                     // Paired panels are bf16 over an even `k`.
                     (_, Some(xb)) => {
-                        one_row::<crate::avx512bf16::Pairs>(xb.as_ptr(), k, w.cast(), cols, bias, out)
+                        crate::avx512bf16::Pairs::one_row(xb.as_ptr(), k, w.cast(), cols, bias, out)
                     }
                     (Isa::Avx512 | Isa::Avx512Bf16, None) => {
-                        one_row::<Widen<E>>(x.as_ptr(), k, w, cols, bias, out)
+                        Widen::<E>::one_row(x.as_ptr(), k, w, cols, bias, out)
                     }
                     _ => crate::avx2::one_row(x.as_ptr(), k, w, cols, bias, out),
                 }

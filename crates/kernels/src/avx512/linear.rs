@@ -80,7 +80,7 @@ pub(crate) trait Dot: Sized {
     unsafe fn tile_rows<const R: usize, const V: usize>(t: &Tile<Self>);
     /// [`one_row_body`] for this dot.
     /// # Safety
-    /// As [`one_row`].
+    /// As [`one_row_body`].
     unsafe fn one_row(
         x: *const Self::X,
         k: usize,
@@ -320,13 +320,14 @@ pub(crate) unsafe fn tile_rows<const R: usize, const V: usize, D: Dot>(t: &Tile<
     }
 }
 
-/// How far ahead of its loads [`one_row`] prefetches its panels, in bytes.
+/// How far ahead of its loads [`one_row_body`] prefetches its panels, in bytes.
 /// The stream is read once and at a rate the hardware prefetcher, which
 /// stops at every 4 KiB page, does not keep ahead of: half a page of
 /// software prefetch is what keeps a half-precision panel's loads from
 /// waiting on memory (f32 reads fast enough without it, and takes no harm).
 const ONE_ROW_PREFETCH: usize = 2048;
 
+/// The body of every [`Dot::one_row`], inlined into each entry point:
 /// `out[c] = init[c] + Σₑ x[e] · w[p·k·LINEAR_NR + e·LINEAR_NR + c % 32]`
 /// (`p = c / 32`) for `cols` columns: one row (a decoder's step) through
 /// the packed panels (in `D`'s layout), each streamed once, four steps at
@@ -337,22 +338,6 @@ const ONE_ROW_PREFETCH: usize = 2048;
 /// multiple of `D::STEP`; `w` starts at a panel (64-byte aligned) and
 /// covers `ceil(cols / 32)` panels of `k` inputs, `x` holds `k` inputs,
 /// `init` and `out` `cols` floats.
-pub(crate) unsafe fn one_row<D: Dot>(
-    x: *const D::X,
-    k: usize,
-    w: *const D::W,
-    cols: usize,
-    init: *const f32,
-    out: *mut f32,
-) {
-    // SAFETY: forwarded.
-    unsafe { D::one_row(x, k, w, cols, init, out) }
-}
-
-/// The body of every [`Dot::one_row`], inlined into each entry point.
-///
-/// # Safety
-/// As [`one_row`].
 #[inline(always)]
 pub(crate) unsafe fn one_row_body<D: Dot>(
     x: *const D::X,
