@@ -1,13 +1,13 @@
 //! AVX512-BF16's linear micro-kernels: bf16 weights times bf16-rounded
-//! inputs with `vdpbf16ps`, which multiplies 16 pairs of bf16 products a
-//! lane and adds them to f32 accumulators: two inputs a step, twice the
-//! products of an f32 FMA per instruction. They are `avx512.rs`'s tiles
-//! and row kernel (written once over [`Dot`]) with [`Pairs`] for their
-//! step.
+//! inputs with `vdpbf16ps`, which adds two bf16 products to each of 16
+//! f32 accumulators: two inputs a step, twice the products of an f32 FMA
+//! per instruction. They are `avx512/linear.rs`'s tiles and row kernel
+//! (written once over [`Dot`]) with [`Pairs`] for their step.
 //!
 //! The inputs are rounded to bf16 (to nearest, ties to even) before the
 //! products, as PyTorch's CPU bf16 autocast rounds a linear layer's input;
-//! the sums stay in f32, and the outputs are not rounded.
+//! the sums stay in f32, and the outputs are not rounded. Both
+//! instructions take denormals as zero.
 //!
 //! `vdpbf16ps` takes a lane's two products from adjacent bf16 pairs of
 //! both operands, so the panels interleave their inputs in pairs: panel

@@ -66,9 +66,9 @@ pub(crate) trait Dot: Sized {
     /// # Safety
     /// The entry point's features are enabled; `x` holds `STEP` inputs.
     unsafe fn broadcast(x: *const Self::X) -> Self::A;
-    /// 16 lanes of a panel row, from `w` (64-byte aligned) on.
+    /// 16 lanes of a panel row, from `w` on.
     /// # Safety
-    /// As for `broadcast`; `w` holds them.
+    /// As for `broadcast`; `w` holds them and is aligned to their size.
     unsafe fn load(w: *const Self::W) -> Self::Wv;
     /// `c + a · w` lane by lane, summed over the step's inputs.
     /// # Safety
