@@ -62,9 +62,9 @@ fn opts(dtype: WeightDtype) -> LoadOptions {
 /// file stores it (gguf-py's own rounding), computed in f32, within 1e-5
 /// of the largest: f32 and q8_0 loaded as f32, f16 and bf16 both widened
 /// to f32 and kept as stored (bf16 within 2e-2, the bf16 target, where
-/// AVX512-BF16's layers round their inputs to bf16). Arch `llama` has its q and k (weights and
-/// biases) permuted by the converter; qwen2 has biases and tied
-/// embeddings; qwen3 q/k norms and wider heads.
+/// AVX512-BF16's layers round their inputs to bf16). Arch `llama` has its
+/// q and k (weights and biases) permuted by the converter; qwen2 has
+/// biases and tied embeddings; qwen3 q/k norms and wider heads.
 #[test]
 fn logits_equal_hf_over_the_weights_the_file_stores() -> Result<()> {
     let f = expected()?;

@@ -84,8 +84,8 @@ fn prompt_logits_equal_hf() -> Result<()> {
 /// Loaded with the weight matrices in bf16 or f16 (rounded from the f32
 /// fixture, packed as such), the prompt's and every cached step's logits
 /// equal HF's with the same weights rounded and computed in f32
-/// (`scripts/make_half_fixtures.py`), and differ from our f32 ones: the
-/// weights were rounded.
+/// (`scripts/make_half_fixtures.py`; within [`bf16_inputs_tolerance`]),
+/// and differ from our f32 ones: the weights were rounded.
 #[test]
 fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()> {
     let dir = fixture_dir("decoders");
