@@ -13,7 +13,7 @@
 # ISOLINUX, busybox-static and xorriso (unpacked, not installed). The test
 # binary is linked statically and booted as the init of a RAM disk; its
 # output comes back over the emulated serial port. Boot plus the whole
-# suite takes a few minutes. Work files go to $EMU_DIR (default
+# suite takes 5 to 10 minutes on two cores. Work files go to $EMU_DIR (default
 # /tmp/multihead-emu).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
