@@ -609,7 +609,8 @@ impl PackedWeight {
             // SAFETY: this task's columns c0.. of the output are its own;
             // x holds k floats; panels from (lo + c0) / nr on cover the
             // columns, and the bias their panels' floats; `self.isa`, AVX2
-            // (with FMA and F16C) or AVX-512, was detected when packed.
+            // (with FMA and F16C), AVX-512 or AVX512-BF16 (which paired
+            // panels need), was detected when packed.
             unsafe {
                 use crate::avx512::{Dot, Widen};
                 match (self.isa, xb) {
