@@ -15,7 +15,7 @@ use crate::panel::{NR, STRIP_RS};
 
 mod linear;
 
-pub(crate) use linear::{linear_tile, one_row_body, tile_rows, Dot, LinearTile, Tile, Widen, LINEAR_NR};
+pub(crate) use linear::{linear_tile, one_row_body, tile_rows, Dot, LinearTile, Row, Tile, Widen, LINEAR_NR};
 
 /// Query rows per micro-kernel.
 pub(crate) const MR: usize = 12;

@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
-use crate::avx512::{one_row_body, tile_rows, Dot, Tile, LINEAR_NR};
+use crate::avx512::{one_row_body, tile_rows, Dot, Row, Tile, LINEAR_NR};
 
 /// `vdpbf16ps` over bf16 inputs and panels of input pairs.
 pub(crate) struct Pairs;
@@ -59,28 +59,14 @@ impl Dot for Pairs {
         // SAFETY: forwarded; the caller vouched for the features.
         unsafe { entry::<R, V>(t) }
     }
-    unsafe fn one_row(
-        x: *const bf16,
-        k: usize,
-        w: *const bf16,
-        cols: usize,
-        init: *const f32,
-        out: *mut f32,
-    ) {
+    unsafe fn one_row(r: &Row<Self>) {
         #[target_feature(enable = "avx512f,avx512bf16")]
-        unsafe fn entry(
-            x: *const bf16,
-            k: usize,
-            w: *const bf16,
-            cols: usize,
-            init: *const f32,
-            out: *mut f32,
-        ) {
+        unsafe fn entry(r: &Row<Pairs>) {
             // SAFETY: forwarded, with the features it needs.
-            unsafe { one_row_body::<Pairs>(x, k, w, cols, init, out) }
+            unsafe { one_row_body(r) }
         }
         // SAFETY: forwarded; the caller vouched for the features.
-        unsafe { entry(x, k, w, cols, init, out) }
+        unsafe { entry(r) }
     }
 }
 
@@ -122,7 +108,7 @@ mod tests {
     use half::bf16;
 
     use super::{pair_index, round, Pairs};
-    use crate::avx512::{linear_tile, Dot, LinearTile, Tile, LINEAR_NR};
+    use crate::avx512::{linear_tile, Dot, LinearTile, Row, Tile, LINEAR_NR};
     use crate::isa::{supported, Isa};
 
     fn runs_here() -> bool {
@@ -204,7 +190,16 @@ mod tests {
         };
         let mut out = vec![0f32; n];
         // SAFETY: the processor has them; the extents are the buffers'.
-        unsafe { Pairs::one_row(x.as_ptr(), k, p.as_ptr(), n, bias.as_ptr(), out.as_mut_ptr()) };
+        unsafe {
+            Pairs::one_row(&Row {
+                x: x.as_ptr(),
+                k,
+                w: p.as_ptr(),
+                cols: n,
+                init: bias.as_ptr(),
+                out: out.as_mut_ptr(),
+            })
+        };
         for (j, &y) in out.iter().enumerate() {
             close(y, want(0, j), &format!("one row, feature {j}"));
         }

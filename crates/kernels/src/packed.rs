@@ -75,6 +75,13 @@ fn panel_width(isa: Isa) -> usize {
     }
 }
 
+/// Whether weights packed for `isa` in `dtype` over `k` inputs go in input
+/// pairs (`avx512bf16.rs`), their layers rounding their inputs to bf16:
+/// AVX512-BF16 multiplies bf16 weights in pairs, where the inputs pair up.
+fn pairs_inputs(isa: Isa, dtype: DType, k: usize) -> bool {
+    isa == Isa::Avx512Bf16 && dtype == DType::BF16 && k.is_multiple_of(2)
+}
+
 /// What the write-out applies after the bias.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Epilogue {
@@ -175,9 +182,7 @@ impl PackedWeight {
         if let Some(bias) = bias {
             b[..n].copy_from_slice(bias);
         }
-        // AVX512-BF16 multiplies bf16 weights in input pairs, where the
-        // inputs pair up.
-        let paired = isa == Isa::Avx512Bf16 && dtype == DType::BF16 && k.is_multiple_of(2);
+        let paired = pairs_inputs(isa, dtype, k);
         let panels = match dtype {
             DType::F32 => PanelData::F32(Panels::pack(w, n, k, nr, false)),
             DType::BF16 => PanelData::Bf16(Panels::pack(w, n, k, nr, paired)),
@@ -226,7 +231,7 @@ impl PackedWeight {
     /// Whether [`PackedWeight::forward`] rounds its inputs to bf16: the
     /// panels are bf16 in input pairs, for `vdpbf16ps`.
     pub(crate) fn rounds_inputs(&self) -> bool {
-        matches!(self.panels, PanelData::Bf16(Panels { paired: true, .. }))
+        pairs_inputs(self.isa, self.dtype(), self.k)
     }
 
     /// `x` rounded to bf16 where the panels are bf16 in input pairs, for
@@ -274,12 +279,12 @@ impl PackedWeight {
     /// Rows `ids` of the weight (each `< n`), one after another, as f32:
     /// the lookup of an embedding table tied to this layer.
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
-        let (nr, k) = (self.nr(), self.k);
+        let (nr, k, paired) = (self.nr(), self.k, self.rounds_inputs());
         let mut out = vec![0f32; ids.len() * k];
         on_panels!(&self.panels, p => out
             .par_chunks_mut(k)
             .zip(ids)
-            .for_each(|(row, &j)| p.row_into(j as usize, nr, row)));
+            .for_each(|(row, &j)| p.row_into(j as usize, nr, paired, row)));
         out
     }
 
@@ -612,16 +617,27 @@ impl PackedWeight {
             // (with FMA and F16C), AVX-512 or AVX512-BF16 (which paired
             // panels need), was detected when packed.
             unsafe {
-                use crate::avx512::{Dot, Widen};
+                use crate::avx512::{Dot, Row, Widen};
+                let init = bias;
                 match (self.isa, xb) {
                     // Paired panels are bf16 over an even `k`.
-                    (_, Some(xb)) => {
-                        crate::avx512bf16::Pairs::one_row(xb.as_ptr(), k, w.cast(), cols, bias, out)
-                    }
-                    (Isa::Avx512 | Isa::Avx512Bf16, None) => {
-                        Widen::<E>::one_row(x.as_ptr(), k, w, cols, bias, out)
-                    }
-                    _ => crate::avx2::one_row(x.as_ptr(), k, w, cols, bias, out),
+                    (_, Some(xb)) => crate::avx512bf16::Pairs::one_row(&Row {
+                        x: xb.as_ptr(),
+                        k,
+                        w: w.cast(),
+                        cols,
+                        init,
+                        out,
+                    }),
+                    (Isa::Avx512 | Isa::Avx512Bf16, None) => Widen::<E>::one_row(&Row {
+                        x: x.as_ptr(),
+                        k,
+                        w,
+                        cols,
+                        init,
+                        out,
+                    }),
+                    _ => crate::avx2::one_row(x.as_ptr(), k, w, cols, init, out),
                 }
             };
         });

@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use candle::quantized::gguf_file::{self, Value as GgufValue};
 use candle::quantized::{GgmlDType, QTensor};
 use candle::{DType, Device, Tensor};
-use common::{assert_close, assert_err, fixture_dir, max_abs_diff, Fixture};
+use common::{assert_close, assert_err, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
 use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel, LlamaConfig, TextGenerator, TextTokenizer};
@@ -82,10 +82,7 @@ fn logits_equal_hf_over_the_weights_the_file_stores() -> Result<()> {
                 let model = DecoderModel::from_gguf(&gguf(name, ty), &Device::Cpu, &opts(dtype))
                     .with_context(|| format!("loading {name}-{ty}"))?;
                 let got = logits(&model, &input)?;
-                let tol = match (dtype, multihead_attention::cpu_isa()) {
-                    (WeightDtype::Bf16, "avx512bf16") => 2e-2,
-                    _ => 1e-5,
-                };
+                let tol = half_weights_tolerance(dtype == WeightDtype::Bf16);
                 assert_close(&format!("{name}-{ty} as {dtype}"), &got, want, tol)?;
                 eprintln!(
                     "{name}-{ty} as {dtype}: max |ours - HF| {:.2e} (largest logit {:.2})",

@@ -10,7 +10,7 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, IndexOp, Tensor};
-use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
+use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
 use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
 use multihead_models::generation::GenerateConfig;
@@ -84,7 +84,7 @@ fn prompt_logits_equal_hf() -> Result<()> {
 /// Loaded with the weight matrices in bf16 or f16 (rounded from the f32
 /// fixture, packed as such), the prompt's and every cached step's logits
 /// equal HF's with the same weights rounded and computed in f32
-/// (`scripts/make_half_fixtures.py`; within [`bf16_inputs_tolerance`]),
+/// (`scripts/make_half_fixtures.py`; within `half_weights_tolerance`),
 /// and differ from our f32 ones: the weights were rounded.
 #[test]
 fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()> {
@@ -103,7 +103,7 @@ fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()
             let what = format!("{name} {dtype}");
             let expected = half.get(&format!("{name}.{dtype}.logits"))?;
             let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
-            let tol = bf16_inputs_tolerance(dtype);
+            let tol = half_weights_tolerance(dtype == WeightDtype::Bf16);
             assert_close(&format!("{what} prompt logits"), &logits, expected, tol)?;
             let moved = max_abs_diff(&logits, &f32_logits)?;
             assert!(
@@ -119,19 +119,6 @@ fn half_precision_weights_give_hf_logits_over_the_rounded_weights() -> Result<()
         }
     }
     Ok(())
-}
-
-/// The tolerance, relative to the largest logit, against HF's f32 compute
-/// over the rounded weights: 1e-5, but 2e-2 (the bf16 target against
-/// f32) for bf16 weights where the CPU has AVX512-BF16, whose `vdpbf16ps`
-/// layers round their inputs to bf16 as PyTorch's CPU autocast does
-/// (`crates/kernels`' tests hold those layers to 1e-5 of the sums over the
-/// rounded inputs).
-fn bf16_inputs_tolerance(dtype: WeightDtype) -> f64 {
-    match (dtype, multihead_attention::cpu_isa()) {
-        (WeightDtype::Bf16, "avx512bf16") => 2e-2,
-        _ => 1e-5,
-    }
 }
 
 /// With the cache storing keys and values in bf16 or f16 (`--kv-dtype`),

@@ -81,14 +81,7 @@ pub(crate) trait Dot: Sized {
     /// [`one_row_body`] for this dot.
     /// # Safety
     /// As [`one_row_body`].
-    unsafe fn one_row(
-        x: *const Self::X,
-        k: usize,
-        w: *const Self::W,
-        cols: usize,
-        init: *const f32,
-        out: *mut f32,
-    );
+    unsafe fn one_row(r: &Row<Self>);
 }
 
 /// The f32 FMA over panels of `E`, widened as they are loaded.
@@ -125,21 +118,14 @@ impl<E: PanelElem> Dot for Widen<E> {
         // SAFETY: forwarded; the caller vouched for AVX-512F.
         unsafe { entry::<R, V, E>(t) }
     }
-    unsafe fn one_row(x: *const f32, k: usize, w: *const E, cols: usize, init: *const f32, out: *mut f32) {
+    unsafe fn one_row(r: &Row<Self>) {
         #[target_feature(enable = "avx512f")]
-        unsafe fn entry<E: PanelElem>(
-            x: *const f32,
-            k: usize,
-            w: *const E,
-            cols: usize,
-            init: *const f32,
-            out: *mut f32,
-        ) {
+        unsafe fn entry<E: PanelElem>(r: &Row<Widen<E>>) {
             // SAFETY: forwarded, with the features it needs.
-            unsafe { one_row_body::<Widen<E>>(x, k, w, cols, init, out) }
+            unsafe { one_row_body(r) }
         }
         // SAFETY: forwarded; the caller vouched for AVX-512F.
-        unsafe { entry(x, k, w, cols, init, out) }
+        unsafe { entry(r) }
     }
 }
 
@@ -327,6 +313,17 @@ pub(crate) unsafe fn tile_rows<const R: usize, const V: usize, D: Dot>(t: &Tile<
 /// waiting on memory (f32 reads fast enough without it, and takes no harm).
 const ONE_ROW_PREFETCH: usize = 2048;
 
+/// One row (a decoder's step) through `ceil(cols / 32)` packed panels of
+/// `k` inputs from `w` on ([`one_row_body`]).
+pub(crate) struct Row<D: Dot> {
+    pub(crate) x: *const D::X,
+    pub(crate) k: usize,
+    pub(crate) w: *const D::W,
+    pub(crate) cols: usize,
+    pub(crate) init: *const f32,
+    pub(crate) out: *mut f32,
+}
+
 /// The body of every [`Dot::one_row`], inlined into each entry point:
 /// `out[c] = init[c] + Σₑ x[e] · w[p·k·LINEAR_NR + e·LINEAR_NR + c % 32]`
 /// (`p = c / 32`) for `cols` columns: one row (a decoder's step) through
@@ -339,14 +336,15 @@ const ONE_ROW_PREFETCH: usize = 2048;
 /// covers `ceil(cols / 32)` panels of `k` inputs, `x` holds `k` inputs,
 /// `init` and `out` `cols` floats.
 #[inline(always)]
-pub(crate) unsafe fn one_row_body<D: Dot>(
-    x: *const D::X,
-    k: usize,
-    w: *const D::W,
-    cols: usize,
-    init: *const f32,
-    out: *mut f32,
-) {
+pub(crate) unsafe fn one_row_body<D: Dot>(r: &Row<D>) {
+    let &Row {
+        x,
+        k,
+        w,
+        cols,
+        init,
+        out,
+    } = r;
     const V: usize = LINEAR_NR / 16;
     const U: usize = 8 / V;
     let s = D::STEP;

@@ -34,8 +34,6 @@ fn panel_index(paired: bool, e: usize, c: usize, nr: usize) -> usize {
 pub(crate) struct Panels<E> {
     data: Vec<E>,
     start: usize,
-    /// In the input pairs of `avx512bf16.rs` ([`panel_index`]).
-    pub(super) paired: bool,
 }
 
 impl<E: PanelElem> Panels<E> {
@@ -64,7 +62,7 @@ impl<E: PanelElem> Panels<E> {
                     }
                 }
             });
-        Panels { data, start, paired }
+        Panels { data, start }
     }
 
     pub(super) fn get(&self) -> &[E] {
@@ -85,16 +83,16 @@ impl<E: PanelElem> Panels<E> {
         Panels {
             data: self.data,
             start,
-            paired: self.paired,
         }
     }
 
-    /// Output feature `j`'s `k` weights as f32, into `row`.
-    pub(super) fn row_into(&self, j: usize, nr: usize, row: &mut [f32]) {
+    /// Output feature `j`'s `k` weights as f32, into `row`, its inputs
+    /// `paired` or not.
+    pub(super) fn row_into(&self, j: usize, nr: usize, paired: bool, row: &mut [f32]) {
         let k = row.len();
         let panel = &self.get()[(j / nr) * k * nr..];
         for (e, x) in row.iter_mut().enumerate() {
-            *x = panel[panel_index(self.paired, e, j % nr, nr)].to_f32();
+            *x = panel[panel_index(paired, e, j % nr, nr)].to_f32();
         }
     }
 }
