@@ -11,8 +11,9 @@
 //!
 //! The layout, after BLIS and the `gemm` crate: packing, a driver that
 //! walks blocks sized for L1 and L2, and register-blocked micro-kernels.
-//! - `packed.rs`: linear weights packed into panels, and the loop over
-//!   row groups and panel blocks that runs the linear micro-kernels;
+//! - `packed.rs`: linear weights packed into panels; `packed/tiles.rs`
+//!   the loop over row groups and panel blocks that runs the linear
+//!   micro-kernels, `packed/one_row.rs` a single row's;
 //! - `tile.rs`: the attention tiles' packing and work unit (`panel.rs`
 //!   holds the layout it shares with the micro-kernels);
 //! - `avx2.rs`, `avx512.rs`: the micro-kernels of one instruction set

@@ -1,6 +1,6 @@
 //! How a packed layer's call is cut into work units: blocks of panels by
 //! blocks of row groups, and the reduction into slices whose panels stay
-//! in L2 (see `packed.rs`'s module doc).
+//! in L2 (see `tiles.rs`'s module doc).
 
 use crate::isa::Isa;
 
