@@ -9,7 +9,7 @@
 //! them); decode-sized blocks take the products read in place (`direct.rs`);
 //! elsewhere they go through the `gemm` crate (the one candle's CPU matmul
 //! uses). Work is spread over the threads by (batch, head, query block)
-//! ([`crate::pool::par_for`]).
+//! (`pool.rs`'s `par_for`).
 //!
 //! Inputs are read in place through their strides (only the last dim must be
 //! contiguous), so `(batch, seq, heads, head_dim)` views from a projection

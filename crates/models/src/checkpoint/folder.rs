@@ -98,7 +98,7 @@ impl Weights {
 /// `.safetensors` file or a shard index) in one. The one resolution every
 /// model kind and command goes through; its config and other files are
 /// read from [`ModelFiles::dir`], each capped in size
-/// ([`ModelFiles::read_text`]).
+/// ([`ModelFiles::read_beside`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelFiles {
     weights: Weights,
