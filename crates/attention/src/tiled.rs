@@ -109,7 +109,8 @@ mod tests {
     /// `Tiles::best` would not give it: single query rows for the
     /// micro-kernels, partial row groups, key counts off the panel and
     /// block sizes, value widths off the panel width; decode-sized blocks
-    /// (the kernels' `direct.rs` products) with dims off the vector widths.
+    /// (the kernels' `direct.rs` products) with dims off the vector widths,
+    /// grouped heads taken together.
     #[test]
     fn every_tile_implementation_equals_reference() -> Result<()> {
         let _lock = FORCE_LOCK.lock();
@@ -131,10 +132,16 @@ mod tests {
             (1, 2, 2, 100, 257, 64, 24),
             (2, 4, 2, 37, 530, 40, 72),
             (1, 1, 1, 200, 5, 256, 256),
+            // Decode-sized grouped heads, which a unit takes together (one
+            // row a head, or several), on any number of threads.
+            (2, 6, 2, 1, 530, 64, 64),
+            (2, 8, 4, 2, 600, 40, 24),
         ];
         for (b, h, kh, l, s, d, dv) in shapes {
+            // The queries as a projection's heads are: a view of (B, L, H,
+            // D), rows H·D apart, heads D.
             let (q, k, v) = (
-                randn(&[b, h, l, d])?,
+                randn(&[b, l, h, d])?.transpose(1, 2)?,
                 randn(&[b, kh, s, d])?,
                 randn(&[b, kh, s, dv])?,
             );
@@ -232,7 +239,7 @@ mod tests {
         // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim):
         // dims on and off the vector widths, grouped heads, a prefill.
         let shapes = [
-            (1, 4, 2, 1, 300, 64, 64),
+            (1, 4, 2, 1, 600, 64, 64),
             (2, 3, 1, 5, 37, 37, 75),
             (2, 2, 2, 20, 40, 16, 16),
         ];

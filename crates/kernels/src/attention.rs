@@ -60,6 +60,10 @@ const BLOCK_K: usize = 512;
 /// Query blocks of fewer rows take the `direct.rs` products on AVX2 and
 /// AVX-512 (each key and value read once per row, no packing).
 const DIRECT_ROWS: usize = 16;
+/// Keys from which a decode-sized call's units take the query heads of a
+/// kv-head together: fewer stay in L2 while each head reads them again,
+/// and units of one head share out more evenly between the threads.
+const GROUP_FROM_KEYS: usize = BLOCK_K;
 
 /// A read-only 4-D view (f32, or a cache's bf16/f16 keys and values):
 /// base slice and element strides.
@@ -305,8 +309,30 @@ fn sdpa_in<KV: KvElem>(
     // The multiply-adds: a decoder step's attention is short enough that
     // handing it to the pool is a large part of it.
     let work = b * h * l * s * (d + dv);
+    // Decode-sized calls go through `gemm` or the direct products, which
+    // read keys and values in place: over `GROUP_FROM_KEYS` keys or more, a
+    // unit takes `group` query heads of one kv-head together, so that each
+    // key is read once for them all (while its row of 8 keys is in L1)
+    // rather than once a head; the kv-heads split into as many units as the
+    // threads need.
+    let hpk = h / kh;
+    let group = if tiles == Tiles::Gemm && hpk > 1 && l * hpk < DIRECT_ROWS && s >= GROUP_FROM_KEYS {
+        hpk.div_ceil(
+            rayon::current_num_threads()
+                .div_ceil((b * kh).max(1))
+                .clamp(1, hpk),
+        )
+    } else {
+        1
+    };
     let units: Vec<(usize, usize, usize)> = (0..b)
-        .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(block).map(move |i0| (bi, hi, i0))))
+        .flat_map(|bi| {
+            (0..kh).flat_map(move |kv| {
+                (kv * hpk..(kv + 1) * hpk)
+                    .step_by(group)
+                    .flat_map(move |hi| (0..l).step_by(block).map(move |i0| (bi, hi, i0)))
+            })
+        })
         .collect();
     let guards = parts
         .iter()
@@ -339,6 +365,7 @@ fn sdpa_in<KV: KvElem>(
                 let unit = |bi: usize, hi: usize, i0: usize| Unit {
                     bi,
                     hi,
+                    heads: group.min((hi / hpk + 1) * hpk - hi),
                     i0,
                     rows: block.min(l - i0),
                     out: out_ptr,

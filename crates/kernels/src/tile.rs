@@ -252,6 +252,7 @@ pub(crate) unsafe fn run_block<KV: KvElem>(
     kernels: Kernels,
 ) -> bool {
     let Unit { bi, hi, i0, rows, .. } = unit;
+    debug_assert_eq!(unit.heads, 1, "the packed tiles take one head a unit");
     let (_, s, d, dv) = p.dims;
     let dvp = packed.dvp;
     let pack = bi * packed.kv_heads + hi / p.heads_per_kv - packed.first;

@@ -54,13 +54,15 @@ impl<'a> PartView<'a> {
     }
 }
 
-/// One work unit: query rows `i0..i0 + rows` of head `hi` in batch `bi`,
-/// row `r` written to `out[base + r * out_rs ..][..v_head_dim]`. Units
-/// write disjoint rows.
+/// One work unit: query rows `i0..i0 + rows` of heads `hi..hi + heads`
+/// (of one kv-head; one head in the packed tiles' units) in batch `bi`,
+/// head `hi + t`'s row `r` written to `out[base + t * v_head_dim + r *
+/// out_rs ..][..v_head_dim]`. Units write disjoint rows.
 #[derive(Clone, Copy)]
 pub(crate) struct Unit {
     pub(crate) bi: usize,
     pub(crate) hi: usize,
+    pub(crate) heads: usize,
     pub(crate) i0: usize,
     pub(crate) rows: usize,
     pub(crate) out: SyncPtr,
@@ -198,22 +200,39 @@ impl<KV: KvElem> Problem<'_, KV> {
     }
 
     /// Attention for one unit's query rows, written to its output rows;
-    /// whether every output is finite.
+    /// whether every output is finite. Its heads' rows go together, head
+    /// by head (`t·rows + r` for head `hi + t`'s row `r`), through each
+    /// block of keys and values of their kv-head.
     pub(super) fn run_block(&self, unit: Unit) -> bool {
-        let Unit { bi, hi, i0, rows, .. } = unit;
+        let Unit {
+            bi,
+            hi,
+            heads,
+            i0,
+            rows,
+            ..
+        } = unit;
         let (_, _, d, dv) = self.dims;
         let kvh = hi / self.heads_per_kv;
+        debug_assert!((hi + heads - 1) / self.heads_per_kv == kvh);
+        let n = heads * rows;
         // The keys any row of this block may see.
         let kv_end = self.keys_end(i0 + rows - 1);
-        let mut acc = vec![0f32; rows * dv];
-        let mut row_max = vec![f32::NEG_INFINITY; rows];
-        let mut row_sum = vec![0f32; rows];
+        let mut acc = vec![0f32; n * dv];
+        let mut row_max = vec![f32::NEG_INFINITY; n];
+        let mut row_sum = vec![0f32; n];
         let bk = BLOCK_K.min(kv_end.max(1));
-        let mut tile = vec![0f32; rows * bk];
-        let q_off = self.q.offset(bi, hi, i0);
+        let mut tile = vec![0f32; n * bk];
+        // The query rows as runs of one stride: the heads' single rows as
+        // one run (a decoder's step), else each head's rows.
+        let (q_rs, runs, run_rows) = if rows == 1 {
+            (self.q.stride[1], 1, heads)
+        } else {
+            (self.q.stride[2], heads, rows)
+        };
         // Decode-sized blocks (too few rows for `gemm` to pay for its
         // packing) take the products read in place (`direct.rs`).
-        let lanes = if rows < DIRECT_ROWS {
+        let lanes = if n < DIRECT_ROWS {
             crate::isa::current()
         } else {
             Isa::Portable
@@ -222,49 +241,55 @@ impl<KV: KvElem> Problem<'_, KV> {
         while j0 < kv_end {
             let cols = bk.min(kv_end - j0);
             let k_off = self.k.offset(bi, kvh, j0);
-            // SAFETY: the offsets and strides come from the tensors' own
-            // layouts and stay inside their data for these row/col counts;
-            // `lanes` is at most what the processor runs.
-            unsafe {
-                let (q, k) = (self.q.data.as_ptr().add(q_off), self.k.data.as_ptr().add(k_off));
-                let (q_rs, k_rs) = (self.q.stride[2], self.k.stride[2]);
-                match lanes {
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 | Isa::Avx512Bf16 => {
-                        direct::zmm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile)
-                    }
-                    #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => direct::ymm::scores(rows, q, q_rs, k, k_rs, cols, d, self.scale, &mut tile),
-                    // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
-                    _ => {
-                        let (k, k_rs, _widened) = f32_rows(k, k_rs, cols, d);
-                        gemm(
-                            rows,
-                            cols,
-                            d,
-                            tile.as_mut_ptr(),
-                            1,
-                            cols as isize,
-                            false,
-                            q,
-                            1,
-                            q_rs as isize,
-                            k,
-                            k_rs as isize,
-                            1,
-                            0.,
-                            self.scale,
-                            false,
-                            false,
-                            false,
-                            Parallelism::None,
-                        )
+            for t in 0..runs {
+                let q_off = self.q.offset(bi, hi + t, i0);
+                let tile = &mut tile[t * run_rows * cols..];
+                // SAFETY: the offsets and strides come from the tensors' own
+                // layouts and stay inside their data for these row/col
+                // counts; `lanes` is at most what the processor runs.
+                unsafe {
+                    let (q, k) = (self.q.data.as_ptr().add(q_off), self.k.data.as_ptr().add(k_off));
+                    let k_rs = self.k.stride[2];
+                    match lanes {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 | Isa::Avx512Bf16 => {
+                            direct::zmm::scores(run_rows, q, q_rs, k, k_rs, cols, d, self.scale, tile)
+                        }
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => {
+                            direct::ymm::scores(run_rows, q, q_rs, k, k_rs, cols, d, self.scale, tile)
+                        }
+                        // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
+                        _ => {
+                            let (k, k_rs, _widened) = f32_rows(k, k_rs, cols, d);
+                            gemm(
+                                run_rows,
+                                cols,
+                                d,
+                                tile.as_mut_ptr(),
+                                1,
+                                cols as isize,
+                                false,
+                                q,
+                                1,
+                                q_rs as isize,
+                                k,
+                                k_rs as isize,
+                                1,
+                                0.,
+                                self.scale,
+                                false,
+                                false,
+                                false,
+                                Parallelism::None,
+                            )
+                        }
                     }
                 }
             }
-            for r in 0..rows {
+            for r in 0..n {
                 let row = &mut tile[r * cols..(r + 1) * cols];
-                self.mask_row(row, bi, hi, i0 + r, j0);
+                self.mask_row(row, bi, hi + r / rows, i0 + r % rows, j0);
                 let acc_row = &mut acc[r * dv..(r + 1) * dv];
                 simd::online_softmax_row(row, &mut row_max[r], &mut row_sum[r], acc_row);
             }
@@ -275,15 +300,15 @@ impl<KV: KvElem> Problem<'_, KV> {
                 match lanes {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512 | Isa::Avx512Bf16 => {
-                        direct::zmm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc)
+                        direct::zmm::weighted_values(n, &tile, cols, v, v_rs, dv, &mut acc)
                     }
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => direct::ymm::weighted_values(rows, &tile, cols, v, v_rs, dv, &mut acc),
-                    // acc (rows, dv) += P (rows, cols) · V (cols, dv)
+                    Isa::Avx2 => direct::ymm::weighted_values(n, &tile, cols, v, v_rs, dv, &mut acc),
+                    // acc (n, dv) += P (n, cols) · V (cols, dv)
                     _ => {
                         let (v, v_rs, _widened) = f32_rows(v, v_rs, cols, dv);
                         gemm(
-                            rows,
+                            n,
                             dv,
                             cols,
                             acc.as_mut_ptr(),
@@ -308,7 +333,14 @@ impl<KV: KvElem> Problem<'_, KV> {
             }
             j0 += cols;
         }
-        write_rows(&acc, dv, dv, &row_sum, unit)
+        (0..heads).fold(true, |finite, t| {
+            let head = Unit {
+                base: unit.base + t * dv,
+                ..unit
+            };
+            let rows = t * rows..(t + 1) * rows;
+            write_rows(&acc[rows.start * dv..], dv, dv, &row_sum[rows], head) && finite
+        })
     }
 }
 
