@@ -5,6 +5,10 @@
 #
 #   scripts/emulate-avx512bf16.sh [TEST_FILTER]   (default: every test)
 #
+# EMU_PACKAGE names another package whose library tests to run instead
+# (default multihead-kernels), e.g. EMU_PACKAGE=multihead-attention with
+# the filter `tiled` for the attention tiles on every level.
+#
 # What it uses, all from Debian's archive (no other network): Bochs 3.0's
 # source (Debian trixie's pool; built here, ~10 minutes, with two fixes
 # to its AVX512-BF16 decoding: VDPBF16PS's memory operand is a full vector,
@@ -19,6 +23,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=${EMU_DIR:-/tmp/multihead-emu}
 filter=${1:-::}
+package=${EMU_PACKAGE:-multihead-kernels}
 mkdir -p "$work" && cd "$work"
 
 # Debian packages, unpacked into deb/.
@@ -51,9 +56,9 @@ fi
 (
   cd "$repo"
   RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$work/target" \
-    cargo test -p multihead-kernels --release --no-run --target x86_64-unknown-linux-gnu 2>&1 | tail -1
+    cargo test -p "$package" --lib --release --no-run --target x86_64-unknown-linux-gnu 2>&1 | tail -1
 )
-tests=$(ls -t "$work"/target/x86_64-unknown-linux-gnu/release/deps/multihead_kernels-* | grep -v '\.d$' | head -1)
+tests=$(ls -t "$work"/target/x86_64-unknown-linux-gnu/release/deps/"${package//-/_}"-* | grep -v '\.d$' | head -1)
 
 # The RAM disk: busybox, the tests, an init that runs them and powers off.
 rm -rf initrd iso && mkdir -p initrd/{bin,proc,sys,dev,tmp} iso/isolinux
