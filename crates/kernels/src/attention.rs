@@ -9,7 +9,9 @@
 //! them); decode-sized blocks take the products read in place (`direct.rs`);
 //! elsewhere they go through the `gemm` crate (the one candle's CPU matmul
 //! uses). Work is spread over the threads by (batch, head, query block)
-//! (`pool.rs`'s `par_for`).
+//! (`pool.rs`'s `par_for`); a decode step over a long cache takes the
+//! query heads of a kv-head in one unit, so that they read its keys and
+//! values once.
 //!
 //! Inputs are read in place through their strides (only the last dim must be
 //! contiguous), so `(batch, seq, heads, head_dim)` views from a projection
