@@ -133,9 +133,10 @@ mod tests {
             (2, 4, 2, 37, 530, 40, 72),
             (1, 1, 1, 200, 5, 256, 256),
             // Decode-sized grouped heads, which a unit takes together (one
-            // row a head, or several), on any number of threads.
+            // row a head, or several) on up to 4, 8 and 64 threads.
             (2, 6, 2, 1, 530, 64, 64),
             (2, 8, 4, 2, 600, 40, 24),
+            (2, 64, 32, 1, 520, 16, 16),
         ];
         for (b, h, kh, l, s, d, dv) in shapes {
             // The queries as a projection's heads are: a view of (B, L, H,
