@@ -1,0 +1,168 @@
+//! Building [`MultiheadAttention`] from weights stored in a
+//! [`WeightLayout`], or initialised as PyTorch initialises them.
+
+use candle::{bail, Result};
+use candle_nn::{Init, VarBuilder};
+
+use multihead_kernels::{LayerNorm, PackedLinear};
+
+use super::{HeadNorm, MultiheadAttention};
+use crate::config::{MhaConfig, NormKind, PositionEncoding};
+use crate::layout::WeightLayout;
+use crate::projection::{linear, xavier_uniform, InKind, InProjection, Stored};
+use crate::rotary::Rotary;
+
+impl MultiheadAttention {
+    /// Loads PyTorch `nn.MultiheadAttention` weights ([`WeightLayout::PyTorch`]),
+    /// or initialises them as PyTorch does when `vb` is backed by a `VarMap`.
+    pub fn new(cfg: &MhaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with_layout(cfg, &WeightLayout::PyTorch, vb)
+    }
+
+    /// Loads the weights stored in `layout`, or initialises them as PyTorch
+    /// does (xavier-uniform input projection, zero biases) when `vb` is
+    /// backed by a `VarMap`.
+    pub fn new_with_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
+        cfg.validate()?;
+        let (e, kdim, vdim, kvd) = (cfg.embed_dim, cfg.kdim(), cfg.vdim(), cfg.kv_dim());
+        // Query width: `e` unless `head_dim` sets another.
+        let qd = cfg.q_dim();
+        let qkv_bias = cfg.has_qkv_bias();
+        let out_init = Init::Uniform {
+            lo: -1. / (e as f64).sqrt(),
+            up: 1. / (e as f64).sqrt(),
+        };
+        let fused_qkv_only = |what: &str| -> Result<()> {
+            if !cfg.qkv_same_embed_dim() {
+                bail!(
+                    "MhaConfig: the {what} layout needs kdim == vdim == embed_dim ({e}), found kdim {kdim}, vdim {vdim}"
+                )
+            }
+            Ok(())
+        };
+        let (kind, out_proj) = match layout {
+            WeightLayout::PyTorch => {
+                let bias = qkv_bias
+                    .then(|| vb.get_with_hints(qd + 2 * kvd, "in_proj_bias", Init::Const(0.)))
+                    .transpose()?;
+                let kind = if cfg.qkv_same_embed_dim() {
+                    let weight = vb.get_with_hints(
+                        (qd + 2 * kvd, e),
+                        "in_proj_weight",
+                        xavier_uniform(qd + 2 * kvd, e),
+                    )?;
+                    InKind::Fused(PackedLinear::new(weight, bias)?)
+                } else {
+                    let part = |from: usize, out: usize, name: &str, in_dim: usize| -> Result<PackedLinear> {
+                        let w = vb.get_with_hints((out, in_dim), name, xavier_uniform(out, in_dim))?;
+                        let b = bias.as_ref().map(|b| b.narrow(0, from, out)).transpose()?;
+                        PackedLinear::new(w, b)
+                    };
+                    InKind::Separate {
+                        q: part(0, qd, "q_proj_weight", e)?,
+                        k: part(qd, kvd, "k_proj_weight", kdim)?,
+                        v: part(qd + kvd, kvd, "v_proj_weight", vdim)?,
+                    }
+                };
+                (
+                    kind,
+                    linear((qd, e), cfg.bias, out_init, Stored::OutIn, vb.pp("out_proj"))?,
+                )
+            }
+            WeightLayout::Separate(names) => {
+                let kind = InKind::Separate {
+                    q: linear(
+                        (e, qd),
+                        qkv_bias,
+                        xavier_uniform(qd, e),
+                        Stored::OutIn,
+                        vb.pp(&names.q),
+                    )?,
+                    k: linear(
+                        (kdim, kvd),
+                        qkv_bias,
+                        xavier_uniform(kvd, kdim),
+                        Stored::OutIn,
+                        vb.pp(&names.k),
+                    )?,
+                    v: linear(
+                        (vdim, kvd),
+                        qkv_bias,
+                        xavier_uniform(kvd, vdim),
+                        Stored::OutIn,
+                        vb.pp(&names.v),
+                    )?,
+                };
+                (
+                    kind,
+                    linear((qd, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
+                )
+            }
+            WeightLayout::FusedQkv {
+                qkv: fused,
+                proj: out,
+            }
+            | WeightLayout::Conv1D {
+                c_attn: fused,
+                c_proj: out,
+            } => {
+                let (what, stored) = match layout {
+                    WeightLayout::Conv1D { .. } => ("GPT-2 Conv1D", Stored::InOut),
+                    _ => ("fused qkv", Stored::OutIn),
+                };
+                fused_qkv_only(what)?;
+                let n = qd + 2 * kvd;
+                let kind = InKind::Fused(linear(
+                    (e, n),
+                    qkv_bias,
+                    xavier_uniform(n, e),
+                    stored,
+                    vb.pp(fused),
+                )?);
+                (kind, linear((qd, e), cfg.bias, out_init, stored, vb.pp(out))?)
+            }
+        };
+        let in_proj = InProjection {
+            kind,
+            q_dim: qd,
+            kv_dim: kvd,
+        };
+        let bias_kv = if cfg.add_bias_kv {
+            // PyTorch: xavier_normal_ on (1, 1, E): fan_in = fan_out = E.
+            let init = Init::Randn {
+                mean: 0.,
+                stdev: (1. / e as f64).sqrt(),
+            };
+            Some((
+                vb.get_with_hints((1, 1, e), "bias_k", init)?,
+                vb.get_with_hints((1, 1, e), "bias_v", init)?,
+            ))
+        } else {
+            None
+        };
+        let qk_norm = if cfg.qk_norm {
+            let norm = |name: &str| -> Result<HeadNorm> {
+                let (hd, eps, vb) = (cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
+                Ok(match cfg.qk_norm_kind {
+                    NormKind::LayerNorm => HeadNorm::Layer(LayerNorm::new(hd, eps, vb)?),
+                    NormKind::RmsNorm => HeadNorm::Rms(candle_nn::rms_norm(hd, eps, vb)?),
+                })
+            };
+            Some((norm("q_norm")?, norm("k_norm")?))
+        } else {
+            None
+        };
+        let rotary = match &cfg.position {
+            PositionEncoding::Rotary(r) => Some(Rotary::new(r, cfg.head_dim())?),
+            _ => None,
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            in_proj,
+            out_proj,
+            bias_kv,
+            qk_norm,
+            rotary,
+        })
+    }
+}
