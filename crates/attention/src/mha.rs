@@ -9,11 +9,13 @@
 //!   [`MultiheadAttention::forward_projected`]: keys and values projected
 //!   once (a fixed encoder memory).
 //!
-//! Building it from each weight layout is `mha/build.rs`'s.
+//! Building it from each weight layout is `mha/build.rs`'s; the layouts
+//! a call may come in (unbatched, sequence-first), `mha/batching.rs`'s.
 //!
 //! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
+mod batching;
 mod build;
 
 use candle::{bail, DType, Result, Tensor};
@@ -24,11 +26,12 @@ use multihead_kernels::PackedLinear;
 
 use crate::cache::KvCache;
 use crate::config::{MhaConfig, PositionEncoding};
-use crate::mask::{Alibi, Causal, KeyPaddingMask, Mask};
+use crate::mask::{Alibi, Causal, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 use crate::projection::InProjection;
 use crate::rotary::Rotary;
 use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
+use batching::Batching;
 
 /// Multi-head attention, `torch.nn.MultiheadAttention`.
 ///
@@ -507,67 +510,6 @@ impl MultiheadAttention {
             _ => None,
         };
         Ok((out, weights))
-    }
-}
-
-/// How an entry point's inputs are batched: turned batch-first on the way
-/// in, back on the way out.
-#[derive(Debug, Clone, Copy)]
-struct Batching {
-    unbatched: bool,
-    seq_first: bool,
-}
-
-impl Batching {
-    fn new(unbatched: bool, layout: SeqLayout) -> Self {
-        Self {
-            unbatched,
-            seq_first: layout == SeqLayout::SeqFirst,
-        }
-    }
-
-    /// An input `(B, T, ..)`: unsqueezed when unbatched, transposed from
-    /// `(T, B, ..)` when sequence-first.
-    fn input(self, t: &Tensor) -> Result<Tensor> {
-        match (self.unbatched, self.seq_first) {
-            (true, _) => t.unsqueeze(0),
-            (false, true) => t.transpose(0, 1),
-            (false, false) => Ok(t.clone()),
-        }
-    }
-
-    /// `opts` for the batch-first inputs: the residual laid out as they
-    /// are, and an unbatched call's 1-D key padding mask given its batch.
-    fn options(self, opts: &MhaOptions) -> Result<MhaOptions> {
-        let mut opts = opts.map_residual(|r| self.input(r))?;
-        if self.unbatched {
-            if let Some(kp) = &opts.mask.key_padding {
-                opts.mask.key_padding = Some(match kp {
-                    KeyPaddingMask::PadWhereTrue(t) if t.rank() == 1 => {
-                        KeyPaddingMask::PadWhereTrue(t.unsqueeze(0)?)
-                    }
-                    KeyPaddingMask::Additive(t) if t.rank() == 1 => KeyPaddingMask::Additive(t.unsqueeze(0)?),
-                    other => other.clone(),
-                });
-            }
-        }
-        Ok(opts)
-    }
-
-    /// The batch-first output `(B, L, E)` and weights `(B, .., L, S)` in
-    /// the caller's layout.
-    fn output(self, (output, weights): (Tensor, Option<Tensor>)) -> Result<MhaOutput> {
-        Ok(match (self.unbatched, self.seq_first) {
-            (true, _) => MhaOutput {
-                output: output.squeeze(0)?,
-                weights: weights.map(|w| w.squeeze(0)).transpose()?,
-            },
-            (false, true) => MhaOutput {
-                output: output.transpose(0, 1)?,
-                weights,
-            },
-            (false, false) => MhaOutput { output, weights },
-        })
     }
 }
 
