@@ -70,7 +70,7 @@ pub(crate) struct Unit {
     pub(crate) out_rs: usize,
 }
 
-/// One [`sdpa`] call as its work units read it: queries in f32, keys and
+/// One [`sdpa`](super::sdpa) call as its work units read it: queries in f32, keys and
 /// values in `KV`.
 pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) q: &'a View<'a>,
@@ -93,7 +93,7 @@ pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) masked_keys: usize,
 }
 
-/// The element types [`sdpa`] reads keys and values in, in place: f32,
+/// The element types [`sdpa`](super::sdpa) reads keys and values in, in place: f32,
 /// bf16 and f16. The direct products widen them as they load them, the
 /// packed tiles as they pack them, `gemm` a tile at a time.
 pub(crate) trait KvElem: PanelElem + WithDType {

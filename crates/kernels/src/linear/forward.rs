@@ -149,7 +149,7 @@ impl PackedLinear {
     }
 
     /// The packed or quantized weight's product over plain slices (see
-    /// [`PackedWeight::forward`]).
+    /// [`PackedWeight::forward`](crate::packed::PackedWeight::forward)).
     fn forward_slices(
         &self,
         x: &[f32],
