@@ -13,15 +13,17 @@ it to); llama.cpp's converter pads the vocabulary to 32,000 with unused
 tokens. convert_hf_to_gguf.py writes one GGUF per dtype.
 
 Each run, for each dtype, llama.cpp's side is
-`llama-bench -m FILE -t 2 -p 128 -n 32 -r 3 -o json` (pp128 and tg32, the
-mean of its 3 repetitions), ours is `multihead generate --dtype D --format
-json --greedy` on a prompt of about 128 tokens, 32 new tokens
-(RAYON_NUM_THREADS=2; prefill = prompt tokens / prefill time, decode = the
-31 tokens after the first over their time); the two sides alternate which
-goes first, `--runs` times, and the medians are printed. A dtype our binary
-refuses is shown as n/a. llama-bench's tg32 decodes from an empty cache,
-ours after the prompt; at these lengths the KV cache is under 1% of the
-bytes read per token.
+`llama-bench -m FILE -t 2 -p 128 -n N -r 3 -o json` (pp128 and tgN, the
+mean of its 3 repetitions; N is --new-tokens, 32 unless given), ours is
+`multihead generate --dtype D --format json --greedy` on a prompt of about
+128 tokens, N new tokens (RAYON_NUM_THREADS=2; prefill = prompt tokens /
+prefill time, decode = the N - 1 tokens after the first over their time);
+the two sides alternate which goes first, `--runs` times. Printed: each
+side's median, and as the ratio the median of the runs' own ratios (each
+run's two sides minutes apart at most, so that a host whose speed drifts
+over the runs moves both). A dtype our binary refuses is shown as n/a.
+llama-bench's tgN decodes from an empty cache, ours after the prompt; at
+these lengths the KV cache is under 1% of the bytes read per token.
 
 The bandwidth is a C loop summing a 2 GiB buffer on 2 OpenMP threads
 (compiled here with cc, best of 5 passes), measured before and after the
@@ -133,20 +135,20 @@ def convert(llama_cpp, folder, dtype, path):
         sys.exit(f"convert_hf_to_gguf.py --outtype {dtype} failed:\n{out.stderr[-3000:]}")
 
 
-def llama_bench(exe, gguf):
-    """(prefill, decode) tokens/s: llama-bench's pp128 and tg32 means."""
-    out = subprocess.run([exe, "-m", gguf, "-t", str(THREADS), "-p", str(PROMPT_TOKENS), "-n", str(NEW_TOKENS),
+def llama_bench(exe, gguf, new_tokens):
+    """(prefill, decode) tokens/s: llama-bench's means of pp128 and of `new_tokens` decoded."""
+    out = subprocess.run([exe, "-m", gguf, "-t", str(THREADS), "-p", str(PROMPT_TOKENS), "-n", str(new_tokens),
                           "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
     tests = json.loads(out.stdout)
     pp = next(t["avg_ts"] for t in tests if t["n_prompt"] == PROMPT_TOKENS and t["n_gen"] == 0)
-    tg = next(t["avg_ts"] for t in tests if t["n_prompt"] == 0 and t["n_gen"] == NEW_TOKENS)
+    tg = next(t["avg_ts"] for t in tests if t["n_prompt"] == 0 and t["n_gen"] == new_tokens)
     return pp, tg
 
 
-def ours(binary, folder, dtype, prompt, refused):
+def ours(binary, folder, dtype, prompt, new_tokens, refused):
     """(prefill, decode) tokens/s and the prompt's length, or None when the binary refuses the dtype."""
-    base = [binary, "generate", "--model", folder, "--format", "json", "--max-new-tokens", str(NEW_TOKENS),
-            "--min-new-tokens", str(NEW_TOKENS), "--greedy"]
+    base = [binary, "generate", "--model", folder, "--format", "json", "--max-new-tokens", str(new_tokens),
+            "--min-new-tokens", str(new_tokens), "--greedy"]
     env = {**os.environ, "RAYON_NUM_THREADS": str(THREADS)}
     out = subprocess.run(base + ["--dtype", dtype, prompt], capture_output=True, text=True, env=env)
     if out.returncode != 0 and dtype == "f32" and "--dtype" in out.stderr:
@@ -156,8 +158,8 @@ def ours(binary, folder, dtype, prompt, refused):
         refused[dtype] = next((line for line in lines if line.lower().startswith("error")), lines[-1])
         return None
     (r,) = json.loads(out.stdout)
-    if r["new_tokens"] != NEW_TOKENS:
-        sys.exit(f"ours at {dtype}: {r['new_tokens']} new tokens, expected {NEW_TOKENS}")
+    if r["new_tokens"] != new_tokens:
+        sys.exit(f"ours at {dtype}: {r['new_tokens']} new tokens, expected {new_tokens}")
     return r["prompt_tokens"] / (r["prefill_ms"] / 1e3), r["decode_tokens_per_s"], r["prompt_tokens"]
 
 
@@ -194,7 +196,10 @@ def main():
                     "(default: a temporary folder, removed)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtypes", default="f32,bf16,q8_0")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                    help=f"tokens decoded a run on each side (default {NEW_TOKENS}); more even out a busy host")
     args = ap.parse_args()
+    new_tokens = args.new_tokens
     dtypes = args.dtypes.split(",")
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     bench = os.path.join(args.llama_cpp, "build", "bin", "llama-bench")
@@ -223,8 +228,8 @@ def main():
         bw_before = bandwidth(tmp)
         for run in range(args.runs):
             for dtype in dtypes:
-                sides = [lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype])),
-                         lambda: ours_runs[dtype].append(ours(binary, folder, dtype, prompt, refused))]
+                sides = [lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype], new_tokens)),
+                         lambda: ours_runs[dtype].append(ours(binary, folder, dtype, prompt, new_tokens, refused))]
                 for side in sides if run % 2 == 0 else reversed(sides):
                     side()
         bw_after = bandwidth(tmp)
@@ -237,8 +242,11 @@ def main():
     def fmt(x, spec=".1f"):
         return "n/a" if x is None else format(x, spec)
 
-    def ratio(a, b):
-        return "n/a" if a is None or b is None else f"{a / b:.2f}"
+    def ratio(dtype, i):
+        """The median of the runs' ratios: each run's two sides ran minutes apart at most, so a host that
+        speeds up or slows down over the runs moves both."""
+        got = [o[i] / t[i] for o, t in zip(ours_runs[dtype], theirs_runs[dtype]) if o is not None]
+        return f"{statistics.median(got):.2f}" if got else "n/a"
 
     def share(size, rate):
         return "n/a" if rate is None else f"{100 * size * rate / (bw * 1e9):.0f}%"
@@ -248,8 +256,9 @@ def main():
     print(f"    {command}\n")
     print(f"read bandwidth ({THREADS} threads, 2 GiB): {bw:.1f} GB/s ({bw_before:.1f} before the runs, "
           f"{bw_after:.1f} after); medians of {args.runs} alternating runs; "
-          f"llama.cpp: pp{PROMPT_TOKENS} and tg{NEW_TOKENS}; "
-          f"ours: a {fmt(median(sum(ours_runs.values(), []), 2), '.0f')}-token prompt, {NEW_TOKENS} new tokens\n")
+          f"llama.cpp: pp{PROMPT_TOKENS} and tg{new_tokens}; "
+          f"ours: a {fmt(median(sum(ours_runs.values(), []), 2), '.0f')}-token prompt, {new_tokens} new tokens; "
+          "ratios: the median of each run's, ours over the llama.cpp run beside it\n")
     print("| weights | GGUF (MB) | prefill tok/s llama.cpp | ours | ours / llama.cpp | decode tok/s llama.cpp "
           "| ours | ours / llama.cpp | decode share of bandwidth llama.cpp | ours |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -257,8 +266,8 @@ def main():
         size = sizes[dtype]
         tpp, ttg = median(theirs_runs[dtype], 0), median(theirs_runs[dtype], 1)
         opp, otg = median(ours_runs[dtype], 0), median(ours_runs[dtype], 1)
-        print(f"| {dtype} | {size / 1e6:.0f} | {fmt(tpp)} | {fmt(opp)} | {ratio(opp, tpp)} | {fmt(ttg, '.2f')} "
-              f"| {fmt(otg, '.2f')} | {ratio(otg, ttg)} | {share(size, ttg)} | {share(size, otg)} |")
+        print(f"| {dtype} | {size / 1e6:.0f} | {fmt(tpp)} | {fmt(opp)} | {ratio(dtype, 0)} | {fmt(ttg, '.2f')} "
+              f"| {fmt(otg, '.2f')} | {ratio(dtype, 1)} | {share(size, ttg)} | {share(size, otg)} |")
     print("\nEach run (prefill/decode tok/s), to judge the spread:\n")
     for dtype in dtypes:
         runs = [" ".join(f"{pp:.0f}/{tg:.1f}" for pp, tg, *_ in side) or "n/a"
