@@ -222,10 +222,20 @@ impl PackedWeight {
         }
         #[cfg(target_arch = "x86_64")]
         {
+            // Chunks of whole vectors; a call of many rows rounds them
+            // over the pool, as its tiles run.
+            const CHUNK: usize = 1 << 14;
             let mut xb = vec![bf16::ZERO; x.len()];
-            // SAFETY: the panels are paired only for `Isa::Avx512Bf16`,
-            // which was current, so detected, when they were packed.
-            unsafe { crate::avx512bf16::round(x, &mut xb) };
+            let round = |(x, xb): (&[f32], &mut [bf16])| {
+                // SAFETY: the panels are paired only for `Isa::Avx512Bf16`,
+                // which was current, so detected, when they were packed.
+                unsafe { crate::avx512bf16::round(x, xb) }
+            };
+            if x.len() > CHUNK {
+                x.par_chunks(CHUNK).zip(xb.par_chunks_mut(CHUNK)).for_each(round);
+            } else {
+                round((x, &mut xb));
+            }
             Some(xb)
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -117,6 +117,9 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
         (13, 2100, 300, true),
         (40, 96, 200, false),
         (13, 1538, 100, true),
+        // Sliced wherever the L2 is (at most 2048 half-precision inputs
+        // a slice), three slices of an odd 1367.
+        (13, 4100, 40, false),
         (3, 41, 70, true),
         (1, 41, 40, false),
     ];

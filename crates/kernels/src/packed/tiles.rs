@@ -57,7 +57,7 @@ impl PackedWeight {
         };
         // Slices of the reduction of at most `slice_len` inputs, of equal
         // length, even where the inputs go in pairs.
-        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa)));
+        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa, std::mem::size_of::<E>())));
         let kc_max = if xb.is_some() {
             kc_max.next_multiple_of(2)
         } else {

@@ -4,22 +4,24 @@
 
 use crate::isa::Isa;
 
-/// Inputs per slice of the reduction, at most, for `isa`: a row group's
-/// slice of inputs stays in L1 while the unit's panel slices (`slice ·
-/// UNIT_FEATURES` floats) stream past it from L2. The panel slices fill
-/// half of the core's L2, between 384 and 1024 inputs; 384 where the
-/// processor does not report its L2.
+/// Inputs per slice of the reduction, at most, for `isa` and panels of
+/// `elem_bytes` an element: a row group's slice of inputs stays in L1
+/// while the unit's panel slices (`slice · UNIT_FEATURES` elements)
+/// stream past it from L2. The panel slices fill half of the core's L2,
+/// from 384 inputs up to 4 KiB of a feature's elements (1024 f32, 2048
+/// bf16 or f16); 384 where the processor does not report its L2.
 ///
 /// Slices past L2 stream the panels from L3 or memory once per row group;
 /// much shorter ones add a pass over the outputs per slice. With L2s of
-/// 2 MiB (Sapphire Rapids) that is 1024 inputs, 1 MiB (Zen 4) 512, and
-/// 384 for the AVX2-only parts' 256-512 KiB.
-pub(super) fn slice_len(isa: Isa) -> usize {
+/// 2 MiB (Sapphire Rapids) that is 1024 f32 inputs, 1 MiB (Zen 4) 512,
+/// and 384 for the AVX2-only parts' 256-512 KiB; twice as many in half
+/// precision.
+pub(super) fn slice_len(isa: Isa, elem_bytes: usize) -> usize {
     const DEFAULT: usize = 384;
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => crate::isa::l2_bytes().map_or(DEFAULT, |l2| {
-            (l2 / 2 / (UNIT_FEATURES * std::mem::size_of::<f32>())).clamp(DEFAULT, 1024)
+            (l2 / 2 / (UNIT_FEATURES * elem_bytes)).clamp(DEFAULT, 4096 / elem_bytes)
         }),
         _ => DEFAULT,
     }
