@@ -217,9 +217,10 @@ fn cached_steps_equal_hf_at_every_step() -> Result<()> {
         let greedy = ids(&f, "greedy_ids")?;
         let expected = f.get("step_logits")?;
         let steps = expected.dim(1)?;
-        // Chunked prefill (3 + 4), then one token at a time.
+        // Chunked prefill (3 without logits, `CausalLm::prefill`, then 4),
+        // then one token at a time.
         let mut cache = model.new_cache(vec![]);
-        model.forward(&greedy.i((.., ..3))?, &mut cache)?;
+        model.prefill(&greedy.i((.., ..3))?, &mut cache)?;
         let mut logits = model.forward(&greedy.i((.., 3..7))?, &mut cache)?.i((.., 3))?;
         for s in 0..steps {
             assert_close(&format!("{name} step {s}"), &logits, &expected.i((.., s))?, 1e-5)?;

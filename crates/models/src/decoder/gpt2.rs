@@ -164,14 +164,11 @@ impl Gpt2 {
     pub fn config(&self) -> &Gpt2Config {
         &self.cfg
     }
-}
 
-impl CausalLm for Gpt2 {
-    fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
-        let (b, t) = check_ids(ids, self.cfg.vocab_size, "Gpt2")?;
-        if b == 0 {
-            return Tensor::zeros((0, t, self.cfg.vocab_size), DType::F32, &self.device);
-        }
+    /// The last block's output for `ids` (checked, `b > 0`), `(B, T, E)`,
+    /// appending them to `cache`.
+    fn hidden(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
         // Learned positions: each row's count from its first real token.
         let pos = cache.positions(b, t, &self.device)?;
         let last = pos.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
@@ -181,14 +178,32 @@ impl CausalLm for Gpt2 {
                 self.cfg.n_positions
             )
         }
-        // (B, T, E)
         let mut x =
             (self.wte.forward(ids, &self.lm_head)? + self.wpe.forward(&pos)?.to_dtype(DType::F32)?)?;
         for (i, block) in self.blocks.iter().enumerate() {
             x = block.forward(&x, cache.layer(i)?)?;
         }
+        Ok(x)
+    }
+}
+
+impl CausalLm for Gpt2 {
+    fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        let (b, t) = check_ids(ids, self.cfg.vocab_size, "Gpt2")?;
+        if b == 0 {
+            return Tensor::zeros((0, t, self.cfg.vocab_size), DType::F32, &self.device);
+        }
         // (B, T, V)
-        self.lm_head.forward(&self.ln_f.forward(&x)?)
+        self.lm_head
+            .forward(&self.ln_f.forward(&self.hidden(ids, cache)?)?)
+    }
+
+    fn prefill(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<()> {
+        let (b, _) = check_ids(ids, self.cfg.vocab_size, "Gpt2")?;
+        if b > 0 {
+            self.hidden(ids, cache)?;
+        }
+        Ok(())
     }
 
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {

@@ -142,6 +142,16 @@ impl Llama {
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
     }
+
+    /// The last layer's output for `ids` (checked, `b > 0`), `(B, T, E)`,
+    /// appending them to `cache`.
+    fn hidden(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(ids, &self.lm_head)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, cache.layer(i)?)?;
+        }
+        Ok(x)
+    }
 }
 
 impl CausalLm for Llama {
@@ -150,13 +160,17 @@ impl CausalLm for Llama {
         if b == 0 {
             return Tensor::zeros((0, t, self.cfg.vocab_size), DType::F32, &self.device);
         }
-        // (B, T, E)
-        let mut x = self.embed_tokens.forward(ids, &self.lm_head)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, cache.layer(i)?)?;
-        }
         // (B, T, V)
-        self.lm_head.forward(&self.norm.forward(&x)?)
+        self.lm_head
+            .forward(&self.norm.forward(&self.hidden(ids, cache)?)?)
+    }
+
+    fn prefill(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<()> {
+        let (b, _) = check_ids(ids, self.cfg.vocab_size, "Llama")?;
+        if b > 0 {
+            self.hidden(ids, cache)?;
+        }
+        Ok(())
     }
 
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {

@@ -143,6 +143,13 @@ pub trait CausalLm {
     /// - returns `(batch, new, vocab_size)`, f32
     fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor>;
 
+    /// Appends `ids` to `cache` as [`CausalLm::forward`] does, without
+    /// the logits: a prompt's prefill, whose next-token logits come from
+    /// the step after it. Models with a head to skip override it.
+    fn prefill(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<()> {
+        self.forward(ids, cache).map(drop)
+    }
+
     /// An empty cache for this model, rows left-padded as given.
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache;
 
@@ -328,6 +335,13 @@ impl CausalLm for DecoderModel {
         }
     }
 
+    fn prefill(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<()> {
+        match self {
+            Self::Gpt2(m) => m.prefill(ids, cache),
+            Self::Llama(m) => m.prefill(ids, cache),
+        }
+    }
+
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
         match self {
             Self::Gpt2(m) => m.new_cache(left_padding),
@@ -439,7 +453,7 @@ fn prefill<M: CausalLm>(
     }
     let mut cache = model.new_cache(pads);
     if len > 1 {
-        model.forward(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
+        model.prefill(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
     }
     let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
     Ok(Some((cache, last, cfg)))
