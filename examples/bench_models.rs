@@ -8,6 +8,7 @@
 //! cargo run --release --example bench_models -- peak
 //! cargo run --release --example bench_models -- stream 4
 //! cargo run --release --example bench_models -- linear 1576 768 2304 [LAYERS]
+//! cargo run --release --example bench_models -- linear-bf16 1576 3072 768 [LAYERS]
 //! RAYON_NUM_THREADS=1 cargo run --release --example bench_models -- share 512 512 2048 [LAYERS]
 //! cargo run --release --example bench_models -- split 512 512 512 [LAYERS]
 //! cargo run --release --example bench_models -- transformer [WEIGHTS.safetensors]
@@ -43,6 +44,10 @@
 //! candle's matmul on the same `(M, K) x (K, N)` product, in turn; with
 //! `LAYERS`, that many layers of their own weights one after another, so
 //! that the weights come from memory as a model's do.
+//!
+//! `linear-bf16 M K N [LAYERS]`: the `linear` mode's packed layers and
+//! the same weights rounded to bf16 and packed as such, in turn: each
+//! one's GFLOP/s and the median of the rounds' speed-ups.
 //!
 //! `share M K N [LAYERS]`: the `linear` mode's packed layers and candle's
 //! matmul on one core, each as a share of that core's FMA peak (`peak`'s
@@ -590,6 +595,35 @@ fn main() -> Result<()> {
                 );
             }
         }
+        ["linear-bf16", m, k, n, rest @ ..] => {
+            // The `linear` mode's packed layers with their weights in f32
+            // and in bf16, in turn: what the bf16 panels (on AVX512-BF16,
+            // `vdpbf16ps` over inputs rounded to bf16) gain over f32.
+            let LinearLayers {
+                x,
+                packed,
+                gflop,
+                work,
+                ..
+            } = LinearLayers::new(m, k, n, rest)?;
+            let bf16 = packed
+                .iter()
+                .map(|l| Ok(PackedLinear::new(l.weight()?.to_dtype(DType::BF16)?, None)?))
+                .collect::<Result<Vec<_>>>()?;
+            let times = alternating_ms(&mut [
+                &mut || packed.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
+                &mut || bf16.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
+            ])?;
+            let ratios: Vec<f64> = times[0].iter().zip(&times[1]).map(|(f, b)| f / b).collect();
+            let (f32_ms, bf16_ms) = (median(&times[0]), median(&times[1]));
+            println!(
+                r#"{{"work": "{work}", "isa": "{}", "f32_gflops": {:.1}, "bf16_gflops": {:.1}, "bf16_speedup": {:.3}}}"#,
+                multihead::attention::cpu_isa(),
+                gflop / (f32_ms * 1e-3),
+                gflop / (bf16_ms * 1e-3),
+                median(&ratios)
+            );
+        }
         ["share", m, k, n, rest @ ..] => {
             // One core's share of its FMA peak: rounds of the peak, the
             // packed layers, candle's matmul and the peak again, so that
@@ -890,7 +924,8 @@ fn main() -> Result<()> {
             );
         }
         _ => bail!(
-            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] | share M K N [LAYERS] \
+            "usage: bench_models (peak | stream MIB | sgemm N | linear M K N [LAYERS] \
+             | linear-bf16 M K N [LAYERS] | share M K N [LAYERS] \
              | split M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
              | vit-linears BATCH | residual BATCH | decode-layers f32|bf16|f16|q8_0 \
              | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
