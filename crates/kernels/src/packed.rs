@@ -222,8 +222,9 @@ impl PackedWeight {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            // Chunks of whole vectors; a call of many rows rounds them
-            // over the pool, as its tiles run.
+            // Chunks of whole vectors, over the pool where the input is
+            // large: one thread's pass over a call of many rows would
+            // take a sizeable share of the layer's time.
             const CHUNK: usize = 1 << 14;
             let mut xb = vec![bf16::ZERO; x.len()];
             let round = |(x, xb): (&[f32], &mut [bf16])| {

@@ -119,7 +119,7 @@ impl PackedWeight {
             };
             // Slice-major, then row groups, then tiles: a row group's slice
             // of inputs stays in L1 while the unit's panel slices (at most
-            // `slice_len · UNIT_FEATURES` floats) stream past it from L2.
+            // `slice_len · UNIT_FEATURES` elements) stream past it from L2.
             for k0 in (0..k).step_by(kc_max) {
                 let kc = kc_max.min(k - k0);
                 for g in g0..g1 {
