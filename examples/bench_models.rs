@@ -69,7 +69,8 @@
 //!
 //! `peak`: the FMA peak of every core at once, at the width the kernels
 //! run with (`multihead::attention::cpu_isa`: AVX-512F, or AVX2 where the
-//! processor or `MULTIHEAD_CPU_ISA=avx2` stops there), and that name.
+//! processor or `MULTIHEAD_CPU_ISA=avx2` stops there), and that name;
+//! at `avx512bf16`, the `vdpbf16ps` peak too, the bf16 layers' limit.
 //!
 //! `residual B`: a ViT-B/16 block's attention and MLP halves (random
 //! weights, norms left out) with their residual adds fused into the output
@@ -187,6 +188,38 @@ fn fma_peak(iters: usize) -> f64 {
             "avx2" => return chains!("avx2,fma", __m256, 8, 12, _mm256_set1_ps, _mm256_fmadd_ps),
             _ => {}
         }
+    }
+    let _ = iters;
+    0.
+}
+
+/// The `vdpbf16ps` peak of this core in GFLOP/s (each instruction two
+/// bf16 products and their sums into each of 16 f32 lanes: 64 FLOPs), 24
+/// independent chains as in [`fma_peak`]; 0 where `cpu_isa` is not
+/// `avx512bf16`.
+fn dpbf16_peak(iters: usize) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if multihead::attention::cpu_isa() == "avx512bf16" {
+        use std::arch::x86_64::*;
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        fn run(iters: usize) -> f64 {
+            let (a, b) = std::hint::black_box((
+                _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5), _mm512_set1_ps(0.25)),
+                _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3), _mm512_set1_ps(-1e-3)),
+            ));
+            let mut acc: [__m512; 24] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
+            let t = Instant::now();
+            for _ in 0..iters {
+                for c in acc.iter_mut() {
+                    *c = _mm512_dpbf16_ps(*c, a, b);
+                }
+            }
+            let secs = t.elapsed().as_secs_f64();
+            std::hint::black_box(acc);
+            (iters * 24 * 64) as f64 / secs / 1e9
+        }
+        // SAFETY: `cpu_isa` names only what the processor has.
+        return unsafe { run(iters) };
     }
     let _ = iters;
     0.
@@ -543,6 +576,15 @@ fn main() -> Result<()> {
                 per_core.join(", "),
                 rates.iter().sum::<f64>()
             );
+            if multihead::attention::cpu_isa() == "avx512bf16" {
+                let rates = on_every_core(|| dpbf16_peak(100_000_000));
+                let per_core: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
+                println!(
+                    r#"{{"work": "vdpbf16ps peak, every core at once", "gflops_per_core": [{}], "gflops": {:.1}}}"#,
+                    per_core.join(", "),
+                    rates.iter().sum::<f64>()
+                );
+            }
         }
         ["stream", mib] => {
             let len = mib.parse::<usize>().context("stream takes a size in MiB")? << 18;
