@@ -95,12 +95,16 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear};
-use multihead::kernels::{packing_as, PackFormat};
+use multihead::kernels::PackFormat;
 use multihead::models::checkpoint::{Checkpoint, WeightDtype};
 use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
+#[path = "bench_models/linear.rs"]
+mod linear;
+#[path = "bench_models/machine.rs"]
+mod machine;
 #[path = "support/serve.rs"]
 mod serve;
 
@@ -149,135 +153,6 @@ fn median(xs: &[f64]) -> f64 {
     xs[xs.len() / 2]
 }
 
-/// GFLOP/s of independent FMA chains on `x86_64`, of the width the
-/// kernels run with (`cpu_isa`: AVX-512F, or AVX2+FMA where the processor
-/// or `MULTIHEAD_CPU_ISA` stops there), run for `iters` rounds; 0 on the
-/// portable kernels.
-fn fma_peak(iters: usize) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::*;
-        macro_rules! chains {
-            ($feature:literal, $ty:ty, $lanes:expr, $chains:expr, $set1:ident, $fma:ident) => {{
-                #[target_feature(enable = $feature)]
-                unsafe fn run(iters: usize) -> f64 {
-                    let (b, c) = std::hint::black_box(($set1(1.000_000_1), $set1(0.999_999)));
-                    let mut acc: [$ty; $chains] = std::array::from_fn(|i| $set1(i as f32));
-                    let t = Instant::now();
-                    for _ in 0..iters {
-                        for a in acc.iter_mut() {
-                            *a = $fma(*a, b, c);
-                        }
-                    }
-                    let secs = t.elapsed().as_secs_f64();
-                    std::hint::black_box(acc);
-                    (iters * $chains * $lanes * 2) as f64 / secs / 1e9
-                }
-                // SAFETY: the caller checked the features.
-                unsafe { run(iters) }
-            }};
-        }
-        // `cpu_isa` names only what the processor has. As many chains as
-        // the registers hold with room to spare: AVX2's 16 `ymm` take 12
-        // (24 spill and read low), enough to cover the FMA's latency on two
-        // ports either way.
-        match multihead::attention::cpu_isa() {
-            "avx512" | "avx512bf16" => {
-                return chains!("avx512f", __m512, 16, 24, _mm512_set1_ps, _mm512_fmadd_ps)
-            }
-            "avx2" => return chains!("avx2,fma", __m256, 8, 12, _mm256_set1_ps, _mm256_fmadd_ps),
-            _ => {}
-        }
-    }
-    let _ = iters;
-    0.
-}
-
-/// The `vdpbf16ps` peak of this core in GFLOP/s (each instruction two
-/// bf16 products and their sums into each of 16 f32 lanes: 64 FLOPs), 24
-/// independent chains as in [`fma_peak`]; 0 where `cpu_isa` is not
-/// `avx512bf16`.
-fn dpbf16_peak(iters: usize) -> f64 {
-    #[cfg(target_arch = "x86_64")]
-    if multihead::attention::cpu_isa() == "avx512bf16" {
-        use std::arch::x86_64::*;
-        #[target_feature(enable = "avx512f,avx512bf16")]
-        fn run(iters: usize) -> f64 {
-            let (a, b) = std::hint::black_box((
-                _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5), _mm512_set1_ps(0.25)),
-                _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3), _mm512_set1_ps(-1e-3)),
-            ));
-            let mut acc: [__m512; 24] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
-            let t = Instant::now();
-            for _ in 0..iters {
-                for c in acc.iter_mut() {
-                    *c = _mm512_dpbf16_ps(*c, a, b);
-                }
-            }
-            let secs = t.elapsed().as_secs_f64();
-            std::hint::black_box(acc);
-            (iters * 24 * 64) as f64 / secs / 1e9
-        }
-        // SAFETY: `cpu_isa` names only what the processor has.
-        return unsafe { run(iters) };
-    }
-    let _ = iters;
-    0.
-}
-
-/// GB/s of summing `buf` `rounds` times (16 partial sums, so that it
-/// vectorises).
-fn read_rate(buf: &[f32], rounds: usize) -> f64 {
-    let t = Instant::now();
-    let mut lanes = [0f32; 16];
-    for _ in 0..rounds {
-        for chunk in buf.chunks_exact(16) {
-            for (l, &x) in lanes.iter_mut().zip(chunk) {
-                *l += x;
-            }
-        }
-    }
-    std::hint::black_box(lanes);
-    (rounds * buf.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
-}
-
-/// `f` on every core at once, one thread each; its results in order.
-fn on_every_core<R: Send>(f: impl Fn() -> R + Sync) -> Vec<R> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..cores).map(|_| s.spawn(&f)).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("a probe thread panicked"))
-            .collect()
-    })
-}
-
-fn peak_rss_mib() -> Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM in /proc/self/status")?;
-    Ok(kb as f64 / 1024.)
-}
-
-/// Minor page faults of this process so far (all its threads), from
-/// `/proc/self/stat`'s tenth field.
-fn minor_faults() -> Result<u64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
-    // The fields after the command name, which may hold spaces, from the
-    // third (the state) on.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(vec![], |(_, r)| r.split_whitespace().collect());
-    fields
-        .get(7)
-        .and_then(|f| f.parse().ok())
-        .context("no minflt in /proc/self/stat")
-}
-
 /// The `f` quantile (0 to 1, the nearest rank) of `sorted`, which is not
 /// empty.
 fn quantile(sorted: &[f64], f: f64) -> f64 {
@@ -289,52 +164,6 @@ fn timed(f: impl FnOnce() -> Result<()>) -> Result<f64> {
     let t = Instant::now();
     f()?;
     Ok(t.elapsed().as_secs_f64())
-}
-
-/// `LAYERS` (default 1) linear layers of `(M, K) x (K, N)`, each with
-/// random weights of its own, three ways: packed, candle's `Linear` and
-/// candle's matmul with the weight stored `(k, n)`; and the input.
-struct LinearLayers {
-    x: Tensor,
-    packed: Vec<PackedLinear>,
-    linear: Vec<candle_nn::Linear>,
-    wt: Vec<Tensor>,
-    /// Of one pass over the layers.
-    gflop: f64,
-    /// The work's name in the output.
-    work: String,
-}
-
-impl LinearLayers {
-    /// The three ways' names, in order.
-    const PATHS: [&str; 3] = [
-        "PackedLinear",
-        "candle_nn::Linear",
-        "candle matmul, (k, n) weight",
-    ];
-
-    fn new(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<Self> {
-        let (m, k, n): (usize, usize, usize) = (m.parse()?, k.parse()?, n.parse()?);
-        let layers: usize = rest.first().map_or(Ok(1), |l| l.parse()).context("LAYERS")?;
-        let mut layer_set = LinearLayers {
-            x: Tensor::randn(0f32, 1., (m, k), &Device::Cpu)?,
-            packed: Vec::new(),
-            linear: Vec::new(),
-            wt: Vec::new(),
-            gflop: 2. * (m * k * n * layers) as f64 / 1e9,
-            work: match layers {
-                1 => format!("linear {m}x{k} -> {n}"),
-                _ => format!("linear {m}x{k} -> {n}, {layers} layers"),
-            },
-        };
-        for _ in 0..layers {
-            let w = Tensor::randn(0f32, 1., (n, k), &Device::Cpu)?;
-            layer_set.packed.push(PackedLinear::new(w.clone(), None)?);
-            layer_set.linear.push(candle_nn::Linear::new(w.clone(), None));
-            layer_set.wt.push(w.t()?.contiguous()?);
-        }
-        Ok(layer_set)
-    }
 }
 
 /// A VarBuilder over `path`, or over random weights initialised as the
@@ -567,38 +396,8 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
-        ["peak"] => {
-            let rates = on_every_core(|| fma_peak(100_000_000));
-            let per_core: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
-            println!(
-                r#"{{"work": "FMA peak, every core at once", "isa": "{}", "gflops_per_core": [{}], "gflops": {:.1}}}"#,
-                multihead::attention::cpu_isa(),
-                per_core.join(", "),
-                rates.iter().sum::<f64>()
-            );
-            if multihead::attention::cpu_isa() == "avx512bf16" {
-                let rates = on_every_core(|| dpbf16_peak(100_000_000));
-                let per_core: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
-                println!(
-                    r#"{{"work": "vdpbf16ps peak, every core at once", "gflops_per_core": [{}], "gflops": {:.1}}}"#,
-                    per_core.join(", "),
-                    rates.iter().sum::<f64>()
-                );
-            }
-        }
-        ["stream", mib] => {
-            let len = mib.parse::<usize>().context("stream takes a size in MiB")? << 18;
-            let rates = on_every_core(|| {
-                let buf = vec![1f32; len];
-                read_rate(&buf, 2);
-                read_rate(&buf, (1 << 30) / (len * 4).max(1))
-            });
-            let per_core: Vec<String> = rates.iter().map(|r| format!("{r:.1}")).collect();
-            println!(
-                r#"{{"work": "read {mib} MiB per core, every core at once", "gb_per_s_per_core": [{}]}}"#,
-                per_core.join(", ")
-            );
-        }
+        ["peak"] => machine::peak()?,
+        ["stream", mib] => machine::stream(mib)?,
         ["sgemm", n] => {
             let n: usize = n.parse().context("sgemm takes a size")?;
             let a = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
@@ -607,181 +406,10 @@ fn main() -> Result<()> {
             let gflops = 2. * (n as f64).powi(3) / (ms * 1e-3) / 1e9;
             println!(r#"{{"work": "sgemm {n}", "median_ms": {ms:.3}, "gflops": {gflops:.1}}}"#);
         }
-        ["linear", m, k, n, rest @ ..] => {
-            // One packed linear against candle's matmul on the same shapes;
-            // with LAYERS, that many of them, each with its own weights,
-            // run one after another, as a model's are, so that the
-            // weights come from memory rather than cache.
-            let LinearLayers {
-                x,
-                packed,
-                linear,
-                wt,
-                gflop,
-                work,
-            } = LinearLayers::new(m, k, n, rest)?;
-            // The three paths in turn, each round; the ratio is the median
-            // of the rounds' ratios to the (k, n) matmul.
-            let times = alternating_ms(&mut [
-                &mut || packed.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
-                &mut || linear.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
-                &mut || wt.iter().try_for_each(|wt| Ok(x.matmul(wt).map(drop)?)),
-            ])?;
-            for (path, path_times) in LinearLayers::PATHS.iter().zip(&times) {
-                let ms = median(path_times);
-                let ratios: Vec<f64> = path_times.iter().zip(&times[2]).map(|(t, m)| m / t).collect();
-                println!(
-                    r#"{{"work": "{work}", "path": "{path}", "median_ms": {ms:.3}, "gflops": {:.1}, "speed_vs_matmul": {:.3}}}"#,
-                    gflop / (ms * 1e-3),
-                    median(&ratios)
-                );
-            }
-        }
-        ["linear-bf16", m, k, n, rest @ ..] => {
-            // The `linear` mode's packed layers with their weights in f32
-            // and in bf16, in turn: what the bf16 panels (on AVX512-BF16,
-            // `vdpbf16ps` over inputs rounded to bf16) gain over f32.
-            let LinearLayers {
-                x,
-                packed,
-                gflop,
-                work,
-                ..
-            } = LinearLayers::new(m, k, n, rest)?;
-            let bf16 = packed
-                .iter()
-                .map(|l| Ok(PackedLinear::new(l.weight()?.to_dtype(DType::BF16)?, None)?))
-                .collect::<Result<Vec<_>>>()?;
-            let times = alternating_ms(&mut [
-                &mut || packed.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
-                &mut || bf16.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)),
-            ])?;
-            let ratios: Vec<f64> = times[0].iter().zip(&times[1]).map(|(f, b)| f / b).collect();
-            let (f32_ms, bf16_ms) = (median(&times[0]), median(&times[1]));
-            println!(
-                r#"{{"work": "{work}", "isa": "{}", "f32_gflops": {:.1}, "bf16_gflops": {:.1}, "bf16_speedup": {:.3}}}"#,
-                multihead::attention::cpu_isa(),
-                gflop / (f32_ms * 1e-3),
-                gflop / (bf16_ms * 1e-3),
-                median(&ratios)
-            );
-        }
-        ["share", m, k, n, rest @ ..] => {
-            // One core's share of its FMA peak: rounds of the peak, the
-            // packed layers, candle's matmul and the peak again, so that
-            // each rate is divided by the peak of the same moment.
-            if candle::utils::get_num_threads() != 1 {
-                bail!("share measures one core: run it with RAYON_NUM_THREADS=1");
-            }
-            if fma_peak(1) == 0. {
-                bail!(
-                    "share needs the AVX-512F or AVX2 kernels for its peak loop, not {}",
-                    multihead::attention::cpu_isa()
-                );
-            }
-            let LinearLayers {
-                x,
-                packed,
-                wt,
-                gflop,
-                work,
-                ..
-            } = LinearLayers::new(m, k, n, rest)?;
-            let mut shares = [Vec::new(), Vec::new()];
-            let mut peaks = Vec::new();
-            let start = Instant::now();
-            while peaks.len() < 10 || (start.elapsed().as_secs_f64() < 6. && peaks.len() < 200) {
-                let peak = fma_peak(1_000_000);
-                let times = [
-                    timed(|| packed.iter().try_for_each(|l| Ok(l.forward(&x).map(drop)?)))?,
-                    timed(|| wt.iter().try_for_each(|wt| Ok(x.matmul(wt).map(drop)?)))?,
-                ];
-                let peak = (peak + fma_peak(1_000_000)) / 2.;
-                for (shares, secs) in shares.iter_mut().zip(times) {
-                    shares.push(gflop / secs / peak);
-                }
-                peaks.push(peak);
-            }
-            for (path, shares) in [LinearLayers::PATHS[0], LinearLayers::PATHS[2]]
-                .iter()
-                .zip(&mut shares)
-            {
-                shares.sort_by(f64::total_cmp);
-                let q = |f: f64| quantile(shares, f);
-                println!(
-                    r#"{{"work": "{work}, one core", "path": "{path}", "rounds": {}, "peak_gflops": {:.1}, "share_of_peak": {:.3}, "share_quartiles": [{:.3}, {:.3}], "share_range": [{:.3}, {:.3}]}}"#,
-                    shares.len(),
-                    median(&peaks),
-                    q(0.5),
-                    q(0.25),
-                    q(0.75),
-                    q(0.),
-                    q(1.)
-                );
-            }
-        }
-        ["split", m, k, n, rest @ ..] => {
-            // One call on every core against a copy of the layers per core,
-            // each copy on a one-thread pool of its own, all at once, and
-            // one copy alone, round after round.
-            let cores = rayon::current_num_threads();
-            if cores < 2 {
-                bail!("split compares one call over the pool's threads with a copy per thread: it needs two or more");
-            }
-            let copies = (0..cores)
-                .map(|_| LinearLayers::new(m, k, n, rest))
-                .collect::<Result<Vec<_>>>()?;
-            let pools = (0..cores)
-                .map(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build())
-                .collect::<Result<Vec<_>, _>>()?;
-            // GFLOP/s of one pass over a copy's packed layers.
-            let rate = |c: &LinearLayers| -> Result<f64> {
-                Ok(c.gflop / timed(|| c.packed.iter().try_for_each(|l| Ok(l.forward(&c.x).map(drop)?)))?)
-            };
-            let (mut alone, mut at_once, mut call) = (vec![], vec![], vec![]);
-            let (mut at_once_over_alone, mut call_over_sum) = (vec![], vec![]);
-            let start = Instant::now();
-            while alone.len() < 10 || (start.elapsed().as_secs_f64() < 6. && alone.len() < 200) {
-                let one = pools[0].install(|| rate(&copies[0]))?;
-                let each = std::thread::scope(|s| {
-                    let runs: Vec<_> = copies
-                        .iter()
-                        .zip(&pools)
-                        .map(|(c, pool)| s.spawn(move || pool.install(|| rate(c))))
-                        .collect();
-                    runs.into_iter()
-                        .map(|r| r.join().expect("a copy's thread panicked"))
-                        .collect::<Result<Vec<f64>>>()
-                })?;
-                let split = rate(&copies[0])?;
-                let sum: f64 = each.iter().sum();
-                at_once_over_alone.push(sum / cores as f64 / one);
-                call_over_sum.push(split / sum);
-                alone.push(one);
-                at_once.push(sum);
-                call.push(split);
-            }
-            // "median, [lower quartile, upper quartile]".
-            let q = |xs: &mut Vec<f64>| {
-                xs.sort_by(f64::total_cmp);
-                format!(
-                    "{:.3}, [{:.3}, {:.3}]",
-                    quantile(xs, 0.5),
-                    quantile(xs, 0.25),
-                    quantile(xs, 0.75)
-                )
-            };
-            println!(
-                r#"{{"work": "{}, {cores} threads", "rounds": {}, "one_copy_alone_gflops": {:.1}, "copies_at_once_gflops": {:.1}, "one_call_gflops": {:.1}, "copy_at_once_over_alone": [{}], "call_over_copies": [{}]}}"#,
-                copies[0].work,
-                alone.len(),
-                median(&alone),
-                median(&at_once),
-                median(&call),
-                q(&mut at_once_over_alone),
-                q(&mut call_over_sum)
-            );
-        }
+        ["linear", m, k, n, rest @ ..] => linear::linear(m, k, n, rest)?,
+        ["linear-bf16", m, k, n, rest @ ..] => linear::linear_bf16(m, k, n, rest)?,
+        ["share", m, k, n, rest @ ..] => linear::share(m, k, n, rest)?,
+        ["split", m, k, n, rest @ ..] => linear::split(m, k, n, rest)?,
         ["residual", batch] => {
             // A ViT-B/16 block's two residual halves (norms left out), the
             // adds fused into the output projections and as candle adds,
@@ -858,67 +486,20 @@ fn main() -> Result<()> {
             // (VmHWM) to the current one when 5 is written to clear_refs.
             std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
             vit.forward(&x)?;
-            let rss = peak_rss_mib()?;
+            let rss = machine::peak_rss_mib()?;
             let ms = median_ms(|| Ok(vit.forward(&x).map(drop)?))?;
             // Fresh pages the allocator hands out a forward (its heap
             // given back and taken again), over three more.
-            let before = minor_faults()?;
+            let before = machine::minor_faults()?;
             for _ in 0..3 {
                 vit.forward(&x)?;
             }
-            let faults = (minor_faults()? - before) / 3;
+            let faults = (machine::minor_faults()? - before) / 3;
             println!(
                 r#"{{"work": "vit_base_patch16_224 B{batch}", "median_ms": {ms:.2}, "peak_rss_mib": {rss:.1}, "page_faults_per_forward": {faults}}}"#
             );
         }
-        ["decode-layers", dtype] => {
-            // A decode step's linears alone: the 0.39 B Llama-shaped
-            // decoder's (24 layers of 896 wide, GQA 14/2, 4864
-            // intermediate, a 32000-token head), one row through each in
-            // turn, weights in `dtype`, each from memory: the rate the
-            // weights stream at, to set beside the whole step's.
-            let (dtype, format) = match *dtype {
-                "f32" => (DType::F32, PackFormat::AsStored),
-                "bf16" => (DType::BF16, PackFormat::AsStored),
-                "f16" => (DType::F16, PackFormat::AsStored),
-                "q8_0" => (DType::F32, PackFormat::Q8_0),
-                other => bail!("decode-layers takes f32, bf16, f16 or q8_0, not {other}"),
-            };
-            let dev = Device::Cpu;
-            let mut shapes = Vec::new();
-            for _ in 0..24 {
-                shapes.extend([(896 + 2 * 128, 896), (896, 896), (2 * 4864, 896), (896, 4864)]);
-            }
-            shapes.push((32000, 896));
-            let layers = shapes
-                .iter()
-                .map(|&(n, k)| {
-                    let w = (Tensor::randn(0f32, 1., (n, k), &dev)? * 0.02)?.to_dtype(dtype)?;
-                    Ok(packing_as(format, || PackedLinear::new(w, None))?)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let inputs = [896, 4864]
-                .map(|k| Tensor::randn(0f32, 1., (1, k), &dev))
-                .into_iter()
-                .collect::<candle::Result<Vec<_>>>()?;
-            let ms = median_ms(|| {
-                for (layer, &(_, k)) in layers.iter().zip(&shapes) {
-                    layer.forward(&inputs[usize::from(k != 896)])?;
-                }
-                Ok(())
-            })?;
-            let weights: usize = shapes.iter().map(|(n, k)| n * k).sum();
-            let bytes = match format {
-                PackFormat::Q8_0 => weights as f64 * 34. / 32.,
-                PackFormat::AsStored => (weights * dtype.size_in_bytes()) as f64,
-            };
-            println!(
-                r#"{{"work": "decode-layers {}", "median_ms": {ms:.2}, "gb_per_s": {:.1}, "tokens_per_s": {:.1}}}"#,
-                dtype_name(format, dtype),
-                bytes / (ms * 1e-3) / 1e9,
-                1e3 / ms
-            );
-        }
+        ["decode-layers", dtype] => linear::decode_layers(dtype)?,
         ["vit-linears", batch] => {
             // The share of a ViT-B/16 forward that its 48 linears take on
             // their own: the forward (random weights) and the same linears
