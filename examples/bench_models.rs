@@ -15,7 +15,7 @@
 //! cargo run --release --example bench_models -- residual 1
 //! cargo run --release --example bench_models -- vit-linears 1
 //! cargo run --release --example bench_models -- decode-layers bf16
-//! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN]
+//! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN] [DTYPE]
 //! cargo run --release --example bench_models -- serve [--sgemm] [--vit WEIGHTS|random] \
 //!     [--vit-bf16 WEIGHTS] [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
 //! ```
@@ -31,7 +31,9 @@
 //!
 //! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
 //! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
-//! positions, and prefill throughput of a `PROMPT_LEN` (512) token prompt.
+//! positions, and prefill throughput of a `PROMPT_LEN` (512) token prompt,
+//! its weight matrices in `DTYPE` (`f32`, `bf16`, `f16` or `q8_0`, as
+//! `multihead generate --dtype`).
 //!
 //! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
 //! given timm state_dict or on random weights, and the peak resident
@@ -96,7 +98,7 @@ use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear};
 use multihead::kernels::PackFormat;
-use multihead::models::checkpoint::{Checkpoint, WeightDtype};
+use multihead::models::checkpoint::{Checkpoint, LoadOptions, WeightDtype};
 use multihead::models::decoder::{CausalLm, DecoderModel};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
@@ -258,9 +260,13 @@ struct DecoderBench {
 }
 
 impl DecoderBench {
-    fn new(dir: &str, cache_len: usize, prompt_len: usize) -> Result<Self> {
+    fn new(dir: &str, cache_len: usize, prompt_len: usize, dtype: WeightDtype) -> Result<Self> {
         let dev = Device::Cpu;
-        let model = DecoderModel::from_folder(dir.as_ref(), &dev)?;
+        let opts = LoadOptions {
+            dtype,
+            ..LoadOptions::default()
+        };
+        let model = DecoderModel::from_folder_with(dir.as_ref(), &dev, &opts)?;
         let vocab = model.vocab_size() as u32;
         let ids = |n: usize| -> candle::Result<Tensor> {
             let data: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -377,7 +383,7 @@ fn serve_works(args: &[&str]) -> Result<()> {
                 ));
             }
             "--decoder" => {
-                let dec = Rc::new(std::cell::RefCell::new(DecoderBench::new(value()?, 2048, 512)?));
+                let dec = Rc::new(std::cell::RefCell::new(DecoderBench::new(value()?, 2048, 512, WeightDtype::F32)?));
                 let (step, prefill) = (dec.borrow().step_work(), dec.borrow().prefill_work());
                 let dec2 = dec.clone();
                 works.push((step, Box::new(move || dec.borrow_mut().step())));
@@ -468,7 +474,8 @@ fn main() -> Result<()> {
         ["decoder", dir, rest @ ..] => {
             let cache_len: usize = rest.first().map_or(Ok(2048), |s| s.parse())?;
             let prompt_len: usize = rest.get(1).map_or(Ok(512), |s| s.parse())?;
-            let mut dec = DecoderBench::new(dir, cache_len, prompt_len)?;
+            let dtype: WeightDtype = rest.get(2).map_or(Ok(WeightDtype::F32), |s| s.parse())?;
+            let mut dec = DecoderBench::new(dir, cache_len, prompt_len, dtype)?;
             let ms = median_ms(|| dec.step())?;
             println!(r#"{{"work": "{}", "median_ms": {ms:.3}}}"#, dec.step_work());
             let ms = median_ms(|| dec.prefill())?;
@@ -551,7 +558,7 @@ fn main() -> Result<()> {
              | linear-bf16 M K N [LAYERS] | share M K N [LAYERS] \
              | split M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
              | vit-linears BATCH | residual BATCH | decode-layers f32|bf16|f16|q8_0 \
-             | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN])"
+             | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN] [DTYPE])"
         ),
     }
     Ok(())

@@ -26,11 +26,12 @@ llama-bench's tgN decodes from an empty cache, ours after the prompt; at
 these lengths the KV cache is under 1% of the bytes read per token.
 
 The bandwidth is a C loop summing a 2 GiB buffer on 2 OpenMP threads
-(compiled here with cc, best of 5 passes), measured before and after the
-runs; the higher is used (on a shared machine the two can differ by
-half). A decode rate's share of it is
-GGUF file size x tokens/s / bandwidth: every weight matrix, the tied
-embedding as the output head, is read once per token.
+(compiled here with cc, best of 5 passes), probed before the runs and after
+each dtype's pair of runs: on a shared machine it moves by half within
+minutes. A decode run's share is GGUF file size x tokens/s over the higher
+of the two probes beside its pair (every weight matrix, the tied embedding
+as the output head, is read once per token); the table gives each side's
+median share over the runs.
 
 llama.cpp is built from the source that the llama-cpp-python sdist vendors
 (CPU, native), its converter run with this venv (PYTHONPATH=gguf-py;
@@ -115,15 +116,19 @@ int main(int argc, char **argv) {
 """
 
 
-def bandwidth(tmp):
-    """Best read bandwidth in GB/s of THREADS threads over 2 GiB."""
+def bandwidth_probe(tmp):
+    """The probe, compiled: a function giving the best read bandwidth in GB/s of THREADS threads over
+    2 GiB."""
     src, exe = os.path.join(tmp, "bw.c"), os.path.join(tmp, "bw")
     with open(src, "w") as f:
         f.write(BANDWIDTH)
     subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", src, "-o", exe], check=True)
-    out = subprocess.run([exe, str(2 << 30), "5"], capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": str(THREADS), "OMP_PROC_BIND": "spread"})
-    return float(out.stdout.split()[0])
+
+    def probe():
+        out = subprocess.run([exe, str(2 << 30), "5"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "OMP_NUM_THREADS": str(THREADS), "OMP_PROC_BIND": "spread"})
+        return float(out.stdout.split()[0])
+    return probe
 
 
 def convert(llama_cpp, folder, dtype, path):
@@ -212,6 +217,7 @@ def main():
     ours_runs = {d: [] for d in dtypes}
     refused = {}
     sizes = {}
+    bw_beside = {d: [] for d in dtypes}  # each run's bandwidth: the higher probe beside its pair
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         work = args.work or tmp
         os.makedirs(work, exist_ok=True)
@@ -225,15 +231,16 @@ def main():
                 convert(args.llama_cpp, folder, dtype, ggufs[dtype])
             sizes[dtype] = os.path.getsize(ggufs[dtype])
         prompt = make_prompt(folder)
-        bw_before = bandwidth(tmp)
+        bandwidth = bandwidth_probe(tmp)
+        probes = [bandwidth()]
         for run in range(args.runs):
             for dtype in dtypes:
                 sides = [lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype], new_tokens)),
                          lambda: ours_runs[dtype].append(ours(binary, folder, dtype, prompt, new_tokens, refused))]
                 for side in sides if run % 2 == 0 else reversed(sides):
                     side()
-        bw_after = bandwidth(tmp)
-    bw = max(bw_before, bw_after)
+                probes.append(bandwidth())
+                bw_beside[dtype].append(max(probes[-2:]))
 
     def median(runs, i):
         got = [r[i] for r in runs if r is not None]
@@ -248,17 +255,21 @@ def main():
         got = [o[i] / t[i] for o, t in zip(ours_runs[dtype], theirs_runs[dtype]) if o is not None]
         return f"{statistics.median(got):.2f}" if got else "n/a"
 
-    def share(size, rate):
-        return "n/a" if rate is None else f"{100 * size * rate / (bw * 1e9):.0f}%"
+    def share(dtype, runs):
+        """The median over the runs of each decode's share of the bandwidth probed beside it."""
+        got = [sizes[dtype] * r[1] / (bw * 1e9) for r, bw in zip(runs, bw_beside[dtype]) if r is not None]
+        return f"{100 * statistics.median(got):.0f}%" if got else "n/a"
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{now}, {cpu_model()}, {THREADS} threads\n")
     print(f"    {command}\n")
-    print(f"read bandwidth ({THREADS} threads, 2 GiB): {bw:.1f} GB/s ({bw_before:.1f} before the runs, "
-          f"{bw_after:.1f} after); medians of {args.runs} alternating runs; "
+    print(f"read bandwidth ({THREADS} threads, 2 GiB): median {statistics.median(probes):.1f} GB/s of "
+          f"{len(probes)} probes, {min(probes):.1f} to {max(probes):.1f}; "
+          f"medians of {args.runs} alternating runs; "
           f"llama.cpp: pp{PROMPT_TOKENS} and tg{new_tokens}; "
           f"ours: a {fmt(median(sum(ours_runs.values(), []), 2), '.0f')}-token prompt, {new_tokens} new tokens; "
-          "ratios: the median of each run's, ours over the llama.cpp run beside it\n")
+          "ratios: the median of each run's, ours over the llama.cpp run beside it; shares: the median of each "
+          "run's decode over the bandwidth probed beside it\n")
     print("| weights | GGUF (MB) | prefill tok/s llama.cpp | ours | ours / llama.cpp | decode tok/s llama.cpp "
           "| ours | ours / llama.cpp | decode share of bandwidth llama.cpp | ours |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -267,12 +278,14 @@ def main():
         tpp, ttg = median(theirs_runs[dtype], 0), median(theirs_runs[dtype], 1)
         opp, otg = median(ours_runs[dtype], 0), median(ours_runs[dtype], 1)
         print(f"| {dtype} | {size / 1e6:.0f} | {fmt(tpp)} | {fmt(opp)} | {ratio(dtype, 0)} | {fmt(ttg, '.2f')} "
-              f"| {fmt(otg, '.2f')} | {ratio(dtype, 1)} | {share(size, ttg)} | {share(size, otg)} |")
+              f"| {fmt(otg, '.2f')} | {ratio(dtype, 1)} | {share(dtype, theirs_runs[dtype])} "
+              f"| {share(dtype, ours_runs[dtype])} |")
     print("\nEach run (prefill/decode tok/s), to judge the spread:\n")
     for dtype in dtypes:
         runs = [" ".join(f"{pp:.0f}/{tg:.1f}" for pp, tg, *_ in side) or "n/a"
                 for side in (theirs_runs[dtype], [r for r in ours_runs[dtype] if r is not None])]
-        print(f"- {dtype}: llama.cpp {runs[0]}; ours {runs[1]}")
+        print(f"- {dtype}: llama.cpp {runs[0]}; ours {runs[1]}; bandwidth beside each run "
+              + " ".join(f"{bw:.1f}" for bw in bw_beside[dtype]) + " GB/s")
     for dtype, why in refused.items():
         print(f"\nours at {dtype}: n/a ({why})")
 
