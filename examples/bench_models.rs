@@ -383,7 +383,12 @@ fn serve_works(args: &[&str]) -> Result<()> {
                 ));
             }
             "--decoder" => {
-                let dec = Rc::new(std::cell::RefCell::new(DecoderBench::new(value()?, 2048, 512, WeightDtype::F32)?));
+                let dec = Rc::new(std::cell::RefCell::new(DecoderBench::new(
+                    value()?,
+                    2048,
+                    512,
+                    WeightDtype::F32,
+                )?));
                 let (step, prefill) = (dec.borrow().step_work(), dec.borrow().prefill_work());
                 let dec2 = dec.clone();
                 works.push((step, Box::new(move || dec.borrow_mut().step())));

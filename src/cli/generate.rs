@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::DType;
 use indicatif::{ProgressBar, ProgressStyle};
-use multihead::models::checkpoint::{is_gguf, LoadOptions, LoadProgress, WeightDtype};
+use multihead::models::checkpoint::{is_gguf, GgufFile, LoadOptions, LoadProgress, WeightDtype};
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
 
 use super::input::{preview, read_lines};
@@ -83,9 +83,10 @@ pub struct Args {
     /// The dtype the weight matrices are kept in: f32, or bf16 and f16
     /// (half the memory and the bytes read a token; a bf16 folder is kept
     /// as stored), or q8_0 (llama.cpp's 8-bit blocks, quantized at load).
-    /// Activations stay f32.
-    #[arg(long, value_name = "DTYPE", default_value = "f32")]
-    pub dtype: WeightDtype,
+    /// Activations stay f32. Default: f32 for a folder, the type a GGUF
+    /// file stores its matrices in.
+    #[arg(long, value_name = "DTYPE")]
+    pub dtype: Option<WeightDtype>,
     /// The dtype the key/value cache stores keys and values in: f32 (as
     /// computed), or bf16 and f16 (half the cache's memory; the CPU
     /// attention reads it in place).
@@ -143,13 +144,16 @@ pub fn run(args: Args) -> Result<()> {
         shown.set_length(total);
         shown.set_position(done);
     }));
-    let opts = LoadOptions {
-        dtype: args.dtype,
+    let mut opts = LoadOptions {
+        dtype: args.dtype.unwrap_or_default(),
         kv_dtype: args.kv_dtype.dtype(),
         progress: Some(progress),
     };
     let generator = if is_gguf(&args.model) {
-        TextGenerator::from_gguf(&args.model, args.tokenizer.as_deref(), &device, &opts)
+        GgufFile::read(&args.model).and_then(|file| {
+            opts.dtype = args.dtype.or(file.weight_dtype()).unwrap_or_default();
+            TextGenerator::from_gguf_file(&file, args.tokenizer.as_deref(), &device, &opts)
+        })
     } else if args.tokenizer.is_some() {
         bail!("--tokenizer is for a GGUF model; a folder's tokenizer is its tokenizer.json")
     } else {
@@ -160,7 +164,7 @@ pub fn run(args: Args) -> Result<()> {
     eprintln!(
         "loaded {} ({}) in {:.0} ms",
         args.model.display(),
-        args.dtype,
+        opts.dtype,
         start.elapsed().as_secs_f64() * 1e3
     );
     let mut settings = generator.settings();

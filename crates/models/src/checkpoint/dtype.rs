@@ -46,7 +46,7 @@ pub enum WeightDtype {
 }
 
 impl WeightDtype {
-    const ALL: [WeightDtype; 4] = [
+    pub(crate) const ALL: [WeightDtype; 4] = [
         WeightDtype::F32,
         WeightDtype::Bf16,
         WeightDtype::F16,

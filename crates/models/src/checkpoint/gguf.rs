@@ -17,6 +17,7 @@ use candle::quantized::GgmlDType;
 use candle::{bail, DType, Device, Result, Tensor};
 use safetensors::Dtype;
 
+use super::dtype::WeightDtype;
 use super::file::{natural_key, Bytes};
 use super::finite::{par_count_non_finite, par_count_non_finite_q8_0};
 use super::gguf_header::check_header;
@@ -203,6 +204,34 @@ impl GgufFile {
     /// Every tensor, in natural name order (`blk.2` before `blk.10`).
     pub fn tensors(&self) -> &[GgufTensorInfo] {
         &self.tensors
+    }
+
+    /// The type its weight matrices are stored in, as the
+    /// [`WeightDtype`] that keeps them so: that of the 2-D tensors holding
+    /// the most elements (llama.cpp's converter writes every matrix in its
+    /// `--outtype`, norms in F32). `None` without a matrix of a type this
+    /// reader returns.
+    pub fn weight_dtype(&self) -> Option<WeightDtype> {
+        let stored = |t: &GgufTensorInfo| match t.ggml_type {
+            GgmlDType::F32 => Some(WeightDtype::F32),
+            GgmlDType::F16 => Some(WeightDtype::F16),
+            GgmlDType::BF16 => Some(WeightDtype::Bf16),
+            GgmlDType::Q8_0 => Some(WeightDtype::Q8_0),
+            _ => None,
+        };
+        let elements = |dtype| -> usize {
+            let matrices = self.tensors.iter().filter(|t| t.shape.len() == 2);
+            matrices
+                .filter(|t| stored(t) == Some(dtype))
+                .map(|t| t.shape.iter().product::<usize>())
+                .sum()
+        };
+        WeightDtype::ALL
+            .into_iter()
+            .map(|dtype| (elements(dtype), dtype))
+            .filter(|&(n, _)| n > 0)
+            .max_by_key(|&(n, _)| n)
+            .map(|(_, dtype)| dtype)
     }
 
     /// Tensor `name`'s description, if the file has it.

@@ -306,18 +306,28 @@ impl TextGenerator {
         device: &Device,
         opts: &LoadOptions,
     ) -> Result<Self> {
-        let file = GgufFile::read(path)?;
+        Self::from_gguf_file(&GgufFile::read(path)?, tokenizer, device, opts)
+    }
+
+    /// [`TextGenerator::from_gguf`] from a file already read (to choose
+    /// `opts.dtype` by [`GgufFile::weight_dtype`], say).
+    pub fn from_gguf_file(
+        file: &GgufFile,
+        tokenizer: Option<&Path>,
+        device: &Device,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
         let label = file.label().to_string();
         let (tokenizer, folder_chat) = match tokenizer {
             Some(t) => (
                 TextTokenizer::from_file(t)?,
                 ChatTemplate::from_folder(t.parent().unwrap_or(Path::new(".")))?,
             ),
-            None => (TextTokenizer::from_gguf(&file)?, None),
+            None => (TextTokenizer::from_gguf(file)?, None),
         };
-        let generation = HfGenerationConfig::from_gguf(&file)?;
-        let chat = gguf_chat_template(&file)?.or(folder_chat);
-        let model = DecoderModel::from_gguf_file(&file, device, opts)?;
+        let generation = HfGenerationConfig::from_gguf(file)?;
+        let chat = gguf_chat_template(file)?.or(folder_chat);
+        let model = DecoderModel::from_gguf_file(file, device, opts)?;
         generation.check_ids(
             crate::decoder::CausalLm::vocab_size(&model),
             &format!("GGUF file '{label}' (tokenizer.ggml.*_token_id)"),
