@@ -10,6 +10,7 @@
 //!   [`TokenConstraint`]: the output must match a regular-expression-like
 //!   [`Pattern`].
 
+mod beam;
 mod constraint;
 mod parse;
 mod pattern;

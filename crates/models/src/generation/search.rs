@@ -1,10 +1,11 @@
-//! Greedy decoding, seeded sampling and beam search over any
+//! Greedy decoding, seeded sampling and (in `beam.rs`) beam search over any
 //! [`StepModel`], each applying the caller's [`LogitsProcessor`]s to every
 //! row at every step.
 
 use candle::{bail, DType, Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
+use super::beam::beam;
 use super::processors::{softmax, LogitsProcessor, StepContext};
 use super::rng::SplitMix64;
 use super::step::StepModel;
@@ -277,7 +278,7 @@ fn checked<M: StepModel>(
 /// the step and the row: no token can be chosen from it, and ending the
 /// row quietly would pass a broken model off as an empty answer (`-inf`
 /// alone forbids a token, as a processor would).
-fn next_log_probs<M: StepModel>(
+pub(super) fn next_log_probs<M: StepModel>(
     model: &M,
     fed: Vec<u32>,
     cache: &mut M::Cache,
@@ -311,7 +312,11 @@ fn next_log_probs<M: StepModel>(
     candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2()
 }
 
-fn apply(processors: &[&dyn LogitsProcessor], ctx: &StepContext<'_>, scores: &mut [f32]) -> Result<()> {
+pub(super) fn apply(
+    processors: &[&dyn LogitsProcessor],
+    ctx: &StepContext<'_>,
+    scores: &mut [f32],
+) -> Result<()> {
     for p in processors {
         p.process(ctx, scores)?;
     }
@@ -440,132 +445,4 @@ fn rowwise<M: StepModel>(
         grouped.push(it.by_ref().take(n).collect());
     }
     Ok(grouped)
-}
-
-#[derive(Debug, Clone)]
-struct Beam {
-    tokens: Vec<u32>,
-    score: f32,
-    done: bool,
-}
-
-/// Beam search: `beams` hypotheses per source, expanded by every token the
-/// processors leave, the best `beams` kept at each step. A finished
-/// hypothesis stays a candidate with its score; there is no length penalty.
-fn beam<M: StepModel>(
-    model: &M,
-    mut cache: M::Cache,
-    first: &[u32],
-    beams: usize,
-    cfg: &GenerateConfig,
-    processors: &[&dyn LogitsProcessor],
-) -> Result<Vec<Vec<Generated>>> {
-    let dev = model.device().clone();
-    let batch = first.len();
-    // Every source repeated `beams` times: (B * K, ...).
-    let rows: Vec<u32> = (0..batch as u32)
-        .flat_map(|i| std::iter::repeat_n(i, beams))
-        .collect();
-    model.select_rows(&mut cache, &Tensor::new(rows.as_slice(), &dev)?)?;
-    // Only the first beam of each source is live at the start, so the
-    // first step's best tokens become distinct hypotheses.
-    let mut state: Vec<Beam> = (0..batch * beams)
-        .map(|i| Beam {
-            tokens: Vec::new(),
-            score: if i % beams == 0 { 0. } else { f32::NEG_INFINITY },
-            done: false,
-        })
-        .collect();
-    let mut fed: Vec<u32> = (0..batch * beams).map(|r| first[r / beams]).collect();
-    for step in 0..cfg.max_len {
-        let mut logp = next_log_probs(model, fed, &mut cache, step)?;
-        let mut next = Vec::with_capacity(batch * beams);
-        let mut parents = Vec::with_capacity(batch * beams);
-        for g in 0..batch {
-            let mut cands: Vec<(f32, usize, Option<u32>)> = Vec::new();
-            for p in g * beams..(g + 1) * beams {
-                let bm = &state[p];
-                if bm.score == f32::NEG_INFINITY {
-                    continue;
-                }
-                if bm.done {
-                    cands.push((bm.score, p, None));
-                    continue;
-                }
-                let ctx = StepContext {
-                    source: g,
-                    prefix: &bm.tokens,
-                    max_len: cfg.max_len,
-                };
-                apply(processors, &ctx, &mut logp[p])?;
-                cands.extend(
-                    logp[p]
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, &lp)| lp > f32::NEG_INFINITY)
-                        .map(|(v, &lp)| (bm.score + lp, p, Some(v as u32))),
-                );
-            }
-            // Stable: among equal scores the earlier beam and the lower id
-            // win, as greedy's argmax does.
-            cands.sort_by(|a, b| b.0.total_cmp(&a.0));
-            cands.truncate(beams);
-            for j in 0..beams {
-                let Some(&(score, p, tok)) = cands.get(j) else {
-                    // Fewer candidates than beams: a dead beam that never wins.
-                    next.push(Beam {
-                        tokens: Vec::new(),
-                        score: f32::NEG_INFINITY,
-                        done: true,
-                    });
-                    parents.push((g * beams) as u32);
-                    continue;
-                };
-                let mut bm = Beam {
-                    tokens: state[p].tokens.clone(),
-                    score,
-                    done: state[p].done,
-                };
-                match tok {
-                    Some(t) if cfg.is_eos(t) => bm.done = true,
-                    Some(t) => bm.tokens.push(t),
-                    None => {}
-                }
-                next.push(bm);
-                parents.push(p as u32);
-            }
-        }
-        state = next;
-        if state.iter().all(|bm| bm.done) {
-            break;
-        }
-        model.select_rows(&mut cache, &Tensor::new(parents.as_slice(), &dev)?)?;
-        fed = state
-            .iter()
-            .enumerate()
-            .map(|(r, bm)| match (bm.done, bm.tokens.last()) {
-                (true, _) => cfg.pad_id,
-                (false, Some(&t)) => t,
-                (false, None) => first[r / beams],
-            })
-            .collect();
-    }
-    let out = state
-        .chunks(beams)
-        .map(|group| {
-            let mut alive: Vec<&Beam> = group.iter().filter(|bm| bm.score > f32::NEG_INFINITY).collect();
-            // Finished hypotheses first, then the best score; stable.
-            alive.sort_by(|x, y| y.done.cmp(&x.done).then(y.score.total_cmp(&x.score)));
-            alive
-                .into_iter()
-                .take(cfg.num_return)
-                .map(|bm| Generated {
-                    tokens: bm.tokens.clone(),
-                    score: bm.score,
-                    finished: bm.done,
-                })
-                .collect()
-        })
-        .collect();
-    Ok(out)
 }
