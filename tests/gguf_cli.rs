@@ -59,27 +59,6 @@ fn a_gguf_file_generates_hf_s_text() -> Result<()> {
     Ok(())
 }
 
-/// A GGUF file's matrices stay in the type it stores them in unless
-/// `--dtype` says otherwise.
-#[test]
-fn the_file_s_own_type_is_the_default_dtype() -> Result<()> {
-    let model = common::fixture_dir("gguf").join("llama-q8_0.gguf");
-    let model = model.display().to_string();
-    for (extra, dtype) in [(&[][..], "q8_0"), (&["--dtype", "f32"][..], "f32")] {
-        let mut args = vec!["generate", "--model", &model, "--max-new-tokens", "2"];
-        args.extend_from_slice(extra);
-        args.push("Hello");
-        let out = multihead(&args)?;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{stderr}");
-        assert!(
-            stderr.contains(&format!("llama-q8_0.gguf ({dtype})")),
-            "{extra:?}: {stderr}"
-        );
-    }
-    Ok(())
-}
-
 #[test]
 fn a_file_without_a_tokenizer_asks_for_one() -> Result<()> {
     let want = expected()?;

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::DType;
 use indicatif::{ProgressBar, ProgressStyle};
-use multihead::models::checkpoint::{is_gguf, GgufFile, LoadOptions, LoadProgress, WeightDtype};
+use multihead::models::checkpoint::{is_gguf, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype};
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
 
 use super::input::{preview, read_lines};
@@ -83,7 +83,8 @@ pub struct Args {
     /// The dtype the weight matrices are kept in: f32, or bf16 and f16
     /// (half the memory and the bytes read a token; a bf16 folder is kept
     /// as stored), or q8_0 (llama.cpp's 8-bit blocks, quantized at load).
-    /// Activations stay f32. Default: f32 for a folder, the type a GGUF
+    /// Activations stay f32. Default: what HF transformers loads the
+    /// folder in (its config's dtype, else its weights'), the type a GGUF
     /// file stores its matrices in.
     #[arg(long, value_name = "DTYPE")]
     pub dtype: Option<WeightDtype>,
@@ -157,7 +158,11 @@ pub fn run(args: Args) -> Result<()> {
     } else if args.tokenizer.is_some() {
         bail!("--tokenizer is for a GGUF model; a folder's tokenizer is its tokenizer.json")
     } else {
-        TextGenerator::from_folder_with(&args.model, &device, &opts)
+        let auto = || ModelFiles::resolve(&args.model)?.auto_dtype();
+        args.dtype.map_or_else(auto, Ok).and_then(|dtype| {
+            opts.dtype = dtype;
+            TextGenerator::from_folder_with(&args.model, &device, &opts)
+        })
     }
     .with_context(|| format!("loading '{}'", args.model.display()))?;
     bar.finish_and_clear();

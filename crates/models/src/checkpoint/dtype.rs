@@ -4,7 +4,7 @@
 
 use candle::{DType, Result};
 
-use super::LoadProgress;
+use super::{Checkpoint, LoadProgress};
 
 /// How a model folder loads (`DecoderModel::from_folder_with`,
 /// `TextGenerator::from_folder_with`).
@@ -88,6 +88,49 @@ impl WeightDtype {
     }
 }
 
+impl WeightDtype {
+    /// What HF transformers' `from_pretrained` keeps a folder's weights in
+    /// by default (`dtype="auto"`, from transformers 5): the dtype
+    /// `config` (the config.json text) names, under `dtype` or the older
+    /// `torch_dtype`, where it is float32, bfloat16 or float16; else that
+    /// of the checkpoint's weight matrices (its 2-D float tensors holding
+    /// the most elements); else f32.
+    pub fn auto(config: &str, ckpt: &Checkpoint) -> WeightDtype {
+        let named = serde_json::from_str::<serde_json::Value>(config)
+            .ok()
+            .and_then(|c| {
+                let name = c
+                    .get("dtype")
+                    .or_else(|| c.get("torch_dtype"))?
+                    .as_str()?
+                    .to_string();
+                match name.as_str() {
+                    "float32" | "float" => Some(WeightDtype::F32),
+                    "bfloat16" => Some(WeightDtype::Bf16),
+                    "float16" | "half" => Some(WeightDtype::F16),
+                    _ => None,
+                }
+            });
+        let stored = || {
+            let elements = |name: &str| -> usize {
+                let matrices = ckpt.tensors().iter().filter(|t| t.shape.len() == 2);
+                matrices.filter(|t| t.dtype == name).map(|t| t.numel()).sum()
+            };
+            [
+                ("F32", WeightDtype::F32),
+                ("BF16", WeightDtype::Bf16),
+                ("F16", WeightDtype::F16),
+            ]
+            .into_iter()
+            .map(|(name, dtype)| (elements(name), dtype))
+            .filter(|&(n, _)| n > 0)
+            .max_by_key(|&(n, _)| n)
+            .map(|(_, dtype)| dtype)
+        };
+        named.or_else(stored).unwrap_or_default()
+    }
+}
+
 impl std::str::FromStr for WeightDtype {
     type Err = candle::Error;
 
@@ -109,6 +152,49 @@ impl std::fmt::Display for WeightDtype {
 #[cfg(test)]
 mod tests {
     use super::WeightDtype;
+    use crate::checkpoint::Checkpoint;
+
+    /// A checkpoint of zeros holding `(name, safetensors dtype, shape)`.
+    fn zeros(tensors: &[(&str, &str, &[usize])]) -> Checkpoint {
+        let mut header = serde_json::Map::new();
+        let mut at = 0;
+        for &(name, dtype, shape) in tensors {
+            let end = at + if dtype == "F32" { 4 } else { 2 } * shape.iter().product::<usize>();
+            let info = serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, end]});
+            header.insert(name.into(), info);
+            at = end;
+        }
+        let header = serde_json::Value::Object(header).to_string();
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + at, 0);
+        Checkpoint::from_bytes(bytes, "zeros.safetensors").unwrap()
+    }
+
+    /// As HF's `dtype="auto"`: the config's dtype (or torch_dtype) first,
+    /// then that of most of the weight matrices (vectors left out), then
+    /// f32.
+    #[test]
+    fn auto_is_the_config_s_dtype_else_the_matrices_s() {
+        let f32_matrices = zeros(&[("w", "F32", &[4, 4]), ("b", "BF16", &[64])]);
+        let bf16_matrices = zeros(&[("w", "BF16", &[8, 4]), ("v", "F32", &[2, 2]), ("n", "F32", &[64])]);
+        for (config, ckpt, want) in [
+            (r#"{"dtype": "bfloat16"}"#, &f32_matrices, WeightDtype::Bf16),
+            (r#"{"torch_dtype": "float16"}"#, &bf16_matrices, WeightDtype::F16),
+            (
+                r#"{"dtype": "float32", "torch_dtype": "bfloat16"}"#,
+                &bf16_matrices,
+                WeightDtype::F32,
+            ),
+            (r#"{"dtype": "auto"}"#, &bf16_matrices, WeightDtype::Bf16),
+            ("{}", &bf16_matrices, WeightDtype::Bf16),
+            ("not json", &bf16_matrices, WeightDtype::Bf16),
+            ("{}", &f32_matrices, WeightDtype::F32),
+            ("{}", &zeros(&[("n", "BF16", &[8])]), WeightDtype::F32),
+        ] {
+            assert_eq!(WeightDtype::auto(config, ckpt), want, "{config}");
+        }
+    }
 
     #[test]
     fn names_parse_back_and_others_are_refused() {

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle::{bail, Result};
 
+use super::dtype::WeightDtype;
 use super::file::{is_pickle, pickle_error, Checkpoint};
 use crate::files;
 
@@ -170,6 +171,14 @@ impl ModelFiles {
     /// The checkpoint: the file mapped, or the shards merged.
     pub fn read(&self) -> Result<Checkpoint> {
         self.weights.read()
+    }
+
+    /// The dtype HF transformers loads these weights in by default
+    /// ([`WeightDtype::auto`] of the config.json beside them and the
+    /// checkpoint's headers).
+    pub fn auto_dtype(&self) -> Result<WeightDtype> {
+        let config = self.read_beside("config.json", "config")?;
+        Ok(WeightDtype::auto(&config, &self.read()?))
     }
 }
 

@@ -1,0 +1,98 @@
+//! `multihead generate`'s default `--dtype`: what HF transformers loads a
+//! folder in (its config's dtype, else its weights'), and the type a GGUF
+//! file stores its matrices in; `--dtype` overrides either.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use anyhow::Result;
+use candle::{DType, Device};
+
+/// `generate` on `model` with `extra` arguments: the dtype its "loaded"
+/// line on stderr names.
+fn loaded_dtype(model: &str, extra: &[&str]) -> Result<String> {
+    let mut args = vec!["generate", "--model", model, "--max-new-tokens", "2"];
+    args.extend_from_slice(extra);
+    args.push("Hello");
+    let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args(&args)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("loaded "))
+        .unwrap_or_default();
+    let dtype = line.rsplit_once(" (").and_then(|(_, r)| r.split_once(')'));
+    Ok(dtype
+        .map(|(d, _)| d.to_string())
+        .unwrap_or_else(|| format!("no dtype in {stderr:?}")))
+}
+
+/// A bf16 copy of the llama3 text fixture (f32): its weights rounded to
+/// bf16, its config saying so under `dtype_key`, or saying nothing.
+fn bf16_copy(tag: &str, dtype_key: Option<&str>) -> Result<std::path::PathBuf> {
+    let src = common::fixture_dir("text").join("llama3");
+    let dir = std::env::temp_dir().join(format!("multihead-dtype-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for entry in std::fs::read_dir(&src)? {
+        let path = entry?.path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap_or_default()))?;
+    }
+    let weights = candle::safetensors::load(src.join("model.safetensors"), &Device::Cpu)?;
+    let bf16: HashMap<String, candle::Tensor> = weights
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.to_dtype(DType::BF16)?)))
+        .collect::<Result<_>>()?;
+    candle::safetensors::save(&bf16, dir.join("model.safetensors"))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
+    let config_map = config.as_object_mut().expect("config.json is an object");
+    config_map.remove("dtype");
+    config_map.remove("torch_dtype");
+    if let Some(key) = dtype_key {
+        config_map.insert(key.into(), "bfloat16".into());
+    }
+    std::fs::write(dir.join("config.json"), config.to_string())?;
+    Ok(dir)
+}
+
+/// A folder runs in the dtype its config names (`dtype`, or the older
+/// `torch_dtype`), else in its weights' dtype, as HF transformers' default
+/// `dtype="auto"` loads it; `--dtype` overrides.
+#[test]
+fn a_folder_runs_in_its_own_dtype() -> Result<()> {
+    let f32_folder = common::fixture_dir("text").join("llama3").display().to_string();
+    assert_eq!(loaded_dtype(&f32_folder, &[])?, "f32");
+    assert_eq!(loaded_dtype(&f32_folder, &["--dtype", "bf16"])?, "bf16");
+    for (tag, key) in [
+        ("dtype", Some("dtype")),
+        ("torch", Some("torch_dtype")),
+        ("weights", None),
+    ] {
+        let dir = bf16_copy(tag, key)?;
+        let folder = dir.display().to_string();
+        let got = (
+            loaded_dtype(&folder, &[])?,
+            loaded_dtype(&folder, &["--dtype", "f32"])?,
+        );
+        std::fs::remove_dir_all(&dir)?;
+        assert_eq!(got, ("bf16".to_string(), "f32".to_string()), "config key {key:?}");
+    }
+    Ok(())
+}
+
+/// A GGUF file's matrices stay in the type it stores them in unless
+/// `--dtype` says otherwise.
+#[test]
+fn a_gguf_file_runs_in_the_type_it_stores() -> Result<()> {
+    for ty in ["f32", "bf16", "f16", "q8_0"] {
+        let model = common::fixture_dir("gguf").join(format!("llama-{ty}.gguf"));
+        let model = model.display().to_string();
+        assert_eq!(loaded_dtype(&model, &[])?, ty);
+        assert_eq!(loaded_dtype(&model, &["--dtype", "f32"])?, "f32");
+    }
+    Ok(())
+}
