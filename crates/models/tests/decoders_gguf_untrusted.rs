@@ -8,7 +8,7 @@
 mod common;
 mod gguf_fixtures;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle::quantized::gguf_file::Value as GgufValue;
@@ -51,6 +51,16 @@ fn a_sentencepiece_file_needs_tokenizer_json() -> Result<()> {
     Ok(())
 }
 
+/// Loading `path` is refused naming `needles` and the file, which is
+/// removed.
+fn assert_refused(path: &Path, needles: &[&str]) -> Result<()> {
+    let msg = load_error(path);
+    std::fs::remove_file(path)?;
+    assert_mentions(&msg, needles);
+    assert_mentions(&msg, &[&path.display().to_string()]);
+    Ok(())
+}
+
 /// Truncated files, at the tensors or in the header, are refused naming
 /// the file (and the first tensor that does not fit).
 #[test]
@@ -65,10 +75,7 @@ fn truncated_files_are_refused() -> Result<()> {
     ] {
         let path = dir.join(format!("multihead-gguf-{}-cut{cut}.gguf", std::process::id()));
         std::fs::write(&path, &bytes[..cut])?;
-        let msg = load_error(&path);
-        std::fs::remove_file(&path)?;
-        assert_mentions(&msg, &needles);
-        assert_mentions(&msg, &[&path.display().to_string()]);
+        assert_refused(&path, &needles)?;
     }
     Ok(())
 }
@@ -104,10 +111,7 @@ fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
             edit(m);
             Ok(())
         })?;
-        let msg = load_error(&path);
-        std::fs::remove_file(&path)?;
-        assert_mentions(&msg, &needles);
-        assert_mentions(&msg, &[&path.display().to_string()]);
+        assert_refused(&path, &needles)?;
     }
     Ok(())
 }
