@@ -53,7 +53,7 @@ impl WeightDtype {
         WeightDtype::Q8_0,
     ];
 
-    /// The name `--dtype` takes: `f32`, `bf16` or `f16`.
+    /// The name `--dtype` takes: `f32`, `bf16`, `f16` or `q8_0`.
     pub fn name(self) -> &'static str {
         match self {
             WeightDtype::F32 => "f32",
@@ -73,22 +73,7 @@ impl WeightDtype {
             WeightDtype::Q8_0 => None,
         }
     }
-}
 
-impl WeightDtype {
-    /// `build` with the linear layers it packs in this format
-    /// (`multihead_attention::packing_as`): quantized for Q8_0, as read
-    /// otherwise.
-    pub(crate) fn packing<R>(self, build: impl FnOnce() -> R) -> R {
-        let format = match self {
-            WeightDtype::Q8_0 => multihead_attention::PackFormat::Q8_0,
-            _ => multihead_attention::PackFormat::AsStored,
-        };
-        multihead_attention::packing_as(format, build)
-    }
-}
-
-impl WeightDtype {
     /// What HF transformers' `from_pretrained` keeps a folder's weights in
     /// by default (`dtype="auto"`, from transformers 5): the dtype
     /// `config` (the config.json text) names, under `dtype` or the older
@@ -98,19 +83,14 @@ impl WeightDtype {
     pub fn auto(config: &str, ckpt: &Checkpoint) -> WeightDtype {
         let named = serde_json::from_str::<serde_json::Value>(config)
             .ok()
-            .and_then(|c| {
-                let name = c
-                    .get("dtype")
-                    .or_else(|| c.get("torch_dtype"))?
-                    .as_str()?
-                    .to_string();
-                match name.as_str() {
+            .and_then(
+                |c| match c.get("dtype").or_else(|| c.get("torch_dtype"))?.as_str()? {
                     "float32" | "float" => Some(WeightDtype::F32),
                     "bfloat16" => Some(WeightDtype::Bf16),
                     "float16" | "half" => Some(WeightDtype::F16),
                     _ => None,
-                }
-            });
+                },
+            );
         let stored = || {
             let elements = |name: &str| -> usize {
                 let matrices = ckpt.tensors().iter().filter(|t| t.shape.len() == 2);
@@ -128,6 +108,19 @@ impl WeightDtype {
             .map(|(_, dtype)| dtype)
         };
         named.or_else(stored).unwrap_or_default()
+    }
+}
+
+impl WeightDtype {
+    /// `build` with the linear layers it packs in this format
+    /// (`multihead_attention::packing_as`): quantized for Q8_0, as read
+    /// otherwise.
+    pub(crate) fn packing<R>(self, build: impl FnOnce() -> R) -> R {
+        let format = match self {
+            WeightDtype::Q8_0 => multihead_attention::PackFormat::Q8_0,
+            _ => multihead_attention::PackFormat::AsStored,
+        };
+        multihead_attention::packing_as(format, build)
     }
 }
 
