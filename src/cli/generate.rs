@@ -83,9 +83,9 @@ pub struct Args {
     /// The dtype the weight matrices are kept in: f32, or bf16 and f16
     /// (half the memory and the bytes read a token; a bf16 folder is kept
     /// as stored), or q8_0 (llama.cpp's 8-bit blocks, quantized at load).
-    /// Activations stay f32. Default: what HF transformers loads the
-    /// folder in (its config's dtype, else its weights'), the type a GGUF
-    /// file stores its matrices in.
+    /// Activations stay f32. Default: for a folder, the dtype HF
+    /// transformers loads it in (its config's, else its weights'); for a
+    /// GGUF file, the type it stores its matrices in.
     #[arg(long, value_name = "DTYPE")]
     pub dtype: Option<WeightDtype>,
     /// The dtype the key/value cache stores keys and values in: f32 (as
