@@ -12,8 +12,8 @@ use anyhow::{Context, Result};
 use candle::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
 use multihead_models::checkpoint::{LoadOptions, WeightDtype};
-use multihead_models::decoder::{generate_from_prompts, CausalLm, DecoderModel};
-use multihead_models::generation::GenerateConfig;
+use multihead_models::decoder::{generate_from_prompts, left_pad, CausalLm, DecoderModel};
+use multihead_models::generation::{generate_from, Decoding, GenerateConfig};
 
 const MODELS: [&str; 6] = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3"];
 
@@ -297,6 +297,53 @@ fn left_padded_steps_equal_hf() -> Result<()> {
             logits = model
                 .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
                 .i((.., 0))?;
+        }
+    }
+    Ok(())
+}
+
+/// `generate_from_prompts` prefills each prompt whole and takes the first
+/// token from the prefill's last logits; feeding the last token as a step
+/// of its own after the rest (`CausalLm::prefill`) gives the same tokens
+/// and scores, for greedy decoding, sampling several outputs and beam
+/// search (whose rows are repeated before the first step), over prompts
+/// of different lengths.
+#[test]
+fn a_whole_prompt_prefill_equals_feeding_its_last_token() -> Result<()> {
+    let prompts = [vec![5, 6, 7, 8, 9], vec![10, 11], vec![12]];
+    for name in MODELS {
+        let (model, f) = load(name)?;
+        let base = GenerateConfig {
+            max_len: 6,
+            eos_id: unused_token(&f, model.vocab_size())?,
+            ..GenerateConfig::default()
+        };
+        let configs = [
+            base.clone(),
+            base.clone()
+                .with_decoding(Decoding::Sample { seed: 3 })
+                .with_num_return(2),
+            base.clone()
+                .with_decoding(Decoding::Beam { beams: 3 })
+                .with_num_return(2),
+        ];
+        for cfg in &configs {
+            let whole = generate_from_prompts(&model, &prompts, 0, cfg, &[])?;
+            let (ids, pads) = left_pad(&prompts, 0, &Device::Cpu)?;
+            let len = ids.dim(1)?;
+            let mut cache = model.new_cache(pads);
+            model.prefill(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
+            let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
+            let stepped = generate_from(&model, cache, &last, cfg, &[])?;
+            assert_eq!(whole.len(), stepped.len(), "{name} {:?}", cfg.decoding);
+            for (w, s) in whole.iter().flatten().zip(stepped.iter().flatten()) {
+                assert_eq!(w.tokens, s.tokens, "{name} {:?}", cfg.decoding);
+                assert!(
+                    (w.score - s.score).abs() <= 1e-4 * s.score.abs().max(1.),
+                    "{name} {:?}",
+                    cfg.decoding
+                );
+            }
         }
     }
     Ok(())

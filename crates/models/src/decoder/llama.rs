@@ -173,6 +173,15 @@ impl CausalLm for Llama {
         Ok(())
     }
 
+    fn prefill_last(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        let (b, t) = check_ids(ids, self.cfg.vocab_size, "Llama")?;
+        if b == 0 {
+            return Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device);
+        }
+        let last = self.hidden(ids, cache)?.narrow(1, t - 1, 1)?.contiguous()?;
+        self.lm_head.forward(&self.norm.forward(&last)?)?.squeeze(1)
+    }
+
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
         DecoderCache::new(self.layers.len(), left_padding).with_kv_dtype(self.kv_dtype)
     }

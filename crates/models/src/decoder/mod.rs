@@ -33,6 +33,7 @@ mod llama;
 mod pipeline;
 mod text;
 
+use std::cell::RefCell;
 use std::path::Path;
 
 use candle::{bail, DType, Device, Result, Tensor};
@@ -148,6 +149,16 @@ pub trait CausalLm {
     /// the step after it. Models with a head to skip override it.
     fn prefill(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<()> {
         self.forward(ids, cache).map(drop)
+    }
+
+    /// Appends `ids` to `cache` as [`CausalLm::forward`] does and returns
+    /// the logits of their last position alone, `(B, V)`: a whole prompt's
+    /// prefill, whose last logits give the first new token. Models with a
+    /// head to spare override it, running the head on that position only.
+    fn prefill_last(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        let logits = self.forward(ids, cache)?;
+        let t = logits.dim(1)?;
+        logits.narrow(1, t - 1, 1)?.squeeze(1)
     }
 
     /// An empty cache for this model, rows left-padded as given.
@@ -342,6 +353,13 @@ impl CausalLm for DecoderModel {
         }
     }
 
+    fn prefill_last(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        match self {
+            Self::Gpt2(m) => m.prefill_last(ids, cache),
+            Self::Llama(m) => m.prefill_last(ids, cache),
+        }
+    }
+
     fn new_cache(&self, left_padding: Vec<usize>) -> DecoderCache {
         match self {
             Self::Gpt2(m) => m.new_cache(left_padding),
@@ -388,9 +406,9 @@ pub fn left_pad(prompts: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<(T
 }
 
 /// Generates a continuation of each prompt: prompts are left-padded into
-/// one batch, all but their last token prefilled in one call, and
-/// decoding starts from each prompt's last token, with `processors`
-/// applied at every step ([`crate::generation::generate_from`]).
+/// one batch and prefilled whole in one call, and decoding starts from
+/// the logits of each prompt's last token, with `processors` applied at
+/// every step ([`crate::generation::generate_from`]).
 ///
 /// A model with a bounded context ([`CausalLm::max_positions`]) refuses a
 /// prompt that does not fit it, naming both lengths, and stops every row
@@ -404,7 +422,7 @@ pub fn generate_from_prompts<M: CausalLm>(
     processors: &[&dyn LogitsProcessor],
 ) -> Result<Vec<Vec<Generated>>> {
     match prefill(model, prompts, pad_id, cfg)? {
-        Some((cache, last, cfg)) => generate_from(model, cache, &last, &cfg, processors),
+        Some(p) => generate_from(&p.model, p.cache, &p.last, &p.cfg, processors),
         None => Ok(Vec::new()),
     }
 }
@@ -421,20 +439,32 @@ pub fn generate_from_prompts_streaming<M: CausalLm>(
     on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
 ) -> Result<Vec<Vec<Generated>>> {
     match prefill(model, prompts, pad_id, cfg)? {
-        Some((cache, last, cfg)) => generate_streaming(model, cache, &last, &cfg, processors, on_token),
+        Some(p) => generate_streaming(&p.model, p.cache, &p.last, &p.cfg, processors, on_token),
         None => Ok(Vec::new()),
     }
 }
 
-/// The prompts left-padded and prefilled but for their last tokens: the
-/// cache, those last tokens, and `cfg` with `max_len` cut to the context.
-/// `None` for no prompt (no output, as on every decoding path).
-fn prefill<M: CausalLm>(
-    model: &M,
+/// Prompts prefilled, ready for the search to start from their last
+/// tokens.
+struct Prefilled<'a, M> {
+    /// The model, its first step taken by the prefill.
+    model: Primed<'a, M>,
+    cache: DecoderCache,
+    /// Each prompt's last token, the search's first fed.
+    last: Vec<u32>,
+    /// The caller's, `max_len` cut to the context.
+    cfg: GenerateConfig,
+}
+
+/// The prompts left-padded and prefilled, whole, in one call
+/// ([`CausalLm::prefill_last`]); `None` for no prompt (no output, as on
+/// every decoding path).
+fn prefill<'a, M: CausalLm>(
+    model: &'a M,
     prompts: &[Vec<u32>],
     pad_id: u32,
     cfg: &GenerateConfig,
-) -> Result<Option<(DecoderCache, Vec<u32>, GenerateConfig)>> {
+) -> Result<Option<Prefilled<'a, M>>> {
     if prompts.is_empty() {
         return Ok(None);
     }
@@ -452,9 +482,52 @@ fn prefill<M: CausalLm>(
         cfg.max_len = cfg.max_len.min(context - longest + 1);
     }
     let mut cache = model.new_cache(pads);
-    if len > 1 {
-        model.prefill(&ids.narrow(1, 0, len - 1)?, &mut cache)?;
-    }
+    let logits = model.prefill_last(&ids, &mut cache)?;
     let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
-    Ok(Some((cache, last, cfg)))
+    let model = Primed {
+        model,
+        first: RefCell::new(Some(logits)),
+    };
+    Ok(Some(Prefilled {
+        model,
+        cache,
+        last,
+        cfg,
+    }))
+}
+
+/// A decoder whose first step is already taken: the search feeds each
+/// prompt's last token at its first step, and gets the logits the
+/// prefill computed for it, since the token is in the cache; every later
+/// step runs the model.
+struct Primed<'a, M> {
+    model: &'a M,
+    /// The first step's logits, `(B, V)`, rows selected as the cache's.
+    first: RefCell<Option<Tensor>>,
+}
+
+impl<M: CausalLm> StepModel for Primed<'_, M> {
+    type Cache = DecoderCache;
+
+    fn step(&self, tokens: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        match self.first.borrow_mut().take() {
+            Some(logits) => Ok(logits),
+            None => StepModel::step(self.model, tokens, cache),
+        }
+    }
+
+    fn select_rows(&self, cache: &mut DecoderCache, rows: &Tensor) -> Result<()> {
+        if let Some(logits) = self.first.borrow_mut().as_mut() {
+            *logits = logits.index_select(rows, 0)?;
+        }
+        cache.select_rows(rows)
+    }
+
+    fn vocab_size(&self) -> usize {
+        CausalLm::vocab_size(self.model)
+    }
+
+    fn device(&self) -> &Device {
+        CausalLm::device(self.model)
+    }
 }
