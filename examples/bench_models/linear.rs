@@ -58,7 +58,8 @@ impl LinearLayers {
     }
 }
 
-/// `linear`: see the example's doc.
+/// `linear M K N [LAYERS]`: the packed layers, candle's `Linear` and
+/// candle's matmul in turn; each one's rate and speed against the matmul.
 pub fn linear(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     // One packed linear against candle's matmul on the same shapes;
     // with LAYERS, that many of them, each with its own weights,
@@ -91,7 +92,8 @@ pub fn linear(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// `linear-bf16`: see the example's doc.
+/// `linear-bf16 M K N [LAYERS]`: the packed layers with f32 and with bf16
+/// weights in turn; the rates and the bf16 speed-up.
 pub fn linear_bf16(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     // The `linear` mode's packed layers with their weights in f32
     // and in bf16, in turn: what the bf16 panels (on AVX512-BF16,
@@ -123,7 +125,8 @@ pub fn linear_bf16(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// `share`: see the example's doc.
+/// `share M K N [LAYERS]`: one core's share of its FMA peak, the packed
+/// layers' and candle's matmul's, the peak measured beside each round.
 pub fn share(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     // One core's share of its FMA peak: rounds of the peak, the
     // packed layers, candle's matmul and the peak again, so that
@@ -180,7 +183,8 @@ pub fn share(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// `split`: see the example's doc.
+/// `split M K N [LAYERS]`: one call over the pool's threads against a copy
+/// of the layers per thread, all at once, and one copy alone.
 pub fn split(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     // One call on every core against a copy of the layers per core,
     // each copy on a one-thread pool of its own, all at once, and
@@ -245,7 +249,9 @@ pub fn split(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// `decode-layers`: see the example's doc.
+/// `decode-layers DTYPE`: a decode step's linears of the 0.39 B
+/// Llama-shaped decoder alone, one row through each: the rate its weights
+/// stream at.
 pub fn decode_layers(dtype: &str) -> Result<()> {
     // A decode step's linears alone: the 0.39 B Llama-shaped
     // decoder's (24 layers of 896 wide, GQA 14/2, 4864
