@@ -33,6 +33,14 @@ of the two probes beside its pair (every weight matrix, the tied embedding
 as the output head, is read once per token); the table gives each side's
 median share over the runs.
 
+With --agreement it measures accuracy instead: for each dtype but f32, the
+share of positions where the top-1 token is f32's, llama.cpp's from
+`llama-perplexity --kl-divergence` ("Same top p": chunks of 128 tokens of
+dtype_agreement's text repeated, the second half of each chunk scored, the
+f32 GGUF's logits as the base) and ours from `cargo run --release --example
+dtype_agreement -- FOLDER 128 DTYPES` (one 128-token prompt, every
+position). It needs `--target llama-perplexity` built too.
+
 llama.cpp is built from the source that the llama-cpp-python sdist vendors
 (CPU, native), its converter run with this venv (PYTHONPATH=gguf-py;
 protobuf, in requirements.txt, is what transformers needs to turn
@@ -168,6 +176,50 @@ def ours(binary, folder, dtype, prompt, new_tokens, refused):
     return r["prompt_tokens"] / (r["prefill_ms"] / 1e3), r["decode_tokens_per_s"], r["prompt_tokens"]
 
 
+# examples/dtype_agreement.rs's TEXT, which it repeats to its prompt's length.
+AGREEMENT_TEXT = ("The committee read every page of the long report on bandwidth, caches and the cost of "
+                  "moving weights from memory to the cores that multiply them. One token follows another "
+                  "until the summary is done, and the reviewers check each figure against the machine it "
+                  "came from before they sign. ")
+
+
+def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
+    """Prints, per dtype but f32, llama.cpp's and our top-1 agreement with f32's logits."""
+    import re
+
+    perplexity = os.path.join(llama_cpp, "build", "bin", "llama-perplexity")
+    if not os.access(perplexity, os.X_OK):
+        sys.exit(f"no {perplexity}: build it with cmake --build build --target llama-perplexity")
+    text, base = os.path.join(tmp, "agreement.txt"), os.path.join(tmp, "f32.kld")
+    with open(text, "w") as f:
+        f.write(AGREEMENT_TEXT * 40)
+    run = [perplexity, "-f", text, "-c", str(PROMPT_TOKENS), "-t", str(THREADS), "--kl-divergence-base", base]
+    subprocess.run(run + ["-m", ggufs["f32"]], capture_output=True, text=True, check=True)
+    others = [d for d in dtypes if d != "f32"]
+    theirs = {}
+    for dtype in others:
+        out = subprocess.run(run + ["-m", ggufs[dtype], "--kl-divergence"], capture_output=True, text=True,
+                             check=True)
+        log = out.stdout + out.stderr
+        same = re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)", log)
+        chunks = re.search(r"computing over (\d+) chunks", log)
+        theirs[dtype] = (f"{same[1]} ± {same[2]} % ({int(chunks[1]) * PROMPT_TOKENS // 2} positions)"
+                         if same and chunks else "n/a")
+    out = subprocess.run(["cargo", "run", "--release", "--quiet", "--example", "dtype_agreement", "--", folder,
+                          str(PROMPT_TOKENS), ",".join(others)], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={**os.environ, "RAYON_NUM_THREADS": str(THREADS)})
+    ours = {}
+    for line in out.stdout.splitlines():
+        if m := re.match(r"\s*(\S+): top-1 equal at (\d+)/(\d+) positions \(([0-9.]+) %\)", line):
+            ours[m[1]] = f"{m[4]} % ({m[2]}/{m[3]} positions)"
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"{now}, {cpu_model()}\n")
+    print("| weights | top-1 equal to f32: llama.cpp | ours |")
+    print("|---|---|---|")
+    for dtype in others:
+        print(f"| {dtype} | {theirs[dtype]} | {ours.get(dtype, 'n/a')} |")
+
+
 def make_prompt(folder):
     """Words of English that the folder's tokenizer.json makes PROMPT_TOKENS tokens of (or just under): a
     word that would go past is skipped, so the short ones fill the end."""
@@ -201,11 +253,15 @@ def main():
                     "(default: a temporary folder, removed)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtypes", default="f32,bf16,q8_0")
+    ap.add_argument("--agreement", action="store_true",
+                    help="top-1 agreement with f32 on each side instead of speed (needs llama-perplexity)")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
                     help=f"tokens decoded a run on each side (default {NEW_TOKENS}); more even out a busy host")
     args = ap.parse_args()
     new_tokens = args.new_tokens
     dtypes = args.dtypes.split(",")
+    if args.agreement and "f32" not in dtypes:
+        dtypes = ["f32"] + dtypes  # the base the others are compared with
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     bench = os.path.join(args.llama_cpp, "build", "bin", "llama-bench")
     if not os.access(bench, os.X_OK):
@@ -230,6 +286,9 @@ def main():
             if not os.path.exists(ggufs[dtype]):
                 convert(args.llama_cpp, folder, dtype, ggufs[dtype])
             sizes[dtype] = os.path.getsize(ggufs[dtype])
+        if args.agreement:
+            agreement(args.llama_cpp, ggufs, folder, dtypes, tmp)
+            return
         prompt = make_prompt(folder)
         bandwidth = bandwidth_probe(tmp)
         probes = [bandwidth()]
