@@ -39,7 +39,7 @@ share of positions where the top-1 token is f32's, llama.cpp's from
 dtype_agreement's text repeated, the second half of each chunk scored, the
 f32 GGUF's logits as the base) and ours from `cargo run --release --example
 dtype_agreement -- FOLDER 128 DTYPES` (one 128-token prompt, every
-position). It needs `--target llama-perplexity` built too.
+position).
 
 llama.cpp is built from the source that the llama-cpp-python sdist vendors
 (CPU, native), its converter run with this venv (PYTHONPATH=gguf-py;
@@ -49,9 +49,9 @@ tokenizer.model into tokenizer.json):
     pip download --no-deps --no-binary llama-cpp-python llama-cpp-python -d SRC
     tar xzf SRC/llama_cpp_python-*.tar.gz -C SRC && cd SRC/llama_cpp_python-*/vendor/llama.cpp
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
-    cmake --build build -j2 --target llama-bench
+    cmake --build build -j2 --target llama-bench llama-perplexity   # the second for --agreement
     .venv-ref/bin/python scripts/bench_llamacpp.py --llama-cpp SRC/llama_cpp_python-*/vendor/llama.cpp \
-        [--folder DIR] [--work DIR] [--runs 3] [--dtypes f32,bf16,q8_0]
+        [--folder DIR] [--work DIR] [--runs 3] [--dtypes f32,bf16,q8_0] [--agreement]
 """
 
 import argparse
