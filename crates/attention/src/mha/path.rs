@@ -15,9 +15,9 @@ impl MultiheadAttention {
     /// `mask` with the config's sliding window and ALiBi, checked against
     /// `(batch, heads, q_len, kv_len)`: the mask every entry point attends
     /// with. A module's window and ALiBi are configured in its
-    /// [`MhaConfig`] only (`sliding_window`, [`PositionEncoding::Alibi`]);
-    /// a call's mask that sets either is refused, so that neither can be
-    /// set in two places that disagree.
+    /// [`MhaConfig`](crate::config::MhaConfig) only (`sliding_window`,
+    /// [`PositionEncoding::Alibi`]); a call's mask that sets either is
+    /// refused, so that neither can be set in two places that disagree.
     pub(super) fn mask_for(&self, mask: &Mask, batch: usize, q_len: usize, kv_len: usize) -> Result<Mask> {
         if mask.window.is_some() {
             bail!(
