@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle::DType;
+use candle::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
 use multihead::models::checkpoint::{is_gguf, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype};
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
@@ -107,6 +107,38 @@ pub enum Format {
     Json,
 }
 
+/// The model `args` names (a GGUF file where `gguf`), its weight matrices
+/// in `--dtype`, else in the dtype its folder loads in by default
+/// ([`ModelFiles::auto_dtype`]) or its file stores them in
+/// ([`GgufFile::weight_dtype`]); and that dtype.
+fn load(
+    args: &Args,
+    gguf: bool,
+    device: &Device,
+    progress: LoadProgress,
+) -> candle::Result<(TextGenerator, WeightDtype)> {
+    let opts = |dtype| LoadOptions {
+        dtype,
+        kv_dtype: args.kv_dtype.dtype(),
+        progress: Some(progress.clone()),
+    };
+    if gguf {
+        let file = GgufFile::read(&args.model)?;
+        let dtype = args.dtype.or(file.weight_dtype()).unwrap_or_default();
+        let generator =
+            TextGenerator::from_gguf_file(&file, args.tokenizer.as_deref(), device, &opts(dtype))?;
+        return Ok((generator, dtype));
+    }
+    let dtype = match args.dtype {
+        Some(dtype) => dtype,
+        None => ModelFiles::resolve(&args.model)?.auto_dtype()?,
+    };
+    Ok((
+        TextGenerator::from_folder_with(&args.model, device, &opts(dtype))?,
+        dtype,
+    ))
+}
+
 /// Runs the command: timings go to standard error, text to standard
 /// output.
 pub fn run(args: Args) -> Result<()> {
@@ -145,31 +177,16 @@ pub fn run(args: Args) -> Result<()> {
         shown.set_length(total);
         shown.set_position(done);
     }));
-    let mut opts = LoadOptions {
-        dtype: args.dtype.unwrap_or_default(),
-        kv_dtype: args.kv_dtype.dtype(),
-        progress: Some(progress),
-    };
-    let generator = if is_gguf(&args.model) {
-        GgufFile::read(&args.model).and_then(|file| {
-            opts.dtype = args.dtype.or(file.weight_dtype()).unwrap_or_default();
-            TextGenerator::from_gguf_file(&file, args.tokenizer.as_deref(), &device, &opts)
-        })
-    } else if args.tokenizer.is_some() {
+    let gguf = is_gguf(&args.model);
+    if args.tokenizer.is_some() && !gguf {
         bail!("--tokenizer is for a GGUF model; a folder's tokenizer is its tokenizer.json")
-    } else {
-        let auto = || ModelFiles::resolve(&args.model)?.auto_dtype();
-        args.dtype.map_or_else(auto, Ok).and_then(|dtype| {
-            opts.dtype = dtype;
-            TextGenerator::from_folder_with(&args.model, &device, &opts)
-        })
     }
-    .with_context(|| format!("loading '{}'", args.model.display()))?;
+    let (generator, dtype) = load(&args, gguf, &device, progress)
+        .with_context(|| format!("loading '{}'", args.model.display()))?;
     bar.finish_and_clear();
     eprintln!(
-        "loaded {} ({}) in {:.0} ms",
+        "loaded {} ({dtype}) in {:.0} ms",
         args.model.display(),
-        opts.dtype,
         start.elapsed().as_secs_f64() * 1e3
     );
     let mut settings = generator.settings();

@@ -4,7 +4,7 @@
 
 use candle::{DType, Result};
 
-use super::{Checkpoint, LoadProgress};
+use super::{Checkpoint, LoadProgress, TensorInfo};
 
 /// How a model folder loads (`DecoderModel::from_folder_with`,
 /// `TextGenerator::from_folder_with`).
@@ -46,7 +46,7 @@ pub enum WeightDtype {
 }
 
 impl WeightDtype {
-    pub(crate) const ALL: [WeightDtype; 4] = [
+    const ALL: [WeightDtype; 4] = [
         WeightDtype::F32,
         WeightDtype::Bf16,
         WeightDtype::F16,
@@ -92,22 +92,38 @@ impl WeightDtype {
                 },
             );
         let stored = || {
-            let elements = |name: &str| -> usize {
-                let matrices = ckpt.tensors().iter().filter(|t| t.shape.len() == 2);
-                matrices.filter(|t| t.dtype == name).map(|t| t.numel()).sum()
+            let keeping = |t: &TensorInfo| match t.dtype.as_str() {
+                "F32" => Some(WeightDtype::F32),
+                "BF16" => Some(WeightDtype::Bf16),
+                "F16" => Some(WeightDtype::F16),
+                _ => None,
             };
-            [
-                ("F32", WeightDtype::F32),
-                ("BF16", WeightDtype::Bf16),
-                ("F16", WeightDtype::F16),
-            ]
-            .into_iter()
-            .map(|(name, dtype)| (elements(name), dtype))
-            .filter(|&(n, _)| n > 0)
-            .max_by_key(|&(n, _)| n)
-            .map(|(_, dtype)| dtype)
+            Self::of_most_matrix_elements(ckpt.tensors().iter().map(|t| (&t.shape[..], keeping(t))))
         };
         named.or_else(stored).unwrap_or_default()
+    }
+
+    /// Of `tensors` (each a shape and the dtype that keeps it as stored,
+    /// `None` for none), the dtype keeping the most elements of the
+    /// matrices (2-D tensors); `None` without such a matrix. Ties go to the
+    /// later of [`WeightDtype::ALL`].
+    pub(crate) fn of_most_matrix_elements<'a>(
+        tensors: impl IntoIterator<Item = (&'a [usize], Option<WeightDtype>)>,
+    ) -> Option<WeightDtype> {
+        let mut elements = [0usize; Self::ALL.len()];
+        for (shape, dtype) in tensors {
+            let i = dtype.and_then(|d| Self::ALL.iter().position(|&a| a == d));
+            if let (2, Some(i)) = (shape.len(), i) {
+                let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+                elements[i] = elements[i].saturating_add(n.unwrap_or(usize::MAX));
+            }
+        }
+        Self::ALL
+            .into_iter()
+            .zip(elements)
+            .filter(|&(_, n)| n > 0)
+            .max_by_key(|&(_, n)| n)
+            .map(|(dtype, _)| dtype)
     }
 }
 

@@ -212,26 +212,14 @@ impl GgufFile {
     /// `--outtype`, norms in F32). `None` without a matrix of a type this
     /// reader returns.
     pub fn weight_dtype(&self) -> Option<WeightDtype> {
-        let stored = |t: &GgufTensorInfo| match t.ggml_type {
+        let keeping = |t: &GgufTensorInfo| match t.ggml_type {
             GgmlDType::F32 => Some(WeightDtype::F32),
             GgmlDType::F16 => Some(WeightDtype::F16),
             GgmlDType::BF16 => Some(WeightDtype::Bf16),
             GgmlDType::Q8_0 => Some(WeightDtype::Q8_0),
             _ => None,
         };
-        let elements = |dtype| -> usize {
-            let matrices = self.tensors.iter().filter(|t| t.shape.len() == 2);
-            matrices
-                .filter(|t| stored(t) == Some(dtype))
-                .map(|t| t.shape.iter().product::<usize>())
-                .sum()
-        };
-        WeightDtype::ALL
-            .into_iter()
-            .map(|dtype| (elements(dtype), dtype))
-            .filter(|&(n, _)| n > 0)
-            .max_by_key(|&(n, _)| n)
-            .map(|(_, dtype)| dtype)
+        WeightDtype::of_most_matrix_elements(self.tensors.iter().map(|t| (&t.shape[..], keeping(t))))
     }
 
     /// Tensor `name`'s description, if the file has it.
