@@ -4,13 +4,16 @@
 //!
 //! ```text
 //! cargo run --release --example dtype_agreement -- MODEL_DIR [TOKENS] [DTYPES]
+//! cargo run --release --example dtype_agreement -- --text
 //! ```
 //!
 //! `TOKENS` (default 128) is the prompt's length: English text from the
 //! folder's `tokenizer.json`, repeated as needed. `DTYPES` (default
 //! `bf16,f16,q8_0`) are compared with f32. For each it prints the share of
 //! positions whose top-1 token is f32's, and the largest logit difference
-//! relative to the largest f32 logit of its position.
+//! relative to the largest f32 logit of its position. `--text` prints the
+//! text the prompt repeats (`scripts/bench_llamacpp.py --agreement` gives
+//! it to llama.cpp).
 
 use anyhow::{ensure, Context, Result};
 use candle::{Device, Tensor};
@@ -26,7 +29,11 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let dir = args
         .first()
-        .context("usage: dtype_agreement MODEL_DIR [TOKENS] [DTYPES]")?;
+        .context("usage: dtype_agreement MODEL_DIR [TOKENS] [DTYPES], or --text")?;
+    if dir == "--text" {
+        print!("{TEXT}");
+        return Ok(());
+    }
     let tokens: usize = match args.get(1) {
         Some(n) => n
             .parse()

@@ -36,10 +36,10 @@ median share over the runs.
 With --agreement it measures accuracy instead: for each dtype but f32, the
 share of positions where the top-1 token is f32's, llama.cpp's from
 `llama-perplexity --kl-divergence` ("Same top p": chunks of 128 tokens of
-dtype_agreement's text repeated, the second half of each chunk scored, the
-f32 GGUF's logits as the base) and ours from `cargo run --release --example
-dtype_agreement -- FOLDER 128 DTYPES` (one 128-token prompt, every
-position).
+the text `dtype_agreement --text` prints, repeated, the second half of each
+chunk scored, the f32 GGUF's logits as the base) and ours from `cargo run
+--release --example dtype_agreement -- FOLDER 128 DTYPES` (one 128-token
+prompt of that text, every position).
 
 llama.cpp is built from the source that the llama-cpp-python sdist vendors
 (CPU, native), its converter run with this venv (PYTHONPATH=gguf-py;
@@ -59,6 +59,7 @@ import datetime
 import glob
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -176,23 +177,16 @@ def ours(binary, folder, dtype, prompt, new_tokens, refused):
     return r["prompt_tokens"] / (r["prefill_ms"] / 1e3), r["decode_tokens_per_s"], r["prompt_tokens"]
 
 
-# examples/dtype_agreement.rs's TEXT, which it repeats to its prompt's length.
-AGREEMENT_TEXT = ("The committee read every page of the long report on bandwidth, caches and the cost of "
-                  "moving weights from memory to the cores that multiply them. One token follows another "
-                  "until the summary is done, and the reviewers check each figure against the machine it "
-                  "came from before they sign. ")
-
-
 def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
     """Prints, per dtype but f32, llama.cpp's and our top-1 agreement with f32's logits."""
-    import re
-
     perplexity = os.path.join(llama_cpp, "build", "bin", "llama-perplexity")
     if not os.access(perplexity, os.X_OK):
         sys.exit(f"no {perplexity}: build it with cmake --build build --target llama-perplexity")
     text, base = os.path.join(tmp, "agreement.txt"), os.path.join(tmp, "f32.kld")
+    example = ["cargo", "run", "--release", "--quiet", "--example", "dtype_agreement", "--"]
+    repeated = subprocess.run(example + ["--text"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     with open(text, "w") as f:
-        f.write(AGREEMENT_TEXT * 40)
+        f.write(repeated * 40)
     run = [perplexity, "-f", text, "-c", str(PROMPT_TOKENS), "-t", str(THREADS), "--kl-divergence-base", base]
     subprocess.run(run + ["-m", ggufs["f32"]], capture_output=True, text=True, check=True)
     others = [d for d in dtypes if d != "f32"]
@@ -205,9 +199,8 @@ def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
         chunks = re.search(r"computing over (\d+) chunks", log)
         theirs[dtype] = (f"{same[1]} ± {same[2]} % ({int(chunks[1]) * PROMPT_TOKENS // 2} positions)"
                          if same and chunks else "n/a")
-    out = subprocess.run(["cargo", "run", "--release", "--quiet", "--example", "dtype_agreement", "--", folder,
-                          str(PROMPT_TOKENS), ",".join(others)], cwd=ROOT, capture_output=True, text=True,
-                         check=True, env={**os.environ, "RAYON_NUM_THREADS": str(THREADS)})
+    out = subprocess.run(example + [folder, str(PROMPT_TOKENS), ",".join(others)], cwd=ROOT, capture_output=True,
+                         text=True, check=True, env={**os.environ, "RAYON_NUM_THREADS": str(THREADS)})
     ours = {}
     for line in out.stdout.splitlines():
         if m := re.match(r"\s*(\S+): top-1 equal at (\d+)/(\d+) positions \(([0-9.]+) %\)", line):
