@@ -144,8 +144,9 @@ pub trait CausalLm {
     fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor>;
 
     /// Appends `ids` to `cache` as [`CausalLm::forward`] does, without
-    /// the logits: a prompt's prefill, whose next-token logits come from
-    /// the step after it. Models with a head to skip override it.
+    /// the logits: a prompt's chunks before its last, whose logits nobody
+    /// reads ([`CausalLm::prefill_last`] takes the last). Models with a
+    /// head to skip override it.
     fn prefill(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<()> {
         self.forward(ids, cache).map(drop)
     }
