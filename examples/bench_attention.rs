@@ -37,6 +37,8 @@ use multihead::attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, Mask, MhaConfig, MultiheadAttention,
 };
 
+#[path = "support/rss.rs"]
+mod rss;
 #[path = "support/serve.rs"]
 mod serve;
 
@@ -174,15 +176,9 @@ fn peak_rss(n: usize) -> Result<()> {
     let out = scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), None, AttnPath::Auto)?;
     let secs = t.elapsed().as_secs_f64();
     let checksum = out.sum_keepdim(D::Minus1)?.sum_all()?.to_scalar::<f32>()?;
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let hwm_kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM in /proc/self/status")?;
     println!(
         r#"{{"work": "B1 N{n} H8 hd64 peak RSS", "peak_rss_mib": {:.1}, "seconds": {secs:.2}, "checksum": {checksum}}}"#,
-        hwm_kb as f64 / 1024.
+        rss::peak_rss_mib()?
     );
     Ok(())
 }

@@ -107,6 +107,8 @@ use multihead::models::vit::{VisionTransformer, VitConfig};
 mod linear;
 #[path = "bench_models/machine.rs"]
 mod machine;
+#[path = "support/rss.rs"]
+mod rss;
 #[path = "support/serve.rs"]
 mod serve;
 
@@ -498,7 +500,7 @@ fn main() -> Result<()> {
             // (VmHWM) to the current one when 5 is written to clear_refs.
             std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
             vit.forward(&x)?;
-            let rss = machine::peak_rss_mib()?;
+            let rss = rss::peak_rss_mib()?;
             let ms = median_ms(|| Ok(vit.forward(&x).map(drop)?))?;
             // Fresh pages the allocator hands out a forward (its heap
             // given back and taken again), over three more.

@@ -149,16 +149,6 @@ pub fn on_every_core<R: Send>(f: impl Fn() -> R + Sync) -> Vec<R> {
     })
 }
 
-pub fn peak_rss_mib() -> Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM in /proc/self/status")?;
-    Ok(kb as f64 / 1024.)
-}
-
 /// Minor page faults of this process so far (all its threads), from
 /// `/proc/self/stat`'s tenth field.
 pub fn minor_faults() -> Result<u64> {
