@@ -16,6 +16,7 @@
 //! cargo run --release --example bench_models -- vit-linears 1
 //! cargo run --release --example bench_models -- decode-layers bf16
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN] [DTYPE]
+//! cargo run --release --example bench_models -- decode-share MODEL_DIR [DTYPE] [CACHE_LEN]
 //! cargo run --release --example bench_models -- serve [--sgemm] [--vit WEIGHTS|random] \
 //!     [--vit-bf16 WEIGHTS] [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
 //! ```
@@ -33,7 +34,11 @@
 //! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
 //! positions, and prefill throughput of a `PROMPT_LEN` (512) token prompt,
 //! its weight matrices in `DTYPE` (`f32`, `bf16`, `f16` or `q8_0`, as
-//! `multihead generate --dtype`).
+//! `multihead generate --dtype`). `decode-share DIR [DTYPE] [CACHE_LEN]`:
+//! a decode step over a cache of `CACHE_LEN` (144) positions as a share
+//! of the memory bandwidth probed just before and after it, round after
+//! round (`bench_models/decoder.rs`); prints the median share and its
+//! quartiles and range over the rounds.
 //!
 //! `vit-b16 B`: timm's `vit_base_patch16_224` forward at batch `B`, on the
 //! given timm state_dict or on random weights, and the peak resident
@@ -98,11 +103,12 @@ use candle::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead::attention::{Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear};
 use multihead::kernels::PackFormat;
-use multihead::models::checkpoint::{Checkpoint, LoadOptions, WeightDtype};
-use multihead::models::decoder::{CausalLm, DecoderModel};
+use multihead::models::checkpoint::{Checkpoint, WeightDtype};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
+#[path = "bench_models/decoder.rs"]
+mod decoder;
 #[path = "bench_models/linear.rs"]
 mod linear;
 #[path = "bench_models/machine.rs"]
@@ -248,68 +254,6 @@ impl TransformerBench {
         Ok(())
     }
 }
-
-/// A HF decoder folder (GPT-2 or Llama) with a cache of `cache_len`
-/// positions, for one greedy decode step of batch 1 over it, and a prompt
-/// of `prompt_len` tokens to prefill.
-struct DecoderBench {
-    model: DecoderModel,
-    cache: multihead::models::decoder::DecoderCache,
-    cache_len: usize,
-    token: Tensor,
-    prompt: Tensor,
-    prompt_len: usize,
-}
-
-impl DecoderBench {
-    fn new(dir: &str, cache_len: usize, prompt_len: usize, dtype: WeightDtype) -> Result<Self> {
-        let dev = Device::Cpu;
-        let opts = LoadOptions {
-            dtype,
-            ..LoadOptions::default()
-        };
-        let model = DecoderModel::from_folder_with(dir.as_ref(), &dev, &opts)?;
-        let vocab = model.vocab_size() as u32;
-        let ids = |n: usize| -> candle::Result<Tensor> {
-            let data: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-            Tensor::from_vec(data, (1, n), &dev)
-        };
-        let mut cache = model.new_cache(vec![]);
-        model.forward(&ids(cache_len)?, &mut cache)?;
-        Ok(DecoderBench {
-            token: ids(1)?,
-            prompt: ids(prompt_len)?,
-            prompt_len,
-            model,
-            cache,
-            cache_len,
-        })
-    }
-
-    fn step_work(&self) -> String {
-        format!("decode step, cache {}", self.cache_len)
-    }
-
-    fn prefill_work(&self) -> String {
-        format!("prefill {} tokens", self.prompt_len)
-    }
-
-    /// One step over the cache, cut back after it so that every step sees
-    /// the same length.
-    fn step(&mut self) -> Result<()> {
-        self.model.forward(&self.token, &mut self.cache)?;
-        self.cache.truncate(self.cache_len);
-        Ok(())
-    }
-
-    fn prefill(&self) -> Result<()> {
-        Ok(self
-            .model
-            .forward(&self.prompt, &mut self.model.new_cache(vec![]))
-            .map(drop)?)
-    }
-}
-
 /// `serve`: the works its flags name, on request (`support/serve.rs`).
 fn serve_works(args: &[&str]) -> Result<()> {
     use std::rc::Rc;
@@ -385,7 +329,7 @@ fn serve_works(args: &[&str]) -> Result<()> {
                 ));
             }
             "--decoder" => {
-                let dec = Rc::new(std::cell::RefCell::new(DecoderBench::new(
+                let dec = Rc::new(std::cell::RefCell::new(decoder::DecoderBench::new(
                     value()?,
                     2048,
                     512,
@@ -478,20 +422,8 @@ fn main() -> Result<()> {
             println!(r#"{{"work": "{TRANSFORMER_GREEDY}", "median_ms": {ms:.2}}}"#);
         }
         ["serve", rest @ ..] => serve_works(rest)?,
-        ["decoder", dir, rest @ ..] => {
-            let cache_len: usize = rest.first().map_or(Ok(2048), |s| s.parse())?;
-            let prompt_len: usize = rest.get(1).map_or(Ok(512), |s| s.parse())?;
-            let dtype: WeightDtype = rest.get(2).map_or(Ok(WeightDtype::F32), |s| s.parse())?;
-            let mut dec = DecoderBench::new(dir, cache_len, prompt_len, dtype)?;
-            let ms = median_ms(|| dec.step())?;
-            println!(r#"{{"work": "{}", "median_ms": {ms:.3}}}"#, dec.step_work());
-            let ms = median_ms(|| dec.prefill())?;
-            let tok_s = prompt_len as f64 / (ms * 1e-3);
-            println!(
-                r#"{{"work": "{}", "median_ms": {ms:.2}, "tokens_per_s": {tok_s:.0}}}"#,
-                dec.prefill_work()
-            );
-        }
+        ["decoder", dir, rest @ ..] => decoder::decoder(dir, rest)?,
+        ["decode-share", dir, rest @ ..] => decoder::decode_share(dir, rest)?,
         ["vit-b16", batch, rest @ ..] => {
             let batch: usize = batch.parse().context("vit-b16 takes a batch size")?;
             let vit = vit_b16(rest.first().copied())?;
@@ -565,7 +497,8 @@ fn main() -> Result<()> {
              | linear-bf16 M K N [LAYERS] | share M K N [LAYERS] \
              | split M K N [LAYERS] | vit-b16 BATCH [WEIGHTS] | transformer [WEIGHTS] \
              | vit-linears BATCH | residual BATCH | decode-layers f32|bf16|f16|q8_0 \
-             | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN] [DTYPE])"
+             | decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN] [DTYPE] \
+             | decode-share MODEL_DIR [DTYPE] [CACHE_LEN])"
         ),
     }
     Ok(())

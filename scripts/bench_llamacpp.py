@@ -27,11 +27,13 @@ these lengths the KV cache is under 1% of the bytes read per token.
 
 The bandwidth is a C loop summing a 2 GiB buffer on 2 OpenMP threads
 (compiled here with cc, best of 5 passes), probed before the runs and after
-each dtype's pair of runs: on a shared machine it moves by half within
+each run of either side: on a shared machine it moves by half within
 minutes. A decode run's share is GGUF file size x tokens/s over the higher
-of the two probes beside its pair (every weight matrix, the tied embedding
-as the output head, is read once per token); the table gives each side's
-median share over the runs.
+of the two probes just before and after it (every weight matrix, the tied
+embedding as the output head, is read once per token); the table gives each
+side's median share over the runs. A run still meets the host's changes
+within it: `cargo run --release --example bench_models -- decode-share
+FOLDER DTYPE` probes between rounds of a tenth of a second of our steps.
 
 With --agreement it measures accuracy instead: for each dtype but f32, the
 share of positions where the top-1 token is f32's, llama.cpp's from
@@ -266,7 +268,8 @@ def main():
     ours_runs = {d: [] for d in dtypes}
     refused = {}
     sizes = {}
-    bw_beside = {d: [] for d in dtypes}  # each run's bandwidth: the higher probe beside its pair
+    # Each run's bandwidth, per side: the higher of the probes just before and after it.
+    bw_beside = {side: {d: [] for d in dtypes} for side in ("theirs", "ours")}
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         work = args.work or tmp
         os.makedirs(work, exist_ok=True)
@@ -287,12 +290,13 @@ def main():
         probes = [bandwidth()]
         for run in range(args.runs):
             for dtype in dtypes:
-                sides = [lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype], new_tokens)),
-                         lambda: ours_runs[dtype].append(ours(binary, folder, dtype, prompt, new_tokens, refused))]
-                for side in sides if run % 2 == 0 else reversed(sides):
+                sides = [("theirs", lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype], new_tokens))),
+                         ("ours", lambda: ours_runs[dtype].append(
+                             ours(binary, folder, dtype, prompt, new_tokens, refused)))]
+                for name, side in sides if run % 2 == 0 else reversed(sides):
                     side()
-                probes.append(bandwidth())
-                bw_beside[dtype].append(max(probes[-2:]))
+                    probes.append(bandwidth())
+                    bw_beside[name][dtype].append(max(probes[-2:]))
 
     def median(runs, i):
         got = [r[i] for r in runs if r is not None]
@@ -307,9 +311,9 @@ def main():
         got = [o[i] / t[i] for o, t in zip(ours_runs[dtype], theirs_runs[dtype]) if o is not None]
         return f"{statistics.median(got):.2f}" if got else "n/a"
 
-    def share(dtype, runs):
+    def share(dtype, side, runs):
         """The median over the runs of each decode's share of the bandwidth probed beside it."""
-        got = [sizes[dtype] * r[1] / (bw * 1e9) for r, bw in zip(runs, bw_beside[dtype]) if r is not None]
+        got = [sizes[dtype] * r[1] / (bw * 1e9) for r, bw in zip(runs, bw_beside[side][dtype]) if r is not None]
         return f"{100 * statistics.median(got):.0f}%" if got else "n/a"
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -330,14 +334,15 @@ def main():
         tpp, ttg = median(theirs_runs[dtype], 0), median(theirs_runs[dtype], 1)
         opp, otg = median(ours_runs[dtype], 0), median(ours_runs[dtype], 1)
         print(f"| {dtype} | {size / 1e6:.0f} | {fmt(tpp)} | {fmt(opp)} | {ratio(dtype, 0)} | {fmt(ttg, '.2f')} "
-              f"| {fmt(otg, '.2f')} | {ratio(dtype, 1)} | {share(dtype, theirs_runs[dtype])} "
-              f"| {share(dtype, ours_runs[dtype])} |")
+              f"| {fmt(otg, '.2f')} | {ratio(dtype, 1)} | {share(dtype, 'theirs', theirs_runs[dtype])} "
+              f"| {share(dtype, 'ours', ours_runs[dtype])} |")
     print("\nEach run (prefill/decode tok/s), to judge the spread:\n")
     for dtype in dtypes:
         runs = [" ".join(f"{pp:.0f}/{tg:.1f}" for pp, tg, *_ in side) or "n/a"
                 for side in (theirs_runs[dtype], [r for r in ours_runs[dtype] if r is not None])]
-        print(f"- {dtype}: llama.cpp {runs[0]}; ours {runs[1]}; bandwidth beside each run "
-              + " ".join(f"{bw:.1f}" for bw in bw_beside[dtype]) + " GB/s")
+        beside = [" ".join(f"{bw:.1f}" for bw in bw_beside[side][dtype]) for side in ("theirs", "ours")]
+        print(f"- {dtype}: llama.cpp {runs[0]} (bandwidth beside each: {beside[0]} GB/s); "
+              f"ours {runs[1]} ({beside[1]} GB/s)")
     for dtype, why in refused.items():
         print(f"\nours at {dtype}: n/a ({why})")
 

@@ -137,6 +137,21 @@ pub fn read_rate(buf: &[f32], rounds: usize) -> f64 {
     (rounds * buf.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// GB/s of every core at once reading a buffer of its own (`bufs`, one
+/// a core), each the better of two passes, summed.
+pub fn read_rate_every_core(bufs: &[Vec<f32>]) -> f64 {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bufs
+            .iter()
+            .map(|buf| s.spawn(move || read_rate(buf, 1).max(read_rate(buf, 1))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a probe thread panicked"))
+            .sum()
+    })
+}
+
 /// `f` on every core at once, one thread each; its results in order.
 pub fn on_every_core<R: Send>(f: impl Fn() -> R + Sync) -> Vec<R> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
