@@ -48,8 +48,8 @@
 //! own dtype and its blocks written straight into the panel), and the
 //! inputs once per call, in parallel over rows. A tile holds one
 //! block's i32 sums in registers, then adds them to its f32 sums: one row
-//! (a decoder's step) takes tiles of one row by four panels on VNNI, each
-//! weight byte streamed once; more rows take 4 rows by 2 panels on VNNI
+//! (a decoder's step) takes tiles of one row by one panel on VNNI, so that
+//! a thread's weights come from memory as one stream, each byte once; more rows take 4 rows by 2 panels on VNNI
 //! (2 by 1 on AVX2), so that each group of weights loaded feeds every row
 //! of the tile.
 //!

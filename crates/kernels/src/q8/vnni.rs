@@ -20,11 +20,12 @@ use crate::elem::PanelElem;
 pub(crate) const MR: usize = 4;
 /// Panels per tile: 16 features each, one `zmm` per group of 4 inputs.
 pub(crate) const NP: usize = 2;
-/// Panels per tile of a single row (a decoder's step): four independent
-/// accumulator chains while the weights stream past once.
-pub(crate) const NP_ONE_ROW: usize = 4;
+/// Panels per tile of a single row (a decoder's step): one, so that the
+/// tile reads one stream of weights from memory, not one a panel, and
+/// its sums run in two chains (`one_panel`).
+pub(crate) const NP_ONE_ROW: usize = 1;
 
-/// The sums of a tile of one row by 1..=4 panels, or 2..=4 rows by 1..=2:
+/// The sums of a tile of 1..=4 rows by 1..=2 panels:
 /// `out[r·out_rs + 16·p + c] += (d_w · d_x) · isum_b` for the blocks `b`
 /// of `blocks` (within `0..nb`) in order, each product and sum rounded to
 /// f32 (the sums run on from `out`, so a reduction cut into slices of
@@ -58,12 +59,52 @@ pub(crate) unsafe fn tile(
         ($($r:literal $p:literal),*) => {
             match (rows, panels) {
                 $(($r, $p) => tile_rows::<$r, $p>(nb, blocks.clone(), x, xd, xoff, w, d, out, out_rs),)*
-                _ => unreachable!("tiles are at most 4 rows by 4 panels"),
+                _ => unreachable!("tiles are at most 4 rows by 2 panels"),
             }
         };
     }
+    if (rows, panels) == (1, 1) {
+        // SAFETY: forwarded.
+        return unsafe { one_panel(blocks, x, xd, xoff, w, d, out) };
+    }
     // SAFETY: forwarded.
-    unsafe { go!(1 1, 1 2, 1 3, 1 4, 2 1, 2 2, 3 1, 3 2, 4 1, 4 2) }
+    unsafe { go!(1 2, 2 1, 2 2, 3 1, 3 2, 4 1, 4 2) }
+}
+
+/// [`tile`] of one row by one panel: the panel's blocks are one stream,
+/// each block's 8 groups summed in two chains (even and odd groups; the
+/// integer sum is exact in any order), then added as `tile_rows` adds.
+///
+/// # Safety
+/// As [`tile`]'s, for one row and one panel.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn one_panel(
+    blocks: std::ops::Range<usize>,
+    x: *const i8,
+    xd: *const f32,
+    xoff: *const i32,
+    w: *const u8,
+    d: *const u16,
+    out: *mut f32,
+) {
+    // SAFETY: (the block) inside the extents the caller vouched for.
+    unsafe {
+        let mut acc = _mm512_loadu_ps(out);
+        for b in blocks {
+            let (wb, xb) = (w.add(b * 512), x.add(b * 32));
+            let mut sums = [_mm512_set1_epi32(*xoff.add(b)), _mm512_setzero_si512()];
+            for g in 0..8 {
+                let xv = _mm512_set1_epi32(xb.add(4 * g).cast::<i32>().read_unaligned());
+                let wv = _mm512_loadu_si512(wb.add(64 * g).cast());
+                sums[g % 2] = _mm512_dpbusd_epi32(sums[g % 2], wv, xv);
+            }
+            let s = _mm512_add_epi32(sums[0], sums[1]);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(d.add(b * 16).cast()));
+            let dx = _mm512_set1_ps(*xd.add(b));
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx)));
+        }
+        _mm512_storeu_ps(out, acc);
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
