@@ -2,13 +2,15 @@
 //! tokenizer and a generation config (`tests/fixtures/text`, written by
 //! `scripts/make_text_fixtures.py`) continue every prompt with HF's ids
 //! and HF's `decode(new_ids, skip_special_tokens=True)` text, through the
-//! library and through `multihead generate`; streamed pieces add up to the
-//! same text; bad folders are refused by file and field.
+//! library (the CLI's text and JSON modes: `text_generation_cli.rs`);
+//! streamed pieces add up to the same text; chat templates render as HF's;
+//! stop strings, constraints and token bytes hold through the library and
+//! `generate`'s flags; bad folders are refused by file and field.
 
 mod common;
+mod text_fixtures;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle::Device;
@@ -16,27 +18,7 @@ use multihead::models::decoder::{
     ChatMessage, ChatTemplate, DecoderModel, Finish, HfGenerationConfig, TextGenerator, TextTokenizer,
 };
 use serde_json::Value;
-
-fn fixtures() -> PathBuf {
-    common::fixture_dir("text")
-}
-
-fn expected() -> Result<Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(
-        fixtures().join("expected.json"),
-    )?)?)
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
-        .unwrap_or_default()
-}
-
-/// Byte-level BPE (GPT-2's kind), the same with Llama 3's special tokens
-/// and two end tokens, and SentencePiece-style BPE with byte fallback
-/// (Llama 2's kind).
-const FOLDERS: [&str; 3] = ["gpt2-bpe", "llama3", "llama2-sp"];
+use text_fixtures::{expected, fixtures, folder_with, ids, multihead, FOLDERS};
 
 #[test]
 fn every_prompt_continues_as_hf_continues_it() -> Result<()> {
@@ -109,145 +91,6 @@ fn one_generator_serves_threads_as_it_serves_one_caller() -> Result<()> {
     Ok(())
 }
 
-fn multihead(args: &[&str], stdin: Option<&str>) -> Result<std::process::Output> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_multihead"));
-    cmd.args(args).env("RUST_BACKTRACE", "1");
-    if let Some(input) = stdin {
-        use std::io::Write;
-        let mut child = cmd
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()?;
-        child.stdin.take().context("stdin")?.write_all(input.as_bytes())?;
-        return Ok(child.wait_with_output()?);
-    }
-    Ok(cmd.output()?)
-}
-
-#[test]
-fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
-    let want = expected()?;
-    for name in FOLDERS {
-        let dir = fixtures().join(name);
-        let all = want[name]["cases"].as_array().context("cases")?;
-        let cases: Vec<&Value> = all.iter().filter(|c| c["chat"] == false).collect();
-        let prompts: Vec<&str> = cases.iter().filter_map(|c| c["prompt"].as_str()).collect();
-        let texts: Vec<&str> = cases.iter().filter_map(|c| c["text"].as_str()).collect();
-        // Text mode, prompts from standard input: one continuation a line.
-        let out = multihead(
-            &["generate", "--model", dir.to_str().context("path")?],
-            Some(&(prompts.join("\n") + "\n")),
-        )?;
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{name}: {err}");
-        let stdout = String::from_utf8(out.stdout)?;
-        assert_eq!(
-            stdout,
-            texts.iter().map(|t| format!("{t}\n")).collect::<String>(),
-            "{name}"
-        );
-        assert!(err.contains("loaded") && err.contains("tokens/s"), "{err}");
-        // JSON mode, prompts as arguments.
-        let mut args = vec![
-            "generate",
-            "--format",
-            "json",
-            "--model",
-            dir.to_str().context("path")?,
-        ];
-        args.extend(&prompts);
-        let out = multihead(&args, None)?;
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let got: Value = serde_json::from_slice(&out.stdout)?;
-        let got = got.as_array().context("an array")?;
-        assert_eq!(got.len(), cases.len());
-        for (g, c) in got.iter().zip(&cases) {
-            assert_eq!(g["prompt"], c["prompt"]);
-            assert_eq!(g["text"], c["text"]);
-            assert_eq!(
-                g["prompt_tokens"].as_u64(),
-                Some(ids(&c["prompt_ids"]).len() as u64)
-            );
-            let finish = if c["ended_on"].is_null() { "length" } else { "eos" };
-            assert_eq!(g["finish"], finish, "{name} {}", c["prompt"]);
-        }
-        // --chat: the prompt as a user's message, through the template.
-        let Some(chat) = all.iter().find(|c| c["chat"] == true) else {
-            continue;
-        };
-        let out = multihead(
-            &[
-                "generate",
-                "--chat",
-                "--model",
-                dir.to_str().context("path")?,
-                chat["prompt"].as_str().context("prompt")?,
-            ],
-            None,
-        )?;
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(
-            String::from_utf8(out.stdout)?,
-            format!("{}\n", chat["text"].as_str().context("text")?)
-        );
-    }
-    Ok(())
-}
-
-/// `--kv-dtype bf16|f16` keeps the cache in half precision (its logits
-/// are checked against HF's in `decoders_hf.rs`): the CLI takes the flag,
-/// generates from every folder, and refuses a dtype it has no cache for.
-#[test]
-fn the_cli_keeps_the_cache_in_half_precision() -> Result<()> {
-    for name in FOLDERS {
-        let dir = fixtures().join(name);
-        for kv in ["bf16", "f16"] {
-            let out = multihead(
-                &[
-                    "generate",
-                    "--format",
-                    "json",
-                    "--kv-dtype",
-                    kv,
-                    "--model",
-                    dir.to_str().context("path")?,
-                    "Hello",
-                ],
-                None,
-            )?;
-            assert!(
-                out.status.success(),
-                "{name} {kv}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let got: Value = serde_json::from_slice(&out.stdout)?;
-            assert!(
-                got[0]["new_tokens"].as_u64().is_some_and(|n| n > 0),
-                "{name} {kv}: {got}"
-            );
-        }
-    }
-    let dir = fixtures().join(FOLDERS[0]);
-    let out = multihead(
-        &[
-            "generate",
-            "--kv-dtype",
-            "q8_0",
-            "--model",
-            dir.to_str().context("path")?,
-            "Hello",
-        ],
-        None,
-    )?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("q8_0") && err.contains("bf16"),
-        "{err}"
-    );
-    Ok(())
-}
-
 #[test]
 fn chat_templates_render_as_apply_chat_template() -> Result<()> {
     let want = expected()?;
@@ -306,21 +149,6 @@ fn chat_templates_render_as_apply_chat_template() -> Result<()> {
         "{err}"
     );
     Ok(())
-}
-
-/// A copy of a text fixture folder with `edit` applied to it.
-fn folder_with(name: &str, tag: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("text_generation")
-        .join(format!("{name}-{tag}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    for entry in std::fs::read_dir(fixtures().join(name))? {
-        let entry = entry?;
-        std::fs::copy(entry.path(), dir.join(entry.file_name()))?;
-    }
-    edit(&dir)?;
-    Ok(dir)
 }
 
 fn load_error(dir: &Path) -> String {
@@ -444,61 +272,6 @@ fn the_stream_never_splits_a_character() -> Result<()> {
     assert_eq!(
         (cfg.eos_token_ids, cfg.bos_token_id, cfg.max_new_tokens),
         (vec![1, 4], Some(0), None)
-    );
-    Ok(())
-}
-
-#[test]
-fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
-    let decoders = common::fixture_dir("decoders");
-    for (folder, family) in [
-        ("gpt2", "gpt2: vocab 128, hidden 64, layers 2, MLP 256"),
-        ("llama", "llama: vocab 128, hidden 64, layers 2, MLP 128"),
-        ("mistral", "llama: vocab 128"),
-        ("qwen2", "qwen2: vocab 128"),
-        (
-            "qwen3",
-            "qwen3: vocab 128, hidden 64, layers 2, MLP 128, heads 4, kv heads 2",
-        ),
-    ] {
-        let out = multihead(
-            &["inspect", decoders.join(folder).to_str().context("path")?],
-            None,
-        )?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{folder}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        for want in [
-            "layout: HF transformers decoder",
-            family,
-            "HF transformers decoder config",
-            "every tensor matches",
-        ] {
-            assert!(stdout.contains(want), "{folder}: no {want:?} in\n{stdout}");
-        }
-    }
-    // A config one key/value head off: the mis-shaped projections, named.
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("text_generation")
-        .join("inspect-kv");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    let src = decoders.join("llama");
-    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors"))?;
-    let text = std::fs::read_to_string(src.join("config.json"))?;
-    std::fs::write(
-        dir.join("config.json"),
-        text.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
-    )?;
-    let out = multihead(&["inspect", dir.to_str().context("path")?], None)?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(!out.status.success(), "{text}");
-    assert!(
-        text.contains("k_proj.weight") && text.contains("[64, 64]") && text.contains("[32, 64]"),
-        "{text}"
     );
     Ok(())
 }

@@ -1,0 +1,192 @@
+//! `multihead generate` and `inspect` on the text fixtures (`tests/fixtures/text`,
+//! written by `scripts/make_text_fixtures.py`): HF's text and ids in text
+//! and JSON mode and through `--chat`, a half-precision cache, and
+//! `inspect` on the decoder folders.
+
+mod common;
+mod text_fixtures;
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+
+use text_fixtures::{expected, fixtures, ids, multihead, FOLDERS};
+
+#[test]
+fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
+    let want = expected()?;
+    for name in FOLDERS {
+        let dir = fixtures().join(name);
+        let all = want[name]["cases"].as_array().context("cases")?;
+        let cases: Vec<&Value> = all.iter().filter(|c| c["chat"] == false).collect();
+        let prompts: Vec<&str> = cases.iter().filter_map(|c| c["prompt"].as_str()).collect();
+        let texts: Vec<&str> = cases.iter().filter_map(|c| c["text"].as_str()).collect();
+        // Text mode, prompts from standard input: one continuation a line.
+        let out = multihead(
+            &["generate", "--model", dir.to_str().context("path")?],
+            Some(&(prompts.join("\n") + "\n")),
+        )?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {err}");
+        let stdout = String::from_utf8(out.stdout)?;
+        assert_eq!(
+            stdout,
+            texts.iter().map(|t| format!("{t}\n")).collect::<String>(),
+            "{name}"
+        );
+        assert!(err.contains("loaded") && err.contains("tokens/s"), "{err}");
+        // JSON mode, prompts as arguments.
+        let mut args = vec![
+            "generate",
+            "--format",
+            "json",
+            "--model",
+            dir.to_str().context("path")?,
+        ];
+        args.extend(&prompts);
+        let out = multihead(&args, None)?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let got: Value = serde_json::from_slice(&out.stdout)?;
+        let got = got.as_array().context("an array")?;
+        assert_eq!(got.len(), cases.len());
+        for (g, c) in got.iter().zip(&cases) {
+            assert_eq!(g["prompt"], c["prompt"]);
+            assert_eq!(g["text"], c["text"]);
+            assert_eq!(
+                g["prompt_tokens"].as_u64(),
+                Some(ids(&c["prompt_ids"]).len() as u64)
+            );
+            let finish = if c["ended_on"].is_null() { "length" } else { "eos" };
+            assert_eq!(g["finish"], finish, "{name} {}", c["prompt"]);
+        }
+        // --chat: the prompt as a user's message, through the template.
+        let Some(chat) = all.iter().find(|c| c["chat"] == true) else {
+            continue;
+        };
+        let out = multihead(
+            &[
+                "generate",
+                "--chat",
+                "--model",
+                dir.to_str().context("path")?,
+                chat["prompt"].as_str().context("prompt")?,
+            ],
+            None,
+        )?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            String::from_utf8(out.stdout)?,
+            format!("{}\n", chat["text"].as_str().context("text")?)
+        );
+    }
+    Ok(())
+}
+
+/// `--kv-dtype bf16|f16` keeps the cache in half precision (its logits
+/// are checked against HF's in `decoders_hf.rs`): the CLI takes the flag,
+/// generates from every folder, and refuses a dtype it has no cache for.
+#[test]
+fn the_cli_keeps_the_cache_in_half_precision() -> Result<()> {
+    for name in FOLDERS {
+        let dir = fixtures().join(name);
+        for kv in ["bf16", "f16"] {
+            let out = multihead(
+                &[
+                    "generate",
+                    "--format",
+                    "json",
+                    "--kv-dtype",
+                    kv,
+                    "--model",
+                    dir.to_str().context("path")?,
+                    "Hello",
+                ],
+                None,
+            )?;
+            assert!(
+                out.status.success(),
+                "{name} {kv}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let got: Value = serde_json::from_slice(&out.stdout)?;
+            assert!(
+                got[0]["new_tokens"].as_u64().is_some_and(|n| n > 0),
+                "{name} {kv}: {got}"
+            );
+        }
+    }
+    let dir = fixtures().join(FOLDERS[0]);
+    let out = multihead(
+        &[
+            "generate",
+            "--kv-dtype",
+            "q8_0",
+            "--model",
+            dir.to_str().context("path")?,
+            "Hello",
+        ],
+        None,
+    )?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("q8_0") && err.contains("bf16"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
+    let decoders = common::fixture_dir("decoders");
+    for (folder, family) in [
+        ("gpt2", "gpt2: vocab 128, hidden 64, layers 2, MLP 256"),
+        ("llama", "llama: vocab 128, hidden 64, layers 2, MLP 128"),
+        ("mistral", "llama: vocab 128"),
+        ("qwen2", "qwen2: vocab 128"),
+        (
+            "qwen3",
+            "qwen3: vocab 128, hidden 64, layers 2, MLP 128, heads 4, kv heads 2",
+        ),
+    ] {
+        let out = multihead(
+            &["inspect", decoders.join(folder).to_str().context("path")?],
+            None,
+        )?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{folder}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for want in [
+            "layout: HF transformers decoder",
+            family,
+            "HF transformers decoder config",
+            "every tensor matches",
+        ] {
+            assert!(stdout.contains(want), "{folder}: no {want:?} in\n{stdout}");
+        }
+    }
+    // A config one key/value head off: the mis-shaped projections, named.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("text_generation_cli")
+        .join("inspect-kv");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let src = decoders.join("llama");
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors"))?;
+    let text = std::fs::read_to_string(src.join("config.json"))?;
+    std::fs::write(
+        dir.join("config.json"),
+        text.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
+    )?;
+    let out = multihead(&["inspect", dir.to_str().context("path")?], None)?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("k_proj.weight") && text.contains("[64, 64]") && text.contains("[32, 64]"),
+        "{text}"
+    );
+    Ok(())
+}
