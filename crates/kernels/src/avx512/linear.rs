@@ -62,6 +62,12 @@ pub(crate) trait Dot: Sized {
     const STEP: usize;
     /// Elements from a panel row's first 16 features to its next 16.
     const HALF: usize;
+    /// How far ahead of its loads [`one_row_body`] prefetches its panels,
+    /// in bytes. The stream is read once and at a rate the hardware
+    /// prefetcher, which stops at every 4 KiB page, does not keep ahead of;
+    /// the distance that keeps the loads from waiting on memory differs by
+    /// how much work each byte brings.
+    const PREFETCH: usize;
     /// The step's inputs from `x` on, broadcast.
     /// # Safety
     /// The entry point's features are enabled; `x` holds `STEP` inputs.
@@ -94,6 +100,10 @@ impl<E: PanelElem> Dot for Widen<E> {
     type Wv = __m512;
     const STEP: usize = 1;
     const HALF: usize = 16;
+    /// f32 panels: 1 KiB (2 KiB took 6 % longer over a decoder step's
+    /// linears); bf16 and f16 panels, widened in registers: 2 KiB (1 KiB
+    /// took 9 % longer).
+    const PREFETCH: usize = if size_of::<E>() == 4 { 1024 } else { 2048 };
     #[inline(always)]
     unsafe fn broadcast(x: *const f32) -> __m512 {
         // SAFETY: as the trait says.
@@ -306,13 +316,6 @@ pub(crate) unsafe fn tile_rows<const R: usize, const V: usize, D: Dot>(t: &Tile<
     }
 }
 
-/// How far ahead of its loads [`one_row_body`] prefetches its panels, in bytes.
-/// The stream is read once and at a rate the hardware prefetcher, which
-/// stops at every 4 KiB page, does not keep ahead of: half a page of
-/// software prefetch is what keeps a half-precision panel's loads from
-/// waiting on memory (f32 reads fast enough without it, and takes no harm).
-const ONE_ROW_PREFETCH: usize = 2048;
-
 /// One row (a decoder's step) through `ceil(cols / 32)` packed panels of
 /// `k` inputs from `w` on ([`one_row_body`]).
 pub(crate) struct Row<D: Dot> {
@@ -328,7 +331,7 @@ pub(crate) struct Row<D: Dot> {
 /// `out[c] = init[c] + Σₑ x[e] · w[p·k·LINEAR_NR + e·LINEAR_NR + c % 32]`
 /// (`p = c / 32`) for `cols` columns: one row (a decoder's step) through
 /// the packed panels (in `D`'s layout), each streamed once, four steps at
-/// a time into 8 accumulators, prefetching `ONE_ROW_PREFETCH` bytes ahead.
+/// a time into 8 accumulators, prefetching [`Dot::PREFETCH`] bytes ahead.
 ///
 /// # Safety
 /// `D`'s entry point's features (AVX-512F, and what `D` adds); `k` is a
@@ -357,10 +360,10 @@ pub(crate) unsafe fn one_row_body<D: Dot>(r: &Row<D>) {
             let mut acc = [[_mm512_setzero_ps(); V]; U];
             let mut e = 0;
             while e + U * s <= k {
-                // The lines this loop reads `ONE_ROW_PREFETCH` bytes on:
+                // The lines this loop reads `D::PREFETCH` bytes on:
                 // a prefetch never faults, so past the weight's end it is
                 // only wasted.
-                let ahead = w.cast::<i8>().wrapping_add(ONE_ROW_PREFETCH);
+                let ahead = w.cast::<i8>().wrapping_add(D::PREFETCH);
                 for line in (0..U * s * LINEAR_NR * size_of::<D::W>()).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
                 }
