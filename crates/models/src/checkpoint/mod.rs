@@ -14,10 +14,11 @@
 // through its index (`read_sharded`, shards.rs), refusing a config too
 // large for the file (`ensure_holds`, beside `MinWeights` in capacity.rs),
 // and building a model after the pre-flight (`load`, preflight.rs).
-// A GGUF file (llama.cpp's format) has a reader of its own, gguf.rs,
-// after its header was walked for what candle's reader would not refuse
-// (gguf_header.rs). Both scan their stored bytes for NaN and infinity
-// in place (finite.rs).
+// A GGUF file (llama.cpp's format) has a reader of its own, gguf.rs
+// (its metadata's typed getters in gguf/metadata.rs), after its header was
+// walked for what candle's reader would not refuse (gguf_header.rs). Both hold their file's bytes mapped (bytes.rs) and
+// scan them for NaN and infinity in place (finite.rs).
+mod bytes;
 mod capacity;
 mod dtype;
 pub(crate) mod file;
