@@ -77,9 +77,9 @@ pub fn resize_size(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize))
 }
 
 /// The size the CLI may reduce a decoded image to in 8 bits before
-/// [`preprocess_to`] (see `image_input::PREREDUCE_ABOVE`, with the `image` feature): the
-/// resize size for the float resampler; for PIL's, the image itself up to
-/// 4096 x 4096 pixels.
+/// [`preprocess_to`] (see `image_input::PREREDUCE_ABOVE`, with the `image`
+/// feature): the resize size for the float resampler; for PIL's, the image
+/// itself up to 4096 x 4096 pixels.
 pub fn decode_target(cfg: &VitConfig, (h, w): (usize, usize), out: (usize, usize)) -> Result<(usize, usize)> {
     let size = resize_size(cfg, (h, w), out)?;
     match cfg.image_resampler {
