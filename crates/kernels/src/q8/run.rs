@@ -96,7 +96,11 @@ impl Q8Weight {
             // Where the unit has several row groups, the reduction goes in
             // slices whose panel slices stay in L1 while the groups pass.
             let slice = if g1 - g0 > 1 { SLICE_BLOCKS } else { nb };
-            for b0 in (0..nb).step_by(slice) {
+            // One row goes through the unit in one call where the kernel
+            // has one; else tile by tile below.
+            let done = m == 1 && self.one_row(p0, p1, &xq, &mut acc);
+            let blocks_left = if done { 0..0 } else { 0..nb };
+            for b0 in blocks_left.step_by(slice) {
                 let blocks = b0..(b0 + slice).min(nb);
                 for p in (p0..p1).step_by(np) {
                     for g in g0..g1 {
@@ -143,6 +147,37 @@ impl Q8Weight {
             (0..units.len()).for_each(run);
         }
         out
+    }
+
+    /// One row through panels `p0..p1` into `acc` in one call of the
+    /// kernel, where it has such a call (VNNI: the run streams past
+    /// without a call a panel); false where it has not, and `acc` is left.
+    fn one_row(&self, p0: usize, p1: usize, xq: &Quantized, acc: &mut [f32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.kernel == Kernel::Vnni {
+            let (k, nb) = (self.k, self.k / QK);
+            let panels = p1 - p0;
+            let w = &self.panels()[p0 * nb * BLOCK_BYTES..][..panels * nb * BLOCK_BYTES];
+            let d = &self.d[p0 * nb * NR..][..panels * nb * NR];
+            assert!(acc.len() >= panels * NR && xq.q.len() >= k && xq.d.len() >= nb && xq.off.len() >= nb);
+            // SAFETY: the slices hold the panels' values and scales, the
+            // row's inputs, scales and offsets, and the panels' outputs;
+            // the kernel was picked for a processor with VNNI.
+            unsafe {
+                vnni::one_row(
+                    panels,
+                    nb,
+                    xq.q.as_ptr(),
+                    (xq.d.as_ptr(), xq.off.as_ptr()),
+                    w.as_ptr(),
+                    d.as_ptr().cast(),
+                    acc.as_mut_ptr(),
+                )
+            };
+            return true;
+        }
+        let _ = (p0, p1, xq, acc);
+        false
     }
 
     /// The kernel's sums over `blocks` for `rows` rows from `r0` and

@@ -71,12 +71,45 @@ pub(crate) unsafe fn tile(
     unsafe { go!(1 2, 2 1, 2 2, 3 1, 3 2, 4 1, 4 2) }
 }
 
+/// [`one_panel`] over `panels` panels in turn, from panel 0 of `w` and
+/// `d` on, into `out`'s `16 · panels` floats: a thread's run of panels in
+/// one call, every block of each.
+///
+/// # Safety
+/// As [`tile`]'s, for one row, `panels` panels and the blocks `0..nb`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(crate) unsafe fn one_row(
+    panels: usize,
+    nb: usize,
+    x: *const i8,
+    (xd, xoff): (*const f32, *const i32),
+    w: *const u8,
+    d: *const u16,
+    out: *mut f32,
+) {
+    for p in 0..panels {
+        // SAFETY: panel p's blocks, scales and outputs, inside the extents.
+        unsafe {
+            one_panel(
+                0..nb,
+                x,
+                xd,
+                xoff,
+                w.add(p * nb * 512),
+                d.add(p * nb * 16),
+                out.add(16 * p),
+            )
+        }
+    }
+}
+
 /// [`tile`] of one row by one panel: the panel's blocks are one stream,
 /// each block's 8 groups summed in two chains (even and odd groups; the
 /// integer sum is exact in any order), then added as `tile_rows` adds.
 ///
 /// # Safety
 /// As [`tile`]'s, for one row and one panel.
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn one_panel(
     blocks: std::ops::Range<usize>,
