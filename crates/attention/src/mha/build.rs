@@ -70,28 +70,39 @@ impl MultiheadAttention {
                 )
             }
             WeightLayout::Separate(names) => {
-                let kind = InKind::Separate {
-                    q: linear(
+                let (q, k, v) = (
+                    linear(
                         (e, qd),
                         qkv_bias,
                         xavier_uniform(qd, e),
                         Stored::OutIn,
                         vb.pp(&names.q),
                     )?,
-                    k: linear(
+                    linear(
                         (kdim, kvd),
                         qkv_bias,
                         xavier_uniform(kvd, kdim),
                         Stored::OutIn,
                         vb.pp(&names.k),
                     )?,
-                    v: linear(
+                    linear(
                         (vdim, kvd),
                         qkv_bias,
                         xavier_uniform(kvd, vdim),
                         Stored::OutIn,
                         vb.pp(&names.v),
                     )?,
+                );
+                // Packed (plain weights, on the CPU) and all of one input
+                // width, the three are joined into one weight, as PyTorch's
+                // in_proj_weight holds them: self-attention then projects
+                // with one call (a decoder step: one pass over the three,
+                // not three, each with its own hand-over to the threads).
+                // Variables stay apart, so that they train as they are.
+                let kind = if cfg.qkv_same_embed_dim() && [&q, &k, &v].iter().all(|l| l.is_packed()) {
+                    InKind::Fused(PackedLinear::cat(vec![q, k, v])?)
+                } else {
+                    InKind::Separate { q, k, v }
                 };
                 (
                     kind,
@@ -164,5 +175,69 @@ impl MultiheadAttention {
             qk_norm,
             rotary,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use candle::{DType, Device, Result, Tensor};
+    use candle_nn::{VarBuilder, VarMap};
+
+    use crate::projection::InKind;
+    use crate::{MhaConfig, MhaOptions, MultiheadAttention, WeightLayout};
+
+    /// Largest difference over the largest magnitude.
+    fn diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let max = |t: Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>();
+        Ok(max((a - b)?)? / max(b.clone())?)
+    }
+
+    #[test]
+    fn separate_plain_weights_are_joined_and_variables_stay_apart_and_live() -> Result<()> {
+        let dev = Device::Cpu;
+        for bias in [false, true] {
+            let cfg = MhaConfig::new(64, 4).with_kv_heads(2).with_bias(bias);
+            let build =
+                |vb: VarBuilder| MultiheadAttention::new_with_layout(&cfg, &WeightLayout::llama(), vb);
+            let varmap = VarMap::new();
+            let live = build(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+            assert!(matches!(live.in_proj.kind, InKind::Separate { .. }));
+            let plain = || -> Result<MultiheadAttention> {
+                let tensors: HashMap<String, Tensor> = varmap
+                    .data()
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(name, var)| (name.clone(), var.as_tensor().detach()))
+                    .collect();
+                build(VarBuilder::from_tensors(tensors, DType::F32, &dev))
+            };
+            let joined = plain()?;
+            assert!(matches!(joined.in_proj.kind, InKind::Fused(_)), "bias {bias}");
+            let (x, y) = (
+                Tensor::randn(0f32, 1., (2, 5, 64), &dev)?,
+                Tensor::randn(0f32, 1., (2, 7, 64), &dev)?,
+            );
+            // Self-attention (one projection) and cross-attention (each
+            // input its own features of the joined weight).
+            let both = |m: &MultiheadAttention| -> Result<[Tensor; 2]> {
+                let opts = MhaOptions::new();
+                Ok([m.forward(&x)?, m.forward_attn(&x, &y, &y, &opts)?.output])
+            };
+            for (a, b) in both(&live)?.iter().zip(&both(&joined)?) {
+                assert!(diff(a, b)? < 1e-5, "bias {bias}");
+            }
+            for var in varmap.all_vars() {
+                var.set(&(var.as_tensor() * 2.)?)?;
+            }
+            let moved = both(&plain()?)?;
+            for ((live, moved), joined) in both(&live)?.iter().zip(&moved).zip(&both(&joined)?) {
+                assert!(diff(moved, joined)? > 0.1);
+                assert!(diff(live, moved)? < 1e-5, "bias {bias}");
+            }
+        }
+        Ok(())
     }
 }
