@@ -48,10 +48,11 @@
 //! own dtype and its blocks written straight into the panel), and the
 //! inputs once per call, in parallel over rows. A tile holds one
 //! block's i32 sums in registers, then adds them to its f32 sums: one row
-//! (a decoder's step) takes tiles of one row by one panel on VNNI, so that
-//! a thread's weights come from memory as one stream, each byte once; more rows take 4 rows by 2 panels on VNNI
-//! (2 by 1 on AVX2), so that each group of weights loaded feeds every row
-//! of the tile.
+//! (a decoder's step) goes through a thread's run of panels one panel
+//! after another in one call on VNNI, so that its weights come from memory
+//! as one stream, each byte once; more rows take tiles of 4 rows by 2
+//! panels on VNNI (2 by 1 on AVX2), so that each group of weights loaded
+//! feeds every row of the tile.
 //!
 //! A call (`run.rs`) cuts the work into units of [`UNIT_PANELS`] panels
 //! by [`UNIT_ROWS`] rows (one row: a run of panels per thread), spread

@@ -100,9 +100,9 @@ impl<E: PanelElem> Dot for Widen<E> {
     type Wv = __m512;
     const STEP: usize = 1;
     const HALF: usize = 16;
-    /// f32 panels: 1 KiB (2 KiB took 6 % longer over a decoder step's
-    /// linears); bf16 and f16 panels, widened in registers: 2 KiB (1 KiB
-    /// took 9 % longer).
+    /// f32 panels 1 KiB; bf16 and f16 panels, widened in registers (more
+    /// work a byte), 2 KiB: the distances that streamed a decoder step's
+    /// linears fastest.
     const PREFETCH: usize = if size_of::<E>() == 4 { 1024 } else { 2048 };
     #[inline(always)]
     unsafe fn broadcast(x: *const f32) -> __m512 {
