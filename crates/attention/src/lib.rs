@@ -88,6 +88,10 @@ pub use sdpa::{
 pub(crate) mod testing {
     use candle::{Device, Result, Tensor};
 
+    /// Held by the tests that force an instruction set, and by those that
+    /// need the packed weights a forced portable set would not make.
+    pub(crate) static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     pub(crate) fn randn(shape: &[usize]) -> Result<Tensor> {
         Tensor::randn(0f32, 1., shape, &Device::Cpu)
     }

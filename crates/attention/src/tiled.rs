@@ -68,10 +68,7 @@ mod tests {
     use super::sdpa_tiled_with;
     use crate::mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
     use crate::sdpa::sdpa_reference;
-    use crate::testing::{randn, rel_err};
-
-    /// Held by the tests that force an instruction set.
-    static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    use crate::testing::{randn, rel_err, FORCE_LOCK};
 
     /// [`sdpa_tiled_with`] with the tiles (and packing) forced.
     fn forced(

@@ -186,16 +186,14 @@ mod tests {
     use candle_nn::{VarBuilder, VarMap};
 
     use crate::projection::InKind;
+    use crate::testing::{rel_err as diff, FORCE_LOCK};
     use crate::{MhaConfig, MhaOptions, MultiheadAttention, WeightLayout};
-
-    /// Largest difference over the largest magnitude.
-    fn diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-        let max = |t: Tensor| t.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>();
-        Ok(max((a - b)?)? / max(b.clone())?)
-    }
 
     #[test]
     fn separate_plain_weights_are_joined_and_variables_stay_apart_and_live() -> Result<()> {
+        // Plain weights pack on every instruction set but a forced
+        // portable one, which another test may be running with.
+        let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         for bias in [false, true] {
             let cfg = MhaConfig::new(64, 4).with_kv_heads(2).with_bias(bias);
