@@ -171,6 +171,21 @@ fn quantile(sorted: &[f64], f: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * f).round() as usize]
 }
 
+/// The JSON fields of the shares in `sorted` (not empty), measured round
+/// after round: the median under `name`, then `share_quartiles` and
+/// `share_range`.
+fn share_fields(name: &str, sorted: &[f64]) -> String {
+    let q = |f: f64| quantile(sorted, f);
+    format!(
+        r#""{name}": {:.3}, "share_quartiles": [{:.3}, {:.3}], "share_range": [{:.3}, {:.3}]"#,
+        q(0.5),
+        q(0.25),
+        q(0.75),
+        q(0.),
+        q(1.)
+    )
+}
+
 /// Seconds one run of `f` takes.
 fn timed(f: impl FnOnce() -> Result<()>) -> Result<f64> {
     let t = Instant::now();

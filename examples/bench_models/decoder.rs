@@ -10,7 +10,7 @@ use multihead::models::checkpoint::{LoadOptions, ModelFiles, TensorInfo, WeightD
 use multihead::models::decoder::{CausalLm, DecoderModel};
 
 use crate::machine::read_rate_every_core;
-use crate::{median, median_ms, quantile};
+use crate::{median, median_ms, share_fields};
 
 /// A HF decoder folder (GPT-2 or Llama) with a cache of `cache_len`
 /// positions, for one greedy decode step of batch 1 over it, and a prompt
@@ -122,19 +122,14 @@ pub fn decode_share(dir: &str, rest: &[&str]) -> Result<()> {
         before = after;
     }
     shares.sort_by(f64::total_cmp);
-    let q = |f: f64| quantile(&shares, f);
     println!(
-        r#"{{"work": "decode step, cache {cache_len}, {}: its share of the bandwidth", "weights_mb": {:.0}, "rounds": {}, "step_ms": {:.2}, "bandwidth_gb_s": {:.1}, "share": {:.3}, "share_quartiles": [{:.3}, {:.3}], "share_range": [{:.3}, {:.3}]}}"#,
+        r#"{{"work": "decode step, cache {cache_len}, {}: its share of the bandwidth", "weights_mb": {:.0}, "rounds": {}, "step_ms": {:.2}, "bandwidth_gb_s": {:.1}, {}}}"#,
         dtype.name(),
         bytes / 1e6,
         shares.len(),
         median(&steps),
         median(&probes),
-        q(0.5),
-        q(0.25),
-        q(0.75),
-        q(0.),
-        q(1.)
+        share_fields("share", &shares)
     );
     Ok(())
 }

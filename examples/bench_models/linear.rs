@@ -10,7 +10,7 @@ use multihead::attention::PackedLinear;
 use multihead::kernels::{packing_as, PackFormat};
 
 use crate::machine::fma_peak;
-use crate::{alternating_ms, dtype_name, median, median_ms, quantile, timed};
+use crate::{alternating_ms, dtype_name, median, median_ms, quantile, share_fields, timed};
 
 /// `LAYERS` (default 1) linear layers of `(M, K) x (K, N)`, each with
 /// random weights of its own, three ways: packed, candle's `Linear` and
@@ -168,16 +168,11 @@ pub fn share(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
         .zip(&mut shares)
     {
         shares.sort_by(f64::total_cmp);
-        let q = |f: f64| quantile(shares, f);
         println!(
-            r#"{{"work": "{work}, one core", "path": "{path}", "rounds": {}, "peak_gflops": {:.1}, "share_of_peak": {:.3}, "share_quartiles": [{:.3}, {:.3}], "share_range": [{:.3}, {:.3}]}}"#,
+            r#"{{"work": "{work}, one core", "path": "{path}", "rounds": {}, "peak_gflops": {:.1}, {}}}"#,
             shares.len(),
             median(&peaks),
-            q(0.5),
-            q(0.25),
-            q(0.75),
-            q(0.),
-            q(1.)
+            share_fields("share_of_peak", shares)
         );
     }
     Ok(())
