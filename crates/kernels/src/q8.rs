@@ -121,14 +121,13 @@ impl Kernel {
         }
     }
 
-    /// `(rows, panels)` of a tile for a call of `m` rows.
-    fn tile_shape(self, m: usize) -> (usize, usize) {
+    /// `(rows, panels)` of a tile (one row on VNNI goes through
+    /// `vnni::one_row` instead).
+    fn tile_shape(self) -> (usize, usize) {
         match self {
             Kernel::Portable => (portable::MR, portable::NP),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => (avx2::MR, avx2::NP),
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Vnni if m == 1 => (1, vnni::NP_ONE_ROW),
             #[cfg(target_arch = "x86_64")]
             Kernel::Vnni => (vnni::MR, vnni::NP),
         }

@@ -66,7 +66,7 @@ impl Q8Weight {
             return out;
         }
         let xq = self.quantize_inputs(&x[..m * k], m);
-        let (mr, np) = self.kernel.tile_shape(m);
+        let (mr, np) = self.kernel.tile_shape();
         let (p_lo, p_hi) = (lo / NR, hi.div_ceil(NR));
         let groups = m.div_ceil(mr);
         let work = m * width * k;

@@ -20,10 +20,6 @@ use crate::elem::PanelElem;
 pub(crate) const MR: usize = 4;
 /// Panels per tile: 16 features each, one `zmm` per group of 4 inputs.
 pub(crate) const NP: usize = 2;
-/// Panels per tile of a single row (a decoder's step): one, so that the
-/// tile reads one stream of weights from memory, not one a panel, and
-/// its sums run in two chains (`one_panel`).
-pub(crate) const NP_ONE_ROW: usize = 1;
 
 /// The sums of a tile of 1..=4 rows by 1..=2 panels:
 /// `out[r·out_rs + 16·p + c] += (d_w · d_x) · isum_b` for the blocks `b`
