@@ -7,6 +7,7 @@ mod common;
 mod text_fixtures;
 
 use std::path::Path;
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
 use serde_json::Value;
@@ -133,6 +134,75 @@ fn the_cli_keeps_the_cache_in_half_precision() -> Result<()> {
         !out.status.success() && err.contains("q8_0") && err.contains("bf16"),
         "{err}"
     );
+    Ok(())
+}
+
+/// `multihead generate … | head -c 10`: a reader that goes away ends the
+/// command quietly with status 0, as it ends every other command, whether
+/// the first write to find no reader is a streamed piece of text, the
+/// echoed prompt or the JSON at the end.
+#[test]
+fn a_closed_pipe_ends_generate_quietly() -> Result<()> {
+    let dir = fixtures().join(FOLDERS[0]);
+    let model = dir.to_str().context("path")?;
+    for args in [
+        &["generate", "--model", model, "--max-new-tokens", "8", "Hello"][..],
+        &["generate", "--model", model, "--echo", "Hello"],
+        &["generate", "--model", model, "--format", "json", "Hello"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(args)
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        // Closed before the model is loaded: the first write finds no reader.
+        drop(child.stdout.take());
+        let out = child.wait_with_output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !err.contains("error") && !err.contains("panicked") && !err.contains("Broken pipe"),
+            "{args:?}: {err}"
+        );
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
+    Ok(())
+}
+
+/// On a terminal, standard output and standard error share one screen:
+/// with both going to one file, each prompt's timings start a line of
+/// their own instead of trailing its text.
+#[test]
+fn the_timings_start_a_line_of_their_own() -> Result<()> {
+    let dir = fixtures().join(FOLDERS[0]);
+    let path = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("text_generation_cli")
+        .join("one-screen.txt");
+    std::fs::create_dir_all(path.parent().context("parent")?)?;
+    let screen = std::fs::File::create(&path)?;
+    let status = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args([
+            "generate",
+            "--model",
+            dir.to_str().context("path")?,
+            "Hello",
+            "The",
+        ])
+        .stdin(Stdio::null())
+        .stdout(screen.try_clone()?)
+        .stderr(screen)
+        .status()?;
+    let text = std::fs::read_to_string(&path)?;
+    assert!(status.success(), "{text}");
+    let timings: Vec<&str> = text.lines().filter(|l| l.contains("tokens/s")).collect();
+    assert_eq!(timings.len(), 2, "{text}");
+    for line in timings {
+        assert!(
+            line.starts_with("prompt "),
+            "timings after the text: {line:?} in\n{text}"
+        );
+    }
     Ok(())
 }
 

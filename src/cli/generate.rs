@@ -224,12 +224,18 @@ pub fn run(args: Args) -> Result<()> {
             write!(out, "{prompt}")?;
             out.flush()?;
         }
+        // The library hands the callback's error back as a candle error,
+        // whose wrapping keeps only its text; the write's own error is kept
+        // here, so that `main` still sees a closed pipe as one.
+        let mut write_error: Option<std::io::Error> = None;
         let mut on_text = |piece: &str| -> candle::Result<()> {
             if args.format == Format::Text {
                 // Shown as it comes; a closed pipe ends the command.
-                write!(out, "{piece}")
-                    .and_then(|()| out.flush())
-                    .map_err(candle::Error::wrap)?;
+                if let Err(e) = write!(out, "{piece}").and_then(|()| out.flush()) {
+                    let text = e.to_string();
+                    write_error = Some(e);
+                    return Err(candle::Error::Msg(format!("writing to standard output: {text}")));
+                }
             }
             Ok(())
         };
@@ -244,6 +250,9 @@ pub fn run(args: Args) -> Result<()> {
         } else {
             generator.generate(prompt, &settings, &mut on_text)
         };
+        if let Some(e) = write_error {
+            return Err(e).context("writing to standard output");
+        }
         let result = result.with_context(|| format!("prompt {} ({:?})", i + 1, preview(prompt)))?;
         let new = result.ids.len();
         let per_s = if result.decode_ms > 0. {
@@ -251,15 +260,21 @@ pub fn run(args: Args) -> Result<()> {
         } else {
             0.
         };
+        if args.format == Format::Text {
+            // The continuation's line ends before the timings are
+            // printed: on a terminal both streams share one screen, and
+            // the timings would otherwise carry on the text's line.
+            writeln!(out)?;
+            out.flush()?;
+        }
         eprintln!(
             "prompt {}: {} prompt tokens, prefill {:.1} ms, {new} new tokens, {per_s:.1} tokens/s",
             i + 1,
             result.prompt_ids.len(),
             result.prefill_ms
         );
-        match args.format {
-            Format::Text => writeln!(out)?,
-            Format::Json => json.push(serde_json::json!({
+        if args.format == Format::Json {
+            json.push(serde_json::json!({
                 "prompt": prompt,
                 "text": result.text,
                 "tokens": result.ids,
@@ -272,12 +287,13 @@ pub fn run(args: Args) -> Result<()> {
                     Finish::Length => "length",
                     Finish::Stop => "stop",
                 },
-            })),
+            }));
         }
     }
     if args.format == Format::Json {
-        serde_json::to_writer_pretty(&mut out, &json)?;
-        writeln!(out)?;
+        // Written as text: a write error inside serde_json's would hide
+        // the closed pipe from `main`.
+        writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
     }
     out.flush()?;
     Ok(())
