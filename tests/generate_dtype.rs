@@ -96,3 +96,43 @@ fn a_gguf_file_runs_in_the_type_it_stores() -> Result<()> {
     }
     Ok(())
 }
+
+/// `--dtype f16` on a folder holding a weight past f16's largest value
+/// (65504): refused at load, in one line naming the file, the tensor, the
+/// value and the dtypes that hold it, instead of running into infinity at
+/// the first step; `--dtype bf16` runs it.
+#[test]
+fn a_weight_past_f16_s_range_is_refused_at_load() -> Result<()> {
+    let src = common::fixture_dir("text").join("llama3");
+    let dir = std::env::temp_dir().join(format!("multihead-dtype-past-f16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for entry in std::fs::read_dir(&src)? {
+        let path = entry?.path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap_or_default()))?;
+    }
+    let mut weights = candle::safetensors::load(src.join("model.safetensors"), &Device::Cpu)?;
+    let name = "lm_head.weight";
+    let head = weights.get(name).ok_or_else(|| anyhow::anyhow!("no {name}"))?;
+    // Its first row all 1e5.
+    let rows = head.dim(0)?;
+    let first = (head.narrow(0, 0, 1)?.ones_like()? * 1e5)?;
+    let big = candle::Tensor::cat(&[&first, &head.narrow(0, 1, rows - 1)?], 0)?;
+    weights.insert(name.into(), big);
+    candle::safetensors::save(&weights, dir.join("model.safetensors"))?;
+    let model = dir.display().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args(["generate", "--model", &model, "--dtype", "f16", "Hello"])
+        .output()?;
+    let file = dir.join("model.safetensors").display().to_string();
+    common::assert_one_line_error(
+        &out,
+        &[
+            &file,
+            "lm_head.weight: 64 values up to 100000, past f16's largest 65504",
+            "bf16 or f32 hold them",
+        ],
+    );
+    assert_eq!(loaded_dtype(&model, &["--dtype", "bf16"])?, "bf16");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

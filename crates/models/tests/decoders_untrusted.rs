@@ -4,11 +4,13 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
+use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle::{Device, Tensor};
 use common::fixture_dir;
+use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel, HfDecoderConfig};
 
 fn config_error(json: &str) -> String {
@@ -168,6 +170,8 @@ fn a_config_that_disagrees_with_the_weights_is_refused_with_the_tensor() -> Resu
         .unwrap_err()
         .to_string();
     assert!(err.contains("pickle") && err.contains("save_file"), "{err}");
+    // Each tensor copied, as a tied model's shared table needs.
+    assert!(err.contains("v.contiguous().clone()"), "{err}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -230,5 +234,119 @@ fn bad_token_ids_and_overlong_contexts_are_errors() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(err.contains("position 64 is past the context of 64"), "{err}");
+    Ok(())
+}
+
+/// Rewrites `dir/model.safetensors` with `edit` applied to its tensors.
+fn edit_weights(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>) -> Result<()>) -> Result<()> {
+    let path = dir.join("model.safetensors");
+    let mut tensors = candle::safetensors::load(&path, &Device::Cpu)?;
+    edit(&mut tensors)?;
+    candle::safetensors::save(&tensors, &path)?;
+    Ok(())
+}
+
+/// The logits of `model` for one fixed prompt.
+fn logits(model: &DecoderModel) -> Result<Tensor> {
+    let ids = Tensor::new(&[[3u32, 1, 4, 1, 5, 9]], &Device::Cpu)?;
+    Ok(model.forward(&ids, &mut model.new_cache(vec![]))?)
+}
+
+/// A tied model exported from a `.bin` with its tensors copied (what the
+/// pickle error's command does: `save_file` refuses shared memory) holds
+/// `lm_head.weight` besides the embedding. HF transformers ties the two
+/// where they are equal and keeps the head's own weight where they
+/// differ; so does the loader, for Llama and GPT-2 alike.
+#[test]
+fn a_tied_model_s_file_may_hold_its_head_as_hf_reads_it() -> Result<()> {
+    for (name, embedding) in [
+        ("mistral", "model.embed_tokens.weight"),
+        ("gpt2", "transformer.wte.weight"),
+    ] {
+        let tied = DecoderModel::from_folder(&fixture_dir("decoders").join(name), &Device::Cpu)?;
+        let with_head = |tag: &str, scale: f64| {
+            folder_with(name, tag, |d| {
+                edit_weights(d, |t| {
+                    let head = t.get(embedding).context("the embedding")?.affine(scale, 0.)?;
+                    t.insert("lm_head.weight".into(), head);
+                    Ok(())
+                })
+            })
+        };
+        // The embedding's copy: the same model.
+        let dir = with_head("tied-copy", 1.)?;
+        let copy = DecoderModel::from_folder(&dir, &Device::Cpu)?;
+        assert_eq!(
+            common::max_abs_diff(&logits(&copy)?, &logits(&tied)?)?,
+            0.,
+            "{name}"
+        );
+        std::fs::remove_dir_all(&dir)?;
+        // Another head: the model untied, as if the config said so.
+        let dir = with_head("tied-other", 2.)?;
+        let other = logits(&DecoderModel::from_folder(&dir, &Device::Cpu)?)?;
+        let text = std::fs::read_to_string(dir.join("config.json"))?;
+        std::fs::write(
+            dir.join("config.json"),
+            text.replace("\"tie_word_embeddings\": true", "\"tie_word_embeddings\": false"),
+        )?;
+        let untied = logits(&DecoderModel::from_folder(&dir, &Device::Cpu)?)?;
+        assert_eq!(common::max_abs_diff(&other, &untied)?, 0., "{name}");
+        assert!(common::max_abs_diff(&other, &logits(&tied)?)? > 1e-3, "{name}");
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}
+
+/// A weight past f16's largest value (65504) would load as infinity
+/// under `--dtype f16`, and the first step would fail far from the cause:
+/// the load refuses it, naming the file, the tensor, its largest value and
+/// the dtypes that hold it. bf16 and f32 load it; a vector (a norm), which
+/// stays f32 whatever the matrices' dtype, is not refused.
+#[test]
+fn weights_past_f16_s_range_are_refused_when_loading_as_f16() -> Result<()> {
+    let dir = folder_with("llama", "past-f16", |d| {
+        edit_weights(d, |t| {
+            let name = "model.layers.1.mlp.down_proj.weight";
+            let w = t.get(name).context(name)?;
+            let big = (w.ones_like()? * 1e5)?;
+            let mask = Tensor::zeros(w.dims(), candle::DType::U8, &Device::Cpu)?.slice_assign(
+                &[0..1, 0..2],
+                &Tensor::ones((1, 2), candle::DType::U8, &Device::Cpu)?,
+            )?;
+            let w = mask.where_cond(&big, w)?;
+            t.insert(name.into(), w);
+            Ok(())
+        })
+    })?;
+    let load = |dir: &Path, dtype| {
+        let opts = LoadOptions {
+            dtype,
+            ..LoadOptions::default()
+        };
+        DecoderModel::from_folder_with(dir, &Device::Cpu, &opts)
+    };
+    let err = load(&dir, WeightDtype::F16).unwrap_err().to_string();
+    for want in [
+        &dir.join("model.safetensors").display().to_string()[..],
+        "model.layers.1.mlp.down_proj.weight: 2 values up to 100000, past f16's largest 65504",
+        "bf16 or f32 hold them",
+    ] {
+        assert!(err.contains(want), "no {want:?} in {err}");
+    }
+    for dtype in [WeightDtype::Bf16, WeightDtype::F32] {
+        load(&dir, dtype)?;
+    }
+    std::fs::remove_dir_all(&dir)?;
+    let dir = folder_with("llama", "norm-past-f16", |d| {
+        edit_weights(d, |t| {
+            let name = "model.norm.weight";
+            let w = (t.get(name).context(name)?.ones_like()? * 1e5)?;
+            t.insert(name.into(), w);
+            Ok(())
+        })
+    })?;
+    load(&dir, WeightDtype::F16)?;
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -127,6 +127,36 @@ impl WeightDtype {
     }
 }
 
+/// Float `dtype`'s largest finite value, and the smallest magnitude a
+/// wider value converted to it (rounded to nearest, ties to even, as
+/// candle's `to_dtype` rounds) becomes infinity at: halfway from the
+/// largest finite value to the next power of two. `None` for integer
+/// dtypes.
+pub(crate) fn float_range(dtype: DType) -> Option<(f64, f64)> {
+    Some(match dtype {
+        DType::F16 => (65504., 65520.),
+        DType::BF16 => (
+            f64::from(f32::from_bits(0x7f7f_0000)),
+            f64::from(f32::from_bits(0x7f7f_8000)),
+        ),
+        DType::F32 => (f64::from(f32::MAX), 2f64.powi(128) - 2f64.powi(103)),
+        DType::F64 => (f64::MAX, f64::INFINITY),
+        _ => return None,
+    })
+}
+
+/// candle's dtype for safetensors' dtype name `name` (`F32`, `BF16`, ...),
+/// where it is a float one.
+pub(crate) fn float_dtype(name: &str) -> Option<DType> {
+    match name {
+        "F64" => Some(DType::F64),
+        "F32" => Some(DType::F32),
+        "BF16" => Some(DType::BF16),
+        "F16" => Some(DType::F16),
+        _ => None,
+    }
+}
+
 impl WeightDtype {
     /// `build` with the linear layers it packs in this format
     /// (`multihead_attention::packing_as`): quantized for Q8_0, as read
@@ -203,6 +233,32 @@ mod tests {
         ] {
             assert_eq!(WeightDtype::auto(config, ckpt), want, "{config}");
         }
+    }
+
+    /// Each float dtype's bounds are candle's: its largest finite value
+    /// converts to itself, the overflow bound to infinity and the value
+    /// just below it (in the wider dtype converted from) to a finite one.
+    #[test]
+    fn float_ranges_are_where_candle_s_conversion_overflows() -> candle::Result<()> {
+        use candle::{DType, Device, Tensor};
+        for (dtype, from) in [
+            (DType::F16, DType::F32),
+            (DType::BF16, DType::F32),
+            (DType::F32, DType::F64),
+        ] {
+            let (max, overflow) = super::float_range(dtype).unwrap();
+            let below = match from {
+                DType::F32 => f64::from(f32::from_bits((overflow as f32).to_bits() - 1)),
+                _ => f64::from_bits(overflow.to_bits() - 1),
+            };
+            let t = Tensor::new(&[max, overflow, below, -overflow], &Device::Cpu)?.to_dtype(from)?;
+            let got = t.to_dtype(dtype)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            assert_eq!(got[0], max, "{dtype:?}");
+            assert_eq!((got[1], got[3]), (f64::INFINITY, f64::NEG_INFINITY), "{dtype:?}");
+            assert!(got[2].is_finite(), "{dtype:?}");
+        }
+        assert_eq!(super::float_range(DType::U32), None);
+        Ok(())
     }
 
     #[test]

@@ -12,7 +12,7 @@ use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde::Serialize;
 
 use super::bytes::Bytes;
-use super::finite::par_count_non_finite;
+use super::finite::{par_count_at_least, par_count_non_finite};
 use super::WeightDtype;
 
 /// One tensor as the header describes it.
@@ -45,12 +45,19 @@ impl TensorInfo {
     }
 }
 
-/// The one-line export a user can run on a pickle, for the error message.
-fn export_hint(path: &str) -> String {
+/// The one-line export a user can run on the pickle `src`, writing the
+/// safetensors file `dst`, for the error message. It takes the state dict
+/// a training script may have wrapped (`state_dict`, `model`), and copies
+/// every tensor: `save_file` refuses tensors that share memory, as a tied
+/// embedding and output projection do, and copies share none (a tied
+/// model's file then holds the projection too, which the decoders load as
+/// HF transformers does: `decoder::config::ties_in`).
+pub(crate) fn export_hint(src: &str, dst: &str) -> String {
     format!(
         "export it once with: python -c \"import torch; from safetensors.torch import save_file; \
-         sd = torch.load('{path}', map_location='cpu', weights_only=True); \
-         save_file({{k: v.contiguous() for k, v in sd.items()}}, '{path}.safetensors')\""
+         sd = torch.load('{src}', map_location='cpu', weights_only=True); \
+         sd = sd.get('state_dict', sd.get('model', sd)); \
+         save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, '{dst}')\""
     )
 }
 
@@ -68,7 +75,7 @@ pub(crate) fn pickle_error(label: &str) -> candle::Error {
     candle::Error::Msg(format!(
         "'{label}' is a PyTorch pickle, not safetensors: loading a pickle can run arbitrary code, \
          so multihead does not read them; {}",
-        export_hint(label)
+        export_hint(label, &format!("{label}.safetensors"))
     ))
 }
 
@@ -341,6 +348,31 @@ impl Checkpoint {
             }
         }
         Ok(bad)
+    }
+
+    /// Whether tensors `a` and `b` are both in the file with the same
+    /// dtype, shape and stored bytes. Read in place; their pages are handed
+    /// back after.
+    pub(crate) fn same_values(&self, a: &str, b: &str) -> bool {
+        let (Some(&i), Some(&j)) = (self.index.get(a), self.index.get(b)) else {
+            return false;
+        };
+        let same = self.data[i].0 == self.data[j].0
+            && self.tensors[i].shape == self.tensors[j].shape
+            && self.slice(i) == self.slice(j);
+        self.release(i);
+        self.release(j);
+        same
+    }
+
+    /// `(count, largest magnitude)` of tensor `name`'s finite values whose
+    /// magnitude is `limit` or more, read in place; `None` for a name not
+    /// in the file.
+    pub(crate) fn too_large(&self, name: &str, limit: f64) -> Option<(usize, f64)> {
+        let &i = self.index.get(name)?;
+        let found = par_count_at_least(self.data[i].0, self.slice(i), limit);
+        self.release(i);
+        Some(found)
     }
 
     /// The stored bytes of tensor `i`.

@@ -1,7 +1,9 @@
 //! NaN and infinity counted in a tensor's stored bytes, read in place:
 //! the value scan of the pre-flight, for safetensors files
 //! ([`super::Checkpoint::non_finite`]) and GGUF files
-//! ([`super::GgufFile::non_finite`]).
+//! ([`super::GgufFile::non_finite`]); and the finite values too large for
+//! a narrower dtype, which would become infinity when a load converts
+//! them ([`super::Checkpoint::too_large`]).
 
 use rayon::prelude::*;
 use safetensors::Dtype;
@@ -30,6 +32,43 @@ pub(crate) fn par_count_non_finite_q8_0(data: &[u8]) -> (usize, usize) {
     data.par_chunks(Q8_0_BLOCK_BYTES * (SCAN_TASK / Q8_0_BLOCK_BYTES))
         .map(count_non_finite_q8_0)
         .reduce(|| (0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// `(count, largest magnitude)` of the finite values of `data`, a
+/// tensor's little-endian bytes in `dtype`, whose magnitude is `limit` or
+/// more, over rayon's pool; `(0, 0.)` for dtypes that are not F64, F32,
+/// F16 or BF16.
+pub(crate) fn par_count_at_least(dtype: Dtype, data: &[u8], limit: f64) -> (usize, f64) {
+    data.par_chunks(SCAN_TASK)
+        .map(|c| count_at_least(dtype, c, limit))
+        .reduce(|| (0, 0.), |a, b| (a.0 + b.0, a.1.max(b.1)))
+}
+
+fn count_at_least(dtype: Dtype, data: &[u8], limit: f64) -> (usize, f64) {
+    // Widened to f64, which holds every value of these dtypes exactly.
+    fn scan<const N: usize>(
+        data: &[u8],
+        limit: f64,
+        reach: impl Fn(f64) -> f64,
+        value: impl Fn([u8; N]) -> f64,
+    ) -> (usize, f64) {
+        data.as_chunks::<N>()
+            .0
+            .iter()
+            .map(|&b| value(b).abs())
+            .filter(|&x| x.is_finite() && reach(x) >= limit)
+            .fold((0, 0.), |(n, max), x| (n + 1, x.max(max)))
+    }
+    match dtype {
+        // candle narrows f64 to f16 through f32 on x86 (half's F16C path),
+        // and to f32 by rounding: a value is too large when it or its f32
+        // rounding reaches the limit.
+        Dtype::F64 => scan(data, limit, |x| x.max(f64::from(x as f32)), f64::from_le_bytes),
+        Dtype::F32 => scan(data, limit, |x| x, |b| f64::from(f32::from_le_bytes(b))),
+        Dtype::F16 => scan(data, limit, |x| x, |b| f64::from(half::f16::from_le_bytes(b))),
+        Dtype::BF16 => scan(data, limit, |x| x, |b| f64::from(half::bf16::from_le_bytes(b))),
+        _ => (0, 0.),
+    }
 }
 
 fn count_non_finite_q8_0(data: &[u8]) -> (usize, usize) {
@@ -120,6 +159,45 @@ mod tests {
             .collect();
         assert_eq!(count_non_finite(Dtype::BF16, &bf16s), (1, 1));
         assert_eq!(count_non_finite(Dtype::I32, &f32s), (0, 0));
+    }
+
+    /// Only finite values at or past the limit count, in every float dtype,
+    /// and the largest is theirs; over several tasks as in one.
+    #[test]
+    fn counts_values_at_least_the_limit() {
+        let f32s: Vec<u8> = [1f32, 65520., -1e5, f32::INFINITY, f32::NAN, 65519.99]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_at_least(Dtype::F32, &f32s, 65520.), (2, 1e5));
+        let f64s: Vec<u8> = [1e300f64, 2.].iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(count_at_least(Dtype::F64, &f64s, 1e39), (1, 1e300));
+        // Just under the limit, but its f32 rounding is not.
+        let under = f64::from_bits(65520f64.to_bits() - 1);
+        assert_eq!(
+            count_at_least(Dtype::F64, &under.to_le_bytes(), 65520.),
+            (1, under)
+        );
+        // bf16: 0x4780 = 65536, 0xc7c3 = -99840, 0x7f80 = +Inf, 0x477f = 65280.
+        let bf16s: Vec<u8> = [0x4780u16, 0xc7c3, 0x7f80, 0x477f]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(count_at_least(Dtype::BF16, &bf16s, 65520.), (2, 99840.));
+        // f16: 0x7bff = 65504, its largest finite value.
+        assert_eq!(
+            count_at_least(Dtype::F16, &0x7bffu16.to_le_bytes(), 65520.),
+            (0, 0.)
+        );
+        assert_eq!(count_at_least(Dtype::I32, &f32s, 0.), (0, 0.));
+        let many: Vec<u8> = (0..SCAN_TASK)
+            .flat_map(|i| if i % 100_000 == 0 { 7e4f32 + i as f32 } else { 1. }.to_le_bytes())
+            .collect();
+        let at = (SCAN_TASK - 1) / 100_000 * 100_000;
+        assert_eq!(
+            par_count_at_least(Dtype::F32, &many, 65520.),
+            (SCAN_TASK.div_ceil(100_000), 7e4 + at as f64)
+        );
     }
 
     /// Q8_0's counts are those of the values its blocks dequantize to:

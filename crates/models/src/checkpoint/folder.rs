@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use candle::{bail, Result};
 
 use super::dtype::WeightDtype;
-use super::file::{is_pickle, pickle_error, Checkpoint};
+use super::file::{export_hint, is_pickle, pickle_error, Checkpoint};
 use crate::files;
 
 /// The index of a sharded checkpoint.
@@ -58,14 +58,13 @@ impl Weights {
             ([one], _) => Ok(Self::File(one.clone())),
             ([], Some(p)) => bail!(
                 "folder '{}' holds no safetensors, only the PyTorch pickle '{}' (loading a pickle can run \
-                 arbitrary code, so multihead does not read them); export it once with: python -c \"import torch; \
-                 from safetensors.torch import save_file; sd = torch.load('{}', map_location='cpu', weights_only=True); \
-                 sd = sd.get('state_dict', sd.get('model', sd)); \
-                 save_file({{k: v.contiguous() for k, v in sd.items()}}, '{}')\"",
+                 arbitrary code, so multihead does not read them); {}",
                 dir.display(),
                 p.display(),
-                p.display(),
-                dir.join("model.safetensors").display()
+                export_hint(
+                    &p.display().to_string(),
+                    &dir.join("model.safetensors").display().to_string()
+                )
             ),
             ([], None) => bail!(
                 "folder '{}' holds no weights (model.safetensors, {INDEX_NAME} or one *.safetensors file)",

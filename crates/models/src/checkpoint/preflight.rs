@@ -11,6 +11,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use serde::Serialize;
 
+use crate::checkpoint::dtype::{float_dtype, float_range};
 use crate::checkpoint::file::{natural_key, Checkpoint};
 
 /// A tensor a model asks for: its name and shape.
@@ -266,6 +267,7 @@ impl Checkpoint {
         if let Some(summary) = report.summary() {
             candle::bail!("weights '{}' do not match the model: {summary}", self.label())
         }
+        self.ensure_representable(&wanted, dtype)?;
         let reader = Reader {
             ckpt: self,
             read: std::sync::atomic::AtomicU64::new(0),
@@ -276,6 +278,88 @@ impl Checkpoint {
             Some(w) => w.packing(|| build(vb)),
             None => build(vb),
         }
+    }
+
+    /// Refuses the `wanted` tensors holding finite values too large for
+    /// the dtype [`Checkpoint::load`] converts them to (f32 weights kept in
+    /// f16, whose largest value is 65504): converted, they would be
+    /// infinity, and the model's first step would fail far from the
+    /// cause. Every such tensor is named, with its largest value and the
+    /// dtypes that hold it.
+    fn ensure_representable(&self, wanted: &[Wanted], dtype: DType) -> Result<()> {
+        let mut bad = Vec::new();
+        for w in wanted {
+            let Some(stored) = self.info(&w.name).and_then(|t| float_dtype(&t.dtype)) else {
+                continue;
+            };
+            let target = load_dtype(self, &w.name, dtype);
+            let (Some((stored_max, _)), Some((target_max, overflow))) =
+                (float_range(stored), float_range(target))
+            else {
+                continue;
+            };
+            // Only a wider dtype holds values that overflow the target.
+            if stored_max < overflow {
+                continue;
+            }
+            if let Some((n, largest)) = self.too_large(&w.name, overflow).filter(|&(n, _)| n > 0) {
+                let holders: Vec<&str> = [DType::BF16, DType::F32]
+                    .into_iter()
+                    .filter(|&d| d != target && float_range(d).is_some_and(|(_, o)| largest < o))
+                    .map(|d| d.as_str())
+                    .collect();
+                let hold = match holders.as_slice() {
+                    [] => String::new(),
+                    [one] => format!(" ({one} holds them)"),
+                    many => format!(" ({} hold them)", many.join(" or ")),
+                };
+                bad.push(format!(
+                    "{}: {n} value{} up to {}, past {}'s largest {}{hold}",
+                    w.name,
+                    if n == 1 { "" } else { "s" },
+                    magnitude(largest),
+                    target.as_str(),
+                    magnitude(target_max),
+                ));
+            }
+        }
+        if bad.is_empty() {
+            return Ok(());
+        }
+        let more = bad.len().saturating_sub(SUMMARY_ITEMS);
+        bad.truncate(SUMMARY_ITEMS);
+        if more > 0 {
+            bad.push(format!("and {more} more"));
+        }
+        candle::bail!(
+            "weights '{}' hold values too large for the dtype they load in, which would become infinity: {}",
+            self.label(),
+            bad.join("; ")
+        )
+    }
+}
+
+/// `x` for a message: as a plain number while that stays short.
+fn magnitude(x: f64) -> String {
+    if x < 1e9 {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// The dtype [`Checkpoint::load`] gives tensor `name` of `ckpt` when the
+/// model asks for `dtype`: a weight matrix in the checkpoint's
+/// [`Checkpoint::with_weight_dtype`] where set, as stored (a float dtype the
+/// layers pack) where they quantize it; any other tensor in `dtype`.
+fn load_dtype(ckpt: &Checkpoint, name: &str, dtype: DType) -> DType {
+    match (ckpt.weight_dtype(), ckpt.info(name)) {
+        (Some(w), Some(t)) if t.shape.len() == 2 => w.dtype().unwrap_or(match t.dtype.as_str() {
+            "BF16" => DType::BF16,
+            "F16" => DType::F16,
+            _ => DType::F32,
+        }),
+        _ => dtype,
     }
 }
 
@@ -291,16 +375,7 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn read(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
-        // A weight matrix in the dtype the load asks for; as stored (a
-        // float dtype the layers pack) where they quantize it.
-        let dtype = match (self.ckpt.weight_dtype(), self.ckpt.info(name)) {
-            (Some(w), Some(t)) if t.shape.len() == 2 => w.dtype().unwrap_or(match t.dtype.as_str() {
-                "BF16" => DType::BF16,
-                "F16" => DType::F16,
-                _ => DType::F32,
-            }),
-            _ => dtype,
-        };
+        let dtype = load_dtype(self.ckpt, name, dtype);
         let widened = match (dtype, dev) {
             (DType::F32, Device::Cpu) => self.ckpt.bf16_as_f32(name)?,
             _ => None,

@@ -7,7 +7,7 @@ use multihead_attention::RopeScaling;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::checkpoint::{checked_product, MinWeights};
+use crate::checkpoint::{checked_product, Checkpoint, MinWeights};
 use crate::mlp::Activation;
 
 /// Largest width, vocabulary, layer count or context a config may ask for:
@@ -72,6 +72,19 @@ impl HfDecoderConfig {
             }
         }
     }
+}
+
+/// Whether a model whose config says `tie_word_embeddings` is tied once
+/// built from `ckpt`, whose token embedding is `embedding`. HF
+/// transformers' rule (`PreTrainedModel.tie_weights` in `from_pretrained`):
+/// a file that also holds `lm_head.weight` (as a `.bin` export does, its
+/// shared table copied) is tied where the two are equal; where they differ
+/// the config is taken to be wrong and the head keeps its own weight.
+/// Equal here means the same stored bytes: a head that equals the table
+/// only once converted stays untied, which computes the same logits.
+pub(crate) fn ties_in(tie_word_embeddings: bool, ckpt: &Checkpoint, embedding: &str) -> bool {
+    tie_word_embeddings
+        && (ckpt.info("lm_head.weight").is_none() || ckpt.same_values(embedding, "lm_head.weight"))
 }
 
 fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {

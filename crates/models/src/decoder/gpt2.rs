@@ -6,7 +6,7 @@ use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
 
-use super::config::Gpt2Config;
+use super::config::{ties_in, Gpt2Config};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
 use crate::mlp::{Activation, Mlp};
@@ -109,7 +109,9 @@ impl Gpt2 {
     /// Builds the model from a `GPT2LMHeadModel` (names under
     /// `transformer.`) or `GPT2Model` (bare names) checkpoint, after the
     /// pre-flight check. The causal-mask buffers older exports carry
-    /// (`h.N.attn.bias`, `h.N.attn.masked_bias`) are ignored.
+    /// (`h.N.attn.bias`, `h.N.attn.masked_bias`) are ignored, and so is a
+    /// tied model's `lm_head.weight` equal to `wte`; a different one is the
+    /// head's own weight, as in HF transformers.
     pub fn load(cfg: &Gpt2Config, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
         // A config far larger than the file is refused before anything of
         // its size is built.
@@ -134,15 +136,20 @@ impl Gpt2 {
             .filter(|t| t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias"))
             .map(|t| (t.name.clone(), t.shape.clone()))
             .collect();
-        let untied = !cfg.tie_word_embeddings || ckpt.info("lm_head.weight").is_some();
+        let tied = ties_in(cfg.tie_word_embeddings, ckpt, &format!("{prefix}wte.weight"));
+        let in_file = ckpt.info("lm_head.weight").is_some();
         move |vb| {
             // Asked for, so the pre-flight counts them as used; never read.
             for (name, shape) in &buffers {
                 vb.get(shape.as_slice(), name)?;
             }
-            let head = untied
+            // A tied copy of `wte` is asked for too, so that the pre-flight
+            // counts it as used and checks its shape; it is read once and
+            // dropped.
+            let head = (!tied || in_file)
                 .then(|| vb.get((cfg.vocab_size, cfg.n_embd), "lm_head.weight"))
-                .transpose()?;
+                .transpose()?
+                .filter(|_| !tied);
             let root = if prefix.is_empty() {
                 vb.clone()
             } else {

@@ -9,7 +9,7 @@ use multihead_attention::{
     RotaryConfig, WeightLayout,
 };
 
-use super::config::LlamaConfig;
+use super::config::{ties_in, LlamaConfig};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
 use crate::mlp::Mlp;
@@ -96,16 +96,22 @@ pub struct Llama {
 
 impl Llama {
     /// Builds the model from `vb` rooted at a `LlamaForCausalLM`
-    /// checkpoint's top (`model.*`, `lm_head.weight`).
+    /// checkpoint's top (`model.*`, `lm_head.weight`). A tied model
+    /// (`tie_word_embeddings`) whose `vb` also holds `lm_head.weight` takes
+    /// it as a copy of the embedding and ignores it; [`Llama::load`] unties
+    /// a model whose file holds a different one, as HF transformers does.
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
         let m = vb.pp("model");
         // The embedding and the head first: a tied table is packed and its
         // unpacked copy dropped before the layers take their memory.
         let embed_tokens = candle_nn::embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?;
-        let head = (!cfg.tie_word_embeddings)
+        // A tied copy is asked for too, so that the pre-flight counts it as
+        // used and checks its shape; it is read once and dropped.
+        let head = (!cfg.tie_word_embeddings || vb.contains_tensor("lm_head.weight"))
             .then(|| vb.get((cfg.vocab_size, e), "lm_head.weight"))
-            .transpose()?;
+            .transpose()?
+            .filter(|_| !cfg.tie_word_embeddings);
         let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::new(cfg, m.pp(format!("layers.{i}"))))
@@ -127,7 +133,11 @@ impl Llama {
         // A config far larger than the file is refused before anything of
         // its size is built.
         ckpt.ensure_holds(&cfg.min_weights()?)?;
-        ckpt.load(DType::F32, device, |vb| Self::new(cfg, vb))
+        let cfg = LlamaConfig {
+            tie_word_embeddings: ties_in(cfg.tie_word_embeddings, ckpt, "model.embed_tokens.weight"),
+            ..cfg.clone()
+        };
+        ckpt.load(DType::F32, device, |vb| Self::new(&cfg, vb))
     }
 
     /// The model, its caches storing keys and values in `dtype` (`None`:
