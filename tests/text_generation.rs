@@ -175,10 +175,10 @@ fn bad_folders_name_the_file_and_field() -> Result<()> {
             "generation_config.json: not valid JSON",
         ),
         (
-            "zero-temperature",
+            "negative-temperature",
             "generation_config.json",
-            "{\"temperature\": 0}",
-            "field 'temperature' must be a finite number > 0",
+            "{\"temperature\": -1}",
+            "field 'temperature' must be a finite number >= 0",
         ),
         (
             "eos-outside",
@@ -196,7 +196,7 @@ fn bad_folders_name_the_file_and_field() -> Result<()> {
             "top-p",
             "generation_config.json",
             "{\"top_p\": 1.5}",
-            "field 'top_p' must be in (0, 1]",
+            "field 'top_p' must be a number in [0, 1]",
         ),
         (
             "cleanup-type",

@@ -240,6 +240,7 @@ fn processors_edit_scores_as_written() -> Result<()> {
         source: 0,
         prefix,
         max_len: 4,
+        logit_offset: 0.,
     };
     let run = |p: &dyn LogitsProcessor, prefix: &'static [u32]| -> Result<Vec<f32>> {
         let mut s = vec![-1.0, -2.0, 0.5, -0.25, -3.0];

@@ -276,6 +276,7 @@ fn non_finite_logits_and_overflowing_temperatures_are_errors() -> Result<()> {
         source: 0,
         prefix: &[],
         max_len: 4,
+        logit_offset: 0.,
     };
     let err = t.process(&ctx, &mut scores).unwrap_err().to_string();
     assert!(err.contains("overflows f32"), "{err}");

@@ -2,11 +2,12 @@
 //! `tokenizer_config.json`'s `chat_template`, rendered with MiniJinja the
 //! way HF's `apply_chat_template` renders it with Jinja2: blocks trimmed
 //! (`trim_blocks`, `lstrip_blocks`), `break` / `continue`,
-//! `raise_exception`, `strftime_now`, a `tojson` that writes what Python's
-//! `json.dumps` writes, the Python string methods templates call, and the
-//! tokenizer's special tokens (`bos_token`, ...) as variables. A template
-//! is untrusted code: MiniJinja cannot reach the file system, and fuel
-//! bounds the work of one rendering.
+//! `raise_exception`, `strftime_now`, `{% generation %}`, a `tojson` that
+//! writes what Python's `json.dumps` writes, the Python string methods
+//! templates call ([`super::jinja_py`]), and the tokenizer's special tokens
+//! (`bos_token`, ...) as variables. A template is untrusted code: MiniJinja
+//! cannot reach the file system, fuel bounds the work of one rendering,
+//! and the depth of what it prints is bounded.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,13 +17,21 @@ use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 use serde_json::Value as Json;
 
+use super::jinja_py;
 use crate::files::{read_text, MAX_CONFIG_BYTES};
 use crate::vit::folder::json::{parse_object, short};
 
-/// Instructions one rendering may run: a long conversation through a real
-/// template takes a few thousand; a template that loops over huge ranges
-/// is stopped.
-const FUEL: u64 = 5_000_000;
+/// Instructions one rendering may run: Llama 3's template takes about 31
+/// a message, so a thousand messages take 31,000; a template that loops
+/// over huge ranges is stopped. It also bounds how deep a template can nest
+/// a value (about 8 instructions a level), hence [`RENDER_STACK`].
+const FUEL: u64 = 2_000_000;
+
+/// The stack a rendering runs on (reserved, and touched only as deep as a
+/// template goes): MiniJinja prints, compares and drops nested values
+/// recursively, about 500 bytes a level, and [`FUEL`] allows some 235,000
+/// levels. A server's worker threads have 2 MiB.
+const RENDER_STACK: usize = 256 << 20;
 
 /// Most bytes a rendered conversation may have.
 const MAX_RENDERED_BYTES: usize = 16 << 20;
@@ -69,11 +78,20 @@ impl ChatTemplate {
         } else {
             None
         };
-        let special = config
+        let mut special = config
             .as_ref()
             .map(|(map, label)| special_tokens(map, label))
             .transpose()?
             .unwrap_or_default();
+        // HF reads `special_tokens_map.json` after `tokenizer_config.json`,
+        // its tokens taking precedence; some folders name `bos_token` only
+        // there.
+        let map_path = dir.join("special_tokens_map.json");
+        if map_path.exists() {
+            let label = map_path.display().to_string();
+            let text = read_text(&map_path, "special tokens map", MAX_CONFIG_BYTES)?;
+            special.extend(special_tokens(&parse_object(&text, &label)?, &label)?);
+        }
         let jinja = dir.join("chat_template.jinja");
         if jinja.exists() {
             let source = read_text(&jinja, "chat template", MAX_CONFIG_BYTES)?;
@@ -106,7 +124,7 @@ impl ChatTemplate {
     /// compiled once here so that a syntax error comes at load time.
     pub fn new(source: String, label: &str, special: BTreeMap<String, String>) -> Result<Self> {
         let t = Self {
-            source,
+            source: jinja_py::generation_tags_as_blocks(&source),
             label: label.to_string(),
             special,
         };
@@ -126,6 +144,22 @@ impl ChatTemplate {
     /// turn. Tokenize the result without adding special tokens (the
     /// template writes them), as `apply_chat_template` does.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        std::thread::scope(|scope| {
+            let thread = std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK)
+                .spawn_scoped(scope, || self.render_here(messages, add_generation_prompt))
+                .map_err(|e| {
+                    candle::Error::Msg(format!("{}: cannot start a rendering thread: {e}", self.label))
+                })?;
+            thread
+                .join()
+                .unwrap_or_else(|_| bail!("{}: the chat template failed: MiniJinja panicked", self.label))
+        })
+    }
+
+    /// [`ChatTemplate::render`] on this thread.
+    fn render_here(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let env = self.environment();
         let template = env
             .template_from_str(&self.source)
@@ -179,15 +213,12 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_function("strftime_now", |format: String| strftime_utc(&format));
-        env.add_filter(
-            "tojson",
-            |value: Value, indent: Option<usize>| -> std::result::Result<String, Error> {
-                let json = serde_json::to_value(&value)
-                    .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-                Ok(python_json(&json, indent, 0))
-            },
-        );
+        env.add_function("strftime_now", |format: String| jinja_py::strftime_utc(&format));
+        env.add_filter("tojson", jinja_py::tojson);
+        env.add_filter("int", jinja_py::int_filter);
+        env.add_filter("float", jinja_py::float_filter);
+        env.add_filter("pprint", jinja_py::pprint);
+        env.set_formatter(jinja_py::formatter);
         env
     }
 }
@@ -222,142 +253,9 @@ fn special_tokens(map: &serde_json::Map<String, Json>, label: &str) -> Result<BT
     Ok(out)
 }
 
-/// `json.dumps(value, ensure_ascii=False, indent=indent)`: Python's
-/// separators (`", "` and `": "`, or `","` at line ends when indenting).
-fn python_json(value: &Json, indent: Option<usize>, depth: usize) -> String {
-    let (open_sep, item_sep, close_sep) = match indent {
-        Some(n) => (
-            format!("\n{}", " ".repeat(n * (depth + 1))),
-            format!(",\n{}", " ".repeat(n * (depth + 1))),
-            format!("\n{}", " ".repeat(n * depth)),
-        ),
-        None => (String::new(), ", ".to_string(), String::new()),
-    };
-    match value {
-        Json::Array(items) if !items.is_empty() => {
-            let inner: Vec<String> = items.iter().map(|v| python_json(v, indent, depth + 1)).collect();
-            format!("[{open_sep}{}{close_sep}]", inner.join(&item_sep))
-        }
-        Json::Object(map) if !map.is_empty() => {
-            let inner: Vec<String> = map
-                .iter()
-                .map(|(k, v)| {
-                    format!(
-                        "{}: {}",
-                        Json::String(k.clone()),
-                        python_json(v, indent, depth + 1)
-                    )
-                })
-                .collect();
-            format!("{{{open_sep}{}{close_sep}}}", inner.join(&item_sep))
-        }
-        Json::Null => "null".into(),
-        other => other.to_string(),
-    }
-}
-
-/// `datetime.now().strftime(format)` in UTC (no time-zone database is
-/// read): `%Y %m %d %H %M %S %b %B %a %A %j %y %%`.
-fn strftime_utc(format: &str) -> std::result::Result<String, Error> {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(month - 1) as usize];
-    let yday = before + day + i64::from(leap && month > 2);
-    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday.
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('j') => out.push_str(&format!("{yday:03}")),
-            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
-            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
-            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
-            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
-            Some('A') => out.push_str(DAYS[weekday]),
-            Some('a') => out.push_str(&DAYS[weekday][..3]),
-            Some('%') => out.push('%'),
-            other => {
-                return Err(Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!(
-                        "strftime_now: %{} is not supported",
-                        other.map(String::from).unwrap_or_default()
-                    ),
-                ))
-            }
-        }
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tojson_writes_what_python_writes() {
-        let v: Json = serde_json::from_str(r#"{"a": [1, "é", null], "b": {}}"#).unwrap();
-        // json.dumps({"a": [1, "é", None], "b": {}}, ensure_ascii=False)
-        assert_eq!(python_json(&v, None, 0), r#"{"a": [1, "é", null], "b": {}}"#);
-        // ... indent=2
-        assert_eq!(
-            python_json(&v, Some(2), 0),
-            "{\n  \"a\": [\n    1,\n    \"é\",\n    null\n  ],\n  \"b\": {}\n}"
-        );
-    }
-
-    #[test]
-    fn strftime_now_writes_a_date() {
-        let s = strftime_utc("%d %b %Y").unwrap();
-        assert_eq!(s.len(), 11, "{s}");
-        assert!(strftime_utc("%Q").is_err());
-    }
 
     #[test]
     fn a_template_that_loops_for_ever_runs_out_of_fuel() {

@@ -27,11 +27,11 @@ pub struct HfGenerationConfig {
     pub min_new_tokens: Option<usize>,
     /// `do_sample` (default false: greedy decoding).
     pub do_sample: bool,
-    /// `temperature` (HF's default 1).
+    /// `temperature` (HF's default 1; 0: greedy).
     pub temperature: Option<f32>,
-    /// `top_k` (HF's default 50 when sampling).
+    /// `top_k` (HF's default 50 when sampling; 0: every token).
     pub top_k: Option<usize>,
-    /// `top_p` (HF's default 1).
+    /// `top_p` (HF's default 1; 0: the best token only).
     pub top_p: Option<f32>,
     /// `repetition_penalty` (HF's default 1).
     pub repetition_penalty: Option<f32>,
@@ -81,28 +81,33 @@ impl HfGenerationConfig {
                 Some(Value::Bool(b)) => *b,
                 Some(v) => bail!("{label}: field 'do_sample' must be true or false, found {v}"),
             },
-            temperature: positive(&f, "temperature")?,
-            top_k: count(&f, "top_k", 0)?,
-            top_p: positive(&f, "top_p")?,
+            // 0 is what greedy folders write (`do_sample: false`); sampling
+            // at 0 is greedy too, as in llama.cpp and OpenAI's API (HF
+            // raises there).
+            temperature: number(&f, "temperature", 0., f64::MAX)?,
+            top_k: top_k(&f)?,
+            top_p: number(&f, "top_p", 0., 1.)?,
             repetition_penalty: positive(&f, "repetition_penalty")?,
+            // An empty stop string stops nothing (HF's `StopStringCriteria`
+            // never matches one): dropped.
             stop_strings: match f.get("stop_strings") {
-                None => Vec::new(),
+                None | Some(Value::Null) => Vec::new(),
                 Some(Value::String(s)) => vec![s.clone()],
                 Some(Value::Array(items)) => items
                     .iter()
                     .map(|v| match v {
-                        Value::String(s) if !s.is_empty() => Ok(s.clone()),
-                        _ => bail!("{label}: field 'stop_strings' must hold non-empty strings, found {v}"),
+                        Value::String(s) => Ok(s.clone()),
+                        _ => bail!("{label}: field 'stop_strings' must hold strings, found {v}"),
                     })
                     .collect::<Result<_>>()?,
                 Some(v) => {
                     bail!("{label}: field 'stop_strings' must be a string or a list of strings, found {v}")
                 }
-            },
+            }
+            .into_iter()
+            .filter(|s: &String| !s.is_empty())
+            .collect(),
         };
-        if let Some(p) = cfg.top_p.filter(|&p| p > 1.) {
-            bail!("{label}: field 'top_p' must be in (0, 1], found {p}")
-        }
         Ok(cfg)
     }
 
@@ -157,6 +162,40 @@ fn count(f: &Fields, key: &str, min: usize) -> Result<Option<usize>> {
         Some(n) if (min..=MAX_SIZE).contains(&n) => Ok(Some(n)),
         _ => bail!(
             "{}: field '{key}' must be a whole number in {min}..={MAX_SIZE}, found {v}",
+            f.file()
+        ),
+    }
+}
+
+/// A number in `min..=max`.
+fn number(f: &Fields, key: &str, min: f64, max: f64) -> Result<Option<f32>> {
+    let Some(v) = f.get(key) else {
+        return Ok(None);
+    };
+    match v.as_f64() {
+        Some(x) if x.is_finite() && (min..=max).contains(&x) => Ok(Some(x as f32)),
+        _ if max == f64::MAX => bail!(
+            "{}: field '{key}' must be a finite number >= {min}, found {v}",
+            f.file()
+        ),
+        _ => bail!(
+            "{}: field '{key}' must be a number in [{min}, {max}], found {v}",
+            f.file()
+        ),
+    }
+}
+
+/// `top_k`: 0 or less keeps every token (HF skips its top-k warper at 0;
+/// below 0 it raises when sampling, where this keeps every token too).
+fn top_k(f: &Fields) -> Result<Option<usize>> {
+    let Some(v) = f.get("top_k") else {
+        return Ok(None);
+    };
+    match v.as_i64() {
+        Some(k) if k <= 0 => Ok(Some(0)),
+        Some(k) if k as u64 <= MAX_SIZE as u64 => Ok(Some(k as usize)),
+        _ => bail!(
+            "{}: field 'top_k' must be a whole number up to {MAX_SIZE}, found {v}",
             f.file()
         ),
     }

@@ -29,10 +29,12 @@ mod config;
 mod generation_config;
 mod gguf;
 mod gpt2;
+mod jinja_py;
 mod llama;
 mod pipeline;
 mod prompts;
 mod text;
+mod tokenizer_bounds;
 
 use std::path::Path;
 

@@ -28,7 +28,8 @@ pub struct GenerationSettings {
     pub min_new_tokens: usize,
     /// Greedy decoding when `None`.
     pub sampling: Option<Sampling>,
-    /// HF's `repetition_penalty`, applied to the log-probabilities.
+    /// HF's `repetition_penalty`, over the prompt's and the generated
+    /// tokens' logits.
     pub repetition_penalty: Option<f32>,
     /// Generation stops once the text holds one of these (HF's
     /// `stop_strings`); the text keeps it.
@@ -91,6 +92,10 @@ pub struct TextGenerator {
     tokenizer: TextTokenizer,
     generation: HfGenerationConfig,
     chat: Option<ChatTemplate>,
+    /// Why the folder's chat template cannot be used, told when a
+    /// conversation asks for it (as HF's `apply_chat_template` tells):
+    /// the folder still continues plain prompts.
+    chat_error: Option<String>,
     /// The last regex constraint lifted to the vocabulary, for the next
     /// call with the same regex: lifting walks every token from every
     /// state, the same work for every prompt.
@@ -136,9 +141,9 @@ impl TextGenerator {
         let folder = ModelFiles::resolve(dir)?.dir().to_path_buf();
         let tokenizer = TextTokenizer::from_folder(&folder)?;
         let generation = HfGenerationConfig::from_folder(&folder)?;
-        let chat = ChatTemplate::from_folder(&folder)?;
+        let chat = ChatTemplate::from_folder(&folder);
         let model = DecoderModel::from_folder_with(dir, device, opts)?;
-        Ok(Self::new(model, tokenizer, generation, &folder.display().to_string())?.with_chat_template(chat))
+        Ok(Self::new(model, tokenizer, generation, &folder.display().to_string())?.with_chat_result(chat))
     }
 
     /// The three parts, checked against each other; `label` names the
@@ -163,6 +168,7 @@ impl TextGenerator {
             tokenizer,
             generation,
             chat: None,
+            chat_error: None,
             last_constraint: Arc::default(),
         })
     }
@@ -170,7 +176,23 @@ impl TextGenerator {
     /// The same, rendering conversations with `chat`.
     pub fn with_chat_template(mut self, chat: Option<ChatTemplate>) -> Self {
         self.chat = chat;
+        self.chat_error = None;
         self
+    }
+
+    /// The same with the template a folder's files gave, or why they gave
+    /// none that can be used: told when a conversation asks for it, as
+    /// HF's `apply_chat_template` tells it (a template MiniJinja cannot
+    /// compile, a list of named templates without `default`).
+    pub(crate) fn with_chat_result(mut self, chat: Result<Option<ChatTemplate>>) -> Self {
+        match chat {
+            Ok(chat) => self.with_chat_template(chat),
+            Err(e) => {
+                self.chat = None;
+                self.chat_error = Some(e.to_string());
+                self
+            }
+        }
     }
 
     /// The chat template, if the folder has one.
@@ -191,6 +213,15 @@ impl TextGenerator {
     /// The folder's generation config.
     pub fn generation(&self) -> &HfGenerationConfig {
         &self.generation
+    }
+
+    /// Most tokens a prompt may have: the model's positions (GPT-2's
+    /// `n_positions`, a rotary model's `max_position_embeddings`).
+    pub fn context(&self) -> Option<usize> {
+        self.model.max_positions().or(match &self.model {
+            DecoderModel::Llama(m) => m.config().max_position_embeddings,
+            DecoderModel::Gpt2(_) => None,
+        })
     }
 
     /// `regex` lifted to the model's vocabulary with `eos_id` as the end
@@ -223,11 +254,13 @@ impl TextGenerator {
         GenerationSettings {
             max_new_tokens: g.max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS),
             min_new_tokens: g.min_new_tokens.unwrap_or(0),
-            sampling: g.do_sample.then(|| Sampling {
+            // Sampling at temperature 0 is greedy decoding.
+            sampling: (g.do_sample && g.temperature != Some(0.)).then(|| Sampling {
                 seed: 0,
                 temperature: g.temperature.unwrap_or(1.),
                 top_k: Some(g.top_k.unwrap_or(50)).filter(|&k| k > 0),
-                top_p: g.top_p.unwrap_or(1.),
+                // HF's top-p keeps at least the best token: at 0, only it.
+                top_p: g.top_p.unwrap_or(1.).max(f32::MIN_POSITIVE),
             }),
             repetition_penalty: g.repetition_penalty.filter(|&p| p != 1.),
             stop_strings: g.stop_strings.clone(),
@@ -261,6 +294,9 @@ impl TextGenerator {
         settings: &GenerationSettings,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<TextOutput> {
+        if let Some(why) = &self.chat_error {
+            bail!("{why}")
+        }
         let Some(chat) = &self.chat else {
             bail!(
                 "{}: the folder has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)",
@@ -281,7 +317,7 @@ impl TextGenerator {
         settings: &GenerationSettings,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<TextOutput> {
-        if let Some(context) = self.model.max_positions() {
+        if let Some(context) = self.context() {
             if prompt_ids.len() > context {
                 bail!(
                     "the prompt is {} tokens long but the model's context holds {context}",
@@ -311,9 +347,12 @@ impl TextGenerator {
                 eos_id,
             })
             .collect();
+        // HF's `input_ids` of a decoder-only model hold the prompt too.
         let penalty = settings
             .repetition_penalty
-            .map(RepetitionPenalty::new)
+            .map(|p| {
+                Ok::<_, candle::Error>(RepetitionPenalty::new(p)?.with_prompts(vec![prompt_ids.clone()]))
+            })
             .transpose()?;
         let (temperature, top_k, top_p) = match &settings.sampling {
             Some(s) => (
@@ -351,7 +390,7 @@ impl TextGenerator {
         let start = Instant::now();
         let mut first_token = None;
         let mut stream = self.tokenizer.stream();
-        let mut ids = Vec::new();
+        let mut stops = StopStrings::new(&settings.stop_strings);
         let mut stopped = false;
         let out = generate_from_prompts_streaming(
             &self.model,
@@ -361,17 +400,14 @@ impl TextGenerator {
             &processors,
             &mut |chosen| {
                 first_token.get_or_insert_with(Instant::now);
-                if let Some(piece) = stream.push(chosen.token)? {
-                    on_text(&piece)?;
+                let piece = stream.push(chosen.token)?;
+                if let Some(piece) = &piece {
+                    on_text(piece)?;
                 }
                 if settings.stop_strings.is_empty() {
                     return Ok(true);
                 }
-                // HF's rule: the text holds a stop string that this token
-                // completed (earlier tokens would have stopped already).
-                ids.push(chosen.token);
-                let text = self.tokenizer.decode(&ids)?;
-                stopped = settings.stop_strings.iter().any(|s| text.contains(s.as_str()));
+                stopped = stops.found(piece.as_deref().unwrap_or_default(), &stream.pending()?);
                 Ok(!stopped)
             },
         )?;
@@ -398,5 +434,40 @@ impl TextGenerator {
             prefill_ms: (split - start).as_secs_f64() * 1e3,
             decode_ms: (end - split).as_secs_f64() * 1e3,
         })
+    }
+}
+
+/// HF's stop-string rule, at constant work a token: generation stops once
+/// the text holds a stop string. Earlier text held none, so a new one ends
+/// in what this token added: only a tail as long as the longest stop
+/// string, and the text not final yet, is searched.
+struct StopStrings<'a> {
+    stops: &'a [String],
+    /// The end of the text given out, at most the longest stop string.
+    tail: String,
+    longest: usize,
+}
+
+impl<'a> StopStrings<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        Self {
+            stops,
+            tail: String::new(),
+            longest: stops.iter().map(String::len).max().unwrap_or(0),
+        }
+    }
+
+    /// Whether the text holds a stop string, now that `piece` was given
+    /// out and `pending` is decoded but not final.
+    fn found(&mut self, piece: &str, pending: &str) -> bool {
+        self.tail.push_str(piece);
+        let text = format!("{}{pending}", self.tail);
+        let hit = self.stops.iter().any(|s| text.contains(s.as_str()));
+        let mut cut = self.tail.len().saturating_sub(self.longest);
+        while !self.tail.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        self.tail.drain(..cut);
+        hit
     }
 }

@@ -8,6 +8,7 @@ use std::path::Path;
 use candle::{bail, Result};
 use serde_json::Value;
 
+use super::tokenizer_bounds::{guard, normalizer_growth, MAX_NORMALIZED_BYTES};
 use crate::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
 use crate::vit::folder::json::parse_object;
 
@@ -32,6 +33,10 @@ pub struct TextTokenizer {
     /// Whether the decoder is GPT-2's byte-level one: tokens are bytes
     /// written as characters ([`TextTokenizer::token_bytes`]).
     byte_level: bool,
+    /// Most bytes the normalizer makes of one byte of text.
+    growth: f64,
+    /// Ids of the special tokens, sorted.
+    special_tokens: Vec<u32>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -73,9 +78,21 @@ impl TextTokenizer {
     /// Parses `tokenizer.json` bytes (`label` names the file in errors),
     /// with `tokenizer_config.json`'s text and label if there is one.
     pub fn from_json(bytes: &[u8], label: &str, config: Option<(&str, &str)>) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+        let json: Value = serde_json::from_slice(bytes).map_err(|e| {
             candle::Error::Msg(format!("{label}: not a tokenizer HF's tokenizers can read: {e}"))
         })?;
+        let growth = normalizer_growth(json.get("normalizer").unwrap_or(&Value::Null), label)?;
+        let mut inner = guard(label, "not a tokenizer HF's tokenizers can read", || {
+            tokenizers::Tokenizer::from_bytes(bytes)
+        })?;
+        // HF's `tokenizer(prompt)` neither truncates nor pads unless asked
+        // (`truncation=`, `padding=`), whatever the file says: a fine-tuned
+        // repo's `truncation` would cut the prompt, its `padding` append
+        // end tokens.
+        inner
+            .with_truncation(None)
+            .map_err(|e| candle::Error::Msg(format!("{label}: cannot switch truncation off: {e}")))?;
+        inner.with_padding(None);
         let mut clean_up = false;
         if let Some((text, config_label)) = config {
             let map = parse_object(text, config_label)?;
@@ -100,6 +117,13 @@ impl TextTokenizer {
             .map(|(_, id)| id)
             .collect();
         byte_tokens.sort_unstable();
+        let mut special_tokens: Vec<u32> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect();
+        special_tokens.sort_unstable();
         let byte_level = inner
             .get_decoder()
             .and_then(|d| serde_json::to_string(d).ok())
@@ -110,6 +134,8 @@ impl TextTokenizer {
             clean_up,
             byte_tokens,
             byte_level,
+            growth,
+            special_tokens,
         })
     }
 
@@ -140,10 +166,17 @@ impl TextTokenizer {
     }
 
     fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| candle::Error::Msg(format!("{}: cannot encode {text:?}: {e}", self.label)))?;
+        let most = text.len() as f64 * self.growth;
+        if most > MAX_NORMALIZED_BYTES as f64 {
+            bail!(
+                "{}: its normalizer may make up to {most:.0} bytes of this {}-byte text, over the limit of {MAX_NORMALIZED_BYTES}",
+                self.label,
+                text.len()
+            )
+        }
+        let enc = guard(&self.label, "cannot encode the text", || {
+            self.inner.encode(text, add_special_tokens)
+        })?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -151,11 +184,13 @@ impl TextTokenizer {
     /// not know (a model's padded vocabulary) are skipped, as HF skips
     /// them. Bytes that are not UTF-8 come out as U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        let text = self
-            .inner
-            .decode(ids, true)
-            .map_err(|e| candle::Error::Msg(format!("{}: cannot decode: {e}", self.label)))?;
+        let text = self.decode_raw(ids)?;
         Ok(if self.clean_up { clean_up(&text) } else { text })
+    }
+
+    /// [`TextTokenizer::decode`] before the clean-up.
+    fn decode_raw(&self, ids: &[u32]) -> Result<String> {
+        guard(&self.label, "cannot decode", || self.inner.decode(ids, true))
     }
 
     /// The bytes each of the first `n` ids stands for in decoded text,
@@ -187,6 +222,11 @@ impl TextTokenizer {
             .collect()
     }
 
+    /// Whether `id` is a special token (skipped in decoded text).
+    fn is_special(&self, id: u32) -> bool {
+        self.special_tokens.binary_search(&id).is_ok()
+    }
+
     /// Whether `id` is a byte-fallback token (`<0xE6>`).
     fn is_byte_token(&self, id: u32) -> bool {
         self.byte_tokens.binary_search(&id).is_ok()
@@ -198,6 +238,7 @@ impl TextTokenizer {
             tokenizer: self,
             ids: Vec::new(),
             shown: String::new(),
+            held: String::new(),
         }
     }
 }
@@ -205,20 +246,35 @@ impl TextTokenizer {
 /// HF's `clean_up_tokenization` (`tokenization_utils_base.py`): spaces
 /// before punctuation and English contractions removed.
 fn clean_up(text: &str) -> String {
-    [
-        (" .", "."),
-        (" ?", "?"),
-        (" !", "!"),
-        (" ,", ","),
-        (" ' ", "'"),
-        (" n't", "n't"),
-        (" 'm", "'m"),
-        (" 's", "'s"),
-        (" 've", "'ve"),
-        (" 're", "'re"),
-    ]
-    .iter()
-    .fold(text.to_string(), |t, (from, to)| t.replace(from, to))
+    CLEAN_UP
+        .iter()
+        .fold(text.to_string(), |t, (from, to)| t.replace(from, to))
+}
+
+/// HF's `clean_up_tokenization` replacements, in its order.
+const CLEAN_UP: [(&str, &str); 10] = [
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+];
+
+/// Where `text` can be cut so that the clean-up of the two parts is the
+/// clean-up of the whole: before its last space, unless that space ends a
+/// `" ' "` (every pattern starts with a space, and only `" ' "` holds
+/// another). The word after it waits for the next space, as HF's
+/// `TextStreamer` prints only up to the last space.
+fn clean_up_cut(text: &str) -> usize {
+    text.rmatch_indices(' ')
+        .map(|(i, _)| i)
+        .find(|&i| !text[..i].ends_with(" '"))
+        .unwrap_or(0)
 }
 
 /// Generated ids turned into text as they come: each call gives the text
@@ -227,16 +283,31 @@ fn clean_up(text: &str) -> String {
 /// [`TextStream::finish`]'s, concatenate to [`TextTokenizer::decode`] of
 /// all the ids.
 ///
-/// Each step decodes every id so far (what HF's `TextStreamer` does too):
-/// decoding only the new ids would lose the spaces and bytes a token
-/// shares with the one before it.
+/// The work per id is constant: only a window of the last few ids is
+/// decoded, the first of them standing for the text already given out
+/// (decoding the new ids alone would lose the space or the bytes a token
+/// shares with the one before it: SentencePiece strips a leading space,
+/// byte-level BPE splits characters). The window restarts from its last
+/// id whenever all of its text is final, as the `tokenizers` crate's
+/// `DecodeStream` and TGI's incremental detokenizer do. The clean-up
+/// (`clean_up_tokenization_spaces`) runs over the final text up to its
+/// last space, so a space is never given out that the clean-up of the
+/// whole text removes (`" ."`).
 #[derive(Debug)]
 pub struct TextStream<'a> {
     tokenizer: &'a TextTokenizer,
+    /// The window: the ids from the last restart on.
     ids: Vec<u32>,
-    /// The text given out so far.
+    /// The window's text given out so far (its first id's text counts as
+    /// given out: it was, before the restart).
     shown: String,
+    /// Final text the clean-up holds back: from the last space on, it may
+    /// become a pattern (`" n"` of `" n't"`).
+    held: String,
 }
+
+/// Ids a window holds before it restarts (when its text is final).
+const STREAM_WINDOW: usize = 8;
 
 impl TextStream<'_> {
     /// Adds `id`; returns the text it completes, if any.
@@ -244,28 +315,67 @@ impl TextStream<'_> {
         self.ids.push(id);
         // A trailing run of byte-fallback tokens decodes as one group,
         // which the next byte can still turn into U+FFFDs: not final yet.
+        // Special tokens are skipped before decoding, so the run goes on
+        // through them.
         let run = self
             .ids
             .iter()
             .rev()
-            .take_while(|&&id| self.tokenizer.is_byte_token(id))
+            .take_while(|&&id| self.tokenizer.is_byte_token(id) || self.tokenizer.is_special(id))
             .count();
-        let text = self.tokenizer.decode(&self.ids[..self.ids.len() - run])?;
+        let text = self.tokenizer.decode_raw(&self.ids[..self.ids.len() - run])?;
         // A trailing U+FFFD may be a character still being spelled out.
         let stable = text.trim_end_matches('\u{FFFD}');
-        Ok(self.take(stable))
+        let settled = run == 0 && stable.len() == text.len();
+        let piece = self.take(stable);
+        if settled && self.ids.len() >= STREAM_WINDOW && self.shown == text {
+            self.restart()?;
+        }
+        Ok(piece.and_then(|p| self.clean(p, false)))
+    }
+
+    /// A new window from the last id that is not a special token (those
+    /// are skipped before decoding, so they add nothing anywhere), if its
+    /// text alone is not empty: a window starting with SentencePiece's
+    /// `▁` alone (stripped to nothing) would lose its space.
+    fn restart(&mut self) -> Result<()> {
+        let Some(i) = self.ids.iter().rposition(|&id| !self.tokenizer.is_special(id)) else {
+            // Nothing but special tokens: the next token's text is the first.
+            self.ids.clear();
+            self.shown.clear();
+            return Ok(());
+        };
+        let alone = self.tokenizer.decode_raw(&self.ids[i..=i])?;
+        if !alone.is_empty() {
+            self.ids.drain(..i);
+            self.ids.truncate(1);
+            self.shown = alone;
+        }
+        Ok(())
     }
 
     /// The rest of the text once generation ended (a trailing U+FFFD
     /// stays: its bytes never completed a character).
     pub fn finish(mut self) -> Result<String> {
-        let text = self.tokenizer.decode(&self.ids)?;
-        Ok(self.take(&text).unwrap_or_default())
+        let text = self.tokenizer.decode_raw(&self.ids)?;
+        let piece = self.take(&text).unwrap_or_default();
+        Ok(self.clean(piece, true).unwrap_or_default())
     }
 
-    /// What `text` adds to the text given out. Decoding more ids only
-    /// appends for the tokenizers HF ships; should one rewrite what was
-    /// given out, the piece starts where the two agree.
+    /// The text decoded but not given out yet: what a stop string may
+    /// already be found in.
+    pub fn pending(&self) -> Result<String> {
+        let text = self.tokenizer.decode_raw(&self.ids)?;
+        let rest = text
+            .get(self.shown.len()..)
+            .filter(|_| text.starts_with(self.shown.as_str()));
+        Ok(format!("{}{}", self.held, rest.unwrap_or_default()))
+    }
+
+    /// What `text` (the window's) adds to the window's text given out.
+    /// Decoding more ids only appends for the tokenizers HF ships; should
+    /// one rewrite what was given out, the piece starts where the two
+    /// agree.
     fn take(&mut self, text: &str) -> Option<String> {
         let common = if text.starts_with(self.shown.as_str()) {
             self.shown.len()
@@ -282,6 +392,23 @@ impl TextStream<'_> {
         let piece = text[common..].to_string();
         self.shown = text.to_string();
         Some(piece)
+    }
+
+    /// `piece` of final text through the clean-up; `last` when no text
+    /// follows.
+    fn clean(&mut self, piece: String, last: bool) -> Option<String> {
+        if !self.tokenizer.clean_up {
+            return (!piece.is_empty()).then_some(piece);
+        }
+        self.held.push_str(&piece);
+        let ready = if last {
+            self.held.len()
+        } else {
+            clean_up_cut(&self.held)
+        };
+        let out = clean_up(&self.held[..ready]);
+        self.held.drain(..ready);
+        (!out.is_empty()).then_some(out)
     }
 }
 

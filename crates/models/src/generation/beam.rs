@@ -43,7 +43,7 @@ pub(super) fn beam<M: StepModel>(
         .collect();
     let mut fed: Vec<u32> = (0..batch * beams).map(|r| first[r / beams]).collect();
     for step in 0..cfg.max_len {
-        let mut logp = next_log_probs(model, fed, &mut cache, step)?;
+        let (mut logp, offsets) = next_log_probs(model, fed, &mut cache, step)?;
         let mut next = Vec::with_capacity(batch * beams);
         let mut parents = Vec::with_capacity(batch * beams);
         for g in 0..batch {
@@ -61,6 +61,7 @@ pub(super) fn beam<M: StepModel>(
                     source: g,
                     prefix: &bm.tokens,
                     max_len: cfg.max_len,
+                    logit_offset: offsets[p],
                 };
                 apply(processors, &ctx, &mut logp[p])?;
                 cands.extend(

@@ -22,6 +22,12 @@ pub struct StepContext<'a> {
     pub prefix: &'a [u32],
     /// Most tokens the search generates per row, the end token included.
     pub max_len: usize,
+    /// What turns this row's log-probabilities back into the model's
+    /// logits (their log-sum-exp): `logit = score + logit_offset` for a
+    /// score no processor changed yet. A processor that is not the same on
+    /// scores shifted by a constant (HF's repetition penalty divides
+    /// positive logits) works on the logits.
+    pub logit_offset: f32,
 }
 
 impl StepContext<'_> {
@@ -171,11 +177,22 @@ impl LogitsProcessor for TopP {
     }
 }
 
-/// Makes tokens already in the prefix less likely (CTRL, Keskar et al.
-/// 2019; HF's `RepetitionPenaltyLogitsProcessor`): a negative score is
-/// multiplied by `penalty`, a positive one divided by it.
-#[derive(Debug, Clone, Copy)]
-pub struct RepetitionPenalty(f32);
+/// Makes tokens already seen less likely (CTRL, Keskar et al. 2019; HF's
+/// `RepetitionPenaltyLogitsProcessor`): a token's negative logit is
+/// multiplied by `penalty`, a positive one divided by it. Seen are the
+/// tokens generated so far and, with [`RepetitionPenalty::with_prompts`],
+/// the source's prompt: HF's `input_ids`, which for a decoder-only model
+/// start with the prompt.
+///
+/// The search hands processors log-probabilities; the penalty is applied
+/// to the logits they come from ([`StepContext::logit_offset`]), since
+/// dividing a log-probability (always negative) is another rule.
+#[derive(Debug, Clone)]
+pub struct RepetitionPenalty {
+    penalty: f32,
+    /// Each source's prompt, by [`StepContext::source`].
+    prompts: Vec<Vec<u32>>,
+}
 
 impl RepetitionPenalty {
     /// `penalty` must be finite and > 0; 1 changes nothing, above 1
@@ -184,20 +201,42 @@ impl RepetitionPenalty {
         if !(penalty.is_finite() && penalty > 0.) {
             bail!("repetition penalty must be finite and > 0, found {penalty}")
         }
-        Ok(Self(penalty))
+        Ok(Self {
+            penalty,
+            prompts: Vec::new(),
+        })
+    }
+
+    /// The same, counting `prompts[source]`'s tokens as seen in every row
+    /// of that source.
+    pub fn with_prompts(mut self, prompts: Vec<Vec<u32>>) -> Self {
+        self.prompts = prompts;
+        self
     }
 }
 
 impl LogitsProcessor for RepetitionPenalty {
     fn process(&self, ctx: &StepContext<'_>, scores: &mut [f32]) -> Result<()> {
         let mut seen = vec![false; scores.len()];
-        for &t in ctx.prefix {
+        let prompt = self
+            .prompts
+            .get(ctx.source)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        for &t in prompt.iter().chain(ctx.prefix) {
             if let Some(s) = seen.get_mut(t as usize) {
                 *s = true;
             }
         }
+        let offset = ctx.logit_offset;
         for (s, _) in scores.iter_mut().zip(&seen).filter(|(_, &seen)| seen) {
-            *s = if *s < 0. { *s * self.0 } else { *s / self.0 };
+            let logit = *s + offset;
+            let penalized = if logit < 0. {
+                logit * self.penalty
+            } else {
+                logit / self.penalty
+            };
+            *s = penalized - offset;
         }
         Ok(())
     }

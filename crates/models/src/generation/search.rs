@@ -277,13 +277,14 @@ fn checked<M: StepModel>(
 /// logits holding NaN or `+inf`, or no finite value, is an error naming
 /// the step and the row: no token can be chosen from it, and ending the
 /// row quietly would pass a broken model off as an empty answer (`-inf`
-/// alone forbids a token, as a processor would).
+/// alone forbids a token, as a processor would). Beside them, each row's
+/// log-sum-exp ([`StepContext::logit_offset`]).
 pub(super) fn next_log_probs<M: StepModel>(
     model: &M,
     fed: Vec<u32>,
     cache: &mut M::Cache,
     step: usize,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
     let n = fed.len();
     let tokens = Tensor::from_vec(fed, (n, 1), model.device())?;
     let logits = model.step(&tokens, cache)?;
@@ -309,7 +310,15 @@ pub(super) fn next_log_probs<M: StepModel>(
             )
         }
     }
-    candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2()
+    let log_probs: Vec<Vec<f32>> = candle_nn::ops::log_softmax(&logits, D::Minus1)?.to_vec2()?;
+    // logit - log p is the same for every token; the best token's is the
+    // most precise (its log p is nearest 0).
+    let offsets = host
+        .iter()
+        .zip(&log_probs)
+        .map(|(l, p)| argmax(l).map_or(0., |i| l[i] - p[i]))
+        .collect();
+    Ok((log_probs, offsets))
 }
 
 pub(super) fn apply(
@@ -394,7 +403,7 @@ fn rowwise<M: StepModel>(
     let mut done = vec![false; rows];
     let mut fed: Vec<u32> = (0..rows).map(|r| first[r / n]).collect();
     for step in 0..cfg.max_len {
-        let mut scores = next_log_probs(model, fed.clone(), &mut cache, step)?;
+        let (mut scores, offsets) = next_log_probs(model, fed.clone(), &mut cache, step)?;
         for (r, row) in scores.iter_mut().enumerate() {
             if done[r] {
                 fed[r] = cfg.pad_id;
@@ -404,6 +413,7 @@ fn rowwise<M: StepModel>(
                 source: r / n,
                 prefix: &out[r].tokens,
                 max_len: cfg.max_len,
+                logit_offset: offsets[r],
             };
             apply(processors, &ctx, row)?;
             let pick = match rngs.get_mut(r) {

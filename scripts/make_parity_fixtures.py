@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Write tests/fixtures/text/parity.json: what HF transformers and its Jinja2
+chat-template environment answer where this crate once answered otherwise
+(issue "HF's answers on every folder, round three"). Reads the committed
+text fixtures (tests/fixtures/text/*), writes one JSON file:
+
+* `repetition_penalty`: greedy `generate` of each folder's prompts with
+  `repetition_penalty` 1.3 (HF divides positive logits, multiplies negative
+  ones, over the prompt's and the generated ids): `new_ids`.
+* `truncation_padding`: `tokenizer(prompt)` with a `tokenizer.json` whose
+  `truncation` (max_length 3) and `padding` are set: HF switches both off.
+* `templates`: small templates rendered by HF's own environment
+  (`_compile_jinja_template`): `tojson` with insertion order, `indent`,
+  `sort_keys`, `separators`, `ensure_ascii`; Python float repr; Jinja's
+  forgiving `int` and `float`; `{% generation %}`.
+* `special_tokens_map`: `apply_chat_template` on a folder whose
+  `bos_token` is only in `special_tokens_map.json`.
+
+Offline, a few seconds:
+
+    .venv-ref/bin/python scripts/make_parity_fixtures.py
+"""
+
+import json
+import os
+import shutil
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(HERE, "..", "tests", "fixtures", "text")
+PENALTY = 1.3
+
+TEMPLATES = [
+    "{{ {'b': 1, 'a': [1, 2.5, none, true], 'c': {}}|tojson }}",
+    "{{ {'b': 1, 'a': [1, {'z': 'é'}]}|tojson(indent=2) }}",
+    "{{ {'b': 1, 'a': 2}|tojson(sort_keys=true) }}",
+    "{{ {'b': 1, 'a': [1, 2]}|tojson(separators=(',', ':')) }}",
+    "{{ ['é', '日本', '😀', 'a\"b\\\\c\\n\\t\\x01']|tojson(ensure_ascii=true) }}",
+    "{{ messages|tojson }}",
+    "{{ 3e-07 }} {{ 1e16 }} {{ 0.0001 }} {{ 100.0 }} {{ 1.5 }} {{ [3e-07]|tojson }}",
+    "{{ 'x'|int }} {{ '42'|int }} {{ ' 7 '|int }} {{ '3.9'|int }} {{ 'x'|int(5) }} {{ 2.7|int }} {{ none|int }}",
+    "{{ 'x'|float }} {{ '2.5'|float }} {{ 3|float }}",
+    "{% for m in messages %}{{ m.role }}:{%- generation -%} {{ m.content }} {%- endgeneration %};{% endfor %}",
+]
+MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def repetition_penalty(expected):
+    out = {}
+    for name in ("llama3", "llama2-sp", "gpt2-bpe"):
+        folder = os.path.join(TEXT, name)
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        rows = []
+        for case in expected[name]:
+            prompt = case["prompt"]
+            ids = torch.tensor([tok(prompt)["input_ids"]])
+            with torch.no_grad():
+                gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=16, repetition_penalty=PENALTY,
+                                     generation_config=model.generation_config)
+            rows.append({"prompt": prompt, "new_ids": gen[0, ids.shape[1]:].tolist()})
+        out[name] = rows
+    return {"penalty": PENALTY, "folders": out}
+
+
+def truncation_padding():
+    src = os.path.join(TEXT, "llama3", "tokenizer.json")
+    with open(src, encoding="utf-8") as f:
+        spec = json.load(f)
+    spec["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 1, "pad_type_id": 0, "pad_token": "<|end_of_text|>"}
+    with tempfile.TemporaryDirectory() as d:
+        for f in ("tokenizer_config.json",):
+            shutil.copy(os.path.join(TEXT, "llama3", f), d)
+        with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as f:
+            json.dump(spec, f, ensure_ascii=False)
+        tok = AutoTokenizer.from_pretrained(d)
+        prompt = "The quick brown fox jumps over the lazy dog"
+        return {"tokenizer_json": spec, "prompt": prompt, "ids": tok(prompt)["input_ids"]}
+
+
+def templates():
+    return [{"template": t, "text": _compile_jinja_template(t).render(messages=MESSAGES)} for t in TEMPLATES]
+
+
+def special_tokens_map():
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    with tempfile.TemporaryDirectory() as d:
+        for f in ("tokenizer.json", "config.json"):
+            shutil.copy(os.path.join(TEXT, "llama2-sp", f), d)
+        with open(os.path.join(TEXT, "llama2-sp", "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        for key in ("bos_token", "eos_token", "unk_token"):
+            config.pop(key, None)
+        config["chat_template"] = template
+        with open(os.path.join(d, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        stm = {"bos_token": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False,
+                             "single_word": False}, "eos_token": "</s>"}
+        with open(os.path.join(d, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+            json.dump(stm, f)
+        tok = AutoTokenizer.from_pretrained(d)
+        text = tok.apply_chat_template(MESSAGES, tokenize=False)
+        return {"tokenizer_config": config, "special_tokens_map": stm, "text": text}
+
+
+def main():
+    with open(os.path.join(TEXT, "expected.json"), encoding="utf-8") as f:
+        expected = json.load(f)
+    prompts = {name: [c for c in expected[name]["cases"] if not c["chat"]]
+               for name in ("llama3", "llama2-sp", "gpt2-bpe")}
+    out = {
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "repetition_penalty": repetition_penalty(prompts),
+        "truncation_padding": truncation_padding(),
+        "templates": templates(),
+        "special_tokens_map": special_tokens_map(),
+    }
+    with open(os.path.join(TEXT, "parity.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
