@@ -265,3 +265,95 @@ fn another_architecture_is_a_note() -> Result<()> {
     );
     Ok(())
 }
+
+/// Names, keys and strings from the file cannot drive the terminal: a
+/// tensor name holding an ANSI escape, a key holding a C1 CSI (U+009B)
+/// and a string value holding both print escaped (`\u{1b}`, `\u{9b}`) in
+/// the listing, the metadata, the config check and the one-line error;
+/// the JSON writes them as `\u` escapes and parses back to the file's
+/// very names.
+#[test]
+fn control_characters_from_the_file_print_escaped() -> Result<()> {
+    // Same lengths, so the layout stands: "ffn_u" (5 bytes) becomes
+    // ESC [ 3 1 m, "iz" of general.size_label the 2 bytes of U+009B, and
+    // general.name's "Llama" ESC [ J plus U+009B.
+    let hostile = edited("llama", "f32", "escapes", |b| {
+        let at = find(b, b"blk.1.ffn_up.weight")? + 6;
+        b[at..at + 5].copy_from_slice(b"\x1b[31m");
+        let at = find(b, b"general.size_label")? + 9;
+        b[at..at + 2].copy_from_slice("\u{9b}".as_bytes());
+        let at = find(b, b"Llama")?;
+        b[at..at + 5].copy_from_slice("\x1b[J\u{9b}".as_bytes());
+        Ok(())
+    })?;
+    let name = "blk.1.\u{1b}[31mp.weight";
+    let key = "general.s\u{9b}e_label";
+    let raw = |bytes: &[u8]| -> bool {
+        let text = String::from_utf8_lossy(bytes);
+        text.chars().any(|c| c.is_control() && c != '\n')
+    };
+
+    let out = multihead(&["inspect", s(&hostile)?])?;
+    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(!raw(&out.stderr), "{:?}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for line in [
+        r"blk.1.\u{1b}[31mp.weight  F32    [64, 32]",
+        r"metadata: general.s\u{9b}e_label = ",
+        r#"metadata: general.name = "\u{1b}[J\u{9b}""#,
+        r"  unexpected  blk.1.\u{1b}[31mp.weight",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
+    common::assert_one_line_error(&out, &[r"1 unexpected: blk.1.\u{1b}[31mp.weight"]);
+
+    let out = multihead(&["inspect", "--json", s(&hostile)?])?;
+    std::fs::remove_file(&hostile)?;
+    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    let json = String::from_utf8(out.stdout.clone())?;
+    assert!(json.contains(r"\u001b[31m") && json.contains(r"\u009b"), "{json}");
+    let v: Value = serde_json::from_str(&json)?;
+    let names: Vec<&str> = v["tensors"]
+        .as_array()
+        .context("tensors")?
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert!(names.contains(&name), "{names:?}");
+    assert!(v["metadata"].get(key).is_some(), "{}", v["metadata"]);
+    assert_eq!(v["metadata"]["general.name"], "\u{1b}[J\u{9b}");
+    assert_eq!(v["config"]["unexpected"], json!([r"blk.1.\u{1b}[31mp.weight"]));
+    Ok(())
+}
+
+/// A file llama.cpp refuses is refused here too, with one line naming the
+/// file and the tensors: two tensor infos pointing at the same bytes (q's
+/// 4 KiB from where k's 2 KiB start).
+#[test]
+fn overlapping_tensors_are_refused() -> Result<()> {
+    // blk.0.attn_q.weight's offset (the u64 after its dims and type) set
+    // to blk.0.attn_k.weight's.
+    let overlapping = edited("llama", "f32", "overlap", |b| {
+        let offset = |b: &[u8], name: &str| -> Result<usize> {
+            // Name, u32 dim count, 2 u64 dims, u32 type, then the offset.
+            Ok(find(b, name.as_bytes())? + name.len() + 4 + 16 + 4)
+        };
+        let k_at = offset(b, "blk.0.attn_k.weight")?;
+        let k_offset: [u8; 8] = b[k_at..k_at + 8].try_into()?;
+        let q_at = offset(b, "blk.0.attn_q.weight")?;
+        b[q_at..q_at + 8].copy_from_slice(&k_offset);
+        Ok(())
+    })?;
+    let out = multihead(&["inspect", s(&overlapping)?])?;
+    std::fs::remove_file(&overlapping)?;
+    common::assert_one_line_error(
+        &out,
+        &[
+            s(&overlapping)?,
+            "'blk.0.attn_q.weight'",
+            "'blk.0.attn_k.weight'",
+            "overlap",
+        ],
+    );
+    Ok(())
+}

@@ -1,6 +1,11 @@
 //! `multihead inspect FILE.gguf`: what a GGUF file holds, the config its
 //! metadata describes, and whether its tensors fit that config, in the
 //! form `inspect` gives a safetensors file.
+//!
+//! Names, keys and strings come from the file, untrusted: the text output
+//! shows them through `str::escape_debug` (strings quoted, as `{:?}`), and
+//! the JSON output writes every control character as a `\u` escape
+//! ([`terminal_safe`]), so no byte of the file can drive the terminal.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -42,6 +47,8 @@ enum ConfigCheck {
 
 /// One row of the tensor list, as the safetensors listing has it.
 struct Row<'a> {
+    /// Escaped for the text output.
+    shown: String,
     name: &'a str,
     dtype: &'static str,
     shape: &'a [usize],
@@ -85,6 +92,7 @@ fn rows(file: &GgufFile) -> Vec<Row<'_>> {
     file.tensors()
         .iter()
         .map(|t| Row {
+            shown: t.name.escape_debug().to_string(),
             name: &t.name,
             dtype: ggml_type_name(t.ggml_type),
             shape: &t.shape,
@@ -202,7 +210,9 @@ fn print_text(
     let rows = rows(file);
     print_tensors(
         out,
-        rows.iter().map(|t| (t.name, t.dtype, t.shape, t.bytes)).collect(),
+        rows.iter()
+            .map(|t| (t.shown.as_str(), t.dtype, t.shape, t.bytes))
+            .collect(),
         limit,
     )?;
     let dtypes: Vec<String> = dtype_counts(file)
@@ -221,15 +231,14 @@ fn print_text(
     let keys = file.keys();
     for k in keys.iter().take(limit) {
         if let Some(v) = file.get(k) {
-            writeln!(out, "metadata: {k} = {}", show(v))?;
+            writeln!(out, "metadata: {} = {}", k.escape_debug(), show(v))?;
         }
     }
     more(out, "metadata: ", keys.len(), limit, "entries")?;
-    writeln!(
-        out,
-        "layout: GGUF, architecture {}",
-        architecture(file).unwrap_or("? (no general.architecture)")
-    )?;
+    match architecture(file) {
+        Some(a) => writeln!(out, "layout: GGUF, architecture {}", a.escape_debug())?,
+        None => writeln!(out, "layout: GGUF, architecture ? (no general.architecture)")?,
+    }
     let config: Vec<String> = config_values(file, show, |n| n.to_string())
         .into_iter()
         .map(|(label, _, v)| format!("{label} {}", v.as_deref().unwrap_or("?")))
@@ -239,7 +248,13 @@ fn print_text(
         writeln!(out, "values: all finite")?;
     }
     for n in non_finite.iter().take(limit) {
-        writeln!(out, "values: {} has {} NaN and {} Inf", n.name, n.nan, n.inf)?;
+        writeln!(
+            out,
+            "values: {} has {} NaN and {} Inf",
+            n.name.escape_debug(),
+            n.nan,
+            n.inf
+        )?;
     }
     more(out, "values: ", non_finite.len(), limit, "tensors with NaN/Inf")?;
     match check {
@@ -308,6 +323,30 @@ fn print_json(
         "config": config,
         "config_note": config_note,
     });
-    writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+    writeln!(out, "{}", terminal_safe(&serde_json::to_string_pretty(&json)?))?;
     Ok(())
+}
+
+/// JSON text with every control character (and each bidirectional
+/// override, which reorders what a terminal shows) written as a `\u`
+/// escape. serde_json escapes only U+0000 to U+001F: a C1 control such as
+/// U+009B, a terminal's one-byte CSI, would reach it raw. Outside its
+/// strings JSON is ASCII, so only strings change, and they parse back to
+/// the same text; every character escaped is in the BMP, one `\uXXXX`.
+fn terminal_safe(json: &str) -> String {
+    // A raw newline is the pretty layout's; inside strings serde_json
+    // has written each as `\n` already.
+    let escaped = |c: char| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if escaped(c) {
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

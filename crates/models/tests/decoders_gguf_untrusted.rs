@@ -19,7 +19,7 @@ use gguf_fixtures::{
     assert_mentions, expected, gguf, ids, load_error, model_case, rewrite, set, MetaEdit, FILES,
 };
 use multihead_models::checkpoint::{GgufFile, LoadOptions};
-use multihead_models::decoder::TextGenerator;
+use multihead_models::decoder::{DecoderModel, TextGenerator};
 
 /// A file with a SentencePiece tokenizer asks for the tokenizer.json; with
 /// it, the same model generates. The tokenizer given replaces the file's.
@@ -321,5 +321,282 @@ fn non_finite_tensors_are_refused_by_name() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// A GGUF v3 file written by hand: metadata entries `(key, value type,
+/// value bytes)`, tensor infos `(name, dims in ggml's order, ggml type,
+/// offset)`, then `data` from the header's end padded to `align` (what a
+/// reader takes the alignment to be is the test's question).
+struct HandGguf {
+    kv: Vec<(String, u32, Vec<u8>)>,
+    tensors: Vec<(String, Vec<u64>, u32, u64)>,
+    align: usize,
+    data: Vec<u8>,
+}
+
+/// A GGUF string: u64 length, then the bytes.
+fn gguf_string(s: &str) -> Vec<u8> {
+    let mut b = (s.len() as u64).to_le_bytes().to_vec();
+    b.extend(s.as_bytes());
+    b
+}
+
+impl HandGguf {
+    /// One F32 tensor of 8 elements at offset 0, no metadata, data 0..16.
+    fn new(name: &str) -> Self {
+        Self {
+            kv: vec![],
+            tensors: vec![(name.to_string(), vec![8], 0, 0)],
+            align: 32,
+            data: (0..16).flat_map(|i| (i as f32).to_le_bytes()).collect(),
+        }
+    }
+
+    fn u32_kv(mut self, key: &str, v: u32) -> Self {
+        self.kv.push((key.to_string(), 4, v.to_le_bytes().to_vec()));
+        self
+    }
+
+    /// The header, and where it ends.
+    fn header(&self) -> (Vec<u8>, usize) {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend((self.tensors.len() as u64).to_le_bytes());
+        b.extend((self.kv.len() as u64).to_le_bytes());
+        for (key, ty, value) in &self.kv {
+            b.extend(gguf_string(key));
+            b.extend(ty.to_le_bytes());
+            b.extend(value);
+        }
+        for (name, dims, ty, offset) in &self.tensors {
+            b.extend(gguf_string(name));
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(ty.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+        }
+        let end = b.len();
+        (b, end)
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let (mut b, end) = self.header();
+        b.resize(end.next_multiple_of(self.align), 0);
+        b.extend(&self.data);
+        b
+    }
+
+    fn read(&self, label: &str) -> candle::Result<GgufFile> {
+        GgufFile::from_bytes(self.bytes(), label)
+    }
+}
+
+/// The hand-written file itself reads, so each refusal below is the one
+/// edit's: its tensor holds the data's first 8 floats.
+#[test]
+fn a_hand_written_gguf_reads() -> Result<()> {
+    let file = HandGguf::new("w")
+        .u32_kv("general.alignment", 32)
+        .read("hand.gguf")?;
+    let w = file.tensor("w", &Device::Cpu)?.to_vec1::<f32>()?;
+    assert_eq!(w, [0., 1., 2., 3., 4., 5., 6., 7.]);
+    Ok(())
+}
+
+/// As llama.cpp's `gguf_init_from_file` ("duplicate key", "duplicate
+/// tensor name") and gguf-py's reader refuse them: a metadata key or a
+/// tensor name given twice (candle's reader keeps the last), named with
+/// the file and, for tensors, both data offsets.
+#[test]
+fn duplicate_keys_and_tensor_names_are_refused() {
+    let keys = HandGguf::new("w")
+        .u32_kv("general.quantization_version", 2)
+        .u32_kv("llama.block_count", 1)
+        .u32_kv("general.quantization_version", 3);
+    assert_err(
+        keys.read("dupkey.gguf").map(|_| ()),
+        &[
+            "dupkey.gguf",
+            "'general.quantization_version'",
+            "twice",
+            "entries 0 and 2",
+        ],
+    );
+
+    let mut names = HandGguf::new("w");
+    names.tensors.push(("w".into(), vec![8], 0, 32));
+    assert_err(
+        names.read("dupname.gguf").map(|_| ()),
+        &["dupname.gguf", "tensor 'w'", "twice", "data offsets 0 and 32"],
+    );
+
+    // candle's reader drops trailing NULs: "w\0" is "w" to it, so "w\0"
+    // after "w" is a duplicate too.
+    let mut nul = HandGguf::new("w");
+    nul.tensors.push(("w\0".into(), vec![8], 0, 32));
+    assert_err(
+        nul.read("nul.gguf").map(|_| ()),
+        &["nul.gguf", "tensor 'w'", "twice"],
+    );
+}
+
+/// Tensors whose bytes overlap, or whose offset is not a multiple of the
+/// file's alignment (GGUF's spec: `align_offset(offset) == offset`), are
+/// refused naming the tensors and the offsets; so is a tensor past the
+/// end of the data.
+#[test]
+fn overlapping_and_misaligned_tensors_are_refused() {
+    // 16 floats (bytes 0..64) and 8 more at 32: the second half shared.
+    let mut overlap = HandGguf::new("a");
+    overlap.tensors[0].1 = vec![16];
+    overlap.tensors.push(("b".into(), vec![8], 0, 32));
+    assert_err(
+        overlap.read("overlap.gguf").map(|_| ()),
+        &["overlap.gguf", "'a'", "'b'", "overlap", "0..64", "32..64"],
+    );
+    // The same tensor listed second: the overlap is found whatever the
+    // order of the infos.
+    overlap.tensors.swap(0, 1);
+    assert_err(
+        overlap.read("overlap2.gguf").map(|_| ()),
+        &["overlap2.gguf", "'a'", "'b'", "overlap"],
+    );
+
+    let mut misaligned = HandGguf::new("w");
+    misaligned.tensors[0].3 = 16;
+    assert_err(
+        misaligned.read("misaligned.gguf").map(|_| ()),
+        &["misaligned.gguf", "'w'", "offset 16", "alignment 32"],
+    );
+    // Aligned to 16, the same offset is fine.
+    let mut sixteen = HandGguf::new("w").u32_kv("general.alignment", 16);
+    sixteen.tensors[0].3 = 16;
+    sixteen.align = 16;
+    assert!(sixteen.read("sixteen.gguf").is_ok());
+
+    let mut past = HandGguf::new("w");
+    past.tensors[0].3 = 64;
+    assert_err(
+        past.read("past.gguf").map(|_| ()),
+        &["past.gguf", "'w'", "past the end of the file"],
+    );
+}
+
+/// 2^62 f32 elements: a count that fits, a size in bytes that does not
+/// (the fuzzer's `gguf_header` found the multiplication overflowing).
+#[test]
+fn a_size_in_bytes_that_overflows_is_refused() {
+    let mut huge = HandGguf::new("w");
+    huge.tensors[0].1 = vec![1 << 62];
+    assert_err(
+        huge.read("huge.gguf").map(|_| ()),
+        &["huge.gguf", "'w'", "size in bytes that overflows"],
+    );
+}
+
+/// `general.alignment` in any integer type moves the data section (candle
+/// honours only 8- to 32-bit types and reads a u64's file from the wrong
+/// place); zero, negative or not a power of two is refused naming the key.
+#[test]
+fn general_alignment_of_any_integer_type_is_honoured() -> Result<()> {
+    let file = |ty: u32, value: Vec<u8>| {
+        let mut f = HandGguf::new("w");
+        f.kv.push(("general.alignment".into(), ty, value));
+        f.align = 64;
+        // Where the data would start at the default 32 is padding (zeros).
+        let end = f.header().1;
+        assert!(
+            end.next_multiple_of(32) < end.next_multiple_of(64),
+            "the header must end where 32 and 64 differ: {end}"
+        );
+        f
+    };
+    let cases: [(u32, Vec<u8>); 8] = [
+        (0, vec![64]),
+        (1, vec![64]),
+        (2, 64u16.to_le_bytes().to_vec()),
+        (3, 64i16.to_le_bytes().to_vec()),
+        (4, 64u32.to_le_bytes().to_vec()),
+        (5, 64i32.to_le_bytes().to_vec()),
+        (10, 64u64.to_le_bytes().to_vec()),
+        (11, 64i64.to_le_bytes().to_vec()),
+    ];
+    for (ty, value) in cases {
+        let read = file(ty, value).read("align64.gguf")?;
+        let w = read.tensor("w", &Device::Cpu)?.to_vec1::<f32>()?;
+        assert_eq!(w, [0., 1., 2., 3., 4., 5., 6., 7.], "value type {ty}");
+    }
+    for (ty, value, what) in [
+        (10, 48u64.to_le_bytes().to_vec(), "48"),
+        (10, 0u64.to_le_bytes().to_vec(), "0"),
+        (11, (-64i64).to_le_bytes().to_vec(), "-64"),
+        (
+            10,
+            (1u64 << 63).wrapping_add(1).to_le_bytes().to_vec(),
+            "9223372036854775809",
+        ),
+        (6, 64f32.to_le_bytes().to_vec(), "f32"),
+    ] {
+        assert_err(
+            file(ty, value).read("badalign.gguf").map(|_| ()),
+            &["badalign.gguf", "'general.alignment'", "power of two", what],
+        );
+    }
+    Ok(())
+}
+
+/// Names and strings from a file reach errors escaped: a tensor name, a
+/// metadata key and an architecture holding ANSI escapes, a C1 control
+/// and a newline are printed as `\u{1b}`, `\u{9b}`, `\n`, and each error
+/// stays one line.
+#[test]
+fn names_from_the_file_are_escaped_in_errors() -> Result<()> {
+    // The first line (candle appends a backtrace under RUST_BACKTRACE):
+    // a raw newline in the name would end it early.
+    let check = |res: candle::Result<()>, escaped: &str| {
+        let msg = match res {
+            Ok(()) => panic!("expected an error naming {escaped}"),
+            Err(e) => e.to_string().lines().next().unwrap_or_default().to_string(),
+        };
+        assert!(msg.contains(escaped), "{msg:?} does not contain {escaped:?}");
+        assert!(!msg.chars().any(char::is_control), "{msg:?}");
+    };
+    // A tensor of a ggml type this loader does not read (IQ2_XXS).
+    let mut iq = HandGguf::new("w\u{1b}[2J\u{9b}31m\nx");
+    iq.tensors[0].2 = 16;
+    check(iq.read("iq.gguf").map(|_| ()), r"'w\u{1b}[2J\u{9b}31m\nx'");
+    // A duplicate key.
+    let dup = HandGguf::new("w")
+        .u32_kv("k\u{1b}]0;title\u{7}", 1)
+        .u32_kv("k\u{1b}]0;title\u{7}", 1);
+    check(dup.read("dup.gguf").map(|_| ()), r"'k\u{1b}]0;title\u{7}'");
+    // Misaligned, with five dimensions: the name in each message.
+    let mut odd = HandGguf::new("\u{1b}[31mred");
+    odd.tensors[0].3 = 4;
+    check(odd.read("odd.gguf").map(|_| ()), r"'\u{1b}[31mred'");
+    odd.tensors[0].1 = vec![8, 1, 1, 1, 1];
+    check(odd.read("odd.gguf").map(|_| ()), r"'\u{1b}[31mred'");
+    // An architecture the loader does not run, and an unknown key of a
+    // known one.
+    let mut arch = HandGguf::new("w");
+    arch.kv
+        .push(("general.architecture".into(), 8, gguf_string("\u{1b}[5mllama")));
+    let file = arch.read("arch.gguf")?;
+    check(
+        DecoderModel::from_gguf_file(&file, &Device::Cpu, &LoadOptions::default()).map(|_| ()),
+        r"'\u{1b}[5mllama'",
+    );
+    let mut key = HandGguf::new("w");
+    key.kv
+        .push(("general.architecture".into(), 8, gguf_string("llama")));
+    key = key.u32_kv("llama.\u{1b}[8m", 1);
+    let file = key.read("key.gguf")?;
+    check(
+        DecoderModel::from_gguf_file(&file, &Device::Cpu, &LoadOptions::default()).map(|_| ()),
+        r"'llama.\u{1b}[8m'",
+    );
     Ok(())
 }

@@ -6,6 +6,17 @@
 //! The tensors come back as candle tensors in the dtype they are stored
 //! in (F32, F16, BF16); Q8_0 blocks are dequantized to f32 in one place,
 //! [`dequantize_q8_0`]. Other ggml types are refused by name.
+//!
+//! What llama.cpp's `gguf_init_from_file` and gguf-py's reader refuse is
+//! refused here too, where candle's reader would keep the last of two or
+//! read whatever bytes an offset points at: a key or tensor name given
+//! twice, an offset that is not a multiple of the alignment, tensors whose
+//! bytes overlap, data past the end of the file. Tensors may come in any
+//! order with gaps between them, as GGUF's spec allows (llama.cpp also
+//! asks each to start where the one before it ends, padded).
+//!
+//! Tensor names and metadata keys are untrusted text: every message shows
+//! them through `str::escape_debug`.
 
 use std::collections::HashMap;
 use std::io::Cursor;
@@ -128,38 +139,55 @@ impl GgufFile {
             bail!("'{label}' is not a GGUF file: it does not start with the magic 'GGUF' (or is truncated: {len} bytes)")
         }
         // candle's reader bounds every string, array and count by the
-        // file's size, but not what they take in memory once read, and
-        // divides by the alignment: both are checked first.
-        check_header(&bytes, label)?;
+        // file's size, but not what they take in memory once read, keeps
+        // the last of two entries of a name, divides by the alignment and
+        // ignores one stored in 64 bits: all are checked first, and the
+        // data's start is the header's, not candle's.
+        let header = check_header(&bytes, label)?;
         let content = Content::read(&mut Cursor::new(&bytes[..])).map_err(|e| {
             candle::Error::Msg(format!(
                 "GGUF file '{label}' ({len} bytes): {}",
-                explain(&e.to_string())
+                explain(&e.to_string()).escape_debug()
             ))
         })?;
-        let data_start = usize::try_from(content.tensor_data_offset).unwrap_or(usize::MAX);
+        let data_start = usize::try_from(header.data_start).unwrap_or(usize::MAX);
         let mut tensors = Vec::with_capacity(content.tensor_infos.len());
         for (name, info) in &content.tensor_infos {
             let shape = info.shape.dims().to_vec();
+            let name_shown = name.escape_debug();
             let t = info.ggml_dtype;
             let numel = shape
                 .iter()
                 .try_fold(1usize, |n, &d| n.checked_mul(d))
                 .ok_or_else(|| {
                     candle::Error::Msg(format!(
-                        "GGUF file '{label}': tensor '{name}' has dims {shape:?}, whose product overflows"
+                        "GGUF file '{label}': tensor '{name_shown}' has dims {shape:?}, whose product overflows"
                     ))
                 })?;
             // ggml stores whole blocks along each row (the innermost dim).
             let row = shape.last().copied().unwrap_or(1);
             if !row.is_multiple_of(t.block_size()) {
                 bail!(
-                    "GGUF file '{label}': tensor '{name}' ({}) has rows of {row} elements, not a multiple of the type's block of {}",
+                    "GGUF file '{label}': tensor '{name_shown}' ({}) has rows of {row} elements, not a multiple of the type's block of {}",
                     ggml_type_name(t),
                     t.block_size()
                 )
             }
-            let size = numel / t.block_size() * t.type_size();
+            // As llama.cpp refuses "a size in bytes > SIZE_MAX": 2^62 f32
+            // elements are a count, not a size.
+            let Some(size) = (numel / t.block_size()).checked_mul(t.type_size()) else {
+                bail!(
+                    "GGUF file '{label}': tensor '{name_shown}' ({}, dims {shape:?}) has a size in bytes that overflows",
+                    ggml_type_name(t)
+                )
+            };
+            if !info.offset.is_multiple_of(header.alignment) {
+                bail!(
+                    "GGUF file '{label}': tensor '{name_shown}' has data offset {}, not a multiple of the file's alignment {} (general.alignment, else 32): corrupt or hostile",
+                    info.offset,
+                    header.alignment
+                )
+            }
             let start = usize::try_from(info.offset)
                 .ok()
                 .and_then(|o| o.checked_add(data_start));
@@ -167,7 +195,7 @@ impl GgufFile {
             let range = match (start, end) {
                 (Some(s), Some(e)) if e <= len => s..e,
                 _ => bail!(
-                    "GGUF file '{label}': tensor '{name}' ({}, shape {shape:?}) needs {size} bytes at offset {} of the data, past the end of the file ({len} bytes): truncated or corrupt",
+                    "GGUF file '{label}': tensor '{name_shown}' ({}, shape {shape:?}) needs {size} bytes at offset {} of the data, past the end of the file ({len} bytes): truncated or corrupt",
                     ggml_type_name(t),
                     info.offset
                 ),
@@ -179,6 +207,7 @@ impl GgufFile {
                 range,
             });
         }
+        refuse_overlaps(&tensors, data_start, label)?;
         tensors.sort_by_cached_key(|t| natural_key(&t.name));
         let index = tensors
             .iter()
@@ -235,7 +264,7 @@ impl GgufFile {
     /// types are refused, naming the tensor and its type.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
         let Some(info) = self.info(name) else {
-            bail!("GGUF file '{}': no tensor '{name}'", self.label)
+            bail!("GGUF file '{}': no tensor '{}'", self.label, name.escape_debug())
         };
         let bytes = &self.bytes[info.range.clone()];
         let shape = info.shape.as_slice();
@@ -263,8 +292,9 @@ impl GgufFile {
             }
             GgmlDType::Q8_0 => dequantize_q8_0(bytes, shape, device)?,
             other => bail!(
-                "GGUF file '{}': tensor '{name}' is {}",
+                "GGUF file '{}': tensor '{}' is {}",
                 self.label,
+                name.escape_debug(),
                 unsupported(other)
             ),
         };
@@ -303,6 +333,35 @@ impl GgufFile {
         }
         Ok(bad)
     }
+}
+
+/// Refuses two tensors sharing a byte (empty ones share none), naming
+/// both with their ranges counted from the data's start, as the header's
+/// offsets are: candle's reader would hand each the other's bytes.
+fn refuse_overlaps(tensors: &[GgufTensorInfo], data_start: usize, label: &str) -> Result<()> {
+    let mut by_start: Vec<&GgufTensorInfo> = tensors.iter().filter(|t| !t.range.is_empty()).collect();
+    by_start.sort_by_key(|t| (t.range.start, t.range.end));
+    // The tensor reaching furthest so far: any later start before its end
+    // overlaps it.
+    let mut furthest: Option<&GgufTensorInfo> = None;
+    for t in by_start {
+        if let Some(f) = furthest {
+            if t.range.start < f.range.end {
+                let data = |t: &GgufTensorInfo| (t.range.start - data_start)..(t.range.end - data_start);
+                bail!(
+                    "GGUF file '{label}': tensors '{}' (data bytes {:?}) and '{}' (data bytes {:?}) overlap: a corrupt or hostile file",
+                    f.name.escape_debug(),
+                    data(f),
+                    t.name.escape_debug(),
+                    data(t)
+                )
+            }
+        }
+        if furthest.is_none_or(|f| t.range.end > f.range.end) {
+            furthest = Some(t);
+        }
+    }
+    Ok(())
 }
 
 /// The candle dtype [`GgufFile::tensor`] returns for a ggml type, or

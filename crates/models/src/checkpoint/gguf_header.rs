@@ -1,15 +1,27 @@
 //! A GGUF header walked before candle's reader parses it, to refuse what
-//! that reader would turn into a large allocation or a crash: metadata
-//! that would take more memory than [`MAX_METADATA_MEMORY`] once read (a
-//! byte on disk can become a 32-byte `Value`), an alignment of 0 (candle
-//! divides by it), and a tensor of a ggml type candle does not know
-//! (named here, which candle's message does not).
+//! that reader would turn into a large allocation, a crash or a silent
+//! misreading: metadata that would take more memory than
+//! [`MAX_METADATA_MEMORY`] once read (a byte on disk can become a 32-byte
+//! `Value`), a metadata key or a tensor name given twice (candle keeps the
+//! last; llama.cpp's `gguf_init_from_file` and gguf-py's reader refuse
+//! both), a `general.alignment` that is not a positive power of two
+//! (candle divides by it), more than 4 dimensions, and a tensor of a ggml
+//! type candle does not know (named here, which candle's message does not).
+//! It also finds what candle gets wrong: the alignment stored as a 64-bit
+//! integer, which candle ignores, and so where the tensor data starts.
 //!
 //! Layout (ggml's `docs/gguf.md`): magic `GGUF`, version (1: u32 lengths
 //! and counts, 2 and 3: u64), tensor count, metadata count; each metadata
 //! entry a string key, a u32 value type and the value (arrays: element
 //! type, length, elements); each tensor a string name, u32 dim count, the
-//! dims, a u32 ggml type and a u64 offset. Everything little-endian.
+//! dims, a u32 ggml type and a u64 offset; then the tensor data, from the
+//! header's end padded to the alignment. Everything little-endian.
+//!
+//! Keys and names are untrusted text: every message shows them through
+//! `str::escape_debug`, so a control character in one cannot drive the
+//! terminal that prints the error.
+
+use std::collections::HashMap;
 
 use candle::{bail, Result};
 
@@ -23,6 +35,52 @@ const VALUE_BYTES: u64 = std::mem::size_of::<candle::quantized::gguf_file::Value
 
 /// Deepest nesting of arrays candle reads.
 const MAX_DEPTH: usize = 64;
+
+/// Most dimensions a tensor has (ggml's `GGML_MAX_DIMS`; candle refuses
+/// more too, naming the tensor unescaped).
+const MAX_DIMS: u32 = 4;
+
+/// GGUF's alignment where `general.alignment` is absent.
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// What the walk learnt that candle's reader does not give right.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    /// `general.alignment` (any integer type), else 32: every tensor's
+    /// offset is a multiple of it.
+    pub alignment: u64,
+    /// Where the tensor data starts in the file: the header's end padded
+    /// to `alignment`. Tensor offsets count from here.
+    pub data_start: u64,
+}
+
+/// A string of the header as candle's reader makes it (trailing NULs
+/// dropped, invalid UTF-8 replaced): the key its maps hold, so two entries
+/// that differ only in those bytes are the same key to it.
+fn as_candle_reads(bytes: &[u8]) -> String {
+    let end = bytes.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// llama.cpp's name for a GGUF value type (`gguf_type_name`).
+fn value_type_name(ty: u32) -> &'static str {
+    match ty {
+        0 => "u8",
+        1 => "i8",
+        2 => "u16",
+        3 => "i16",
+        4 => "u32",
+        5 => "i32",
+        6 => "f32",
+        7 => "bool",
+        8 => "str",
+        9 => "arr",
+        10 => "u64",
+        11 => "i64",
+        12 => "f64",
+        _ => "unknown",
+    }
+}
 
 /// The ggml type numbers candle's reader knows.
 const CANDLE_TYPES: [u32; 15] = [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 30];
@@ -177,9 +235,11 @@ impl<'a> Walker<'a> {
 }
 
 /// Walks the header of `bytes` (which start with `GGUF`): refuses metadata
-/// too large once read, a `general.alignment` that is not a positive power
-/// of two, and tensors of a ggml type candle's reader does not know.
-pub(crate) fn check_header(bytes: &[u8], label: &str) -> Result<()> {
+/// too large once read, a key or tensor name given twice, a
+/// `general.alignment` that is not a positive power of two, more than 4
+/// dimensions and tensors of a ggml type candle's reader does not know;
+/// returns the alignment and where the tensor data starts.
+pub(crate) fn check_header(bytes: &[u8], label: &str) -> Result<Header> {
     let mut w = Walker {
         bytes,
         at: 4,
@@ -194,35 +254,68 @@ pub(crate) fn check_header(bytes: &[u8], label: &str) -> Result<()> {
     w.short = version == 1;
     let tensors = w.len("the tensor count")?;
     let entries = w.len("the metadata count")?;
-    for _ in 0..entries {
-        let key = String::from_utf8_lossy(w.string("a metadata key")?).into_owned();
-        w.spend(key.len() as u64 + VALUE_BYTES)?;
-        let ty = w.u32(&key)?;
-        let v = w.value(ty, &key, 0)?;
-        if key == "general.alignment" && !v.is_some_and(|a| a > 0 && (a as u128).is_power_of_two()) {
-            bail!("GGUF file '{label}': metadata 'general.alignment' must be a positive power of two")
+    let mut alignment = DEFAULT_ALIGNMENT;
+    // Each key's entry number; the counts are bounded by the file's size
+    // (each entry takes bytes), so these maps are too.
+    let mut keys: HashMap<String, u64> = HashMap::new();
+    for i in 0..entries {
+        let raw = w.string("a metadata key")?;
+        w.spend(raw.len() as u64 + VALUE_BYTES)?;
+        let key = as_candle_reads(raw);
+        let shown = key.escape_debug().to_string();
+        if let Some(first) = keys.insert(key.clone(), i) {
+            bail!(
+                "GGUF file '{label}': metadata key '{shown}' appears twice (entries {first} and {i}): a corrupt or hostile file"
+            )
+        }
+        let ty = w.u32(&shown)?;
+        let v = w.value(ty, &shown, 0)?;
+        if key == "general.alignment" {
+            alignment = match v.and_then(|a| u64::try_from(a).ok()) {
+                Some(a) if a.is_power_of_two() => a,
+                _ => {
+                    let found = match v {
+                        Some(a) => format!("{} {a}", value_type_name(ty)),
+                        None => format!("a value of type {}", value_type_name(ty)),
+                    };
+                    bail!("GGUF file '{label}': metadata 'general.alignment' must be a positive power of two, found {found}")
+                }
+            };
         }
     }
-    for _ in 0..tensors {
-        let name = String::from_utf8_lossy(w.string("a tensor name")?).into_owned();
-        let dims = w.u32(&name)?;
-        for _ in 0..dims.min(8) {
-            w.len(&name)?;
+    // Each name's tensor number and offset.
+    let mut names: HashMap<String, (u64, u64)> = HashMap::new();
+    for i in 0..tensors {
+        let name = as_candle_reads(w.string("a tensor name")?);
+        let shown = name.escape_debug().to_string();
+        let dims = w.u32(&shown)?;
+        if dims > MAX_DIMS {
+            bail!("GGUF file '{label}': tensor '{shown}' has {dims} dimensions, more than GGUF's {MAX_DIMS}")
         }
-        if dims > 8 {
-            // candle refuses more than 4 with the name.
-            return Ok(());
+        for _ in 0..dims {
+            w.len(&shown)?;
         }
-        let ty = w.u32(&name)?;
+        let ty = w.u32(&shown)?;
         if !CANDLE_TYPES.contains(&ty) {
             bail!(
-                "GGUF file '{label}': tensor '{name}' is ggml type {ty} ({}), which this loader does not read (it reads F32, F16, BF16, Q8_0)",
+                "GGUF file '{label}': tensor '{shown}' is ggml type {ty} ({}), which this loader does not read (it reads F32, F16, BF16, Q8_0)",
                 other_type_name(ty)
             )
         }
-        w.u64(&name)?;
+        let offset = w.u64(&shown)?;
+        if let Some((first, at)) = names.insert(name, (i, offset)) {
+            bail!(
+                "GGUF file '{label}': tensor '{shown}' appears twice (tensor infos {first} and {i}, at data offsets {at} and {offset}): a corrupt or hostile file"
+            )
+        }
     }
-    Ok(())
+    let Some(data_start) = (w.at as u64).checked_next_multiple_of(alignment) else {
+        bail!("GGUF file '{label}': general.alignment {alignment} puts the tensor data past any file")
+    };
+    Ok(Header {
+        alignment,
+        data_start,
+    })
 }
 
 #[cfg(test)]
@@ -277,6 +370,22 @@ mod tests {
             err.contains("'blk.0.attn_q.weight'") && err.contains("IQ2_XXS"),
             "{err}"
         );
+    }
+
+    /// The data starts at the header's end padded to `general.alignment`,
+    /// a u64 here (which candle ignores, padding to 32).
+    #[test]
+    fn the_data_starts_at_the_alignment_the_file_gives() -> Result<()> {
+        let mut kv = string("general.alignment");
+        kv.extend(10u32.to_le_bytes());
+        kv.extend(256u64.to_le_bytes());
+        let b = header(&kv, 1, &[], 0);
+        assert_eq!(b.len(), 61);
+        let h = check_header(&b, "a.gguf")?;
+        assert_eq!((h.alignment, h.data_start), (256, 256));
+        let h = check_header(&header(&[], 0, &[], 0), "b.gguf")?;
+        assert_eq!((h.alignment, h.data_start), (32, 32));
+        Ok(())
     }
 
     #[test]

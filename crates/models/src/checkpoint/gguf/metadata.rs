@@ -21,8 +21,9 @@ impl GgufFile {
 
     fn wrong(&self, key: &str, want: &str, v: &Value) -> candle::Error {
         candle::Error::Msg(format!(
-            "GGUF file '{}': metadata '{key}' must be {want}, found {}",
+            "GGUF file '{}': metadata '{}' must be {want}, found {}",
             self.label,
+            key.escape_debug(),
             show(v)
         ))
     }

@@ -28,7 +28,8 @@ impl Arch {
             "qwen2" => Self::Qwen2,
             "qwen3" => Self::Qwen3,
             other => bail!(
-                "GGUF file '{label}': architecture '{other}' is not supported; this loader runs {} (Mistral files are 'llama')",
+                "GGUF file '{label}': architecture '{}' is not supported; this loader runs {} (Mistral files are 'llama')",
+                other.escape_debug(),
                 GGUF_ARCHITECTURES.join(", ")
             ),
         })
@@ -90,7 +91,10 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     for k in file.keys() {
         if let Some(rest) = k.strip_prefix(&prefix) {
             if !KNOWN_KEYS.contains(&rest) {
-                bail!("GGUF file '{label}': metadata '{k}' is not one this loader can honour")
+                bail!(
+                    "GGUF file '{label}': metadata '{}' is not one this loader can honour",
+                    k.escape_debug()
+                )
             }
         }
         if k == "split.count" && file.usize(k)?.unwrap_or(1) > 1 {
@@ -160,8 +164,9 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
             ),
         },
         Some(other) => bail!(
-            "GGUF file '{label}': '{}' '{other}' is not supported; only 'none' and 'linear'",
-            key("rope.scaling.type")
+            "GGUF file '{label}': '{}' '{}' is not supported; only 'none' and 'linear'",
+            key("rope.scaling.type"),
+            other.escape_debug()
         ),
     };
     if let Some(s) = &rope_scaling {

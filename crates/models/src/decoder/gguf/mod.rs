@@ -187,7 +187,7 @@ fn check_types(file: &GgufFile) -> Result<()> {
         .tensors()
         .iter()
         .filter(|t| stored_dtype(t.ggml_type).is_none())
-        .map(|t| format!("{} ({})", t.name, ggml_type_name(t.ggml_type)))
+        .map(|t| format!("{} ({})", t.name.escape_debug(), ggml_type_name(t.ggml_type)))
         .collect();
     if !bad.is_empty() {
         let more = if bad.len() > NAMED {
@@ -208,16 +208,17 @@ fn check_types(file: &GgufFile) -> Result<()> {
 }
 
 /// Compares the tensors the model `cfg` asks for with the file's, by the
-/// file's names: every missing, unexpected and mis-shaped one at once.
-/// Also returns the names of those present in the right shape, in the
-/// order the model asks for them.
+/// file's names: every missing, unexpected and mis-shaped one at once
+/// (the unexpected, which the file names, escaped: `str::escape_debug`,
+/// since the report is printed). Also returns the names of those present
+/// in the right shape, in the order the model asks for them.
 fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>)> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
     for t in file.tensors() {
         match hf_name(&t.name) {
             Some(h) => present.push(h),
-            None => report.unexpected.push(t.name.clone()),
+            None => report.unexpected.push(t.name.escape_debug().to_string()),
         }
     }
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
@@ -250,7 +251,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
         file.tensors()
             .iter()
             .filter(|t| hf_name(&t.name).is_some() && !needed.contains(&t.name))
-            .map(|t| t.name.clone()),
+            .map(|t| t.name.escape_debug().to_string()),
     );
     Ok((report, matching))
 }

@@ -116,7 +116,10 @@ impl TextTokenizer {
             other => {
                 return Err(needs_tokenizer(
                     label,
-                    &format!("tokenizer.ggml.model '{other}' is not rebuilt (only byte-level BPE, 'gpt2')"),
+                    &format!(
+                        "tokenizer.ggml.model '{}' is not rebuilt (only byte-level BPE, 'gpt2')",
+                        other.escape_debug()
+                    ),
                 ))
             }
         }
@@ -125,7 +128,8 @@ impl TextTokenizer {
                 needs_tokenizer(
                     label,
                     &format!(
-                        "tokenizer.ggml.pre '{name}' is not one whose pre-tokenizer is rebuilt ({})",
+                        "tokenizer.ggml.pre '{}' is not one whose pre-tokenizer is rebuilt ({})",
+                        name.escape_debug(),
                         GGUF_PRE_TOKENIZERS.join(", ")
                     ),
                 )
@@ -225,8 +229,14 @@ impl TextTokenizer {
         });
         let bytes = serde_json::to_vec(&tokenizer)
             .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': tokenizer: {e}")))?;
-        Self::from_json(&bytes, &format!("{label} (tokenizer.ggml.*)"), None)
-            .map_err(|e| needs_tokenizer(label, &format!("its tokenizer could not be built: {e}")))
+        Self::from_json(&bytes, &format!("{label} (tokenizer.ggml.*)"), None).map_err(|e| {
+            // The tokenizers crate's message may quote a token of the file.
+            let e = e.to_string();
+            needs_tokenizer(
+                label,
+                &format!("its tokenizer could not be built: {}", e.escape_debug()),
+            )
+        })
     }
 }
 
