@@ -331,17 +331,22 @@ impl TextGenerator {
         let (tokenizer, folder_chat) = match tokenizer {
             Some(t) => (
                 TextTokenizer::from_file(t)?,
-                ChatTemplate::from_folder(t.parent().unwrap_or(Path::new(".")))?,
+                ChatTemplate::from_folder(t.parent().unwrap_or(Path::new("."))),
             ),
-            None => (TextTokenizer::from_gguf(file)?, None),
+            None => (TextTokenizer::from_gguf(file)?, Ok(None)),
         };
         let generation = HfGenerationConfig::from_gguf(file)?;
-        let chat = gguf_chat_template(file)?.or(folder_chat);
+        // A template that cannot be used fails the conversations that ask
+        // for it, not the file's load (as HF's apply_chat_template).
+        let chat = match gguf_chat_template(file) {
+            Ok(None) => folder_chat,
+            file_chat => file_chat,
+        };
         let model = DecoderModel::from_gguf_file(file, device, opts)?;
         generation.check_ids(
             crate::decoder::CausalLm::vocab_size(&model),
             &format!("GGUF file '{label}' (tokenizer.ggml.*_token_id)"),
         )?;
-        Ok(Self::new(model, tokenizer, generation, &label)?.with_chat_template(chat))
+        Ok(Self::new(model, tokenizer, generation, &label)?.with_chat_result(chat))
     }
 }
