@@ -333,7 +333,8 @@ pub(super) fn generation_tags_as_blocks(source: &str) -> String {
     while let Some(at) = rest.find("{%") {
         out.push_str(&rest[..at]);
         let tag = &rest[at..];
-        let Some(end) = tag.find("%}") else {
+        // The tag's end, after its `{%` (`{%}` is no tag).
+        let Some(end) = tag[2..].find("%}").map(|e| e + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -469,6 +470,9 @@ mod tests {
             "a{%- if true -%}b{% endif %}{% if x %}"
         );
         assert_eq!(generation_tags_as_blocks("{% generation"), "{% generation");
+        // Found by fuzzing: `%}` overlapping the `{%`.
+        assert_eq!(generation_tags_as_blocks("e{%}x"), "e{%}x");
+        assert_eq!(generation_tags_as_blocks("{%-%}{%%}"), "{%-%}{%%}");
     }
 
     #[test]

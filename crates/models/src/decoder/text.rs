@@ -35,8 +35,10 @@ pub struct TextTokenizer {
     byte_level: bool,
     /// Most bytes the normalizer makes of one byte of text.
     growth: f64,
-    /// Ids of the special tokens, sorted.
-    special_tokens: Vec<u32>,
+    /// Ids decoding does not skip, sorted: every token's but the special
+    /// ones' (an id with no token, past the vocabulary or in a hand-edited
+    /// one's holes, is skipped too).
+    decoded: Vec<u32>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -110,20 +112,23 @@ impl TextTokenizer {
                 && t.ends_with('>')
                 && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
         };
+        // By id, as the decoder sees them: a file may give two tokens one
+        // id, and the decoder then reads only one of them.
         let mut byte_tokens: Vec<u32> = inner
             .get_vocab(true)
-            .into_iter()
-            .filter(|(t, _)| is_byte_token(t))
-            .map(|(_, id)| id)
+            .into_values()
+            .filter(|&id| inner.id_to_token(id).is_some_and(|t| is_byte_token(&t)))
             .collect();
         byte_tokens.sort_unstable();
-        let mut special_tokens: Vec<u32> = inner
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, t)| t.special)
-            .map(|(id, _)| id)
+        byte_tokens.dedup();
+        let added = inner.get_added_tokens_decoder();
+        let mut decoded: Vec<u32> = inner
+            .get_vocab(true)
+            .into_values()
+            .filter(|id| !added.get(id).is_some_and(|t| t.special))
             .collect();
-        special_tokens.sort_unstable();
+        decoded.sort_unstable();
+        decoded.dedup();
         let byte_level = inner
             .get_decoder()
             .and_then(|d| serde_json::to_string(d).ok())
@@ -135,7 +140,7 @@ impl TextTokenizer {
             byte_tokens,
             byte_level,
             growth,
-            special_tokens,
+            decoded,
         })
     }
 
@@ -222,9 +227,10 @@ impl TextTokenizer {
             .collect()
     }
 
-    /// Whether `id` is a special token (skipped in decoded text).
-    fn is_special(&self, id: u32) -> bool {
-        self.special_tokens.binary_search(&id).is_ok()
+    /// Whether decoding skips `id`: a special token, or an id with no
+    /// token.
+    fn is_skipped(&self, id: u32) -> bool {
+        self.decoded.binary_search(&id).is_err()
     }
 
     /// Whether `id` is a byte-fallback token (`<0xE6>`).
@@ -315,13 +321,13 @@ impl TextStream<'_> {
         self.ids.push(id);
         // A trailing run of byte-fallback tokens decodes as one group,
         // which the next byte can still turn into U+FFFDs: not final yet.
-        // Special tokens are skipped before decoding, so the run goes on
-        // through them.
+        // Special tokens (and unknown ids) are skipped before decoding, so
+        // the run goes on through them.
         let run = self
             .ids
             .iter()
             .rev()
-            .take_while(|&&id| self.tokenizer.is_byte_token(id) || self.tokenizer.is_special(id))
+            .take_while(|&&id| self.tokenizer.is_byte_token(id) || self.tokenizer.is_skipped(id))
             .count();
         let text = self.tokenizer.decode_raw(&self.ids[..self.ids.len() - run])?;
         // A trailing U+FFFD may be a character still being spelled out.
@@ -339,7 +345,7 @@ impl TextStream<'_> {
     /// text alone is not empty: a window starting with SentencePiece's
     /// `▁` alone (stripped to nothing) would lose its space.
     fn restart(&mut self) -> Result<()> {
-        let Some(i) = self.ids.iter().rposition(|&id| !self.tokenizer.is_special(id)) else {
+        let Some(i) = self.ids.iter().rposition(|&id| !self.tokenizer.is_skipped(id)) else {
             // Nothing but special tokens: the next token's text is the first.
             self.ids.clear();
             self.shown.clear();
