@@ -41,13 +41,18 @@ fn main() -> Result<()> {
         ..GenerateConfig::default()
     };
     let sampled = greedy.clone().with_decoding(Decoding::Sample { seed: 7 });
-    let (top_k, penalty) = (TopK::new(20)?, RepetitionPenalty::new(1.3)?);
+    // HF's order: the penalty (over each prompt's ids and the generated
+    // ones) before the top-k warper.
+    let (top_k, penalty) = (
+        TopK::new(20)?,
+        RepetitionPenalty::new(1.3)?.with_prompts(prompts.clone()),
+    );
     for (name, cfg, procs) in [
         ("greedy", &greedy, vec![]),
         (
             "top-k 20, repetition penalty 1.3, seed 7",
             &sampled,
-            vec![&top_k as _, &penalty as _],
+            vec![&penalty as _, &top_k as _],
         ),
     ] {
         println!("{name}:");
