@@ -200,6 +200,25 @@ fn hostile_normalizers_are_refused_by_field() -> Result<()> {
     Ok(())
 }
 
+/// A post-processor whose template names a special token it does not
+/// define (found by fuzzing: the tokenizers crate panics on every encode)
+/// is refused when the file is read, naming it.
+#[test]
+fn a_tokenizer_that_cannot_encode_is_refused_when_read() -> Result<()> {
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(
+        fixtures().join("llama3/tokenizer.json"),
+    )?)?;
+    json["post_processor"]["single"][0]["SpecialToken"]["id"] = Value::from("<|missing|>");
+    let err = TextTokenizer::from_json(&serde_json::to_vec(&json)?, "tokenizer.json", None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokenizer.json: cannot encode a text: the tokenizers crate panicked on this file"),
+        "{err}"
+    );
+    Ok(())
+}
+
 /// A normalizer that inflates a prompt past the model's context: refused
 /// with both numbers, a rotary model's `max_position_embeddings` (256)
 /// being its context.

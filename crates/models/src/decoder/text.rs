@@ -95,6 +95,10 @@ impl TextTokenizer {
             .with_truncation(None)
             .map_err(|e| candle::Error::Msg(format!("{label}: cannot switch truncation off: {e}")))?;
         inner.with_padding(None);
+        // A file whose post-processor or model cannot encode at all (the
+        // crate panics on a template naming a token it lacks) is refused
+        // here, naming the file, not at every prompt.
+        guard(label, "cannot encode a text", || inner.encode("a", true))?;
         let mut clean_up = false;
         if let Some((text, config_label)) = config {
             let map = parse_object(text, config_label)?;
