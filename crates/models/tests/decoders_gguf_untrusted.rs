@@ -600,3 +600,29 @@ fn names_from_the_file_are_escaped_in_errors() -> Result<()> {
     );
     Ok(())
 }
+
+/// An f32 file loaded with its matrices in f16 (`--dtype f16`): a weight
+/// past f16's largest (65504) would become infinity, so the load refuses
+/// it naming the tensor and the value, as a folder's load does; the file
+/// itself loads in f32.
+#[test]
+fn a_weight_past_f16_s_range_is_refused_when_loading_as_f16() -> Result<()> {
+    let path = patched(
+        "llama",
+        "f32",
+        "blk.0.ffn_up.weight",
+        &[(8, 1.0e5f32.to_le_bytes().to_vec())],
+    )?;
+    let f16 = LoadOptions {
+        dtype: multihead_models::checkpoint::WeightDtype::F16,
+        ..LoadOptions::default()
+    };
+    let err = DecoderModel::from_gguf(&path, &Device::Cpu, &f16).map(|_| ());
+    assert_err(
+        err,
+        &["tensor 'blk.0.ffn_up.weight' holds 1 value up to 100000, past f16's largest 65504"],
+    );
+    DecoderModel::from_gguf(&path, &Device::Cpu, &LoadOptions::default())?;
+    std::fs::remove_file(&path)?;
+    Ok(())
+}

@@ -30,6 +30,7 @@ mod preflight;
 mod shards;
 
 pub use capacity::{checked_product, MinWeights};
+pub(crate) use dtype::float_range;
 pub use dtype::{LoadOptions, WeightDtype};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
 pub use folder::{ModelFiles, Weights};

@@ -20,8 +20,8 @@ use candle_nn::{Init, VarBuilder};
 use super::config::LlamaConfig;
 use super::{DecoderModel, Llama};
 use crate::checkpoint::{
-    ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress, Misshaped, NonFinite,
-    Preflight, Wanted, GGUF_TENSOR_TYPES,
+    float_range, ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
+    Misshaped, NonFinite, Preflight, Wanted, GGUF_TENSOR_TYPES,
 };
 use config::{gguf_config, Arch};
 pub use text::GGUF_PRE_TOKENIZERS;
@@ -143,7 +143,10 @@ impl GgufReader<'_> {
             }
         }
         let t = match (t.rank(), self.weight_dtype) {
-            (2, Some(d)) => t.to_dtype(d)?,
+            (2, Some(d)) => {
+                self.ensure_representable(&t, d, &g)?;
+                t.to_dtype(d)?
+            }
             (2, None) => t,
             _ => t.to_dtype(DType::F32)?,
         };
@@ -153,6 +156,40 @@ impl GgufReader<'_> {
             (progress.0)(read.min(self.total), self.total);
         }
         Ok(t)
+    }
+}
+
+impl GgufReader<'_> {
+    /// Refuses a matrix `t` (tensor `g`) holding finite values too large
+    /// for `dtype` (an f32 weight past f16's 65504): converted, they would
+    /// be infinity and the first step would fail far from the cause, as
+    /// `Checkpoint::load` refuses them in a folder's weights.
+    fn ensure_representable(&self, t: &Tensor, dtype: DType, g: &str) -> Result<()> {
+        let (Some((target_max, overflow)), Some((stored_max, _))) =
+            (float_range(dtype), float_range(t.dtype()))
+        else {
+            return Ok(());
+        };
+        if stored_max < overflow {
+            return Ok(());
+        }
+        let a = t.to_dtype(DType::F32)?.abs()?;
+        let past = (a.ge(overflow as f32)? * a.lt(f32::INFINITY)?)?;
+        let n = past.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let largest = past
+            .where_cond(&a, &a.zeros_like()?)?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        bail!(
+            "GGUF file '{}': tensor '{}' holds {n} value{} up to {largest}, past {}'s largest {target_max}, which would become infinity (load it in a wider dtype)",
+            self.file.label(),
+            g.escape_debug(),
+            if n == 1 { "" } else { "s" },
+            dtype.as_str(),
+        )
     }
 }
 
