@@ -260,3 +260,107 @@ fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
     );
     Ok(())
 }
+
+/// A conversation from a file (`--messages`), template arguments
+/// (`--template-arg`), one JSON object a line (`--format jsonl`),
+/// `--threads`, and `--temperature 0` as greedy decoding: each gives what
+/// the library (or the plain greedy run) gives.
+#[test]
+fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> {
+    use multihead::models::decoder::{ChatMessage, TemplateArgs, TextGenerator};
+    let dir = text_fixtures::folder_with("llama3", "cli-template-args", |d| {
+        // Llama 3's template, with a line only `enable_thinking=false` adds.
+        let path = d.join("chat_template.jinja");
+        let source = std::fs::read_to_string(&path)?;
+        Ok(std::fs::write(
+            path,
+            format!("{{% if enable_thinking is defined and not enable_thinking %}}/no_think {{% endif %}}{source}"),
+        )?)
+    })?;
+    let model = dir.to_str().context("path")?;
+    let conversation = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Hello world"),
+        ChatMessage::new("assistant", "Hi."),
+        ChatMessage::new("user", "héllo again"),
+    ];
+    let file = dir.join("conversation.json");
+    std::fs::write(&file, serde_json::to_string(&conversation)?)?;
+    let g = TextGenerator::from_folder(&dir, &candle::Device::Cpu)?;
+    let args = TemplateArgs::from([("enable_thinking".to_string(), Value::Bool(false))]);
+    for (extra, args) in [
+        (vec![], TemplateArgs::new()),
+        (vec!["--template-arg", "enable_thinking=false"], args),
+    ] {
+        let want = g.generate_chat_with(&conversation, &args, &g.settings(), &mut |_| Ok(()))?;
+        let mut cli = vec![
+            "generate",
+            "--model",
+            model,
+            "--messages",
+            file.to_str().context("path")?,
+        ];
+        cli.extend(["--format", "jsonl", "--threads", "1"]);
+        cli.extend(extra);
+        let out = multihead(&cli, None)?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let lines: Vec<Value> = String::from_utf8(out.stdout)?
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<serde_json::Result<_>>()?;
+        assert_eq!(lines.len(), 1);
+        assert_eq!(ids(&lines[0]["tokens"]), want.ids);
+        assert_eq!(lines[0]["prompt_tokens"], want.prompt_ids.len());
+        assert_eq!(lines[0]["messages"][3]["content"], "héllo again");
+    }
+    // The argument reaches the template: the prompt grows by its line.
+    let plain = g.generate_chat(&conversation, &g.settings(), &mut |_| Ok(()))?;
+    let thinking = g.generate_chat_with(
+        &conversation,
+        &TemplateArgs::from([("enable_thinking".to_string(), Value::Bool(false))]),
+        &g.settings(),
+        &mut |_| Ok(()),
+    )?;
+    assert!(thinking.prompt_ids.len() > plain.prompt_ids.len());
+    // `--temperature 0` is `--greedy`, one JSON line a prompt.
+    let run = |flag: &str| -> Result<Vec<Value>> {
+        let out = multihead(
+            &[
+                "generate",
+                "--model",
+                model,
+                "--format",
+                "jsonl",
+                flag,
+                "Hello world",
+                "a",
+            ],
+            None,
+        )?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8(out.stdout)?
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<serde_json::Result<_>>()?)
+    };
+    let (zero, greedy) = (run("--temperature=0")?, run("--greedy")?);
+    assert_eq!(zero.len(), 2);
+    assert_eq!(
+        zero.iter().map(|l| &l["tokens"]).collect::<Vec<_>>(),
+        greedy.iter().map(|l| &l["tokens"]).collect::<Vec<_>>()
+    );
+    // A file that is not a conversation names the entry.
+    std::fs::write(&file, r#"[{"role": "user", "content": ["parts"]}]"#)?;
+    let out = multihead(
+        &[
+            "generate",
+            "--model",
+            model,
+            "--messages",
+            file.to_str().context("path")?,
+        ],
+        None,
+    )?;
+    common::assert_one_line_error(&out, &["conversation.json: messages[0].content must be a string"]);
+    Ok(())
+}

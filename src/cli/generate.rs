@@ -3,17 +3,69 @@
 //! Llama-family GGUF file, streaming each continuation as it is generated.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
 use multihead::models::checkpoint::{is_gguf, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype};
-use multihead::models::decoder::{ChatMessage, Finish, Sampling, TextGenerator};
+use multihead::models::decoder::{ChatMessage, Finish, Sampling, TemplateArgs, TextGenerator};
+use multihead::models::files::{read_text, MAX_CONFIG_BYTES};
+use serde_json::Value;
 
 use super::input::{preview, read_lines};
 use super::seq2seq::parse_device;
+
+/// Most threads `--threads` may ask for.
+const MAX_THREADS: usize = 1024;
+
+/// Most messages a `--messages` file may hold.
+const MAX_MESSAGES: usize = 100_000;
+
+/// `--messages FILE.json`: a list of `{"role": ..., "content": ...}`
+/// objects, each wrong entry named by its index.
+fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
+    let label = path.display().to_string();
+    let text = read_text(path, "messages", MAX_CONFIG_BYTES)?;
+    let value: Value = serde_json::from_str(&text).with_context(|| format!("{label}: not valid JSON"))?;
+    let Some(list) = value.as_array() else {
+        bail!("{label}: must be a list of {{\"role\": ..., \"content\": ...}} objects")
+    };
+    if list.is_empty() || list.len() > MAX_MESSAGES {
+        bail!(
+            "{label}: must hold 1..={MAX_MESSAGES} messages, found {}",
+            list.len()
+        )
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = |key: &str| match m.get(key) {
+                Some(Value::String(s)) => Ok(s.clone()),
+                other => bail!(
+                    "{label}: messages[{i}].{key} must be a string, found {}",
+                    other.map_or("nothing".to_string(), Value::to_string)
+                ),
+            };
+            Ok(ChatMessage::new(field("role")?, field("content")?))
+        })
+        .collect()
+}
+
+/// `--template-arg KEY=VALUE`s, VALUE read as JSON where it is one.
+fn template_args(given: &[String]) -> Result<TemplateArgs> {
+    given
+        .iter()
+        .map(|arg| {
+            let Some((key, value)) = arg.split_once('=').filter(|(k, _)| !k.is_empty()) else {
+                bail!("--template-arg must be KEY=VALUE, found {arg:?}")
+            };
+            let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
+            Ok((key.to_string(), value))
+        })
+        .collect()
+}
 
 /// Most tokens `--max-new-tokens` may ask for.
 const MAX_NEW_TOKENS: usize = 1 << 16;
@@ -44,7 +96,7 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
     pub greedy: bool,
     /// Sample at this temperature (sampling also follows the folder's
-    /// do_sample).
+    /// do_sample); 0 is greedy decoding, as in llama.cpp and OpenAI's API.
     #[arg(long, value_name = "T")]
     pub temperature: Option<f32>,
     /// Sample among the K most likely tokens.
@@ -67,7 +119,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// `text`: each continuation streamed, one line each; `json`: one array
-    /// with an object per prompt.
+    /// with an object per prompt; `jsonl`: one object a line, each written
+    /// as its continuation ends.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
     /// With `--format text`: print each prompt before its continuation.
@@ -80,6 +133,21 @@ pub struct Args {
     /// With `--chat`: a system message before each prompt.
     #[arg(long, value_name = "TEXT", requires = "chat")]
     pub system: Option<String>,
+    /// A conversation to reply to in place of prompts: a JSON file holding
+    /// a list of `{"role": ..., "content": ...}` objects (as OpenAI's API
+    /// and HF's `apply_chat_template` take them), rendered with the
+    /// model's chat template; the output is the assistant's reply.
+    #[arg(long, value_name = "FILE.json", conflicts_with_all = ["prompts", "chat", "system"])]
+    pub messages: Option<PathBuf>,
+    /// With `--chat` or `--messages`: a variable for the chat template, as
+    /// `apply_chat_template`'s keyword arguments: `KEY=VALUE`, VALUE read as
+    /// JSON where it is one (`false`, `3`, `"x"`), else as text; e.g.
+    /// `enable_thinking=false` (Qwen3). May be given several times.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub template_arg: Vec<String>,
+    /// Threads the model runs on (default: one a core).
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
     /// The dtype the weight matrices are kept in: f32, or bf16 and f16
     /// (half the memory and the bytes read a token; a bf16 folder is kept
     /// as stored), or q8_0 (llama.cpp's 8-bit blocks, quantized at load).
@@ -105,6 +173,8 @@ pub enum Format {
     Text,
     /// One JSON array, an object per prompt.
     Json,
+    /// One JSON object a line, written as each continuation ends.
+    Jsonl,
 }
 
 /// The model `args` names (a GGUF file where `gguf`), its weight matrices
@@ -142,7 +212,23 @@ fn load(
 /// Runs the command: timings go to standard error, text to standard
 /// output.
 pub fn run(args: Args) -> Result<()> {
-    let prompts: Vec<String> = if args.prompts.is_empty() {
+    if let Some(n) = args.threads {
+        if !(1..=MAX_THREADS).contains(&n) {
+            bail!("--threads must be in 1..={MAX_THREADS}, found {n}")
+        }
+        // Before any thread pool exists: rayon's (which the kernels run
+        // on) and candle's read it when they start.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    let template_args = template_args(&args.template_arg)?;
+    if !template_args.is_empty() && !args.chat && args.messages.is_none() {
+        bail!("--template-arg is for a conversation: give --chat or --messages")
+    }
+    let conversation = args.messages.as_deref().map(read_messages).transpose()?;
+    let prompts: Vec<String> = if conversation.is_some() {
+        // The conversation is the one input; its last message names it.
+        vec![String::new()]
+    } else if args.prompts.is_empty() {
         let mut prompts = Vec::new();
         for (i, (text, why)) in read_lines(std::io::stdin().lock())
             .context("reading standard input")?
@@ -198,7 +284,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     settings.stop_strings.extend(args.stop.iter().cloned());
     settings.constraint = args.constraint.clone();
-    if args.greedy {
+    if args.greedy || args.temperature == Some(0.) {
         settings.sampling = None;
     } else if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
         let base = settings.sampling.clone().unwrap_or(Sampling {
@@ -239,21 +325,26 @@ pub fn run(args: Args) -> Result<()> {
             }
             Ok(())
         };
-        let result = if args.chat {
+        let result = if let Some(messages) = &conversation {
+            generator.generate_chat_with(messages, &template_args, &settings, &mut on_text)
+        } else if args.chat {
             let mut messages: Vec<ChatMessage> = args
                 .system
                 .iter()
                 .map(|s| ChatMessage::new("system", s.as_str()))
                 .collect();
             messages.push(ChatMessage::new("user", prompt.as_str()));
-            generator.generate_chat(&messages, &settings, &mut on_text)
+            generator.generate_chat_with(&messages, &template_args, &settings, &mut on_text)
         } else {
             generator.generate(prompt, &settings, &mut on_text)
         };
         if let Some(e) = write_error {
             return Err(e).context("writing to standard output");
         }
-        let result = result.with_context(|| format!("prompt {} ({:?})", i + 1, preview(prompt)))?;
+        let result = result.with_context(|| match &args.messages {
+            Some(path) => format!("the conversation in {}", path.display()),
+            None => format!("prompt {} ({:?})", i + 1, preview(prompt)),
+        })?;
         let new = result.ids.len();
         let per_s = if result.decode_ms > 0. {
             new.saturating_sub(1) as f64 / (result.decode_ms / 1e3)
@@ -273,8 +364,8 @@ pub fn run(args: Args) -> Result<()> {
             result.prompt_ids.len(),
             result.prefill_ms
         );
-        if args.format == Format::Json {
-            json.push(serde_json::json!({
+        if args.format != Format::Text {
+            let mut object = serde_json::json!({
                 "prompt": prompt,
                 "text": result.text,
                 "tokens": result.ids,
@@ -287,7 +378,19 @@ pub fn run(args: Args) -> Result<()> {
                     Finish::Length => "length",
                     Finish::Stop => "stop",
                 },
-            }));
+            });
+            if let Some(messages) = &conversation {
+                object["prompt"] = Value::Null;
+                object["messages"] = serde_json::to_value(messages)?;
+            }
+            if args.format == Format::Jsonl {
+                // Written as text: a write error inside serde_json's would
+                // hide the closed pipe from `main`.
+                writeln!(out, "{}", serde_json::to_string(&object)?)?;
+                out.flush()?;
+            } else {
+                json.push(object);
+            }
         }
     }
     if args.format == Format::Json {

@@ -36,6 +36,10 @@ const RENDER_STACK: usize = 256 << 20;
 /// Most bytes a rendered conversation may have.
 const MAX_RENDERED_BYTES: usize = 16 << 20;
 
+/// Variables a template is rendered with beside the conversation, by
+/// name ([`ChatTemplate::render_with`]).
+pub type TemplateArgs = BTreeMap<String, serde_json::Value>;
+
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ChatMessage {
@@ -144,11 +148,34 @@ impl ChatTemplate {
     /// turn. Tokenize the result without adding special tokens (the
     /// template writes them), as `apply_chat_template` does.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &TemplateArgs::new())
+    }
+
+    /// [`ChatTemplate::render`] with more variables for the template, as
+    /// `apply_chat_template(messages, **kwargs)` passes its keyword
+    /// arguments (Qwen3's `enable_thinking=False`); they take precedence
+    /// over the special tokens. `messages` and `add_generation_prompt`
+    /// are refused as names: they are this call's own.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        args: &TemplateArgs,
+    ) -> Result<String> {
+        if let Some(name) = ["messages", "add_generation_prompt"]
+            .into_iter()
+            .find(|n| args.contains_key(*n))
+        {
+            bail!(
+                "{}: '{name}' cannot be a template argument: the conversation sets it",
+                self.label
+            )
+        }
         std::thread::scope(|scope| {
             let thread = std::thread::Builder::new()
                 .name("chat-template".into())
                 .stack_size(RENDER_STACK)
-                .spawn_scoped(scope, || self.render_here(messages, add_generation_prompt))
+                .spawn_scoped(scope, || self.render_here(messages, add_generation_prompt, args))
                 .map_err(|e| {
                     candle::Error::Msg(format!("{}: cannot start a rendering thread: {e}", self.label))
                 })?;
@@ -159,7 +186,12 @@ impl ChatTemplate {
     }
 
     /// [`ChatTemplate::render`] on this thread.
-    fn render_here(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+    fn render_here(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        args: &TemplateArgs,
+    ) -> Result<String> {
         let env = self.environment();
         let template = env
             .template_from_str(&self.source)
@@ -173,6 +205,9 @@ impl ChatTemplate {
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         ctx.insert("tools".into(), Value::from(()));
         ctx.insert("documents".into(), Value::from(()));
+        for (name, value) in args {
+            ctx.insert(name.clone(), Value::from(minijinja::value::Serde(value)));
+        }
         let text = template
             .render(context! { ..Value::from(ctx) })
             .map_err(|e| self.error("failed", &e))?;

@@ -46,7 +46,7 @@ use multihead_attention::MultiheadAttention;
 use crate::checkpoint::{wanted_tensors, Checkpoint, LoadOptions, LoadProgress, ModelFiles, Wanted};
 use crate::generation::StepModel;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
 pub use generation_config::HfGenerationConfig;
 pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};

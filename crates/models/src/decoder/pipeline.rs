@@ -10,7 +10,7 @@ use candle::{bail, Device, Result};
 
 use super::{
     generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderModel, HfGenerationConfig,
-    TextTokenizer,
+    TemplateArgs, TextTokenizer,
 };
 use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles};
 use crate::generation::{
@@ -294,6 +294,19 @@ impl TextGenerator {
         settings: &GenerationSettings,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<TextOutput> {
+        self.generate_chat_with(messages, &TemplateArgs::new(), settings, on_text)
+    }
+
+    /// [`TextGenerator::generate_chat`] with variables for the template
+    /// (`apply_chat_template(messages, enable_thinking=False)`;
+    /// [`ChatTemplate::render_with`]).
+    pub fn generate_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        args: &TemplateArgs,
+        settings: &GenerationSettings,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<TextOutput> {
         if let Some(why) = &self.chat_error {
             bail!("{why}")
         }
@@ -303,7 +316,9 @@ impl TextGenerator {
                 self.tokenizer.label()
             )
         };
-        let prompt_ids = self.tokenizer.encode_plain(&chat.render(messages, true)?)?;
+        let prompt_ids = self
+            .tokenizer
+            .encode_plain(&chat.render_with(messages, true, args)?)?;
         if prompt_ids.is_empty() {
             bail!("{}: the conversation renders to no tokens", chat.label())
         }
