@@ -364,3 +364,54 @@ fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> 
     common::assert_one_line_error(&out, &["conversation.json: messages[0].content must be a string"]);
     Ok(())
 }
+
+/// `--model ORG/NAME[@REVISION]` finds the model in the local Hugging Face
+/// cache, laid out as `huggingface_hub` downloads (snapshot files are
+/// links into `blobs/`), with no network: the same text as the folder.
+#[cfg(unix)]
+#[test]
+fn a_hub_name_loads_from_the_local_cache() -> Result<()> {
+    let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hf-home");
+    let _ = std::fs::remove_dir_all(&home);
+    let repo = home.join("hub").join("models--acme--tiny-llama");
+    let commit = "0123456789abcdef0123456789abcdef01234567";
+    let snapshot = repo.join("snapshots").join(commit);
+    std::fs::create_dir_all(&snapshot)?;
+    std::fs::create_dir_all(repo.join("blobs"))?;
+    std::fs::create_dir_all(repo.join("refs"))?;
+    std::fs::write(repo.join("refs").join("main"), commit)?;
+    for entry in std::fs::read_dir(fixtures().join("llama3"))? {
+        let entry = entry?;
+        let blob = repo.join("blobs").join(entry.file_name());
+        std::fs::copy(entry.path(), &blob)?;
+        std::os::unix::fs::symlink(
+            Path::new("../../blobs").join(entry.file_name()),
+            snapshot.join(entry.file_name()),
+        )?;
+    }
+    let run = |model: &str| -> Result<std::process::Output> {
+        Ok(Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(["generate", "--model", model, "Hello world"])
+            .env("HF_HOME", &home)
+            .env_remove("HF_HUB_CACHE")
+            .env_remove("HUGGINGFACE_HUB_CACHE")
+            .stdin(Stdio::null())
+            .output()?)
+    };
+    let folder = run(fixtures().join("llama3").to_str().context("path")?)?;
+    assert!(folder.status.success());
+    for spec in ["acme/tiny-llama", &format!("acme/tiny-llama@{commit}")] {
+        let out = run(spec)?;
+        assert!(
+            out.status.success(),
+            "{spec}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.stdout, folder.stdout, "{spec}");
+    }
+    let out = run("acme/other")?;
+    common::assert_one_line_error(&out, &["'acme/other'", "hf-home/hub' has no acme/other"]);
+    let out = run("acme/tiny-llama@v2")?;
+    common::assert_one_line_error(&out, &["has acme/tiny-llama but no revision 'v2'"]);
+    Ok(())
+}

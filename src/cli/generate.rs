@@ -9,7 +9,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
-use multihead::models::checkpoint::{is_gguf, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype};
+use multihead::models::checkpoint::{
+    is_gguf, resolve_model, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype,
+};
 use multihead::models::decoder::{ChatMessage, Finish, Sampling, TemplateArgs, TextGenerator};
 use multihead::models::files::{read_text, MAX_CONFIG_BYTES};
 use serde_json::Value;
@@ -78,8 +80,11 @@ pub struct Args {
     pub prompts: Vec<String>,
     /// The model folder: config.json, model.safetensors (or shards),
     /// tokenizer.json, and generation_config.json if it has one; or a
-    /// GGUF file (llama, Mistral, Qwen2, Qwen3; F32, F16, BF16 or Q8_0).
-    #[arg(long, value_name = "DIR|FILE.gguf")]
+    /// GGUF file (llama, Mistral, Qwen2, Qwen3; F32, F16, BF16 or Q8_0);
+    /// or a hub name, `ORG/NAME[@REVISION]`, found in the local Hugging
+    /// Face cache (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub)
+    /// without the network, as transformers finds it offline.
+    #[arg(long, value_name = "DIR|FILE.gguf|ORG/NAME")]
     pub model: PathBuf,
     /// With a GGUF model: the tokenizer.json to use instead of the one the
     /// file carries (needed where that one is SentencePiece).
@@ -182,6 +187,7 @@ pub enum Format {
 /// ([`ModelFiles::auto_dtype`]) or its file stores them in
 /// ([`GgufFile::weight_dtype`]); and that dtype.
 fn load(
+    model: &Path,
     args: &Args,
     gguf: bool,
     device: &Device,
@@ -193,7 +199,7 @@ fn load(
         progress: Some(progress.clone()),
     };
     if gguf {
-        let file = GgufFile::read(&args.model)?;
+        let file = GgufFile::read(model)?;
         let dtype = args.dtype.or(file.weight_dtype()).unwrap_or_default();
         let generator =
             TextGenerator::from_gguf_file(&file, args.tokenizer.as_deref(), device, &opts(dtype))?;
@@ -201,10 +207,10 @@ fn load(
     }
     let dtype = match args.dtype {
         Some(dtype) => dtype,
-        None => ModelFiles::resolve(&args.model)?.auto_dtype()?,
+        None => ModelFiles::resolve(model)?.auto_dtype()?,
     };
     Ok((
-        TextGenerator::from_folder_with(&args.model, device, &opts(dtype))?,
+        TextGenerator::from_folder_with(model, device, &opts(dtype))?,
         dtype,
     ))
 }
@@ -263,16 +269,17 @@ pub fn run(args: Args) -> Result<()> {
         shown.set_length(total);
         shown.set_position(done);
     }));
-    let gguf = is_gguf(&args.model);
+    let model = resolve_model(&args.model)?;
+    let gguf = is_gguf(&model);
     if args.tokenizer.is_some() && !gguf {
         bail!("--tokenizer is for a GGUF model; a folder's tokenizer is its tokenizer.json")
     }
-    let (generator, dtype) = load(&args, gguf, &device, progress)
-        .with_context(|| format!("loading '{}'", args.model.display()))?;
+    let (generator, dtype) = load(&model, &args, gguf, &device, progress)
+        .with_context(|| format!("loading '{}'", model.display()))?;
     bar.finish_and_clear();
     eprintln!(
         "loaded {} ({dtype}) in {:.0} ms",
-        args.model.display(),
+        model.display(),
         start.elapsed().as_secs_f64() * 1e3
     );
     let mut settings = generator.settings();

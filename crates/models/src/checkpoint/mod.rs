@@ -26,6 +26,7 @@ mod finite;
 mod folder;
 mod gguf;
 mod gguf_header;
+mod hub_cache;
 mod preflight;
 mod shards;
 
@@ -37,5 +38,6 @@ pub use folder::{ModelFiles, Weights};
 pub use gguf::{
     dequantize_q8_0, ggml_type_name, is_gguf, stored_dtype, GgufFile, GgufTensorInfo, GGUF_TENSOR_TYPES,
 };
+pub use hub_cache::{hub_cache_dir, resolve_model};
 pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
 pub use shards::read_index;
