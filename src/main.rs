@@ -3,6 +3,7 @@
 //! - `multihead vit [IMAGES…]`: classify images with a Vision Transformer.
 //! - `multihead seq2seq [TEXT…]`: translate with the encoder–decoder.
 //! - `multihead generate --model DIR|FILE.gguf [PROMPT…]`: continue text with a decoder folder or GGUF file.
+//! - `multihead chat --model DIR|FILE.gguf|ORG/NAME`: a conversation, a line a turn.
 //! - `multihead inspect FILE.safetensors|FILE.gguf`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,8 @@ enum Command {
     Seq2seq(cli::seq2seq::Args),
     /// Continue text with a decoder folder (GPT-2, Llama, Mistral, Qwen2, Qwen3), streamed.
     Generate(cli::generate::Args),
+    /// Hold a conversation with a decoder: a line a turn (from a terminal or a pipe), replies streamed.
+    Chat(cli::generate::Args),
     /// List a checkpoint's tensors, recognise its layout, check it against a config.
     Inspect(cli::inspect::Args),
 }
@@ -38,6 +41,7 @@ fn main() -> std::process::ExitCode {
         Command::Vit(args) => cli::vit::run(args),
         Command::Seq2seq(args) => cli::seq2seq::run(args),
         Command::Generate(args) => cli::generate::run(args),
+        Command::Chat(args) => cli::chat::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
     };
     match res {

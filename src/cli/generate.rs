@@ -12,7 +12,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use multihead::models::checkpoint::{
     is_gguf, resolve_model, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype,
 };
-use multihead::models::decoder::{ChatMessage, Finish, Sampling, TemplateArgs, TextGenerator};
+use multihead::models::decoder::{
+    ChatMessage, Finish, GenerationSettings, Sampling, TemplateArgs, TextGenerator,
+};
 use multihead::models::files::{read_text, MAX_CONFIG_BYTES};
 use serde_json::Value;
 
@@ -27,7 +29,7 @@ const MAX_MESSAGES: usize = 100_000;
 
 /// `--messages FILE.json`: a list of `{"role": ..., "content": ...}`
 /// objects, each wrong entry named by its index.
-fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
+pub(super) fn read_messages(path: &Path) -> Result<Vec<ChatMessage>> {
     let label = path.display().to_string();
     let text = read_text(path, "messages", MAX_CONFIG_BYTES)?;
     let value: Value = serde_json::from_str(&text).with_context(|| format!("{label}: not valid JSON"))?;
@@ -135,8 +137,9 @@ pub struct Args {
     /// template; the output is the assistant's reply.
     #[arg(long)]
     pub chat: bool,
-    /// With `--chat`: a system message before each prompt.
-    #[arg(long, value_name = "TEXT", requires = "chat")]
+    /// With `--chat` (or `multihead chat`): a system message before each
+    /// prompt.
+    #[arg(long, value_name = "TEXT")]
     pub system: Option<String>,
     /// A conversation to reply to in place of prompts: a JSON file holding
     /// a list of `{"role": ..., "content": ...}` objects (as OpenAI's API
@@ -215,9 +218,17 @@ fn load(
     ))
 }
 
-/// Runs the command: timings go to standard error, text to standard
-/// output.
-pub fn run(args: Args) -> Result<()> {
+/// What `generate` and `chat` share, ready: the model loaded (with a
+/// progress bar on a terminal) on `--threads`, the generation settings
+/// (the folder's, under the flags) and `--template-arg`s.
+pub(super) struct Prepared {
+    pub generator: TextGenerator,
+    pub settings: GenerationSettings,
+    pub template_args: TemplateArgs,
+}
+
+/// Loads what `args` names and reads its flags ([`Prepared`]).
+pub(super) fn prepare(args: &Args) -> Result<Prepared> {
     if let Some(n) = args.threads {
         if !(1..=MAX_THREADS).contains(&n) {
             bail!("--threads must be in 1..={MAX_THREADS}, found {n}")
@@ -227,32 +238,6 @@ pub fn run(args: Args) -> Result<()> {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     let template_args = template_args(&args.template_arg)?;
-    if !template_args.is_empty() && !args.chat && args.messages.is_none() {
-        bail!("--template-arg is for a conversation: give --chat or --messages")
-    }
-    let conversation = args.messages.as_deref().map(read_messages).transpose()?;
-    let prompts: Vec<String> = if conversation.is_some() {
-        // The conversation is the one input; its last message names it.
-        vec![String::new()]
-    } else if args.prompts.is_empty() {
-        let mut prompts = Vec::new();
-        for (i, (text, why)) in read_lines(std::io::stdin().lock())
-            .context("reading standard input")?
-            .into_iter()
-            .enumerate()
-        {
-            if let Some(why) = why {
-                bail!("line {} ({text:?}): {why}", i + 1)
-            }
-            prompts.push(text);
-        }
-        prompts
-    } else {
-        args.prompts.clone()
-    };
-    if prompts.is_empty() {
-        bail!("no prompt: pass prompts as arguments or one per line on standard input")
-    }
     if let Some(n) = args.max_new_tokens.filter(|n| !(1..=MAX_NEW_TOKENS).contains(n)) {
         bail!("--max-new-tokens must be in 1..={MAX_NEW_TOKENS}, found {n}")
     }
@@ -274,7 +259,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.tokenizer.is_some() && !gguf {
         bail!("--tokenizer is for a GGUF model; a folder's tokenizer is its tokenizer.json")
     }
-    let (generator, dtype) = load(&model, &args, gguf, &device, progress)
+    let (generator, dtype) = load(&model, args, gguf, &device, progress)
         .with_context(|| format!("loading '{}'", model.display()))?;
     bar.finish_and_clear();
     eprintln!(
@@ -310,6 +295,50 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(s) = &mut settings.sampling {
         s.seed = args.seed;
     }
+    Ok(Prepared {
+        generator,
+        settings,
+        template_args,
+    })
+}
+
+/// Runs the command: timings go to standard error, text to standard
+/// output.
+pub fn run(args: Args) -> Result<()> {
+    if args.system.is_some() && !args.chat {
+        bail!("--system is for a conversation: give --chat")
+    }
+    if !args.template_arg.is_empty() && !args.chat && args.messages.is_none() {
+        bail!("--template-arg is for a conversation: give --chat or --messages")
+    }
+    let conversation = args.messages.as_deref().map(read_messages).transpose()?;
+    let prompts: Vec<String> = if conversation.is_some() {
+        // The conversation is the one input; its last message names it.
+        vec![String::new()]
+    } else if args.prompts.is_empty() {
+        let mut prompts = Vec::new();
+        for (i, (text, why)) in read_lines(std::io::stdin().lock())
+            .context("reading standard input")?
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(why) = why {
+                bail!("line {} ({text:?}): {why}", i + 1)
+            }
+            prompts.push(text);
+        }
+        prompts
+    } else {
+        args.prompts.clone()
+    };
+    if prompts.is_empty() {
+        bail!("no prompt: pass prompts as arguments or one per line on standard input")
+    }
+    let Prepared {
+        generator,
+        settings,
+        template_args,
+    } = prepare(&args)?;
     let mut out = std::io::stdout().lock();
     let mut json = Vec::new();
     for (i, prompt) in prompts.iter().enumerate() {

@@ -1,5 +1,6 @@
 //! The binary's subcommands, one module each.
 
+pub mod chat;
 pub mod generate;
 mod heatmap;
 mod input;

@@ -26,6 +26,7 @@
 
 mod chat;
 mod config;
+mod conversation;
 mod generation_config;
 mod gguf;
 mod gpt2;
@@ -48,6 +49,7 @@ use crate::generation::StepModel;
 
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
+pub use conversation::Conversation;
 pub use generation_config::HfGenerationConfig;
 pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
 pub use gpt2::Gpt2;

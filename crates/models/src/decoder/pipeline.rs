@@ -8,14 +8,15 @@ use std::time::Instant;
 
 use candle::{bail, Device, Result};
 
+use super::prompts::continue_streaming;
 use super::{
-    generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderModel, HfGenerationConfig,
-    TemplateArgs, TextTokenizer,
+    generate_from_prompts_streaming, CausalLm, ChatMessage, ChatTemplate, DecoderCache, DecoderModel,
+    HfGenerationConfig, TemplateArgs, TextTokenizer,
 };
 use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles};
 use crate::generation::{
-    Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature, TokenConstraint,
-    TopK, TopP,
+    Chosen, Decoding, GenerateConfig, LogitsProcessor, MinLength, RepetitionPenalty, Temperature,
+    TokenConstraint, TopK, TopP,
 };
 
 /// How a continuation is generated; [`TextGenerator::settings`] starts
@@ -280,7 +281,7 @@ impl TextGenerator {
         if prompt_ids.is_empty() {
             bail!("the prompt {prompt:?} has no tokens: there is nothing to continue")
         }
-        self.generate_ids(prompt_ids, settings, on_text)
+        self.generate_ids(prompt_ids, None, settings, on_text)
     }
 
     /// The assistant's reply to `messages`: the conversation rendered with
@@ -307,6 +308,13 @@ impl TextGenerator {
         settings: &GenerationSettings,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<TextOutput> {
+        let prompt_ids = self.chat_prompt_ids(messages, args)?;
+        self.generate_ids(prompt_ids, None, settings, on_text)
+    }
+
+    /// The ids of `messages` rendered with the chat template and the
+    /// generation prompt, tokenized without added special tokens.
+    pub(crate) fn chat_prompt_ids(&self, messages: &[ChatMessage], args: &TemplateArgs) -> Result<Vec<u32>> {
         if let Some(why) = &self.chat_error {
             bail!("{why}")
         }
@@ -322,13 +330,16 @@ impl TextGenerator {
         if prompt_ids.is_empty() {
             bail!("{}: the conversation renders to no tokens", chat.label())
         }
-        self.generate_ids(prompt_ids, settings, on_text)
+        Ok(prompt_ids)
     }
 
-    /// Continues `prompt_ids` (not empty).
-    fn generate_ids(
+    /// Continues `prompt_ids` (not empty); with `kept`, on a cache that
+    /// already holds the first `n` of them (`(cache, n)`, `n` below their
+    /// count), prefilling only the rest.
+    pub(crate) fn generate_ids(
         &self,
         prompt_ids: Vec<u32>,
+        kept: Option<(&mut DecoderCache, usize)>,
         settings: &GenerationSettings,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<TextOutput> {
@@ -407,33 +418,47 @@ impl TextGenerator {
         let mut stream = self.tokenizer.stream();
         let mut stops = StopStrings::new(&settings.stop_strings);
         let mut stopped = false;
-        let out = generate_from_prompts_streaming(
-            &self.model,
-            std::slice::from_ref(&prompt_ids),
-            pad,
-            &cfg,
-            &processors,
-            &mut |chosen| {
-                first_token.get_or_insert_with(Instant::now);
-                let piece = stream.push(chosen.token)?;
-                if let Some(piece) = &piece {
-                    on_text(piece)?;
-                }
-                if settings.stop_strings.is_empty() {
-                    return Ok(true);
-                }
-                stopped = stops.found(piece.as_deref().unwrap_or_default(), &stream.pending()?);
-                Ok(!stopped)
-            },
-        )?;
+        let mut on_token = |chosen: Chosen| {
+            first_token.get_or_insert_with(Instant::now);
+            let piece = stream.push(chosen.token)?;
+            if let Some(piece) = &piece {
+                on_text(piece)?;
+            }
+            if settings.stop_strings.is_empty() {
+                return Ok(true);
+            }
+            stopped = stops.found(piece.as_deref().unwrap_or_default(), &stream.pending()?);
+            Ok(!stopped)
+        };
+        let generated = match kept {
+            Some((cache, n)) => continue_streaming(
+                &self.model,
+                cache,
+                &prompt_ids[n..],
+                &cfg,
+                &processors,
+                &mut on_token,
+            )?,
+            None => {
+                let out = generate_from_prompts_streaming(
+                    &self.model,
+                    std::slice::from_ref(&prompt_ids),
+                    pad,
+                    &cfg,
+                    &processors,
+                    &mut on_token,
+                )?;
+                let Some(generated) = out.into_iter().next().and_then(|g| g.into_iter().next()) else {
+                    bail!("generate: no output for the prompt")
+                };
+                generated
+            }
+        };
         let rest = stream.finish()?;
         if !rest.is_empty() {
             on_text(&rest)?;
         }
         let end = Instant::now();
-        let Some(generated) = out.into_iter().next().and_then(|g| g.into_iter().next()) else {
-            bail!("generate: no output for the prompt")
-        };
         let split = first_token.unwrap_or(end);
         Ok(TextOutput {
             text: self.tokenizer.decode(&generated.tokens)?,

@@ -7,7 +7,8 @@ use candle::{bail, Device, Result, Tensor};
 
 use super::{CausalLm, DecoderCache};
 use crate::generation::{
-    generate_from, generate_streaming, Chosen, GenerateConfig, Generated, LogitsProcessor, StepModel,
+    generate_from, generate_streaming, generate_streaming_in, Chosen, GenerateConfig, Generated,
+    LogitsProcessor, StepModel,
 };
 
 /// Prompts of different lengths, left-padded with `pad_id` into one
@@ -62,6 +63,42 @@ pub fn generate_from_prompts_streaming<M: CausalLm>(
     match prefill(model, prompts, pad_id, cfg)? {
         Some(p) => generate_streaming(&p.model, p.cache, &p.last, &p.cfg, processors, on_token),
         None => Ok(Vec::new()),
+    }
+}
+
+/// [`generate_from_prompts_streaming`] for one sequence whose cache the
+/// caller keeps (a conversation's): `new` (not empty) is prefilled after
+/// what `cache` holds, and decoding goes on from its last token. The cache
+/// then holds every token fed ([`crate::generation::generate_streaming_in`]).
+pub fn continue_streaming<M: CausalLm>(
+    model: &M,
+    cache: &mut DecoderCache,
+    new: &[u32],
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+    on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
+) -> Result<Generated> {
+    let Some(&last) = new.last() else {
+        bail!("continue_streaming: no new token to prefill")
+    };
+    let mut cfg = cfg.clone();
+    if let Some(context) = model.max_positions() {
+        let total = cache.len() + new.len();
+        if total > context {
+            bail!("generate: {total} tokens do not fit the model's context of {context} positions")
+        }
+        cfg.max_len = cfg.max_len.min(context - total + 1);
+    }
+    let ids = Tensor::new(new, model.device())?.unsqueeze(0)?;
+    let logits = model.prefill_last(&ids, cache)?;
+    let model = Primed {
+        model,
+        first: RefCell::new(Some(logits)),
+    };
+    let out = generate_streaming_in(&model, cache, &[last], &cfg, processors, on_token)?;
+    match out.into_iter().next().and_then(|g| g.into_iter().next()) {
+        Some(g) => Ok(g),
+        None => bail!("generate: no output for the conversation"),
     }
 }
 

@@ -25,5 +25,8 @@ pub use processors::{
     ForcedBos, ForcedEos, LogitsProcessor, MaxLength, MinLength, PrefixAllowedTokens, RepetitionPenalty,
     StepContext, Temperature, TopK, TopP,
 };
-pub use search::{generate, generate_from, generate_streaming, Chosen, Decoding, GenerateConfig, Generated};
+pub use search::{
+    generate, generate_from, generate_streaming, generate_streaming_in, Chosen, Decoding, GenerateConfig,
+    Generated,
+};
 pub use step::StepModel;

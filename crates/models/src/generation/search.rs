@@ -212,7 +212,8 @@ pub fn generate_from<M: StepModel>(
     match cfg.decoding {
         Decoding::Beam { beams } => beam(model, cache, first, beams, cfg, processors),
         Decoding::Greedy | Decoding::Sample { .. } => {
-            rowwise(model, cache, first, cfg, processors, &mut |_| Ok(true))
+            let mut cache = cache;
+            rowwise(model, &mut cache, first, cfg, processors, &mut |_| Ok(true))
         }
     }
 }
@@ -236,6 +237,24 @@ pub struct Chosen {
 pub fn generate_streaming<M: StepModel>(
     model: &M,
     cache: M::Cache,
+    first: &[u32],
+    cfg: &GenerateConfig,
+    processors: &[&dyn LogitsProcessor],
+    on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
+) -> Result<Vec<Vec<Generated>>> {
+    if let Decoding::Beam { .. } = cfg.decoding {
+        bail!("generate_streaming: beam search cannot stream (its tokens are chosen at the end)")
+    }
+    let mut cache = cache;
+    generate_streaming_in(model, &mut cache, first, cfg, processors, on_token)
+}
+
+/// [`generate_streaming`] on a cache the caller keeps: afterwards it holds
+/// every token fed (each output's tokens but its last, which was chosen
+/// and not fed), so a conversation can go on from it.
+pub fn generate_streaming_in<M: StepModel>(
+    model: &M,
+    cache: &mut M::Cache,
     first: &[u32],
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
@@ -366,7 +385,7 @@ fn draw(scores: &[f32], rng: &mut SplitMix64) -> Option<usize> {
 /// Greedy decoding and sampling: each row on its own.
 fn rowwise<M: StepModel>(
     model: &M,
-    mut cache: M::Cache,
+    cache: &mut M::Cache,
     first: &[u32],
     cfg: &GenerateConfig,
     processors: &[&dyn LogitsProcessor],
@@ -378,7 +397,7 @@ fn rowwise<M: StepModel>(
         let rows: Vec<u32> = (0..batch as u32)
             .flat_map(|i| std::iter::repeat_n(i, n))
             .collect();
-        model.select_rows(&mut cache, &Tensor::new(rows.as_slice(), model.device())?)?;
+        model.select_rows(cache, &Tensor::new(rows.as_slice(), model.device())?)?;
     }
     let rows = batch * n;
     let mut rngs: Vec<SplitMix64> = match cfg.decoding {
@@ -403,7 +422,7 @@ fn rowwise<M: StepModel>(
     let mut done = vec![false; rows];
     let mut fed: Vec<u32> = (0..rows).map(|r| first[r / n]).collect();
     for step in 0..cfg.max_len {
-        let (mut scores, offsets) = next_log_probs(model, fed.clone(), &mut cache, step)?;
+        let (mut scores, offsets) = next_log_probs(model, fed.clone(), cache, step)?;
         for (r, row) in scores.iter_mut().enumerate() {
             if done[r] {
                 fed[r] = cfg.pad_id;
