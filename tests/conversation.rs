@@ -106,3 +106,45 @@ fn the_chat_command_reads_turns_from_a_pipe() -> Result<()> {
     assert_eq!(String::from_utf8(out.stdout)?, want);
     Ok(())
 }
+
+/// Ctrl-C (SIGINT) while a reply streams stops the reply, not the
+/// program: the next line is read, and `/quit` ends it with status 0.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_the_reply_not_the_chat() -> Result<()> {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+    // No end token: the reply would run to 65,536 tokens.
+    let dir = text_fixtures::folder_with("llama3", "chat-ctrl-c", |d| {
+        Ok(std::fs::write(
+            d.join("generation_config.json"),
+            r#"{"max_new_tokens": 65536}"#,
+        )?)
+    })?;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_multihead"))
+        .args(["chat", "--model", dir.to_str().context("path")?])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    stdin.write_all(b"Hello world\n")?;
+    stdin.flush()?;
+    // Once the reply streams, interrupt it.
+    let mut stdout = child.stdout.take().context("stdout")?;
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first)?;
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()?;
+    assert!(kill.success());
+    stdin.write_all(b"/quit\n")?;
+    drop(stdin);
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest)?;
+    let out = child.wait_with_output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(stderr.contains("[stopped]"), "{stderr}");
+    Ok(())
+}

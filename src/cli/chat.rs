@@ -4,9 +4,11 @@
 //! ([`multihead::models::decoder::Conversation`]). On a terminal a `> `
 //! prompt is shown; from a pipe the turns are read one a line, so it is
 //! scripted and tested without a terminal. `/reset`, `/system TEXT` and
-//! `/quit` steer it; it takes `generate`'s model and sampling options.
+//! `/quit` steer it; Ctrl-C stops a reply, not the program. It takes
+//! `generate`'s model and sampling options.
 
 use std::io::{BufRead, IsTerminal, Read, Write};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use anyhow::{Context, Result};
 use multihead::models::decoder::{ChatMessage, Conversation};
@@ -15,6 +17,14 @@ use super::generate::{prepare, read_messages, Args, Prepared};
 
 /// Longest line read as one message.
 const MAX_LINE_BYTES: u64 = 1 << 20;
+
+/// What Ctrl-C does: while a reply streams it stops the reply; while a
+/// line is read it ends the program (status 130, as a shell reports
+/// SIGINT).
+static STATE: AtomicU8 = AtomicU8::new(READING);
+const READING: u8 = 0;
+const REPLYING: u8 = 1;
+const STOPPED: u8 = 2;
 
 /// Runs the command. Prompts given as arguments are the first user turns;
 /// then standard input, a line a turn.
@@ -32,6 +42,15 @@ pub fn run(args: Args) -> Result<()> {
             .map(|s| ChatMessage::new("system", s.as_str()))
             .collect(),
     };
+    ctrlc::set_handler(|| {
+        if STATE
+            .compare_exchange(REPLYING, STOPPED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            std::process::exit(130);
+        }
+    })
+    .context("setting the Ctrl-C handler")?;
     let mut conversation = generator.conversation().with_template_args(template_args);
     let restart = |c: &mut Conversation, start: &[ChatMessage]| {
         c.reset();
@@ -77,7 +96,11 @@ pub fn run(args: Args) -> Result<()> {
         }
         conversation.push(ChatMessage::new("user", line));
         let mut write_error = None;
+        STATE.store(REPLYING, Ordering::SeqCst);
         let reply = conversation.reply(&settings, &mut |piece| {
+            if STATE.load(Ordering::SeqCst) == STOPPED {
+                return Err(candle::Error::Msg("stopped by Ctrl-C".into()));
+            }
             if let Err(e) = write!(out, "{piece}").and_then(|()| out.flush()) {
                 let text = e.to_string();
                 write_error = Some(e);
@@ -87,6 +110,14 @@ pub fn run(args: Args) -> Result<()> {
         });
         if let Some(e) = write_error {
             return Err(e).context("writing to standard output");
+        }
+        if STATE.swap(READING, Ordering::SeqCst) == STOPPED && reply.is_err() {
+            // The stopped reply and its question leave the conversation.
+            conversation.pop();
+            writeln!(out)?;
+            out.flush()?;
+            eprintln!("[stopped]");
+            continue;
         }
         match reply {
             Ok(reply) => {
