@@ -15,6 +15,8 @@ text fixtures (tests/fixtures/text/*), writes one JSON file:
   forgiving `int` and `float`; `{% generation %}`.
 * `special_tokens_map`: `apply_chat_template` on a folder whose
   `bos_token` is only in `special_tokens_map.json`.
+* `conversation`: greedy replies of the llama3 folder, turn after turn,
+  each to the conversation so far (HF's own replies appended).
 
 Offline, a few seconds:
 
@@ -37,6 +39,8 @@ from transformers.utils.chat_template_utils import _compile_jinja_template  # no
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "tests", "fixtures", "text")
 PENALTY = 1.3
+# The conversation's replies: the random model often ends a turn at once.
+MIN_NEW_TOKENS = 4
 
 TEMPLATES = [
     "{{ {'b': 1, 'a': [1, 2.5, none, true], 'c': {}}|tojson }}",
@@ -114,6 +118,29 @@ def special_tokens_map():
         return {"tokenizer_config": config, "special_tokens_map": stm, "text": text}
 
 
+def conversation():
+    """HF's greedy replies, turn after turn, each to the conversation so far
+    (`apply_chat_template(history, add_generation_prompt=True)`, the reply
+    decoded with `skip_special_tokens=True` and appended as the assistant's)."""
+    folder = os.path.join(TEXT, "llama3")
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    history = [{"role": "system", "content": "Be brief."}]
+    turns = []
+    for user in ["Hello world", "héllo again, 日本語?", "and once more"]:
+        history.append({"role": "user", "content": user})
+        ids = torch.tensor([tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 min_new_tokens=MIN_NEW_TOKENS, generation_config=model.generation_config)
+        new_ids = gen[0, ids.shape[1]:].tolist()
+        text = tok.decode(new_ids, skip_special_tokens=True)
+        turns.append({"user": user, "new_ids": new_ids, "text": text})
+        history.append({"role": "assistant", "content": text})
+    return {"system": "Be brief.", "min_new_tokens": MIN_NEW_TOKENS, "turns": turns}
+
+
 def main():
     with open(os.path.join(TEXT, "expected.json"), encoding="utf-8") as f:
         expected = json.load(f)
@@ -125,6 +152,7 @@ def main():
         "truncation_padding": truncation_padding(),
         "templates": templates(),
         "special_tokens_map": special_tokens_map(),
+        "conversation": conversation(),
     }
     with open(os.path.join(TEXT, "parity.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False, indent=1)

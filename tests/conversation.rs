@@ -48,6 +48,34 @@ fn each_reply_is_a_fresh_generate_chat_over_the_history() -> Result<()> {
     Ok(())
 }
 
+/// HF's greedy replies turn after turn (`tests/fixtures/text/parity.json`,
+/// `scripts/make_parity_fixtures.py`: each to `apply_chat_template` over the
+/// conversation so far, HF's own replies appended) are the conversation's.
+#[test]
+fn each_reply_is_hf_s_reply_to_the_conversation_so_far() -> Result<()> {
+    let parity: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("parity.json"))?)?;
+    let want = &parity["conversation"];
+    let g = TextGenerator::from_folder(&fixtures().join("llama3"), &Device::Cpu)?;
+    let mut settings = g.settings();
+    settings.min_new_tokens = want["min_new_tokens"].as_u64().context("min_new_tokens")? as usize;
+    let mut conversation = g.conversation();
+    conversation.push(ChatMessage::new(
+        "system",
+        want["system"].as_str().context("system")?,
+    ));
+    for turn in want["turns"].as_array().context("turns")? {
+        conversation.push(ChatMessage::new("user", turn["user"].as_str().context("user")?));
+        let reply = conversation.reply(&settings, &mut |_| Ok(()))?;
+        // HF's new ids end with the end token it chose.
+        let mut hf = text_fixtures::ids(&turn["new_ids"]);
+        hf.pop();
+        assert_eq!(reply.ids, hf, "{}", turn["user"]);
+        assert_eq!(reply.text, turn["text"].as_str().context("text")?);
+    }
+    Ok(())
+}
+
 /// A conversation past the context (GPT-2's 128 positions, which the
 /// random fixture's first reply, re-tokenized, nearly fills) is refused
 /// with both numbers; taking the turn back, the conversation goes on.
