@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use anyhow::{Context, Result};
 use multihead::models::decoder::{ChatMessage, Conversation};
 
-use super::generate::{prepare, read_messages, Args, Prepared};
+use super::generate::{prepare, read_messages, Args, Format, Prepared};
 
 /// Longest line read as one message.
 const MAX_LINE_BYTES: u64 = 1 << 20;
@@ -29,6 +29,10 @@ const STOPPED: u8 = 2;
 /// Runs the command. Prompts given as arguments are the first user turns;
 /// then standard input, a line a turn.
 pub fn run(args: Args) -> Result<()> {
+    // generate's flags that shape its output, not a conversation.
+    if args.format != Format::Text || args.echo || args.chat {
+        anyhow::bail!("--format, --echo and --chat are generate's: chat replies in text, a line a turn")
+    }
     let Prepared {
         generator,
         settings,
