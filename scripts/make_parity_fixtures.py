@@ -62,7 +62,7 @@ def repetition_penalty(expected):
     for name in ("llama3", "llama2-sp", "gpt2-bpe"):
         folder = os.path.join(TEXT, name)
         tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         rows = []
         for case in expected[name]:
             prompt = case["prompt"]

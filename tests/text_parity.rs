@@ -201,7 +201,7 @@ fn hostile_normalizers_are_refused_by_field() -> Result<()> {
 }
 
 /// A post-processor whose template names a special token it does not
-/// define (found by fuzzing: the tokenizers crate panics on every encode)
+/// define (the tokenizers crate panics on every encode)
 /// is refused when the file is read, naming it.
 #[test]
 fn a_tokenizer_that_cannot_encode_is_refused_when_read() -> Result<()> {
@@ -284,7 +284,7 @@ fn streamed_text_equals_the_final_text() -> Result<()> {
             check_stream(&tok, &ids, &format!("{name} clean_up {clean_up}"))?;
         }
     }
-    // Ids with no token (a vocabulary with holes, as fuzzing wrote one:
+    // Ids with no token (a vocabulary with holes:
     // `<0x61>` removed) are skipped by decoding, so a byte run goes on
     // through them, as through special tokens.
     let mut json: Value = serde_json::from_str(&std::fs::read_to_string(

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use anyhow::{Context, Result};
 use multihead::models::decoder::{ChatMessage, Conversation};
 
-use super::generate::{prepare, read_messages, Args, Format, Prepared};
+use super::generate::{prepare, read_messages, write_piece, Args, Format, Prepared};
 
 /// Longest line read as one message.
 const MAX_LINE_BYTES: u64 = 1 << 20;
@@ -38,7 +38,8 @@ pub fn run(args: Args) -> Result<()> {
         settings,
         template_args,
     } = prepare(&args)?;
-    let start: Vec<ChatMessage> = match &args.messages {
+    // The messages every conversation starts from (and /reset returns to).
+    let mut start: Vec<ChatMessage> = match &args.messages {
         Some(path) => read_messages(path)?,
         None => args
             .system
@@ -56,12 +57,7 @@ pub fn run(args: Args) -> Result<()> {
     })
     .context("setting the Ctrl-C handler")?;
     let mut conversation = generator.conversation().with_template_args(template_args);
-    let restart = |c: &mut Conversation, start: &[ChatMessage]| {
-        c.reset();
-        start.iter().cloned().for_each(|m| c.push(m));
-    };
-    restart(&mut conversation, &start);
-    let mut start = start;
+    start_over(&mut conversation, &start);
     let terminal = std::io::stdin().is_terminal();
     if terminal {
         eprintln!("/reset starts over, /system TEXT sets the system message, /quit (or Ctrl-D) ends");
@@ -88,14 +84,14 @@ pub fn run(args: Args) -> Result<()> {
             "" => continue,
             "/quit" | "/exit" => break,
             "/reset" => {
-                restart(&mut conversation, &start);
+                start_over(&mut conversation, &start);
                 continue;
             }
             _ => {}
         }
         if let Some(system) = line.strip_prefix("/system ") {
             start = vec![ChatMessage::new("system", system)];
-            restart(&mut conversation, &start);
+            start_over(&mut conversation, &start);
             continue;
         }
         conversation.push(ChatMessage::new("user", line));
@@ -105,12 +101,7 @@ pub fn run(args: Args) -> Result<()> {
             if STATE.load(Ordering::SeqCst) == STOPPED {
                 return Err(candle::Error::Msg("stopped by Ctrl-C".into()));
             }
-            if let Err(e) = write!(out, "{piece}").and_then(|()| out.flush()) {
-                let text = e.to_string();
-                write_error = Some(e);
-                return Err(candle::Error::Msg(format!("writing to standard output: {text}")));
-            }
-            Ok(())
+            write_piece(&mut out, piece, &mut write_error)
         });
         if let Some(e) = write_error {
             return Err(e).context("writing to standard output");
@@ -150,6 +141,12 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Forgets the conversation but its `start`.
+fn start_over(conversation: &mut Conversation, start: &[ChatMessage]) {
+    conversation.reset();
+    start.iter().cloned().for_each(|m| conversation.push(m));
 }
 
 /// One line of `input` without its line end, `None` at the end of input;

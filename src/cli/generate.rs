@@ -21,6 +21,23 @@ use serde_json::Value;
 use super::input::{preview, read_lines};
 use super::seq2seq::parse_device;
 
+/// Writes a streamed `piece` to `out` and flushes it. The library hands
+/// the callback's error back as a candle error, whose wrapping keeps only
+/// its text: the write's own error is kept in `error`, so that `main`
+/// still sees a closed pipe as one.
+pub(super) fn write_piece(
+    out: &mut impl Write,
+    piece: &str,
+    error: &mut Option<std::io::Error>,
+) -> candle::Result<()> {
+    if let Err(e) = write!(out, "{piece}").and_then(|()| out.flush()) {
+        let text = e.to_string();
+        *error = Some(e);
+        return Err(candle::Error::Msg(format!("writing to standard output: {text}")));
+    }
+    Ok(())
+}
+
 /// Most threads `--threads` may ask for.
 const MAX_THREADS: usize = 1024;
 
@@ -313,7 +330,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let conversation = args.messages.as_deref().map(read_messages).transpose()?;
     let prompts: Vec<String> = if conversation.is_some() {
-        // The conversation is the one input; its last message names it.
+        // The conversation is the one input, in place of a prompt (the loop
+        // below runs once; JSON gives its messages, not a prompt).
         vec![String::new()]
     } else if args.prompts.is_empty() {
         let mut prompts = Vec::new();
@@ -346,18 +364,11 @@ pub fn run(args: Args) -> Result<()> {
             write!(out, "{prompt}")?;
             out.flush()?;
         }
-        // The library hands the callback's error back as a candle error,
-        // whose wrapping keeps only its text; the write's own error is kept
-        // here, so that `main` still sees a closed pipe as one.
         let mut write_error: Option<std::io::Error> = None;
         let mut on_text = |piece: &str| -> candle::Result<()> {
             if args.format == Format::Text {
                 // Shown as it comes; a closed pipe ends the command.
-                if let Err(e) = write!(out, "{piece}").and_then(|()| out.flush()) {
-                    let text = e.to_string();
-                    write_error = Some(e);
-                    return Err(candle::Error::Msg(format!("writing to standard output: {text}")));
-                }
+                write_piece(&mut out, piece, &mut write_error)?;
             }
             Ok(())
         };

@@ -3,7 +3,7 @@
 //! ([`super::Checkpoint::non_finite`]) and GGUF files
 //! ([`super::GgufFile::non_finite`]); and the finite values too large for
 //! a narrower dtype, which would become infinity when a load converts
-//! them ([`super::Checkpoint::too_large`]).
+//! them ([`super::Checkpoint::too_large`], [`super::GgufFile::too_large`]).
 
 use rayon::prelude::*;
 use safetensors::Dtype;
@@ -41,6 +41,25 @@ pub(crate) fn par_count_non_finite_q8_0(data: &[u8]) -> (usize, usize) {
 pub(crate) fn par_count_at_least(dtype: Dtype, data: &[u8], limit: f64) -> (usize, f64) {
     data.par_chunks(SCAN_TASK)
         .map(|c| count_at_least(dtype, c, limit))
+        .reduce(|| (0, 0.), |a, b| (a.0 + b.0, a.1.max(b.1)))
+}
+
+/// [`par_count_at_least`] for the values Q8_0 blocks `data` dequantize
+/// to (`d · q` in f32, as `dequantize_q8_0` computes them): an f16 scale
+/// times 127 reaches past f16's range.
+pub(crate) fn par_count_at_least_q8_0(data: &[u8], limit: f64) -> (usize, f64) {
+    data.par_chunks(Q8_0_BLOCK_BYTES * (SCAN_TASK / Q8_0_BLOCK_BYTES))
+        .map(|c| {
+            c.chunks_exact(Q8_0_BLOCK_BYTES)
+                .flat_map(|block| {
+                    let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                    block[2..]
+                        .iter()
+                        .map(move |&q| f64::from((d * f32::from(q as i8)).abs()))
+                })
+                .filter(|&x| x.is_finite() && x >= limit)
+                .fold((0, 0.), |(n, max), x| (n + 1, x.max(max)))
+        })
         .reduce(|| (0, 0.), |a, b| (a.0 + b.0, a.1.max(b.1)))
 }
 
@@ -190,6 +209,14 @@ mod tests {
             (0, 0.)
         );
         assert_eq!(count_at_least(Dtype::I32, &f32s, 0.), (0, 0.));
+        // Q8_0: scale 1024 (0x6400) times q; 1024 · 127 and 1024 · -64 reach
+        // 65520, 1024 · 63 does not.
+        let mut block = vec![0u8; Q8_0_BLOCK_BYTES];
+        block[..2].copy_from_slice(&0x6400u16.to_le_bytes());
+        block[2] = 127;
+        block[3] = (-64i8) as u8;
+        block[4] = 63;
+        assert_eq!(par_count_at_least_q8_0(&block, 65520.), (2, 1024. * 127.));
         let many: Vec<u8> = (0..SCAN_TASK)
             .flat_map(|i| if i % 100_000 == 0 { 7e4f32 + i as f32 } else { 1. }.to_le_bytes())
             .collect();

@@ -31,7 +31,9 @@ use safetensors::Dtype;
 use super::bytes::Bytes;
 use super::dtype::WeightDtype;
 use super::file::natural_key;
-use super::finite::{par_count_non_finite, par_count_non_finite_q8_0};
+use super::finite::{
+    par_count_at_least, par_count_at_least_q8_0, par_count_non_finite, par_count_non_finite_q8_0,
+};
 use super::gguf_header::check_header;
 
 mod metadata;
@@ -332,6 +334,23 @@ impl GgufFile {
             }
         }
         Ok(bad)
+    }
+
+    /// `(count, largest magnitude)` of tensor `name`'s finite values (as
+    /// [`GgufFile::tensor`] reads them) whose magnitude is `limit` or
+    /// more, read in place; `None` for a name not in the file.
+    pub(crate) fn too_large(&self, name: &str, limit: f64) -> Option<(usize, f64)> {
+        let info = self.info(name)?;
+        let bytes = &self.bytes[info.range.clone()];
+        let found = match info.ggml_type {
+            GgmlDType::F32 => par_count_at_least(Dtype::F32, bytes, limit),
+            GgmlDType::F16 => par_count_at_least(Dtype::F16, bytes, limit),
+            GgmlDType::BF16 => par_count_at_least(Dtype::BF16, bytes, limit),
+            GgmlDType::Q8_0 => par_count_at_least_q8_0(bytes, limit),
+            _ => (0, 0.),
+        };
+        self.bytes.release(info.range.clone());
+        Some(found)
     }
 }
 

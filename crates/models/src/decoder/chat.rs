@@ -59,10 +59,15 @@ impl ChatMessage {
     }
 }
 
+/// Name of the one template in a [`ChatTemplate`]'s environment (the
+/// name MiniJinja gives a template from a string, as its messages show).
+const TEMPLATE: &str = "<string>";
+
 /// A folder's chat template with the special tokens it may use.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
-    source: String,
+    /// HF's Jinja environment in MiniJinja, holding the template compiled.
+    env: Environment<'static>,
     label: String,
     /// `bos_token`, `eos_token`, `unk_token`, `pad_token`, ... as text.
     special: BTreeMap<String, String>,
@@ -127,15 +132,14 @@ impl ChatTemplate {
     /// A template from its source; `label` names it in errors. It is
     /// compiled once here so that a syntax error comes at load time.
     pub fn new(source: String, label: &str, special: BTreeMap<String, String>) -> Result<Self> {
-        let t = Self {
-            source: jinja_py::generation_tags_as_blocks(&source),
+        let mut env = environment();
+        env.add_template_owned(TEMPLATE, jinja_py::generation_tags_as_blocks(&source))
+            .map_err(|e| template_error(label, "does not compile", &e))?;
+        Ok(Self {
+            env,
             label: label.to_string(),
             special,
-        };
-        t.environment()
-            .template_from_str(&t.source)
-            .map_err(|e| t.error("does not compile", &e))?;
-        Ok(t)
+        })
     }
 
     /// Where the template came from.
@@ -192,10 +196,10 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         args: &TemplateArgs,
     ) -> Result<String> {
-        let env = self.environment();
-        let template = env
-            .template_from_str(&self.source)
-            .map_err(|e| self.error("does not compile", &e))?;
+        let template = self
+            .env
+            .get_template(TEMPLATE)
+            .map_err(|e| template_error(&self.label, "does not compile", &e))?;
         let mut ctx: BTreeMap<String, Value> = self
             .special
             .iter()
@@ -210,7 +214,7 @@ impl ChatTemplate {
         }
         let text = template
             .render(context! { ..Value::from(ctx) })
-            .map_err(|e| self.error("failed", &e))?;
+            .map_err(|e| template_error(&self.label, "failed", &e))?;
         if text.len() > MAX_RENDERED_BYTES {
             bail!(
                 "{}: the rendered conversation is {} bytes, over the limit of {MAX_RENDERED_BYTES}",
@@ -220,42 +224,43 @@ impl ChatTemplate {
         }
         Ok(text)
     }
+}
 
-    fn error(&self, what: &str, e: &Error) -> candle::Error {
-        // A template's own `raise_exception` message is the user's answer.
-        let detail = match (e.kind(), e.detail()) {
-            (ErrorKind::InvalidOperation, Some(d)) => d.to_string(),
-            _ => e.to_string(),
-        };
-        candle::Error::Msg(format!("{}: the chat template {what}: {detail}", self.label))
-    }
+/// A MiniJinja error of the template `label` as this crate's.
+fn template_error(label: &str, what: &str, e: &Error) -> candle::Error {
+    // A template's own `raise_exception` message is the user's answer.
+    let detail = match (e.kind(), e.detail()) {
+        (ErrorKind::InvalidOperation, Some(d)) => d.to_string(),
+        _ => e.to_string(),
+    };
+    candle::Error::Msg(format!("{label}: the chat template {what}: {detail}"))
+}
 
-    /// HF's Jinja environment, in MiniJinja.
-    fn environment(&self) -> Environment<'static> {
-        let mut env = Environment::new();
-        let syntax = minijinja::syntax::SyntaxConfig::builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build();
-        if let Ok(syntax) = syntax {
-            env.set_syntax(syntax);
-        }
-        env.set_fuel(Some(FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |message: String| -> std::result::Result<Value, Error> {
-                Err(Error::new(ErrorKind::InvalidOperation, message))
-            },
-        );
-        env.add_function("strftime_now", |format: String| jinja_py::strftime_utc(&format));
-        env.add_filter("tojson", jinja_py::tojson);
-        env.add_filter("int", jinja_py::int_filter);
-        env.add_filter("float", jinja_py::float_filter);
-        env.add_filter("pprint", jinja_py::pprint);
-        env.set_formatter(jinja_py::formatter);
-        env
+/// HF's Jinja environment, in MiniJinja.
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build();
+    if let Ok(syntax) = syntax {
+        env.set_syntax(syntax);
     }
+    env.set_fuel(Some(FUEL));
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |message: String| -> std::result::Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, message))
+        },
+    );
+    env.add_function("strftime_now", |format: String| jinja_py::strftime_utc(&format));
+    env.add_filter("tojson", jinja_py::tojson);
+    env.add_filter("int", jinja_py::int_filter);
+    env.add_filter("float", jinja_py::float_filter);
+    env.add_filter("pprint", jinja_py::pprint);
+    env.set_formatter(jinja_py::formatter);
+    env
 }
 
 /// The special tokens `tokenizer_config.json` names (`bos_token`,

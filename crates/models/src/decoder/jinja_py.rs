@@ -11,7 +11,7 @@ use minijinja::{Error, ErrorKind, Value};
 
 /// Deepest nesting of lists and dicts a template may print or pass to
 /// `tojson` (Python's own recursion limit is 1000 frames).
-pub(super) const MAX_VALUE_DEPTH: usize = 256;
+const MAX_VALUE_DEPTH: usize = 256;
 
 fn invalid(message: String) -> Error {
     Error::new(ErrorKind::InvalidOperation, message)
@@ -19,7 +19,7 @@ fn invalid(message: String) -> Error {
 
 /// Refuses a value nested deeper than [`MAX_VALUE_DEPTH`], walking it
 /// without recursion.
-pub(super) fn check_depth(value: &Value) -> Result<(), Error> {
+fn check_depth(value: &Value) -> Result<(), Error> {
     let mut stack = vec![(value.clone(), 0usize)];
     while let Some((v, depth)) = stack.pop() {
         let kind = v.kind();
@@ -209,7 +209,7 @@ fn json_string(out: &mut String, s: &str, ensure_ascii: bool) {
 /// the same, fixed-point for exponents -4..16 (`0.0001`, `100.0`),
 /// scientific otherwise with a sign and at least two exponent digits
 /// (`3e-07`, `1e+16`).
-pub(super) fn float_repr(x: f64) -> String {
+fn float_repr(x: f64) -> String {
     // Rust's `{:e}` gives the same shortest digits: "-1.25e-7", "3e0".
     let sci = format!("{x:e}");
     let Some((mantissa, exp)) = sci.split_once('e') else {
@@ -272,7 +272,8 @@ pub(super) fn pprint(value: Value) -> Result<String, Error> {
 
 /// Jinja2's `int(value, default=0, base=10)`: a string that is not a
 /// number gives `default` (MiniJinja's `int` raises), as does any value
-/// `int()` refuses.
+/// `int()` refuses. Unlike Python's, the integers are i64: past it they
+/// saturate, and an infinite float gives `default` (Python raises).
 pub(super) fn int_filter(value: Value, default: Option<Value>, base: Option<u32>) -> Result<Value, Error> {
     let default = default.unwrap_or(Value::from(0));
     if value.is_integer() {
@@ -470,7 +471,7 @@ mod tests {
             "a{%- if true -%}b{% endif %}{% if x %}"
         );
         assert_eq!(generation_tags_as_blocks("{% generation"), "{% generation");
-        // Found by fuzzing: `%}` overlapping the `{%`.
+        // A `%}` overlapping the `{%` ends no tag.
         assert_eq!(generation_tags_as_blocks("e{%}x"), "e{%}x");
         assert_eq!(generation_tags_as_blocks("{%-%}{%%}"), "{%-%}{%%}");
     }

@@ -81,14 +81,7 @@ pub fn continue_streaming<M: CausalLm>(
     let Some(&last) = new.last() else {
         bail!("continue_streaming: no new token to prefill")
     };
-    let mut cfg = cfg.clone();
-    if let Some(context) = model.max_positions() {
-        let total = cache.len() + new.len();
-        if total > context {
-            bail!("generate: {total} tokens do not fit the model's context of {context} positions")
-        }
-        cfg.max_len = cfg.max_len.min(context - total + 1);
-    }
+    let cfg = within_context(model, cache.len() + new.len(), cfg)?;
     let ids = Tensor::new(new, model.device())?.unsqueeze(0)?;
     let logits = model.prefill_last(&ids, cache)?;
     let model = Primed {
@@ -128,17 +121,10 @@ fn prefill<'a, M: CausalLm>(
     }
     let (ids, pads) = left_pad(prompts, pad_id, model.device())?;
     let len = ids.dim(1)?;
-    let mut cfg = cfg.clone();
-    if let Some(context) = model.max_positions() {
-        // Positions count from each row's first real token: the longest
-        // prompt reaches furthest. The step feeding position p yields the
-        // token at p + 1, so positions up to `context - 1` can be fed.
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        if longest > context {
-            bail!("generate: a prompt of {longest} tokens does not fit the model's context of {context} positions")
-        }
-        cfg.max_len = cfg.max_len.min(context - longest + 1);
-    }
+    // Positions count from each row's first real token: the longest prompt
+    // reaches furthest.
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let cfg = within_context(model, longest, cfg)?;
     let mut cache = model.new_cache(pads);
     let logits = model.prefill_last(&ids, &mut cache)?;
     let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
@@ -152,6 +138,24 @@ fn prefill<'a, M: CausalLm>(
         last,
         cfg,
     }))
+}
+
+/// `cfg` with `max_len` cut to what a model with a bounded context
+/// ([`CausalLm::max_positions`]) can still generate after `held` tokens;
+/// more tokens than the context holds are refused with both numbers. The
+/// step feeding position p yields the token at p + 1, so positions up to
+/// `context - 1` can be fed.
+fn within_context<M: CausalLm>(model: &M, held: usize, cfg: &GenerateConfig) -> Result<GenerateConfig> {
+    let mut cfg = cfg.clone();
+    if let Some(context) = model.max_positions() {
+        if held > context {
+            bail!(
+                "generate: a prompt of {held} tokens does not fit the model's context of {context} positions"
+            )
+        }
+        cfg.max_len = cfg.max_len.min(context - held + 1);
+    }
+    Ok(cfg)
 }
 
 /// A decoder whose first step is already taken: the search feeds each

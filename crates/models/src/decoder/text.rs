@@ -80,10 +80,17 @@ impl TextTokenizer {
     /// Parses `tokenizer.json` bytes (`label` names the file in errors),
     /// with `tokenizer_config.json`'s text and label if there is one.
     pub fn from_json(bytes: &[u8], label: &str, config: Option<(&str, &str)>) -> Result<Self> {
-        let json: Value = serde_json::from_slice(bytes).map_err(|e| {
+        // Only the normalizer is read here (the vocabulary is skipped, not
+        // built twice): it is bounded before the crate sees the file.
+        #[derive(serde::Deserialize)]
+        struct Normalizer {
+            #[serde(default)]
+            normalizer: Value,
+        }
+        let head: Normalizer = serde_json::from_slice(bytes).map_err(|e| {
             candle::Error::Msg(format!("{label}: not a tokenizer HF's tokenizers can read: {e}"))
         })?;
-        let growth = normalizer_growth(json.get("normalizer").unwrap_or(&Value::Null), label)?;
+        let growth = normalizer_growth(&head.normalizer, label)?;
         let mut inner = guard(label, "not a tokenizer HF's tokenizers can read", || {
             tokenizers::Tokenizer::from_bytes(bytes)
         })?;

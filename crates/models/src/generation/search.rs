@@ -242,9 +242,6 @@ pub fn generate_streaming<M: StepModel>(
     processors: &[&dyn LogitsProcessor],
     on_token: &mut dyn FnMut(Chosen) -> Result<bool>,
 ) -> Result<Vec<Vec<Generated>>> {
-    if let Decoding::Beam { .. } = cfg.decoding {
-        bail!("generate_streaming: beam search cannot stream (its tokens are chosen at the end)")
-    }
     let mut cache = cache;
     generate_streaming_in(model, &mut cache, first, cfg, processors, on_token)
 }

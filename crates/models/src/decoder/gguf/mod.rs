@@ -160,29 +160,23 @@ impl GgufReader<'_> {
 }
 
 impl GgufReader<'_> {
-    /// Refuses a matrix `t` (tensor `g`) holding finite values too large
-    /// for `dtype` (an f32 weight past f16's 65504): converted, they would
-    /// be infinity and the first step would fail far from the cause, as
-    /// `Checkpoint::load` refuses them in a folder's weights.
+    /// Refuses a matrix `t` (tensor `g`, read) holding finite values too
+    /// large for `dtype` (an f32 weight past f16's 65504): converted, they
+    /// would be infinity and the first step would fail far from the cause,
+    /// as `Checkpoint::load` refuses them in a folder's weights. The file's
+    /// bytes are scanned in place ([`GgufFile::too_large`]).
     fn ensure_representable(&self, t: &Tensor, dtype: DType, g: &str) -> Result<()> {
-        let (Some((target_max, overflow)), Some((stored_max, _))) =
+        let (Some((target_max, overflow)), Some((read_max, _))) =
             (float_range(dtype), float_range(t.dtype()))
         else {
             return Ok(());
         };
-        if stored_max < overflow {
+        if read_max < overflow {
             return Ok(());
         }
-        let a = t.to_dtype(DType::F32)?.abs()?;
-        let past = (a.ge(overflow as f32)? * a.lt(f32::INFINITY)?)?;
-        let n = past.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as u64;
-        if n == 0 {
+        let Some((n, largest)) = self.file.too_large(g, overflow).filter(|&(n, _)| n > 0) else {
             return Ok(());
-        }
-        let largest = past
-            .where_cond(&a, &a.zeros_like()?)?
-            .max_all()?
-            .to_scalar::<f32>()?;
+        };
         bail!(
             "GGUF file '{}': tensor '{}' holds {n} value{} up to {largest}, past {}'s largest {target_max}, which would become infinity (load it in a wider dtype)",
             self.file.label(),
