@@ -165,6 +165,95 @@ impl KvCache {
         Ok(())
     }
 
+    /// Appends the rows of `other` after this cache's, aligned at their
+    /// ends: the shorter side gets more left padding, so every row keeps
+    /// its own positions and sees only its own keys. Continuous batching
+    /// joins a request prefilled alone to the batch this way. An empty
+    /// cache (no row yet) becomes `other`.
+    ///
+    /// # Shapes
+    /// - self `(b1, h, len1, d)`, `other` `(b2, h, len2, d)` →
+    ///   `(b1 + b2, h, max(len1, len2), d)`
+    pub fn join_rows(&mut self, other: &KvCache) -> Result<()> {
+        let (Some(k), Some(v)) = (&self.k, &self.v) else {
+            let chunk = self.chunk;
+            *self = other.clone();
+            self.chunk = chunk;
+            return Ok(());
+        };
+        let (Some(ok), Some(ov)) = (&other.k, &other.v) else {
+            bail!("KvCache::join_rows: the cache to join holds no rows")
+        };
+        let (b1, h, _, d) = k.dims4()?;
+        let (b2, oh, _, od) = ok.dims4()?;
+        let (vd, ovd) = (v.dim(3)?, ov.dim(3)?);
+        if (h, d, vd) != (oh, od, ovd) || k.dtype() != ok.dtype() {
+            bail!(
+                "KvCache::join_rows: (kv_heads, head_dim, v_head_dim) {:?} of {:?} beside {:?} of {:?}",
+                (h, d, vd),
+                k.dtype(),
+                (oh, od, ovd),
+                ok.dtype()
+            )
+        }
+        let len = self.len.max(other.len);
+        let cap = (len + 1).next_multiple_of(self.chunk);
+        let aligned = |t: &Tensor, held: usize, width: usize| -> Result<Tensor> {
+            let rows = t.dim(0)?;
+            let mut parts = Vec::with_capacity(3);
+            if len > held {
+                parts.push(Tensor::zeros(
+                    (rows, h, len - held, width),
+                    t.dtype(),
+                    t.device(),
+                )?);
+            }
+            if held > 0 {
+                parts.push(t.narrow(2, 0, held)?);
+            }
+            parts.push(Tensor::zeros((rows, h, cap - len, width), t.dtype(), t.device())?);
+            Tensor::cat(&parts, 2)
+        };
+        let k = Tensor::cat(&[aligned(k, self.len, d)?, aligned(ok, other.len, d)?], 0)?;
+        let v = Tensor::cat(&[aligned(v, self.len, vd)?, aligned(ov, other.len, vd)?], 0)?;
+        let start = |c: &KvCache, row: usize| c.starts.get(row).copied().unwrap_or(0) + len - c.len;
+        let starts: Vec<usize> = (0..b1)
+            .map(|r| start(self, r))
+            .chain((0..b2).map(|r| start(other, r)))
+            .collect();
+        self.k = Some(k);
+        self.v = Some(v);
+        self.len = len;
+        self.starts = starts;
+        Ok(())
+    }
+
+    /// Drops the leading positions that are padding in every row (left
+    /// behind when the longest rows of a batch leave it), so that no step
+    /// reads them again. Copies the buffers when there is any to drop.
+    pub fn trim_padding(&mut self) -> Result<()> {
+        let common = self.starts.iter().copied().min().unwrap_or(0).min(self.len);
+        if common == 0 {
+            return Ok(());
+        }
+        let len = self.len - common;
+        let cap = (len + 1).next_multiple_of(self.chunk);
+        let shift = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
+            t.as_ref()
+                .map(|t| {
+                    let (b, h, _, d) = t.dims4()?;
+                    let tail = Tensor::zeros((b, h, cap - len, d), t.dtype(), t.device())?;
+                    Tensor::cat(&[t.narrow(2, common, len)?, tail], 2)
+                })
+                .transpose()
+        };
+        self.k = shift(&self.k)?;
+        self.v = shift(&self.v)?;
+        self.len = len;
+        self.starts.iter_mut().for_each(|s| *s -= common);
+        Ok(())
+    }
+
     /// Appends `k` and `v` after the positions held (in the cache's dtype
     /// where it has one) and returns every position's keys and values
     /// (views of the buffers).
@@ -278,4 +367,49 @@ fn grow(
         buf.slice_set(&old.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
     }
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(rows: usize, len: usize, base: f32) -> Result<KvCache> {
+        let mut c = KvCache::new(4);
+        let k = Tensor::arange(0f32, (rows * len * 2) as f32, &Device::Cpu)?.affine(1., base as f64)?;
+        let k = k.reshape((rows, 1, len, 2))?;
+        c.append(&k, &k)?;
+        Ok(c)
+    }
+
+    #[test]
+    fn joined_rows_keep_their_keys_positions_and_padding() -> Result<()> {
+        let mut a = filled(1, 5, 0.)?;
+        let b = filled(2, 3, 100.)?;
+        a.join_rows(&b)?;
+        assert_eq!(a.len(), 5);
+        assert_eq!(a.left_padding(), &[0, 2, 2]);
+        let keys = a.keys()?.unwrap();
+        // Row 1 is b's row 0, after two positions of padding.
+        let row1: Vec<f32> = keys.get(1)?.flatten_all()?.to_vec1()?;
+        assert_eq!(row1, [0., 0., 0., 0., 100., 101., 102., 103., 104., 105.]);
+        let row0: Vec<f32> = keys.get(0)?.flatten_all()?.to_vec1()?;
+        assert_eq!(row0, (0..10).map(|x| x as f32).collect::<Vec<_>>());
+        // Each row's next position counts its own tokens.
+        let pos: Vec<Vec<u32>> = a.positions(3, 1, &Device::Cpu)?.to_vec2()?;
+        assert_eq!(pos, [[5], [3], [3]]);
+        // The longest row leaves: the padding all rows share goes.
+        a.select_rows(&Tensor::new(&[1u32, 2], &Device::Cpu)?)?;
+        a.trim_padding()?;
+        assert_eq!((a.len(), a.left_padding()), (3, &[0usize, 0][..]));
+        let row0: Vec<f32> = a.keys()?.unwrap().get(0)?.flatten_all()?.to_vec1()?;
+        assert_eq!(row0, [100., 101., 102., 103., 104., 105.]);
+        // An empty cache becomes the one joined.
+        let mut empty = KvCache::new(4);
+        empty.join_rows(&b)?;
+        assert_eq!(
+            (empty.len(), empty.keys()?.unwrap().dims()),
+            (3, &[2usize, 1, 3, 2][..])
+        );
+        Ok(())
+    }
 }

@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+mod batch;
 mod chat;
 mod config;
 mod conversation;
@@ -47,6 +48,7 @@ use multihead_attention::MultiheadAttention;
 use crate::checkpoint::{wanted_tensors, Checkpoint, LoadOptions, LoadProgress, ModelFiles, Wanted};
 use crate::generation::StepModel;
 
+pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CHUNK};
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
 pub use conversation::Conversation;
@@ -110,6 +112,29 @@ impl DecoderCache {
     /// Keeps rows `rows` (`u32`, may repeat), in that order, in every layer.
     pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
         self.layers.iter_mut().try_for_each(|c| c.select_rows(rows))
+    }
+
+    /// Appends `other`'s rows after these, aligned at their ends
+    /// ([`KvCache::join_rows`]): a sequence prefilled alone joins a batch
+    /// that decodes together.
+    pub fn join_rows(&mut self, other: &DecoderCache) -> Result<()> {
+        if other.layers.len() != self.layers.len() {
+            bail!(
+                "DecoderCache::join_rows: a cache of {} layers beside one of {}",
+                other.layers.len(),
+                self.layers.len()
+            )
+        }
+        self.layers
+            .iter_mut()
+            .zip(&other.layers)
+            .try_for_each(|(c, o)| c.join_rows(o))
+    }
+
+    /// Drops the leading positions that every row holds as padding
+    /// ([`KvCache::trim_padding`]).
+    pub fn trim_padding(&mut self) -> Result<()> {
+        self.layers.iter_mut().try_for_each(KvCache::trim_padding)
     }
 
     /// `(batch, new)` `u32` positions of the next `new` tokens, counted

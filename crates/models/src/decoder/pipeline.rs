@@ -333,16 +333,16 @@ impl TextGenerator {
         Ok(prompt_ids)
     }
 
-    /// Continues `prompt_ids` (not empty); with `kept`, on a cache that
-    /// already holds the first `n` of them (`(cache, n)`, `n` below their
-    /// count), prefilling only the rest.
-    pub(crate) fn generate_ids(
+    /// How a continuation of `prompt_ids` is searched under `settings`:
+    /// the search's config and its processors. With `ignore_eos` no end
+    /// token is ever chosen (llama-server's `ignore_eos`, which biases
+    /// them to `-inf`).
+    pub(crate) fn plan(
         &self,
-        prompt_ids: Vec<u32>,
-        kept: Option<(&mut DecoderCache, usize)>,
+        prompt_ids: &[u32],
         settings: &GenerationSettings,
-        on_text: &mut dyn FnMut(&str) -> Result<()>,
-    ) -> Result<TextOutput> {
+        ignore_eos: bool,
+    ) -> Result<Plan> {
         if let Some(context) = self.context() {
             if prompt_ids.len() > context {
                 bail!(
@@ -350,6 +350,9 @@ impl TextGenerator {
                     prompt_ids.len()
                 )
             }
+        }
+        if settings.stop_strings.iter().any(String::is_empty) {
+            bail!("a stop string must not be empty")
         }
         let eos = &self.generation.eos_token_ids;
         let pad = self.generation.pad_token_id.or(eos.first().copied()).unwrap_or(0);
@@ -365,11 +368,17 @@ impl TextGenerator {
         if let Some(s) = &settings.sampling {
             cfg = cfg.with_decoding(Decoding::Sample { seed: s.seed });
         }
+        // Forbidding an end token until `usize::MAX` tokens is forbidding it.
+        let min_new = if ignore_eos {
+            usize::MAX
+        } else {
+            settings.min_new_tokens
+        };
         let min_len: Vec<MinLength> = eos
             .iter()
-            .filter(|_| settings.min_new_tokens > 0)
+            .filter(|_| min_new > 0)
             .map(|&eos_id| MinLength {
-                min_len: settings.min_new_tokens,
+                min_len: min_new,
                 eos_id,
             })
             .collect();
@@ -377,7 +386,7 @@ impl TextGenerator {
         let penalty = settings
             .repetition_penalty
             .map(|p| {
-                Ok::<_, candle::Error>(RepetitionPenalty::new(p)?.with_prompts(vec![prompt_ids.clone()]))
+                Ok::<_, candle::Error>(RepetitionPenalty::new(p)?.with_prompts(vec![prompt_ids.to_vec()]))
             })
             .transpose()?;
         let (temperature, top_k, top_p) = match &settings.sampling {
@@ -399,24 +408,34 @@ impl TextGenerator {
             }
             None => None,
         };
-        // The constraint first, so that the warpers choose among the tokens
-        // it allows; then HF's order: processors (penalty, minimum length),
-        // then warpers.
-        let mut processors: Vec<&dyn LogitsProcessor> = Vec::new();
-        processors.extend(constraint.as_deref().map(|p| p as &dyn LogitsProcessor));
-        processors.extend(penalty.iter().map(|p| p as &dyn LogitsProcessor));
-        processors.extend(min_len.iter().map(|p| p as &dyn LogitsProcessor));
-        processors.extend(temperature.iter().map(|p| p as &dyn LogitsProcessor));
-        processors.extend(top_k.iter().map(|p| p as &dyn LogitsProcessor));
-        processors.extend(top_p.iter().map(|p| p as &dyn LogitsProcessor));
+        Ok(Plan {
+            cfg,
+            constraint,
+            penalty,
+            min_len,
+            temperature,
+            top_k,
+            top_p,
+        })
+    }
 
-        if settings.stop_strings.iter().any(String::is_empty) {
-            bail!("a stop string must not be empty")
-        }
+    /// Continues `prompt_ids` (not empty); with `kept`, on a cache that
+    /// already holds the first `n` of them (`(cache, n)`, `n` below their
+    /// count), prefilling only the rest.
+    pub(crate) fn generate_ids(
+        &self,
+        prompt_ids: Vec<u32>,
+        kept: Option<(&mut DecoderCache, usize)>,
+        settings: &GenerationSettings,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<TextOutput> {
+        let plan = self.plan(&prompt_ids, settings, false)?;
+        let (cfg, processors) = (&plan.cfg, plan.processors());
+        let pad = cfg.pad_id;
         let start = Instant::now();
         let mut first_token = None;
         let mut stream = self.tokenizer.stream();
-        let mut stops = StopStrings::new(&settings.stop_strings);
+        let mut stops = StopStrings::new(settings.stop_strings.clone());
         let mut stopped = false;
         let mut on_token = |chosen: Chosen| {
             first_token.get_or_insert_with(Instant::now);
@@ -435,7 +454,7 @@ impl TextGenerator {
                 &self.model,
                 cache,
                 &prompt_ids[n..],
-                &cfg,
+                cfg,
                 &processors,
                 &mut on_token,
             )?,
@@ -444,7 +463,7 @@ impl TextGenerator {
                     &self.model,
                     std::slice::from_ref(&prompt_ids),
                     pad,
-                    &cfg,
+                    cfg,
                     &processors,
                     &mut on_token,
                 )?;
@@ -477,29 +496,59 @@ impl TextGenerator {
     }
 }
 
+/// How one continuation is searched: the search's config and the
+/// processors that reshape each step's scores
+/// ([`TextGenerator::plan`]).
+pub(crate) struct Plan {
+    pub(crate) cfg: GenerateConfig,
+    constraint: Option<Arc<TokenConstraint>>,
+    penalty: Option<RepetitionPenalty>,
+    min_len: Vec<MinLength>,
+    temperature: Option<Temperature>,
+    top_k: Option<TopK>,
+    top_p: Option<TopP>,
+}
+
+impl Plan {
+    /// The processors in the order they apply: the constraint first, so
+    /// that the warpers choose among the tokens it allows; then HF's
+    /// order: processors (penalty, minimum length), then warpers.
+    pub(crate) fn processors(&self) -> Vec<&dyn LogitsProcessor> {
+        let mut processors: Vec<&dyn LogitsProcessor> = Vec::new();
+        processors.extend(self.constraint.as_deref().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(self.penalty.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(self.min_len.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(self.temperature.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(self.top_k.iter().map(|p| p as &dyn LogitsProcessor));
+        processors.extend(self.top_p.iter().map(|p| p as &dyn LogitsProcessor));
+        processors
+    }
+}
+
 /// HF's stop-string rule, at constant work a token: generation stops once
 /// the text holds a stop string. Earlier text held none, so a new one ends
 /// in what this token added: only a tail as long as the longest stop
 /// string, and the text not final yet, is searched.
-struct StopStrings<'a> {
-    stops: &'a [String],
+pub(crate) struct StopStrings {
+    stops: Vec<String>,
     /// The end of the text given out, at most the longest stop string.
     tail: String,
     longest: usize,
 }
 
-impl<'a> StopStrings<'a> {
-    fn new(stops: &'a [String]) -> Self {
+impl StopStrings {
+    pub(crate) fn new(stops: Vec<String>) -> Self {
+        let longest = stops.iter().map(String::len).max().unwrap_or(0);
         Self {
             stops,
             tail: String::new(),
-            longest: stops.iter().map(String::len).max().unwrap_or(0),
+            longest,
         }
     }
 
     /// Whether the text holds a stop string, now that `piece` was given
     /// out and `pending` is decoded but not final.
-    fn found(&mut self, piece: &str, pending: &str) -> bool {
+    pub(crate) fn found(&mut self, piece: &str, pending: &str) -> bool {
         self.tail.push_str(piece);
         let text = format!("{}{pending}", self.tail);
         let hit = self.stops.iter().any(|s| text.contains(s.as_str()));

@@ -145,7 +145,11 @@ fn prefill<'a, M: CausalLm>(
 /// more tokens than the context holds are refused with both numbers. The
 /// step feeding position p yields the token at p + 1, so positions up to
 /// `context - 1` can be fed.
-fn within_context<M: CausalLm>(model: &M, held: usize, cfg: &GenerateConfig) -> Result<GenerateConfig> {
+pub(crate) fn within_context<M: CausalLm>(
+    model: &M,
+    held: usize,
+    cfg: &GenerateConfig,
+) -> Result<GenerateConfig> {
     let mut cfg = cfg.clone();
     if let Some(context) = model.max_positions() {
         if held > context {

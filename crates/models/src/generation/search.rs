@@ -312,17 +312,18 @@ pub(super) fn next_log_probs<M: StepModel>(
             model.vocab_size()
         )
     }
+    log_probs(&logits, step)
+}
+
+/// [`next_log_probs`] of logits a model gave, `(rows, vocab)`.
+pub(crate) fn log_probs(logits: &Tensor, step: usize) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
     let logits = logits.to_dtype(DType::F32)?;
     let host: Vec<Vec<f32>> = logits.to_vec2()?;
     for (r, row) in host.iter().enumerate() {
-        // `-inf` forbids a token; NaN, `+inf` or nothing finite is broken.
-        let nan = row.iter().filter(|x| x.is_nan()).count();
-        let inf = row.iter().filter(|&&x| x == f32::INFINITY).count();
-        let finite = row.iter().filter(|x| x.is_finite()).count();
-        if nan + inf > 0 || finite == 0 {
+        if let Some(why) = unusable(row) {
             bail!(
-                "generate: step {step}: the model's logits for row {r} are not usable \
-                 ({nan} NaN, {inf} +inf, {finite} finite of {v}): its weights or config overflow f32"
+                "generate: step {step}: the model's logits for row {r} are not usable ({why}): \
+                 its weights or config overflow f32"
             )
         }
     }
@@ -337,7 +338,17 @@ pub(super) fn next_log_probs<M: StepModel>(
     Ok((log_probs, offsets))
 }
 
-pub(super) fn apply(
+/// Why no token can be chosen from a row of logits: NaN, `+inf`, or
+/// nothing finite (`-inf` alone forbids a token, as a processor would);
+/// `None` when the row is usable.
+fn unusable(row: &[f32]) -> Option<String> {
+    let nan = row.iter().filter(|x| x.is_nan()).count();
+    let inf = row.iter().filter(|&&x| x == f32::INFINITY).count();
+    let finite = row.iter().filter(|x| x.is_finite()).count();
+    (nan + inf > 0 || finite == 0).then(|| format!("{nan} NaN, {inf} +inf, {finite} finite of {}", row.len()))
+}
+
+pub(crate) fn apply(
     processors: &[&dyn LogitsProcessor],
     ctx: &StepContext<'_>,
     scores: &mut [f32],
@@ -350,7 +361,7 @@ pub(super) fn apply(
 
 /// The first index of the largest score, or `None` when all are `-inf` or
 /// NaN.
-fn argmax(scores: &[f32]) -> Option<usize> {
+pub(crate) fn argmax(scores: &[f32]) -> Option<usize> {
     let mut best: Option<(usize, f32)> = None;
     for (i, &s) in scores.iter().enumerate() {
         if s > f32::NEG_INFINITY && best.is_none_or(|(_, b)| s > b) {
@@ -361,7 +372,7 @@ fn argmax(scores: &[f32]) -> Option<usize> {
 }
 
 /// A token drawn from the softmax of `scores`.
-fn draw(scores: &[f32], rng: &mut SplitMix64) -> Option<usize> {
+pub(crate) fn draw(scores: &[f32], rng: &mut SplitMix64) -> Option<usize> {
     let probs = softmax(scores);
     let u = rng.next_f64();
     let mut acc = 0f64;
