@@ -4,6 +4,7 @@
 //! - `multihead seq2seq [TEXT…]`: translate with the encoder–decoder.
 //! - `multihead generate --model DIR|FILE.gguf [PROMPT…]`: continue text with a decoder folder or GGUF file.
 //! - `multihead chat --model DIR|FILE.gguf|ORG/NAME`: a conversation, a line a turn.
+//! - `multihead serve --model DIR|FILE.gguf|ORG/NAME`: OpenAI's HTTP API, concurrent requests batched.
 //! - `multihead inspect FILE.safetensors|FILE.gguf`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};
@@ -31,6 +32,8 @@ enum Command {
     Generate(cli::generate::Args),
     /// Hold a conversation with a decoder: a line a turn (from a terminal or a pipe), replies streamed.
     Chat(cli::generate::Args),
+    /// Serve OpenAI's HTTP API (chat and text completions, streamed or not) over a decoder, batching concurrent requests.
+    Serve(cli::serve::Args),
     /// List a checkpoint's tensors, recognise its layout, check it against a config.
     Inspect(cli::inspect::Args),
 }
@@ -42,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Command::Seq2seq(args) => cli::seq2seq::run(args),
         Command::Generate(args) => cli::generate::run(args),
         Command::Chat(args) => cli::chat::run(args),
+        Command::Serve(args) => cli::serve::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
     };
     match res {

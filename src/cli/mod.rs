@@ -9,4 +9,5 @@ mod inspect_gguf;
 pub mod model_files;
 mod output;
 pub mod seq2seq;
+pub mod serve;
 pub mod vit;

@@ -314,7 +314,7 @@ impl TextGenerator {
 
     /// The ids of `messages` rendered with the chat template and the
     /// generation prompt, tokenized without added special tokens.
-    pub(crate) fn chat_prompt_ids(&self, messages: &[ChatMessage], args: &TemplateArgs) -> Result<Vec<u32>> {
+    pub fn chat_prompt_ids(&self, messages: &[ChatMessage], args: &TemplateArgs) -> Result<Vec<u32>> {
         if let Some(why) = &self.chat_error {
             bail!("{why}")
         }

@@ -1,0 +1,509 @@
+//! `multihead serve` as its clients see it, over HTTP on a loopback port
+//! the server picks (`--port 0`, read from its log): OpenAI's shapes,
+//! greedy text equal to `generate`'s (itself HF's: `text_generation.rs`),
+//! streamed and not, concurrent clients each equal to their own single
+//! run, the limits as 400s naming the field, 429 past the queue, a
+//! disconnect that frees its place, a template error that answers one
+//! request alone, and SIGTERM finishing what is in flight, then exit 0.
+
+mod common;
+mod text_fixtures;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle::Device;
+use multihead::models::decoder::{ChatMessage, GenerationSettings, TextGenerator, TextOutput};
+use serde_json::{json, Value};
+use text_fixtures::{fixtures, folder_with, FOLDERS};
+
+const PROMPTS: [&str; 4] = [
+    "Hello world",
+    "héllo, 日本語?",
+    "The quick brown fox jumps over the lazy dog",
+    "a",
+];
+
+/// A running server, killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Server {
+    fn start(model: &Path, extra: &[&str]) -> Result<Self> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .args(["serve", "--model"])
+            .arg(model)
+            .args(["--port", "0", "--threads", "1"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let stderr = child.stderr.take().context("stderr")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(|l| l.ok()) {
+                if let Some(rest) = line.strip_prefix("listening on http://") {
+                    let addr = rest.split_whitespace().next().unwrap_or_default().to_string();
+                    let _ = tx.send(addr);
+                }
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(addr) => addr,
+            Err(_) => {
+                let _ = child.kill();
+                bail!("the server did not say where it listens")
+            }
+        };
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(120)))
+            .build()
+            .into();
+        Ok(Self {
+            child,
+            base: format!("http://{addr}"),
+            agent,
+        })
+    }
+
+    /// POSTs `body` to `path`: the status, the `Retry-After` header and
+    /// the body as JSON.
+    fn post(&self, path: &str, body: &Value) -> Result<(u16, Option<String>, Value)> {
+        let mut resp = self.agent.post(format!("{}{path}", self.base)).send_json(body)?;
+        let retry = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let status = resp.status().as_u16();
+        let text = resp.body_mut().read_to_string()?;
+        let value = serde_json::from_str(&text).with_context(|| format!("not JSON: {text:?}"))?;
+        Ok((status, retry, value))
+    }
+
+    fn get(&self, path: &str) -> Result<(u16, Value)> {
+        let mut resp = self.agent.get(format!("{}{path}", self.base)).call()?;
+        Ok((resp.status().as_u16(), resp.body_mut().read_json()?))
+    }
+
+    /// POSTs a streaming request: the status and every `data:` payload.
+    fn stream(&self, path: &str, body: &Value) -> Result<(u16, Vec<String>)> {
+        let resp = self.agent.post(format!("{}{path}", self.base)).send_json(body)?;
+        let status = resp.status().as_u16();
+        let mut data = Vec::new();
+        let reader = BufReader::new(resp.into_body().into_reader());
+        for line in reader.lines() {
+            if let Some(d) = line?.strip_prefix("data: ") {
+                data.push(d.to_string());
+            }
+        }
+        Ok((status, data))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The chunks of a stream, `[DONE]` last and the rest JSON.
+fn chunks(data: &[String]) -> Result<Vec<Value>> {
+    let Some((last, rest)) = data.split_last() else {
+        bail!("an empty stream")
+    };
+    assert_eq!(last, "[DONE]");
+    rest.iter().map(|d| Ok(serde_json::from_str(d)?)).collect()
+}
+
+/// A stream's text: its deltas (chat) or texts (completions), joined.
+fn streamed_text(chunks: &[Value]) -> String {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .filter_map(|c| c["delta"]["content"].as_str().or(c["text"].as_str()))
+        .collect()
+}
+
+fn greedy(g: &TextGenerator, n: usize) -> GenerationSettings {
+    GenerationSettings {
+        max_new_tokens: n,
+        sampling: None,
+        ..g.settings()
+    }
+}
+
+fn finish_reason(out: &TextOutput) -> &'static str {
+    match out.finish {
+        multihead::models::decoder::Finish::Length => "length",
+        _ => "stop",
+    }
+}
+
+#[test]
+fn greedy_text_equals_generate_streamed_and_not_on_every_fixture() -> Result<()> {
+    for name in FOLDERS {
+        let folder = fixtures().join(name);
+        let g = TextGenerator::from_folder(&folder, &Device::Cpu)?;
+        let settings = greedy(&g, 16);
+        let server = Server::start(&folder, &[])?;
+        for prompt in PROMPTS {
+            let want = g.generate(prompt, &settings, &mut |_| Ok(()))?;
+            let body =
+                json!({"model": "any", "prompt": prompt, "max_tokens": 16, "temperature": 0, "unknown": [1]});
+            let (status, _, got) = server.post("/v1/completions", &body)?;
+            assert_eq!(status, 200, "{name} {prompt:?}: {got}");
+            assert_eq!(got["object"], "text_completion");
+            assert_eq!(got["model"], "any", "the request's model is echoed");
+            assert_eq!(got["choices"][0]["text"], want.text.as_str(), "{name} {prompt:?}");
+            assert_eq!(got["choices"][0]["finish_reason"], finish_reason(&want));
+            assert_eq!(got["usage"]["prompt_tokens"], want.prompt_ids.len());
+            assert_eq!(got["usage"]["completion_tokens"], want.ids.len());
+            assert_eq!(
+                got["usage"]["total_tokens"],
+                want.prompt_ids.len() + want.ids.len()
+            );
+
+            let mut body = body.clone();
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+            let (status, data) = server.stream("/v1/completions", &body)?;
+            assert_eq!(status, 200);
+            let chunks = chunks(&data)?;
+            assert_eq!(streamed_text(&chunks), want.text, "{name} {prompt:?}: streamed");
+            let usage = chunks.last().context("usage chunk")?;
+            assert_eq!(usage["choices"], json!([]));
+            assert_eq!(usage["usage"]["completion_tokens"], want.ids.len());
+            let last = &chunks[chunks.len() - 2]["choices"][0];
+            assert_eq!(last["finish_reason"], finish_reason(&want));
+        }
+        if g.chat_template().is_none() {
+            continue;
+        }
+        let messages = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hello world"),
+        ];
+        let want = g.generate_chat(&messages, &settings, &mut |_| Ok(()))?;
+        let body = json!({
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                // Text parts, as OpenAI's clients may send them.
+                {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]},
+            ],
+            "max_completion_tokens": 16,
+            "temperature": 0,
+        });
+        let (status, _, got) = server.post("/v1/chat/completions", &body)?;
+        assert_eq!(status, 200, "{name}: {got}");
+        assert_eq!(got["object"], "chat.completion");
+        assert_eq!(got["choices"][0]["message"]["role"], "assistant");
+        assert_eq!(
+            got["choices"][0]["message"]["content"],
+            want.text.as_str(),
+            "{name} chat"
+        );
+        let mut body = body.clone();
+        body["stream"] = json!(true);
+        let (_, data) = server.stream("/v1/chat/completions", &body)?;
+        let chunks = chunks(&data)?;
+        assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(streamed_text(&chunks), want.text, "{name} chat streamed");
+    }
+    Ok(())
+}
+
+#[test]
+fn eight_concurrent_clients_each_equal_their_single_run() -> Result<()> {
+    let folder = fixtures().join("llama3");
+    let g = TextGenerator::from_folder(&folder, &Device::Cpu)?;
+    let settings = greedy(&g, 24);
+    let prompts: Vec<String> = (0..8).map(|i| format!("{} {i}", PROMPTS[i % 4])).collect();
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| Ok(g.generate(p, &settings, &mut |_| Ok(()))?.text))
+        .collect::<Result<_>>()?;
+    // Four decode together, the rest wait for a place.
+    let server = Server::start(&folder, &["--parallel", "4", "--prefill-chunk", "3"])?;
+    let got: Vec<Result<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let server = &server;
+                s.spawn(move || -> Result<String> {
+                    let body = json!({"prompt": p, "max_tokens": 24, "temperature": 0, "stream": i % 2 == 0});
+                    if i % 2 == 0 {
+                        let (_, data) = server.stream("/v1/completions", &body)?;
+                        Ok(streamed_text(&chunks(&data)?))
+                    } else {
+                        let (_, _, v) = server.post("/v1/completions", &body)?;
+                        Ok(v["choices"][0]["text"].as_str().context("text")?.to_string())
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    });
+    for ((p, want), got) in prompts.iter().zip(&want).zip(got) {
+        assert_eq!(&got?, want, "{p:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn stop_sequences_end_the_text_before_them() -> Result<()> {
+    let folder = fixtures().join("llama3");
+    let g = TextGenerator::from_folder(&folder, &Device::Cpu)?;
+    let full = g.generate(PROMPTS[0], &greedy(&g, 24), &mut |_| Ok(()))?.text;
+    // A stop sequence from the middle of the greedy text.
+    let chars: Vec<char> = full.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let want = &full[..full.find(&stop).context("stop in text")?];
+    let server = Server::start(&folder, &[])?;
+    let body = json!({"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "stop": [stop]});
+    let (_, _, got) = server.post("/v1/completions", &body)?;
+    assert_eq!(got["choices"][0]["text"], want);
+    assert_eq!(got["choices"][0]["finish_reason"], "stop");
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let (_, data) = server.stream("/v1/completions", &body)?;
+    assert_eq!(streamed_text(&chunks(&data)?), want);
+    Ok(())
+}
+
+#[test]
+fn bad_requests_are_400s_naming_the_field_and_the_server_goes_on() -> Result<()> {
+    let folder = fixtures().join("llama3");
+    let server = Server::start(&folder, &[])?;
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let with = |key: &str, value: Value| {
+        let mut b = ok.clone();
+        b[key] = value;
+        b
+    };
+    let cases = [
+        (json!({"messages": []}), Some("messages")),
+        (json!({"messages": "hi"}), Some("messages")),
+        (json!({"messages": [{"content": "hi"}]}), Some("messages[0]")),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            Some("messages[0]"),
+        ),
+        (with("n", json!(2)), Some("n")),
+        (with("max_tokens", json!(0)), Some("max_tokens")),
+        (with("max_tokens", json!(1_000_000)), Some("max_tokens")),
+        (with("max_tokens", json!(-3)), Some("max_tokens")),
+        (with("temperature", json!(5)), Some("temperature")),
+        (with("top_p", json!(0)), Some("top_p")),
+        (with("stream", json!("yes")), Some("stream")),
+        (with("stop", json!(["a", "b", "c", "d", "e"])), Some("stop")),
+        (with("stop", json!([""])), Some("stop")),
+        (with("presence_penalty", json!(1)), Some("presence_penalty")),
+        (with("tools", json!([{"type": "function"}])), Some("tools")),
+        (
+            with("response_format", json!({"type": "json_object"})),
+            Some("response_format"),
+        ),
+        (json!([1, 2]), None),
+    ];
+    for (body, param) in cases {
+        let (status, _, err) = server.post("/v1/chat/completions", &body)?;
+        assert_eq!(status, 400, "{body}: {err}");
+        assert_eq!(err["error"]["type"], "invalid_request_error", "{err}");
+        assert_eq!(err["error"]["param"].as_str(), param, "{body}: {err}");
+        assert!(err["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    // A prompt past the context (256 positions) names it.
+    let long = "word ".repeat(400);
+    let (status, _, err) = server.post("/v1/completions", &json!({"prompt": long}))?;
+    assert_eq!(
+        (status, err["error"]["param"].as_str()),
+        (400, Some("prompt")),
+        "{err}"
+    );
+    let (status, _, err) = server.post("/v1/completions", &json!({"prompt": [5, 9_999_999]}))?;
+    assert_eq!(
+        (status, err["error"]["param"].as_str()),
+        (400, Some("prompt")),
+        "{err}"
+    );
+    // Not JSON at all; a body past the limit; no such endpoint.
+    let resp = server
+        .agent
+        .post(format!("{}/v1/completions", server.base))
+        .header("content-type", "application/json")
+        .send("{not json")?;
+    assert_eq!(resp.status().as_u16(), 400);
+    let huge = "x".repeat(9 << 20);
+    let mut resp = server
+        .agent
+        .post(format!("{}/v1/completions", server.base))
+        .send(huge.as_bytes())?;
+    assert_eq!(resp.status().as_u16(), 413);
+    let err: Value = resp.body_mut().read_json()?;
+    assert!(err["error"]["message"].is_string(), "{err}");
+    let mut resp = server.agent.get(format!("{}/v1/nothing", server.base)).call()?;
+    assert_eq!(resp.status().as_u16(), 404);
+    assert!(resp.body_mut().read_json::<Value>()?["error"].is_object());
+    // Still serving, and the model and health answer.
+    let (status, _, v) = server.post("/v1/chat/completions", &ok)?;
+    assert_eq!(status, 200, "{v}");
+    let (status, models) = server.get("/v1/models")?;
+    assert_eq!(status, 200);
+    assert_eq!(models["object"], "list");
+    assert!(models["data"][0]["id"].is_string());
+    assert_eq!(server.get("/health")?, (200, json!({"status": "ok"})));
+    Ok(())
+}
+
+#[test]
+fn a_template_error_answers_that_request_alone() -> Result<()> {
+    let folder = folder_with("llama3", "serve-raising-template", |dir| {
+        let template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user\\'s') }}{% endif %}\
+                        {% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:";
+        std::fs::write(dir.join("chat_template.jinja"), template)?;
+        Ok(())
+    })?;
+    let server = Server::start(&folder, &[])?;
+    let bad = json!({"messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2});
+    let (status, _, err) = server.post("/v1/chat/completions", &bad)?;
+    assert_eq!(status, 400, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("first message"),
+        "{err}"
+    );
+    let good = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    assert_eq!(server.post("/v1/chat/completions", &good)?.0, 200);
+    Ok(())
+}
+
+/// The llama3 fixture with a context long enough for requests that run
+/// until a test is done with them (rotary positions extrapolate).
+fn long_context() -> Result<std::path::PathBuf> {
+    folder_with("llama3", "serve-long-context", |dir| {
+        let path = dir.join("config.json");
+        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+        config["max_position_embeddings"] = json!(1_000_000);
+        std::fs::write(&path, config.to_string())?;
+        Ok(())
+    })
+}
+
+/// A request that streams until its client leaves: the connection, after
+/// its first chunk.
+fn endless(server: &Server) -> Result<impl Read> {
+    let body = json!({"prompt": "Hello", "max_tokens": 60_000, "ignore_eos": true, "stream": true});
+    let resp = server
+        .agent
+        .post(format!("{}/v1/completions", server.base))
+        .send_json(&body)?;
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut reader = BufReader::new(resp.into_body().into_reader());
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    assert!(line.starts_with("data: "), "{line:?}");
+    Ok(reader)
+}
+
+/// Tries `request` until it is not refused as busy, for up to 10 s.
+fn until_admitted(server: &Server, body: &Value) -> Result<Value> {
+    let start = Instant::now();
+    loop {
+        let (status, _, v) = server.post("/v1/completions", body)?;
+        if status != 429 {
+            assert_eq!(status, 200, "{v}");
+            return Ok(v);
+        }
+        if start.elapsed() > Duration::from_secs(10) {
+            bail!("still busy after 10 s")
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn past_the_queue_429_and_a_disconnect_frees_its_place() -> Result<()> {
+    // One place, no queue: a second request is turned away at once.
+    let server = Server::start(&long_context()?, &["--parallel", "1", "--queue", "0"])?;
+    let short = json!({"prompt": "Hi", "max_tokens": 3, "temperature": 0});
+    let first = endless(&server)?;
+    let (status, retry, v) = server.post("/v1/completions", &short)?;
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(retry.as_deref(), Some("1"));
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    // The first client leaves: its place is free again.
+    drop(first);
+    until_admitted(&server, &short)?;
+    // A client of a non-streaming request that hangs up frees its place too.
+    let mut raw = TcpStream::connect(server.base.trim_start_matches("http://"))?;
+    let body = json!({"prompt": "Hello", "max_tokens": 60_000, "ignore_eos": true}).to_string();
+    write!(
+        raw,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    std::thread::sleep(Duration::from_millis(300));
+    drop(raw);
+    until_admitted(&server, &short)?;
+    Ok(())
+}
+
+#[test]
+fn sigterm_finishes_what_is_in_flight_then_exits_0() -> Result<()> {
+    let folder = fixtures().join("llama3");
+    let mut server = Server::start(&folder, &[])?;
+    let body = json!({"prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": true, "stream": true});
+    let resp = server
+        .agent
+        .post(format!("{}/v1/completions", server.base))
+        .send_json(&body)?;
+    let mut reader = BufReader::new(resp.into_body().into_reader());
+    let mut first = String::new();
+    reader.read_line(&mut first)?;
+    let status = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()?;
+    assert!(status.success());
+    // The stream in flight still ends properly.
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest)?;
+    assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+    let chunks: Vec<Value> = format!("{first}{rest}")
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert_eq!(
+        chunks.last().context("chunks")?["choices"][0]["finish_reason"],
+        "length"
+    );
+    let start = Instant::now();
+    let code = loop {
+        if let Some(status) = server.child.try_wait()? {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "still running");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(code.code(), Some(0));
+    assert!(TcpStream::connect(server.base.trim_start_matches("http://")).is_err());
+    Ok(())
+}
