@@ -335,6 +335,27 @@ fn bad_requests_are_400s_naming_the_field_and_the_server_goes_on() -> Result<()>
         (400, Some("prompt")),
         "{err}"
     );
+    // One far past it is refused from a count of its first segments.
+    let (status, _, err) = server.post("/v1/completions", &json!({"prompt": "word ".repeat(200_000)}))?;
+    assert_eq!(
+        (status, err["error"]["param"].as_str()),
+        (400, Some("prompt")),
+        "{err}"
+    );
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("more than"),
+        "{err}"
+    );
+    let huge_message = json!({"messages": [{"role": "user", "content": "word ".repeat(200_000)}]});
+    let (status, _, err) = server.post("/v1/chat/completions", &huge_message)?;
+    assert_eq!(
+        (status, err["error"]["param"].as_str()),
+        (400, Some("messages")),
+        "{err}"
+    );
     let (status, _, err) = server.post("/v1/completions", &json!({"prompt": [5, 9_999_999]}))?;
     assert_eq!(
         (status, err["error"]["param"].as_str()),
@@ -505,5 +526,87 @@ fn sigterm_finishes_what_is_in_flight_then_exits_0() -> Result<()> {
     };
     assert_eq!(code.code(), Some(0));
     assert!(TcpStream::connect(server.base.trim_start_matches("http://")).is_err());
+    Ok(())
+}
+
+/// A small deterministic stream of choices (no `rand` dependency).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % n
+    }
+}
+
+#[test]
+fn mixed_traffic_of_bad_bodies_and_hang_ups_leaves_every_good_request_answered() -> Result<()> {
+    let folder = fixtures().join("llama3");
+    let g = TextGenerator::from_folder(&folder, &Device::Cpu)?;
+    let want = g.generate(PROMPTS[0], &greedy(&g, 8), &mut |_| Ok(()))?.text;
+    let server = Server::start(&folder, &["--parallel", "4", "--queue", "200"])?;
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let good = json!({"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0});
+    let answered = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| -> Result<()> {
+        let mut clients = Vec::new();
+        for t in 0..6u64 {
+            let (server, addr, good, want, answered) = (&server, &addr, &good, &want, &answered);
+            clients.push(s.spawn(move || -> Result<()> {
+                let mut rng = Lcg(t + 1);
+                for _ in 0..25 {
+                    match rng.below(5) {
+                        0 | 1 => {
+                            let (status, _, v) = server.post("/v1/completions", good)?;
+                            assert_eq!(status, 200, "{v}");
+                            assert_eq!(v["choices"][0]["text"], want.as_str());
+                            answered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        2 => {
+                            // Malformed or oversized: refused, never fatal.
+                            let bodies = [
+                                json!({"prompt": "x", "max_tokens": "many"}),
+                                json!({"messages": vec![json!({"role": "user", "content": "x"}); 5000]}),
+                                json!({"prompt": "word ".repeat(600)}),
+                            ];
+                            let body = &bodies[rng.below(3) as usize];
+                            let (status, _, _) = server.post("/v1/completions", body)?;
+                            assert_eq!(status, 400, "{body}");
+                        }
+                        _ => {
+                            // A client that hangs up mid-request or mid-stream.
+                            let mut raw = TcpStream::connect(addr)?;
+                            let body = json!({"prompt": "Hello", "max_tokens": 200, "ignore_eos": true,
+                                              "stream": rng.below(2) == 0})
+                            .to_string();
+                            write!(
+                                raw,
+                                "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{}",
+                                body.len(),
+                                &body[..body.len() - rng.below(2) as usize * 5]
+                            )?;
+                            let mut some = [0u8; 64];
+                            let _ = raw.set_read_timeout(Some(Duration::from_millis(50)));
+                            let _ = raw.read(&mut some);
+                        }
+                    }
+                }
+                Ok(())
+            }));
+        }
+        clients
+            .into_iter()
+            .try_for_each(|c| c.join().expect("client thread"))
+    })?;
+    assert!(answered.load(std::sync::atomic::Ordering::SeqCst) > 0);
+    // Still serving, and nothing left running: every place is free again.
+    let (status, _, v) = server.post("/v1/completions", &good)?;
+    assert_eq!(
+        (status, v["choices"][0]["text"].as_str()),
+        (200, Some(want.as_str()))
+    );
     Ok(())
 }

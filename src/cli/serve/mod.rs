@@ -44,6 +44,15 @@ const MAX_BODY_BYTES: usize = 8 << 20;
 /// bound it.
 const MAX_NEW_TOKENS: usize = 1 << 16;
 
+/// Prompts and templates read at once, off the async threads: tokenizing
+/// takes a few hundred bytes of memory a byte of text, so this bounds the
+/// peak, and a few threads reusing their memory keep the resident size
+/// from creeping up under a flood of long prompts.
+const READERS: usize = 2;
+
+/// Bytes of text tokenized at a time when a long text is first counted.
+const COUNT_SEGMENT_BYTES: usize = 16 << 10;
+
 /// Arguments of `multihead serve`: `generate`'s model and sampling options
 /// (the defaults of every request), and the server's own.
 #[derive(Debug, clap::Args)]
@@ -87,6 +96,7 @@ struct Shared {
     model_id: String,
     requests: AtomicU64,
     seeds: RandomState,
+    readers: tokio::sync::Semaphore,
 }
 
 /// A place among the requests in flight, given back when dropped.
@@ -149,6 +159,7 @@ pub fn run(args: Args) -> Result<()> {
             .unwrap_or_else(|| g.model.display().to_string()),
         requests: AtomicU64::new(0),
         seeds: RandomState::new(),
+        readers: tokio::sync::Semaphore::new(READERS),
     });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -268,7 +279,7 @@ async fn complete(
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|r| ApiError::with_status(r.status(), r.body_text()))?;
     let admission = Admission::take(&shared)?;
-    let request = match endpoint {
+    let mut request = match endpoint {
         Endpoint::Chat => Request::chat(&body)?,
         Endpoint::Text => Request::completion(&body)?,
     };
@@ -276,7 +287,8 @@ async fn complete(
         Endpoint::Chat => "messages",
         Endpoint::Text => "prompt",
     };
-    let prompt_ids = prompt_ids(&shared, &request.prompt, prompt_param).await?;
+    let prompt = std::mem::replace(&mut request.prompt, Prompt::Ids(Vec::new()));
+    let prompt_ids = prompt_ids(&shared, prompt, prompt_param).await?;
     let n = prompt_ids.len();
     let vocab = CausalLm::vocab_size(shared.generator.model());
     if let Some(&t) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
@@ -296,12 +308,14 @@ async fn complete(
         None => MAX_NEW_TOKENS,
     };
     let max_new = match request.max_tokens {
-        Some((m, field)) if m > room => return Err(ApiError::invalid(
-            Some(field),
-            format!(
+        Some((m, field)) if m > room => {
+            return Err(ApiError::invalid(
+                Some(field),
+                format!(
                 "{field} is {m}, but only {room} tokens fit after the prompt's {n} in the model's context"
             ),
-        )),
+            ))
+        }
         Some((m, _)) => m,
         None => shared.default_max.unwrap_or(room).min(room),
     };
@@ -336,32 +350,83 @@ async fn complete(
 
 /// The prompt's ids: the conversation rendered with the chat template (the
 /// server's `--template-arg`s under the request's `chat_template_kwargs`),
-/// or the text tokenized, off the async threads. Every failure is the
-/// request's (a template that raises, a text the tokenizer refuses).
-async fn prompt_ids(
-    shared: &Arc<Shared>,
-    prompt: &Prompt,
-    param: &'static str,
-) -> Result<Vec<u32>, ApiError> {
-    let generator = Arc::clone(&shared.generator);
-    let work = match prompt {
-        Prompt::Chat { messages, args } => {
-            let messages = messages.clone();
-            let mut all = shared.template_args.clone();
-            all.extend(args.clone());
-            tokio::task::spawn_blocking(move || generator.chat_prompt_ids(&messages, &all))
-        }
-        Prompt::Text(text) => {
-            let text = text.clone();
-            tokio::task::spawn_blocking(move || generator.tokenizer().encode(&text))
-        }
-        Prompt::Ids(ids) => return check_not_empty(ids.clone(), param),
+/// or the text tokenized, off the async threads and at most [`READERS`]
+/// at once. A text far past the model's context is refused from a count
+/// of its first segments, before the whole of it is tokenized. Every
+/// failure is the request's (a template that raises, a text the tokenizer
+/// refuses).
+async fn prompt_ids(shared: &Arc<Shared>, prompt: Prompt, param: &'static str) -> Result<Vec<u32>, ApiError> {
+    if let Prompt::Ids(ids) = prompt {
+        return check_not_empty(ids, param);
+    }
+    let Ok(_permit) = shared.readers.acquire().await else {
+        return Err(ApiError::server("the server is stopping"));
     };
+    let generator = Arc::clone(&shared.generator);
+    let mut args = shared.template_args.clone();
+    let work = tokio::task::spawn_blocking(move || {
+        let context = generator.context();
+        match prompt {
+            Prompt::Chat {
+                messages,
+                args: asked,
+            } => {
+                let texts: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+                past_context(&generator, &texts, context)?;
+                args.extend(asked);
+                generator.chat_prompt_ids(&messages, &args)
+            }
+            Prompt::Text(text) => {
+                past_context(&generator, &[&text], context)?;
+                generator.tokenizer().encode(&text)
+            }
+            Prompt::Ids(ids) => Ok(ids),
+        }
+    });
     match work.await {
         Ok(Ok(ids)) => check_not_empty(ids, param),
         Ok(Err(e)) => Err(ApiError::invalid(Some(param), e.to_string())),
         Err(_) => Err(ApiError::server("reading the prompt failed unexpectedly")),
     }
+}
+
+/// Refuses `texts` when their tokens certainly overflow `context`:
+/// counted segment by segment ([`COUNT_SEGMENT_BYTES`], cut after a
+/// whitespace), stopping once the count, less two tokens a segment for
+/// what its edges may tokenize otherwise than the whole text, is past
+/// the context. Short texts are not counted: their tokenization is cheap.
+fn past_context(generator: &TextGenerator, texts: &[&str], context: Option<usize>) -> candle::Result<()> {
+    let Some(context) = context else {
+        return Ok(());
+    };
+    if texts.iter().map(|t| t.len()).sum::<usize>() <= COUNT_SEGMENT_BYTES {
+        return Ok(());
+    }
+    let mut counted = 0usize;
+    for text in texts {
+        let mut rest = *text;
+        while !rest.is_empty() {
+            let mut cut = rest.len().min(COUNT_SEGMENT_BYTES);
+            while !rest.is_char_boundary(cut) {
+                cut += 1;
+            }
+            if let Some(space) = rest[..cut]
+                .rfind(char::is_whitespace)
+                .filter(|&i| i > 0 && cut < rest.len())
+            {
+                cut = space;
+            }
+            let segment = generator.tokenizer().encode_plain(&rest[..cut])?;
+            counted += segment.len().saturating_sub(2);
+            if counted > context {
+                candle::bail!(
+                    "the prompt has more than {counted} tokens; the model's context holds {context}"
+                )
+            }
+            rest = &rest[cut..];
+        }
+    }
+    Ok(())
 }
 
 fn check_not_empty(ids: Vec<u32>, param: &str) -> Result<Vec<u32>, ApiError> {
