@@ -102,7 +102,9 @@ pub struct Args {
     /// GGUF file (llama, Mistral, Qwen2, Qwen3; F32, F16, BF16 or Q8_0);
     /// or a hub name, `ORG/NAME[@REVISION]`, found in the local Hugging
     /// Face cache (HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub)
-    /// without the network, as transformers finds it offline.
+    /// without the network, as transformers finds it offline; a multihead
+    /// built with `--features hub-download` downloads one missing there
+    /// into the cache first (unless HF_HUB_OFFLINE=1).
     #[arg(long, value_name = "DIR|FILE.gguf|ORG/NAME")]
     pub model: PathBuf,
     /// With a GGUF model: the tokenizer.json to use instead of the one the

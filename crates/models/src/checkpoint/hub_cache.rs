@@ -10,6 +10,8 @@
 //!
 //! `<cache>` is `HF_HUB_CACHE`, else `HF_HOME/hub`, else
 //! `XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`.
+//! With the `hub-download` feature, a model missing there is downloaded
+//! into it first (hub_download.rs), unless `HF_HUB_OFFLINE` is set.
 
 use std::path::{Path, PathBuf};
 
@@ -35,6 +37,14 @@ pub fn hub_cache_dir() -> Option<PathBuf> {
 /// else, where it reads `ORG/NAME` or `ORG/NAME@REVISION` (a branch or tag
 /// in `refs/`, or a commit hash), that model's snapshot in the hub cache.
 /// A spec that is neither is one error naming both places looked in.
+///
+/// Built with the `hub-download` feature, a model the cache lacks (or
+/// holds without its config, tokenizer or every weights file) is first
+/// downloaded into it at that revision: config.json, tokenizer.json, the
+/// generation and tokenizer configs, special tokens map and chat template
+/// the repo has, and `model.safetensors` or the shards its index lists.
+/// `HF_HUB_OFFLINE=1` forbids it, as in `huggingface_hub`; without the
+/// feature nothing is ever downloaded.
 pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     if path.exists() {
         return Ok(path.to_path_buf());
@@ -46,8 +56,49 @@ pub fn resolve_model(path: &Path) -> Result<PathBuf> {
     let Some(cache) = hub_cache_dir() else {
         bail!("'{spec}': no such file or folder, and no Hugging Face cache is set (HF_HUB_CACHE, HF_HOME or HOME)")
     };
-    snapshot_in(&cache, org, name, revision)
+    find_or_fetch(&cache, org, name, revision)
         .map_err(|why| candle::Error::Msg(format!("'{spec}': no such file or folder, and {why}")))
+}
+
+#[cfg(feature = "hub-download")]
+fn find_or_fetch(
+    cache: &Path,
+    org: &str,
+    name: &str,
+    revision: &str,
+) -> std::result::Result<PathBuf, String> {
+    super::hub_download::resolve_or_download(
+        cache,
+        org,
+        name,
+        revision,
+        &super::hub_download::Hub::from_env(),
+    )
+}
+
+#[cfg(not(feature = "hub-download"))]
+fn find_or_fetch(
+    cache: &Path,
+    org: &str,
+    name: &str,
+    revision: &str,
+) -> std::result::Result<PathBuf, String> {
+    snapshot_in(cache, org, name, revision).map_err(|why| {
+        let flag = if revision == "main" {
+            String::new()
+        } else {
+            format!(" --revision {revision}")
+        };
+        format!(
+            "{why} (nothing is downloaded here: `huggingface-cli download {org}/{name}{flag}` fetches it, \
+             and so does a multihead built with `--features hub-download`)"
+        )
+    })
+}
+
+/// A full commit hash: 40 hexadecimal digits.
+pub(super) fn is_commit_hash(s: &str) -> bool {
+    s.len() == 40 && s.chars().all(|c| c.is_ascii_hexdigit())
 }
 
 /// `ORG/NAME[@REVISION]` with the hub's characters, or `None`.
@@ -71,16 +122,20 @@ fn hub_name(spec: &str) -> Option<(&str, &str, &str)> {
 
 /// The snapshot folder of `org/name` at `revision` in `cache`, or why
 /// there is none (for the message).
-fn snapshot_in(cache: &Path, org: &str, name: &str, revision: &str) -> std::result::Result<PathBuf, String> {
+pub(super) fn snapshot_in(
+    cache: &Path,
+    org: &str,
+    name: &str,
+    revision: &str,
+) -> std::result::Result<PathBuf, String> {
     let repo = cache.join(format!("models--{org}--{name}"));
     if !repo.is_dir() {
         return Err(format!(
-            "the Hugging Face cache '{}' has no {org}/{name} (download it with `huggingface-cli download {org}/{name}`; nothing is fetched here)",
+            "the Hugging Face cache '{}' has no {org}/{name}",
             cache.display()
         ));
     }
-    let is_hash = revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit());
-    let commit = if is_hash {
+    let commit = if is_commit_hash(revision) {
         revision.to_string()
     } else {
         let reference = repo.join("refs").join(revision);
@@ -91,7 +146,7 @@ fn snapshot_in(cache: &Path, org: &str, name: &str, revision: &str) -> std::resu
             )
         })?;
         let commit = text.trim().to_string();
-        if !(commit.len() == 40 && commit.chars().all(|c| c.is_ascii_hexdigit())) {
+        if !is_commit_hash(&commit) {
             return Err(format!("{} does not hold a commit hash", reference.display()));
         }
         commit

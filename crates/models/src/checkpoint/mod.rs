@@ -27,6 +27,8 @@ mod folder;
 mod gguf;
 mod gguf_header;
 mod hub_cache;
+#[cfg(feature = "hub-download")]
+mod hub_download;
 mod preflight;
 mod shards;
 
