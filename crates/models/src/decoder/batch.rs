@@ -102,7 +102,7 @@ enum Outcome {
     Left,
 }
 
-/// Decodes many sequences together ([module docs](self)): at most
+/// Decodes many sequences together (continuous batching): at most
 /// `parallel` at once, the rest queued in order.
 pub struct Batcher<'g> {
     generator: &'g TextGenerator,
