@@ -1,4 +1,4 @@
-//! A SentencePiece file asks for its tokenizer.json; bad GGUF files are
+//! A tokenizer not rebuilt asks for its tokenizer.json; bad GGUF files are
 //! refused by name: truncated ones, unknown
 //! architectures and metadata, unsupported types and wrong tensors,
 //! hostile headers, tensors holding NaN or infinity (the fixtures of
@@ -21,19 +21,20 @@ use gguf_fixtures::{
 use multihead_models::checkpoint::{GgufFile, LoadOptions};
 use multihead_models::decoder::{DecoderModel, TextGenerator};
 
-/// A file with a SentencePiece tokenizer asks for the tokenizer.json; with
-/// it, the same model generates. The tokenizer given replaces the file's.
+/// A file whose tokenizer model is not rebuilt (WordPiece, `bert`) asks
+/// for the tokenizer.json, naming the model; with it, the same model
+/// generates. The tokenizer given replaces the file's.
 #[test]
-fn a_sentencepiece_file_needs_tokenizer_json() -> Result<()> {
-    let path = rewrite("llama", "sp", |meta, _| {
-        set(meta, "tokenizer.ggml.model", GgufValue::String("llama".into()));
+fn an_unrebuilt_tokenizer_needs_tokenizer_json() -> Result<()> {
+    let path = rewrite("llama", "wpm", |meta, _| {
+        set(meta, "tokenizer.ggml.model", GgufValue::String("bert".into()));
         Ok(())
     })?;
     let err = TextGenerator::from_gguf(&path, None, &Device::Cpu, &LoadOptions::default());
     assert_err(
         err,
         &[
-            "SentencePiece",
+            "tokenizer.ggml.model 'bert'",
             "--tokenizer",
             "tokenizer.json",
             &path.display().to_string(),

@@ -8,6 +8,7 @@ use std::path::Path;
 use candle::{bail, Result};
 use serde_json::Value;
 
+use super::gguf::SpmVocab;
 use super::tokenizer_bounds::{guard, normalizer_growth, MAX_NORMALIZED_BYTES};
 use crate::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
 use crate::vit::folder::json::parse_object;
@@ -39,6 +40,9 @@ pub struct TextTokenizer {
     /// ones' (an id with no token, past the vocabulary or in a hand-edited
     /// one's holes, is skipped too).
     decoded: Vec<u32>,
+    /// A GGUF file's SentencePiece vocabulary, which encodes in its place
+    /// of the `tokenizers` crate (`inner` still decodes).
+    spm: Option<std::sync::Arc<SpmVocab>>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -152,7 +156,17 @@ impl TextTokenizer {
             byte_level,
             growth,
             decoded,
+            spm: None,
         })
+    }
+
+    /// This tokenizer (the vocabulary of `spm` as read by
+    /// [`SpmVocab::tokenizer_json`]) encoding through `spm`.
+    pub(crate) fn with_spm(mut self, spm: SpmVocab) -> Self {
+        // The encoder writes each space as `▁` (3 bytes) and may prefix one.
+        self.growth = self.growth.max(3.);
+        self.spm = Some(std::sync::Arc::new(spm));
+        self
     }
 
     /// The file it was read from.
@@ -189,6 +203,11 @@ impl TextTokenizer {
                 self.label,
                 text.len()
             )
+        }
+        if let Some(spm) = &self.spm {
+            // Written special tokens are read as tokens, as the `tokenizers`
+            // crate reads added tokens.
+            return spm.encode(text, add_special_tokens, true);
         }
         let enc = guard(&self.label, "cannot encode the text", || {
             self.inner.encode(text, add_special_tokens)

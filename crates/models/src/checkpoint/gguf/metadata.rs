@@ -92,6 +92,25 @@ impl GgufFile {
             .transpose()
     }
 
+    /// `key` as an array of numbers (SentencePiece's scores: f32).
+    pub fn floats(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        self.get(key)
+            .map(|v| match v {
+                Value::Array(items) => items
+                    .iter()
+                    .map(|i| match *i {
+                        Value::F32(x) => Ok(x),
+                        Value::F64(x) => Ok(x as f32),
+                        ref other => value_i64(other)
+                            .map(|n| n as f32)
+                            .ok_or_else(|| self.wrong(key, "an array of numbers", other)),
+                    })
+                    .collect(),
+                other => Err(self.wrong(key, "an array of numbers", other)),
+            })
+            .transpose()
+    }
+
     /// `key` as an array of integers.
     pub fn integers(&self, key: &str) -> Result<Option<Vec<i64>>> {
         self.get(key)

@@ -7,6 +7,7 @@
 //! tokenizer, end tokens and chat template the file carries, `text.rs`.
 
 mod config;
+mod spm;
 mod text;
 
 use std::collections::HashSet;
@@ -24,6 +25,7 @@ use crate::checkpoint::{
     Misshaped, NonFinite, Preflight, Wanted, GGUF_TENSOR_TYPES,
 };
 use config::{gguf_config, Arch};
+pub(crate) use spm::SpmVocab;
 pub use text::GGUF_PRE_TOKENIZERS;
 
 /// The `general.architecture` values this loader runs.

@@ -10,58 +10,147 @@ use std::path::Path;
 use candle::{bail, Device, Result};
 use serde_json::{json, Map, Value};
 
+use super::spm::token_type::{CONTROL, USER_DEFINED};
+use super::spm::SpmVocab;
 use crate::checkpoint::{GgufFile, LoadOptions};
 use crate::decoder::{ChatTemplate, DecoderModel, HfGenerationConfig, TextGenerator, TextTokenizer};
 
-/// The `tokenizer.ggml.pre` values rebuilt, as llama.cpp names them
-/// (`src/llama-vocab.cpp`).
-pub const GGUF_PRE_TOKENIZERS: [&str; 5] = ["gpt-2", "llama3", "llama-v3", "llama-bpe", "qwen2"];
-
-/// `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
-const CONTROL: i64 = 3;
-const USER_DEFINED: i64 = 4;
-
+/// GPT-2's split (the `tokenizers` crate's `ByteLevel` regex).
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Llama 3's split, as its `tokenizer.json` writes it.
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's: digits one by one.
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen3.5's: Qwen2's with combining marks inside words.
+const QWEN35_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// DeepSeek LLM's cased letters (its `tokenizer.json`'s class).
+const DEEPSEEK_LLM_LETTERS: &str = r"\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+";
+/// DeepSeek LLM's punctuation.
+const DEEPSEEK_LLM_PUNCT: &str = r"\s?[!-/:-~！-／：-～‘-‟\x{3000}-。]+";
+/// [一-龥ࠀ-一가-\x{D7FF}]+ ideographs and Hangul, split from the rest by DeepSeek's models.
+const DEEPSEEK_CJK: &str = r"[一-龥ࠀ-一가-\x{D7FF}]+";
 
-/// A byte-level BPE's pre-tokenizer, by the name llama.cpp gives it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pre {
-    /// GPT-2's regex inside `ByteLevel`.
-    Gpt2,
-    /// Llama 3's split; whole words in the vocabulary skip the merges
-    /// (`ignore_merges`); a BOS token by default.
-    Llama3,
-    /// Qwen2's split after NFC.
-    Qwen2,
+/// A byte-level BPE's pre-tokenizer: each regex in turn cuts every piece
+/// into its matches and the text between them (HF's `Split` with
+/// `Isolated`, llama.cpp's `unicode_regex_split`), before GPT-2's bytes
+/// to characters.
+#[derive(Debug, Clone, Copy)]
+struct Pre {
+    /// The `tokenizer.ggml.pre` values, as llama.cpp names them
+    /// (`src/llama-vocab.cpp`).
+    names: &'static [&'static str],
+    /// The regexes of llama.cpp's `llm_tokenizer_bpe` for it, as the
+    /// models' `tokenizer.json` files write them.
+    splits: &'static [&'static str],
+    /// Text goes through NFC first (the models' `tokenizer.json`).
+    nfc: bool,
+    /// Whole words in the vocabulary skip the merges; a BOS token by
+    /// default (llama.cpp's Llama 3 settings).
+    llama3: bool,
 }
+
+/// The pre-tokenizers rebuilt.
+const PRES: [Pre; 9] = [
+    Pre {
+        names: &["gpt-2", "mpt"],
+        splits: &[GPT2_REGEX],
+        nfc: false,
+        llama3: false,
+    },
+    Pre {
+        names: &["llama3", "llama-v3", "llama-bpe", "falcon3"],
+        splits: &[LLAMA3_REGEX],
+        nfc: false,
+        llama3: true,
+    },
+    Pre {
+        names: &["qwen2", "deepseek-r1-qwen"],
+        splits: &[QWEN2_REGEX],
+        nfc: true,
+        llama3: false,
+    },
+    Pre {
+        names: &["qwen35"],
+        splits: &[QWEN35_REGEX],
+        nfc: false,
+        llama3: false,
+    },
+    Pre {
+        names: &["deepseek-llm"],
+        splits: &[
+            r"[\r\n]",
+            DEEPSEEK_LLM_LETTERS,
+            DEEPSEEK_LLM_PUNCT,
+            r"\s+$",
+            DEEPSEEK_CJK,
+            r"\p{N}+",
+        ],
+        nfc: false,
+        llama3: false,
+    },
+    Pre {
+        names: &["deepseek-coder"],
+        splits: &[r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", DEEPSEEK_CJK, r"\p{N}"],
+        nfc: false,
+        llama3: false,
+    },
+    Pre {
+        names: &["falcon"],
+        splits: &[r"[\p{P}\$\+<=>\^~\|`]+", GPT2_REGEX, r"[0-9][0-9][0-9]"],
+        nfc: false,
+        llama3: false,
+    },
+    Pre {
+        names: &["starcoder", "refact", "smollm"],
+        splits: &[r"\p{N}", GPT2_REGEX],
+        nfc: false,
+        llama3: false,
+    },
+    Pre {
+        names: &["command-r"],
+        splits: &[r"\p{N}", GPT2_REGEX],
+        nfc: true,
+        llama3: false,
+    },
+];
+
+/// The `tokenizer.ggml.pre` values rebuilt, as llama.cpp names them.
+pub const GGUF_PRE_TOKENIZERS: [&str; 16] = [
+    "gpt-2",
+    "mpt",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "qwen35",
+    "deepseek-llm",
+    "deepseek-coder",
+    "falcon",
+    "starcoder",
+    "refact",
+    "smollm",
+    "command-r",
+];
 
 impl Pre {
     fn of(name: &str) -> Option<Self> {
-        match name {
-            "gpt-2" => Some(Self::Gpt2),
-            "llama3" | "llama-v3" | "llama-bpe" => Some(Self::Llama3),
-            "qwen2" => Some(Self::Qwen2),
-            _ => None,
-        }
+        PRES.into_iter().find(|p| p.names.contains(&name))
     }
 
     fn pre_tokenizer(self) -> Value {
-        let split = |regex: &str| {
-            json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
-                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
-            ]})
-        };
-        match self {
-            Self::Gpt2 => {
-                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})
-            }
-            Self::Llama3 => split(LLAMA3_REGEX),
-            Self::Qwen2 => split(QWEN2_REGEX),
-        }
+        let mut steps: Vec<Value> = self
+            .splits
+            .iter()
+            .map(|regex| {
+                json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false})
+            })
+            .collect();
+        steps.push(
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
+        );
+        json!({"type": "Sequence", "pretokenizers": steps})
     }
 }
 
@@ -86,14 +175,15 @@ fn token_id(file: &GgufFile, key: &str, tokens: usize) -> Result<Option<u32>> {
 }
 
 impl TextTokenizer {
-    /// The tokenizer a GGUF file carries, where it is a byte-level BPE
-    /// (`tokenizer.ggml.model` `gpt2`) with a pre-tokenizer of
-    /// [`GGUF_PRE_TOKENIZERS`]: the tokens, merges and special tokens
-    /// rebuilt as HF's `tokenizer.json` has them, BOS/EOS added where
-    /// `tokenizer.ggml.add_bos_token` / `add_eos_token` say. A SentencePiece
-    /// model (`llama`), another pre-tokenizer or a tokenizer the
-    /// `tokenizers` crate cannot build is refused with an error that asks
-    /// for the tokenizer.json.
+    /// The tokenizer a GGUF file carries: a SentencePiece vocabulary
+    /// (`tokenizer.ggml.model` `llama`), encoded as llama.cpp encodes it
+    /// (scores, token types, byte fallback, `add_space_prefix`), or a
+    /// byte-level BPE (`gpt2`) with a pre-tokenizer of
+    /// [`GGUF_PRE_TOKENIZERS`], rebuilt as HF's `tokenizer.json` has it.
+    /// BOS/EOS are added where `tokenizer.ggml.add_bos_token` /
+    /// `add_eos_token` say. Another model, another pre-tokenizer or a
+    /// tokenizer the `tokenizers` crate cannot build is refused with an
+    /// error that names it and asks for the tokenizer.json.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let label = file.label();
         let model = match file.string("tokenizer.ggml.model")? {
@@ -107,17 +197,12 @@ impl TextTokenizer {
         };
         match model {
             "gpt2" => {}
-            "llama" => {
-                return Err(needs_tokenizer(
-                    label,
-                    "its tokenizer is SentencePiece (tokenizer.ggml.model 'llama'), which is not rebuilt from GGUF metadata",
-                ))
-            }
+            "llama" => return Self::from_gguf_spm(file),
             other => {
                 return Err(needs_tokenizer(
                     label,
                     &format!(
-                        "tokenizer.ggml.model '{}' is not rebuilt (only byte-level BPE, 'gpt2')",
+                        "tokenizer.ggml.model '{}' is not rebuilt (only SentencePiece, 'llama', and byte-level BPE, 'gpt2')",
                         other.escape_debug()
                     ),
                 ))
@@ -177,9 +262,7 @@ impl TextTokenizer {
         let n = tokens.len();
         let bos = token_id(file, "tokenizer.ggml.bos_token_id", n)?;
         let eos = token_id(file, "tokenizer.ggml.eos_token_id", n)?;
-        let add_bos = file
-            .bool("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(pre == Pre::Llama3);
+        let add_bos = file.bool("tokenizer.ggml.add_bos_token")?.unwrap_or(pre.llama3);
         let add_eos = file.bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         let mut ends = Vec::new();
         for (add, id, what) in [(add_bos, bos, "bos"), (add_eos, eos, "eos")] {
@@ -217,14 +300,14 @@ impl TextTokenizer {
             "truncation": null,
             "padding": null,
             "added_tokens": added,
-            "normalizer": if pre == Pre::Qwen2 { json!({"type": "NFC"}) } else { Value::Null },
+            "normalizer": if pre.nfc { json!({"type": "NFC"}) } else { Value::Null },
             "pre_tokenizer": pre.pre_tokenizer(),
             "post_processor": post_processor,
             "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
             "model": {
                 "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
                 "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                "ignore_merges": pre == Pre::Llama3, "vocab": vocab, "merges": merges,
+                "ignore_merges": pre.llama3, "vocab": vocab, "merges": merges,
             },
         });
         let bytes = serde_json::to_vec(&tokenizer)
@@ -237,6 +320,27 @@ impl TextTokenizer {
                 &format!("its tokenizer could not be built: {}", e.escape_debug()),
             )
         })
+    }
+
+    /// [`TextTokenizer::from_gguf`] for a SentencePiece vocabulary: the
+    /// `tokenizers` crate holds it for decoding, [`SpmVocab`] encodes.
+    fn from_gguf_spm(file: &GgufFile) -> Result<Self> {
+        let label = file.label();
+        let Some(tokens) = file.strings("tokenizer.ggml.tokens")? else {
+            return Err(needs_tokenizer(label, "it has no tokenizer.ggml.tokens"));
+        };
+        let spm = SpmVocab::from_gguf(file, &tokens)?;
+        let bytes = serde_json::to_vec(&spm.tokenizer_json())
+            .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': tokenizer: {e}")))?;
+        let tokenizer =
+            Self::from_json(&bytes, &format!("{label} (tokenizer.ggml.*)"), None).map_err(|e| {
+                let e = e.to_string();
+                needs_tokenizer(
+                    label,
+                    &format!("its tokenizer could not be built: {}", e.escape_debug()),
+                )
+            })?;
+        Ok(tokenizer.with_spm(spm))
     }
 }
 
