@@ -5,6 +5,7 @@
 //! - `multihead generate --model DIR|FILE.gguf [PROMPT…]`: continue text with a decoder folder or GGUF file.
 //! - `multihead chat --model DIR|FILE.gguf|ORG/NAME`: a conversation, a line a turn.
 //! - `multihead serve --model DIR|FILE.gguf|ORG/NAME`: OpenAI's HTTP API, concurrent requests batched.
+//! - `multihead tokenize --model DIR|FILE.gguf [TEXT…]`: the ids and pieces a model's tokenizer gives.
 //! - `multihead inspect FILE.safetensors|FILE.gguf`: what a checkpoint holds and is.
 
 use clap::{Parser, Subcommand};
@@ -34,6 +35,8 @@ enum Command {
     Chat(cli::generate::Args),
     /// Serve OpenAI's HTTP API (chat and text completions, streamed or not) over a decoder, batching concurrent requests.
     Serve(cli::serve::Args),
+    /// The ids and pieces a model's tokenizer gives for texts (a GGUF vocabulary-only file will do).
+    Tokenize(cli::tokenize::Args),
     /// List a checkpoint's tensors, recognise its layout, check it against a config.
     Inspect(cli::inspect::Args),
 }
@@ -46,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Generate(args) => cli::generate::run(args),
         Command::Chat(args) => cli::chat::run(args),
         Command::Serve(args) => cli::serve::run(args),
+        Command::Tokenize(args) => cli::tokenize::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
     };
     match res {

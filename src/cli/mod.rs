@@ -10,4 +10,5 @@ pub mod model_files;
 mod output;
 pub mod seq2seq;
 pub mod serve;
+pub mod tokenize;
 pub mod vit;

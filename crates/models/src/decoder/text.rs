@@ -257,6 +257,36 @@ impl TextTokenizer {
             .collect()
     }
 
+    /// Each id's piece, as llama.cpp's `llama-tokenize` shows it: an
+    /// added or special token its text (`<s>`), a byte-fallback token its
+    /// name (`<0xE6>`), a byte-level BPE's token its bytes (often part of
+    /// a UTF-8 character: U+FFFD then), others their text with
+    /// SentencePiece's `▁` as a space; `None` for an id with no token.
+    pub fn pieces(&self, ids: &[u32]) -> Vec<Option<String>> {
+        let unicode_to_byte = gpt2_unicode_to_byte();
+        let added = self.inner.get_added_tokens_decoder();
+        ids.iter()
+            .map(|&id| {
+                if let Some(t) = added.get(&id) {
+                    return Some(t.content.clone());
+                }
+                let token = self.inner.id_to_token(id)?;
+                if self.is_byte_token(id) {
+                    return Some(token);
+                }
+                Some(if self.byte_level {
+                    let bytes: Vec<u8> = token
+                        .chars()
+                        .map(|c| unicode_to_byte.get(&c).copied().unwrap_or(b'?'))
+                        .collect();
+                    String::from_utf8_lossy(&bytes).into_owned()
+                } else {
+                    token.replace('\u{2581}', " ")
+                })
+            })
+            .collect()
+    }
+
     /// Whether decoding skips `id`: a special token, or an id with no
     /// token.
     fn is_skipped(&self, id: u32) -> bool {

@@ -378,31 +378,34 @@ impl HfGenerationConfig {
     }
 }
 
-/// The chat template a GGUF file carries (`tokenizer.chat_template`),
-/// with its BOS and EOS tokens' text as `bos_token` / `eos_token`.
-fn gguf_chat_template(file: &GgufFile) -> Result<Option<ChatTemplate>> {
-    let Some(source) = file.string("tokenizer.chat_template")? else {
-        return Ok(None);
-    };
-    let mut special = BTreeMap::new();
-    if let Some(tokens) = file.strings("tokenizer.ggml.tokens")? {
-        for (name, key) in [
-            ("bos_token", "bos"),
-            ("eos_token", "eos"),
-            ("unk_token", "unknown"),
-            ("pad_token", "padding"),
-        ] {
-            if let Some(id) = token_id(file, &format!("tokenizer.ggml.{key}_token_id"), tokens.len())? {
-                special.insert(name.to_string(), tokens[id as usize].to_string());
+impl ChatTemplate {
+    /// The chat template a GGUF file carries (`tokenizer.chat_template`),
+    /// with its BOS, EOS, unknown and padding tokens' text as `bos_token`,
+    /// `eos_token`, `unk_token`, `pad_token`; `None` when it has none.
+    pub fn from_gguf(file: &GgufFile) -> Result<Option<Self>> {
+        let Some(source) = file.string("tokenizer.chat_template")? else {
+            return Ok(None);
+        };
+        let mut special = BTreeMap::new();
+        if let Some(tokens) = file.strings("tokenizer.ggml.tokens")? {
+            for (name, key) in [
+                ("bos_token", "bos"),
+                ("eos_token", "eos"),
+                ("unk_token", "unknown"),
+                ("pad_token", "padding"),
+            ] {
+                if let Some(id) = token_id(file, &format!("tokenizer.ggml.{key}_token_id"), tokens.len())? {
+                    special.insert(name.to_string(), tokens[id as usize].to_string());
+                }
             }
         }
+        ChatTemplate::new(
+            source.to_string(),
+            &format!("{} (tokenizer.chat_template)", file.label()),
+            special,
+        )
+        .map(Some)
     }
-    ChatTemplate::new(
-        source.to_string(),
-        &format!("{} (tokenizer.chat_template)", file.label()),
-        special,
-    )
-    .map(Some)
 }
 
 impl TextGenerator {
@@ -442,7 +445,7 @@ impl TextGenerator {
         let generation = HfGenerationConfig::from_gguf(file)?;
         // A template that cannot be used fails the conversations that ask
         // for it, not the file's load (as HF's apply_chat_template).
-        let chat = match gguf_chat_template(file) {
+        let chat = match ChatTemplate::from_gguf(file) {
             Ok(None) => folder_chat,
             file_chat => file_chat,
         };
