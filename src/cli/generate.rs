@@ -108,7 +108,8 @@ pub struct Args {
     #[arg(long, value_name = "DIR|FILE.gguf|ORG/NAME")]
     pub model: PathBuf,
     /// With a GGUF model: the tokenizer.json to use instead of the one the
-    /// file carries (needed where that one is SentencePiece).
+    /// file carries (needed where that one is not rebuilt: WordPiece, an
+    /// unknown pre-tokenizer).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Most tokens generated per prompt (default: the folder's
