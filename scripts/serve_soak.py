@@ -63,7 +63,7 @@ def main():
            "--parallel", str(args.parallel), "--queue", str(args.requests)]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     addr = None
     for line in server.stderr:
         m = re.match(r"listening on http://(\S+)", line)
@@ -80,8 +80,12 @@ def main():
     chat = {"messages": [{"role": "user", "content": "Hello world"}], "max_tokens": args.max_tokens,
             "temperature": 0}
     want = {}
-    for path, body in (("/v1/completions", good), ("/v1/chat/completions", chat)):
+    kinds = [("/v1/completions", good), ("/v1/chat/completions", chat)]
+    for path, body in list(kinds):
         status, text = post(base, path, body)
+        if path == "/v1/chat/completions" and status == 400 and b"no chat template" in text:
+            kinds.pop()  # a folder without a template: completions only
+            continue
         assert status == 200, text
         want[path] = json.loads(text)["choices"][0]
 
@@ -93,7 +97,7 @@ def main():
         kind = rng.random()
         good_share, bad_share, _ = (float(x) for x in args.mix.split(","))
         if kind < good_share:
-            path, body = rng.choice([("/v1/completions", good), ("/v1/chat/completions", chat)])
+            path, body = rng.choice(kinds)
             stream = rng.random() < 0.5
             b = dict(body, stream=stream)
             status, text = post(base, path, b)
@@ -177,7 +181,11 @@ def main():
     status, text = post(base, "/v1/completions", good)
     after = rss_kib(server.pid) if alive else 0
     server.terminate()
-    code = server.wait(timeout=60)
+    try:
+        code = server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        code = "still running 120 s after SIGTERM"
 
     total = counts["good"] + counts["bad"] + counts["hang_up"]
     print(f"{total} requests from {args.clients} clients in {elapsed:.1f} s: {counts}")

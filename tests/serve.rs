@@ -38,6 +38,8 @@ struct Server {
 impl Server {
     fn start(model: &Path, extra: &[&str]) -> Result<Self> {
         let mut child = Command::new(env!("CARGO_BIN_EXE_multihead"))
+            // Errors must reach clients without the backtrace candle adds.
+            .env("RUST_BACKTRACE", "1")
             .args(["serve", "--model"])
             .arg(model)
             .args(["--port", "0", "--threads", "1"])
@@ -412,6 +414,16 @@ fn a_template_error_answers_that_request_alone() -> Result<()> {
     );
     let good = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     assert_eq!(server.post("/v1/chat/completions", &good)?.0, 200);
+    // A folder without a template says so, without the server's stack.
+    let server = Server::start(&fixtures().join("llama2-sp"), &[])?;
+    let (status, _, err) = server.post("/v1/chat/completions", &good)?;
+    let message = err["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(status, 400, "{err}");
+    assert!(message.contains("no chat template"), "{err}");
+    assert!(
+        !message.contains("0: "),
+        "a backtrace reached the client: {message}"
+    );
     Ok(())
 }
 

@@ -29,12 +29,28 @@ pub(super) struct ApiError {
     retry_after: Option<u64>,
 }
 
+/// `text` without the backtrace candle appends to an error's message when
+/// `RUST_BACKTRACE` is set: a client gets the message, not the server's
+/// stack.
+fn without_backtrace(text: String) -> String {
+    match text.lines().position(|l| l.trim_start().starts_with("0: ")) {
+        Some(at) => text
+            .lines()
+            .take(at)
+            .collect::<Vec<_>>()
+            .join("\n")
+            .trim_end()
+            .to_string(),
+        None => text,
+    }
+}
+
 impl ApiError {
     /// A request the server cannot run as given (400), naming the field.
     pub(super) fn invalid(param: Option<&str>, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
-            message: message.into(),
+            message: without_backtrace(message.into()),
             kind: "invalid_request_error",
             param: param.map(str::to_string),
             code: None,
@@ -46,7 +62,7 @@ impl ApiError {
     pub(super) fn server(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
+            message: without_backtrace(message.into()),
             kind: "server_error",
             param: None,
             code: None,
