@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle::quantized::gguf_file::{self, Value as GgufValue};
 use multihead_models::checkpoint::GgufFile;
-use multihead_models::decoder::TextTokenizer;
+use multihead_models::decoder::{HfGenerationConfig, TextTokenizer};
 
 /// The vocabularies committed (`tests/fixtures/gguf/vocab/README.md`).
 const COMMITTED: [&str; 2] = ["llama-spm", "deepseek-coder"];
@@ -200,6 +200,32 @@ fn spm_special_tokens_and_space_prefix() -> Result<()> {
     assert_eq!(t.token_id("Hello"), Some(10994));
     assert_eq!(t.encode_plain(text)?, [10994, 3186]);
     assert_eq!(t.decode(&[3186])?, " world");
+    Ok(())
+}
+
+/// Generation stops where llama.cpp stops: at the end token the file
+/// names, else at a SentencePiece vocabulary's default EOS (2), the one
+/// its encoder uses too.
+#[test]
+fn spm_default_end_token_stops_generation() -> Result<()> {
+    let named =
+        HfGenerationConfig::from_gguf(&GgufFile::read(&fixtures().join("ggml-vocab-llama-spm.gguf"))?)?;
+    let bare = edited_spm("no-ids", |m| {
+        m.retain(|(k, _)| k != "tokenizer.ggml.eos_token_id" && k != "tokenizer.ggml.bos_token_id")
+    })?;
+    let defaults = HfGenerationConfig::from_gguf(&bare)?;
+    assert_eq!(defaults.eos_token_ids, [2]);
+    assert_eq!(defaults.bos_token_id, Some(1));
+    assert_eq!(named.eos_token_ids, defaults.eos_token_ids);
+    // The encoder's EOS is the same token.
+    let eos = edited_spm("no-ids-add-eos", |m| {
+        m.retain(|(k, _)| k != "tokenizer.ggml.eos_token_id");
+        set(m, "tokenizer.ggml.add_eos_token", GgufValue::Bool(true));
+    })?;
+    assert_eq!(
+        TextTokenizer::from_gguf(&eos)?.encode("Hello world")?.last(),
+        Some(&2)
+    );
     Ok(())
 }
 

@@ -347,7 +347,10 @@ impl TextTokenizer {
 impl HfGenerationConfig {
     /// The end tokens a GGUF file names (`tokenizer.ggml.eos_token_id`,
     /// then `eot_token_id` and `eom_token_id`, where given: llama.cpp stops
-    /// at each), its BOS and padding ids; HF's defaults otherwise.
+    /// at each), its BOS and padding ids. A SentencePiece vocabulary
+    /// (`tokenizer.ggml.model` = `llama`) that names no end or begin token
+    /// has llama.cpp's: EOS 2 and BOS 1 (which its encoder adds too);
+    /// HF's defaults otherwise.
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let id = |key: &str| -> Result<Option<u32>> {
             file.usize(key)?
@@ -369,9 +372,19 @@ impl HfGenerationConfig {
                 }
             }
         }
+        let mut bos_token_id = id("tokenizer.ggml.bos_token_id")?;
+        if file.string("tokenizer.ggml.model")?.as_deref() == Some("llama") {
+            let tokens = file.strings("tokenizer.ggml.tokens")?.map_or(0, |t| t.len());
+            if eos_token_ids.is_empty() && tokens > 2 {
+                eos_token_ids.push(2);
+            }
+            if bos_token_id.is_none() && tokens > 1 {
+                bos_token_id = Some(1);
+            }
+        }
         Ok(Self {
             eos_token_ids,
-            bos_token_id: id("tokenizer.ggml.bos_token_id")?,
+            bos_token_id,
             pad_token_id: id("tokenizer.ggml.padding_token_id")?,
             ..Self::default()
         })
