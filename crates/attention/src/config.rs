@@ -70,6 +70,11 @@ pub struct MhaConfig {
     /// causal rule, a query sees at most this many keys, the newest ones.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Logit soft-capping (Gemma 2's `attn_logit_softcapping`): scores
+    /// become `cap · tanh(s / cap)` before the mask and the softmax,
+    /// computed inside the CPU kernel ([`crate::Mask::softcap`]).
+    #[serde(default)]
+    pub softcap: Option<f32>,
 }
 
 /// A normalisation over the features of a head.
@@ -282,6 +287,7 @@ impl MhaConfig {
             num_kv_heads: None,
             position: PositionEncoding::None,
             sliding_window: None,
+            softcap: None,
         }
     }
 
@@ -331,6 +337,12 @@ impl MhaConfig {
     /// Sets `add_zero_attn`.
     pub fn with_zero_attn(mut self, add_zero_attn: bool) -> Self {
         self.add_zero_attn = add_zero_attn;
+        self
+    }
+
+    /// Sets logit soft-capping at `cap` (see [`MhaConfig::softcap`]).
+    pub fn with_softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
         self
     }
 
@@ -462,6 +474,11 @@ impl MhaConfig {
         }
         if self.sliding_window == Some(0) {
             bail!("MhaConfig: sliding_window must be >= 1 when set")
+        }
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.) {
+                bail!("MhaConfig: softcap must be finite and > 0 when set, found {cap}")
+            }
         }
         if let Some(s) = self.scale {
             if !crate::sdpa::scale_is_valid(s) {

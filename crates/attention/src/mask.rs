@@ -189,6 +189,14 @@ pub struct Mask {
     /// takes ALiBi from its config ([`crate::PositionEncoding::Alibi`]) and
     /// refuses it here.
     pub alibi: Option<Alibi>,
+    /// Logit soft-capping (Gemma 2's `attn_logit_softcapping`,
+    /// FlashAttention's `softcap`): every scaled score `s` becomes `cap ·
+    /// tanh(s / cap)` before the other parts mask or bias it, computed
+    /// where the scores are. For [`crate::scaled_dot_product_attention`];
+    /// a [`crate::MultiheadAttention`] takes it from
+    /// [`crate::MhaConfig::softcap`] and refuses it here. Not part of
+    /// [`Mask::to_bias`], which is additive.
+    pub softcap: Option<f32>,
 }
 
 impl Mask {
@@ -233,6 +241,13 @@ impl Mask {
         self
     }
 
+    /// Adds (or replaces) logit soft-capping at `cap` (see
+    /// [`Mask::softcap`]).
+    pub fn with_softcap(mut self, cap: f32) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
+
     /// Whether no part is set.
     pub fn is_empty(&self) -> bool {
         self.causal.is_none()
@@ -240,6 +255,7 @@ impl Mask {
             && self.attn.is_none()
             && self.window.is_none()
             && self.alibi.is_none()
+            && self.softcap.is_none()
     }
 
     /// Whether the pair `(i, j)` passes the causal rule and the window.
@@ -279,6 +295,11 @@ impl Mask {
             (Some(0), _) => bail!("Mask: the sliding window must be >= 1 key"),
             (Some(w), None) => bail!("Mask: a sliding window ({w}) needs a causal rule to slide along"),
             _ => {}
+        }
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.) {
+                bail!("Mask: the soft-capping cap must be finite and > 0, found {cap}")
+            }
         }
         if let Some(a) = &self.alibi {
             if a.slopes().len() != heads {

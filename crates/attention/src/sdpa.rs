@@ -13,7 +13,8 @@ use crate::mask::Mask;
 use crate::tiled;
 
 /// `softmax(q kᵀ · scale + mask) v` on `(batch, heads, seq, head_dim)`
-/// tensors.
+/// tensors; with [`Mask::softcap`], `softmax(cap · tanh(q kᵀ · scale /
+/// cap) + mask) v`.
 ///
 /// # Shapes
 /// - `q`: `(batch, heads, q_len, head_dim)`
@@ -23,7 +24,8 @@ use crate::tiled;
 ///
 /// `heads` must be a multiple of `kv_heads` (grouped-query attention;
 /// `kv_heads == heads` is ordinary multi-head attention, `kv_heads == 1`
-/// multi-query). `scale` defaults to `1 / sqrt(head_dim)`.
+/// multi-query). `scale` defaults to `1 / sqrt(head_dim)` (Gemma's
+/// `query_pre_attn_scalar` is `scale = 1 / sqrt(query_pre_attn_scalar)`).
 ///
 /// A query whose keys are all masked gets an all-zero output row (PyTorch
 /// gives NaN). For f16 and bf16 inputs the scores are computed and
@@ -88,8 +90,8 @@ impl AttnPath {
                 "keys appended past the mask (add_bias_kv, add_zero_attn) need the reference or CPU path"
                     .into(),
             ),
-            _ if mask.window.is_some() || mask.alibi.is_some() => {
-                Some("a sliding window or ALiBi needs the reference or CPU path".into())
+            _ if mask.window.is_some() || mask.alibi.is_some() || mask.softcap.is_some() => {
+                Some("a sliding window, ALiBi or soft-capping needs the reference or CPU path".into())
             }
             AttnPath::FlashAttn => flash::refusal(call, mask),
             AttnPath::MetalFused => metal::refusal(call, mask),
@@ -351,6 +353,10 @@ pub(crate) fn sdpa_reference(
     let k = k.to_dtype(DType::F32)?.contiguous()?;
     let mut scores = (q.matmul(&k.t()?)? * scale)?;
     let (hidden, added) = mask.hidden_and_added((b, h, l, masked_len), appended, q.device())?;
+    if let Some(cap) = mask.softcap {
+        // HF's `eager_attention_forward` (Gemma 2): before the mask.
+        scores = ((scores / cap as f64)?.tanh()? * cap as f64)?;
+    }
     if let Some(added) = &added {
         scores = scores.broadcast_add(added)?;
     }

@@ -12,7 +12,8 @@ pub(crate) fn supports(q: &Tensor) -> bool {
     kernel::supports(q)
 }
 
-/// `softmax(q kᵀ · scale + mask) v` through the tiled kernel; shapes as
+/// `softmax(q kᵀ · scale + mask) v` (soft-capped where the mask asks)
+/// through the tiled kernel; shapes as
 /// [`crate::scaled_dot_product_attention`] (validated by the caller), the
 /// last `appended` keys outside the mask.
 pub(crate) fn sdpa_tiled(
@@ -49,6 +50,7 @@ fn sdpa_tiled_with(
             .alibi
             .as_ref()
             .map(|a| (a.slopes(), mask.alibi_offset(q_len, masked_keys))),
+        softcap: mask.softcap,
     };
     match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
         Some(out) => Ok(out),
@@ -158,6 +160,17 @@ mod tests {
                     .with_window(70)
                     .with_alibi(Alibi::new(h)),
                 Mask::new().with_alibi(Alibi::new(h)),
+                // Soft-capped: tight (most scores on the tanh's bend), with
+                // every other kind of part, and Gemma 2's 50.
+                Mask::new().with_softcap(1.5),
+                Mask::causal(Causal::BottomRight)
+                    .with_window(70)
+                    .with_alibi(Alibi::new(h))
+                    .with_attn(AttnMask::Additive(randn(&[l, s])?))
+                    .with_softcap(0.7),
+                Mask::causal(Causal::TopLeft)
+                    .with_key_padding(KeyPaddingMask::from_lengths(&lengths, s, &Device::Cpu)?)
+                    .with_softcap(50.),
             ];
             for (m, mask) in masks.iter().enumerate() {
                 let scale = 0.7 / (d as f64).sqrt().max(1.);
@@ -201,7 +214,14 @@ mod tests {
             ];
             let v = randn(&[b, h, s, d])?;
             for (c, (q, k)) in cases.iter().enumerate() {
-                for mask in [Mask::new(), Mask::causal(Causal::BottomRight)] {
+                // Soft-capped, the scores sit on the cap, where a capped
+                // row max must still be the row's.
+                let masks = [
+                    Mask::new(),
+                    Mask::causal(Causal::BottomRight),
+                    Mask::causal(Causal::BottomRight).with_softcap(30.),
+                ];
+                for mask in masks {
                     let scale = 0.7 / (d as f64).sqrt();
                     let reference = sdpa_reference(q, k, &v, &mask, 0, Some(scale), None)?.0;
                     for isa in supported() {

@@ -144,6 +144,10 @@ pub struct Masking<'a> {
     /// ALiBi: per-head slopes, and the offset of the diagonal distances
     /// are measured from (`slope · (j - i - offset)` is added).
     pub alibi: Option<(&'a [f32], isize)>,
+    /// Logit soft-capping (Gemma 2): every scaled score `s` becomes `cap ·
+    /// tanh(s / cap)` before the mask and ALiBi apply to it, the appended
+    /// keys' too. Finite and > 0 (checked by the caller).
+    pub softcap: Option<f32>,
 }
 
 /// How a tile's two products are computed.
@@ -221,7 +225,8 @@ pub struct TileOptions {
     pub packing: Option<Packing>,
 }
 
-/// `softmax(q kᵀ · scale + mask) v` without materialising the scores, for
+/// `softmax(q kᵀ · scale + mask) v` (with the scores soft-capped first
+/// where [`Masking::softcap`] asks) without materialising the scores, for
 /// `q` `(batch, heads, q_len, head_dim)`, `k` `(batch, kv_heads, kv_len,
 /// head_dim)` and `v` `(batch, kv_heads, kv_len, v_head_dim)` (`heads` a
 /// multiple of `kv_heads`; shapes validated by the caller), the last
@@ -288,6 +293,7 @@ fn sdpa_in<KV: KvElem>(
         causal,
         window,
         alibi,
+        softcap,
     } = masking;
     // Set by a unit that wrote a non-finite output.
     let non_finite = AtomicBool::new(false);
@@ -359,6 +365,7 @@ fn sdpa_in<KV: KvElem>(
                     causal: *causal,
                     window: *window,
                     alibi: *alibi,
+                    softcap: *softcap,
                     masked_keys,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());

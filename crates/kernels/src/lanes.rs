@@ -59,6 +59,15 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// As [`Lanes::zero`].
     unsafe fn max(self, b: Self) -> Self;
+    /// The smaller of `self` and `b` per lane; `b` where either is NaN (as
+    /// `minps`).
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn min(self, b: Self) -> Self;
+    /// `self / b`, correctly rounded.
+    /// # Safety
+    /// As [`Lanes::zero`].
+    unsafe fn div(self, b: Self) -> Self;
     /// The largest lane (a NaN lane may be skipped).
     /// # Safety
     /// As [`Lanes::zero`].
@@ -76,6 +85,17 @@ pub(crate) trait Lanes: Copy {
 #[inline(always)]
 fn max_f32(a: f32, b: f32) -> f32 {
     if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// `minps`'s rule: `a` where `a < b`, else `b` (so `b` where either is
+/// NaN).
+#[inline(always)]
+fn min_f32(a: f32, b: f32) -> f32 {
+    if a < b {
         a
     } else {
         b
@@ -139,6 +159,14 @@ impl Lanes for f32 {
         max_f32(self, b)
     }
     #[inline(always)]
+    unsafe fn min(self, b: Self) -> Self {
+        min_f32(self, b)
+    }
+    #[inline(always)]
+    unsafe fn div(self, b: Self) -> Self {
+        self / b
+    }
+    #[inline(always)]
     unsafe fn max_lane(self) -> f32 {
         self
     }
@@ -173,7 +201,7 @@ pub(crate) struct Zmm(__m512);
 /// `$t` of `$n` lanes.
 #[cfg(target_arch = "x86_64")]
 macro_rules! elementwise {
-    ($t:ident, $n:literal, $setzero:ident, $set1:ident, $loadu:ident, $storeu:ident, $fmadd:ident, $add:ident, $mul:ident, $sub:ident, $max:ident) => {
+    ($t:ident, $n:literal, $setzero:ident, $set1:ident, $loadu:ident, $storeu:ident, $fmadd:ident, $add:ident, $mul:ident, $sub:ident, $max:ident, $min:ident, $div:ident) => {
         const N: usize = $n;
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -212,6 +240,14 @@ macro_rules! elementwise {
         unsafe fn max(self, b: Self) -> Self {
             $t(unsafe { $max(self.0, b.0) })
         }
+        #[inline(always)]
+        unsafe fn min(self, b: Self) -> Self {
+            $t(unsafe { $min(self.0, b.0) })
+        }
+        #[inline(always)]
+        unsafe fn div(self, b: Self) -> Self {
+            $t(unsafe { $div(self.0, b.0) })
+        }
     };
 }
 
@@ -228,7 +264,9 @@ impl Lanes for Ymm {
         _mm256_add_ps,
         _mm256_mul_ps,
         _mm256_sub_ps,
-        _mm256_max_ps
+        _mm256_max_ps,
+        _mm256_min_ps,
+        _mm256_div_ps
     );
     #[inline(always)]
     unsafe fn load_elem<E: PanelElem>(p: *const E) -> Self {
@@ -294,7 +332,9 @@ impl Lanes for Zmm {
         _mm512_add_ps,
         _mm512_mul_ps,
         _mm512_sub_ps,
-        _mm512_max_ps
+        _mm512_max_ps,
+        _mm512_min_ps,
+        _mm512_div_ps
     );
     #[inline(always)]
     unsafe fn load_elem<E: PanelElem>(p: *const E) -> Self {

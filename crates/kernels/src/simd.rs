@@ -1,11 +1,12 @@
-//! Vectorised row operations: the online softmax of a row (`softmax.rs`
-//! on the instruction set's lanes), the mask application, the exact and
+//! Vectorised row operations: the online softmax of a row and its
+//! soft-capping (`softmax.rs` on the instruction set's lanes), the mask
+//! application, the exact and
 //! tanh GELUs, SiLU times a gate's other half, a finiteness check,
 //! LayerNorm's rows. Each is written once as plain
 //! Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
 //! instruction set is picked at run time (`isa.rs`).
 
-use crate::softmax::{exp, online_softmax_block};
+use crate::softmax::{exp, online_softmax_block, softcap_row as softcap_lanes};
 
 /// Lanes of the explicit reductions: float sums and maxes only
 /// vectorise when their order is spelled out as independent lanes.
@@ -211,6 +212,35 @@ pub(crate) fn online_softmax_row(row: &mut [f32], m: &mut f32, l: &mut f32, acc:
     }
     // SAFETY: one-lane f32 needs no instruction set.
     unsafe { online_softmax_block::<f32>(row, m, l, acc, None) }
+}
+
+/// `row[j] = cap · tanh(row[j] / cap)` in place ([`softcap_row`]) on
+/// the widest lanes the instruction set has.
+pub(crate) fn softcap_row(row: &mut [f32], cap: f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::isa::{current, Isa};
+        use crate::lanes::{Ymm, Zmm};
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(row: &mut [f32], cap: f32) {
+            // SAFETY: this function's set.
+            unsafe { softcap_lanes::<Zmm>(row, cap) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(row: &mut [f32], cap: f32) {
+            // SAFETY: this function's set.
+            unsafe { softcap_lanes::<Ymm>(row, cap) }
+        }
+        match current() {
+            // SAFETY: `current` never exceeds what was detected.
+            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512(row, cap) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { avx2(row, cap) },
+            Isa::Portable => {}
+        }
+    }
+    // SAFETY: one-lane f32 needs no instruction set.
+    unsafe { softcap_lanes::<f32>(row, cap) }
 }
 
 macro_rules! dispatch {

@@ -36,6 +36,79 @@ pub(crate) fn exp(x: f32) -> f32 {
     unsafe { exp_nonpositive::<f32>(x) }
 }
 
+/// `tanh(x)` per lane: the odd rational minimax approximation of degrees
+/// 13 over 6 that Eigen (`ptanh_float`), XLA and ONNX Runtime's MLAS use,
+/// on `x` clamped to ±7.90531 (past which f32's `tanh` rounds to ±1).
+/// Odd, so small arguments keep their relative accuracy (where `1 - 2 /
+/// (e^2x + 1)` would cancel); relative error < 4e-7; `±inf` gives ±1,
+/// NaN stays NaN.
+///
+/// # Safety
+/// The instruction set of `V` is enabled.
+#[inline(always)]
+pub(crate) unsafe fn tanh<V: Lanes>(x: V) -> V {
+    const CLAMP: f32 = 7.905_311;
+    // Numerator coefficients of x^13, x^11, ..., x; denominator's of x^6,
+    // x^4, x^2, 1.
+    const ALPHA: [f32; 7] = [
+        -2.760_768_5e-16,
+        2.000_187_9e-13,
+        -8.604_671_5e-11,
+        5.122_297e-8,
+        1.485_722_4e-5,
+        6.372_619_3e-4,
+        4.893_524_6e-3,
+    ];
+    const BETA: [f32; 4] = [1.198_258_4e-6, 1.185_347_1e-4, 2.268_434_6e-3, 4.893_525e-3];
+    // SAFETY: (the block) the caller's.
+    unsafe {
+        // `min` and `max` return their second operand where either is NaN:
+        // `x` goes second, so that a NaN passes the clamp.
+        let x = V::splat(-CLAMP).max(V::splat(CLAMP).min(x));
+        let x2 = x.mul(x);
+        let mut p = V::splat(ALPHA[0]);
+        for a in &ALPHA[1..] {
+            p = V::splat(*a).fmadd(p, x2);
+        }
+        let mut q = V::splat(BETA[0]);
+        for b in &BETA[1..] {
+            q = V::splat(*b).fmadd(q, x2);
+        }
+        p.mul(x).div(q)
+    }
+}
+
+/// `row[j] = cap · tanh(row[j] / cap)` in place: Gemma 2's logit
+/// soft-capping (HF's `attn_logit_softcapping`), whole vectors, then the
+/// tail one lane at a time. Monotonic, so a row's largest capped score is
+/// [`softcap`] of its largest score.
+///
+/// # Safety
+/// The instruction set of `V` is enabled.
+#[inline(always)]
+pub(crate) unsafe fn softcap_row<V: Lanes>(row: &mut [f32], cap: f32) {
+    let whole = row.len() / V::N * V::N;
+    let x = row.as_mut_ptr();
+    // SAFETY: (the block) whole vectors inside `row`; the caller's set.
+    unsafe {
+        let (c, inv) = (V::splat(cap), V::splat(1. / cap));
+        for j in (0..whole).step_by(V::N) {
+            c.mul(tanh(V::load(x.add(j)).mul(inv))).store(x.add(j));
+        }
+    }
+    for y in &mut row[whole..] {
+        *y = softcap(*y, cap);
+    }
+}
+
+/// `cap · tanh(x / cap)` for one `x`: [`softcap_row`]'s arithmetic on one
+/// lane, so that it gives the same result for the same score.
+#[inline(always)]
+pub(crate) fn softcap(x: f32, cap: f32) -> f32 {
+    // SAFETY: f32 lanes need no instruction set.
+    cap * unsafe { tanh::<f32>(x * (1. / cap)) }
+}
+
 /// The largest score of `row` (a NaN may be skipped): whole vectors, then
 /// the tail one at a time.
 ///
@@ -220,20 +293,75 @@ mod tests {
         }
     }
 
+    /// `tanh` on `V`'s lanes against std's (in f64) over `[-10, 10]` in
+    /// steps of 1e-4 and down to 1e-30, relative to `|tanh(x)|`; and on
+    /// the special values. `softcap_row` equals `softcap` lane for lane,
+    /// row tail included.
+    ///
+    /// # Safety
+    /// The instruction set of `V` is enabled.
+    unsafe fn tanh_matches_std<V: Lanes>() {
+        let mut xs: Vec<f32> = (-100_000..=100_000).map(|i| i as f32 * 1e-4).collect();
+        xs.extend((1..=30).flat_map(|e| [10f32.powi(-e), -(10f32.powi(-e))]));
+        xs.resize(xs.len().next_multiple_of(V::N), 0.);
+        let mut worst = 0f64;
+        for chunk in xs.chunks_exact(V::N) {
+            let mut out = vec![0f32; V::N];
+            // SAFETY: the caller's set; `N` floats in and out.
+            unsafe { super::tanh(V::load(chunk.as_ptr())).store(out.as_mut_ptr()) };
+            for (&x, &y) in chunk.iter().zip(&out) {
+                let t = (x as f64).tanh();
+                if t != 0. {
+                    worst = worst.max(((y as f64 - t) / t).abs());
+                } else {
+                    assert_eq!(y, 0., "tanh(0)");
+                }
+            }
+        }
+        assert!(worst < 4e-7, "{} lanes: worst relative error {worst:e}", V::N);
+        let special = [f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30, 7.9, 20., f32::NAN];
+        let expected = [1., -1., 1., -1., 0.999_999_76, 1., f32::NAN];
+        for (&x, &want) in special.iter().zip(&expected) {
+            let (buf, mut out) = (vec![x; V::N], vec![0f32; V::N]);
+            // SAFETY: as above.
+            unsafe { super::tanh(V::load(buf.as_ptr())).store(out.as_mut_ptr()) };
+            assert!(
+                out.iter()
+                    .all(|&y| (y - want).abs() <= 2e-7 || (y.is_nan() && want.is_nan())),
+                "{} lanes: tanh({x}) = {out:?}",
+                V::N
+            );
+        }
+        let mut row: Vec<f32> = (0..3 * V::N + 5).map(|i| (i as f32 - 20.) * 3.7).collect();
+        let want: Vec<f32> = row.iter().map(|&x| super::softcap(x, 30.)).collect();
+        // SAFETY: the caller's set.
+        unsafe { super::softcap_row::<V>(&mut row, 30.) };
+        assert_eq!(row, want, "{} lanes: softcap_row against softcap", V::N);
+    }
+
     #[test]
-    fn exp_matches_std_on_every_lane_type() {
+    fn exp_and_tanh_match_std_on_every_lane_type() {
         // SAFETY: f32 lanes need no instruction set; the others run only
         // where the processor has theirs.
-        unsafe { matches_std::<f32>() };
+        unsafe {
+            matches_std::<f32>();
+            tanh_matches_std::<f32>();
+        }
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx2,fma")]
             unsafe fn ymm() {
-                unsafe { matches_std::<crate::lanes::Ymm>() }
+                unsafe {
+                    matches_std::<crate::lanes::Ymm>();
+                    tanh_matches_std::<crate::lanes::Ymm>();
+                }
             }
             #[target_feature(enable = "avx512f")]
             unsafe fn zmm() {
-                unsafe { matches_std::<crate::lanes::Zmm>() }
+                unsafe {
+                    matches_std::<crate::lanes::Zmm>();
+                    tanh_matches_std::<crate::lanes::Zmm>();
+                }
             }
             if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
                 // SAFETY: checked just above.

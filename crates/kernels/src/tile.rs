@@ -406,12 +406,13 @@ pub(crate) struct Group<'a> {
     pub(crate) acc: &'a mut [f32],
 }
 
-/// The online softmax of a group's score rows for one key block: masked
-/// where the mask touches them (the scores kernel's row max serves the
-/// others), keys past a row's last and the vector's tail hidden, then
-/// `online(row, m, l, acc, known_max)`; `lanes_max(m)` reduces a row's
-/// lane maxima. Inlined into each instruction set's caller, so that its
-/// vector helpers inline too.
+/// The online softmax of a group's score rows for one key block:
+/// soft-capped where the problem asks (`softcap(row, cap)`), masked where
+/// the mask touches them (the scores kernel's row max serves the others,
+/// capped as the scores are), keys past a row's last and the vector's tail
+/// hidden, then `online(row, m, l, acc, known_max)`; `lanes_max(m)`
+/// reduces a row's lane maxima. Inlined into each instruction set's
+/// caller, so that its vector helpers inline too.
 #[inline(always)]
 pub(crate) fn softmax_group_with<KV: KvElem>(
     p: &Problem<KV>,
@@ -419,6 +420,7 @@ pub(crate) fn softmax_group_with<KV: KvElem>(
     hi: usize,
     g: Group,
     lanes_max: impl Fn(&[f32]) -> f32,
+    softcap: impl Fn(&mut [f32], f32),
     online: impl Fn(&mut [f32], &mut f32, &mut f32, &mut [f32], Option<f32>),
 ) {
     let dvp = g.acc.len() / g.row_max.len();
@@ -426,9 +428,16 @@ pub(crate) fn softmax_group_with<KV: KvElem>(
         let i = g.i + r;
         let row = &mut g.strip[r * STRIP_RS..][..g.width];
         // The scores kernel's row max serves a row the mask leaves as it is.
-        let known_max = p
+        let mut known_max = p
             .sees_all_as_scored(i, g.j0, g.cols)
             .then(|| lanes_max(&g.maxes[r * 16..][..16]));
+        if let Some(cap) = p.softcap {
+            // Whole vectors: the columns past `cols` (zero-padded keys'
+            // scores) are hidden below. The cap is monotonic, so the
+            // capped max is the max of the capped scores.
+            softcap(row, cap);
+            known_max = known_max.map(|x| softmax::softcap(x, cap));
+        }
         if known_max.is_none() {
             p.mask_row(&mut row[..g.cols], bi, hi, i, g.j0);
         }
@@ -452,6 +461,7 @@ unsafe fn softmax_group_avx2<KV: KvElem>(p: &Problem<KV>, bi: usize, hi: usize, 
         hi,
         g,
         |m| unsafe { softmax::lanes_max::<Ymm>(m.as_ptr()) },
+        |row, cap| unsafe { softmax::softcap_row::<Ymm>(row, cap) },
         |row, m, l, acc, known| unsafe { softmax::online_softmax_block::<Ymm>(row, m, l, acc, known) },
     );
 }
@@ -469,6 +479,7 @@ unsafe fn softmax_group_avx512<KV: KvElem>(p: &Problem<KV>, bi: usize, hi: usize
         hi,
         g,
         |m| unsafe { softmax::lanes_max::<Zmm>(m.as_ptr()) },
+        |row, cap| unsafe { softmax::softcap_row::<Zmm>(row, cap) },
         |row, m, l, acc, known| unsafe { softmax::online_softmax_block::<Zmm>(row, m, l, acc, known) },
     );
 }

@@ -12,12 +12,13 @@ use crate::options::{MhaOptions, NeedWeights};
 use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 
 impl MultiheadAttention {
-    /// `mask` with the config's sliding window and ALiBi, checked against
-    /// `(batch, heads, q_len, kv_len)`: the mask every entry point attends
-    /// with. A module's window and ALiBi are configured in its
-    /// [`MhaConfig`](crate::config::MhaConfig) only (`sliding_window`,
-    /// [`PositionEncoding::Alibi`]); a call's mask that sets either is
-    /// refused, so that neither can be set in two places that disagree.
+    /// `mask` with the config's sliding window, ALiBi and soft-capping,
+    /// checked against `(batch, heads, q_len, kv_len)`: the mask every
+    /// entry point attends with. A module's window, ALiBi and cap are
+    /// configured in its [`MhaConfig`](crate::config::MhaConfig) only
+    /// (`sliding_window`, [`PositionEncoding::Alibi`], `softcap`); a call's
+    /// mask that sets one is refused, so that none can be set in two places
+    /// that disagree.
     pub(super) fn mask_for(&self, mask: &Mask, batch: usize, q_len: usize, kv_len: usize) -> Result<Mask> {
         if mask.window.is_some() {
             bail!(
@@ -31,8 +32,15 @@ impl MultiheadAttention {
                  not in the call's Mask (Mask::with_alibi is for scaled_dot_product_attention)"
             )
         }
+        if mask.softcap.is_some() {
+            bail!(
+                "MultiheadAttention: soft-capping is configured in MhaConfig::softcap, \
+                 not in the call's Mask (Mask::with_softcap is for scaled_dot_product_attention)"
+            )
+        }
         let mut mask = mask.clone();
         mask.window = self.cfg.sliding_window;
+        mask.softcap = self.cfg.softcap;
         if self.cfg.position == PositionEncoding::Alibi {
             mask.alibi = Some(Alibi::new(self.cfg.num_heads));
         }

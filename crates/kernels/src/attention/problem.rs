@@ -89,6 +89,8 @@ pub(crate) struct Problem<'a, KV = f32> {
     /// ALiBi: per-head slopes and the offset of the diagonal distances
     /// are measured from.
     pub(super) alibi: Option<(&'a [f32], isize)>,
+    /// Soft-capping: scores become `cap · tanh(s / cap)` before the mask.
+    pub(crate) softcap: Option<f32>,
     /// Keys past this (`add_bias_kv`, `add_zero_attn`) are never masked.
     pub(crate) masked_keys: usize,
 }
@@ -289,6 +291,9 @@ impl<KV: KvElem> Problem<'_, KV> {
             }
             for r in 0..n {
                 let row = &mut tile[r * cols..(r + 1) * cols];
+                if let Some(cap) = self.softcap {
+                    simd::softcap_row(row, cap);
+                }
                 self.mask_row(row, bi, hi + r / rows, i0 + r % rows, j0);
                 let acc_row = &mut acc[r * dv..(r + 1) * dv];
                 simd::online_softmax_row(row, &mut row_max[r], &mut row_sum[r], acc_row);
