@@ -92,6 +92,18 @@ fn decoder_configs() -> Vec<(&'static str, MhaConfig, WeightLayout)> {
             qwen3_like(),
             WeightLayout::llama(),
         ),
+        (
+            "gemma2: soft-capped, query_pre_attn_scalar scale, gqa, rope, window",
+            MhaConfig::new(E, H)
+                .with_bias(false)
+                .with_head_dim(16)
+                .with_kv_heads(2)
+                .with_position(PositionEncoding::Rotary(RotaryConfig::new(10_000.)))
+                .with_sliding_window(4)
+                .with_softcap(2.)
+                .with_scale(1. / 24f64.sqrt()),
+            WeightLayout::llama(),
+        ),
     ]
 }
 
