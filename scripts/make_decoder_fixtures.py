@@ -59,6 +59,8 @@ from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
 from transformers.models.gptj import modeling_gptj  # noqa: E402
@@ -140,6 +142,20 @@ def qwen3_config():
     )
 
 
+def smollm3_config():
+    # SmolLM3: Llama with layers that have no rotary. The real models drop
+    # it on every fourth layer; here layer 0 has none (no_rope_layers [0, 1],
+    # a pattern the default interval cannot give), in 2 layers like the
+    # other fixtures. rope_theta 2e6, tied lm_head.
+    return SmolLM3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, no_rope_layers=[0, 1],
+        rope_theta=2000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        attn_implementation="eager",
+    )
+
+
 MODELS = {
     "gpt2": (gpt2_config, GPT2LMHeadModel),
     "llama": (llama_config, LlamaForCausalLM),
@@ -147,6 +163,7 @@ MODELS = {
     "llama3": (llama3_config, LlamaForCausalLM),
     "qwen2": (qwen2_config, Qwen2ForCausalLM),
     "qwen3": (qwen3_config, Qwen3ForCausalLM),
+    "smollm3": (smollm3_config, SmolLM3ForCausalLM),
 }
 
 
@@ -396,7 +413,9 @@ torch {torch} and transformers {transformers}. Remake with
 
     .venv-ref/bin/python scripts/make_decoder_fixtures.py
 
-(it writes a temporary folder and replaces this one only if every check passed).
+(it writes a temporary folder and replaces this one only if every check passed;
+`--only NAME ...` rebuilds those models alone, in place, keeping the rest and
+`half_expected.safetensors`, which `scripts/make_half_fixtures.py` writes).
 
 * `gpt2/`: `GPT2LMHeadModel` (n_embd 64, n_layer 2, n_head 4, vocab 128,
   n_positions 64, gelu_new), as `save_pretrained(safe_serialization=True)`
@@ -416,7 +435,9 @@ torch {torch} and transformers {transformers}. Remake with
   false).
 * `qwen3/`: `Qwen3ForCausalLM` (RMSNorm `q_norm`/`k_norm` per head,
   head_dim 32 with hidden 64 and 4 heads, so q is 128 wide; tied lm_head).
-* `{{gpt2,llama,mistral,llama3,qwen2,qwen3}}_expected.safetensors`: `input_ids`
+* `smollm3/`: `SmolLM3ForCausalLM` (`no_rope_layers` [0, 1]: layer 0
+  has no rotary; rope_theta 2e6, tied lm_head).
+* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3}}_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,
@@ -439,39 +460,59 @@ torch {torch} and transformers {transformers}. Remake with
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=OUT, help="output folder (replaced as a whole)")
+    parser.add_argument("--only", nargs="+", choices=sorted(MODELS), metavar="NAME",
+                        help="rebuild these models alone, replacing their folders and expected files in --out "
+                             "(and its README) and keeping everything else")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     torch.use_deterministic_algorithms(True)
+    names = args.only or list(MODELS)
 
     tmp = tempfile.mkdtemp(prefix=".decoders-", dir=parent)
     try:
         cases = {}
-        for name in MODELS:
+        for name in names:
             cases[name], files = build_decoder(name, tmp)
             print(f"{name}/: {', '.join(files)}")
-        rot = rotary(tmp)
+            size = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(os.path.join(tmp, name))
+                       for n in ns)
+            assert size < 1_000_000, f"{name}/ is too large: {size} B"
+        rot = None if args.only else rotary(tmp)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(README.format(**VERSIONS))
 
         total = 0
-        for root, _, names in os.walk(tmp):
-            for n in sorted(names):
+        for root, _, files in os.walk(tmp):
+            for n in sorted(files):
                 size = os.path.getsize(os.path.join(root, n))
                 total += size
                 print(f"  {os.path.relpath(os.path.join(root, n), tmp):40s} {size:9d} B")
         print(f"  total {total} B")
-        assert total < 2_900_000, f"fixtures too large: {total} B"
+        assert total < 3_500_000, f"fixtures too large: {total} B"
         for name, case in cases.items():
             print(f"{name}: seed {case['seed']}, greedy min margins {case['greedy_min_margin']}, "
                   f"padded {case['padded']['row1_equals_unpadded_tokens']} "
                   f"(max abs step-logit diff {case['padded']['row1_max_abs_step_logit_diff_vs_unpadded']:.3g})")
-        print(f"rotary: half theta {rot['half']['theta']}, partial rotary_dim {rot['partial']['rotary_dim']}, "
-              f"interleaved rotary_dim {rot['interleaved']['rotary_dim']}")
+        if rot:
+            print(f"rotary: half theta {rot['half']['theta']}, partial rotary_dim {rot['partial']['rotary_dim']}, "
+                  f"interleaved rotary_dim {rot['interleaved']['rotary_dim']}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+    if args.only:
+        # Each model's folder and expected file replace their old selves.
+        os.makedirs(out, exist_ok=True)
+        for entry in os.listdir(tmp):
+            src, dst = os.path.join(tmp, entry), os.path.join(out, entry)
+            if os.path.isdir(dst):
+                shutil.rmtree(dst)
+            os.replace(src, dst)
+        os.rmdir(tmp)
+        print(f"wrote {', '.join(names)} into {out}")
+        return
 
     os.chmod(tmp, 0o755)
     old = None

@@ -24,9 +24,12 @@ the torch / transformers versions in its metadata under "case". It also prints e
 model's largest error against the f32 logits, relative to their largest
 magnitude: what rounding the weights costs, whoever computes it.
 
-    .venv-ref/bin/python scripts/make_half_fixtures.py
+    .venv-ref/bin/python scripts/make_half_fixtures.py [--only NAME ...]
+
+(`--only` recomputes those models' entries and keeps the others as they are.)
 """
 
+import argparse
 import json
 import os
 
@@ -40,7 +43,7 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DIR = os.path.join(ROOT, "tests", "fixtures", "decoders")
-MODELS = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3"]
+MODELS = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3"]
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -64,8 +67,15 @@ def rel(a, b):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", choices=MODELS, metavar="NAME",
+                        help="recompute these models' entries, keeping the file's others")
+    args = parser.parse_args()
+    path = os.path.join(DIR, "half_expected.safetensors")
     out = {}
-    for name in MODELS:
+    if args.only:
+        out = {k: v for k, v in load_file(path).items() if k.split(".")[0] not in args.only}
+    for name in args.only or MODELS:
         f = load_file(os.path.join(DIR, f"{name}_expected.safetensors"))
         greedy = f["greedy_ids"].long()
         steps = f["step_logits"].shape[1]
@@ -107,7 +117,7 @@ def main():
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    save_file(out, os.path.join(DIR, "half_expected.safetensors"), metadata={"case": json.dumps(case)})
+    save_file(out, path, metadata={"case": json.dumps(case)})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ use multihead::attention::{MhaConfig, MultiheadAttention};
 use multihead::models::checkpoint::{
     is_gguf, wanted_tensors, Checkpoint, MinWeights, ModelFiles, NonFinite, Preflight,
 };
-use multihead::models::decoder::{DecoderModel, HfDecoderConfig};
+use multihead::models::decoder::{DecoderModel, HfDecoderConfig, HF_DECODER_TYPES};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
 use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
 use multihead::models::vit::{folder, VisionTransformer, VitConfig};
@@ -135,10 +135,10 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
         value.get("model_type").and_then(|t| t.as_str()),
         Some("vit" | "deit")
     );
-    let decoder = matches!(
-        value.get("model_type").and_then(|t| t.as_str()),
-        Some("gpt2" | "llama" | "mistral" | "qwen2" | "qwen3")
-    );
+    let decoder = value
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .is_some_and(|t| HF_DECODER_TYPES.contains(&t));
     let (kind, wanted) = if decoder {
         // As `generate --model` reads it.
         let cfg = HfDecoderConfig::from_json(&json, &path.display().to_string())?;

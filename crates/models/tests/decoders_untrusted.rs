@@ -28,6 +28,72 @@ fn llama_with(edit: impl FnOnce(&mut serde_json::Value)) -> Result<String> {
     Ok(v.to_string())
 }
 
+/// The SmolLM3 fixture's config with `edit` applied.
+fn smollm3_with(edit: impl FnOnce(&mut serde_json::Value)) -> Result<String> {
+    let text = std::fs::read_to_string(fixture_dir("decoders").join("smollm3/config.json"))?;
+    let mut v: serde_json::Value = serde_json::from_str(&text)?;
+    edit(&mut v);
+    Ok(v.to_string())
+}
+
+/// SmolLM3's layers without rotary come from `no_rope_layers`, or, where
+/// it is absent, from every `no_rope_layer_interval`-th layer (default 4),
+/// as `SmolLM3Config` fills them in; its defaults (rope_theta 2e6, tied
+/// embeddings) where Llama's differ.
+#[test]
+fn smollm3_reads_its_layers_without_rotary() -> Result<()> {
+    let rotary = |json: &str| -> Result<Vec<bool>> {
+        match HfDecoderConfig::from_json(json, "config.json")? {
+            HfDecoderConfig::Llama(c) => Ok((0..c.num_hidden_layers).map(|i| c.rotary_at(i)).collect()),
+            other => anyhow::bail!("not a Llama config: {other:?}"),
+        }
+    };
+    assert_eq!(rotary(&smollm3_with(|_| {})?)?, [false, true]);
+    // A longer list than the layers, and booleans, as Python reads them.
+    let json = smollm3_with(|v| v["no_rope_layers"] = serde_json::json!([true, false, 1]))?;
+    assert_eq!(rotary(&json)?, [true, false]);
+    let without = |keys: &'static [&'static str], layers: u64, interval: Option<u64>| {
+        smollm3_with(|v| {
+            if let Some(o) = v.as_object_mut() {
+                for k in keys {
+                    o.remove(*k);
+                }
+            }
+            v["num_hidden_layers"] = layers.into();
+            if let Some(i) = interval {
+                v["no_rope_layer_interval"] = i.into();
+            }
+        })
+    };
+    let json = without(
+        &["no_rope_layers", "no_rope_layer_interval", "layer_types"],
+        8,
+        None,
+    )?;
+    assert_eq!(rotary(&json)?, [true, true, true, false, true, true, true, false]);
+    let json = without(
+        &[
+            "no_rope_layers",
+            "layer_types",
+            "rope_parameters",
+            "tie_word_embeddings",
+        ],
+        4,
+        Some(2),
+    )?;
+    assert_eq!(rotary(&json)?, [true, false, true, false]);
+    match HfDecoderConfig::from_json(&json, "config.json")? {
+        HfDecoderConfig::Llama(c) => {
+            assert_eq!(c.theta(), 2e6);
+            assert!(c.tie_word_embeddings);
+        }
+        other => anyhow::bail!("not a Llama config: {other:?}"),
+    }
+    // A Llama config has rotary on every layer.
+    assert_eq!(rotary(&llama_with(|_| {})?)?, [true, true]);
+    Ok(())
+}
+
 #[test]
 fn bad_configs_name_the_file_and_field() -> Result<()> {
     let cases: Vec<(String, &str)> = vec![
@@ -101,6 +167,31 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
         (
             llama_with(|v| v["sliding_window"] = 0.into())?,
             "'sliding_window' must be >= 1",
+        ),
+        (
+            smollm3_with(|v| v["use_sliding_window"] = true.into())?,
+            "field 'use_sliding_window' is true",
+        ),
+        (
+            smollm3_with(|v| v["layer_types"][1] = "sliding_attention".into())?,
+            "field 'layer_types' holds \"sliding_attention\"",
+        ),
+        (
+            smollm3_with(|v| v["no_rope_layers"] = serde_json::json!([1]))?,
+            "field 'no_rope_layers' must be a list of 0 or 1 for each of the 2 layers",
+        ),
+        (
+            smollm3_with(|v| v["no_rope_layers"][1] = 2.into())?,
+            "field 'no_rope_layers' entry 1 must be 0 or 1",
+        ),
+        (
+            smollm3_with(|v| {
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("no_rope_layers");
+                }
+                v["no_rope_layer_interval"] = 0.into();
+            })?,
+            "field 'no_rope_layer_interval' must be a whole number >= 1",
         ),
     ];
     for (json, want) in cases {

@@ -20,9 +20,12 @@ const MAX_DIM: usize = 1 << 24;
 pub enum HfDecoderConfig {
     /// `gpt2`.
     Gpt2(Gpt2Config),
-    /// `llama`, `mistral`, `qwen2`, `qwen3`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`.
     Llama(LlamaConfig),
 }
+
+/// The `model_type` values [`HfDecoderConfig::from_json`] reads.
+pub const HF_DECODER_TYPES: [&str; 6] = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "smollm3"];
 
 impl HfDecoderConfig {
     /// Parses `config.json` text; `label` names the file in errors.
@@ -41,10 +44,13 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Gpt2(cfg))
             }
-            "llama" | "mistral" | "qwen2" | "qwen3" => {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" => {
                 let mut cfg: LlamaConfig = serde_json::from_value(value.clone())
                     .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
                 cfg.resolve_rope(&value, label)?;
+                if model_type == "smollm3" {
+                    cfg.resolve_smollm3(&value, label)?;
+                }
                 if model_type == "qwen2" || model_type == "qwen3" {
                     // Qwen2: biases on q, k and v only; Qwen3: an RMSNorm on
                     // each head of q and k instead. Their sliding window
@@ -67,9 +73,11 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Llama(cfg))
             }
-            other => {
-                bail!("{label}: model_type '{other}' is not a decoder this crate runs (gpt2, llama, mistral)")
-            }
+            other => bail!(
+                "{label}: model_type '{}' is not a decoder this crate runs ({})",
+                other.escape_debug(),
+                HF_DECODER_TYPES.join(", ")
+            ),
         }
     }
 }
@@ -275,6 +283,11 @@ pub struct LlamaConfig {
     /// with `rms_norm_eps`.
     #[serde(skip)]
     pub qk_norm: bool,
+    /// Whether each layer applies the rotary embedding (SmolLM3's
+    /// `no_rope_layers`, where 1 is rotary and 0 none); empty: every layer
+    /// does.
+    #[serde(skip)]
+    pub rotary_layers: Vec<bool>,
 }
 
 fn rms_eps() -> f64 {
@@ -286,6 +299,69 @@ fn silu() -> String {
 }
 
 impl LlamaConfig {
+    /// SmolLM3's fields (`SmolLM3Config`, `configuration_smollm3.py`):
+    /// its defaults where Llama's differ, the layers without rotary, and
+    /// the sliding windows it does not run refused.
+    fn resolve_smollm3(&mut self, value: &Value, label: &str) -> Result<()> {
+        if self.rope_theta.is_none() {
+            self.rope_theta = Some(2_000_000.);
+        }
+        if value.get("tie_word_embeddings").is_none() {
+            self.tie_word_embeddings = true;
+        }
+        let n = self.num_hidden_layers;
+        self.rotary_layers = match value.get("no_rope_layers") {
+            None | Some(Value::Null) => {
+                let interval = match value.get("no_rope_layer_interval") {
+                    None | Some(Value::Null) => 4,
+                    Some(v) => match v.as_u64() {
+                        Some(i @ 1..) => i as usize,
+                        _ => bail!("{label}: field 'no_rope_layer_interval' must be a whole number >= 1, found {v}"),
+                    },
+                };
+                (0..n).map(|i| (i + 1) % interval != 0).collect()
+            }
+            Some(Value::Array(flags)) if flags.len() >= n => flags
+                .iter()
+                .take(n)
+                .enumerate()
+                .map(|(i, f)| match f {
+                    Value::Bool(b) => Ok(*b),
+                    Value::Number(x) if x.as_u64() == Some(1) => Ok(true),
+                    Value::Number(x) if x.as_u64() == Some(0) => Ok(false),
+                    other => bail!("{label}: field 'no_rope_layers' entry {i} must be 0 or 1, found {other}"),
+                })
+                .collect::<Result<_>>()?,
+            Some(other) => bail!(
+                "{label}: field 'no_rope_layers' must be a list of 0 or 1 for each of the {n} layers, found {other}"
+            ),
+        };
+        match value.get("use_sliding_window") {
+            None | Some(Value::Null | Value::Bool(false)) => self.sliding_window = None,
+            Some(Value::Bool(true)) => bail!(
+                "{label}: field 'use_sliding_window' is true (windows on the layers without rotary), which is not supported"
+            ),
+            Some(other) => bail!("{label}: field 'use_sliding_window' must be true or false, found {other}"),
+        }
+        match value.get("layer_types") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(types)) => {
+                if let Some(t) = types.iter().find(|t| t.as_str() != Some("full_attention")) {
+                    bail!(
+                        "{label}: field 'layer_types' holds {t}; only 'full_attention' layers are supported"
+                    )
+                }
+            }
+            Some(other) => bail!("{label}: field 'layer_types' must be a list, found {other}"),
+        }
+        Ok(())
+    }
+
+    /// Whether layer `i` applies the rotary embedding.
+    pub fn rotary_at(&self, i: usize) -> bool {
+        self.rotary_layers.get(i).copied().unwrap_or(true)
+    }
+
     /// Reads the rotary parameters from wherever this transformers
     /// version put them, refusing scaled variants this crate does not
     /// implement (rather than running them unscaled).

@@ -1,5 +1,5 @@
-//! Llama (and Mistral, Qwen2, Qwen3), as HF transformers' `LlamaForCausalLM`
-//! (`transformers/models/llama/modeling_llama.py`), on
+//! Llama (and Mistral, Qwen2, Qwen3, SmolLM3), as HF transformers'
+//! `LlamaForCausalLM` (`transformers/models/llama/modeling_llama.py`), on
 //! [`MultiheadAttention`] with grouped-query heads and rotary positions.
 
 use candle::{DType, Device, Module, Result, Tensor};
@@ -34,14 +34,22 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+    /// Layer `index` of the model `cfg` describes.
+    fn new(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
         let mut rotary = RotaryConfig::new(cfg.theta());
         rotary.scaling = cfg.rope_scaling;
+        // SmolLM3's layers without rotary see positions only through the
+        // causal mask.
+        let position = if cfg.rotary_at(index) {
+            PositionEncoding::Rotary(rotary)
+        } else {
+            PositionEncoding::None
+        };
         let mut mha = MhaConfig::new(e, cfg.num_attention_heads)
             .with_bias(cfg.attention_bias)
             .with_kv_heads(cfg.kv_heads())
-            .with_position(PositionEncoding::Rotary(rotary));
+            .with_position(position);
         if cfg.qkv_bias {
             mha.qkv_bias = Some(true);
         }
@@ -114,7 +122,7 @@ impl Llama {
             .filter(|_| !cfg.tie_word_embeddings);
         let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Layer::new(cfg, m.pp(format!("layers.{i}"))))
+            .map(|i| Layer::new(cfg, i, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
         Ok(Self {

@@ -50,7 +50,7 @@ use crate::generation::StepModel;
 
 pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CHUNK};
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
-pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig};
+pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig, HF_DECODER_TYPES};
 pub use conversation::Conversation;
 pub use generation_config::HfGenerationConfig;
 pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
@@ -289,7 +289,7 @@ pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(
 pub enum DecoderModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama` or `mistral`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3` or `smollm3`.
     Llama(Llama),
 }
 

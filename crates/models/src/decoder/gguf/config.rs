@@ -202,6 +202,7 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         rope_scaling,
         qkv_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
         qk_norm: arch == Arch::Qwen3 || has("blk.0.attn_q_norm.weight"),
+        rotary_layers: Vec::new(),
     };
     if cfg.attention_bias {
         cfg.qkv_bias = false;
