@@ -58,6 +58,8 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen3ForCausalLM,
     SmolLM3Config,
     SmolLM3ForCausalLM,
@@ -156,6 +158,17 @@ def smollm3_config():
     )
 
 
+def olmo2_config():
+    # OLMo 2: RMSNorms after the attention and the MLP (none before), and on
+    # q and k over all heads' features at once (q_norm 64 wide, k_norm 32).
+    return Olmo2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+    )
+
+
 MODELS = {
     "gpt2": (gpt2_config, GPT2LMHeadModel),
     "llama": (llama_config, LlamaForCausalLM),
@@ -164,6 +177,7 @@ MODELS = {
     "qwen2": (qwen2_config, Qwen2ForCausalLM),
     "qwen3": (qwen3_config, Qwen3ForCausalLM),
     "smollm3": (smollm3_config, SmolLM3ForCausalLM),
+    "olmo2": (olmo2_config, Olmo2ForCausalLM),
 }
 
 
@@ -437,7 +451,10 @@ torch {torch} and transformers {transformers}. Remake with
   head_dim 32 with hidden 64 and 4 heads, so q is 128 wide; tied lm_head).
 * `smollm3/`: `SmolLM3ForCausalLM` (`no_rope_layers` [0, 1]: layer 0
   has no rotary; rope_theta 2e6, tied lm_head).
-* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3}}_expected.safetensors`: `input_ids`
+* `olmo2/`: `Olmo2ForCausalLM` (RMSNorms after attention and MLP, none
+  before; `q_norm`/`k_norm` over all heads at once, 64 and 32 wide;
+  rope_theta 5e5, untied lm_head).
+* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3,olmo2}}_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,

@@ -77,8 +77,9 @@ pub struct TransformerFacts {
 /// What a decoder-only checkpoint's tensors say about the model.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DecoderFacts {
-    /// `gpt2`, `llama` (Llama, Mistral: the two store the same tensors),
-    /// `qwen2` (biases on q, k, v only) or `qwen3` (q/k norms).
+    /// `gpt2`, `llama` (Llama, Mistral, SmolLM3: they store the same
+    /// tensors), `qwen2` (biases on q, k, v only), `qwen3` (q/k norms per
+    /// head) or `olmo2` (norms after each branch, q/k norms over all heads).
     pub family: String,
     /// The names' prefix (`transformer.`, `model.`, or none).
     pub prefix: String,
@@ -115,7 +116,8 @@ pub enum Layout {
     /// One `torch.nn.MultiheadAttention` (the first if several).
     MultiheadAttention(MhaFacts),
     /// HF transformers' `GPT2LMHeadModel`, `LlamaForCausalLM`,
-    /// `MistralForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
+    /// `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+    /// `SmolLM3ForCausalLM` or `Olmo2ForCausalLM`.
     Decoder(DecoderFacts),
     /// None of the above.
     Unknown,
@@ -214,7 +216,8 @@ fn gpt2(n: &Names) -> Option<DecoderFacts> {
     })
 }
 
-/// Llama, Mistral, Qwen2, Qwen3: `model.embed_tokens` and `model.layers.N`.
+/// Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2: `model.embed_tokens` and
+/// `model.layers.N`.
 fn llama(n: &Names) -> Option<DecoderFacts> {
     let [vocab, e] = *n.shape("model.embed_tokens.weight")? else {
         return None;
@@ -222,8 +225,15 @@ fn llama(n: &Names) -> Option<DecoderFacts> {
     let attn = "model.layers.0.self_attn.";
     let kv_dim = n.dim(&format!("{attn}k_proj.weight"), 0);
     let q_dim = n.dim(&format!("{attn}q_proj.weight"), 0);
-    let head_dim = n.dim(&format!("{attn}q_norm.weight"), 0).filter(|&d| d > 0);
-    let family = if head_dim.is_some() {
+    // OLMo 2's norms follow each branch, and its q_norm spans all heads:
+    // its width is q's, not a head's.
+    let olmo2 = n.has("model.layers.0.post_feedforward_layernorm.weight");
+    let head_dim = n
+        .dim(&format!("{attn}q_norm.weight"), 0)
+        .filter(|&d| d > 0 && !olmo2);
+    let family = if olmo2 {
+        "olmo2"
+    } else if head_dim.is_some() {
         "qwen3"
     } else if n.has(&format!("{attn}q_proj.bias")) && !n.has(&format!("{attn}o_proj.bias")) {
         "qwen2"
@@ -396,6 +406,23 @@ mod tests {
         assert_eq!(
             (f.d_model, f.num_encoder_layers, f.num_decoder_layers),
             (32, 2, 1)
+        );
+        // OLMo 2's q_norm spans all heads: its width tells no head count.
+        let olmo2 = [
+            t("model.embed_tokens.weight", &[128, 64]),
+            t("model.layers.0.self_attn.q_proj.weight", &[64, 64]),
+            t("model.layers.0.self_attn.k_proj.weight", &[32, 64]),
+            t("model.layers.0.self_attn.q_norm.weight", &[64]),
+            t("model.layers.0.self_attn.k_norm.weight", &[32]),
+            t("model.layers.0.post_feedforward_layernorm.weight", &[64]),
+            t("model.layers.1.mlp.gate_proj.weight", &[128, 64]),
+        ];
+        let Layout::Decoder(f) = recognise(&olmo2) else {
+            panic!("not a decoder")
+        };
+        assert_eq!(
+            (f.family.as_str(), f.num_layers, f.num_heads, f.kv_dim),
+            ("olmo2", 2, None, Some(32))
         );
         assert_eq!(recognise(&[t("x", &[1])]), Layout::Unknown);
     }

@@ -16,7 +16,7 @@ use common::{assert_close, half_weights_tolerance, max_abs_diff};
 use gguf_fixtures::{expected, gguf, ids, logits, model_case, opts, FILES};
 use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
-use multihead_models::decoder::{DecoderModel, LlamaConfig, TextGenerator, TextTokenizer};
+use multihead_models::decoder::{DecoderModel, LlamaConfig, QkNorm, TextGenerator, TextTokenizer};
 
 /// Every file's prompt logits equal HF's with each weight rounded as the
 /// file stores it (gguf-py's own rounding), computed in f32, within 1e-5
@@ -163,9 +163,9 @@ fn metadata_gives_the_hf_config() -> Result<()> {
             "{name}"
         );
         match name {
-            "llama" => assert!(cfg.attention_bias && !cfg.qk_norm),
-            "qwen2" => assert!(cfg.qkv_bias && !cfg.attention_bias && !cfg.qk_norm),
-            _ => assert!(cfg.qk_norm && !cfg.qkv_bias && !cfg.attention_bias),
+            "llama" => assert!(cfg.attention_bias && cfg.qk_norm == QkNorm::None),
+            "qwen2" => assert!(cfg.qkv_bias && !cfg.attention_bias && cfg.qk_norm == QkNorm::None),
+            _ => assert!(cfg.qk_norm == QkNorm::PerHead && !cfg.qkv_bias && !cfg.attention_bias),
         }
     }
     Ok(())

@@ -1,7 +1,7 @@
 //! GPT-2 and Llama-family decoders against HF transformers (fixtures
 //! written by `scripts/make_decoder_fixtures.py`: random-init
 //! `GPT2LMHeadModel`, `LlamaForCausalLM` with grouped-query heads and
-//! rope_theta 50000, Mistral, Qwen2, Qwen3 and SmolLM3, saved by
+//! rope_theta 50000, Mistral, Qwen2, Qwen3, SmolLM3 and OLMo 2, saved by
 //! `save_pretrained`): the folder loads unchanged, the prompt's logits,
 //! every cached decoding step's logits and greedy generation (plain and
 //! left-padded batches) equal HF's.
@@ -16,7 +16,9 @@ use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{generate_from_prompts, left_pad, CausalLm, DecoderModel};
 use multihead_models::generation::{generate_from, Decoding, GenerateConfig};
 
-const MODELS: [&str; 7] = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3"];
+const MODELS: [&str; 8] = [
+    "gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3", "olmo2",
+];
 
 fn load(name: &str) -> Result<(DecoderModel, Fixture)> {
     let dev = Device::Cpu;

@@ -20,12 +20,40 @@ const MAX_DIM: usize = 1 << 24;
 pub enum HfDecoderConfig {
     /// `gpt2`.
     Gpt2(Gpt2Config),
-    /// `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `olmo2`.
     Llama(LlamaConfig),
 }
 
 /// The `model_type` values [`HfDecoderConfig::from_json`] reads.
-pub const HF_DECODER_TYPES: [&str; 6] = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "smollm3"];
+pub const HF_DECODER_TYPES: [&str; 7] = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"];
+
+/// Where a block's RMSNorms sit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NormPlacement {
+    /// Before attention and before the MLP (`input_layernorm`,
+    /// `post_attention_layernorm`): `x + attn(norm(x))` (Llama).
+    #[default]
+    Pre,
+    /// After attention and after the MLP, on the branch
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`):
+    /// `x + norm(attn(x))` (OLMo 2).
+    Post,
+}
+
+/// The RMSNorms on queries and keys after their projections, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QkNorm {
+    /// None (Llama).
+    #[default]
+    None,
+    /// Over each head's `head_dim` features, one weight shared by the
+    /// heads (Qwen3).
+    PerHead,
+    /// Over all heads' features at once, before the split into heads:
+    /// `num_heads * head_dim` weights for q, `num_key_value_heads *
+    /// head_dim` for k (OLMo 2).
+    AllHeads,
+}
 
 impl HfDecoderConfig {
     /// Parses `config.json` text; `label` names the file in errors.
@@ -44,12 +72,15 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Gpt2(cfg))
             }
-            "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" => {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" | "olmo2" => {
                 let mut cfg: LlamaConfig = serde_json::from_value(value.clone())
                     .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
                 cfg.resolve_rope(&value, label)?;
                 if model_type == "smollm3" {
                     cfg.resolve_smollm3(&value, label)?;
+                }
+                if model_type == "olmo2" {
+                    cfg.resolve_olmo2(&value);
                 }
                 if model_type == "qwen2" || model_type == "qwen3" {
                     // Qwen2: biases on q, k and v only; Qwen3: an RMSNorm on
@@ -58,7 +89,7 @@ impl HfDecoderConfig {
                     if model_type == "qwen2" {
                         cfg.qkv_bias = true;
                     } else {
-                        cfg.qk_norm = true;
+                        cfg.qk_norm = QkNorm::PerHead;
                     }
                     match value.get("use_sliding_window") {
                         Some(Value::Bool(true)) => bail!(
@@ -279,10 +310,14 @@ pub struct LlamaConfig {
     /// Biases on q, k and v but not o (Qwen2), whatever `attention_bias` says.
     #[serde(skip)]
     pub qkv_bias: bool,
-    /// An RMSNorm over each head of q and k (`q_norm`, `k_norm`; Qwen3),
-    /// with `rms_norm_eps`.
+    /// RMSNorms on q and k (`q_norm`, `k_norm`), with `rms_norm_eps`:
+    /// over each head (Qwen3) or over all heads at once (OLMo 2).
     #[serde(skip)]
-    pub qk_norm: bool,
+    pub qk_norm: QkNorm,
+    /// Whether the block's norms come before its attention and MLP or
+    /// after them (OLMo 2).
+    #[serde(skip)]
+    pub norm_placement: NormPlacement,
     /// Whether each layer applies the rotary embedding (SmolLM3's
     /// `no_rope_layers`, where 1 is rotary and 0 none); empty: every layer
     /// does.
@@ -355,6 +390,20 @@ impl LlamaConfig {
             Some(other) => bail!("{label}: field 'layer_types' must be a list, found {other}"),
         }
         Ok(())
+    }
+
+    /// OLMo 2's (`Olmo2Config`, `configuration_olmo2.py`): norms after
+    /// each branch, RMSNorms over the full width of q and k, its
+    /// `rms_norm_eps` default, and the fields `Olmo2Config` lacks (a
+    /// sliding window, MLP biases), which its model ignores, ignored.
+    fn resolve_olmo2(&mut self, value: &Value) {
+        self.norm_placement = NormPlacement::Post;
+        self.qk_norm = QkNorm::AllHeads;
+        if value.get("rms_norm_eps").is_none() {
+            self.rms_norm_eps = 1e-5;
+        }
+        self.sliding_window = None;
+        self.mlp_bias = false;
     }
 
     /// Whether layer `i` applies the rotary embedding.

@@ -1,6 +1,10 @@
-//! Llama (and Mistral, Qwen2, Qwen3, SmolLM3), as HF transformers'
+//! Llama (and Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2), as HF transformers'
 //! `LlamaForCausalLM` (`transformers/models/llama/modeling_llama.py`), on
 //! [`MultiheadAttention`] with grouped-query heads and rotary positions.
+//! The relatives differ in a few options of [`LlamaConfig`]: biases, qk
+//! norms (per head, or over all heads as in
+//! `transformers/models/olmo2/modeling_olmo2.py`, whose norms also follow
+//! each branch rather than lead it), layers without rotary.
 
 use candle::{DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, RmsNorm, VarBuilder};
@@ -9,7 +13,8 @@ use multihead_attention::{
     RotaryConfig, WeightLayout,
 };
 
-use super::config::{ties_in, LlamaConfig};
+use super::config::{ties_in, LlamaConfig, NormPlacement, QkNorm};
+use super::olmo2_attention::Olmo2Attention;
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
 use crate::mlp::Mlp;
@@ -24,12 +29,37 @@ fn mlp(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Mlp> {
     Mlp::swiglu(gate, up, down)
 }
 
-/// `LlamaDecoderLayer`: pre-RMSNorm attention and MLP, each added back.
+/// A block's self-attention: [`MultiheadAttention`], or OLMo 2's, whose
+/// q/k norms span all heads.
+// One per layer, built once: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+enum SelfAttention {
+    Mha(MultiheadAttention),
+    Olmo2(Olmo2Attention),
+}
+
+/// A block's RMSNorms, by where they sit ([`NormPlacement`]).
+#[derive(Debug, Clone)]
+enum Norms {
+    /// Llama: `x + attn(input_layernorm(x))`, then `x + mlp(post_attention_layernorm(x))`.
+    Pre {
+        input_layernorm: RmsNorm,
+        post_attention_layernorm: RmsNorm,
+    },
+    /// OLMo 2 (`Olmo2DecoderLayer`): `x + post_attention_layernorm(attn(x))`,
+    /// then `x + post_feedforward_layernorm(mlp(x))`.
+    Post {
+        post_attention_layernorm: RmsNorm,
+        post_feedforward_layernorm: RmsNorm,
+    },
+}
+
+/// `LlamaDecoderLayer`: attention and MLP, each normed and added back.
 #[derive(Debug, Clone)]
 struct Layer {
-    input_layernorm: RmsNorm,
-    self_attn: MultiheadAttention,
-    post_attention_layernorm: RmsNorm,
+    norms: Norms,
+    self_attn: SelfAttention,
     mlp: Mlp,
 }
 
@@ -37,56 +67,104 @@ impl Layer {
     /// Layer `index` of the model `cfg` describes.
     fn new(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
-        let mut rotary = RotaryConfig::new(cfg.theta());
-        rotary.scaling = cfg.rope_scaling;
-        // SmolLM3's layers without rotary see positions only through the
-        // causal mask.
-        let position = if cfg.rotary_at(index) {
-            PositionEncoding::Rotary(rotary)
-        } else {
-            PositionEncoding::None
+        let norm = |name: &str| candle_nn::rms_norm(e, cfg.rms_norm_eps, vb.pp(name));
+        let norms = match cfg.norm_placement {
+            NormPlacement::Pre => Norms::Pre {
+                input_layernorm: norm("input_layernorm")?,
+                post_attention_layernorm: norm("post_attention_layernorm")?,
+            },
+            NormPlacement::Post => Norms::Post {
+                post_attention_layernorm: norm("post_attention_layernorm")?,
+                post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
+            },
         };
-        let mut mha = MhaConfig::new(e, cfg.num_attention_heads)
-            .with_bias(cfg.attention_bias)
-            .with_kv_heads(cfg.kv_heads())
-            .with_position(position);
-        if cfg.qkv_bias {
-            mha.qkv_bias = Some(true);
-        }
-        if let Some(hd) = cfg.head_dim {
-            mha = mha.with_head_dim(hd);
-        }
-        if cfg.qk_norm {
-            mha = mha.with_qk_norm(true);
-            mha.qk_norm_kind = NormKind::RmsNorm;
-            mha.qk_norm_eps = cfg.rms_norm_eps;
-        }
-        if let Some(w) = cfg.sliding_window {
-            mha = mha.with_sliding_window(w);
-        }
+        let self_attn = match cfg.qk_norm {
+            QkNorm::AllHeads => SelfAttention::Olmo2(Olmo2Attention::new(cfg, vb.pp("self_attn"))?),
+            QkNorm::None | QkNorm::PerHead => SelfAttention::Mha(mha(cfg, index, vb.pp("self_attn"))?),
+        };
         Ok(Self {
-            input_layernorm: candle_nn::rms_norm(e, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            self_attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::llama(), vb.pp("self_attn"))?,
-            post_attention_layernorm: candle_nn::rms_norm(
-                e,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
+            norms,
+            self_attn,
             mlp: mlp(cfg, vb.pp("mlp"))?,
         })
     }
 
     /// `(B, T, E)` → `(B, T, E)`, appending to `cache`.
     fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        // Each residual add is fused into its branch's output projection.
-        let opts = MhaOptions::new().with_residual(x.clone());
-        let x = self
-            .self_attn
-            .forward_cached(&self.input_layernorm.forward(x)?, cache, &opts)?
-            .output;
-        self.mlp
-            .forward_add(&self.post_attention_layernorm.forward(&x)?, &x)
+        match (&self.norms, &self.self_attn) {
+            (
+                Norms::Pre {
+                    input_layernorm,
+                    post_attention_layernorm,
+                },
+                SelfAttention::Mha(attn),
+            ) => {
+                // Each residual add is fused into its branch's output projection.
+                let opts = MhaOptions::new().with_residual(x.clone());
+                let x = attn
+                    .forward_cached(&input_layernorm.forward(x)?, cache, &opts)?
+                    .output;
+                self.mlp.forward_add(&post_attention_layernorm.forward(&x)?, &x)
+            }
+            (
+                Norms::Pre {
+                    input_layernorm,
+                    post_attention_layernorm,
+                },
+                SelfAttention::Olmo2(attn),
+            ) => {
+                let x = (x + attn.forward(&input_layernorm.forward(x)?, cache)?)?;
+                self.mlp.forward_add(&post_attention_layernorm.forward(&x)?, &x)
+            }
+            (
+                Norms::Post {
+                    post_attention_layernorm,
+                    post_feedforward_layernorm,
+                },
+                attn,
+            ) => {
+                let a = match attn {
+                    SelfAttention::Mha(attn) => attn.forward_cached(x, cache, &MhaOptions::new())?.output,
+                    SelfAttention::Olmo2(attn) => attn.forward(x, cache)?,
+                };
+                let x = (x + post_attention_layernorm.forward(&a)?)?;
+                &x + post_feedforward_layernorm.forward(&self.mlp.forward(&x)?)?
+            }
+        }
     }
+}
+
+/// `LlamaAttention` on [`MultiheadAttention`] for layer `index`, under
+/// `vb` = `self_attn`.
+fn mha(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAttention> {
+    let mut rotary = RotaryConfig::new(cfg.theta());
+    rotary.scaling = cfg.rope_scaling;
+    // SmolLM3's layers without rotary see positions only through the
+    // causal mask.
+    let position = if cfg.rotary_at(index) {
+        PositionEncoding::Rotary(rotary)
+    } else {
+        PositionEncoding::None
+    };
+    let mut mha = MhaConfig::new(cfg.hidden_size, cfg.num_attention_heads)
+        .with_bias(cfg.attention_bias)
+        .with_kv_heads(cfg.kv_heads())
+        .with_position(position);
+    if cfg.qkv_bias {
+        mha.qkv_bias = Some(true);
+    }
+    if let Some(hd) = cfg.head_dim {
+        mha = mha.with_head_dim(hd);
+    }
+    if cfg.qk_norm == QkNorm::PerHead {
+        mha = mha.with_qk_norm(true);
+        mha.qk_norm_kind = NormKind::RmsNorm;
+        mha.qk_norm_eps = cfg.rms_norm_eps;
+    }
+    if let Some(w) = cfg.sliding_window {
+        mha = mha.with_sliding_window(w);
+    }
+    MultiheadAttention::new_with_layout(&mha, &WeightLayout::llama(), vb)
 }
 
 /// Llama with its language-model head.

@@ -7,7 +7,7 @@ use multihead_attention::RopeScaling;
 
 use super::GGUF_ARCHITECTURES;
 use crate::checkpoint::GgufFile;
-use crate::decoder::config::LlamaConfig;
+use crate::decoder::config::{LlamaConfig, NormPlacement, QkNorm};
 
 /// A GGUF file's architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,7 +201,12 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         sliding_window,
         rope_scaling,
         qkv_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
-        qk_norm: arch == Arch::Qwen3 || has("blk.0.attn_q_norm.weight"),
+        qk_norm: if arch == Arch::Qwen3 || has("blk.0.attn_q_norm.weight") {
+            QkNorm::PerHead
+        } else {
+            QkNorm::None
+        },
+        norm_placement: NormPlacement::Pre,
         rotary_layers: Vec::new(),
     };
     if cfg.attention_bias {
