@@ -102,7 +102,7 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
         (r#"{"model_type": 3}"#.into(), "'model_type' must be a string"),
         (
             r#"{"model_type": "bert"}"#.into(),
-            "model_type 'bert' is not a decoder",
+            "model_type 'bert' is not a decoder this crate runs (gpt2, llama, mistral, qwen2, qwen3, smollm3, olmo2)",
         ),
         (
             r#"{"model_type": "gpt2", "n_embd": 64}"#.into(),
