@@ -373,7 +373,7 @@ impl HfGenerationConfig {
             }
         }
         let mut bos_token_id = id("tokenizer.ggml.bos_token_id")?;
-        if file.string("tokenizer.ggml.model")?.as_deref() == Some("llama") {
+        if file.string("tokenizer.ggml.model")? == Some("llama") {
             let tokens = file.strings("tokenizer.ggml.tokens")?.map_or(0, |t| t.len());
             if eos_token_ids.is_empty() && tokens > 2 {
                 eos_token_ids.push(2);
