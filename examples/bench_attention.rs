@@ -6,6 +6,7 @@
 //! cargo run --release --example bench_attention            # the table's shapes
 //! cargo run --release --example bench_attention -- --peak-rss 16384
 //! cargo run --release --example bench_attention -- --mask-memory
+//! cargo run --release --example bench_attention -- --softcap
 //! cargo run --release --example bench_attention -- --serve
 //! ```
 //!
@@ -16,6 +17,9 @@
 //! resident set, reset before the call, less the resident set before it:
 //! inputs and the mask tensor itself are not counted), beside the
 //! unmasked call's.
+//! `--softcap` times B1 N4096 H8 hd64 self-attention soft-capped at 50
+//! (Gemma 2's `attn_logit_softcapping`) beside the same uncapped, without a
+//! mask and causal, in alternating rounds, and prints the ratio.
 //! `--serve` answers `N WORK` requests on stdin with our path's median over
 //! `N` runs of the work (`support/serve.rs`), for the script to pair with
 //! PyTorch's.
@@ -279,6 +283,32 @@ const SDPA_CASES: [SdpaCase; 5] = [
 ];
 const MHA_CASE: (&str, (usize, usize, usize, usize)) = ("MHA B8 N197 D768 H12", (8, 197, 768, 12));
 
+/// `--softcap`: soft-capped against uncapped self-attention, unmasked and
+/// causal. Three alternating rounds of each, so that load from elsewhere
+/// falls on both; the median of each's round medians.
+fn softcap_ratio() -> Result<()> {
+    let dims = (1, 8, 4096, 4096, 64);
+    for causal in [false, true] {
+        let (q, k, v, mask) = sdpa_inputs(dims, causal)?;
+        let capped = mask.clone().with_softcap(50.);
+        let (mut plain, mut cap) = (vec![], vec![]);
+        for _ in 0..3 {
+            plain.push(median_ms(|| ours(&q, &k, &v, &mask))?);
+            cap.push(median_ms(|| ours(&q, &k, &v, &capped))?);
+        }
+        plain.sort_by(f64::total_cmp);
+        cap.sort_by(f64::total_cmp);
+        let (plain, cap) = (plain[1], cap[1]);
+        let work = format!("B1 N4096 H8 hd64{}", if causal { " causal" } else { "" });
+        println!(
+            r#"{{"work": "{work}", "uncapped_ms": {plain:.2}, "softcap50_ms": {cap:.2}, "ratio": {:.3}, "isa": "{}"}}"#,
+            cap / plain,
+            multihead::attention::cpu_isa()
+        );
+    }
+    Ok(())
+}
+
 /// `--serve`: our path on each of the table's works, on request.
 fn serve_works() -> Result<()> {
     let mut works: Vec<serve::Work> = Vec::new();
@@ -306,8 +336,11 @@ fn main() -> Result<()> {
             return mask_memory_case(case.parse().context("--mask-memory-case takes an index")?)
         }
         [flag] if flag == "--serve" => return serve_works(),
+        [flag] if flag == "--softcap" => return softcap_ratio(),
         [flag, text] if flag == "--only" => Some(text.as_str()),
-        _ => bail!("usage: bench_attention [--peak-rss N | --mask-memory | --only TEXT | --serve]"),
+        _ => {
+            bail!("usage: bench_attention [--peak-rss N | --mask-memory | --softcap | --only TEXT | --serve]")
+        }
     };
     let run = |work: &str| only.is_none_or(|text| work.contains(text));
     for (work, dims, causal) in SDPA_CASES {

@@ -22,8 +22,9 @@
 //!   inputs rounded to bf16);
 //! - `lanes.rs`: a vector type per instruction set (`ymm`, `zmm`, and
 //!   portable lanes the compiler vectorises), so that kernels are written
-//!   once over the vector width: `softmax.rs` (the online softmax and its
-//!   `exp`) and `direct.rs` (decode-sized attention products read in place);
+//!   once over the vector width: `softmax.rs` (the online softmax, its
+//!   `exp`, and the `tanh` of logit soft-capping) and `direct.rs`
+//!   (decode-sized attention products read in place);
 //! - `simd.rs`: row operations (masks, GELU, SiLU, LayerNorm rows) written
 //!   once as plain Rust and compiled for each instruction set;
 //! - `attention.rs`: the attention kernel's problem, masks and dispatch;
