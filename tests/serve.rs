@@ -622,3 +622,34 @@ fn mixed_traffic_of_bad_bodies_and_hang_ups_leaves_every_good_request_answered()
     );
     Ok(())
 }
+
+#[test]
+fn seeded_sampling_equals_generate_with_the_same_settings() -> Result<()> {
+    let folder = fixtures().join("llama3");
+    let g = TextGenerator::from_folder(&folder, &Device::Cpu)?;
+    // The server's defaults are the folder's; the request's fields override.
+    let base = g.settings().sampling.unwrap_or_default();
+    let settings = GenerationSettings {
+        max_new_tokens: 24,
+        sampling: Some(multihead::models::decoder::Sampling {
+            seed: 7,
+            temperature: 0.8,
+            top_k: base.top_k,
+            top_p: 0.9,
+        }),
+        ..g.settings()
+    };
+    let want = g.generate(PROMPTS[2], &settings, &mut |_| Ok(()))?;
+    let server = Server::start(&folder, &[])?;
+    let body = json!({"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0.8, "top_p": 0.9, "seed": 7});
+    let (status, _, got) = server.post("/v1/completions", &body)?;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["choices"][0]["text"], want.text.as_str());
+    // Another seed draws another text (the fixture's distribution is wide).
+    let (_, _, other) = server.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0.8, "top_p": 0.9, "seed": 8}),
+    )?;
+    assert_ne!(other["choices"][0]["text"], want.text.as_str());
+    Ok(())
+}

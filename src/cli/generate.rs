@@ -299,12 +299,7 @@ pub(super) fn prepare(args: &Args) -> Result<Prepared> {
     if args.greedy || args.temperature == Some(0.) {
         settings.sampling = None;
     } else if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
-        let base = settings.sampling.clone().unwrap_or(Sampling {
-            seed: 0,
-            temperature: 1.,
-            top_k: None,
-            top_p: 1.,
-        });
+        let base = settings.sampling.clone().unwrap_or_default();
         settings.sampling = Some(Sampling {
             seed: args.seed,
             temperature: args.temperature.unwrap_or(base.temperature),

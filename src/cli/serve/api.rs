@@ -402,12 +402,7 @@ impl Request {
         if self.temperature == Some(0.) {
             s.sampling = None;
         } else if self.temperature.is_some() || self.top_p.is_some() || self.top_k.is_some() {
-            let base = s.sampling.clone().unwrap_or(Sampling {
-                seed: 0,
-                temperature: 1.,
-                top_k: None,
-                top_p: 1.,
-            });
+            let base = s.sampling.clone().unwrap_or_default();
             s.sampling = Some(Sampling {
                 seed: 0,
                 temperature: self.temperature.unwrap_or(base.temperature),

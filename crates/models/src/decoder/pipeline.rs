@@ -56,6 +56,19 @@ pub struct Sampling {
     pub top_p: f32,
 }
 
+impl Default for Sampling {
+    /// Plain sampling from the model's distribution: temperature 1, every
+    /// token kept, seed 0.
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            temperature: 1.,
+            top_k: None,
+            top_p: 1.,
+        }
+    }
+}
+
 /// Why a continuation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
