@@ -54,7 +54,8 @@ pub struct MhaConfig {
     #[serde(default)]
     pub head_dim: Option<usize>,
     /// How qk-norm normalises (with `qk_norm`): timm's LayerNorm (default)
-    /// or an RMSNorm with a weight only (Qwen3, OLMo 2).
+    /// or an RMSNorm with a weight only, per head (Qwen3) or over all heads
+    /// at once (OLMo 2).
     #[serde(default)]
     pub qk_norm_kind: NormKind,
     /// Key/value heads (default `num_heads`): fewer is grouped-query
@@ -86,6 +87,10 @@ pub enum NormKind {
     LayerNorm,
     /// RMSNorm with a weight only (`Qwen3RMSNorm`).
     RmsNorm,
+    /// RMSNorm with a weight only over all heads' features of a token at
+    /// once, `heads * head_dim` wide (OLMo 2's `q_norm` and `k_norm`,
+    /// before its projections are split into heads).
+    RmsNormAllHeads,
 }
 
 /// How token positions enter the attention, beside any mask.

@@ -377,13 +377,24 @@ impl MultiheadAttention {
 pub(crate) enum HeadNorm {
     Layer(LayerNorm),
     Rms(candle_nn::RmsNorm),
+    /// Over all heads of a token at once ([`crate::NormKind::RmsNormAllHeads`]).
+    RmsAllHeads(candle_nn::RmsNorm),
 }
 
 impl Module for HeadNorm {
+    /// `(B, H, T, hd)` heads, normalised.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
             HeadNorm::Layer(n) => n.forward(xs),
             HeadNorm::Rms(n) => n.forward(xs),
+            HeadNorm::RmsAllHeads(n) => {
+                let (b, h, t, hd) = xs.dims4()?;
+                let tokens = xs.transpose(1, 2)?.reshape((b, t, h * hd))?;
+                n.forward(&tokens)?
+                    .reshape((b, t, h, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            }
         }
     }
 }

@@ -152,14 +152,17 @@ impl MultiheadAttention {
             None
         };
         let qk_norm = if cfg.qk_norm {
-            let norm = |name: &str| -> Result<HeadNorm> {
+            let norm = |name: &str, heads: usize| -> Result<HeadNorm> {
                 let (hd, eps, vb) = (cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
                 Ok(match cfg.qk_norm_kind {
                     NormKind::LayerNorm => HeadNorm::Layer(LayerNorm::new(hd, eps, vb)?),
                     NormKind::RmsNorm => HeadNorm::Rms(candle_nn::rms_norm(hd, eps, vb)?),
+                    NormKind::RmsNormAllHeads => {
+                        HeadNorm::RmsAllHeads(candle_nn::rms_norm(heads * hd, eps, vb)?)
+                    }
                 })
             };
-            Some((norm("q_norm")?, norm("k_norm")?))
+            Some((norm("q_norm", cfg.num_heads)?, norm("k_norm", cfg.kv_heads())?))
         } else {
             None
         };

@@ -14,7 +14,6 @@ use multihead_attention::{
 };
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, QkNorm};
-use super::olmo2_attention::Olmo2Attention;
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
 use crate::mlp::Mlp;
@@ -27,16 +26,6 @@ fn mlp(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Mlp> {
     let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
     let down = PackedLinear::from_linear(linear_b(i, e, bias, vb.pp("down_proj"))?)?;
     Mlp::swiglu(gate, up, down)
-}
-
-/// A block's self-attention: [`MultiheadAttention`], or OLMo 2's, whose
-/// q/k norms span all heads.
-// One per layer, built once: the variants' sizes do not matter.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug, Clone)]
-enum SelfAttention {
-    Mha(MultiheadAttention),
-    Olmo2(Olmo2Attention),
 }
 
 /// A block's RMSNorms, by where they sit ([`NormPlacement`]).
@@ -59,7 +48,7 @@ enum Norms {
 #[derive(Debug, Clone)]
 struct Layer {
     norms: Norms,
-    self_attn: SelfAttention,
+    self_attn: MultiheadAttention,
     mlp: Mlp,
 }
 
@@ -78,55 +67,36 @@ impl Layer {
                 post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
             },
         };
-        let self_attn = match cfg.qk_norm {
-            QkNorm::AllHeads => SelfAttention::Olmo2(Olmo2Attention::new(cfg, vb.pp("self_attn"))?),
-            QkNorm::None | QkNorm::PerHead => SelfAttention::Mha(mha(cfg, index, vb.pp("self_attn"))?),
-        };
         Ok(Self {
             norms,
-            self_attn,
+            self_attn: mha(cfg, index, vb.pp("self_attn"))?,
             mlp: mlp(cfg, vb.pp("mlp"))?,
         })
     }
 
     /// `(B, T, E)` → `(B, T, E)`, appending to `cache`.
     fn forward(&self, x: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        match (&self.norms, &self.self_attn) {
-            (
-                Norms::Pre {
-                    input_layernorm,
-                    post_attention_layernorm,
-                },
-                SelfAttention::Mha(attn),
-            ) => {
+        match &self.norms {
+            Norms::Pre {
+                input_layernorm,
+                post_attention_layernorm,
+            } => {
                 // Each residual add is fused into its branch's output projection.
                 let opts = MhaOptions::new().with_residual(x.clone());
-                let x = attn
+                let x = self
+                    .self_attn
                     .forward_cached(&input_layernorm.forward(x)?, cache, &opts)?
                     .output;
                 self.mlp.forward_add(&post_attention_layernorm.forward(&x)?, &x)
             }
-            (
-                Norms::Pre {
-                    input_layernorm,
-                    post_attention_layernorm,
-                },
-                SelfAttention::Olmo2(attn),
-            ) => {
-                let x = (x + attn.forward(&input_layernorm.forward(x)?, cache)?)?;
-                self.mlp.forward_add(&post_attention_layernorm.forward(&x)?, &x)
-            }
-            (
-                Norms::Post {
-                    post_attention_layernorm,
-                    post_feedforward_layernorm,
-                },
-                attn,
-            ) => {
-                let a = match attn {
-                    SelfAttention::Mha(attn) => attn.forward_cached(x, cache, &MhaOptions::new())?.output,
-                    SelfAttention::Olmo2(attn) => attn.forward(x, cache)?,
-                };
+            Norms::Post {
+                post_attention_layernorm,
+                post_feedforward_layernorm,
+            } => {
+                let a = self
+                    .self_attn
+                    .forward_cached(x, cache, &MhaOptions::new())?
+                    .output;
                 let x = (x + post_attention_layernorm.forward(&a)?)?;
                 &x + post_feedforward_layernorm.forward(&self.mlp.forward(&x)?)?
             }
@@ -156,9 +126,14 @@ fn mha(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAtten
     if let Some(hd) = cfg.head_dim {
         mha = mha.with_head_dim(hd);
     }
-    if cfg.qk_norm == QkNorm::PerHead {
+    let qk_norm = match cfg.qk_norm {
+        QkNorm::None => None,
+        QkNorm::PerHead => Some(NormKind::RmsNorm),
+        QkNorm::AllHeads => Some(NormKind::RmsNormAllHeads),
+    };
+    if let Some(kind) = qk_norm {
         mha = mha.with_qk_norm(true);
-        mha.qk_norm_kind = NormKind::RmsNorm;
+        mha.qk_norm_kind = kind;
         mha.qk_norm_eps = cfg.rms_norm_eps;
     }
     if let Some(w) = cfg.sliding_window {

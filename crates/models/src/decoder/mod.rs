@@ -33,7 +33,6 @@ mod gguf;
 mod gpt2;
 mod jinja_py;
 mod llama;
-mod olmo2_attention;
 mod pipeline;
 mod prompts;
 mod text;
