@@ -22,10 +22,9 @@ use std::sync::{mpsc, Arc};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::StatusCode;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -170,7 +169,6 @@ pub fn run(args: Args) -> Result<()> {
         .route("/models", get(models))
         .route("/health", get(health))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shared);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -235,14 +233,14 @@ async fn wait_signal() {
     }
 }
 
-async fn chat(State(shared): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
-    complete(shared, body, Endpoint::Chat)
+async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    complete(shared, &headers, body, Endpoint::Chat)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn completions(State(shared): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
-    complete(shared, body, Endpoint::Text)
+async fn completions(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Body) -> Response {
+    complete(shared, &headers, body, Endpoint::Text)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
@@ -274,10 +272,11 @@ async fn not_found() -> ApiError {
 /// A completion request, from its body to its reply.
 async fn complete(
     shared: Arc<Shared>,
-    body: Result<Bytes, BytesRejection>,
+    headers: &HeaderMap,
+    body: Body,
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
-    let body = body.map_err(|r| ApiError::with_status(r.status(), r.body_text()))?;
+    let body = read_body(headers, body).await?;
     let admission = Admission::take(&shared)?;
     let mut request = match endpoint {
         Endpoint::Chat => Request::chat(&body)?,
@@ -346,6 +345,30 @@ async fn complete(
     } else {
         reply.whole(events).await
     }
+}
+
+/// The body, at most [`MAX_BODY_BYTES`]: one that announces more is
+/// refused from its `Content-Length` before any of it is read (a client
+/// that sent `Expect: 100-continue`, as curl does for a large body, gets
+/// the 413 without sending it), one that turns out longer once past the
+/// limit.
+async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let too_large = || {
+        ApiError::with_status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is over the limit of {MAX_BODY_BYTES} bytes"),
+        )
+    };
+    let announced = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|_| too_large())
 }
 
 /// The prompt's ids: the conversation rendered with the chat template (the
