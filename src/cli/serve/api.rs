@@ -132,11 +132,10 @@ pub(super) enum Prompt {
     Ids(Vec<u32>),
 }
 
-/// A request, read: the prompt, how it is answered and the generation
+/// A request, read (its prompt apart): how it is answered and the generation
 /// fields it sets.
 #[derive(Debug)]
 pub(super) struct Request {
-    pub prompt: Prompt,
     /// Echoed, not matched: one model a server.
     pub model: String,
     pub stream: bool,
@@ -156,7 +155,7 @@ pub(super) struct Request {
 
 impl Request {
     /// `/v1/chat/completions`' body.
-    pub(super) fn chat(body: &[u8]) -> Result<Self, ApiError> {
+    pub(super) fn chat(body: &[u8]) -> Result<(Prompt, Self), ApiError> {
         let obj = object(body)?;
         let Some(list) = obj.get("messages").and_then(Value::as_array) else {
             return Err(ApiError::invalid(
@@ -195,11 +194,11 @@ impl Request {
         if obj.get("logprobs").and_then(Value::as_bool) == Some(true) {
             return Err(ApiError::invalid(Some("logprobs"), "logprobs are not supported"));
         }
-        Self::common(&obj, Prompt::Chat { messages, args })
+        Ok((Prompt::Chat { messages, args }, Self::common(&obj)?))
     }
 
     /// `/v1/completions`' body.
-    pub(super) fn completion(body: &[u8]) -> Result<Self, ApiError> {
+    pub(super) fn completion(body: &[u8]) -> Result<(Prompt, Self), ApiError> {
         let obj = object(body)?;
         let one = "'prompt' must be a string, a list of one string, or a list of token ids";
         let prompt = match obj.get("prompt") {
@@ -239,11 +238,11 @@ impl Request {
                 ))
             }
         }
-        Self::common(&obj, prompt)
+        Ok((prompt, Self::common(&obj)?))
     }
 
     /// The fields both endpoints share.
-    fn common(obj: &Map<String, Value>, prompt: Prompt) -> Result<Self, ApiError> {
+    fn common(obj: &Map<String, Value>) -> Result<Self, ApiError> {
         let model = match obj.get("model") {
             Some(Value::String(s)) => s.clone(),
             _ => String::new(),
@@ -362,7 +361,6 @@ impl Request {
             ));
         }
         Ok(Self {
-            prompt,
             model,
             stream,
             include_usage,

@@ -278,7 +278,7 @@ async fn complete(
 ) -> Result<Response, ApiError> {
     let body = read_body(headers, body).await?;
     let admission = Admission::take(&shared)?;
-    let mut request = match endpoint {
+    let (prompt, request) = match endpoint {
         Endpoint::Chat => Request::chat(&body)?,
         Endpoint::Text => Request::completion(&body)?,
     };
@@ -286,7 +286,6 @@ async fn complete(
         Endpoint::Chat => "messages",
         Endpoint::Text => "prompt",
     };
-    let prompt = std::mem::replace(&mut request.prompt, Prompt::Ids(Vec::new()));
     let prompt_ids = prompt_ids(&shared, prompt, prompt_param).await?;
     let n = prompt_ids.len();
     let vocab = CausalLm::vocab_size(shared.generator.model());
@@ -379,33 +378,38 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
 /// failure is the request's (a template that raises, a text the tokenizer
 /// refuses).
 async fn prompt_ids(shared: &Arc<Shared>, prompt: Prompt, param: &'static str) -> Result<Vec<u32>, ApiError> {
-    if let Prompt::Ids(ids) = prompt {
-        return check_not_empty(ids, param);
-    }
-    let Ok(_permit) = shared.readers.acquire().await else {
-        return Err(ApiError::server("the server is stopping"));
+    // Held until the text is read: ids given as such need no reading.
+    let _permit = match prompt {
+        Prompt::Ids(_) => None,
+        _ => Some(
+            shared
+                .readers
+                .acquire()
+                .await
+                .map_err(|_| ApiError::server("the server is stopping"))?,
+        ),
     };
     let generator = Arc::clone(&shared.generator);
-    let mut args = shared.template_args.clone();
-    let work = tokio::task::spawn_blocking(move || {
-        let context = generator.context();
-        match prompt {
-            Prompt::Chat {
-                messages,
-                args: asked,
-            } => {
+    let context = generator.context();
+    let work = match prompt {
+        Prompt::Ids(ids) => return check_not_empty(ids, param),
+        Prompt::Chat {
+            messages,
+            args: asked,
+        } => {
+            let mut args = shared.template_args.clone();
+            args.extend(asked);
+            tokio::task::spawn_blocking(move || {
                 let texts: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
                 past_context(&generator, &texts, context)?;
-                args.extend(asked);
                 generator.chat_prompt_ids(&messages, &args)
-            }
-            Prompt::Text(text) => {
-                past_context(&generator, &[&text], context)?;
-                generator.tokenizer().encode(&text)
-            }
-            Prompt::Ids(ids) => Ok(ids),
+            })
         }
-    });
+        Prompt::Text(text) => tokio::task::spawn_blocking(move || {
+            past_context(&generator, &[&text], context)?;
+            generator.tokenizer().encode(&text)
+        }),
+    };
     match work.await {
         Ok(Ok(ids)) => check_not_empty(ids, param),
         Ok(Err(e)) => Err(ApiError::invalid(Some(param), e.to_string())),

@@ -345,11 +345,8 @@ impl<'g> Batcher<'g> {
         if keep.iter().all(|&k| k) {
             return Ok(());
         }
-        let mut i = 0;
-        self.active.retain(|_| {
-            i += 1;
-            keep[i - 1]
-        });
+        let mut kept = keep.iter();
+        self.active.retain(|_| kept.next().copied().unwrap_or(true));
         self.keep_rows_of(keep)
     }
 
