@@ -17,6 +17,19 @@ Everything lands in tests/fixtures/gguf/:
   a JSON string in the metadata under "case": the prompts with HF's ids,
   decoded text and greedy continuation (ending at the file's end tokens),
   the end tokens, each file's tensor types, and the versions.
+* `llama256-{type}.gguf`: a Llama wide enough for the k-quants (rows of
+  256), converted to f32 by the converter (not kept) and quantized by
+  llama.cpp's own `llama-quantize` (q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m,
+  q2_k: llama.cpp's mixes, each picking its types per tensor).
+* `expected-quantized.safetensors`: as `expected.safetensors` for those
+  files (`llama256.input_ids`, `llama256.{type}.logits`), kept apart so that
+  the first file stays as it was. gguf-py cannot make a k-quant, so the
+  oracle reads the weights back instead: HF's model with every weight
+  replaced by gguf-py's `dequantize` of the tensor the file stores (q and k
+  un-permuted), computed in float32. Each prompt's greedy continuation is
+  given for the float32 model (`greedy`) and for each file's weights
+  (`greedy_by_type`), with each step's top-2 margin: a small one is a step
+  that quantized activations may flip.
 
 The models:
 
@@ -27,6 +40,13 @@ The models:
   `output.weight`), not permuted; Qwen2's pre-tokenizer and NFC (`qwen2`).
 * `qwen3`: arch `qwen3`, q/k RMSNorms, head_dim 16 with hidden 32 and 4
   heads (`attention.key_length`); Llama 3's pre-tokenizer (`llama-bpe`).
+* `llama256`: arch `llama`, hidden and intermediate 256 (every matrix's
+  rows a whole number of 256-element super-blocks), one layer (six files
+  of two layers would be 3.6 MB), 4 query heads sharing 2 kv heads, no
+  biases, rope_theta 10000, untied, GPT-2's pre-tokenizer. Weights at
+  initializer_range 0.05: a random net this wide moves its logits by a
+  share of their size that grows with the init under 4-bit weights (q4_k_m:
+  0.2 at 0.05, 0.4 at 0.1, 0.7 at 0.2, max |diff| / max |logit|).
 
 The tokenizer is tests/fixtures/text/llama3's (384 tokens, 5 special ones)
 with the pre-tokenizer each model's tokenizer has. The converter recognises
@@ -35,20 +55,25 @@ cannot match: `get_vocab_base_pre` is replaced by the name the pre-tokenizer
 has in llama.cpp (`src/llama-vocab.cpp`), nothing else.
 
 Each model's seed is the first whose greedy steps all beat the runner-up by
-MIN_MARGIN, so that 1e-5 differences cannot flip a token.
+MIN_MARGIN, so that 1e-5 differences cannot flip a token (llama256: its
+float32 model's steps; its quantized files' margins are only recorded).
 
 Needs the venv of scripts/requirements.txt and llama.cpp's source (its
 `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`; e.g. the
-llama-cpp-python sdist's vendor/llama.cpp); offline, a few seconds:
+llama-cpp-python sdist's vendor/llama.cpp) with `llama-quantize` built
+(`cmake --build build --target llama-quantize`); offline, under a minute:
 
-    .venv-ref/bin/python scripts/make_gguf_fixtures.py --llama-cpp PATH/TO/llama.cpp
+    .venv-ref/bin/python scripts/make_gguf_fixtures.py --llama-cpp PATH/TO/llama.cpp \
+        [--llama-quantize PATH/TO/llama-quantize]
 """
 
 import argparse
 import copy
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -125,11 +150,27 @@ def qwen3_config():
     )
 
 
+def llama256_config():
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+        mlp_bias=False, initializer_range=0.05, bos_token_id=0, eos_token_id=[1, 4],
+        pad_token_id=None, attn_implementation="eager",
+    )
+
+
 # name: (config, class, llama.cpp pre-tokenizer, GGUF types)
 MODELS = {
     "llama": (llama_config, LlamaForCausalLM, "gpt-2", ["f32", "f16", "bf16", "q8_0"]),
     "qwen2": (qwen2_config, Qwen2ForCausalLM, "qwen2", ["f32", "q8_0"]),
     "qwen3": (qwen3_config, Qwen3ForCausalLM, "llama-bpe", ["f32", "bf16"]),
+}
+
+# name: (config, class, llama.cpp pre-tokenizer, llama-quantize types): each
+# file quantized by llama-quantize from the converter's f32 one.
+QUANTIZED = {
+    "llama256": (llama256_config, LlamaForCausalLM, "gpt-2", ["q4_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k"]),
 }
 
 # HF parameter names to the converter's (gguf-py's tensor map for these archs).
@@ -223,6 +264,13 @@ def randomize_norms_and_biases(model):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
 
 
+def config_summary(model):
+    return {k: v for k, v in model.config.to_dict().items()
+            if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings",
+                     "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters")}
+
+
 def margins(logits):
     top2 = logits.topk(2, dim=-1).values
     return top2[..., 0] - top2[..., 1]
@@ -288,8 +336,11 @@ def eos_ids(fields):
     return ids
 
 
-def build(name, llama_cpp, tmp):
-    make_config, cls, pre, types = MODELS[name]
+def sample(name, make_config, cls, pre, tmp):
+    """The first seed's model whose greedy steps all clear MIN_MARGIN, saved with its tokenizer.
+
+    Returns (folder, tokenizer, prompts, input_ids, model, its logits, seed, seeds rejected).
+    """
     folder = os.path.join(tmp, name)
     os.makedirs(folder)
     write_tokenizer(folder, pre)
@@ -325,6 +376,33 @@ def build(name, llama_cpp, tmp):
         sys.exit(f"{name}: no seed in {SEEDS} gives a margin >= {MIN_MARGIN}: {tried}")
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
+    return folder, tokenizer, prompts, input_ids, model, logits, seed, tried
+
+
+def greedy(model, tokenizer, ids, eos, steps=False):
+    """HF's greedy continuation of `ids` (1, T), ending at the end tokens `eos`.
+
+    With `steps`, also each step's top-2 margin (`margins`).
+    """
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                             do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=eos[0],
+                             output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    finish = "eos" if new and new[-1] in eos else "length"
+    if finish == "eos":
+        new = new[:-1]
+    step_margins = margins(torch.stack(out.logits, 1))[0]
+    result = {"ids": new, "text": tokenizer.decode(new, skip_special_tokens=True), "finish": finish,
+              "min_margin": step_margins.min().item()}
+    if steps:
+        result["margins"] = step_margins.tolist()
+    return result
+
+
+def build(name, llama_cpp, tmp):
+    make_config, cls, pre, types = MODELS[name]
+    folder, tokenizer, prompts, input_ids, model, logits, seed, tried = sample(name, make_config, cls, pre, tmp)
 
     tensors_out = {f"{name}.input_ids": input_ids.int()}
     files = {}
@@ -354,25 +432,12 @@ def build(name, llama_cpp, tmp):
 
     # HF's greedy continuation of each prompt, ending at the file's end tokens.
     for p in prompts:
-        ids = torch.tensor([p["ids"]])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=eos[0],
-                                 output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[0, ids.shape[1]:].tolist()
-        finish = "eos" if new and new[-1] in eos else "length"
-        if finish == "eos":
-            new = new[:-1]
-        p["greedy"] = {"ids": new, "text": tokenizer.decode(new, skip_special_tokens=True), "finish": finish,
-                       "min_margin": margins(torch.stack(out.logits, 1)).min().item()}
+        p["greedy"] = greedy(model, tokenizer, torch.tensor([p["ids"]]), eos)
         assert p["greedy"]["min_margin"] >= MIN_MARGIN, (name, p)
 
     case = {
         "model": cls.__name__,
-        "config": {k: v for k, v in model.config.to_dict().items()
-                   if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                            "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                            "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters")},
+        "config": config_summary(model),
         "seed": seed,
         "init": "config initializer_range 0.2; then every bias ~ 0.1*N(0,1), every norm weight ~ 1+0.2*N(0,1)",
         "pre_tokenizer": pre,
@@ -391,39 +456,162 @@ def build(name, llama_cpp, tmp):
     return tensors_out, case
 
 
+def llama_quantize(exe, src, dst, qtype):
+    """`llama-quantize src dst QTYPE 1` (one thread); returns the version it prints."""
+    out = subprocess.run([exe, src, dst, qtype.upper(), "1"], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{exe} {qtype} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    version = re.search(r"^version: (.+)$", out.stdout + out.stderr, re.M)
+    return version.group(1).strip() if version else "unknown"
+
+
+def unpermute(w, n_head):
+    """Undoes the converter's `LlamaModel.permute(w, _, n_head)` of q or k rows (conversion/llama.py)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stored_model(model, tensors):
+    """A copy of `model` with each weight gguf-py's `dequantize` of the tensor the file stores.
+
+    q and k are un-permuted back to HF's row order (blocks run along a row, and
+    the permutation moves whole rows, so this is exact).
+    """
+    import gguf
+
+    cfg = model.config
+    out = copy.deepcopy(model)
+    kinds, by_name = {}, {}
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            kind, t = tensors[gguf_name(name)]
+            kinds[kind] = kinds.get(kind, 0) + 1
+            by_name[gguf_name(name)] = kind
+            w = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+            w = w.reshape(tuple(p.shape))
+            if name.endswith("self_attn.q_proj.weight"):
+                w = unpermute(w, cfg.num_attention_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                w = unpermute(w, cfg.num_key_value_heads)
+            p.copy_(torch.from_numpy(np.ascontiguousarray(w)))
+    return out, kinds, dict(sorted(by_name.items()))
+
+
+def build_quantized(name, llama_cpp, quantize_exe, tmp):
+    make_config, cls, pre, types = QUANTIZED[name]
+    folder, tokenizer, prompts, input_ids, model, logits, seed, tried = sample(name, make_config, cls, pre, tmp)
+
+    f32 = os.path.join(tmp, f"{name}-f32.gguf")
+    convert(llama_cpp, folder, "f32", f32, pre)
+    tensors, fields = read_gguf(f32)
+    assert fields["general.architecture"] == "llama", fields["general.architecture"]
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == pre
+    params = {gguf_name(n) for n, _ in model.named_parameters()}
+    assert set(tensors) == params, sorted(set(tensors) ^ params)
+    # Read back from the f32 file, every weight is HF's: the un-permutation
+    # is the converter's permutation undone.
+    back, _, _ = stored_model(model, tensors)
+    for (n, a), (_, b) in zip(model.named_parameters(), back.named_parameters()):
+        assert torch.equal(a, b), n
+    eos = eos_ids(fields)
+
+    for p in prompts:
+        p["greedy"] = greedy(model, tokenizer, torch.tensor([p["ids"]]), eos, steps=True)
+        assert p["greedy"]["min_margin"] >= MIN_MARGIN, (name, p)
+        p["greedy_by_type"] = {}
+
+    tensors_out = {f"{name}.input_ids": input_ids.int()}
+    files = {}
+    version = None
+    for qtype in types:
+        path = os.path.join(tmp, f"{name}-{qtype}.gguf")
+        version = llama_quantize(quantize_exe, f32, path, qtype)
+        tensors, qfields = read_gguf(path)
+        assert set(tensors) == params, sorted(set(tensors) ^ params)
+        assert eos_ids(qfields) == eos
+        stored, kinds, by_name = stored_model(model, tensors)
+        with torch.no_grad():
+            tensors_out[f"{name}.{qtype}.logits"] = stored(input_ids).logits.float()
+        files[qtype] = {"file": os.path.basename(path), "bytes": os.path.getsize(path),
+                        "file_type": int(qfields["general.file_type"]), "tensor_types": kinds,
+                        "tensor_type_of": by_name,
+                        "max_rel_error_vs_f32": (
+                            (tensors_out[f"{name}.{qtype}.logits"] - logits).abs().max()
+                            / logits.abs().max()).item()}
+        for p in prompts:
+            p["greedy_by_type"][qtype] = greedy(stored, tokenizer, torch.tensor([p["ids"]]), eos, steps=True)
+    os.remove(f32)
+
+    case = {
+        "model": cls.__name__,
+        "config": {**config_summary(model), "initializer_range": model.config.initializer_range},
+        "seed": seed,
+        "init": "config initializer_range; then every norm weight ~ 1+0.2*N(0,1) (no biases)",
+        "pre_tokenizer": pre,
+        "eos_token_ids": eos,
+        "files": files,
+        "llama_quantize": f"llama-quantize F32_FILE OUT TYPE 1 (no imatrix), version {version}",
+        "prompts": prompts,
+        "input_ids": "prompts[1]'s ids",
+        "logits": "{name}.{type}.logits: HF's model(input_ids).logits with every weight replaced by gguf-py's "
+                  "dequantize of the tensor the file stores (q/k un-permuted), computed in float32",
+        "greedy": "generate(ids, max_new_tokens=%d, do_sample=False, eos_token_id=eos_token_ids): the new ids, "
+                  "the end token dropped, decoded with skip_special_tokens, each step's top-2 margin; greedy: the "
+                  "float32 model's, greedy_by_type: each file's weights'" % MAX_NEW,
+    }
+    if tried:
+        case["seeds_rejected"] = tried
+    return tensors_out, case
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
                         help="llama.cpp's source tree (convert_hf_to_gguf.py, conversion/, gguf-py/)")
+    parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary "
+                        "(default: LLAMA_CPP/build/bin/llama-quantize)")
     args = parser.parse_args()
     if not args.llama_cpp or not os.path.isfile(os.path.join(args.llama_cpp, "convert_hf_to_gguf.py")):
         sys.exit("--llama-cpp (or LLAMA_CPP_DIR) must name llama.cpp's source tree")
     llama_cpp = os.path.abspath(args.llama_cpp)
+    quantize_exe = os.path.abspath(args.llama_quantize or os.path.join(llama_cpp, "build", "bin", "llama-quantize"))
+    if not os.access(quantize_exe, os.X_OK):
+        sys.exit(f"no llama-quantize at {quantize_exe}: build it (cmake --build build --target llama-quantize) "
+                 "or name it with --llama-quantize")
     sys.path.insert(0, llama_cpp)
     sys.path.insert(1, os.path.join(llama_cpp, "gguf-py"))
 
     parent = os.path.dirname(os.path.abspath(OUT))
     tmp = tempfile.mkdtemp(prefix=".gguf-", dir=parent)
     try:
-        tensors, cases = {}, {}
-        for name in MODELS:
-            t, case = build(name, llama_cpp, tmp)
-            tensors.update(t)
-            cases[name] = case
-        out = os.path.join(tmp, "out")
-        os.makedirs(out)
-        for name, case in cases.items():
-            for f in case["files"].values():
-                shutil.move(os.path.join(tmp, f["file"]), os.path.join(out, f["file"]))
         import gguf
 
-        meta = {"models": cases, "torch": torch.__version__, "transformers": transformers.__version__,
-                "gguf_py": getattr(gguf, "__version__", "vendored")}
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()},
-                  os.path.join(out, "expected.safetensors"), metadata={"case": json.dumps(meta, ensure_ascii=False)})
-        shutil.rmtree(OUT, ignore_errors=True)
-        shutil.move(out, OUT)
-        for name, case in cases.items():
+        versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                    "gguf_py": getattr(gguf, "__version__", "vendored")}
+        out = os.path.join(tmp, "out")
+        os.makedirs(out)
+        # (expected file, models, builder)
+        groups = [("expected.safetensors", MODELS, lambda name: build(name, llama_cpp, tmp)),
+                  ("expected-quantized.safetensors", QUANTIZED,
+                   lambda name: build_quantized(name, llama_cpp, quantize_exe, tmp))]
+        all_cases = {}
+        for expected, models, make in groups:
+            tensors, cases = {}, {}
+            for name in models:
+                t, case = make(name)
+                tensors.update(t)
+                cases[name] = case
+            for name, case in cases.items():
+                for f in case["files"].values():
+                    shutil.move(os.path.join(tmp, f["file"]), os.path.join(out, f["file"]))
+            meta = {"models": cases, **versions}
+            save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                      os.path.join(out, expected), metadata={"case": json.dumps(meta, ensure_ascii=False)})
+            all_cases.update(cases)
+        # Only the files made here are replaced: README.md and vocab/ stay.
+        os.makedirs(OUT, exist_ok=True)
+        for f in sorted(os.listdir(out)):
+            os.replace(os.path.join(out, f), os.path.join(OUT, f))
+        for name, case in all_cases.items():
             for t, f in case["files"].items():
                 print(f"{name} {t}: {f['bytes']} bytes, {f['tensor_types']}, "
                       f"max rel error vs f32 {f['max_rel_error_vs_f32']:.2e}")
