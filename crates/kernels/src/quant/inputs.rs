@@ -1,0 +1,92 @@
+//! The inputs of a block-quantized product, quantized once per call as
+//! ggml quantizes them for its dot products (`block_q8_K` for the
+//! k-quants, `block_q8_0`/`q8_1` for the others): per block of the
+//! weight's size, a scale `dx = max|x| / 127` (f32) and the values
+//! `q = round(x / dx)` (ties away from zero, `i8`), and the sum of every
+//! 16 values (ggml's `bsums`), which the formats' mins multiply.
+
+/// `m` rows of `k` inputs quantized in blocks of `block` (32 or 256).
+#[derive(Debug)]
+pub(crate) struct QuantizedInputs {
+    pub(crate) q: Vec<i8>,
+    /// Per row and block.
+    pub(crate) d: Vec<f32>,
+    /// Per row and 16 values.
+    pub(crate) sums: Vec<i16>,
+    pub(crate) k: usize,
+    pub(crate) block: usize,
+}
+
+impl QuantizedInputs {
+    /// Row `r`'s values, scales and sums.
+    pub(crate) fn row(&self, r: usize) -> (&[i8], &[f32], &[i16]) {
+        let (k, nb) = (self.k, self.k / self.block);
+        (
+            &self.q[r * k..][..k],
+            &self.d[r * nb..][..nb],
+            &self.sums[r * k / 16..][..k / 16],
+        )
+    }
+}
+
+/// One block of `x` into `q` and `sums`; returns its scale. A block
+/// holding NaN or infinity gets that scale (NaN) and zeros, so the
+/// outputs it reaches are NaN, as in ggml; an all-zero block scale 0.
+fn quantize_block(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let amax = if x.iter().any(|v| !v.is_finite()) {
+        f32::NAN
+    } else {
+        amax
+    };
+    let d = amax / 127.;
+    let id = if d != 0. { 1. / d } else { 0. };
+    if !(d.is_finite() && id.is_finite()) {
+        q.fill(0);
+        sums.fill(0);
+        return if d.is_finite() { 0. } else { f32::NAN };
+    }
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = (v * id).round() as i8;
+    }
+    for (s, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
+        *s = q.iter().map(|&v| i16::from(v)).sum();
+    }
+    d
+}
+
+/// `x`'s `m` rows of `k` values (`k` a multiple of `block`, itself of 16)
+/// quantized, in parallel over rows where they are many.
+pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> QuantizedInputs {
+    use rayon::prelude::*;
+    let nb = k / block;
+    let mut out = QuantizedInputs {
+        q: vec![0; m * k],
+        d: vec![0.; m * nb],
+        sums: vec![0; m * k / 16],
+        k,
+        block,
+    };
+    type Row<'a> = ((&'a mut [i8], &'a mut [f32]), (&'a mut [i16], &'a [f32]));
+    let one_row = |((q, d), (sums, x)): Row| {
+        for (((q, d), sums), x) in q
+            .chunks_exact_mut(block)
+            .zip(d.iter_mut())
+            .zip(sums.chunks_exact_mut(block / 16))
+            .zip(x.chunks_exact(block))
+        {
+            *d = quantize_block(x, q, sums);
+        }
+    };
+    let rows = out
+        .q
+        .chunks_exact_mut(k)
+        .zip(out.d.chunks_exact_mut(nb))
+        .zip(out.sums.chunks_exact_mut(k / 16).zip(x.chunks_exact(k)));
+    if m * k >= 1 << 15 {
+        rows.collect::<Vec<_>>().into_par_iter().for_each(one_row);
+    } else {
+        rows.for_each(one_row);
+    }
+    out
+}

@@ -1,0 +1,221 @@
+//! Linear layers over weights in ggml's block formats (Q4_0 … Q6_K) as a
+//! GGUF file stores them: each output feature's row of blocks kept as its
+//! bytes, never widened, and multiplied by inputs quantized per block
+//! (`inputs.rs`) in the integer form of `format.rs`, as ggml's
+//! `ggml_vec_dot_*` do.
+//!
+//! A call quantizes its input rows once, then cuts the output features
+//! into tasks over the pool; a task takes its features one at a time and
+//! unpacks each block of the feature's row once for up to 8 input rows
+//! (`avx2.rs`, `portable.rs`), so that a prefill's rows share the
+//! unpacking and a decode step reads every weight byte once.
+//!
+//! Unlike Q8_0's kernels (`q8.rs`), the vector and portable code add the
+//! same integer sums in other orders of f32 operations: they agree within
+//! float rounding, not bit for bit.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod format;
+mod inputs;
+mod portable;
+#[cfg(test)]
+mod tests;
+
+use candle::{bail, Result};
+use rayon::prelude::*;
+
+pub use format::{dequantize_row, BlockFormat};
+use inputs::{quantize_inputs, QuantizedInputs};
+
+use crate::isa::Isa;
+use crate::pool::{par_for, SyncPtr};
+
+/// Output features a task takes.
+const TASK_FEATURES: usize = 16;
+
+/// The code a weight's products run with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Kernel {
+    fn for_isa(isa: Isa) -> Kernel {
+        match isa.min(crate::isa::current()) {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => Kernel::Avx2,
+            _ => Kernel::Portable,
+        }
+    }
+}
+
+/// A weight `(n, k)` in one block format: `n` rows of `k / block`
+/// blocks, the bytes a GGUF file holds for it, and its bias in f32.
+pub(crate) struct BlockWeight {
+    format: BlockFormat,
+    data: Vec<u8>,
+    bias: Option<Vec<f32>>,
+    n: usize,
+    k: usize,
+    kernel: Kernel,
+}
+
+impl std::fmt::Debug for BlockWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockWeight")
+            .field("format", &self.format)
+            .field("out", &self.n)
+            .field("in", &self.k)
+            .field("bias", &self.bias.is_some())
+            .field("kernel", &self.kernel)
+            .finish()
+    }
+}
+
+impl BlockWeight {
+    /// `data`, `n` rows of `k` weights in `format`'s blocks, with `bias`
+    /// (`n` floats), for the kernel of `isa` (capped at what runs now).
+    pub(crate) fn new(
+        format: BlockFormat,
+        data: Vec<u8>,
+        n: usize,
+        k: usize,
+        bias: Option<Vec<f32>>,
+        isa: Isa,
+    ) -> Result<Self> {
+        let name = format.name();
+        if n == 0 || k == 0 || !k.is_multiple_of(format.block_elems()) {
+            bail!(
+                "{name} weight ({n}, {k}): the input size must be a positive multiple of {}",
+                format.block_elems()
+            )
+        }
+        if data.len() != n * format.row_bytes(k) {
+            bail!(
+                "{name} weight ({n}, {k}): {} bytes, expected {}",
+                data.len(),
+                n * format.row_bytes(k)
+            )
+        }
+        if let Some(b) = bias.as_ref().filter(|b| b.len() != n) {
+            bail!("{name} weight ({n}, {k}): bias of {}", b.len())
+        }
+        Ok(BlockWeight {
+            format,
+            data,
+            bias,
+            n,
+            k,
+            kernel: Kernel::for_isa(isa),
+        })
+    }
+
+    /// `(out_features, in_features)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Its block format.
+    pub(crate) fn format(&self) -> BlockFormat {
+        self.format
+    }
+
+    fn row(&self, j: usize) -> &[u8] {
+        let rb = self.format.row_bytes(self.k);
+        &self.data[j * rb..][..rb]
+    }
+
+    /// Its output features, then `other`'s (rows appended, a missing
+    /// bias as zeros); given back where the two differ in format, input
+    /// size or kernel.
+    pub(crate) fn join(mut self, other: &Self) -> std::result::Result<Self, Self> {
+        if self.format != other.format || self.k != other.k || self.kernel != other.kernel {
+            return Err(self);
+        }
+        self.data.extend_from_slice(&other.data);
+        self.bias = match (self.bias.take(), &other.bias) {
+            (None, None) => None,
+            (a, b) => {
+                let mut bias = a.unwrap_or_else(|| vec![0.; self.n]);
+                bias.extend_from_slice(b.as_deref().unwrap_or(&vec![0.; other.n]));
+                Some(bias)
+            }
+        };
+        self.n += other.n;
+        Ok(self)
+    }
+
+    /// Rows `ids` (each `< n`) dequantized, one after another: an
+    /// embedding table's lookup.
+    pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = vec![0f32; ids.len() * self.k];
+        out.par_chunks_mut(self.k)
+            .zip(ids)
+            .for_each(|(o, &j)| dequantize_row(self.format, self.row(j as usize), o));
+        out
+    }
+
+    /// The weight dequantized (`n` rows of `k`) and the bias.
+    pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
+        let ids: Vec<u32> = (0..self.n as u32).collect();
+        (self.rows(&ids), self.bias.clone())
+    }
+
+    /// `x · wᵀ + b` for output features `lo..hi`, plus `residual` where
+    /// given: `x` `m` rows of `k`, `residual` `m` rows of `hi - lo`; `m`
+    /// rows of `hi - lo` back. Panics where `lo..hi` is not in `0..n` or a
+    /// slice is short.
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        (lo, hi): (usize, usize),
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let (k, width) = (self.k, hi - lo);
+        assert!(
+            lo < hi && hi <= self.n,
+            "BlockWeight: features {lo}..{hi} of {}",
+            self.n
+        );
+        assert!(x.len() >= m * k && residual.is_none_or(|r| r.len() == m * width));
+        let mut out = vec![0f32; m * width];
+        if m == 0 {
+            return out;
+        }
+        let xq = quantize_inputs(&x[..m * k], m, k, self.format.block_elems());
+        let tasks = width.div_ceil(TASK_FEATURES);
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        par_for(tasks, m * width * k, |t| {
+            let mut col = vec![0f32; m];
+            for j in lo + t * TASK_FEATURES..(lo + (t + 1) * TASK_FEATURES).min(hi) {
+                self.dot_rows(j, &xq, &mut col);
+                let bias = self.bias.as_ref().map_or(0., |b| b[j]);
+                for (r, &y) in col.iter().enumerate() {
+                    let at = r * width + j - lo;
+                    let y = y + bias;
+                    let y = residual.map_or(y, |res| y + res[at]);
+                    // SAFETY: column j - lo of the m × width output is
+                    // this task's alone (tasks take disjoint features).
+                    unsafe { *out_ptr.get().add(at) = y };
+                }
+            }
+        });
+        out
+    }
+
+    /// Feature `j`'s products with every row of `xq`, into `out`.
+    fn dot_rows(&self, j: usize, xq: &QuantizedInputs, out: &mut [f32]) {
+        let rows = 0..out.len();
+        match self.kernel {
+            Kernel::Portable => portable::dot_rows(self.format, self.row(j), xq, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Avx2` is chosen only where the processor
+            // runs AVX2 and FMA (`Kernel::for_isa`).
+            Kernel::Avx2 => unsafe { avx2::dot_rows(self.format, self.row(j), xq, rows, out) },
+        }
+    }
+}

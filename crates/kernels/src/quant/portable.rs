@@ -1,0 +1,42 @@
+//! The block products in plain Rust: the integer form of `format.rs`
+//! written out, the definition the vector kernels are tested against.
+
+use super::format::{unpack, BlockFormat, Unpacked};
+use super::inputs::QuantizedInputs;
+
+/// `Σ_h sc_h Σ u·q` and `Σ_h m_h·sums_h` of one block of `n` elements.
+pub(crate) fn block_sums(p: &Unpacked, n: usize, q: &[i8], sums: &[i16]) -> (i32, i32) {
+    let mut isum = 0i32;
+    for (h, (u, q)) in p.u[..n].chunks_exact(16).zip(q.chunks_exact(16)).enumerate() {
+        let s: i32 = u.iter().zip(q).map(|(&u, &q)| i32::from(u) * i32::from(q)).sum();
+        isum += i32::from(p.sc[h]) * s;
+    }
+    let msum = p.m[..n / 16]
+        .iter()
+        .zip(sums)
+        .map(|(&m, &s)| i32::from(m) * i32::from(s))
+        .sum();
+    (isum, msum)
+}
+
+/// Weight row `w` (its blocks' bytes) times input rows `rows` of `x`,
+/// into `out` (one per row).
+pub(crate) fn dot_rows(
+    format: BlockFormat,
+    w: &[u8],
+    x: &QuantizedInputs,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let (be, bb) = (format.block_elems(), format.block_bytes());
+    out.fill(0.);
+    let mut p = Unpacked::default();
+    for (b, block) in w.chunks_exact(bb).enumerate() {
+        unpack(format, block, &mut p);
+        for (o, r) in out.iter_mut().zip(rows.clone()) {
+            let (q, d, sums) = x.row(r);
+            let (isum, msum) = block_sums(&p, be, &q[b * be..][..be], &sums[b * be / 16..][..be / 16]);
+            *o += d[b] * (p.d * isum as f32 - p.dmin * msum as f32);
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! GGUF files in ggml's 2- to 6-bit block formats as `llama-quantize`
+//! writes them (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, Q2_K of one tiny
+//! Llama, `scripts/make_gguf_fixtures.py`) against HF transformers over the
+//! weights as the file stores them (gguf-py's own dequantization, in f32):
+//! loaded as f32 the logits are HF's to float rounding; kept in their
+//! blocks (`ggml`, what `multihead generate` does) they are HF's within the
+//! inputs' 8-bit quantization, as llama.cpp computes them, with the same
+//! top token nearly everywhere.
+
+#[path = "../../../tests/common/mod.rs"]
+mod common;
+mod gguf_fixtures;
+
+use anyhow::{Context, Result};
+use candle::{DType, Device, Tensor};
+use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
+use gguf_fixtures::{logits, opts};
+use multihead_attention::BlockFormat;
+use multihead_models::checkpoint::{block_format, GgufFile, WeightDtype};
+use multihead_models::decoder::{CausalLm, DecoderModel};
+
+/// The quantized files of model `llama256`.
+const TYPES: [&str; 6] = ["q4_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k"];
+
+fn file(ty: &str) -> std::path::PathBuf {
+    fixture_dir("gguf").join(format!("llama256-{ty}.gguf"))
+}
+
+fn expected() -> Result<Fixture> {
+    Fixture::load(
+        &fixture_dir("gguf").join("expected-quantized.safetensors"),
+        &Device::Cpu,
+    )
+}
+
+fn top1(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.argmax(2)?.flatten_all()?.to_vec1()?)
+}
+
+/// Every file dequantized to f32 at load gives HF's logits within 1e-5
+/// of the largest: our reading of every block format (and of the rows of
+/// q and k the converter permuted) is gguf-py's.
+#[test]
+fn dequantized_logits_equal_hf_s() -> Result<()> {
+    let f = expected()?;
+    let input = f.get("llama256.input_ids")?.to_dtype(DType::U32)?;
+    for ty in TYPES {
+        let want = f.get(&format!("llama256.{ty}.logits"))?;
+        let model = DecoderModel::from_gguf(&file(ty), &Device::Cpu, &opts(WeightDtype::F32))
+            .with_context(|| format!("loading {ty}"))?;
+        let got = logits(&model, &input)?;
+        assert_close(&format!("{ty} as f32"), &got, want, 1e-5)?;
+    }
+    Ok(())
+}
+
+/// Kept in its blocks, each file's logits are HF's within 4 % of the
+/// largest (the inputs rounded to 8 bits per block, as llama.cpp rounds
+/// them) and the top token is HF's at 90 % of the positions or more;
+/// prefill plus cached steps give the full pass's logits.
+#[test]
+fn block_logits_equal_hf_s_within_the_inputs_quantization() -> Result<()> {
+    let f = expected()?;
+    let input = f.get("llama256.input_ids")?.to_dtype(DType::U32)?;
+    for ty in TYPES {
+        let path = file(ty);
+        let gguf = GgufFile::read(&path)?;
+        assert_eq!(gguf.weight_dtype(), Some(WeightDtype::Ggml), "{ty}");
+        let want = f.get(&format!("llama256.{ty}.logits"))?;
+        let model = DecoderModel::from_gguf_file(&gguf, &Device::Cpu, &opts(WeightDtype::Ggml))?;
+        let got = logits(&model, &input)?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+        let err = max_abs_diff(&got, want)? / scale;
+        let (a, b) = (top1(&got)?, top1(want)?);
+        let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+        eprintln!(
+            "{ty}: max |ours - HF| {:.2e} of the largest logit, top-1 as HF's at {same} of {}",
+            err,
+            a.len()
+        );
+        assert!(err <= 4e-2, "{ty}: {err:.3e} of the largest logit");
+        assert!(same * 10 >= a.len() * 9, "{ty}: top-1 at {same} of {}", a.len());
+
+        // Prefill of all but the last 4, then one token at a time.
+        let n = input.dim(1)?;
+        let mut cache = model.new_cache(vec![]);
+        let mut parts = vec![model.forward(&input.narrow(1, 0, n - 4)?, &mut cache)?];
+        for t in n - 4..n {
+            parts.push(model.forward(&input.narrow(1, t, 1)?, &mut cache)?);
+        }
+        let stepped = Tensor::cat(&parts, 1)?;
+        assert_close(&format!("{ty}: cached steps"), &stepped, &got, 1e-5)?;
+    }
+    Ok(())
+}
+
+/// The files hold the block formats `llama-quantize` writes for each
+/// name (Q4_K_M: Q4_K with Q6_K for v, down and the output), all read.
+#[test]
+fn the_files_hold_the_formats_their_names_say() -> Result<()> {
+    for (ty, formats) in [
+        ("q4_0", &[BlockFormat::Q4_0, BlockFormat::Q6_K][..]),
+        ("q4_k_m", &[BlockFormat::Q4_K, BlockFormat::Q6_K]),
+        ("q5_k_m", &[BlockFormat::Q5_K, BlockFormat::Q6_K]),
+        ("q6_k", &[BlockFormat::Q6_K]),
+        ("q3_k_m", &[BlockFormat::Q3_K]),
+        ("q2_k", &[BlockFormat::Q2_K]),
+    ] {
+        let gguf = GgufFile::read(&file(ty))?;
+        let held: Vec<BlockFormat> = gguf
+            .tensors()
+            .iter()
+            .filter_map(|t| block_format(t.ggml_type))
+            .collect();
+        for f in formats {
+            assert!(held.contains(f), "{ty}: no {} tensor in {held:?}", f.name());
+        }
+    }
+    Ok(())
+}
+
+/// Loading a folder with `ggml` is refused by name: it keeps a GGUF
+/// file's blocks, which a folder does not have.
+#[test]
+fn ggml_is_refused_for_a_folder() {
+    let dir = fixture_dir("decoders").join("llama");
+    let err = DecoderModel::from_folder_with(&dir, &Device::Cpu, &opts(WeightDtype::Ggml))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ggml") && err.contains("GGUF"), "{err}");
+}
