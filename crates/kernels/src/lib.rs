@@ -32,6 +32,9 @@
 //!   the linear micro-kernels widen to f32 lanes as they load them;
 //! - `q8.rs`: linear weights in llama.cpp's 8-bit Q8_0 blocks, with a
 //!   kernel per instruction set in `q8/` (AVX512-VNNI, AVX2, portable);
+//! - `quant/`: linear weights in ggml's block formats (Q4_0 … Q6_K) kept
+//!   as a GGUF file stores them, their reference dequantization and an
+//!   integer product per instruction set (AVX2, portable);
 //! - `pool.rs`: work spread over the caller and polling helper threads (or
 //!   rayon's pool from inside it), buffers kept between calls.
 //!
@@ -82,14 +85,18 @@ mod packed;
 mod panel;
 mod pool;
 mod q8;
+mod quant;
 mod simd;
 mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod tile;
 
 pub use activation::{relu, silu_and_mul};
-pub use linear::{is_broadcast, packing_as, packing_format, PackFormat, PackedLinear};
+pub use linear::{
+    is_broadcast, is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat, PackedLinear,
+};
 pub use norm::LayerNorm;
+pub use quant::{dequantize_row, BlockFormat};
 
 /// The instruction set the CPU kernels run with now: `"avx512bf16"`
 /// (AVX-512F with AVX512-BF16: bf16 weights multiply inputs rounded to

@@ -11,7 +11,8 @@ use candle::{bail, DType, Module, Result, Tensor};
 
 use crate::packed::PackedWeight;
 use crate::q8::Q8Weight;
-pub use format::{packing_as, packing_format, PackFormat};
+use crate::quant::{BlockFormat, BlockWeight};
+pub use format::{is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat};
 
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
 /// optionally fused with the exact GELU ([`PackedLinear::forward_gelu`]).
@@ -44,6 +45,7 @@ enum Inner {
     Candle(candle_nn::Linear),
     Packed(Arc<PackedWeight>),
     Q8(Arc<Q8Weight>),
+    Blocks(Arc<BlockWeight>),
 }
 
 /// Whether a tensor can take part in the packed path (and the other fused
@@ -114,6 +116,13 @@ fn join(a: Inner, b: &Inner) -> std::result::Result<Inner, Inner> {
                 .map_err(|a| Inner::Q8(Arc::new(a))),
             Err(a) => Err(Inner::Q8(a)),
         },
+        (Inner::Blocks(a), Inner::Blocks(b)) => match Arc::try_unwrap(a) {
+            Ok(a) => a
+                .join(b)
+                .map(|w| Inner::Blocks(Arc::new(w)))
+                .map_err(|a| Inner::Blocks(Arc::new(a))),
+            Err(a) => Err(Inner::Blocks(a)),
+        },
         (a, _) => Err(a),
     }
 }
@@ -128,6 +137,9 @@ impl PackedLinear {
             if b.dims() != [n] {
                 bail!("PackedLinear: bias has shape {:?}, expected ({n},)", b.dims())
             }
+        }
+        if let Some((format, data)) = format::take_lent(&weight) {
+            return Self::from_blocks(format, data, (n, k), bias.as_ref());
         }
         let packable = packable_weight(&weight)
             && !is_broadcast(&weight)
@@ -167,6 +179,24 @@ impl PackedLinear {
             )),
         };
         Ok(Self { inner })
+    }
+
+    /// A layer over a weight `(out, in)` = `(n, k)` in a ggml block format,
+    /// `data` its blocks as a GGUF file stores them (`n` rows of
+    /// `k / block` blocks), kept as they are: every call quantizes its
+    /// inputs per block and multiplies them in integers, as ggml does.
+    /// `bias` `(n)` in any float dtype.
+    pub fn from_blocks(
+        format: BlockFormat,
+        data: Vec<u8>,
+        (n, k): (usize, usize),
+        bias: Option<&Tensor>,
+    ) -> Result<Self> {
+        let b = bias.map(cpu_f32).transpose()?;
+        let w = BlockWeight::new(format, data, n, k, b, crate::isa::current())?;
+        Ok(Self {
+            inner: Inner::Blocks(Arc::new(w)),
+        })
     }
 
     /// A layer over a weight stored `(in, out)`, as GPT-2's `Conv1D` stores
@@ -254,12 +284,31 @@ impl PackedLinear {
     /// Whether the weight is held packed (the fast path serves plain
     /// inputs).
     pub fn is_packed(&self) -> bool {
-        matches!(self.inner, Inner::Packed(_) | Inner::Q8(_))
+        matches!(self.inner, Inner::Packed(_) | Inner::Q8(_) | Inner::Blocks(_))
     }
 
-    /// Whether the weight is held quantized (Q8_0, [`packing_as`]).
+    /// Whether the weight is held quantized (Q8_0, [`packing_as`], or a
+    /// ggml block format, [`PackedLinear::from_blocks`]).
     pub fn is_quantized(&self) -> bool {
-        matches!(self.inner, Inner::Q8(_))
+        matches!(self.inner, Inner::Q8(_) | Inner::Blocks(_))
+    }
+
+    /// The ggml block format the weight is kept in
+    /// ([`PackedLinear::from_blocks`]), if any: layers of different
+    /// formats are not joined ([`PackedLinear::joins_with`]).
+    pub fn block_format(&self) -> Option<BlockFormat> {
+        match &self.inner {
+            Inner::Blocks(b) => Some(b.format()),
+            _ => None,
+        }
+    }
+
+    /// Whether [`PackedLinear::cat`] joins `self` and `other` as they are
+    /// held, rather than unpacking them: a layer in a block format joins
+    /// only another of the same format (a Q4_K_M file mixes Q4_K and
+    /// Q6_K rows, which stay separate layers).
+    pub fn joins_with(&self, other: &PackedLinear) -> bool {
+        self.block_format() == other.block_format()
     }
 
     /// `(out_features, in_features)`.
@@ -268,6 +317,7 @@ impl PackedLinear {
             Inner::Candle(l) => l.weight().dims2(),
             Inner::Packed(p) => Ok(p.dims()),
             Inner::Q8(q) => Ok(q.dims()),
+            Inner::Blocks(b) => Ok(b.dims()),
         }
     }
 
@@ -278,7 +328,7 @@ impl PackedLinear {
         match &self.inner {
             Inner::Candle(l) => l.weight().dtype(),
             Inner::Packed(p) => p.dtype(),
-            Inner::Q8(_) => DType::F32,
+            Inner::Q8(_) | Inner::Blocks(_) => DType::F32,
         }
     }
 
@@ -296,7 +346,7 @@ impl PackedLinear {
         let (n, k) = self.dims()?;
         match &self.inner {
             Inner::Candle(l) => candle_nn::Embedding::new(l.weight().clone(), k).forward(ids),
-            Inner::Packed(_) | Inner::Q8(_) => {
+            Inner::Packed(_) | Inner::Q8(_) | Inner::Blocks(_) => {
                 let idx = ids.flatten_all()?.to_vec1::<u32>()?;
                 if let Some(&bad) = idx.iter().find(|&&i| i as usize >= n) {
                     bail!("PackedLinear::embed: id {bad} is out of range for {n} rows")
@@ -306,6 +356,7 @@ impl PackedLinear {
                 let rows = match &self.inner {
                     Inner::Packed(p) => p.rows(&idx),
                     Inner::Q8(q) => q.rows(&idx),
+                    Inner::Blocks(b) => b.rows(&idx),
                     Inner::Candle(_) => unreachable!("matched above"),
                 };
                 Tensor::from_vec(rows, dims, &candle::Device::Cpu)
@@ -323,6 +374,7 @@ impl PackedLinear {
                 Tensor::from_vec(p.unpack().0, (n, k), &candle::Device::Cpu)?.to_dtype(p.dtype())
             }
             Inner::Q8(q) => Tensor::from_vec(q.unpack().0, q.dims(), &candle::Device::Cpu),
+            Inner::Blocks(b) => Tensor::from_vec(b.unpack().0, b.dims(), &candle::Device::Cpu),
         }
     }
 
@@ -334,7 +386,7 @@ impl PackedLinear {
     pub fn q8_0_blocks(&self) -> Option<Vec<u8>> {
         match &self.inner {
             Inner::Q8(q) => Some(q.blocks()),
-            Inner::Candle(_) | Inner::Packed(_) => None,
+            Inner::Candle(_) | Inner::Packed(_) | Inner::Blocks(_) => None,
         }
     }
 
@@ -352,6 +404,13 @@ impl PackedLinear {
             Inner::Q8(q) => {
                 let n = q.dims().0;
                 q.unpack()
+                    .1
+                    .map(|b| Tensor::from_vec(b, n, &candle::Device::Cpu))
+                    .transpose()
+            }
+            Inner::Blocks(w) => {
+                let n = w.dims().0;
+                w.unpack()
                     .1
                     .map(|b| Tensor::from_vec(b, n, &candle::Device::Cpu))
                     .transpose()

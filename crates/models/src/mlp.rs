@@ -2,7 +2,7 @@
 
 use candle::{bail, Module, Result, Tensor};
 use candle_nn::Linear;
-use multihead_attention::{is_broadcast, packing_format, silu_and_mul, PackFormat, PackedLinear};
+use multihead_attention::{is_broadcast, is_lent, packing_format, silu_and_mul, PackFormat, PackedLinear};
 use serde::{Deserialize, Serialize};
 
 /// A feed-forward activation.
@@ -117,6 +117,21 @@ impl Mlp {
                 && !is_broadcast(l.weight())
                 && l.bias().is_none_or(|b| !b.is_variable())
         };
+        // A GGUF file's blocks, lent to the layers (`lend_blocks`): joined
+        // where both are in one format, kept apart otherwise.
+        if is_lent(gate.weight()) && is_lent(up.weight()) {
+            let (gate, up) = (PackedLinear::from_linear(gate)?, PackedLinear::from_linear(up)?);
+            if gate.joins_with(&up) {
+                return Self::new(PackedLinear::cat(vec![gate, up])?, down, Activation::SwiGlu);
+            }
+            let Self { up, down, .. } = Self::new(up, down, Activation::Silu)?;
+            return Ok(Self {
+                up,
+                gate: Some(gate),
+                down,
+                activation: Activation::SwiGlu,
+            });
+        }
         if plain(&gate) && plain(&up) {
             if gate.bias().is_some() != up.bias().is_some() {
                 bail!("Mlp: the gate and up projections must both have a bias or neither")

@@ -117,7 +117,8 @@ fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
     Ok(())
 }
 
-/// A tensor stored in a ggml type this loader does not read (Q4_0 here)
+/// A tensor stored in a ggml type this loader does not read (Q8_1 here,
+/// the inputs' format of ggml's Q4_1 and Q5_1 products, never a weight's)
 /// is refused by name and type; a tensor the model lacks, or one it does
 /// not know, is named too.
 #[test]
@@ -125,14 +126,14 @@ fn unsupported_types_and_wrong_tensors_are_named() -> Result<()> {
     let q4 = rewrite("llama", "q4", |_, tensors| {
         for (name, t) in tensors.iter_mut() {
             if name == "blk.1.ffn_up.weight" {
-                *t = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q4_0)?;
+                *t = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_1)?;
             }
         }
         Ok(())
     })?;
     let msg = load_error(&q4);
     std::fs::remove_file(&q4)?;
-    assert_mentions(&msg, &["blk.1.ffn_up.weight", "Q4_0", "F32, F16, BF16, Q8_0"]);
+    assert_mentions(&msg, &["blk.1.ffn_up.weight", "Q8_1", "F32, F16, BF16, Q8_0, Q4_0"]);
 
     let odd = rewrite("llama", "odd", |_, tensors| {
         tensors.retain(|(n, _)| n != "blk.0.ffn_down.weight");
@@ -265,6 +266,16 @@ fn non_finite_tensors_are_refused_by_name() -> Result<()> {
             tensor: "blk.0.attn_k.weight",
             ggml: GgmlDType::Q8_0,
             patches: vec![(0, f16(0x7e00)), (2 * 34, f16(0x7c00))],
+            counts: None,
+        },
+        // Q4_K (144-byte blocks): block 0's scale NaN, block 1's min +Inf
+        // (its values -Inf, NaN where a min is 0).
+        Patch {
+            name: "llama256",
+            ty: "q4_k_m",
+            tensor: "blk.0.attn_q.weight",
+            ggml: GgmlDType::Q4K,
+            patches: vec![(0, f16(0x7e00)), (144 + 2, f16(0x7c00))],
             counts: None,
         },
     ];

@@ -99,7 +99,13 @@ impl MultiheadAttention {
                 // with one call (a decoder step: one pass over the three,
                 // not three, each with its own hand-over to the threads).
                 // Variables stay apart, so that they train as they are.
-                let kind = if cfg.qkv_same_embed_dim() && [&q, &k, &v].iter().all(|l| l.is_packed()) {
+                // Weights in a ggml block format join only their own
+                // format (a Q4_K_M file keeps some v in Q6_K).
+                let kind = if cfg.qkv_same_embed_dim()
+                    && [&q, &k, &v].iter().all(|l| l.is_packed())
+                    && q.joins_with(&k)
+                    && k.joins_with(&v)
+                {
                     InKind::Fused(PackedLinear::cat(vec![q, k, v])?)
                 } else {
                     InKind::Separate { q, k, v }

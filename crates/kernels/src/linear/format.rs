@@ -39,3 +39,83 @@ pub fn packing_as<R>(format: PackFormat, build: impl FnOnce() -> R) -> R {
 pub fn packing_format() -> PackFormat {
     PACK_FORMAT.with(|f| f.get())
 }
+
+/// Weights in a ggml block format lent to the layers a loader builds on
+/// this thread ([`lending`]), by the id of the placeholder tensor that
+/// stands for each in the model's `VarBuilder`, which hands out tensors
+/// only: [`PackedLinear::new`](super::PackedLinear::new) given a
+/// placeholder takes its blocks as they are.
+struct Lent {
+    depth: usize,
+    blocks: std::collections::HashMap<candle::TensorId, (crate::quant::BlockFormat, Vec<u8>)>,
+}
+
+thread_local! {
+    static LENT: std::cell::RefCell<Lent> = std::cell::RefCell::new(Lent {
+        depth: 0,
+        blocks: std::collections::HashMap::new(),
+    });
+}
+
+/// Runs `build` with [`lend_blocks`] open on this thread; blocks lent and
+/// not taken by a layer (a build that failed half-way) are dropped at the
+/// end, also when `build` panics.
+pub fn lending<R>(build: impl FnOnce() -> R) -> R {
+    struct Close;
+    impl Drop for Close {
+        fn drop(&mut self) {
+            LENT.with(|l| {
+                let mut l = l.borrow_mut();
+                l.depth -= 1;
+                if l.depth == 0 {
+                    l.blocks.clear();
+                }
+            });
+        }
+    }
+    LENT.with(|l| l.borrow_mut().depth += 1);
+    let _close = Close;
+    build()
+}
+
+/// A placeholder `(n, k)` f32 tensor (one zero, broadcast: no memory)
+/// standing for `data`, `n` rows of `k` weights in `format`'s blocks,
+/// which the [`PackedLinear`](super::PackedLinear) built over it (inside
+/// the same [`lending`]) keeps as they are. Refused outside [`lending`]
+/// and where the bytes do not hold `(n, k)`.
+pub fn lend_blocks(
+    format: crate::quant::BlockFormat,
+    data: Vec<u8>,
+    (n, k): (usize, usize),
+    device: &candle::Device,
+) -> candle::Result<candle::Tensor> {
+    if !k.is_multiple_of(format.block_elems()) || data.len() != n * format.row_bytes(k) {
+        candle::bail!(
+            "{} weight ({n}, {k}): {} bytes do not hold it in blocks of {}",
+            format.name(),
+            data.len(),
+            format.block_elems()
+        )
+    }
+    let t = candle::Tensor::zeros((), candle::DType::F32, device)?.broadcast_as((n, k))?;
+    LENT.with(|l| {
+        let mut l = l.borrow_mut();
+        if l.depth == 0 {
+            candle::bail!("lend_blocks: called outside `lending`")
+        }
+        l.blocks.insert(t.id(), (format, data));
+        Ok(())
+    })?;
+    Ok(t)
+}
+
+/// Whether `t` is a placeholder [`lend_blocks`] gave out and no layer has
+/// taken yet.
+pub fn is_lent(t: &candle::Tensor) -> bool {
+    LENT.with(|l| l.borrow().blocks.contains_key(&t.id()))
+}
+
+/// The blocks `t` stands for, taken.
+pub(crate) fn take_lent(t: &candle::Tensor) -> Option<(crate::quant::BlockFormat, Vec<u8>)> {
+    LENT.with(|l| l.borrow_mut().blocks.remove(&t.id()))
+}

@@ -95,7 +95,7 @@ impl PackedLinear {
         // Whether the packed (or quantized) weight computes these features.
         let serves = match &self.inner {
             Inner::Packed(p) => p.serves_range(lo, hi),
-            Inner::Q8(_) => true,
+            Inner::Q8(_) | Inner::Blocks(_) => true,
             Inner::Candle(_) => false,
         };
         if !(serves && plain_cpu_f32(x) && residual.is_none_or(plain_cpu_f32)) {
@@ -162,6 +162,11 @@ impl PackedLinear {
             Inner::Packed(p) => p.forward(x, m, range, epilogue, residual),
             Inner::Q8(q) => {
                 let mut y = q.forward(x, m, range, residual);
+                epilogue.apply(&mut y);
+                y
+            }
+            Inner::Blocks(b) => {
+                let mut y = b.forward(x, m, range, residual);
                 epilogue.apply(&mut y);
                 y
             }

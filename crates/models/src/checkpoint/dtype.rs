@@ -43,34 +43,43 @@ pub enum WeightDtype {
     /// from what the file stores; an embedding table not tied to the
     /// output projection stays as stored.
     Q8_0,
+    /// A GGUF file's matrices in the ggml block formats it stores them in
+    /// (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K; a Q4_K_M file's mix of Q4_K
+    /// and Q6_K as it is), kept as their bytes and multiplied in integers
+    /// as llama.cpp does; its float and Q8_0 matrices as with
+    /// [`WeightDtype::Q8_0`]. GGUF files only: a folder's weights are
+    /// floats.
+    Ggml,
 }
 
 impl WeightDtype {
-    const ALL: [WeightDtype; 4] = [
+    const ALL: [WeightDtype; 5] = [
         WeightDtype::F32,
         WeightDtype::Bf16,
         WeightDtype::F16,
         WeightDtype::Q8_0,
+        WeightDtype::Ggml,
     ];
 
-    /// The name `--dtype` takes: `f32`, `bf16`, `f16` or `q8_0`.
+    /// The name `--dtype` takes: `f32`, `bf16`, `f16`, `q8_0` or `ggml`.
     pub fn name(self) -> &'static str {
         match self {
             WeightDtype::F32 => "f32",
             WeightDtype::Bf16 => "bf16",
             WeightDtype::F16 => "f16",
             WeightDtype::Q8_0 => "q8_0",
+            WeightDtype::Ggml => "ggml",
         }
     }
 
-    /// candle's dtype the matrices are read in; `None` for Q8_0, read as
-    /// stored and quantized as the layers pack them.
+    /// candle's dtype the matrices are read in; `None` for Q8_0 and ggml's
+    /// blocks, read as stored and quantized as the layers pack them.
     pub fn dtype(self) -> Option<DType> {
         match self {
             WeightDtype::F32 => Some(DType::F32),
             WeightDtype::Bf16 => Some(DType::BF16),
             WeightDtype::F16 => Some(DType::F16),
-            WeightDtype::Q8_0 => None,
+            WeightDtype::Q8_0 | WeightDtype::Ggml => None,
         }
     }
 
@@ -163,7 +172,7 @@ impl WeightDtype {
     /// otherwise.
     pub(crate) fn packing<R>(self, build: impl FnOnce() -> R) -> R {
         let format = match self {
-            WeightDtype::Q8_0 => multihead_attention::PackFormat::Q8_0,
+            WeightDtype::Q8_0 | WeightDtype::Ggml => multihead_attention::PackFormat::Q8_0,
             _ => multihead_attention::PackFormat::AsStored,
         };
         multihead_attention::packing_as(format, build)
@@ -269,7 +278,7 @@ mod tests {
         }
         let err = "fp8".parse::<WeightDtype>().unwrap_err().to_string();
         assert!(
-            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0"),
+            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0, ggml"),
             "{err}"
         );
     }

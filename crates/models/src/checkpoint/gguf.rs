@@ -5,7 +5,9 @@
 //!
 //! The tensors come back as candle tensors in the dtype they are stored
 //! in (F32, F16, BF16); Q8_0 blocks are dequantized to f32 in one place,
-//! [`dequantize_q8_0`]. Other ggml types are refused by name.
+//! [`dequantize_q8_0`]; the other block formats (Q4_0 … Q6_K) come as
+//! their bytes ([`GgufFile::blocks`]) for the layers that keep them, or
+//! dequantized as ggml does. Other ggml types are refused by name.
 //!
 //! What llama.cpp's `gguf_init_from_file` and gguf-py's reader refuse is
 //! refused here too, where candle's reader would keep the last of two or
@@ -26,6 +28,7 @@ use std::path::Path;
 use candle::quantized::gguf_file::{Content, Value};
 use candle::quantized::GgmlDType;
 use candle::{bail, DType, Device, Result, Tensor};
+use multihead_attention::{dequantize_row, BlockFormat};
 use safetensors::Dtype;
 
 use super::bytes::Bytes;
@@ -39,8 +42,39 @@ use super::gguf_header::check_header;
 mod metadata;
 
 /// The ggml types whose tensors this reader returns.
-pub const GGUF_TENSOR_TYPES: [GgmlDType; 4] =
-    [GgmlDType::F32, GgmlDType::F16, GgmlDType::BF16, GgmlDType::Q8_0];
+pub const GGUF_TENSOR_TYPES: [GgmlDType; 13] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q5_1,
+    GgmlDType::Q2K,
+    GgmlDType::Q3K,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// The block format a ggml type's tensors are kept in as stored
+/// ([`GgufFile::blocks`]): every block type this reader returns but Q8_0,
+/// which the Q8_0 kernels take from its values.
+pub fn block_format(t: GgmlDType) -> Option<BlockFormat> {
+    Some(match t {
+        GgmlDType::Q4_0 => BlockFormat::Q4_0,
+        GgmlDType::Q4_1 => BlockFormat::Q4_1,
+        GgmlDType::Q5_0 => BlockFormat::Q5_0,
+        GgmlDType::Q5_1 => BlockFormat::Q5_1,
+        GgmlDType::Q2K => BlockFormat::Q2_K,
+        GgmlDType::Q3K => BlockFormat::Q3_K,
+        GgmlDType::Q4K => BlockFormat::Q4_K,
+        GgmlDType::Q5K => BlockFormat::Q5_K,
+        GgmlDType::Q6K => BlockFormat::Q6_K,
+        _ => return None,
+    })
+}
 
 /// Bytes of one Q8_0 block: an f16 scale and 32 signed bytes.
 pub(crate) const Q8_0_BLOCK_BYTES: usize = 34;
@@ -251,6 +285,7 @@ impl GgufFile {
             GgmlDType::F16 => Some(WeightDtype::F16),
             GgmlDType::BF16 => Some(WeightDtype::Bf16),
             GgmlDType::Q8_0 => Some(WeightDtype::Q8_0),
+            t if block_format(t).is_some() => Some(WeightDtype::Ggml),
             _ => None,
         };
         WeightDtype::of_most_matrix_elements(self.tensors.iter().map(|t| (&t.shape[..], keeping(t))))
@@ -293,6 +328,18 @@ impl GgufFile {
                 Tensor::from_vec(v, shape, device)?
             }
             GgmlDType::Q8_0 => dequantize_q8_0(bytes, shape, device)?,
+            t if block_format(t).is_some() => {
+                let format = block_format(t).expect("matched");
+                let k = shape.last().copied().unwrap_or(1);
+                let mut v = vec![0f32; bytes.len() / format.block_bytes() * format.block_elems()];
+                for (row, out) in bytes
+                    .chunks_exact(format.row_bytes(k).max(1))
+                    .zip(v.chunks_exact_mut(k.max(1)))
+                {
+                    dequantize_row(format, row, out);
+                }
+                Tensor::from_vec(v, shape, device)?
+            }
             other => bail!(
                 "GGUF file '{}': tensor '{}' is {}",
                 self.label,
@@ -304,6 +351,26 @@ impl GgufFile {
         // The tensor is a copy now: its pages go back (`Bytes::release`).
         self.bytes.release(info.range.clone());
         Ok(t)
+    }
+
+    /// Tensor `name`'s blocks as stored, where its type is one of ggml's
+    /// block formats ([`block_format`]) and it is a matrix: its format,
+    /// its `(rows, cols)` and its bytes (`rows` rows of `cols / block`
+    /// blocks). `None` otherwise.
+    pub fn blocks(&self, name: &str) -> Option<(BlockFormat, (usize, usize), &[u8])> {
+        let info = self.info(name)?;
+        let format = block_format(info.ggml_type)?;
+        match info.shape[..] {
+            [n, k] => Some((format, (n, k), &self.bytes[info.range.clone()])),
+            _ => None,
+        }
+    }
+
+    /// Lets the pages of tensor `name` go (after a copy of its bytes).
+    pub(crate) fn release(&self, name: &str) {
+        if let Some(info) = self.info(name) {
+            self.bytes.release(info.range.clone());
+        }
     }
 
     /// The named tensors holding NaN or infinity, with the counts
@@ -326,7 +393,7 @@ impl GgufFile {
                 GgmlDType::F16 => par_count_non_finite(Dtype::F16, bytes),
                 GgmlDType::BF16 => par_count_non_finite(Dtype::BF16, bytes),
                 GgmlDType::Q8_0 => par_count_non_finite_q8_0(bytes),
-                _ => (0, 0),
+                t => block_format(t).map_or((0, 0), |f| count_non_finite_blocks(f, bytes)),
             };
             self.bytes.release(info.range.clone());
             if nan + inf > 0 {
@@ -352,6 +419,33 @@ impl GgufFile {
         self.bytes.release(info.range.clone());
         Some(found)
     }
+}
+
+/// `(nan, inf)` among the values of `format`'s blocks in `bytes`, as
+/// their f16 scales make them: a NaN scale or min makes the block's
+/// values NaN, an infinite one infinite (where its factor is not 0, which
+/// counts as NaN here too: `0 · ∞`).
+fn count_non_finite_blocks(format: BlockFormat, bytes: &[u8]) -> (usize, usize) {
+    let (mut nan, mut inf) = (0, 0);
+    for block in bytes.chunks_exact(format.block_bytes()) {
+        let scales = format
+            .f16_fields()
+            .iter()
+            .map(|&at| half::f16::from_le_bytes([block[at], block[at + 1]]));
+        let mut any_nan = false;
+        let mut any_inf = false;
+        for s in scales {
+            any_nan |= s.is_nan();
+            any_inf |= s.is_infinite();
+        }
+        if any_nan || any_inf {
+            let mut out = vec![0f32; format.block_elems()];
+            dequantize_row(format, block, &mut out);
+            nan += out.iter().filter(|v| v.is_nan()).count();
+            inf += out.iter().filter(|v| v.is_infinite()).count();
+        }
+    }
+    (nan, inf)
 }
 
 /// Refuses two tensors sharing a byte (empty ones share none), naming
@@ -388,6 +482,7 @@ fn refuse_overlaps(tensors: &[GgufTensorInfo], data_start: usize, label: &str) -
 pub fn stored_dtype(t: GgmlDType) -> Option<DType> {
     match t {
         GgmlDType::F32 | GgmlDType::Q8_0 => Some(DType::F32),
+        t if block_format(t).is_some() => Some(DType::F32),
         GgmlDType::F16 => Some(DType::F16),
         GgmlDType::BF16 => Some(DType::BF16),
         _ => None,

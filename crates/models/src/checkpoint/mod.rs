@@ -38,7 +38,8 @@ pub use dtype::{LoadOptions, WeightDtype};
 pub use file::{Checkpoint, LoadProgress, TensorInfo};
 pub use folder::{ModelFiles, Weights};
 pub use gguf::{
-    dequantize_q8_0, ggml_type_name, is_gguf, stored_dtype, GgufFile, GgufTensorInfo, GGUF_TENSOR_TYPES,
+    block_format, dequantize_q8_0, ggml_type_name, is_gguf, stored_dtype, GgufFile, GgufTensorInfo,
+    GGUF_TENSOR_TYPES,
 };
 pub use hub_cache::{hub_cache_dir, resolve_model};
 pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};

@@ -45,7 +45,9 @@ use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::{wanted_tensors, Checkpoint, LoadOptions, LoadProgress, ModelFiles, Wanted};
+use crate::checkpoint::{
+    wanted_tensors, Checkpoint, LoadOptions, LoadProgress, ModelFiles, Wanted, WeightDtype,
+};
 use crate::generation::StepModel;
 
 pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CHUNK};
@@ -232,6 +234,10 @@ impl<M: CausalLm> StepModel for M {
 #[derive(Debug, Clone)]
 pub(crate) enum TokenEmbedding {
     Own(candle_nn::Embedding),
+    /// A table in a ggml block format (a GGUF file's, lent to the layer:
+    /// `multihead_attention::lend_blocks`), its rows dequantized as they
+    /// are looked up.
+    Blocks(multihead_attention::PackedLinear),
     TiedToHead,
 }
 
@@ -242,9 +248,18 @@ impl TokenEmbedding {
         embedding: candle_nn::Embedding,
         head: Option<Tensor>,
     ) -> Result<(Self, multihead_attention::PackedLinear)> {
+        let own = |embedding: candle_nn::Embedding| -> Result<Self> {
+            Ok(match multihead_attention::is_lent(embedding.embeddings()) {
+                true => Self::Blocks(multihead_attention::PackedLinear::new(
+                    embedding.embeddings().clone(),
+                    None,
+                )?),
+                false => Self::Own(embedding),
+            })
+        };
         Ok(match head {
             Some(head) => (
-                Self::Own(embedding),
+                own(embedding)?,
                 multihead_attention::PackedLinear::new(head, None)?,
             ),
             None => (
@@ -259,6 +274,7 @@ impl TokenEmbedding {
     pub(crate) fn forward(&self, ids: &Tensor, head: &multihead_attention::PackedLinear) -> Result<Tensor> {
         match self {
             Self::Own(e) => candle::Module::forward(e, ids)?.to_dtype(DType::F32),
+            Self::Blocks(table) => table.embed(ids),
             Self::TiedToHead => head.embed(ids)?.to_dtype(DType::F32),
         }
     }
@@ -322,6 +338,12 @@ impl DecoderModel {
     /// `opts.dtype` (a bf16 folder loaded as bf16 keeps its weights as
     /// stored), telling `opts.progress` how far it got.
     pub fn from_folder_with(dir: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
+        if opts.dtype == WeightDtype::Ggml {
+            bail!(
+                "'{}': dtype ggml keeps the blocks a GGUF file stores; a folder's weights are floats (load them as f32, bf16, f16 or q8_0)",
+                dir.display()
+            )
+        }
         let files = ModelFiles::resolve(dir)?;
         let text = files.read_beside("config.json", "config")?;
         let cfg = HfDecoderConfig::from_json(&text, &files.beside("config.json").display().to_string())?;

@@ -22,7 +22,7 @@ use super::config::LlamaConfig;
 use super::{DecoderModel, Llama};
 use crate::checkpoint::{
     float_range, ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
-    Misshaped, NonFinite, Preflight, Wanted, GGUF_TENSOR_TYPES,
+    Misshaped, NonFinite, Preflight, Wanted, WeightDtype, GGUF_TENSOR_TYPES,
 };
 use config::{gguf_config, Arch};
 pub(crate) use spm::SpmVocab;
@@ -114,6 +114,9 @@ struct GgufReader<'a> {
     /// The matrices' dtype; `None`: as stored (Q8_0, which the layers
     /// quantize as they pack them).
     weight_dtype: Option<DType>,
+    /// Matrices in ggml's block formats lent to the layers as their
+    /// bytes (`lend_blocks`; [`WeightDtype::Ggml`]), not dequantized.
+    keep_blocks: bool,
     progress: Option<LoadProgress>,
     read: AtomicU64,
     total: u64,
@@ -127,22 +130,33 @@ impl GgufReader<'_> {
                 self.file.label()
             )
         };
-        let mut t = self.file.tensor(&g, dev)?;
-        if let Some((heads, kv_heads)) = self.permuted {
+        let permuted_heads = self.permuted.and_then(|(heads, kv_heads)| {
             let rest = g
                 .split_once('.')
                 .and_then(|(_, r)| r.split_once('.'))
                 .map(|(_, r)| r);
-            let heads = match rest {
+            match rest {
                 Some("attn_q.weight" | "attn_q.bias") => Some(heads),
                 Some("attn_k.weight" | "attn_k.bias") => Some(kv_heads),
                 _ => None,
-            };
-            if let Some(h) = heads {
-                t = unpermute_rows(&t, h).map_err(|e| {
-                    candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
-                })?;
             }
+        });
+        if let Some((format, (n, k), bytes)) = self.file.blocks(&g).filter(|_| self.keep_blocks) {
+            let data = match permuted_heads {
+                Some(h) => unpermute_block_rows(bytes, n, format.row_bytes(k), h).map_err(|e| {
+                    candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
+                })?,
+                None => bytes.to_vec(),
+            };
+            self.file.release(&g);
+            self.progress(&g);
+            return multihead_attention::lend_blocks(format, data, (n, k), dev);
+        }
+        let mut t = self.file.tensor(&g, dev)?;
+        if let Some(h) = permuted_heads {
+            t = unpermute_rows(&t, h).map_err(|e| {
+                candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
+            })?;
         }
         let t = match (t.rank(), self.weight_dtype) {
             (2, Some(d)) => {
@@ -152,13 +166,38 @@ impl GgufReader<'_> {
             (2, None) => t,
             _ => t.to_dtype(DType::F32)?,
         };
-        if let (Some(progress), Some(info)) = (&self.progress, self.file.info(&g)) {
+        self.progress(&g);
+        Ok(t)
+    }
+
+    /// Tells the progress callback tensor `g` was read.
+    fn progress(&self, g: &str) {
+        if let (Some(progress), Some(info)) = (&self.progress, self.file.info(g)) {
             let n = info.range.len() as u64;
             let read = self.read.fetch_add(n, Ordering::Relaxed) + n;
             (progress.0)(read.min(self.total), self.total);
         }
-        Ok(t)
     }
+}
+
+/// [`unpermute_rows`] over a matrix of `n` rows of `row_bytes` bytes each
+/// (a block format's rows, which move whole).
+fn unpermute_block_rows(bytes: &[u8], n: usize, row_bytes: usize, heads: usize) -> Result<Vec<u8>> {
+    if heads == 0 || !n.is_multiple_of(2 * heads) || bytes.len() != n * row_bytes {
+        bail!("cannot undo the rotary permutation: {n} rows in {heads} heads of even width")
+    }
+    let half = n / heads / 2;
+    let mut out = vec![0u8; bytes.len()];
+    // HF's row (h, s, i) is the file's (h, i, s).
+    for h in 0..heads {
+        for s in 0..2 {
+            for i in 0..half {
+                let (to, from) = (h * 2 * half + s * half + i, h * 2 * half + i * 2 + s);
+                out[to * row_bytes..][..row_bytes].copy_from_slice(&bytes[from * row_bytes..][..row_bytes]);
+            }
+        }
+    }
+    Ok(out)
 }
 
 impl GgufReader<'_> {
@@ -354,12 +393,13 @@ impl DecoderModel {
             file,
             permuted: (arch == Arch::Llama).then(|| (cfg.num_attention_heads, cfg.kv_heads())),
             weight_dtype: opts.dtype.dtype(),
+            keep_blocks: opts.dtype == WeightDtype::Ggml,
             progress: opts.progress.clone(),
             read: AtomicU64::new(0),
             total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
-        let model = opts.dtype.packing(|| Llama::new(&cfg, vb))?;
+        let model = multihead_attention::lending(|| opts.dtype.packing(|| Llama::new(&cfg, vb)))?;
         Ok(Self::Llama(model.with_kv_dtype(opts.kv_dtype)))
     }
 }
