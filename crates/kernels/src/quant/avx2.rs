@@ -1,22 +1,24 @@
-//! The block products with AVX2: each block unpacked once (`u` bytes, the
-//! per-16 scales and mins; Q4_0, Q4_1 and the 4-, 5- and 6-bit k-quants
-//! with vector code, the others as `format.rs` unpacks them), then
-//! multiplied into every input row of the call with `vpmaddubsw`
-//! (`u8 · i8` pairs, below `2·63·127` so never saturating) and
-//! `vpmaddwd` by the scales, the sums kept in `i32` lanes to the block's
-//! end and in f32 lanes to the row's, as ggml's AVX2 `vec_dot`s do.
+//! The block products with AVX2, as ggml's AVX2 `vec_dot`s: each block's
+//! values brought to `u8` lanes once for up to 8 input rows and
+//! multiplied with `vpmaddubsw` (`u8 · i8` pairs, below `2·63·127`, so
+//! never saturating), then `vpmaddwd` by the scales; sums in `i32` lanes
+//! to the block's end and in f32 lanes to the row's.
+//!
+//! The formats of 32 (Q4_0, Q4_1, Q5_0, Q5_1) are unpacked in registers;
+//! the k-quants into a block buffer (Q4_K, Q5_K, Q6_K with vector code,
+//! Q2_K and Q3_K as `format.rs` unpacks them). Q8_0, whose `u` can be 255,
+//! goes to the portable code: its weights take the Q8_0 kernels (`q8.rs`).
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
 use super::format::{unpack, BlockFormat, Unpacked};
-use super::inputs::QuantizedInputs;
+use super::inputs::InputRow;
 
-/// Input rows a weight row's blocks are unpacked for at a time.
-const ROWS: usize = 8;
-
+/// An f16 at `b[at..at + 2]`.
+#[target_feature(enable = "avx2,fma,f16c")]
 fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
 /// The eight lanes' sum.
@@ -26,6 +28,155 @@ fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
+}
+
+/// How far ahead of its loads a row's blocks are prefetched, in bytes: a
+/// decode step's single stream of weights waits on memory with the
+/// hardware prefetcher alone (as `q8/avx2.rs` found for Q8_0).
+const PREFETCH: usize = 1024;
+
+/// 32 bytes of `b` from `at` (checked).
+#[target_feature(enable = "avx2")]
+fn load32(b: &[u8], at: usize) -> __m256i {
+    let b = &b[at..at + 32];
+    // SAFETY: `b` holds 32 bytes.
+    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
+}
+
+/// Byte `i` all ones where bit `i` of `bits` is set (ggml's
+/// `bytes_from_bits_32`).
+#[target_feature(enable = "avx2")]
+fn bytes_from_bits(bits: u32) -> __m256i {
+    let shuffle = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+}
+
+/// Weight row `w` times input rows `rows`, into `out`: the AVX2 form of
+/// `portable::dot_rows`, 8 rows at a time (then 4, 2, 1), each
+/// group's sums in registers.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &mut [f32]) {
+    if format == BlockFormat::Q8_0 {
+        return super::portable::dot_rows(format, w, rows, out);
+    }
+    let mut at = 0;
+    while at < rows.len() {
+        let n = match rows.len() - at {
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        let (rows, out) = (&rows[at..at + n], &mut out[at..at + n]);
+        macro_rules! by_rows {
+            ($f:expr) => {
+                match n {
+                    8 => dot_32::<$f, 8>(w, rows, out),
+                    4 => dot_32::<$f, 4>(w, rows, out),
+                    2 => dot_32::<$f, 2>(w, rows, out),
+                    _ => dot_32::<$f, 1>(w, rows, out),
+                }
+            };
+        }
+        match (n, format) {
+            (_, BlockFormat::Q4_0) => by_rows!(Q4_0),
+            (_, BlockFormat::Q4_1) => by_rows!(Q4_1),
+            (_, BlockFormat::Q5_0) => by_rows!(Q5_0),
+            (_, BlockFormat::Q5_1) => by_rows!(Q5_1),
+            (8, _) => dot_256::<8>(format, w, rows, out),
+            (4, _) => dot_256::<4>(format, w, rows, out),
+            (2, _) => dot_256::<2>(format, w, rows, out),
+            _ => dot_256::<1>(format, w, rows, out),
+        }
+        at += n;
+    }
+}
+
+/// The formats of 32 as `dot_32`'s const parameter.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q5_0: u8 = 2;
+const Q5_1: u8 = 3;
+
+/// Block `b` of format `F` (of 32): its 32 values `u`, `d` and the min
+/// (`w = d·u − dmin`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn block_32<const F: u8>(block: &[u8]) -> (__m256i, f32, f32) {
+    let d = f16_at(block, 0);
+    // Where the 16 bytes of nibbles start, the fifth bits, the min.
+    let (qs, qh, dmin) = match F {
+        Q4_0 => (2, None, 8. * d),
+        Q4_1 => (4, None, -f16_at(block, 2)),
+        Q5_0 => (6, Some(2), 16. * d),
+        _ => (8, Some(4), -f16_at(block, 2)),
+    };
+    let nibbles = &block[qs..qs + 16];
+    // SAFETY: `nibbles` holds 16 bytes.
+    let v = unsafe { _mm_loadu_si128(nibbles.as_ptr().cast()) };
+    let mut u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+    if let Some(at) = qh {
+        let bits = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
+        u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits(bits), _mm256_set1_epi8(16)));
+    }
+    (u, d, dmin)
+}
+
+/// The formats of 32: `Σ_b d·dx·Σ u·q − Σ_b dmin·(dx·Σ q)`, `R` rows
+/// (`rows` and `out` hold `R`), the mins' part spread over the 8 lanes.
+/// Up to 4 rows take two sets of sums, for alternate blocks, so that the
+/// adds of a row's blocks do not wait on each other.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_32<const F: u8, const R: usize>(w: &[u8], rows: &[InputRow], out: &mut [f32]) {
+    let bb = [18, 20, 22, 24][usize::from(F)];
+    let nb = w.len() / bb;
+    let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+    for row in rows {
+        assert!(row.q.len() >= 32 * nb && row.d.len() >= nb && row.dsums.len() >= nb);
+    }
+    let ones = _mm256_set1_epi16(1);
+    let step = |b: usize, acc: &mut [__m256; R]| {
+        let block = &w[b * bb..b * bb + bb];
+        _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH).cast());
+        let (u, d, dmin) = block_32::<F>(block);
+        let (dv, dminv) = (_mm256_set1_ps(d), _mm256_set1_ps(-0.125 * dmin));
+        for r in 0..R {
+            let row = &rows[r];
+            // SAFETY: every row holds `32·nb` values and `nb` scales and
+            // sums (asserted above), `b < nb`.
+            let (q, dx, dsum) = unsafe {
+                (
+                    _mm256_loadu_si256(row.q.as_ptr().add(32 * b).cast()),
+                    *row.d.get_unchecked(b),
+                    *row.dsums.get_unchecked(b),
+                )
+            };
+            let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+            let scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx));
+            let mins = _mm256_mul_ps(dminv, _mm256_set1_ps(dsum));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, mins));
+        }
+    };
+    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let mut b = 0;
+    while b + 2 <= nb {
+        step(b, &mut acc0);
+        step(b + 1, if R <= 4 { &mut acc1 } else { &mut acc0 });
+        b += 2;
+    }
+    if b < nb {
+        step(b, &mut acc0);
+    }
+    for r in 0..R {
+        out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+    }
 }
 
 /// Q4_K's and Q5_K's 8 scales and 8 mins from their 12 bytes (ggml's
@@ -39,10 +190,8 @@ fn k4_scales(s: &[u8], p: &mut Unpacked) {
     let sc = [a & KMASK1, (c & KMASK2) | (((a >> 6) & KMASK3) << 4)];
     let mn = [b & KMASK1, ((c >> 4) & KMASK2) | (((b >> 6) & KMASK3) << 4)];
     for i in 0..8 {
-        let (scale, min) = (
-            (sc[i / 4] >> (8 * (i % 4))) as u8,
-            (mn[i / 4] >> (8 * (i % 4))) as u8,
-        );
+        let scale = (sc[i / 4] >> (8 * (i % 4))) as u8;
+        let min = (mn[i / 4] >> (8 * (i % 4))) as u8;
         p.sc[2 * i] = i16::from(scale);
         p.sc[2 * i + 1] = i16::from(scale);
         p.m[2 * i] = i16::from(min);
@@ -50,18 +199,14 @@ fn k4_scales(s: &[u8], p: &mut Unpacked) {
     }
 }
 
-/// A block unpacked, with vector code where the format has it.
-#[target_feature(enable = "avx2,fma")]
-fn unpack_block(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
+/// A k-quant block unpacked, with vector code where the format has it.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
     let low = _mm256_set1_epi8(0x0F);
     let store = |u: &mut [u8; 256], at: usize, v: __m256i| {
-        // SAFETY: `at + 32 <= 256` at every call below.
-        unsafe { _mm256_storeu_si256(u.as_mut_ptr().add(at).cast(), v) }
-    };
-    let load = |at: usize| {
-        assert!(at + 32 <= b.len());
-        // SAFETY: checked just above.
-        unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
+        let u = &mut u[at..at + 32];
+        // SAFETY: `u` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(u.as_mut_ptr().cast(), v) }
     };
     match format {
         BlockFormat::Q4_K | BlockFormat::Q5_K => {
@@ -69,21 +214,21 @@ fn unpack_block(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
             p.dmin = f16_at(b, 2);
             k4_scales(&b[4..16], p);
             let (qh, qs) = match format {
-                BlockFormat::Q5_K => (Some(load(16)), 48),
+                BlockFormat::Q5_K => (Some(load32(b, 16)), 48),
                 _ => (None, 16),
             };
             for g in 0..4 {
-                let v = load(qs + 32 * g);
+                let v = load32(b, qs + 32 * g);
                 let mut lo = _mm256_and_si256(v, low);
                 let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 if let Some(h) = qh {
-                    let fifth = |bit: i32| {
+                    let fifth = |bit: usize| {
                         let mask = _mm256_set1_epi8(1 << bit);
                         let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, mask), mask);
                         _mm256_and_si256(set, _mm256_set1_epi8(16))
                     };
-                    lo = _mm256_or_si256(lo, fifth(2 * g as i32));
-                    hi = _mm256_or_si256(hi, fifth(2 * g as i32 + 1));
+                    lo = _mm256_or_si256(lo, fifth(2 * g));
+                    hi = _mm256_or_si256(hi, fifth(2 * g + 1));
                 }
                 store(&mut p.u, 64 * g, lo);
                 store(&mut p.u, 64 * g + 32, hi);
@@ -94,22 +239,15 @@ fn unpack_block(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
             p.dmin = p.d;
             let two = _mm256_set1_epi8(0x30);
             for n in 0..2 {
-                let (ql0, ql1, h) = (load(64 * n), load(64 * n + 32), load(128 + 32 * n));
+                let (ql0, ql1, h) = (load32(b, 64 * n), load32(b, 64 * n + 32), load32(b, 128 + 32 * n));
                 let quarters = [
                     (_mm256_and_si256(ql0, low), _mm256_slli_epi16(h, 4)),
                     (_mm256_and_si256(ql1, low), _mm256_slli_epi16(h, 2)),
                     (_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), h),
-                    (
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                        _mm256_srli_epi16(h, 2),
-                    ),
+                    (_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_srli_epi16(h, 2)),
                 ];
                 for (j, (l, hb)) in quarters.into_iter().enumerate() {
-                    store(
-                        &mut p.u,
-                        128 * n + 32 * j,
-                        _mm256_or_si256(l, _mm256_and_si256(hb, two)),
-                    );
+                    store(&mut p.u, 128 * n + 32 * j, _mm256_or_si256(l, _mm256_and_si256(hb, two)));
                 }
             }
             for h in 0..16 {
@@ -117,100 +255,65 @@ fn unpack_block(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
                 p.m[h] = 32 * p.sc[h];
             }
         }
-        BlockFormat::Q4_0 | BlockFormat::Q4_1 => {
-            let (at, min) = match format {
-                BlockFormat::Q4_0 => (2, None),
-                _ => (4, Some(f16_at(b, 2))),
-            };
-            p.d = f16_at(b, 0);
-            p.dmin = min.map_or(8. * p.d, |m| -m);
-            assert!(at + 16 <= b.len());
-            // SAFETY: checked just above; `u` holds 256.
-            unsafe {
-                let v = _mm_loadu_si128(b.as_ptr().add(at).cast());
-                let low = _mm_set1_epi8(0x0F);
-                _mm_storeu_si128(p.u.as_mut_ptr().cast(), _mm_and_si128(v, low));
-                _mm_storeu_si128(
-                    p.u.as_mut_ptr().add(16).cast(),
-                    _mm_and_si128(_mm_srli_epi16(v, 4), low),
-                );
-            }
-            p.sc[..2].fill(1);
-            p.m[..2].fill(1);
-        }
         _ => unpack(format, b, p),
     }
 }
 
-/// Weight row `w` times input rows `rows` of `x`, into `out`: the AVX2
-/// form of `portable::dot_rows` (Q8_0 goes there: its `u` can be 255).
-#[target_feature(enable = "avx2,fma")]
-pub(crate) fn dot_rows(
-    format: BlockFormat,
-    w: &[u8],
-    x: &QuantizedInputs,
-    rows: Range<usize>,
-    out: &mut [f32],
-) {
-    if format == BlockFormat::Q8_0 {
-        return super::portable::dot_rows(format, w, x, rows, out);
-    }
-    let (be, bb) = (format.block_elems(), format.block_bytes());
+/// The k-quants: `Σ_b dx·(d·Σ_h sc_h Σ u·q − dmin·Σ_h m_h·sums_h)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_256<const R: usize>(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &mut [f32]) {
+    let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+    let mut acc = [_mm256_setzero_ps(); R];
     let mut p = Unpacked::default();
-    let end = rows.end;
-    for (rows, out) in rows
-        .step_by(ROWS)
-        .map(|r| r..(r + ROWS).min(end))
-        .zip(out.chunks_mut(ROWS))
-    {
-        let mut acc = [_mm256_setzero_ps(); ROWS];
-        let mut off = [0f32; ROWS];
-        for (b, block) in w.chunks_exact(bb).enumerate() {
-            unpack_block(format, block, &mut p);
-            if be == 256 {
-                // Per 32 elements, the two groups' scales in the halves.
-                let sc: [__m256i; 8] = std::array::from_fn(|c| {
-                    _mm256_set_m128i(_mm_set1_epi16(p.sc[2 * c + 1]), _mm_set1_epi16(p.sc[2 * c]))
-                });
-                // SAFETY: `m` holds 16 `i16`.
-                let m = unsafe { _mm256_loadu_si256(p.m.as_ptr().cast()) };
-                for (acc, r) in acc.iter_mut().zip(rows.clone()) {
-                    let (q, d, sums) = x.row(r);
-                    let (q, sums) = (&q[b * 256..][..256], &sums[b * 16..][..16]);
-                    let mut isum = _mm256_setzero_si256();
-                    for (c, sc) in sc.iter().enumerate() {
-                        // SAFETY: `u` and `q` hold 256 from `32·c < 256`.
-                        let (u, q) = unsafe {
-                            (
-                                _mm256_loadu_si256(p.u.as_ptr().add(32 * c).cast()),
-                                _mm256_loadu_si256(q.as_ptr().add(32 * c).cast()),
-                            )
-                        };
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), *sc));
-                    }
-                    // SAFETY: `sums` holds 16 `i16`.
-                    let msum = _mm256_madd_epi16(m, unsafe { _mm256_loadu_si256(sums.as_ptr().cast()) });
-                    let dx = d[b];
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * p.d), *acc);
-                    *acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dx * p.dmin), *acc);
-                }
-            } else {
-                let ones = _mm256_set1_epi16(1);
-                // SAFETY: `u` holds 256.
-                let u = unsafe { _mm256_loadu_si256(p.u.as_ptr().cast()) };
-                for ((acc, off), r) in acc.iter_mut().zip(&mut off).zip(rows.clone()) {
-                    let (q, d, sums) = x.row(r);
-                    // SAFETY: the row holds `b·32 + 32` values.
-                    let q = unsafe { _mm256_loadu_si256(q[b * 32..][..32].as_ptr().cast()) };
-                    let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
-                    let dx = d[b];
-                    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * p.d), *acc);
-                    *off += dx * p.dmin * f32::from(sums[2 * b] + sums[2 * b + 1]);
-                }
+    let bb = format.block_bytes();
+    // Per chunk c of 32 (of the 8 scales in a 128-bit lane): the low
+    // lane's 8 `i16` take scale 2c, the high lane's scale 2c + 1.
+    let pick: [__m256i; 8] = std::array::from_fn(|c| {
+        let (a, b) = ((4 * c) as i8, (4 * c + 2) as i8);
+        _mm256_setr_epi8(
+            a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, //
+            b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
+        )
+    });
+    for (b, block) in w.chunks_exact(bb).enumerate() {
+        for line in (0..bb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH + line).cast());
+        }
+        unpack_k(format, block, &mut p);
+        // The 16 scales in both halves, each half's shuffle picking two.
+        // SAFETY: `sc` and `m` hold 16 `i16` each.
+        let (sc, m) = unsafe {
+            (
+                _mm256_loadu_si256(p.sc.as_ptr().cast()),
+                _mm256_loadu_si256(p.m.as_ptr().cast()),
+            )
+        };
+        let sc_lo = _mm256_permute2x128_si256(sc, sc, 0x00);
+        let sc_hi = _mm256_permute2x128_si256(sc, sc, 0x11);
+        let scales: [__m256i; 8] = std::array::from_fn(|c| {
+            let half = if c < 4 { sc_lo } else { sc_hi };
+            _mm256_shuffle_epi8(half, pick[c % 4])
+        });
+        let u: [__m256i; 8] = std::array::from_fn(|c| load32(&p.u, 32 * c));
+        for r in 0..R {
+            let row = &rows[r];
+            let q = &row.q[256 * b..256 * b + 256];
+            let mut isum = _mm256_setzero_si256();
+            for c in 0..8 {
+                // SAFETY: `q` holds 256 bytes from `32·c`.
+                let qv = unsafe { _mm256_loadu_si256(q.as_ptr().add(32 * c).cast()) };
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], qv), scales[c]));
             }
+            let sums = &row.sums[16 * b..16 * b + 16];
+            // SAFETY: `sums` holds 16 `i16`.
+            let msum = _mm256_madd_epi16(m, unsafe { _mm256_loadu_si256(sums.as_ptr().cast()) });
+            let dx = row.d[b];
+            let mins = _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dx * p.dmin));
+            let sums = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * p.d), mins);
+            acc[r] = _mm256_add_ps(acc[r], sums);
         }
-        for ((o, acc), off) in out.iter_mut().zip(acc).zip(off) {
-            *o = hsum(acc) - off;
-        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        *o = hsum(acc);
     }
 }

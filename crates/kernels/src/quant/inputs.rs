@@ -13,20 +13,36 @@ pub(crate) struct QuantizedInputs {
     pub(crate) d: Vec<f32>,
     /// Per row and 16 values.
     pub(crate) sums: Vec<i16>,
+    /// Per row and block, `dx · Σ q`: what a block's min multiplies in
+    /// the formats with one scale per 32 (`format.rs`).
+    pub(crate) dsums: Vec<f32>,
     pub(crate) k: usize,
     pub(crate) block: usize,
 }
 
 impl QuantizedInputs {
-    /// Row `r`'s values, scales and sums.
-    pub(crate) fn row(&self, r: usize) -> (&[i8], &[f32], &[i16]) {
+    /// Every row's slices.
+    pub(crate) fn rows(&self) -> Vec<InputRow<'_>> {
         let (k, nb) = (self.k, self.k / self.block);
-        (
-            &self.q[r * k..][..k],
-            &self.d[r * nb..][..nb],
-            &self.sums[r * k / 16..][..k / 16],
-        )
+        (0..self.q.len() / k.max(1))
+            .map(|r| InputRow {
+                q: &self.q[r * k..][..k],
+                d: &self.d[r * nb..][..nb],
+                sums: &self.sums[r * k / 16..][..k / 16],
+                dsums: &self.dsums[r * nb..][..nb],
+            })
+            .collect()
     }
+}
+
+/// One row of quantized inputs: its values, per block its scale and
+/// `dx · Σ q`, per 16 values their sum.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct InputRow<'a> {
+    pub(crate) q: &'a [i8],
+    pub(crate) d: &'a [f32],
+    pub(crate) sums: &'a [i16],
+    pub(crate) dsums: &'a [f32],
 }
 
 /// One block of `x` into `q` and `sums`; returns its scale. A block
@@ -64,24 +80,28 @@ pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> Qu
         q: vec![0; m * k],
         d: vec![0.; m * nb],
         sums: vec![0; m * k / 16],
+        dsums: vec![0.; m * nb],
         k,
         block,
     };
-    type Row<'a> = ((&'a mut [i8], &'a mut [f32]), (&'a mut [i16], &'a [f32]));
-    let one_row = |((q, d), (sums, x)): Row| {
-        for (((q, d), sums), x) in q
+    type Row<'a> = (((&'a mut [i8], &'a mut [f32]), &'a mut [f32]), (&'a mut [i16], &'a [f32]));
+    let one_row = |(((q, d), dsums), (sums, x)): Row| {
+        for ((((q, d), dsum), sums), x) in q
             .chunks_exact_mut(block)
             .zip(d.iter_mut())
+            .zip(dsums.iter_mut())
             .zip(sums.chunks_exact_mut(block / 16))
             .zip(x.chunks_exact(block))
         {
             *d = quantize_block(x, q, sums);
+            *dsum = *d * sums.iter().map(|&s| f32::from(s)).sum::<f32>();
         }
     };
     let rows = out
         .q
         .chunks_exact_mut(k)
         .zip(out.d.chunks_exact_mut(nb))
+        .zip(out.dsums.chunks_exact_mut(nb))
         .zip(out.sums.chunks_exact_mut(k / 16).zip(x.chunks_exact(k)));
     if m * k >= 1 << 15 {
         rows.collect::<Vec<_>>().into_par_iter().for_each(one_row);

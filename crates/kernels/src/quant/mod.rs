@@ -26,13 +26,15 @@ use candle::{bail, Result};
 use rayon::prelude::*;
 
 pub use format::{dequantize_row, BlockFormat};
-use inputs::{quantize_inputs, QuantizedInputs};
+use inputs::{quantize_inputs, InputRow};
 
 use crate::isa::Isa;
 use crate::pool::{par_for, SyncPtr};
 
-/// Output features a task takes.
+/// Output features a task takes (of a call of more than [`FEW_ROWS`]).
 const TASK_FEATURES: usize = 16;
+/// Input rows up to which a call gives each thread one run of features.
+const FEW_ROWS: usize = 4;
 
 /// The code a weight's products run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,12 +189,20 @@ impl BlockWeight {
             return out;
         }
         let xq = quantize_inputs(&x[..m * k], m, k, self.format.block_elems());
-        let tasks = width.div_ceil(TASK_FEATURES);
+        let rows = xq.rows();
+        // A few rows (a decode step): one run of features a thread, so
+        // that each thread streams its part of the weight from memory in
+        // order; more: tasks of TASK_FEATURES, taken as threads free up.
+        let per_task = match m {
+            ..=FEW_ROWS => width.div_ceil(rayon::current_num_threads()).max(1),
+            _ => TASK_FEATURES,
+        };
+        let tasks = width.div_ceil(per_task);
         let out_ptr = SyncPtr(out.as_mut_ptr());
         par_for(tasks, m * width * k, |t| {
             let mut col = vec![0f32; m];
-            for j in lo + t * TASK_FEATURES..(lo + (t + 1) * TASK_FEATURES).min(hi) {
-                self.dot_rows(j, &xq, &mut col);
+            for j in lo + t * per_task..(lo + (t + 1) * per_task).min(hi) {
+                self.dot_rows(j, &rows, &mut col);
                 let bias = self.bias.as_ref().map_or(0., |b| b[j]);
                 for (r, &y) in col.iter().enumerate() {
                     let at = r * width + j - lo;
@@ -207,15 +217,14 @@ impl BlockWeight {
         out
     }
 
-    /// Feature `j`'s products with every row of `xq`, into `out`.
-    fn dot_rows(&self, j: usize, xq: &QuantizedInputs, out: &mut [f32]) {
-        let rows = 0..out.len();
+    /// Feature `j`'s products with every input row, into `out`.
+    fn dot_rows(&self, j: usize, rows: &[InputRow], out: &mut [f32]) {
         match self.kernel {
-            Kernel::Portable => portable::dot_rows(self.format, self.row(j), xq, rows, out),
+            Kernel::Portable => portable::dot_rows(self.format, self.row(j), rows, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Kernel::Avx2` is chosen only where the processor
-            // runs AVX2 and FMA (`Kernel::for_isa`).
-            Kernel::Avx2 => unsafe { avx2::dot_rows(self.format, self.row(j), xq, rows, out) },
+            // runs AVX2, FMA and F16C (`Kernel::for_isa`, `isa.rs`).
+            Kernel::Avx2 => unsafe { avx2::dot_rows(self.format, self.row(j), rows, out) },
         }
     }
 }

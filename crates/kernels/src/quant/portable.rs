@@ -2,7 +2,7 @@
 //! written out, the definition the vector kernels are tested against.
 
 use super::format::{unpack, BlockFormat, Unpacked};
-use super::inputs::QuantizedInputs;
+use super::inputs::InputRow;
 
 /// `Σ_h sc_h Σ u·q` and `Σ_h m_h·sums_h` of one block of `n` elements.
 pub(crate) fn block_sums(p: &Unpacked, n: usize, q: &[i8], sums: &[i16]) -> (i32, i32) {
@@ -19,24 +19,18 @@ pub(crate) fn block_sums(p: &Unpacked, n: usize, q: &[i8], sums: &[i16]) -> (i32
     (isum, msum)
 }
 
-/// Weight row `w` (its blocks' bytes) times input rows `rows` of `x`,
-/// into `out` (one per row).
-pub(crate) fn dot_rows(
-    format: BlockFormat,
-    w: &[u8],
-    x: &QuantizedInputs,
-    rows: std::ops::Range<usize>,
-    out: &mut [f32],
-) {
+/// Weight row `w` (its blocks' bytes) times input rows `rows`, into
+/// `out` (one per row).
+pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &mut [f32]) {
     let (be, bb) = (format.block_elems(), format.block_bytes());
     out.fill(0.);
     let mut p = Unpacked::default();
     for (b, block) in w.chunks_exact(bb).enumerate() {
         unpack(format, block, &mut p);
-        for (o, r) in out.iter_mut().zip(rows.clone()) {
-            let (q, d, sums) = x.row(r);
-            let (isum, msum) = block_sums(&p, be, &q[b * be..][..be], &sums[b * be / 16..][..be / 16]);
-            *o += d[b] * (p.d * isum as f32 - p.dmin * msum as f32);
+        for (o, row) in out.iter_mut().zip(rows) {
+            let q = &row.q[b * be..][..be];
+            let (isum, msum) = block_sums(&p, be, q, &row.sums[b * be / 16..][..be / 16]);
+            *o += row.d[b] * (p.d * isum as f32 - p.dmin * msum as f32);
         }
     }
 }

@@ -143,17 +143,18 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
         let bias: Vec<f32> = (0..n).map(|_| rng.unit() - 0.5).collect();
         let mut w = vec![0f32; n * k];
         dequantize_row(format, &data, &mut w);
-        for m in [1, 3, 11] {
+        for m in [1, 3, 5, 11] {
             let x: Vec<f32> = (0..m * k).map(|_| 2. * rng.unit() - 1.).collect();
             let residual: Vec<f32> = (0..m * n).map(|_| rng.unit()).collect();
             let xq = quantize_inputs(&x, m, k, format.block_elems());
+            let xrows = xq.rows();
             for isa in isa::supported() {
                 isa::force(Some(isa));
                 let weight = BlockWeight::new(format, data.clone(), n, k, Some(bias.clone()), isa)?;
                 let y = weight.forward(&x, m, (0, n), Some(&residual));
                 let part = weight.forward(&x, m, (5, 21), None);
                 for r in 0..m {
-                    let (q, d, _) = xq.row(r);
+                    let (q, d) = (xrows[r].q, xrows[r].d);
                     for j in 0..n {
                         let (mut exact, mut mag, mut plain) = (0f64, 0f64, 0f64);
                         for i in 0..k {
