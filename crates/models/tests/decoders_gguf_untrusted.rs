@@ -133,7 +133,10 @@ fn unsupported_types_and_wrong_tensors_are_named() -> Result<()> {
     })?;
     let msg = load_error(&q4);
     std::fs::remove_file(&q4)?;
-    assert_mentions(&msg, &["blk.1.ffn_up.weight", "Q8_1", "F32, F16, BF16, Q8_0, Q4_0"]);
+    assert_mentions(
+        &msg,
+        &["blk.1.ffn_up.weight", "Q8_1", "F32, F16, BF16, Q8_0, Q4_0"],
+    );
 
     let odd = rewrite("llama", "odd", |_, tensors| {
         tensors.retain(|(n, _)| n != "blk.0.ffn_down.weight");

@@ -244,10 +244,17 @@ fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
                     (_mm256_and_si256(ql0, low), _mm256_slli_epi16(h, 4)),
                     (_mm256_and_si256(ql1, low), _mm256_slli_epi16(h, 2)),
                     (_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), h),
-                    (_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_srli_epi16(h, 2)),
+                    (
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                        _mm256_srli_epi16(h, 2),
+                    ),
                 ];
                 for (j, (l, hb)) in quarters.into_iter().enumerate() {
-                    store(&mut p.u, 128 * n + 32 * j, _mm256_or_si256(l, _mm256_and_si256(hb, two)));
+                    store(
+                        &mut p.u,
+                        128 * n + 32 * j,
+                        _mm256_or_si256(l, _mm256_and_si256(hb, two)),
+                    );
                 }
             }
             for h in 0..16 {
@@ -271,8 +278,38 @@ fn dot_256<const R: usize>(format: BlockFormat, w: &[u8], rows: &[InputRow], out
     let pick: [__m256i; 8] = std::array::from_fn(|c| {
         let (a, b) = ((4 * c) as i8, (4 * c + 2) as i8);
         _mm256_setr_epi8(
-            a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, //
-            b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1,
+            a,
+            a + 1, //
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
+            b,
+            b + 1,
         )
     });
     for (b, block) in w.chunks_exact(bb).enumerate() {

@@ -84,7 +84,10 @@ pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> Qu
         k,
         block,
     };
-    type Row<'a> = (((&'a mut [i8], &'a mut [f32]), &'a mut [f32]), (&'a mut [i16], &'a [f32]));
+    type Row<'a> = (
+        ((&'a mut [i8], &'a mut [f32]), &'a mut [f32]),
+        (&'a mut [i16], &'a [f32]),
+    );
     let one_row = |(((q, d), dsums), (sums, x)): Row| {
         for ((((q, d), dsum), sums), x) in q
             .chunks_exact_mut(block)
