@@ -4,9 +4,10 @@
 //! never saturating), then `vpmaddwd` by the scales; sums in `i32` lanes
 //! to the block's end and in f32 lanes to the row's.
 //!
-//! The formats of 32 (Q4_0, Q4_1, Q5_0, Q5_1) are unpacked in registers;
-//! the k-quants into a block buffer (Q4_K, Q5_K, Q6_K with vector code,
-//! Q2_K and Q3_K as `format.rs` unpacks them). Q8_0, whose `u` can be 255,
+//! The formats of 32 (Q4_0, Q4_1, Q5_0, Q5_1) come in panels of 8
+//! features (`panels.rs`), a step's products one lane per feature; the
+//! k-quants in rows, each block unpacked into a buffer (Q4_K, Q5_K, Q6_K
+//! with vector code, Q2_K and Q3_K as `format.rs` unpacks them). Q8_0, whose `u` can be 255,
 //! goes to the portable code: its weights take the Q8_0 kernels (`q8.rs`).
 
 use std::arch::x86_64::*;
@@ -43,27 +44,12 @@ fn load32(b: &[u8], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
 }
 
-/// Byte `i` all ones where bit `i` of `bits` is set (ggml's
-/// `bytes_from_bits_32`).
-#[target_feature(enable = "avx2")]
-fn bytes_from_bits(bits: u32) -> __m256i {
-    let shuffle = _mm256_set_epi64x(
-        0x0303_0303_0303_0303,
-        0x0202_0202_0202_0202,
-        0x0101_0101_0101_0101,
-        0,
-    );
-    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
-    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
-    _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
-}
-
-/// Weight row `w` times input rows `rows`, into `out`: the AVX2 form of
-/// `portable::dot_rows`, 8 rows at a time (then 4, 2, 1), each
-/// group's sums in registers.
+/// Weight row `w` (a k-quant's blocks) times input rows `rows`, into
+/// `out`: the AVX2 form of `portable::dot_rows`, 8 rows at a time (then
+/// 4, 2, 1), each group's sums in registers.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &mut [f32]) {
-    if format == BlockFormat::Q8_0 {
+    if format.block_elems() != 256 {
         return super::portable::dot_rows(format, w, rows, out);
     }
     let mut at = 0;
@@ -75,107 +61,148 @@ pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &m
             _ => 1,
         };
         let (rows, out) = (&rows[at..at + n], &mut out[at..at + n]);
-        macro_rules! by_rows {
-            ($f:expr) => {
-                match n {
-                    8 => dot_32::<$f, 8>(w, rows, out),
-                    4 => dot_32::<$f, 4>(w, rows, out),
-                    2 => dot_32::<$f, 2>(w, rows, out),
-                    _ => dot_32::<$f, 1>(w, rows, out),
-                }
-            };
-        }
-        match (n, format) {
-            (_, BlockFormat::Q4_0) => by_rows!(Q4_0),
-            (_, BlockFormat::Q4_1) => by_rows!(Q4_1),
-            (_, BlockFormat::Q5_0) => by_rows!(Q5_0),
-            (_, BlockFormat::Q5_1) => by_rows!(Q5_1),
-            (8, _) => dot_256::<8>(format, w, rows, out),
-            (4, _) => dot_256::<4>(format, w, rows, out),
-            (2, _) => dot_256::<2>(format, w, rows, out),
+        match n {
+            8 => dot_256::<8>(format, w, rows, out),
+            4 => dot_256::<4>(format, w, rows, out),
+            2 => dot_256::<2>(format, w, rows, out),
             _ => dot_256::<1>(format, w, rows, out),
         }
         at += n;
     }
 }
 
-/// The formats of 32 as `dot_32`'s const parameter.
+/// The formats of 32 as `panel_32`'s const parameter.
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
 const Q5_0: u8 = 2;
 const Q5_1: u8 = 3;
 
-/// Block `b` of format `F` (of 32): its 32 values `u`, `d` and the min
-/// (`w = d·u − dmin`).
-#[inline]
+/// A panel of 8 features (`panels.rs`, `nb` blocks) times input rows
+/// `rows`, into `out` (8 a row, the panel's features in order): 4 rows
+/// at a time (then 2, 1), each group's sums in registers.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn block_32<const F: u8>(block: &[u8]) -> (__m256i, f32, f32) {
-    let d = f16_at(block, 0);
-    // Where the 16 bytes of nibbles start, the fifth bits, the min.
-    let (qs, qh, dmin) = match F {
-        Q4_0 => (2, None, 8. * d),
-        Q4_1 => (4, None, -f16_at(block, 2)),
-        Q5_0 => (6, Some(2), 16. * d),
-        _ => (8, Some(4), -f16_at(block, 2)),
-    };
-    let nibbles = &block[qs..qs + 16];
-    // SAFETY: `nibbles` holds 16 bytes.
-    let v = unsafe { _mm_loadu_si128(nibbles.as_ptr().cast()) };
-    let mut u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
-    if let Some(at) = qh {
-        let bits = u32::from_le_bytes([block[at], block[at + 1], block[at + 2], block[at + 3]]);
-        u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits(bits), _mm256_set1_epi8(16)));
+pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
+    let mut at = 0;
+    while at < rows.len() {
+        let n = match rows.len() - at {
+            4.. => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
+        macro_rules! by_rows {
+            ($f:expr) => {
+                match n {
+                    4 => panel_32::<$f, 4>(panel, nb, rows, out),
+                    2 => panel_32::<$f, 2>(panel, nb, rows, out),
+                    _ => panel_32::<$f, 1>(panel, nb, rows, out),
+                }
+            };
+        }
+        match format {
+            BlockFormat::Q4_0 => by_rows!(Q4_0),
+            BlockFormat::Q4_1 => by_rows!(Q4_1),
+            BlockFormat::Q5_0 => by_rows!(Q5_0),
+            _ => by_rows!(Q5_1),
+        }
+        at += n;
     }
-    (u, d, dmin)
 }
 
-/// The formats of 32: `Σ_b d·dx·Σ u·q − Σ_b dmin·(dx·Σ q)`, `R` rows
-/// (`rows` and `out` hold `R`), the mins' part spread over the 8 lanes.
-/// Up to 4 rows take two sets of sums, for alternate blocks, so that the
-/// adds of a row's blocks do not wait on each other.
+/// The fifth bits of a step: byte `4c + t` (of each 128-bit half's
+/// features) 16 where bit `shift + t` of feature `c`'s `qh` (lane `c`) is
+/// set.
+#[target_feature(enable = "avx2")]
+fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
+    let shifted = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(shift));
+    let spread = _mm256_shuffle_epi8(
+        shifted,
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, //
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+        ),
+    );
+    let bit = _mm256_set1_epi32(0x0804_0201);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+/// `R` rows times one panel of format `F`: per block, the 8 features'
+/// sums in the lanes of one vector, `Σ d·dx·Σ u·q − dmin·(dx·Σ q)`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_32<const F: u8, const R: usize>(w: &[u8], rows: &[InputRow], out: &mut [f32]) {
-    let bb = [18, 20, 22, 24][usize::from(F)];
-    let nb = w.len() / bb;
+fn panel_32<const F: u8, const R: usize>(panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
+    // The panel block's size and where its mins, fifth bits and nibbles are.
+    let (pb, m_at, qh_at, qs_at) = match F {
+        Q4_0 => (144, 0, 0, 16),
+        Q4_1 => (160, 16, 0, 32),
+        Q5_0 => (176, 0, 16, 48),
+        _ => (192, 16, 32, 64),
+    };
     let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+    assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
     for row in rows {
         assert!(row.q.len() >= 32 * nb && row.d.len() >= nb && row.dsums.len() >= nb);
     }
-    let ones = _mm256_set1_epi16(1);
-    let step = |b: usize, acc: &mut [__m256; R]| {
-        let block = &w[b * bb..b * bb + bb];
-        _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH).cast());
-        let (u, d, dmin) = block_32::<F>(block);
-        let (dv, dminv) = (_mm256_set1_ps(d), _mm256_set1_ps(-0.125 * dmin));
+    let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        let blk = &panel[b * pb..b * pb + pb];
+        for line in (0..pb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH + line).cast());
+        }
+        // SAFETY: `blk` holds `pb` bytes, past every offset read below.
+        let (d, dmin, qh) = unsafe {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));
+            let dmin = match F {
+                Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(8.)),
+                Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(16.)),
+                _ => _mm256_sub_ps(
+                    _mm256_setzero_ps(),
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(m_at).cast())),
+                ),
+            };
+            let qh = match F {
+                Q5_0 | Q5_1 => _mm256_loadu_si256(blk.as_ptr().add(qh_at).cast()),
+                _ => _mm256_setzero_si256(),
+            };
+            (d, dmin, qh)
+        };
+        let mut isum = [_mm256_setzero_si256(); R];
+        for pair in 0..2 {
+            // Two steps' products in i16 (at most 4·2·31·127 < 2¹⁵).
+            let mut s16 = [_mm256_setzero_si256(); R];
+            for g in 2 * pair..2 * pair + 2 {
+                let v = load32(blk, qs_at + 32 * g);
+                let mut lo = _mm256_and_si256(v, low);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if F == Q5_0 || F == Q5_1 {
+                    lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * g as i32));
+                    hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * g as i32));
+                }
+                for r in 0..R {
+                    let q = &rows[r].q[32 * b..32 * b + 32];
+                    let x = |at: usize| {
+                        i32::from_le_bytes([q[at] as u8, q[at + 1] as u8, q[at + 2] as u8, q[at + 3] as u8])
+                    };
+                    let (xlo, xhi) = (_mm256_set1_epi32(x(4 * g)), _mm256_set1_epi32(x(16 + 4 * g)));
+                    let both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+                    s16[r] = _mm256_add_epi16(s16[r], both);
+                }
+            }
+            for r in 0..R {
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], ones));
+            }
+        }
         for r in 0..R {
             let row = &rows[r];
-            // SAFETY: every row holds `32·nb` values and `nb` scales and
-            // sums (asserted above), `b < nb`.
-            let (q, dx, dsum) = unsafe {
-                (
-                    _mm256_loadu_si256(row.q.as_ptr().add(32 * b).cast()),
-                    *row.d.get_unchecked(b),
-                    *row.dsums.get_unchecked(b),
-                )
-            };
-            let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
-            let scale = _mm256_mul_ps(dv, _mm256_set1_ps(dx));
-            let mins = _mm256_mul_ps(dminv, _mm256_set1_ps(dsum));
-            acc[r] = _mm256_add_ps(acc[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, mins));
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(row.d[b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+            acc[r] = _mm256_fnmadd_ps(dmin, _mm256_set1_ps(row.dsums[b]), acc[r]);
         }
-    };
-    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-    let mut b = 0;
-    while b + 2 <= nb {
-        step(b, &mut acc0);
-        step(b + 1, if R <= 4 { &mut acc1 } else { &mut acc0 });
-        b += 2;
     }
-    if b < nb {
-        step(b, &mut acc0);
-    }
-    for r in 0..R {
-        out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+    for (acc, out) in acc.iter().zip(out.chunks_exact_mut(8)) {
+        // SAFETY: `out` holds 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *acc) };
     }
 }
 

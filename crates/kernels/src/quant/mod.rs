@@ -18,6 +18,7 @@
 mod avx2;
 mod format;
 mod inputs;
+mod panels;
 mod portable;
 #[cfg(test)]
 mod tests;
@@ -27,6 +28,7 @@ use rayon::prelude::*;
 
 pub use format::{dequantize_row, BlockFormat};
 use inputs::{quantize_inputs, InputRow};
+use panels::{Layout, PANEL};
 
 use crate::isa::Isa;
 use crate::pool::{par_for, SyncPtr};
@@ -55,10 +57,13 @@ impl Kernel {
 }
 
 /// A weight `(n, k)` in one block format: `n` rows of `k / block`
-/// blocks, the bytes a GGUF file holds for it, and its bias in f32.
+/// blocks, the bytes a GGUF file holds for it (the formats of 32
+/// reordered into panels of 8 features, `panels.rs`), and its bias in f32.
 pub(crate) struct BlockWeight {
     format: BlockFormat,
     data: Vec<u8>,
+    /// Where the blocks are in panels, their layout.
+    panels: Option<Layout>,
     bias: Option<Vec<f32>>,
     n: usize,
     k: usize,
@@ -105,9 +110,15 @@ impl BlockWeight {
         if let Some(b) = bias.as_ref().filter(|b| b.len() != n) {
             bail!("{name} weight ({n}, {k}): bias of {}", b.len())
         }
+        let panels = Layout::of(format);
+        let data = match panels {
+            Some(l) => panels::repack(l, &data, n, k / format.block_elems()),
+            None => data,
+        };
         Ok(BlockWeight {
             format,
             data,
+            panels,
             bias,
             n,
             k,
@@ -125,16 +136,29 @@ impl BlockWeight {
         self.format
     }
 
+    /// Blocks a row.
+    fn nb(&self) -> usize {
+        self.k / self.format.block_elems()
+    }
+
+    /// Feature `j`'s blocks, where they are kept in rows.
     fn row(&self, j: usize) -> &[u8] {
         let rb = self.format.row_bytes(self.k);
         &self.data[j * rb..][..rb]
     }
 
+    /// Panel `p`'s blocks, where they are kept in panels.
+    fn panel(&self, l: Layout, p: usize) -> &[u8] {
+        let pb = self.nb() * l.bytes();
+        &self.data[p * pb..][..pb]
+    }
+
     /// Its output features, then `other`'s (rows appended, a missing
     /// bias as zeros); given back where the two differ in format, input
-    /// size or kernel.
+    /// size or kernel, or its features do not fill whole panels.
     pub(crate) fn join(mut self, other: &Self) -> std::result::Result<Self, Self> {
-        if self.format != other.format || self.k != other.k || self.kernel != other.kernel {
+        let whole_panels = self.panels.is_none() || self.n.is_multiple_of(PANEL);
+        if self.format != other.format || self.k != other.k || self.kernel != other.kernel || !whole_panels {
             return Err(self);
         }
         self.data.extend_from_slice(&other.data);
@@ -154,9 +178,19 @@ impl BlockWeight {
     /// embedding table's lookup.
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = vec![0f32; ids.len() * self.k];
+        let (format, nb, be) = (self.format, self.nb(), self.format.block_elems());
         out.par_chunks_mut(self.k)
             .zip(ids)
-            .for_each(|(o, &j)| dequantize_row(self.format, self.row(j as usize), o));
+            .for_each(|(o, &j)| match self.panels {
+                Some(l) => {
+                    let mut block = [0u8; 24];
+                    for (b, o) in o.chunks_exact_mut(be).enumerate() {
+                        panels::block_of(l, &self.data, nb, j as usize, b, &mut block[..l.block]);
+                        format::dequantize_block(format, &block[..l.block], o);
+                    }
+                }
+                None => dequantize_row(format, self.row(j as usize), o),
+            });
         out
     }
 
@@ -190,31 +224,66 @@ impl BlockWeight {
         }
         let xq = quantize_inputs(&x[..m * k], m, k, self.format.block_elems());
         let rows = xq.rows();
-        // A few rows (a decode step): one run of features a thread, so
-        // that each thread streams its part of the weight from memory in
-        // order; more: tasks of TASK_FEATURES, taken as threads free up.
-        let per_task = match m {
-            ..=FEW_ROWS => width.div_ceil(rayon::current_num_threads()).max(1),
-            _ => TASK_FEATURES,
-        };
-        let tasks = width.div_ceil(per_task);
         let out_ptr = SyncPtr(out.as_mut_ptr());
+        // Writes row r's outputs for features j0.. from `ys`, with the
+        // bias and the residual.
+        let write = |r: usize, j0: usize, ys: &[f32]| {
+            for (j, &y) in (j0..).zip(ys) {
+                let at = r * width + j - lo;
+                let y = y + self.bias.as_ref().map_or(0., |b| b[j]);
+                let y = residual.map_or(y, |res| y + res[at]);
+                // SAFETY: column j - lo of the m × width output is this
+                // task's alone (tasks take disjoint features).
+                unsafe { *out_ptr.get().add(at) = y };
+            }
+        };
+        // Units: features, or panels of them. A few rows (a decode step):
+        // one run of units a thread, so that each thread streams its part
+        // of the weight from memory in order; more: tasks of
+        // TASK_FEATURES, taken as threads free up.
+        let (u_lo, u_hi, unit) = match self.panels {
+            Some(_) => (lo / PANEL, hi.div_ceil(PANEL), PANEL),
+            None => (lo, hi, 1),
+        };
+        let per_task = match m {
+            ..=FEW_ROWS => (u_hi - u_lo).div_ceil(rayon::current_num_threads()).max(1),
+            _ => TASK_FEATURES.div_ceil(unit),
+        };
+        let tasks = (u_hi - u_lo).div_ceil(per_task);
         par_for(tasks, m * width * k, |t| {
-            let mut col = vec![0f32; m];
-            for j in lo + t * per_task..(lo + (t + 1) * per_task).min(hi) {
-                self.dot_rows(j, &rows, &mut col);
-                let bias = self.bias.as_ref().map_or(0., |b| b[j]);
-                for (r, &y) in col.iter().enumerate() {
-                    let at = r * width + j - lo;
-                    let y = y + bias;
-                    let y = residual.map_or(y, |res| y + res[at]);
-                    // SAFETY: column j - lo of the m × width output is
-                    // this task's alone (tasks take disjoint features).
-                    unsafe { *out_ptr.get().add(at) = y };
+            let mut ys = vec![0f32; m * unit];
+            for u in u_lo + t * per_task..(u_lo + (t + 1) * per_task).min(u_hi) {
+                match self.panels {
+                    Some(l) => {
+                        self.dot_panel(l, u, &rows, &mut ys);
+                        // The panel's features inside lo..hi.
+                        let (j0, j1) = ((u * PANEL).max(lo), ((u + 1) * PANEL).min(hi));
+                        for (r, ys) in ys.chunks_exact(PANEL).enumerate() {
+                            write(r, j0, &ys[j0 - u * PANEL..j1 - u * PANEL]);
+                        }
+                    }
+                    None => {
+                        self.dot_rows(u, &rows, &mut ys);
+                        for (r, &y) in ys.iter().enumerate() {
+                            write(r, u, &[y]);
+                        }
+                    }
                 }
             }
         });
         out
+    }
+
+    /// Panel `p`'s products with every input row, into `out` (8 a row).
+    fn dot_panel(&self, l: Layout, p: usize, rows: &[InputRow], out: &mut [f32]) {
+        let (panel, nb) = (self.panel(l, p), self.nb());
+        match self.kernel {
+            Kernel::Portable => portable::dot_panel(self.format, panel, nb, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Avx2` is chosen only where the processor
+            // runs AVX2, FMA and F16C (`Kernel::for_isa`, `isa.rs`).
+            Kernel::Avx2 => unsafe { avx2::dot_panel(self.format, panel, nb, rows, out) },
+        }
     }
 
     /// Feature `j`'s products with every input row, into `out`.

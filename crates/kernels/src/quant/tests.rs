@@ -4,7 +4,6 @@ use candle::quantized::k_quants::{
 };
 use half::f16;
 
-use super::format::dequantize_block;
 use super::inputs::quantize_inputs;
 use super::{dequantize_row, BlockFormat, BlockWeight};
 use crate::isa::{self, Isa, FORCE_LOCK};
@@ -190,32 +189,50 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
     Ok(())
 }
 
+/// Joined layers hold both weights' rows (the formats of 32 in panels
+/// only from whole panels); shapes and sizes that do not match are
+/// refused.
 #[test]
 fn rows_join_and_bad_shapes() -> candle::Result<()> {
     let mut rng = Rng(3);
-    let format = BlockFormat::Q4_K;
-    let a = random_blocks(format, 4 * 2, &mut rng);
-    let b = random_blocks(format, 2 * 2, &mut rng);
-    let wa = BlockWeight::new(format, a.clone(), 4, 512, None, Isa::Portable)?;
-    let wb = BlockWeight::new(format, b.clone(), 2, 512, Some(vec![1.; 2]), Isa::Portable)?;
-    let joined = wa.join(&wb).map_err(|_| candle::Error::Msg("no join".into()))?;
-    assert_eq!(joined.dims(), (6, 512));
-    let rows = joined.rows(&[5, 0]);
-    let mut want = vec![0f32; 512];
-    dequantize_block(format, &b[288..432], &mut want[..256]);
-    dequantize_block(format, &b[432..576], &mut want[256..]);
-    assert_eq!(&rows[..512], &want[..]);
-    assert_eq!(joined.unpack().1, Some(vec![0., 0., 0., 0., 1., 1.]));
-    let other = BlockWeight::new(
-        BlockFormat::Q6_K,
-        random_blocks(BlockFormat::Q6_K, 2, &mut rng),
-        1,
-        512,
-        None,
-        Isa::Portable,
-    )?;
-    assert!(joined.join(&other).is_err());
-    assert!(BlockWeight::new(format, vec![0; 10], 1, 512, None, Isa::Portable).is_err());
-    assert!(BlockWeight::new(format, vec![0; 144], 1, 200, None, Isa::Portable).is_err());
+    for format in [BlockFormat::Q4_K, BlockFormat::Q4_0, BlockFormat::Q5_1] {
+        let nb = 512 / format.block_elems();
+        let row = nb * format.block_bytes();
+        let a = random_blocks(format, 8 * nb, &mut rng);
+        let b = random_blocks(format, 2 * nb, &mut rng);
+        let wa = BlockWeight::new(format, a.clone(), 8, 512, None, Isa::Portable)?;
+        let wb = BlockWeight::new(format, b.clone(), 2, 512, Some(vec![1.; 2]), Isa::Portable)?;
+        let joined = wa.join(&wb).map_err(|_| candle::Error::Msg("no join".into()))?;
+        assert_eq!(joined.dims(), (10, 512));
+        let rows = joined.rows(&[9, 0]);
+        let (mut want_b, mut want_a) = (vec![0f32; 512], vec![0f32; 512]);
+        dequantize_row(format, &b[row..2 * row], &mut want_b);
+        dequantize_row(format, &a[..row], &mut want_a);
+        assert_eq!(&rows[..512], &want_b[..], "{}", format.name());
+        assert_eq!(&rows[512..], &want_a[..], "{}", format.name());
+        let mut bias = vec![0.; 8];
+        bias.extend([1., 1.]);
+        assert_eq!(joined.unpack().1, Some(bias));
+        let other = if format == BlockFormat::Q6_K {
+            BlockFormat::Q4_K
+        } else {
+            BlockFormat::Q6_K
+        };
+        let other = BlockWeight::new(
+            other,
+            random_blocks(other, 2, &mut rng),
+            1,
+            512,
+            None,
+            Isa::Portable,
+        )?;
+        assert!(joined.join(&other).is_err());
+        assert!(BlockWeight::new(format, vec![0; 10], 1, 512, None, Isa::Portable).is_err());
+        assert!(BlockWeight::new(format, vec![0; row], 1, 200, None, Isa::Portable).is_err());
+    }
+    // Four features of a format in panels fill no panel: not joined.
+    let four = BlockWeight::new(BlockFormat::Q4_0, vec![0; 4 * 18], 4, 32, None, Isa::Portable)?;
+    let more = BlockWeight::new(BlockFormat::Q4_0, vec![0; 18], 1, 32, None, Isa::Portable)?;
+    assert!(four.join(&more).is_err());
     Ok(())
 }
