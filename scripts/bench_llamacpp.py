@@ -10,7 +10,12 @@ random bf16 weights, made here (nothing is downloaded) unless --folder names
 one. Its tokenizer is a SentencePiece BPE of 8,000 pieces trained here on
 generated text (tokenizer.model, and the tokenizer.json transformers converts
 it to); llama.cpp's converter pads the vocabulary to 32,000 with unused
-tokens. convert_hf_to_gguf.py writes one GGUF per dtype.
+tokens. convert_hf_to_gguf.py writes one GGUF per dtype; --dtypes may also name
+llama-quantize's types (q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k), which it
+writes from the f32 GGUF, and ours runs those from the same file, in the
+blocks it stores (`--dtype ggml`). At this model's width (896, not a multiple
+of 256) llama-quantize keeps the k-quants for ffn_down only and falls back to
+Q5_0/Q5_1/Q8_0 for the rest, as it does for Qwen2.5-0.5B.
 
 Each run, for each dtype, llama.cpp's side is
 `llama-bench -m FILE -t 2 -p 128 -n N -r 3 -o json` (pp128 and tgN, the
@@ -51,7 +56,7 @@ tokenizer.model into tokenizer.json):
     pip download --no-deps --no-binary llama-cpp-python llama-cpp-python -d SRC
     tar xzf SRC/llama_cpp_python-*.tar.gz -C SRC && cd SRC/llama_cpp_python-*/vendor/llama.cpp
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
-    cmake --build build -j2 --target llama-bench llama-perplexity   # the second for --agreement
+    cmake --build build -j2 --target llama-bench llama-perplexity llama-quantize   # --agreement, q4_0 ...
     .venv-ref/bin/python scripts/bench_llamacpp.py --llama-cpp SRC/llama_cpp_python-*/vendor/llama.cpp \
         [--folder DIR] [--work DIR] [--runs 3] [--dtypes f32,bf16,q8_0] [--agreement]
 """
@@ -161,12 +166,29 @@ def llama_bench(exe, gguf, new_tokens):
     return pp, tg
 
 
-def ours(binary, folder, dtype, prompt, new_tokens, refused):
-    """(prefill, decode) tokens/s and the prompt's length, or None when the binary refuses the dtype."""
-    base = [binary, "generate", "--model", folder, "--format", "json", "--max-new-tokens", str(new_tokens),
-            "--min-new-tokens", str(new_tokens), "--greedy"]
+# The types llama-quantize writes from the f32 GGUF (--dtypes names), and its names for them. Ours runs
+# each from that same file, in the blocks it stores (`--dtype ggml`).
+QUANTIZED = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K", "q3_k_m": "Q3_K_M",
+             "q2_k": "Q2_K"}
+
+
+def quantize(llama_cpp, f32_gguf, dtype, out_path):
+    exe = os.path.join(llama_cpp, "build", "bin", "llama-quantize")
+    if not os.access(exe, os.X_OK):
+        sys.exit(f"no {exe}: build it with cmake --build build --target llama-quantize")
+    out = subprocess.run([exe, f32_gguf, out_path, QUANTIZED[dtype]], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"llama-quantize {QUANTIZED[dtype]} failed:\n{out.stderr[-3000:]}")
+
+
+def ours(binary, folder, dtype, prompt, new_tokens, refused, gguf=None):
+    """(prefill, decode) tokens/s and the prompt's length, or None when the binary refuses the dtype; a
+    llama-quantize type runs from its GGUF file."""
+    base = [binary, "generate", "--model", gguf if dtype in QUANTIZED else folder, "--format", "json",
+            "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens), "--greedy"]
     env = {**os.environ, "RAYON_NUM_THREADS": str(THREADS)}
-    out = subprocess.run(base + ["--dtype", dtype, prompt], capture_output=True, text=True, env=env)
+    dtype_arg = "ggml" if dtype in QUANTIZED else dtype
+    out = subprocess.run(base + ["--dtype", dtype_arg, prompt], capture_output=True, text=True, env=env)
     if out.returncode != 0 and dtype == "f32" and "--dtype" in out.stderr:
         out = subprocess.run(base + [prompt], capture_output=True, text=True, env=env)  # before --dtype existed
     if out.returncode != 0:
@@ -247,7 +269,9 @@ def main():
     ap.add_argument("--work", metavar="DIR", help="keep the made folder and the GGUF files here, reused if present "
                     "(default: a temporary folder, removed)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--dtypes", default="f32,bf16,q8_0")
+    ap.add_argument("--dtypes", default="f32,bf16,q8_0",
+                    help="convert_hf_to_gguf.py's --outtype names, and llama-quantize's types from the f32 file: "
+                    + ", ".join(QUANTIZED))
     ap.add_argument("--agreement", action="store_true",
                     help="top-1 agreement with f32 on each side instead of speed (needs llama-perplexity)")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
@@ -277,10 +301,16 @@ def main():
         if not glob.glob(os.path.join(folder, "*.safetensors")):
             subprocess.run([sys.executable, "-c", MAKE, folder], check=True)
         ggufs = {}
+        name = lambda dtype: os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{dtype}.gguf")
         for dtype in dtypes:
-            ggufs[dtype] = os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{dtype}.gguf")
+            ggufs[dtype] = name(dtype)
             if not os.path.exists(ggufs[dtype]):
-                convert(args.llama_cpp, folder, dtype, ggufs[dtype])
+                if dtype in QUANTIZED:
+                    if not os.path.exists(name("f32")):
+                        convert(args.llama_cpp, folder, "f32", name("f32"))
+                    quantize(args.llama_cpp, name("f32"), dtype, ggufs[dtype])
+                else:
+                    convert(args.llama_cpp, folder, dtype, ggufs[dtype])
             sizes[dtype] = os.path.getsize(ggufs[dtype])
         if args.agreement:
             agreement(args.llama_cpp, ggufs, folder, dtypes, tmp)
@@ -292,7 +322,7 @@ def main():
             for dtype in dtypes:
                 sides = [("theirs", lambda: theirs_runs[dtype].append(llama_bench(bench, ggufs[dtype], new_tokens))),
                          ("ours", lambda: ours_runs[dtype].append(
-                             ours(binary, folder, dtype, prompt, new_tokens, refused)))]
+                             ours(binary, folder, dtype, prompt, new_tokens, refused, ggufs[dtype])))]
                 for name, side in sides if run % 2 == 0 else reversed(sides):
                     side()
                     probes.append(bandwidth())
