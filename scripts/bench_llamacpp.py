@@ -15,7 +15,12 @@ llama-quantize's types (q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k), which it
 writes from the f32 GGUF, and ours runs those from the same file, in the
 blocks it stores (`--dtype ggml`). At this model's width (896, not a multiple
 of 256) llama-quantize keeps the k-quants for ffn_down only and falls back to
-Q5_0/Q5_1/Q8_0 for the rest, as it does for Qwen2.5-0.5B.
+Q5_0/Q5_1/Q8_0 for the rest, as it does for Qwen2.5-0.5B. `--shape 1b` makes
+instead a folder at Llama-3.2-1B's size (16 layers, 2048 wide, MLP 8192, GQA
+32/8, head 64, rope theta 500,000, the same vocabulary and tied embeddings:
+1.04 B parameters), `llama-1b-shaped`: every weight matrix there is a multiple
+of 256 wide, so Q4_K_M is Q4_K and Q6_K throughout, as for Llama 3.2 1B.
+`--runs 0` only makes the folder and the GGUF files, and prints nothing.
 
 Each run, for each dtype, llama.cpp's side is
 `llama-bench -m FILE -t 2 -p 128 -n N -r 3 -o json` (pp128 and tgN, the
@@ -58,7 +63,7 @@ tokenizer.model into tokenizer.json):
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build -j2 --target llama-bench llama-perplexity llama-quantize   # --agreement, q4_0 ...
     .venv-ref/bin/python scripts/bench_llamacpp.py --llama-cpp SRC/llama_cpp_python-*/vendor/llama.cpp \
-        [--folder DIR] [--work DIR] [--runs 3] [--dtypes f32,bf16,q8_0] [--agreement]
+        [--folder DIR | --shape 0.39b|1b] [--work DIR] [--runs 3] [--dtypes f32,bf16,q8_0] [--agreement]
 """
 
 import argparse
@@ -78,12 +83,21 @@ THREADS = 2
 PROMPT_TOKENS = 128
 NEW_TOKENS = 32
 
+# The made folders' shapes (--shape), LlamaConfig's arguments beside those they share: Qwen2.5-0.5B's size,
+# and Llama-3.2-1B's (every matrix a multiple of 256 wide, for ggml's k-quants).
+SHAPES = {
+    "0.39b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, rope_theta=10000.0),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, rope_theta=500000.0),
+}
+
 MAKE = """
-import os, random, sys
+import json, os, random, sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 import sentencepiece as spm, torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-folder = sys.argv[1]
+folder, shape = sys.argv[1], json.loads(sys.argv[2])
 os.makedirs(folder, exist_ok=True)
 # Text of made-up words, enough for a BPE of 8,000 pieces (32,000 would need far more text).
 rng = random.Random(0)
@@ -98,9 +112,8 @@ spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=os.pa
 os.remove(os.path.join(folder, "tokenizer.vocab"))
 LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)  # tokenizer.json, tokenizer_config.json
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+cfg = LlamaConfig(vocab_size=32000, **shape, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True, max_shard_size="10GB")
 """
 
@@ -265,10 +278,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-cpp", required=True, metavar="DIR",
                     help="llama.cpp source tree with build/bin/llama-bench and convert_hf_to_gguf.py")
-    ap.add_argument("--folder", help="an HF Llama folder (default: one made here)")
+    ap.add_argument("--folder", help="an HF Llama folder (default: one made here, of --shape)")
+    ap.add_argument("--shape", choices=SHAPES, default="0.39b",
+                    help="the made folder's size: 0.39b (Qwen2.5-0.5B's, the default) or 1b (Llama-3.2-1B's)")
     ap.add_argument("--work", metavar="DIR", help="keep the made folder and the GGUF files here, reused if present "
                     "(default: a temporary folder, removed)")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3, help="0: only make the folder and the GGUF files")
     ap.add_argument("--dtypes", default="f32,bf16,q8_0",
                     help="convert_hf_to_gguf.py's --outtype names, and llama-quantize's types from the f32 file: "
                     + ", ".join(QUANTIZED))
@@ -283,9 +298,11 @@ def main():
         dtypes = ["f32"] + dtypes  # the base the others are compared with
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     bench = os.path.join(args.llama_cpp, "build", "bin", "llama-bench")
-    if not args.agreement and not os.access(bench, os.X_OK):
+    only_files = args.runs == 0 and not args.agreement
+    if not args.agreement and not only_files and not os.access(bench, os.X_OK):
         sys.exit(f"no {bench}: build it with cmake --build build --target llama-bench")
-    subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    if not only_files:
+        subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     binary = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "multihead")
 
     theirs_runs = {d: [] for d in dtypes}
@@ -297,9 +314,9 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         work = args.work or tmp
         os.makedirs(work, exist_ok=True)
-        folder = args.folder or os.path.join(work, "llama-0.39b-shaped")
+        folder = args.folder or os.path.join(work, f"llama-{args.shape}-shaped")
         if not glob.glob(os.path.join(folder, "*.safetensors")):
-            subprocess.run([sys.executable, "-c", MAKE, folder], check=True)
+            subprocess.run([sys.executable, "-c", MAKE, folder, json.dumps(SHAPES[args.shape])], check=True)
         ggufs = {}
         name = lambda dtype: os.path.join(work, f"{os.path.basename(os.path.normpath(folder))}-{dtype}.gguf")
         for dtype in dtypes:
@@ -314,6 +331,8 @@ def main():
             sizes[dtype] = os.path.getsize(ggufs[dtype])
         if args.agreement:
             agreement(args.llama_cpp, ggufs, folder, dtypes, tmp)
+            return
+        if only_files:
             return
         prompt = make_prompt(folder)
         bandwidth = bandwidth_probe(tmp)
