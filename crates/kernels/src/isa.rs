@@ -89,6 +89,20 @@ pub(crate) fn has_vnni() -> bool {
     detected && current() >= Isa::Avx512
 }
 
+/// [`has_vnni`] with AVX512-VL besides: `vpdpbusd` on 256-bit vectors.
+pub(crate) fn has_vnni_vl() -> bool {
+    static VL: OnceLock<bool> = OnceLock::new();
+    let detected = *VL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512vl")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    });
+    detected && has_vnni()
+}
+
 /// The L2 cache of one core in bytes, where the processor reports it
 /// (CPUID leaf `0x8000_0006`, which Intel and AMD both fill), read once.
 pub(crate) fn l2_bytes() -> Option<usize> {

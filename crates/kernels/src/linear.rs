@@ -184,8 +184,10 @@ impl PackedLinear {
     /// A layer over a weight `(out, in)` = `(n, k)` in a ggml block format,
     /// `data` its blocks as a GGUF file stores them (`n` rows of
     /// `k / block` blocks), kept as they are: every call quantizes its
-    /// inputs per block and multiplies them in integers, as ggml does.
-    /// `bias` `(n)` in any float dtype.
+    /// inputs per block and multiplies them in integers, as ggml does
+    /// (Q8_0 on the Q8_0 kernels, [`PackFormat::Q8_0`]'s, its blocks
+    /// copied into their panels as they are). `bias` `(n)` in any float
+    /// dtype.
     pub fn from_blocks(
         format: BlockFormat,
         data: Vec<u8>,
@@ -193,10 +195,14 @@ impl PackedLinear {
         bias: Option<&Tensor>,
     ) -> Result<Self> {
         let b = bias.map(cpu_f32).transpose()?;
-        let w = BlockWeight::new(format, data, n, k, b, crate::isa::current())?;
-        Ok(Self {
-            inner: Inner::Blocks(Arc::new(w)),
-        })
+        let isa = crate::isa::current();
+        // Q8_0 takes its own kernels, whose panels the blocks go into as
+        // they are.
+        let inner = match format {
+            BlockFormat::Q8_0 => Inner::Q8(Arc::new(Q8Weight::from_blocks(&data, n, k, b.as_deref(), isa)?)),
+            _ => Inner::Blocks(Arc::new(BlockWeight::new(format, data, n, k, b, isa)?)),
+        };
+        Ok(Self { inner })
     }
 
     /// A layer over a weight stored `(in, out)`, as GPT-2's `Conv1D` stores

@@ -223,6 +223,60 @@ impl Q8Weight {
         })
     }
 
+    /// The weight from ggml's `block_q8_0` bytes as a GGUF file stores a
+    /// Q8_0 tensor (`n` rows of `k / 32` blocks: an f16 scale, then 32
+    /// `i8`), laid out for the kernel of `isa` with `bias`: the blocks as
+    /// they are, no float copy of the weight (the inverse of
+    /// [`Q8Weight::blocks`]).
+    pub(crate) fn from_blocks(
+        data: &[u8],
+        n: usize,
+        k: usize,
+        bias: Option<&[f32]>,
+        isa: Isa,
+    ) -> Result<Self> {
+        const GGML_BLOCK: usize = 2 + QK;
+        if k == 0 || !k.is_multiple_of(QK) || n == 0 || data.len() != n * k / QK * GGML_BLOCK {
+            bail!(
+                "Q8Weight: {} bytes do not hold ({n}, {k}) in Q8_0 blocks",
+                data.len()
+            )
+        }
+        if let Some(b) = bias.filter(|b| b.len() != n) {
+            bail!("Q8Weight: bias of {} for {n} features", b.len())
+        }
+        let kernel = Kernel::for_isa(isa);
+        let (nb, panels) = (k / QK, n.div_ceil(NR));
+        let mut qs = vec![kernel.encode(0); panels * nb * BLOCK_BYTES + 63];
+        let start = qs.as_ptr().align_offset(64).min(63);
+        let mut d = vec![f16::ZERO; panels * nb * NR];
+        qs[start..start + panels * nb * BLOCK_BYTES]
+            .par_chunks_mut(nb * BLOCK_BYTES)
+            .zip(d.par_chunks_mut(nb * NR))
+            .enumerate()
+            .for_each(|(p, (qs, d))| {
+                for c in 0..NR.min(n - p * NR) {
+                    let row = &data[(p * NR + c) * nb * GGML_BLOCK..][..nb * GGML_BLOCK];
+                    for (b, block) in row.chunks_exact(GGML_BLOCK).enumerate() {
+                        d[b * NR + c] = f16::from_le_bytes([block[0], block[1]]);
+                        let panel = &mut qs[b * BLOCK_BYTES..][..BLOCK_BYTES];
+                        for (i, &q) in block[2..].iter().enumerate() {
+                            panel[(i / 4) * 64 + c * 4 + i % 4] = kernel.encode(q as i8);
+                        }
+                    }
+                }
+            });
+        Ok(Q8Weight {
+            qs,
+            start,
+            d,
+            bias: bias.map(<[f32]>::to_vec),
+            n,
+            k,
+            kernel,
+        })
+    }
+
     /// `(out_features, in_features)`.
     pub(crate) fn dims(&self) -> (usize, usize) {
         (self.n, self.k)

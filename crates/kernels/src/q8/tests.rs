@@ -398,6 +398,11 @@ fn ggml_blocks_round_trip_exactly() {
     let want_zero = ggml_bytes(&blocks);
     for isa in supported() {
         force(Some(isa));
+        // Straight from the file's bytes (`from_blocks`, what a GGUF file
+        // kept in its blocks loads): the same blocks back, the same values.
+        let direct = Q8Weight::from_blocks(&file, n, k, None, isa).unwrap();
+        assert_eq!(direct.blocks(), file, "{isa:?}: from_blocks");
+        assert_eq!(direct.unpack().0, w, "{isa:?}: from_blocks' values");
         for (w, want, what) in [(&w, &file, "blocks"), (&w_zero, &want_zero, "a zero scale")] {
             let got = Q8Weight::quantize(w, n, k, None, isa).unwrap().blocks();
             assert_eq!(got.len(), want.len());

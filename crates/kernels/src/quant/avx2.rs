@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2_k;
 use super::format::{unpack, BlockFormat, Unpacked};
 use super::inputs::InputRow;
 
@@ -34,11 +35,11 @@ fn hsum(v: __m256) -> f32 {
 /// How far ahead of its loads a row's blocks are prefetched, in bytes: a
 /// decode step's single stream of weights waits on memory with the
 /// hardware prefetcher alone (as `q8/avx2.rs` found for Q8_0).
-const PREFETCH: usize = 1024;
+pub(super) const PREFETCH: usize = 1024;
 
 /// 32 bytes of `b` from `at` (checked).
 #[target_feature(enable = "avx2")]
-fn load32(b: &[u8], at: usize) -> __m256i {
+pub(super) fn load32(b: &[u8], at: usize) -> __m256i {
     let b = &b[at..at + 32];
     // SAFETY: `b` holds 32 bytes.
     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
@@ -82,10 +83,12 @@ const Q5_1: u8 = 3;
 /// at a time (then 2, 1), each group's sums in registers.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
+    // The k-quants' kernels hold 2 rows' sums in registers, the others 4.
+    let most = if format.block_elems() == 256 { 2 } else { 4 };
     let mut at = 0;
     while at < rows.len() {
-        let n = match rows.len() - at {
-            4.. => 4,
+        let n = match (rows.len() - at).min(most) {
+            4 => 4,
             2..=3 => 2,
             _ => 1,
         };
@@ -99,10 +102,16 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
                 }
             };
         }
-        match format {
-            BlockFormat::Q4_0 => by_rows!(Q4_0),
-            BlockFormat::Q4_1 => by_rows!(Q4_1),
-            BlockFormat::Q5_0 => by_rows!(Q5_0),
+        match (format, n) {
+            (BlockFormat::Q4_K, 2) => avx2_k::panel_k4::<false, 2>(panel, nb, rows, out),
+            (BlockFormat::Q4_K, _) => avx2_k::panel_k4::<false, 1>(panel, nb, rows, out),
+            (BlockFormat::Q5_K, 2) => avx2_k::panel_k4::<true, 2>(panel, nb, rows, out),
+            (BlockFormat::Q5_K, _) => avx2_k::panel_k4::<true, 1>(panel, nb, rows, out),
+            (BlockFormat::Q6_K, 2) => avx2_k::panel_q6k::<2>(panel, nb, rows, out),
+            (BlockFormat::Q6_K, _) => avx2_k::panel_q6k::<1>(panel, nb, rows, out),
+            (BlockFormat::Q4_0, _) => by_rows!(Q4_0),
+            (BlockFormat::Q4_1, _) => by_rows!(Q4_1),
+            (BlockFormat::Q5_0, _) => by_rows!(Q5_0),
             _ => by_rows!(Q5_1),
         }
         at += n;
@@ -113,7 +122,7 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
 /// features) 16 where bit `shift + t` of feature `c`'s `qh` (lane `c`) is
 /// set.
 #[target_feature(enable = "avx2")]
-fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
+pub(super) fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
     let shifted = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(shift));
     let spread = _mm256_shuffle_epi8(
         shifted,

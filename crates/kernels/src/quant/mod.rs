@@ -16,12 +16,16 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_k;
 mod format;
 mod inputs;
 mod panels;
 mod portable;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 use candle::{bail, Result};
 use rayon::prelude::*;
@@ -44,11 +48,16 @@ enum Kernel {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX2's code, the panels with AVX512-VNNI's `vpdpbusd`.
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
 }
 
 impl Kernel {
     fn for_isa(isa: Isa) -> Kernel {
         match isa.min(crate::isa::current()) {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx512Bf16 if crate::isa::has_vnni_vl() => Kernel::Vnni,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => Kernel::Avx2,
             _ => Kernel::Portable,
@@ -183,7 +192,7 @@ impl BlockWeight {
             .zip(ids)
             .for_each(|(o, &j)| match self.panels {
                 Some(l) => {
-                    let mut block = [0u8; 24];
+                    let mut block = [0u8; 256];
                     for (b, o) in o.chunks_exact_mut(be).enumerate() {
                         panels::block_of(l, &self.data, nb, j as usize, b, &mut block[..l.block]);
                         format::dequantize_block(format, &block[..l.block], o);
@@ -283,6 +292,10 @@ impl BlockWeight {
             // SAFETY: `Kernel::Avx2` is chosen only where the processor
             // runs AVX2, FMA and F16C (`Kernel::for_isa`, `isa.rs`).
             Kernel::Avx2 => unsafe { avx2::dot_panel(self.format, panel, nb, rows, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Vnni` is chosen only where the processor
+            // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
+            Kernel::Vnni => unsafe { vnni::dot_panel(self.format, panel, nb, rows, out) },
         }
     }
 
@@ -293,7 +306,7 @@ impl BlockWeight {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Kernel::Avx2` is chosen only where the processor
             // runs AVX2, FMA and F16C (`Kernel::for_isa`, `isa.rs`).
-            Kernel::Avx2 => unsafe { avx2::dot_rows(self.format, self.row(j), rows, out) },
+            Kernel::Avx2 | Kernel::Vnni => unsafe { avx2::dot_rows(self.format, self.row(j), rows, out) },
         }
     }
 }

@@ -1,49 +1,55 @@
-//! The formats of 32 (Q4_0, Q4_1, Q5_0, Q5_1) repacked at load into
-//! panels of [`PANEL`] output features, as ggml-cpu's `repack.cpp` does
-//! for Q4_0: the same bytes, reordered, so that one vector holds a block's
-//! values for the panel's 8 features and a step's products land in one
-//! lane per feature (no horizontal sums, one scale load for 8 features).
+//! Weights repacked at load into panels of [`PANEL`] output features, as
+//! ggml-cpu's `repack.cpp` does for Q4_0 and Q4_K: the same bytes,
+//! reordered, so that one vector holds a step's values for the panel's 8
+//! features and its products land in one lane per feature (no horizontal
+//! sums; one load for the 8 features' scales).
 //!
 //! Panel `p`'s block `b` (features `8p..8p+8`, past `n` zeros) is at
-//! `(p·nb + b)·8·block_bytes`: the 8 features' `d` (f16), then their `m`
-//! (Q4_1, Q5_1), then their `qh` (u32; Q5_0, Q5_1), then 128 bytes of
-//! nibbles, byte `32·g + 4·c + t` being feature `c`'s `qs[4g + t]`: its
-//! low nibble is element `4g + t` of the block, its high one `16 + 4g + t`.
+//! `(p·nb + b)·8·block_bytes`. Each part of ggml's block (a [`Segment`]:
+//! `d`, `m`, `qh`, `scales`, `qs`, in ggml's order but Q6_K's `d` and
+//! scales first) is interleaved in units of its element (2 bytes for an
+//! f16, 4 for the rest): the parts follow one another, 8 times their ggml
+//! size each, and a part's unit `i` holds the 8 features' units `i` one
+//! after another. So feature `c`'s `qs[4i + t]` is at `start + 32·i +
+//! 4·c + t`: a 32-byte load is a step of 4 values for each of the 8
+//! features.
 
 use super::format::BlockFormat;
 
 /// Output features per panel.
 pub(crate) const PANEL: usize = 8;
 
-/// Where a panel block keeps each part.
+/// A part of a ggml block: its offset, its length and the unit it is
+/// interleaved in.
+type Segment = (usize, usize, usize);
+
+/// How a format's blocks are laid out in panels.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Layout {
     /// The ggml block's size.
     pub(crate) block: usize,
-    /// Offsets in the panel block: `m` and `qh` where the format has them.
-    pub(crate) m: Option<usize>,
-    pub(crate) qh: Option<usize>,
-    pub(crate) qs: usize,
+    segments: &'static [Segment],
 }
 
 impl Layout {
-    /// The layout of `format`'s panels; `None` for formats kept in rows.
+    /// The layout of `format`'s panels; `None` for formats kept in rows
+    /// (Q8_0, which has kernels of its own, Q2_K and Q3_K).
     pub(crate) fn of(format: BlockFormat) -> Option<Layout> {
-        let (m, qh) = match format {
-            BlockFormat::Q4_0 => (false, false),
-            BlockFormat::Q4_1 => (true, false),
-            BlockFormat::Q5_0 => (false, true),
-            BlockFormat::Q5_1 => (true, true),
+        let segments: &'static [Segment] = match format {
+            BlockFormat::Q4_0 => &[(0, 2, 2), (2, 16, 4)],
+            BlockFormat::Q4_1 => &[(0, 2, 2), (2, 2, 2), (4, 16, 4)],
+            BlockFormat::Q5_0 => &[(0, 2, 2), (2, 4, 4), (6, 16, 4)],
+            BlockFormat::Q5_1 => &[(0, 2, 2), (2, 2, 2), (4, 4, 4), (8, 16, 4)],
+            BlockFormat::Q4_K => &[(0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 4)],
+            BlockFormat::Q5_K => &[(0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 32, 4), (48, 128, 4)],
+            // `d` and the scales first, so that a block's loads go in
+            // address order.
+            BlockFormat::Q6_K => &[(208, 2, 2), (192, 16, 4), (0, 128, 4), (128, 64, 4)],
             _ => return None,
         };
-        let m = m.then_some(16);
-        let qh = qh.then_some(16 + 16 * usize::from(m.is_some()));
-        let qs = qh.map_or(m.map_or(16, |m| m + 16), |h| h + 32);
         Some(Layout {
             block: format.block_bytes(),
-            m,
-            qh,
-            qs,
+            segments,
         })
     }
 
@@ -52,36 +58,50 @@ impl Layout {
         PANEL * self.block
     }
 
-    /// Where the ggml block keeps `m`, `qh` and `qs`.
-    fn ggml(self) -> (Option<usize>, Option<usize>, usize) {
-        let m = self.m.map(|_| 2);
-        let qh = self.qh.map(|_| 2 + 2 * usize::from(m.is_some()));
-        (m, qh, self.block - 16)
+    /// The segments with where each starts in a panel block.
+    fn placed(self) -> impl Iterator<Item = (Segment, usize)> {
+        self.segments.iter().scan(0, |start, &seg| {
+            let at = *start;
+            *start += PANEL * seg.1;
+            Some((seg, at))
+        })
+    }
+
+    /// Where feature `c`'s byte `at` of a ggml block is in the panel block.
+    fn place(self, c: usize, at: usize) -> usize {
+        let ((o, _, unit), start) = self
+            .placed()
+            .find(|&((o, len, _), _)| (o..o + len).contains(&at))
+            .expect("the segments cover the block");
+        let (i, t) = ((at - o) / unit, (at - o) % unit);
+        start + PANEL * unit * i + unit * c + t
     }
 }
 
-/// `data`, `n` rows of `nb` ggml blocks, as panels.
+/// `data`, `n` rows of `nb` ggml blocks, as panels (in parallel over
+/// panels, a unit at a time).
 pub(crate) fn repack(l: Layout, data: &[u8], n: usize, nb: usize) -> Vec<u8> {
+    use rayon::prelude::*;
     let panels = n.div_ceil(PANEL);
     let mut out = vec![0u8; panels * nb * l.bytes()];
-    let (gm, gqh, gqs) = l.ggml();
-    for j in 0..n {
-        let (p, c) = (j / PANEL, j % PANEL);
-        for b in 0..nb {
-            let src = &data[(j * nb + b) * l.block..][..l.block];
-            let dst = &mut out[(p * nb + b) * l.bytes()..][..l.bytes()];
-            dst[2 * c..2 * c + 2].copy_from_slice(&src[..2]);
-            if let (Some(m), Some(gm)) = (l.m, gm) {
-                dst[m + 2 * c..m + 2 * c + 2].copy_from_slice(&src[gm..gm + 2]);
+    out.par_chunks_mut(nb * l.bytes())
+        .enumerate()
+        .for_each(|(p, panel)| {
+            for c in 0..PANEL.min(n - p * PANEL) {
+                let j = p * PANEL + c;
+                for (src, dst) in data[j * nb * l.block..][..nb * l.block]
+                    .chunks_exact(l.block)
+                    .zip(panel.chunks_exact_mut(l.bytes()))
+                {
+                    for ((o, len, unit), start) in l.placed() {
+                        for (i, from) in src[o..o + len].chunks_exact(unit).enumerate() {
+                            let to = start + PANEL * unit * i + unit * c;
+                            dst[to..to + unit].copy_from_slice(from);
+                        }
+                    }
+                }
             }
-            if let (Some(qh), Some(gqh)) = (l.qh, gqh) {
-                dst[qh + 4 * c..qh + 4 * c + 4].copy_from_slice(&src[gqh..gqh + 4]);
-            }
-            for (i, &q) in src[gqs..gqs + 16].iter().enumerate() {
-                dst[l.qs + 32 * (i / 4) + 4 * c + i % 4] = q;
-            }
-        }
-    }
+        });
     out
 }
 
@@ -90,15 +110,7 @@ pub(crate) fn repack(l: Layout, data: &[u8], n: usize, nb: usize) -> Vec<u8> {
 pub(crate) fn block_of(l: Layout, panels: &[u8], nb: usize, j: usize, b: usize, out: &mut [u8]) {
     let (p, c) = (j / PANEL, j % PANEL);
     let src = &panels[(p * nb + b) * l.bytes()..][..l.bytes()];
-    let (gm, gqh, gqs) = l.ggml();
-    out[..2].copy_from_slice(&src[2 * c..2 * c + 2]);
-    if let (Some(m), Some(gm)) = (l.m, gm) {
-        out[gm..gm + 2].copy_from_slice(&src[m + 2 * c..m + 2 * c + 2]);
-    }
-    if let (Some(qh), Some(gqh)) = (l.qh, gqh) {
-        out[gqh..gqh + 4].copy_from_slice(&src[qh + 4 * c..qh + 4 * c + 4]);
-    }
-    for (i, q) in out[gqs..gqs + 16].iter_mut().enumerate() {
-        *q = src[l.qs + 32 * (i / 4) + 4 * c + i % 4];
+    for (at, o) in out[..l.block].iter_mut().enumerate() {
+        *o = src[l.place(c, at)];
     }
 }

@@ -236,3 +236,43 @@ fn rows_join_and_bad_shapes() -> candle::Result<()> {
     assert!(four.join(&more).is_err());
     Ok(())
 }
+
+/// Not a test: `cargo test --release -p multihead-kernels quant::tests::speed
+/// -- --ignored --nocapture` times one decode-sized product (8192 × 2048,
+/// one row, past the caches) and a prefill-sized one (64 rows) per format
+/// (`QUANT_FORMATS=Q4_K,Q6_K` for some), on the
+/// instruction set that runs now, for working on the kernels.
+#[test]
+#[ignore]
+fn speed() -> candle::Result<()> {
+    let mut rng = Rng(5);
+    // Past the last-level cache, as a model's weights are.
+    let (n, k) = (16384, 4096);
+    let formats = std::env::var("QUANT_FORMATS").unwrap_or_default();
+    for format in BlockFormat::ALL {
+        if !formats.is_empty() && !formats.split(',').any(|f| f.eq_ignore_ascii_case(format.name())) {
+            continue;
+        }
+        let data = random_blocks(format, n * k / format.block_elems(), &mut rng);
+        let w = BlockWeight::new(format, data, n, k, None, isa::current())?;
+        for m in [1, 64] {
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit() - 0.5).collect();
+            let _ = w.forward(&x, m, (0, n), None);
+            let reps = if m == 1 { 50 } else { 4 };
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(w.forward(&x, m, (0, n), None));
+            }
+            let s = t.elapsed().as_secs_f64() / reps as f64;
+            let bytes = (n * format.row_bytes(k)) as f64;
+            eprintln!(
+                "{} m {m:2}: {:8.3} ms, {:6.1} GB/s of weights, {:6.1} GMAC/s",
+                format.name(),
+                s * 1e3,
+                bytes / s / 1e9,
+                (m * n * k) as f64 / s / 1e9
+            );
+        }
+    }
+    Ok(())
+}

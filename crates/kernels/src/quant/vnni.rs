@@ -22,6 +22,9 @@ const Q5_1: u8 = 3;
 /// `out` (8 a row): 8 rows at a time (then 4, 2, 1).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
+    if format.block_elems() == 256 {
+        return super::avx2::dot_panel(format, panel, nb, rows, out);
+    }
     let mut at = 0;
     while at < rows.len() {
         let n = match rows.len() - at {
@@ -101,7 +104,9 @@ fn panel_32<const F: u8, const R: usize>(panel: &[u8], nb: usize, rows: &[InputR
             }
             for r in 0..R {
                 let q = &rows[r].q[32 * b..32 * b + 32];
-                let x = |at: usize| i32::from_le_bytes([q[at] as u8, q[at + 1] as u8, q[at + 2] as u8, q[at + 3] as u8]);
+                let x = |at: usize| {
+                    i32::from_le_bytes([q[at] as u8, q[at + 1] as u8, q[at + 2] as u8, q[at + 3] as u8])
+                };
                 isum[r] = _mm256_dpbusd_epi32(isum[r], lo, _mm256_set1_epi32(x(4 * g)));
                 isum[r] = _mm256_dpbusd_epi32(isum[r], hi, _mm256_set1_epi32(x(16 + 4 * g)));
             }

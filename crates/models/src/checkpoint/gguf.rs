@@ -354,12 +354,15 @@ impl GgufFile {
     }
 
     /// Tensor `name`'s blocks as stored, where its type is one of ggml's
-    /// block formats ([`block_format`]) and it is a matrix: its format,
+    /// block formats ([`block_format`], or Q8_0) and it is a matrix: its format,
     /// its `(rows, cols)` and its bytes (`rows` rows of `cols / block`
     /// blocks). `None` otherwise.
     pub fn blocks(&self, name: &str) -> Option<(BlockFormat, (usize, usize), &[u8])> {
         let info = self.info(name)?;
-        let format = block_format(info.ggml_type)?;
+        let format = match info.ggml_type {
+            GgmlDType::Q8_0 => BlockFormat::Q8_0,
+            t => block_format(t)?,
+        };
         match info.shape[..] {
             [n, k] => Some((format, (n, k), &self.bytes[info.range.clone()])),
             _ => None,
