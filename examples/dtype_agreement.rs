@@ -9,7 +9,9 @@
 //!
 //! `TOKENS` (default 128) is the prompt's length: English text from the
 //! folder's `tokenizer.json`, repeated as needed. `DTYPES` (default
-//! `bf16,f16,q8_0`) are compared with f32. For each it prints the share of
+//! `bf16,f16,q8_0`) are compared with f32; an entry ending in `.gguf` is
+//! that GGUF file of the same model, kept in the blocks it stores (`ggml`:
+//! a `llama-quantize` file of the folder's f32 GGUF). For each it prints the share of
 //! positions whose top-1 token is f32's, and the largest logit difference
 //! relative to the largest f32 logit of its position. `--text` prints the
 //! text the prompt repeats (`scripts/bench_llamacpp.py --agreement` gives
@@ -40,12 +42,11 @@ fn main() -> Result<()> {
             .with_context(|| format!("TOKENS: '{n}' is not a count"))?,
         None => 128,
     };
-    let dtypes = args
+    let dtypes: Vec<&str> = args
         .get(2)
         .map_or("bf16,f16,q8_0", String::as_str)
         .split(',')
-        .map(|d| d.parse::<WeightDtype>())
-        .collect::<candle::Result<Vec<_>>>()?;
+        .collect();
 
     let tokenizer = TextTokenizer::from_folder(dir.as_ref())?;
     let mut ids = Vec::new();
@@ -58,7 +59,16 @@ fn main() -> Result<()> {
     let reference = logits(dir, WeightDtype::F32, &ids)?;
     println!("{dir}: {} positions, each dtype against f32", ids.len());
     for dtype in dtypes {
-        let other = logits(dir, dtype, &ids)?;
+        let (other, name) = match dtype.strip_suffix(".gguf") {
+            Some(stem) => {
+                let name = stem.rsplit(['-', '/']).next().unwrap_or(stem).to_string();
+                (gguf_logits(dtype, &ids)?, name)
+            }
+            None => {
+                let d: WeightDtype = dtype.parse()?;
+                (logits(dir, d, &ids)?, d.name().to_string())
+            }
+        };
         let (mut same, mut worst) = (0, 0f32);
         for (r, o) in reference.iter().zip(&other) {
             same += usize::from(argmax(r) == argmax(o));
@@ -68,7 +78,7 @@ fn main() -> Result<()> {
         }
         println!(
             "  {:>5}: top-1 equal at {same}/{} positions ({:.1} %), largest logit difference {:.2e} of the largest logit",
-            dtype.name(),
+            name,
             ids.len(),
             100.0 * same as f64 / ids.len() as f64,
             worst
@@ -85,6 +95,19 @@ fn logits(dir: &str, dtype: WeightDtype, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
     };
     let model = DecoderModel::from_folder_with(dir.as_ref(), &Device::Cpu, &opts)
         .with_context(|| format!("loading {dir} in {}", dtype.name()))?;
+    let input = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
+    let mut cache = model.new_cache(vec![0]);
+    Ok(model.forward(&input, &mut cache)?.squeeze(0)?.to_vec2()?)
+}
+
+/// Every position's logits from a GGUF file kept in its blocks.
+fn gguf_logits(path: &str, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+    let opts = LoadOptions {
+        dtype: WeightDtype::Ggml,
+        ..LoadOptions::default()
+    };
+    let model = DecoderModel::from_gguf(path.as_ref(), &Device::Cpu, &opts)
+        .with_context(|| format!("loading {path}"))?;
     let input = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
     let mut cache = model.new_cache(vec![0]);
     Ok(model.forward(&input, &mut cache)?.squeeze(0)?.to_vec2()?)

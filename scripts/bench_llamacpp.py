@@ -236,7 +236,9 @@ def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
         chunks = re.search(r"computing over (\d+) chunks", log)
         theirs[dtype] = (f"{same[1]} ± {same[2]} % ({int(chunks[1]) * PROMPT_TOKENS // 2} positions)"
                          if same and chunks else "n/a")
-    out = subprocess.run(example + [folder, str(PROMPT_TOKENS), ",".join(others)], cwd=ROOT, capture_output=True,
+    # llama-quantize's types: ours loads their GGUF files, kept in blocks.
+    ours_args = [ggufs[d] if d in QUANTIZED else d for d in others]
+    out = subprocess.run(example + [folder, str(PROMPT_TOKENS), ",".join(ours_args)], cwd=ROOT, capture_output=True,
                          text=True, check=True, env={**os.environ, "RAYON_NUM_THREADS": str(THREADS)})
     ours = {}
     for line in out.stdout.splitlines():

@@ -190,9 +190,7 @@ fn panel_32<const F: u8, const R: usize>(panel: &[u8], nb: usize, rows: &[InputR
                 }
                 for r in 0..R {
                     let q = &rows[r].q[32 * b..32 * b + 32];
-                    let x = |at: usize| {
-                        i32::from_le_bytes([q[at] as u8, q[at + 1] as u8, q[at + 2] as u8, q[at + 3] as u8])
-                    };
+                    let x = |at: usize| super::avx2_k::x4(q, at);
                     let (xlo, xhi) = (_mm256_set1_epi32(x(4 * g)), _mm256_set1_epi32(x(16 + 4 * g)));
                     let both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
                     s16[r] = _mm256_add_epi16(s16[r], both);

@@ -23,7 +23,7 @@ const Q5_1: u8 = 3;
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
     if format.block_elems() == 256 {
-        return super::avx2::dot_panel(format, panel, nb, rows, out);
+        return k_panel(format, panel, nb, rows, out);
     }
     let mut at = 0;
     while at < rows.len() {
@@ -49,6 +49,33 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
             BlockFormat::Q4_1 => by_rows!(Q4_1),
             BlockFormat::Q5_0 => by_rows!(Q5_0),
             _ => by_rows!(Q5_1),
+        }
+        at += n;
+    }
+}
+
+/// A k-quant's panel times input rows, 4 at a time (then 2, 1).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn k_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
+    use super::avx2_k::{panel_k4_vnni, panel_q6k_vnni};
+    let mut at = 0;
+    while at < rows.len() {
+        let n = match rows.len() - at {
+            4.. => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
+        match (format, n) {
+            (BlockFormat::Q4_K, 4) => panel_k4_vnni::<false, 4>(panel, nb, rows, out),
+            (BlockFormat::Q4_K, 2) => panel_k4_vnni::<false, 2>(panel, nb, rows, out),
+            (BlockFormat::Q4_K, _) => panel_k4_vnni::<false, 1>(panel, nb, rows, out),
+            (BlockFormat::Q5_K, 4) => panel_k4_vnni::<true, 4>(panel, nb, rows, out),
+            (BlockFormat::Q5_K, 2) => panel_k4_vnni::<true, 2>(panel, nb, rows, out),
+            (BlockFormat::Q5_K, _) => panel_k4_vnni::<true, 1>(panel, nb, rows, out),
+            (BlockFormat::Q6_K, 4) => panel_q6k_vnni::<4>(panel, nb, rows, out),
+            (BlockFormat::Q6_K, 2) => panel_q6k_vnni::<2>(panel, nb, rows, out),
+            (_, _) => panel_q6k_vnni::<1>(panel, nb, rows, out),
         }
         at += n;
     }
@@ -104,9 +131,7 @@ fn panel_32<const F: u8, const R: usize>(panel: &[u8], nb: usize, rows: &[InputR
             }
             for r in 0..R {
                 let q = &rows[r].q[32 * b..32 * b + 32];
-                let x = |at: usize| {
-                    i32::from_le_bytes([q[at] as u8, q[at + 1] as u8, q[at + 2] as u8, q[at + 3] as u8])
-                };
+                let x = |at: usize| super::avx2_k::x4(q, at);
                 isum[r] = _mm256_dpbusd_epi32(isum[r], lo, _mm256_set1_epi32(x(4 * g)));
                 isum[r] = _mm256_dpbusd_epi32(isum[r], hi, _mm256_set1_epi32(x(16 + 4 * g)));
             }
