@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle::{Device, Tensor};
 use multihead::models::checkpoint::{LoadOptions, ModelFiles, TensorInfo, WeightDtype};
 use multihead::models::decoder::{CausalLm, DecoderModel};
@@ -159,6 +159,7 @@ fn step_bytes(dir: &str, dtype: WeightDtype) -> Result<f64> {
         WeightDtype::F32 => 4.,
         WeightDtype::Bf16 | WeightDtype::F16 => 2.,
         WeightDtype::Q8_0 => 34. / 32.,
+        WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
     };
     Ok(weights as f64 * per_weight)
 }
