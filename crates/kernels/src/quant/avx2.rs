@@ -296,6 +296,43 @@ fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
                 p.m[h] = 32 * p.sc[h];
             }
         }
+        BlockFormat::Q2_K | BlockFormat::Q3_K => {
+            // Element 128n + 32j + l: bits 2j.. of qs[32n + l]; Q3_K's
+            // third bit is bit 4n + j of hmask[l].
+            let (qs, three) = match format {
+                BlockFormat::Q3_K => (32, Some(load32(b, 0))),
+                _ => (16, None),
+            };
+            let two_bits = _mm256_set1_epi8(3);
+            for n in 0..2 {
+                let q = load32(b, qs + 32 * n);
+                for j in 0..4 {
+                    let mut u =
+                        _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j as i32)), two_bits);
+                    if let Some(hm) = three {
+                        let mask = _mm256_set1_epi8(1 << (4 * n + j));
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, mask), mask);
+                        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+                    }
+                    store(&mut p.u, 128 * n + 32 * j, u);
+                }
+            }
+            if format == BlockFormat::Q3_K {
+                p.d = f16_at(b, 108);
+                p.dmin = p.d;
+                for (h, s) in super::format::q3k_scales(&b[96..108]).into_iter().enumerate() {
+                    p.sc[h] = i16::from(s) - 32;
+                    p.m[h] = 4 * p.sc[h];
+                }
+            } else {
+                p.d = f16_at(b, 80);
+                p.dmin = f16_at(b, 82);
+                for (h, &s) in b[..16].iter().enumerate() {
+                    p.sc[h] = i16::from(s & 0xF);
+                    p.m[h] = i16::from(s >> 4);
+                }
+            }
+        }
         _ => unpack(format, b, p),
     }
 }

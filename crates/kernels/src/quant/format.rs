@@ -167,7 +167,7 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 /// Q3_K's 16 scales (6 bits, still biased by 32) from its 12 bytes, as
 /// ggml's `kmask` shuffle unpacks them.
-fn q3k_scales(s: &[u8]) -> [u8; 16] {
+pub(super) fn q3k_scales(s: &[u8]) -> [u8; 16] {
     let mut out = [0u8; 16];
     for j in 0..16 {
         let low = if j < 8 { s[j] & 0xF } else { s[j - 8] >> 4 };
