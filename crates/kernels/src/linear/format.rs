@@ -59,8 +59,11 @@ thread_local! {
 
 /// Runs `build` with [`lend_blocks`] open on this thread; blocks lent and
 /// not taken by a layer (a build that failed half-way) are dropped at the
-/// end, also when `build` panics.
-pub fn lending<R>(build: impl FnOnce() -> R) -> R {
+/// end, also when `build` panics. A build that succeeds with blocks left
+/// untaken is an error naming how many: a placeholder that reached
+/// anything but a [`PackedLinear`](super::PackedLinear) or an embedding
+/// built over one would compute with zeros.
+pub fn lending<R>(build: impl FnOnce() -> candle::Result<R>) -> candle::Result<R> {
     struct Close;
     impl Drop for Close {
         fn drop(&mut self) {
@@ -75,7 +78,12 @@ pub fn lending<R>(build: impl FnOnce() -> R) -> R {
     }
     LENT.with(|l| l.borrow_mut().depth += 1);
     let _close = Close;
-    build()
+    let built = build()?;
+    let left = LENT.with(|l| l.borrow().blocks.len());
+    if left > 0 {
+        candle::bail!("{left} weight(s) in a ggml block format were lent to the model and not taken by a layer that keeps them")
+    }
+    Ok(built)
 }
 
 /// A placeholder `(n, k)` f32 tensor (one zero, broadcast: no memory)

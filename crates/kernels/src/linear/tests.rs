@@ -416,3 +416,36 @@ fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
     }
     Ok(())
 }
+
+/// Blocks lent through a placeholder are taken by the layer built over it
+/// (the layer's products equal the dequantized weight's within the
+/// inputs' rounding); lent outside `lending`, or left untaken by a build
+/// that succeeds, they are errors.
+#[test]
+fn lent_blocks_are_taken_by_their_layer() -> Result<()> {
+    use crate::{is_lent, lend_blocks, lending, BlockFormat};
+    // Two features of 32 Q4_0 weights: d = 1 and 0.5, q = i % 16.
+    let mut data = Vec::new();
+    for d in [1f32, 0.5] {
+        data.extend(half::f16::from_f32(d).to_le_bytes());
+        data.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
+    }
+    let dev = candle::Device::Cpu;
+    assert!(lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev).is_err());
+    let layer = lending(|| {
+        let w = lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev)?;
+        assert!(is_lent(&w));
+        let layer = PackedLinear::new(w.clone(), None)?;
+        assert!(!is_lent(&w));
+        Ok(layer)
+    })?;
+    assert_eq!(layer.block_format(), Some(BlockFormat::Q4_0));
+    let x = Tensor::ones((1, 32), candle::DType::F32, &dev)?;
+    let want = x.matmul(&layer.weight()?.t()?)?;
+    let got = layer.forward(&x)?;
+    assert!(rel_err(&got, &want)? < 1e-5, "{got} vs {want}");
+    let untaken = lending(|| lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev).map(|_| ()));
+    assert!(untaken.unwrap_err().to_string().contains("not taken"));
+    assert!(lend_blocks(BlockFormat::Q4_0, data[..20].to_vec(), (2, 32), &dev).is_err());
+    Ok(())
+}
