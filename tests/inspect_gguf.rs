@@ -147,6 +147,7 @@ fn text_lists_tensors_totals_and_config() -> Result<()> {
     assert!(lines.contains(&config.as_str()), "{config}\n{text}");
     for line in [
         "metadata: general.architecture = \"llama\"",
+        "weights: `multihead generate` keeps the matrices as q8_0 (the Q8_0 kernels)",
         "values: all finite",
         "config: LlamaConfig from the file's metadata",
         "  every tensor matches",
@@ -354,6 +355,23 @@ fn overlapping_tensors_are_refused() -> Result<()> {
             "'blk.0.attn_k.weight'",
             "overlap",
         ],
+    );
+    Ok(())
+}
+
+/// A `llama-quantize` file: its block formats by name, and the line saying
+/// `generate` keeps each matrix in the format it is stored in.
+#[test]
+fn a_k_quant_file_lists_its_formats_and_how_it_loads() -> Result<()> {
+    let text = stdout(&multihead(&["inspect", s(&gguf("llama256", "q4_k_m"))?])?)?;
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines.iter().any(|l| l.starts_with("total: 12 tensors (3 F32, 6 Q4_K, 3 Q6_K)")),
+        "{text}"
+    );
+    assert!(
+        lines.contains(&"weights: `multihead generate` keeps the matrices as ggml (each in the block format it is stored in)"),
+        "{text}"
     );
     Ok(())
 }

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use candle::quantized::gguf_file::Value;
-use multihead::models::checkpoint::{ggml_type_name, GgufFile, NonFinite, Preflight};
+use multihead::models::checkpoint::{ggml_type_name, GgufFile, NonFinite, Preflight, WeightDtype};
 use multihead::models::decoder::DecoderModel;
 
 use super::inspect::{human_bytes, more, print_report, print_tensors};
@@ -244,6 +244,18 @@ fn print_text(
         .map(|(label, _, v)| format!("{label} {}", v.as_deref().unwrap_or("?")))
         .collect();
     writeln!(out, "  {}", config.join(", "))?;
+    match file.weight_dtype() {
+        Some(d) => writeln!(
+            out,
+            "weights: `multihead generate` keeps the matrices as {d}{}",
+            match d {
+                WeightDtype::Ggml => " (each in the block format it is stored in)",
+                WeightDtype::Q8_0 => " (the Q8_0 kernels)",
+                _ => "",
+            }
+        )?,
+        None => writeln!(out, "weights: no matrix of a type this loader reads")?,
+    }
     if non_finite.is_empty() {
         writeln!(out, "values: all finite")?;
     }
