@@ -366,7 +366,9 @@ fn a_k_quant_file_lists_its_formats_and_how_it_loads() -> Result<()> {
     let text = stdout(&multihead(&["inspect", s(&gguf("llama256", "q4_k_m"))?])?)?;
     let lines: Vec<&str> = text.lines().collect();
     assert!(
-        lines.iter().any(|l| l.starts_with("total: 12 tensors (3 F32, 6 Q4_K, 3 Q6_K)")),
+        lines
+            .iter()
+            .any(|l| l.starts_with("total: 12 tensors (3 F32, 6 Q4_K, 3 Q6_K)")),
         "{text}"
     );
     assert!(
