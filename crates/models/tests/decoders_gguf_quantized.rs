@@ -98,8 +98,8 @@ fn block_logits_equal_hf_s_within_the_inputs_quantization() -> Result<()> {
 /// blocks by `weight_dtype`) continues each prompt greedily with HF's ids
 /// over the same weights up to the first step whose two best logits HF
 /// puts within 0.2 of each other (the inputs' 8-bit rounding moves these
-/// logits by up to 2.5 % of the largest), and at least 3 steps of the 12
-/// prompts-and-files.
+/// logits by up to 2.5 % of the largest), and at least 3 steps over the 18
+/// prompts and files (15 as made).
 #[test]
 fn greedy_ids_are_hf_s_up_to_a_close_call() -> Result<()> {
     let f = expected()?;
