@@ -32,9 +32,10 @@
 //!   the linear micro-kernels widen to f32 lanes as they load them;
 //! - `q8.rs`: linear weights in llama.cpp's 8-bit Q8_0 blocks, with a
 //!   kernel per instruction set in `q8/` (AVX512-VNNI, AVX2, portable);
-//! - `quant/`: linear weights in ggml's block formats (Q4_0 … Q6_K) kept
-//!   as a GGUF file stores them, their reference dequantization and an
-//!   integer product per instruction set (AVX2, portable);
+//! - `quant/`: linear weights in ggml's block formats (Q4_0 … Q6_K) as a
+//!   GGUF file stores them (most reordered into panels of 8 features at
+//!   load, never widened), their reference dequantization and integer
+//!   products per instruction set (AVX512-VNNI, AVX2, portable);
 //! - `pool.rs`: work spread over the caller and polling helper threads (or
 //!   rayon's pool from inside it), buffers kept between calls.
 //!
