@@ -153,6 +153,7 @@ fn alternating_ms(fs: &mut [&mut dyn FnMut() -> Result<()>]) -> Result<Vec<Vec<f
 fn dtype_name(format: PackFormat, dtype: DType) -> &'static str {
     match (format, dtype) {
         (PackFormat::Q8_0, _) => "q8_0",
+        (PackFormat::Q4_0, _) => "q4_0",
         (_, DType::BF16) => "bf16",
         (_, DType::F16) => "f16",
         _ => "f32",

@@ -109,6 +109,11 @@ def check_half_fields(gguf, name, blocks):
                                   gguf.quants.dequantize(blocks, qtype)), f"{name}: {field} at {offset} unused"
 
 
+# The formats a float folder can be quantized to at load, whose quantizers
+# are checked against gguf-py's.
+QUANTIZED = ["Q4_0"]
+
+
 def real_blocks(rng, gguf, name):
     """(blocks, description) of ROWS rows as a quantizer writes them."""
     qtype = gguf.GGMLQuantizationType[name]
@@ -207,7 +212,29 @@ def main():
             ggml_check[name] = {"blocks": check_against_ggml(lib, gguf, name, blocks, values),
                                 "real_blocks": check_against_ggml(lib, gguf, name, real, real_values)}
 
+    # Floats and gguf-py's quantization of them, for the quantizers a
+    # float folder is kept in at load (`--dtype q4_0`): a stream of its own,
+    # so the tensors above stay as they were. Each row's blocks: N(0, 1)
+    # scaled from 1e-3 to 1e3; row 0's first block all zeros, its second
+    # a tie of magnitudes at opposite signs (the first wins), its third a
+    # value of 8.5 steps (the rounding's edge).
+    qrng = np.random.default_rng(SEED + 1)
+    quantized = {}
+    for name in QUANTIZED:
+        qtype = gguf.GGMLQuantizationType[name]
+        scale = 10.0 ** qrng.uniform(-3, 3, size=(ROWS, COLS // 32, 1))
+        x = (qrng.standard_normal((ROWS, COLS // 32, 32)) * scale).astype(np.float32).reshape(ROWS, COLS)
+        x[0, :32] = 0
+        x[0, 32:64] = np.linspace(-1, 1, 32, dtype=np.float32)
+        x[0, 63], x[0, 40] = np.float32(2), np.float32(-2)
+        x[0, 64:96] = np.float32(0.25)
+        x[0, 64] = np.float32(-1)
+        tensors[f"quantize.{name}.source"] = x
+        tensors[f"quantize.{name}.blocks"] = np.asarray(gguf.quants.quantize(x, qtype), dtype=np.uint8)
+        quantized[name] = f"gguf-py quants.quantize of quantize.{name}.source (float32)"
+
     case = {
+        "quantize": quantized,
         "types": TYPES,
         "rows": ROWS,
         "cols": COLS,

@@ -159,6 +159,7 @@ fn step_bytes(dir: &str, dtype: WeightDtype) -> Result<f64> {
         WeightDtype::F32 => 4.,
         WeightDtype::Bf16 | WeightDtype::F16 => 2.,
         WeightDtype::Q8_0 => 34. / 32.,
+        WeightDtype::Q4_0 => 18. / 32.,
         WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
     };
     Ok(weights as f64 * per_weight)

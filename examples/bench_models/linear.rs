@@ -258,7 +258,8 @@ pub fn decode_layers(dtype: &str) -> Result<()> {
         "bf16" => (DType::BF16, PackFormat::AsStored),
         "f16" => (DType::F16, PackFormat::AsStored),
         "q8_0" => (DType::F32, PackFormat::Q8_0),
-        other => bail!("decode-layers takes f32, bf16, f16 or q8_0, not {other}"),
+        "q4_0" => (DType::F32, PackFormat::Q4_0),
+        other => bail!("decode-layers takes f32, bf16, f16, q8_0 or q4_0, not {other}"),
     };
     let dev = Device::Cpu;
     let mut shapes = Vec::new();
@@ -286,6 +287,7 @@ pub fn decode_layers(dtype: &str) -> Result<()> {
     let weights: usize = shapes.iter().map(|(n, k)| n * k).sum();
     let bytes = match format {
         PackFormat::Q8_0 => weights as f64 * 34. / 32.,
+        PackFormat::Q4_0 => weights as f64 * 18. / 32.,
         PackFormat::AsStored => (weights * dtype.size_in_bytes()) as f64,
     };
     println!(

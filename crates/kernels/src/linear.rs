@@ -146,7 +146,7 @@ impl PackedLinear {
             && bias.as_ref().is_none_or(packable_weight)
             && n > 0
             && k > 0;
-        let quantize = packable && k.is_multiple_of(32) && packing_format() == PackFormat::Q8_0;
+        let quantize = packable && k.is_multiple_of(32) && packing_format() != PackFormat::AsStored;
         let isa = match quantize {
             true => Some(crate::isa::current()),
             false => PackedWeight::isa().filter(|_| packable),
@@ -172,9 +172,12 @@ impl PackedLinear {
                 }
             };
         }
-        let inner = match quantize {
-            true => Inner::Q8(Arc::new(from_weight!(w => Q8Weight::quantize(w, n, k, b, isa)))),
-            false => Inner::Packed(Arc::new(
+        let inner = match (quantize, packing_format()) {
+            (true, PackFormat::Q4_0) => Inner::Blocks(Arc::new(
+                from_weight!(w => BlockWeight::quantize_q4_0(w, n, k, b, isa)),
+            )),
+            (true, _) => Inner::Q8(Arc::new(from_weight!(w => Q8Weight::quantize(w, n, k, b, isa)))),
+            (false, _) => Inner::Packed(Arc::new(
                 from_weight!(w => PackedWeight::new(w, n, k, b, isa, dtype)),
             )),
         };
@@ -281,6 +284,7 @@ impl PackedLinear {
             }
         };
         let format = match parts.iter().any(PackedLinear::is_quantized) {
+            _ if parts.iter().any(|p| p.block_format() == Some(BlockFormat::Q4_0)) => PackFormat::Q4_0,
             true => PackFormat::Q8_0,
             false => PackFormat::AsStored,
         };

@@ -136,7 +136,7 @@ impl Mlp {
             if gate.bias().is_some() != up.bias().is_some() {
                 bail!("Mlp: the gate and up projections must both have a bias or neither")
             }
-            let gate_up = if packing_format() == PackFormat::Q8_0 {
+            let gate_up = if packing_format() != PackFormat::AsStored {
                 // Each quantized, its tensors dropped, before the two are
                 // joined: no copy of the fused weight in f32 (3.8 times
                 // its Q8_0 size) beside them while a model loads. As

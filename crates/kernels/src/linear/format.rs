@@ -13,6 +13,11 @@ pub enum PackFormat {
     /// products), where the input size is a multiple of 32; as stored
     /// otherwise.
     Q8_0,
+    /// Quantized to ggml's Q4_0 (blocks of 32 4-bit values with an f16
+    /// scale, by ggml's reference rule: gguf-py's bits), the inputs
+    /// quantized per block at each call, where the input size is a
+    /// multiple of 32; as stored otherwise.
+    Q4_0,
 }
 
 thread_local! {

@@ -22,6 +22,7 @@ mod format;
 mod inputs;
 mod panels;
 mod portable;
+mod quantize;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]
@@ -133,6 +134,32 @@ impl BlockWeight {
             k,
             kernel: Kernel::for_isa(isa),
         })
+    }
+
+    /// `w`, `n` rows of `k` values (f32, bf16 or f16, widened exactly),
+    /// quantized to Q4_0 by ggml's reference rule (`quantize.rs`), in
+    /// parallel over rows, with `bias`, for the kernel of `isa`. `k` must
+    /// be a positive multiple of 32.
+    pub(crate) fn quantize_q4_0<S: crate::elem::PanelElem>(
+        w: &[S],
+        n: usize,
+        k: usize,
+        bias: Option<&[f32]>,
+        isa: Isa,
+    ) -> Result<Self> {
+        let format = BlockFormat::Q4_0;
+        if k == 0 || !k.is_multiple_of(32) || w.len() != n * k {
+            bail!(
+                "Q4_0 weight ({n}, {k}): {} values, the input size a positive multiple of 32",
+                w.len()
+            )
+        }
+        let rb = format.row_bytes(k);
+        let mut data = vec![0u8; n * rb];
+        data.par_chunks_mut(rb)
+            .zip(w.par_chunks(k))
+            .for_each(|(out, row)| quantize::quantize_row_q4_0(row, out));
+        Self::new(format, data, n, k, bias.map(<[f32]>::to_vec), isa)
     }
 
     /// `(out_features, in_features)`.

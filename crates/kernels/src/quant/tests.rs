@@ -276,3 +276,50 @@ fn speed() -> candle::Result<()> {
     }
     Ok(())
 }
+
+/// The Q4_0 quantizer (`--dtype q4_0`) gives gguf-py's `quantize` bit for
+/// bit on the fixture's floats (magnitudes 1e-3 to 1e3, a zero block, a
+/// tie of magnitudes, a value at the rounding's edge), from f32 and from
+/// bf16 rounded alike; quantizing the dequantized blocks gives them back;
+/// and a layer packed as Q4_0 holds those blocks.
+#[test]
+fn q4_0_quantizes_as_gguf_py() -> candle::Result<()> {
+    use super::quantize::quantize_row_q4_0;
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/quant/blocks.safetensors"
+    );
+    let tensors = candle::safetensors::load(path, &candle::Device::Cpu)?;
+    let source: Vec<f32> = tensors["quantize.Q4_0.source"].flatten_all()?.to_vec1()?;
+    let want: Vec<u8> = tensors["quantize.Q4_0.blocks"].flatten_all()?.to_vec1()?;
+    let mut got = vec![0u8; want.len()];
+    quantize_row_q4_0(&source, &mut got);
+    let bad = got
+        .chunks_exact(18)
+        .zip(want.chunks_exact(18))
+        .position(|(g, w)| g != w);
+    assert_eq!(bad, None, "first block that differs from gguf-py's");
+    // Dequantized and quantized again: the same blocks.
+    let mut values = vec![0f32; source.len()];
+    dequantize_row(BlockFormat::Q4_0, &want, &mut values);
+    let mut again = vec![0u8; want.len()];
+    quantize_row_q4_0(&values, &mut again);
+    assert!(again == want, "requantizing changed blocks");
+    // bf16 weights widen exactly: the same as their f32 values.
+    let halves: Vec<half::bf16> = source.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let widened: Vec<f32> = halves.iter().map(|v| v.to_f32()).collect();
+    let (mut a, mut b) = (vec![0u8; want.len()], vec![0u8; want.len()]);
+    quantize_row_q4_0(&halves, &mut a);
+    quantize_row_q4_0(&widened, &mut b);
+    assert!(a == b);
+    let (n, k) = (4, source.len() / 4);
+    let layer = crate::packing_as(crate::PackFormat::Q4_0, || {
+        crate::PackedLinear::new(
+            candle::Tensor::from_vec(source.clone(), (n, k), &candle::Device::Cpu)?,
+            None,
+        )
+    })?;
+    assert_eq!(layer.block_format(), Some(BlockFormat::Q4_0));
+    assert_eq!(layer.weight()?.flatten_all()?.to_vec1::<f32>()?, values);
+    Ok(())
+}

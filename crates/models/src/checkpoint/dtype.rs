@@ -43,6 +43,12 @@ pub enum WeightDtype {
     /// from what the file stores; an embedding table not tied to the
     /// output projection stays as stored.
     Q8_0,
+    /// ggml's Q4_0: blocks of 32 4-bit weights with an f16 scale, 0.56
+    /// bytes a weight, quantized at load by ggml's reference rule (the
+    /// bits gguf-py's `quantize` gives) from what the file stores; the
+    /// inputs quantized per block at each call. Lossier than Q8_0 (about
+    /// llama.cpp's own Q4_0 files).
+    Q4_0,
     /// A GGUF file's matrices in the ggml block formats it stores them in
     /// (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K; a Q4_K_M file's mix of Q4_K
     /// and Q6_K as it is), kept as their bytes and multiplied in integers
@@ -53,21 +59,24 @@ pub enum WeightDtype {
 }
 
 impl WeightDtype {
-    const ALL: [WeightDtype; 5] = [
+    const ALL: [WeightDtype; 6] = [
         WeightDtype::F32,
         WeightDtype::Bf16,
         WeightDtype::F16,
         WeightDtype::Q8_0,
+        WeightDtype::Q4_0,
         WeightDtype::Ggml,
     ];
 
-    /// The name `--dtype` takes: `f32`, `bf16`, `f16`, `q8_0` or `ggml`.
+    /// The name `--dtype` takes: `f32`, `bf16`, `f16`, `q8_0`, `q4_0` or
+    /// `ggml`.
     pub fn name(self) -> &'static str {
         match self {
             WeightDtype::F32 => "f32",
             WeightDtype::Bf16 => "bf16",
             WeightDtype::F16 => "f16",
             WeightDtype::Q8_0 => "q8_0",
+            WeightDtype::Q4_0 => "q4_0",
             WeightDtype::Ggml => "ggml",
         }
     }
@@ -79,7 +88,7 @@ impl WeightDtype {
             WeightDtype::F32 => Some(DType::F32),
             WeightDtype::Bf16 => Some(DType::BF16),
             WeightDtype::F16 => Some(DType::F16),
-            WeightDtype::Q8_0 | WeightDtype::Ggml => None,
+            WeightDtype::Q8_0 | WeightDtype::Q4_0 | WeightDtype::Ggml => None,
         }
     }
 
@@ -173,6 +182,7 @@ impl WeightDtype {
     pub(crate) fn packing<R>(self, build: impl FnOnce() -> R) -> R {
         let format = match self {
             WeightDtype::Q8_0 | WeightDtype::Ggml => multihead_attention::PackFormat::Q8_0,
+            WeightDtype::Q4_0 => multihead_attention::PackFormat::Q4_0,
             _ => multihead_attention::PackFormat::AsStored,
         };
         multihead_attention::packing_as(format, build)
@@ -278,7 +288,7 @@ mod tests {
         }
         let err = "fp8".parse::<WeightDtype>().unwrap_err().to_string();
         assert!(
-            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0, ggml"),
+            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0, q4_0, ggml"),
             "{err}"
         );
     }
