@@ -340,7 +340,7 @@ impl DecoderModel {
     pub fn from_folder_with(dir: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
         if opts.dtype == WeightDtype::Ggml {
             bail!(
-                "'{}': dtype ggml keeps the blocks a GGUF file stores; a folder's weights are floats (load them as f32, bf16, f16 or q8_0)",
+                "'{}': dtype ggml keeps the blocks a GGUF file stores; a folder's weights are floats (load them as f32, bf16, f16, q8_0 or q4_0)",
                 dir.display()
             )
         }
