@@ -73,10 +73,10 @@ pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &m
 }
 
 /// The formats of 32 as `panel_32`'s const parameter.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q5_0: u8 = 2;
-const Q5_1: u8 = 3;
+pub(super) const Q4_0: u8 = 0;
+pub(super) const Q4_1: u8 = 1;
+pub(super) const Q5_0: u8 = 2;
+pub(super) const Q5_1: u8 = 3;
 
 /// A panel of 8 features (`panels.rs`, `nb` blocks) times input rows
 /// `rows`, into `out` (8 a row, the panel's features in order): 4 rows
@@ -137,81 +137,109 @@ pub(super) fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
 }
 
 /// `R` rows times one panel of format `F`: per block, the 8 features'
-/// sums in the lanes of one vector, `Σ d·dx·Σ u·q − dmin·(dx·Σ q)`.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn panel_32<const F: u8, const R: usize>(panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
-    // The panel block's size and where its mins, fifth bits and nibbles are.
-    let (pb, m_at, qh_at, qs_at) = match F {
-        Q4_0 => (144, 0, 0, 16),
-        Q4_1 => (160, 16, 0, 32),
-        Q5_0 => (176, 0, 16, 48),
-        _ => (192, 16, 32, 64),
-    };
-    let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-    assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
-    for row in rows {
-        assert!(row.q.len() >= 32 * nb && row.d.len() >= nb && row.dsums.len() >= nb);
-    }
-    let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
-    let mut acc = [_mm256_setzero_ps(); R];
-    for b in 0..nb {
-        let blk = &panel[b * pb..b * pb + pb];
-        for line in (0..pb).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH + line).cast());
-        }
-        // SAFETY: `blk` holds `pb` bytes, past every offset read below.
-        let (d, dmin, qh) = unsafe {
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));
-            let dmin = match F {
-                Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(8.)),
-                Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(16.)),
-                _ => _mm256_sub_ps(
-                    _mm256_setzero_ps(),
-                    _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(m_at).cast())),
-                ),
+/// sums in the lanes of one vector, `Σ d·dx·Σ u·q − dmin·(dx·Σ q)`; as a
+/// function `$name` with `$features`, `$step(s, u, x)` adding a step's
+/// products to `s` and `$widen(s)` its sums as `i32` (AVX2: `vpmaddubsw`
+/// into `i16`, widened by `vpmaddwd`; VNNI: `vpdpbusd` into `i32`).
+macro_rules! panel_32 {
+    ($name:ident, $features:literal, $step:expr, $widen:expr) => {
+        #[target_feature(enable = $features)]
+        pub(super) fn $name<const F: u8, const R: usize>(
+            panel: &[u8],
+            nb: usize,
+            rows: &[InputRow],
+            out: &mut [f32],
+        ) {
+            // The panel block's size and where its mins, fifth bits and nibbles are.
+            let (pb, m_at, qh_at, qs_at) = match F {
+                Q4_0 => (144, 0, 0, 16),
+                Q4_1 => (160, 16, 0, 32),
+                Q5_0 => (176, 0, 16, 48),
+                _ => (192, 16, 32, 64),
             };
-            let qh = match F {
-                Q5_0 | Q5_1 => _mm256_loadu_si256(blk.as_ptr().add(qh_at).cast()),
-                _ => _mm256_setzero_si256(),
-            };
-            (d, dmin, qh)
-        };
-        let mut isum = [_mm256_setzero_si256(); R];
-        for pair in 0..2 {
-            // Two steps' products in i16 (at most 4·2·31·127 < 2¹⁵).
-            let mut s16 = [_mm256_setzero_si256(); R];
-            for g in 2 * pair..2 * pair + 2 {
-                let v = load32(blk, qs_at + 32 * g);
-                let mut lo = _mm256_and_si256(v, low);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if F == Q5_0 || F == Q5_1 {
-                    lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * g as i32));
-                    hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * g as i32));
+            let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+            assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
+            for row in rows {
+                assert!(row.q.len() >= 32 * nb && row.d.len() >= nb && row.dsums.len() >= nb);
+            }
+            let (step, widen) = ($step, $widen);
+            let low = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let blk = &panel[b * pb..b * pb + pb];
+                for line in (0..pb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH + line).cast());
+                }
+                // SAFETY: `blk` holds `pb` bytes, past every offset read below.
+                let (d, dmin, qh) = unsafe {
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));
+                    let dmin = match F {
+                        Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(8.)),
+                        Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(16.)),
+                        _ => _mm256_sub_ps(
+                            _mm256_setzero_ps(),
+                            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(m_at).cast())),
+                        ),
+                    };
+                    let qh = match F {
+                        Q5_0 | Q5_1 => _mm256_loadu_si256(blk.as_ptr().add(qh_at).cast()),
+                        _ => _mm256_setzero_si256(),
+                    };
+                    (d, dmin, qh)
+                };
+                let mut isum = [_mm256_setzero_si256(); R];
+                for pair in 0..2 {
+                    // Two steps' products (AVX2: in i16, at most 4·2·31·127 < 2¹⁵).
+                    let mut s16 = [_mm256_setzero_si256(); R];
+                    for g in 2 * pair..2 * pair + 2 {
+                        let v = load32(blk, qs_at + 32 * g);
+                        let mut lo = _mm256_and_si256(v, low);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                        if F == Q5_0 || F == Q5_1 {
+                            lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * g as i32));
+                            hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * g as i32));
+                        }
+                        for r in 0..R {
+                            let q = &rows[r].q[32 * b..32 * b + 32];
+                            let x = |at: usize| super::avx2_k::x4(q, at);
+                            let (xlo, xhi) = (
+                                _mm256_set1_epi32(x(4 * g)),
+                                _mm256_set1_epi32(x(16 + 4 * g)),
+                            );
+                            s16[r] = step(step(s16[r], lo, xlo), hi, xhi);
+                        }
+                    }
+                    for r in 0..R {
+                        isum[r] = _mm256_add_epi32(isum[r], widen(s16[r]));
+                    }
                 }
                 for r in 0..R {
-                    let q = &rows[r].q[32 * b..32 * b + 32];
-                    let x = |at: usize| super::avx2_k::x4(q, at);
-                    let (xlo, xhi) = (_mm256_set1_epi32(x(4 * g)), _mm256_set1_epi32(x(16 + 4 * g)));
-                    let both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-                    s16[r] = _mm256_add_epi16(s16[r], both);
+                    let row = &rows[r];
+                    let scale = _mm256_mul_ps(d, _mm256_set1_ps(row.d[b]));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dmin, _mm256_set1_ps(row.dsums[b]), acc[r]);
                 }
             }
-            for r in 0..R {
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], ones));
+            for (acc, out) in acc.iter().zip(out.chunks_exact_mut(8)) {
+                // SAFETY: `out` holds 8 floats.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *acc) };
             }
         }
-        for r in 0..R {
-            let row = &rows[r];
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(row.d[b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-            acc[r] = _mm256_fnmadd_ps(dmin, _mm256_set1_ps(row.dsums[b]), acc[r]);
-        }
-    }
-    for (acc, out) in acc.iter().zip(out.chunks_exact_mut(8)) {
-        // SAFETY: `out` holds 8 floats.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *acc) };
-    }
+    };
 }
+
+panel_32!(
+    panel_32,
+    "avx2,fma,f16c",
+    |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
+    |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+);
+panel_32!(
+    panel_32_vnni,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+    |s, u, x| _mm256_dpbusd_epi32(s, u, x),
+    |s| s
+);
 
 /// Q4_K's and Q5_K's 8 scales and 8 mins from their 12 bytes (ggml's
 /// `utmp` shuffle), each written twice (per 16 elements).
