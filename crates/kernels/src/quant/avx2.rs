@@ -4,11 +4,11 @@
 //! never saturating), then `vpmaddwd` by the scales; sums in `i32` lanes
 //! to the block's end and in f32 lanes to the row's.
 //!
-//! The formats of 32 (Q4_0, Q4_1, Q5_0, Q5_1) come in panels of 8
-//! features (`panels.rs`), a step's products one lane per feature; the
-//! k-quants in rows, each block unpacked into a buffer (Q4_K, Q5_K, Q6_K
-//! with vector code, Q2_K and Q3_K as `format.rs` unpacks them). Q8_0, whose `u` can be 255,
-//! goes to the portable code: its weights take the Q8_0 kernels (`q8.rs`).
+//! The formats in panels of 8 features (`panels.rs`: the formats of 32
+//! here, the k-quants in `avx2_k.rs`) take a step's products one lane per
+//! feature. Q2_K and Q3_K stay in rows, each block unpacked into a
+//! buffer. Q8_0, whose `u` can be 255, goes to the portable code: its
+//! weights take the Q8_0 kernels (`q8.rs`).
 
 use std::arch::x86_64::*;
 
@@ -32,10 +32,10 @@ fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// How far ahead of its loads a row's blocks are prefetched, in bytes: a
-/// decode step's single stream of weights waits on memory with the
-/// hardware prefetcher alone (as `q8/avx2.rs` found for Q8_0).
-pub(super) const PREFETCH: usize = 1024;
+/// How far ahead of its loads a panel's blocks are prefetched, in bytes:
+/// a decode step reads one stream of weights, which the hardware
+/// prefetcher alone does not keep ahead of (as for Q8_0, `q8/avx2.rs`).
+const PREFETCH: usize = 1024;
 
 /// 32 bytes of `b` from `at` (checked).
 #[target_feature(enable = "avx2")]
@@ -53,14 +53,7 @@ pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &m
     if format.block_elems() != 256 {
         return super::portable::dot_rows(format, w, rows, out);
     }
-    let mut at = 0;
-    while at < rows.len() {
-        let n = match rows.len() - at {
-            8.. => 8,
-            4..=7 => 4,
-            2..=3 => 2,
-            _ => 1,
-        };
+    for (at, n) in super::row_groups(rows.len(), 8) {
         let (rows, out) = (&rows[at..at + n], &mut out[at..at + n]);
         match n {
             8 => dot_256::<8>(format, w, rows, out),
@@ -68,7 +61,6 @@ pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &m
             2 => dot_256::<2>(format, w, rows, out),
             _ => dot_256::<1>(format, w, rows, out),
         }
-        at += n;
     }
 }
 
@@ -85,13 +77,7 @@ pub(super) const Q5_1: u8 = 3;
 pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
     // The k-quants' kernels hold 2 rows' sums in registers, the others 4.
     let most = if format.block_elems() == 256 { 2 } else { 4 };
-    let mut at = 0;
-    while at < rows.len() {
-        let n = match (rows.len() - at).min(most) {
-            4 => 4,
-            2..=3 => 2,
-            _ => 1,
-        };
+    for (at, n) in super::row_groups(rows.len(), most) {
         let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
         macro_rules! by_rows {
             ($f:expr) => {
@@ -114,7 +100,6 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
             (BlockFormat::Q5_0, _) => by_rows!(Q5_0),
             _ => by_rows!(Q5_1),
         }
-        at += n;
     }
 }
 
@@ -122,7 +107,7 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
 /// features) 16 where bit `shift + t` of feature `c`'s `qh` (lane `c`) is
 /// set.
 #[target_feature(enable = "avx2")]
-pub(super) fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
+fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
     let shifted = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(shift));
     let spread = _mm256_shuffle_epi8(
         shifted,
@@ -228,102 +213,18 @@ macro_rules! panel_32 {
     };
 }
 
-panel_32!(
-    panel_32,
-    "avx2,fma,f16c",
-    |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
-    |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
-);
-panel_32!(
-    panel_32_vnni,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    |s, u, x| _mm256_dpbusd_epi32(s, u, x),
-    |s| s
-);
+avx2_and_vnni!(panel_32, panel_32, panel_32_vnni);
 
-/// Q4_K's and Q5_K's 8 scales and 8 mins from their 12 bytes (ggml's
-/// `utmp` shuffle), each written twice (per 16 elements).
-fn k4_scales(s: &[u8], p: &mut Unpacked) {
-    const KMASK1: u32 = 0x3f3f_3f3f;
-    const KMASK2: u32 = 0x0f0f_0f0f;
-    const KMASK3: u32 = 0x0303_0303;
-    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-    let (a, b, c) = (w(0), w(1), w(2));
-    let sc = [a & KMASK1, (c & KMASK2) | (((a >> 6) & KMASK3) << 4)];
-    let mn = [b & KMASK1, ((c >> 4) & KMASK2) | (((b >> 6) & KMASK3) << 4)];
-    for i in 0..8 {
-        let scale = (sc[i / 4] >> (8 * (i % 4))) as u8;
-        let min = (mn[i / 4] >> (8 * (i % 4))) as u8;
-        p.sc[2 * i] = i16::from(scale);
-        p.sc[2 * i + 1] = i16::from(scale);
-        p.m[2 * i] = i16::from(min);
-        p.m[2 * i + 1] = i16::from(min);
-    }
-}
-
-/// A k-quant block unpacked, with vector code where the format has it.
+/// A k-quant block kept in rows unpacked: Q2_K and Q3_K with vector code,
+/// others as `format.rs` unpacks them.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
-    let low = _mm256_set1_epi8(0x0F);
     let store = |u: &mut [u8; 256], at: usize, v: __m256i| {
         let u = &mut u[at..at + 32];
         // SAFETY: `u` holds 32 bytes.
         unsafe { _mm256_storeu_si256(u.as_mut_ptr().cast(), v) }
     };
     match format {
-        BlockFormat::Q4_K | BlockFormat::Q5_K => {
-            p.d = f16_at(b, 0);
-            p.dmin = f16_at(b, 2);
-            k4_scales(&b[4..16], p);
-            let (qh, qs) = match format {
-                BlockFormat::Q5_K => (Some(load32(b, 16)), 48),
-                _ => (None, 16),
-            };
-            for g in 0..4 {
-                let v = load32(b, qs + 32 * g);
-                let mut lo = _mm256_and_si256(v, low);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if let Some(h) = qh {
-                    let fifth = |bit: usize| {
-                        let mask = _mm256_set1_epi8(1 << bit);
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, mask), mask);
-                        _mm256_and_si256(set, _mm256_set1_epi8(16))
-                    };
-                    lo = _mm256_or_si256(lo, fifth(2 * g));
-                    hi = _mm256_or_si256(hi, fifth(2 * g + 1));
-                }
-                store(&mut p.u, 64 * g, lo);
-                store(&mut p.u, 64 * g + 32, hi);
-            }
-        }
-        BlockFormat::Q6_K => {
-            p.d = f16_at(b, 208);
-            p.dmin = p.d;
-            let two = _mm256_set1_epi8(0x30);
-            for n in 0..2 {
-                let (ql0, ql1, h) = (load32(b, 64 * n), load32(b, 64 * n + 32), load32(b, 128 + 32 * n));
-                let quarters = [
-                    (_mm256_and_si256(ql0, low), _mm256_slli_epi16(h, 4)),
-                    (_mm256_and_si256(ql1, low), _mm256_slli_epi16(h, 2)),
-                    (_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), h),
-                    (
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                        _mm256_srli_epi16(h, 2),
-                    ),
-                ];
-                for (j, (l, hb)) in quarters.into_iter().enumerate() {
-                    store(
-                        &mut p.u,
-                        128 * n + 32 * j,
-                        _mm256_or_si256(l, _mm256_and_si256(hb, two)),
-                    );
-                }
-            }
-            for h in 0..16 {
-                p.sc[h] = i16::from(b[192 + h] as i8);
-                p.m[h] = 32 * p.sc[h];
-            }
-        }
         BlockFormat::Q2_K | BlockFormat::Q3_K => {
             // Element 128n + 32j + l: bits 2j.. of qs[32n + l]; Q3_K's
             // third bit is bit 4n + j of hmask[l].

@@ -11,16 +11,16 @@
 use std::arch::x86_64::*;
 
 use super::avx2::load32;
-
-/// Blocks ahead of its loads a panel prefetches (a block: 1.1–1.7 KB):
-/// one leaves a decode step waiting on memory at each block's start.
-const AHEAD: usize = 2;
 use super::inputs::InputRow;
 
+/// Blocks ahead of its loads a panel prefetches (a block: 1.1–1.7 KB),
+/// so that a decode step's stream of weights is in cache when a block
+/// starts.
+const AHEAD: usize = 2;
+
 /// Step `s` (of a block's 32) prefetches its 32nd of the block [`AHEAD`]
-/// blocks on: spread over the steps, the block's lines are asked for
-/// evenly (all at the block's start, they outran the line fill buffers
-/// and a decode step streamed at half the bandwidth).
+/// blocks on: spread over the steps, a block's lines are asked for a few
+/// at a time, within what the core's line fill buffers hold.
 #[inline]
 #[target_feature(enable = "avx2")]
 fn prefetch_ahead(blk: &[u8], pb: usize, s: usize) {
@@ -176,18 +176,7 @@ macro_rules! panel_k4 {
     };
 }
 
-panel_k4!(
-    panel_k4,
-    "avx2,fma,f16c",
-    |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
-    |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
-);
-panel_k4!(
-    panel_k4_vnni,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    |s, u, x| _mm256_dpbusd_epi32(s, u, x),
-    |s| s
-);
+avx2_and_vnni!(panel_k4, panel_k4, panel_k4_vnni);
 
 /// Q6_K panels times `R` rows, into `out` (8 a row): `w = d·sc·(u −
 /// 32)` per 16 elements, `u` six bits from `ql` and `qh`; `$step` and
@@ -304,15 +293,4 @@ macro_rules! panel_q6k {
     };
 }
 
-panel_q6k!(
-    panel_q6k,
-    "avx2,fma,f16c",
-    |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
-    |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
-);
-panel_q6k!(
-    panel_q6k_vnni,
-    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-    |s, u, x| _mm256_dpbusd_epi32(s, u, x),
-    |s| s
-);
+avx2_and_vnni!(panel_q6k, panel_q6k, panel_q6k_vnni);

@@ -14,6 +14,28 @@
 //! same integer sums in other orders of f32 operations: they agree within
 //! float rounding, not bit for bit.
 
+/// `$kernel!` (a kernel body written over a step and a widening)
+/// instantiated twice: `$avx2` with AVX2's step (`vpmaddubsw` into `i16`
+/// sums, widened by `vpmaddwd`) and `$vnni` with AVX512-VNNI's
+/// (`vpdpbusd` straight into `i32` sums) on 256-bit vectors.
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx2_and_vnni {
+    ($kernel:ident, $avx2:ident, $vnni:ident) => {
+        $kernel!(
+            $avx2,
+            "avx2,fma,f16c",
+            |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
+            |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+        );
+        $kernel!(
+            $vnni,
+            "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+            |s, u, x| _mm256_dpbusd_epi32(s, u, x),
+            |s| s
+        );
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -42,6 +64,24 @@ use crate::pool::{par_for, SyncPtr};
 const TASK_FEATURES: usize = 16;
 /// Input rows up to which a call gives each thread one run of features.
 const FEW_ROWS: usize = 4;
+
+/// `(first, count)` of the groups a kernel takes `rows` input rows in:
+/// `most` at a time while they last, then 4, 2 and 1 (each count a
+/// kernel holding that many rows' sums in registers).
+pub(crate) fn row_groups(rows: usize, most: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let n = match (rows - at).min(most) {
+            0 => return None,
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        at += n;
+        Some((at - n, n))
+    })
+}
 
 /// The code a weight's products run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -17,14 +17,7 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
     if format.block_elems() == 256 {
         return k_panel(format, panel, nb, rows, out);
     }
-    let mut at = 0;
-    while at < rows.len() {
-        let n = match rows.len() - at {
-            8.. => 8,
-            4..=7 => 4,
-            2..=3 => 2,
-            _ => 1,
-        };
+    for (at, n) in super::row_groups(rows.len(), 8) {
         let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
         macro_rules! by_rows {
             ($f:expr) => {
@@ -42,7 +35,6 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
             BlockFormat::Q5_0 => by_rows!(Q5_0),
             _ => by_rows!(Q5_1),
         }
-        at += n;
     }
 }
 
@@ -50,13 +42,7 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn k_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
     use super::avx2_k::{panel_k4_vnni, panel_q6k_vnni};
-    let mut at = 0;
-    while at < rows.len() {
-        let n = match rows.len() - at {
-            4.. => 4,
-            2..=3 => 2,
-            _ => 1,
-        };
+    for (at, n) in super::row_groups(rows.len(), 4) {
         let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
         match (format, n) {
             (BlockFormat::Q4_K, 4) => panel_k4_vnni::<false, 4>(panel, nb, rows, out),
@@ -69,6 +55,5 @@ fn k_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out:
             (BlockFormat::Q6_K, 2) => panel_q6k_vnni::<2>(panel, nb, rows, out),
             (_, _) => panel_q6k_vnni::<1>(panel, nb, rows, out),
         }
-        at += n;
     }
 }
