@@ -1,9 +1,12 @@
-//! The inputs of a block-quantized product, quantized once per call as
-//! ggml quantizes them for its dot products (`block_q8_K` for the
-//! k-quants, `block_q8_0`/`q8_1` for the others): per block of the
-//! weight's size, a scale `dx = max|x| / 127` (f32) and the values
-//! `q = round(x / dx)` (ties away from zero, `i8`), and the sum of every
-//! 16 values (ggml's `bsums`), which the formats' mins multiply.
+//! The inputs of a block-quantized product, quantized once per call in
+//! the manner of ggml's `block_q8_K` (the k-quants) and `block_q8_0`/`q8_1`
+//! (the others): per block of the weight's size, a scale
+//! `dx = max|x| / 127` and the values `q = round(x / dx)` (ties away from
+//! zero, `i8`), and the sum of every 16 values (ggml's `bsums`), which the
+//! formats' mins multiply. Not to ggml's bits: ggml rounds `q8_0`'s scale
+//! to f16 and takes `q8_K`'s from the signed largest value, where this
+//! keeps the f32 scale of the largest magnitude; the products then differ
+//! from llama.cpp's within the inputs' rounding.
 
 /// `m` rows of `k` inputs quantized in blocks of `block` (32 or 256).
 #[derive(Debug)]
