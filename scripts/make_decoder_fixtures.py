@@ -45,8 +45,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (  # noqa: E402
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     GPTJConfig,
@@ -61,6 +67,7 @@ from transformers import (  # noqa: E402
     Olmo2Config,
     Olmo2ForCausalLM,
     Qwen3ForCausalLM,
+    SiglipVisionConfig,
     SmolLM3Config,
     SmolLM3ForCausalLM,
 )
@@ -169,6 +176,44 @@ def olmo2_config():
     )
 
 
+def gemma2_config():
+    # Gemma 2: sandwich norms, (1 + w) RMSNorms, embeddings times
+    # sqrt(hidden), GeGLU, query_pre_attn_scalar in place of head_dim,
+    # soft-capped scores and logits, sliding (layer 0) and full (layer 1)
+    # attention by the default alternation. head_dim 32 with hidden 64 and
+    # 4 heads; caps small enough to bite on these logits; a window of 4
+    # keys, shorter than the prompt. initializer_range 0.1, not 0.2: at 0.2
+    # rounding the weights to bf16 moves these logits by 3 % of the
+    # largest, past what the half-precision tests allow any model.
+    return Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        rope_theta=10000.0, rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=4,
+        attn_logit_softcapping=4.0, final_logit_softcapping=6.0, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, attn_implementation="eager",
+    )
+
+
+def gemma3_config():
+    # Gemma 3 (text): Gemma 2's blocks with RMSNorms (1 + w) on each head of
+    # q and k, no soft-capping, and a rope base per layer kind: sliding
+    # layers at 10k, full ones at 1M with linear scaling (factor 8, as
+    # the 4B and larger have). Layer 0 sliding (window 4), layer 1 full.
+    return Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+    )
+
+
 MODELS = {
     "gpt2": (gpt2_config, GPT2LMHeadModel),
     "llama": (llama_config, LlamaForCausalLM),
@@ -178,6 +223,8 @@ MODELS = {
     "qwen3": (qwen3_config, Qwen3ForCausalLM),
     "smollm3": (smollm3_config, SmolLM3ForCausalLM),
     "olmo2": (olmo2_config, Olmo2ForCausalLM),
+    "gemma2": (gemma2_config, Gemma2ForCausalLM),
+    "gemma3": (gemma3_config, Gemma3ForCausalLM),
 }
 
 
@@ -258,7 +305,7 @@ def try_seed(name, seed):
         "seed": seed,
         "dtype": "float32",
         "attn_implementation": "eager",
-        "init": "config initializer_range 0.2; then every bias ~ 0.1*N(0,1), every norm weight ~ 1+0.2*N(0,1)",
+        "init": "config initializer_range %s; then every bias ~ 0.1*N(0,1), every norm weight ~ 1+0.2*N(0,1)" % model.config.initializer_range,
         "max_new_tokens": MAX_NEW,
         "generate_kwargs": {
             "max_new_tokens": MAX_NEW, "min_new_tokens": MAX_NEW, "do_sample": False, "num_beams": 1,
@@ -294,6 +341,35 @@ def try_seed(name, seed):
         **VERSIONS,
     }
     return (model, tensors, case), m.min().item()
+
+
+def gemma3_multimodal(tmp):
+    """`gemma3_mm/`: a `Gemma3ForConditionalGeneration` whose text model is
+    `gemma3/`'s (its weights copied) beside a one-layer SigLIP tower, as
+    `save_pretrained` writes it (the text under `language_model.`). Its
+    text-only logits must equal `gemma3/`'s, so the tests reuse
+    `gemma3_expected.safetensors`."""
+    text = Gemma3ForCausalLM.from_pretrained(os.path.join(tmp, "gemma3"), attn_implementation="eager",
+                                             dtype=torch.float32).eval()
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                       image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+                       attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).float().eval()
+    missing, unexpected = model.model.language_model.load_state_dict(text.model.state_dict(), strict=True)
+    assert not missing and not unexpected
+    folder = os.path.join(tmp, "gemma3_mm")
+    model.save_pretrained(folder, safe_serialization=True)
+    expected = load_file(os.path.join(tmp, "gemma3_expected.safetensors"))
+    again = Gemma3ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = again(expected["input_ids"].long()).logits.float()
+    diff = (logits - expected["logits"]).abs().max().item()
+    assert diff < 1e-5, f"gemma3_mm: text logits differ from gemma3's by {diff}"
+    return sorted(os.listdir(folder))
 
 
 def build_decoder(name, tmp):
@@ -454,7 +530,20 @@ torch {torch} and transformers {transformers}. Remake with
 * `olmo2/`: `Olmo2ForCausalLM` (RMSNorms after attention and MLP, none
   before; `q_norm`/`k_norm` over all heads at once, 64 and 32 wide;
   rope_theta 5e5, untied lm_head).
-* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3,olmo2}}_expected.safetensors`: `input_ids`
+* `gemma2/`: `Gemma2ForCausalLM` (sandwich norms, `(1 + w)` RMSNorms,
+  embeddings times sqrt(64), GeGLU, head_dim 32, query_pre_attn_scalar 24,
+  scores soft-capped at 4 and logits at 6, layer 0 sliding (window 4),
+  layer 1 full; tied lm_head).
+* `gemma3/`: `Gemma3ForCausalLM` (`gemma3_text`: Gemma 2's blocks with
+  `(1 + w)` RMSNorms on each head of q and k, no soft-capping; layer 0
+  sliding (window 4, rope_theta 1e4), layer 1 full (rope_theta 1e6,
+  linear scaling factor 8)).
+* `gemma3_mm/`: `Gemma3ForConditionalGeneration` (`gemma3`: the text
+  model under `language_model.`, here `gemma3/`'s weights, beside a
+  one-layer SigLIP vision tower and its projector); its text-only logits
+  equal `gemma3/`'s (checked by the script), so its tests reuse
+  `gemma3_expected.safetensors`.
+* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3,olmo2,gemma2,gemma3}}_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,
@@ -496,6 +585,8 @@ def main():
             size = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(os.path.join(tmp, name))
                        for n in ns)
             assert size < 1_000_000, f"{name}/ is too large: {size} B"
+            if name == "gemma3":
+                print(f"gemma3_mm/: {', '.join(gemma3_multimodal(tmp))}")
         rot = None if args.only else rotary(tmp)
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(README.format(**VERSIONS))

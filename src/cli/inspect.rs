@@ -11,7 +11,7 @@ use multihead::attention::{MhaConfig, MultiheadAttention};
 use multihead::models::checkpoint::{
     is_gguf, wanted_tensors, Checkpoint, MinWeights, ModelFiles, NonFinite, Preflight,
 };
-use multihead::models::decoder::{DecoderModel, HfDecoderConfig, HF_DECODER_TYPES};
+use multihead::models::decoder::{DecoderModel, Gemma, HfDecoderConfig, HF_DECODER_TYPES};
 use multihead::models::inspect::{recognise, Layout, VitFacts};
 use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
 use multihead::models::vit::{folder, VisionTransformer, VitConfig};
@@ -139,9 +139,17 @@ fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -
         .get("model_type")
         .and_then(|t| t.as_str())
         .is_some_and(|t| HF_DECODER_TYPES.contains(&t));
+    // A multimodal Gemma 3's vision tower is left out on purpose: the
+    // text model's tensors are compared with the config.
+    let text;
+    let mut ckpt = ckpt;
     let (kind, wanted) = if decoder {
         // As `generate --model` reads it.
         let cfg = HfDecoderConfig::from_json(&json, &path.display().to_string())?;
+        if let HfDecoderConfig::Gemma(_) = cfg {
+            text = Gemma::text_checkpoint(ckpt).0;
+            ckpt = &text;
+        }
         (
             "HF transformers decoder config",
             DecoderModel::wanted_tensors(&cfg, ckpt).with_context(ctx)?,

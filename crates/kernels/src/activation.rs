@@ -21,29 +21,64 @@ pub fn relu(xs: &Tensor) -> Result<Tensor> {
 /// `silu` and multiply otherwise (any device; gradients flow). NaN stays
 /// NaN.
 pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
+    gated(gate_up, Gate::Silu)
+}
+
+/// `gelu_tanh(gate) · up` for `gate_up = [gate | up]` along the last dim,
+/// the GeGLU of Gemma's MLP (`gelu_pytorch_tanh`), as [`silu_and_mul`]
+/// computes its SwiGLU: one pass over plain f32 CPU tensors, candle's
+/// (tanh) `gelu` and multiply otherwise.
+pub fn gelu_tanh_and_mul(gate_up: &Tensor) -> Result<Tensor> {
+    gated(gate_up, Gate::GeluTanh)
+}
+
+/// The activation on a gated MLP's gate half.
+#[derive(Debug, Clone, Copy)]
+enum Gate {
+    Silu,
+    GeluTanh,
+}
+
+impl Gate {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu_and_mul",
+            Self::GeluTanh => "gelu_tanh_and_mul",
+        }
+    }
+}
+
+fn gated(gate_up: &Tensor, kind: Gate) -> Result<Tensor> {
+    let name = kind.name();
     let dims = gate_up.dims();
     let Some(&width) = dims.last() else {
-        bail!("silu_and_mul: expected (..., 2 * features), found a scalar")
+        bail!("{name}: expected (..., 2 * features), found a scalar")
     };
     if width % 2 != 0 {
-        bail!("silu_and_mul: last dim is {width}, expected an even width (gate and up halves)")
+        bail!("{name}: last dim is {width}, expected an even width (gate and up halves)")
     }
     let i = width / 2;
     if !plain_cpu_f32(gate_up) {
         let gate = gate_up.narrow(candle::D::Minus1, 0, i)?;
-        return gate.silu()? * gate_up.narrow(candle::D::Minus1, i, i)?;
+        let up = gate_up.narrow(candle::D::Minus1, i, i)?;
+        return match kind {
+            Gate::Silu => gate.silu()? * up,
+            // candle's `gelu` is the tanh approximation.
+            Gate::GeluTanh => gate.gelu()? * up,
+        };
     }
     let x = gate_up.contiguous()?;
     let rows = x.elem_count() / width.max(1);
     let out = {
         let (storage, layout) = x.storage_and_layout();
         let Storage::Cpu(cpu) = &*storage else {
-            bail!("silu_and_mul: input is not on the CPU")
+            bail!("{name}: input is not on the CPU")
         };
-        silu_and_mul_rows(
+        gated_rows(
             &cpu.as_slice::<f32>()?[layout.start_offset()..][..rows * width],
             rows,
             i,
+            kind,
         )
     };
     let mut shape = dims.to_vec();
@@ -53,15 +88,18 @@ pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, shape, x.device())
 }
 
-/// `silu(gate_up[.., :i]) · gate_up[.., i:]` for `rows` rows of `2i`
+/// `act(gate_up[.., :i]) · gate_up[.., i:]` for `rows` rows of `2i`
 /// floats, into `rows` rows of `i`; rows split over rayon's pool where
 /// there are enough of them.
-fn silu_and_mul_rows(gate_up: &[f32], rows: usize, i: usize) -> Vec<f32> {
+fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate) -> Vec<f32> {
     let mut out = vec![0f32; rows * i];
     if i == 0 {
         return out;
     }
-    let row = |(o, x): (&mut [f32], &[f32])| simd::silu_mul(&x[..i], &x[i..], o);
+    let row = |(o, x): (&mut [f32], &[f32])| match kind {
+        Gate::Silu => simd::silu_mul(&x[..i], &x[i..], o),
+        Gate::GeluTanh => simd::gelu_tanh_mul(&x[..i], &x[i..], o),
+    };
     // About 16 K outputs a task, as candle's elementwise ops take.
     let per_task = (16 * 1024 / i).max(1);
     if rows * i >= 64 * 1024 {
@@ -78,7 +116,7 @@ fn silu_and_mul_rows(gate_up: &[f32], rows: usize, i: usize) -> Vec<f32> {
 mod tests {
     use candle::Result;
 
-    use super::silu_and_mul;
+    use super::{gelu_tanh_and_mul, silu_and_mul};
     use crate::isa::{force, supported, FORCE_LOCK};
     use crate::testing::{randn, rel_err};
 
@@ -88,11 +126,26 @@ mod tests {
     /// flow); an odd width is an error that says so.
     #[test]
     fn silu_and_mul_equals_silu_times_up() -> Result<()> {
+        gated_equals_candle(silu_and_mul, |g| g.silu())
+    }
+
+    /// `gelu_tanh_and_mul` equals candle's (tanh) `gelu` times the other
+    /// half, as [`silu_and_mul_equals_silu_times_up`] checks the SwiGLU.
+    #[test]
+    fn gelu_tanh_and_mul_equals_gelu_times_up() -> Result<()> {
+        gated_equals_candle(gelu_tanh_and_mul, |g| g.gelu())
+    }
+
+    fn gated_equals_candle(
+        ours: fn(&candle::Tensor) -> Result<candle::Tensor>,
+        act: fn(&candle::Tensor) -> Result<candle::Tensor>,
+    ) -> Result<()> {
         use candle::{Device, Tensor, Var, D};
 
+        let silu_and_mul = ours;
         let reference = |x: &Tensor| -> Result<Tensor> {
             let i = x.dim(D::Minus1)? / 2;
-            x.narrow(D::Minus1, 0, i)?.silu()? * x.narrow(D::Minus1, i, i)?
+            act(&x.narrow(D::Minus1, 0, i)?)? * x.narrow(D::Minus1, i, i)?
         };
         let _lock = FORCE_LOCK.lock();
         for isa in supported() {

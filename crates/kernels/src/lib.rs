@@ -92,7 +92,7 @@ mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod tile;
 
-pub use activation::{relu, silu_and_mul};
+pub use activation::{gelu_tanh_and_mul, relu, silu_and_mul};
 pub use linear::{
     is_broadcast, is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat, PackedLinear,
 };

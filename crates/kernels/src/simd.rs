@@ -112,6 +112,21 @@ fn silu_mul_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `gelu_tanh(g) · u` elementwise, the tanh GELU as [`gelu_tanh_impl`]
+/// computes it (`g · σ(2t)` from `z = e^-|2t|`). Branch-free, so it
+/// vectorises; NaN stays NaN.
+#[inline(always)]
+fn gelu_tanh_mul_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    // 2 · √(2/π)
+    const TWO_C: f32 = 1.595_769;
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let t = TWO_C * g * (1. + 0.044_715 * g * g);
+        let z = exp(-t.abs());
+        let num = if t < 0. { z } else { 1. };
+        *o = g * num / (1. + z) * u;
+    }
+}
+
 /// Whether every element is finite: `x · 0` is 0 for finite `x` and
 /// NaN otherwise, summed in independent lanes.
 #[inline(always)]
@@ -280,6 +295,7 @@ dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
 dispatch!(gelu_tanh, gelu_tanh_impl, (xs: &mut [f32]));
 dispatch!(relu, relu_impl, (xs: &mut [f32]));
 dispatch!(silu_mul, silu_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
+dispatch!(gelu_tanh_mul, gelu_tanh_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 
 #[cfg(test)]
 mod tests {

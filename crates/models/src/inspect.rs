@@ -79,7 +79,9 @@ pub struct TransformerFacts {
 pub struct DecoderFacts {
     /// `gpt2`, `llama` (Llama, Mistral, SmolLM3: they store the same
     /// tensors), `qwen2` (biases on q, k, v only), `qwen3` (q/k norms per
-    /// head) or `olmo2` (norms after each branch, q/k norms over all heads).
+    /// head), `olmo2` (norms after each branch, q/k norms over all heads),
+    /// `gemma2` (norms before and after each branch) or `gemma3` (those,
+    /// and q/k norms per head).
     pub family: String,
     /// The names' prefix (`transformer.`, `model.`, or none).
     pub prefix: String,
@@ -216,8 +218,8 @@ fn gpt2(n: &Names) -> Option<DecoderFacts> {
     })
 }
 
-/// Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2: `model.embed_tokens` and
-/// `model.layers.N`.
+/// Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Gemma 2 and 3:
+/// `model.embed_tokens` and `model.layers.N`.
 fn llama(n: &Names) -> Option<DecoderFacts> {
     let [vocab, e] = *n.shape("model.embed_tokens.weight")? else {
         return None;
@@ -227,11 +229,18 @@ fn llama(n: &Names) -> Option<DecoderFacts> {
     let q_dim = n.dim(&format!("{attn}q_proj.weight"), 0);
     // OLMo 2's norms follow each branch, and its q_norm spans all heads:
     // its width is q's, not a head's.
-    let olmo2 = n.has("model.layers.0.post_feedforward_layernorm.weight");
+    // Gemma's norms lead and follow each branch.
+    let gemma = n.has("model.layers.0.pre_feedforward_layernorm.weight");
+    let olmo2 = !gemma && n.has("model.layers.0.post_feedforward_layernorm.weight");
     let head_dim = n
         .dim(&format!("{attn}q_norm.weight"), 0)
         .filter(|&d| d > 0 && !olmo2);
-    let family = if olmo2 {
+    let family = if gemma {
+        match head_dim {
+            Some(_) => "gemma3",
+            None => "gemma2",
+        }
+    } else if olmo2 {
         "olmo2"
     } else if head_dim.is_some() {
         "qwen3"

@@ -2,7 +2,9 @@
 
 use candle::{bail, Module, Result, Tensor};
 use candle_nn::Linear;
-use multihead_attention::{is_broadcast, is_lent, packing_format, silu_and_mul, PackFormat, PackedLinear};
+use multihead_attention::{
+    gelu_tanh_and_mul, is_broadcast, is_lent, packing_format, silu_and_mul, PackFormat, PackedLinear,
+};
 use serde::{Deserialize, Serialize};
 
 /// A feed-forward activation.
@@ -28,6 +30,10 @@ pub enum Activation {
     /// width.
     #[serde(rename = "swiglu")]
     SwiGlu,
+    /// `gelu_tanh(gate) * up` over `[gate | up]`: Gemma's gated MLP
+    /// (GeGLU, `gelu_pytorch_tanh`), which halves the width.
+    #[serde(rename = "geglu")]
+    GeGlu,
 }
 
 impl Activation {
@@ -49,7 +55,8 @@ impl Activation {
     ///
     /// # Shapes
     /// - `xs`: `(..., n)`
-    /// - returns `(..., n)`, or `(..., n / 2)` for [`Activation::SwiGlu`]
+    /// - returns `(..., n)`, or `(..., n / 2)` for the gated
+    ///   [`Activation::SwiGlu`] and [`Activation::GeGlu`]
     pub fn apply(&self, xs: &Tensor) -> Result<Tensor> {
         match self {
             Self::Relu => multihead_attention::relu(xs),
@@ -58,7 +65,13 @@ impl Activation {
             Self::GeluTanh => xs.gelu(),
             Self::Silu => xs.silu(),
             Self::SwiGlu => silu_and_mul(xs),
+            Self::GeGlu => gelu_tanh_and_mul(xs),
         }
+    }
+
+    /// Whether the activation gates one half of its input by the other.
+    pub fn is_gated(&self) -> bool {
+        matches!(self, Self::SwiGlu | Self::GeGlu)
     }
 }
 
@@ -73,11 +86,11 @@ impl Activation {
 /// ([`Mlp::forward_add`]).
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    /// `(hidden, in)`; `(2 * hidden, in)` for [`Activation::SwiGlu`], the
+    /// `(hidden, in)`; `(2 * hidden, in)` for a gated activation, the
     /// gate's rows first.
     up: PackedLinear,
-    /// The gate of a SwiGLU MLP whose gate and up cannot be one projection
-    /// (see [`Mlp::swiglu`]); `None` otherwise.
+    /// The gate of a gated MLP whose gate and up cannot be one projection
+    /// (see [`Mlp::gated`]); `None` otherwise.
     gate: Option<PackedLinear>,
     /// `(out, hidden)`.
     down: PackedLinear,
@@ -85,14 +98,15 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// `down(activation(up(x)))`; for [`Activation::SwiGlu`], `up` projects
-    /// to `[gate | up]` at once.
+    /// `down(activation(up(x)))`; for a gated activation
+    /// ([`Activation::SwiGlu`], [`Activation::GeGlu`]), `up` projects to
+    /// `[gate | up]` at once.
     pub fn new(up: PackedLinear, down: PackedLinear, activation: Activation) -> Result<Self> {
         let (up_out, _) = up.dims()?;
         let (_, hidden) = down.dims()?;
-        let want = match activation {
-            Activation::SwiGlu => hidden.checked_mul(2),
-            _ => Some(hidden),
+        let want = match activation.is_gated() {
+            true => hidden.checked_mul(2),
+            false => Some(hidden),
         };
         if want != Some(up_out) {
             bail!("Mlp: up has {up_out} outputs, but down takes {hidden} features after {activation:?}")
@@ -106,12 +120,22 @@ impl Mlp {
     }
 
     /// The SwiGLU MLP `down(silu(gate(x)) * up(x))` from the two linears a
-    /// checkpoint stores: fused into one projection to `[gate | up]` (one
+    /// checkpoint stores; see [`Mlp::gated`].
+    pub fn swiglu(gate: Linear, up: Linear, down: PackedLinear) -> Result<Self> {
+        Self::gated(gate, up, down, Activation::SwiGlu)
+    }
+
+    /// The gated MLP `down(act(gate(x)) * up(x))` (`activation` is
+    /// [`Activation::SwiGlu`] or [`Activation::GeGlu`]) from the two
+    /// linears a checkpoint stores: fused into one projection to `[gate | up]` (one
     /// pass over `x`) where their weights are plain tensors; two where they
     /// are variables, which a fused copy would leave behind as they train,
     /// or the pre-flight's broadcast placeholders (a full-size copy for
     /// nothing).
-    pub fn swiglu(gate: Linear, up: Linear, down: PackedLinear) -> Result<Self> {
+    pub fn gated(gate: Linear, up: Linear, down: PackedLinear, activation: Activation) -> Result<Self> {
+        if !activation.is_gated() {
+            bail!("Mlp::gated: {activation:?} is not a gated activation")
+        }
         let plain = |l: &Linear| {
             !l.weight().is_variable()
                 && !is_broadcast(l.weight())
@@ -122,14 +146,14 @@ impl Mlp {
         if is_lent(gate.weight()) && is_lent(up.weight()) {
             let (gate, up) = (PackedLinear::from_linear(gate)?, PackedLinear::from_linear(up)?);
             if gate.joins_with(&up) {
-                return Self::new(PackedLinear::cat(vec![gate, up])?, down, Activation::SwiGlu);
+                return Self::new(PackedLinear::cat(vec![gate, up])?, down, activation);
             }
             let Self { up, down, .. } = Self::new(up, down, Activation::Silu)?;
             return Ok(Self {
                 up,
                 gate: Some(gate),
                 down,
-                activation: Activation::SwiGlu,
+                activation,
             });
         }
         if plain(&gate) && plain(&up) {
@@ -151,7 +175,7 @@ impl Mlp {
                 };
                 PackedLinear::new(Tensor::cat(&[gate.weight(), up.weight()], 0)?, bias)?
             };
-            Self::new(gate_up, down, Activation::SwiGlu)
+            Self::new(gate_up, down, activation)
         } else {
             let gate = PackedLinear::from_linear(gate)?;
             // Checked as an ungated MLP: up's width is down's input.
@@ -160,7 +184,7 @@ impl Mlp {
                 up,
                 gate: Some(gate),
                 down,
-                activation: Activation::SwiGlu,
+                activation,
             })
         }
     }
@@ -184,6 +208,8 @@ impl Mlp {
     fn hidden(&self, xs: &Tensor) -> Result<Tensor> {
         match (self.activation, &self.gate) {
             (Activation::SwiGlu, Some(gate)) => gate.forward(xs)?.silu()? * self.up.forward(xs)?,
+            // candle's `gelu` is the tanh approximation.
+            (Activation::GeGlu, Some(gate)) => gate.forward(xs)?.gelu()? * self.up.forward(xs)?,
             (Activation::Relu, _) => self.up.forward_relu(xs),
             (Activation::Gelu, _) => self.up.forward_gelu(xs),
             (Activation::GeluTanh, _) => self.up.forward_gelu_tanh(xs),
@@ -242,6 +268,7 @@ mod tests {
             ("gelu_tanh", Activation::GeluTanh),
             ("silu", Activation::Silu),
             ("swiglu", Activation::SwiGlu),
+            ("geglu", Activation::GeGlu),
         ] {
             let json = format!("\"{name}\"");
             assert_eq!(serde_json::from_str::<Activation>(&json).ok(), Some(act));

@@ -401,6 +401,29 @@ impl Checkpoint {
     /// Shards merged into one checkpoint labelled `label`, their files kept
     /// as they are (mapped, not copied): every tensor of every shard, in
     /// natural name order. The caller has checked that no name repeats.
+    /// The same file without the tensors whose names start with one of
+    /// `prefixes`: the parts of a checkpoint a model leaves out on
+    /// purpose (a multimodal Gemma 3's vision tower beside its text), so
+    /// that the pre-flight does not count them as unexpected.
+    pub(crate) fn without_prefixes(mut self, prefixes: &[&str]) -> Self {
+        let keep: Vec<bool> = self
+            .tensors
+            .iter()
+            .map(|t| !prefixes.iter().any(|p| t.name.starts_with(p)))
+            .collect();
+        let mut keep_iter = keep.iter();
+        self.tensors.retain(|_| *keep_iter.next().unwrap_or(&true));
+        let mut keep_iter = keep.iter();
+        self.data.retain(|_| *keep_iter.next().unwrap_or(&true));
+        self.index = self
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        self
+    }
+
     pub(crate) fn merged(shards: Vec<Checkpoint>, label: &str) -> Self {
         let mut files = Vec::new();
         let mut entries = Vec::new();

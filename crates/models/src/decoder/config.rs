@@ -7,6 +7,7 @@ use multihead_attention::RopeScaling;
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::gemma::GemmaConfig;
 use crate::checkpoint::{checked_product, Checkpoint, MinWeights};
 use crate::mlp::Activation;
 
@@ -22,10 +23,23 @@ pub enum HfDecoderConfig {
     Gpt2(Gpt2Config),
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `olmo2`.
     Llama(LlamaConfig),
+    /// `gemma2`, `gemma3_text`, and the text tower of `gemma3`.
+    Gemma(GemmaConfig),
 }
 
 /// The `model_type` values [`HfDecoderConfig::from_json`] reads.
-pub const HF_DECODER_TYPES: [&str; 7] = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2"];
+pub const HF_DECODER_TYPES: [&str; 10] = [
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "smollm3",
+    "olmo2",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+];
 
 /// Where a block's RMSNorms sit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -104,6 +118,9 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Llama(cfg))
             }
+            t @ ("gemma2" | "gemma3_text" | "gemma3") => {
+                Ok(Self::Gemma(GemmaConfig::from_value(&value, t, label)?))
+            }
             other => bail!(
                 "{label}: model_type '{}' is not a decoder this crate runs ({})",
                 other.escape_debug(),
@@ -126,7 +143,7 @@ pub(crate) fn ties_in(tie_word_embeddings: bool, ckpt: &Checkpoint, embedding: &
         && (ckpt.info("lm_head.weight").is_none() || ckpt.same_values(embedding, "lm_head.weight"))
 }
 
-fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {
+pub(super) fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {
     for &(name, d) in dims {
         if d == 0 || d > MAX_DIM {
             bail!("{label}: field '{name}' must be in 1..={MAX_DIM}, found {d}")
@@ -135,7 +152,7 @@ fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {
     Ok(())
 }
 
-fn check_eps(label: &str, name: &str, eps: f64) -> Result<()> {
+pub(super) fn check_eps(label: &str, name: &str, eps: f64) -> Result<()> {
     if !(eps.is_finite() && eps > 0. && eps < 1.) {
         bail!("{label}: field '{name}' must be in (0, 1), found {eps}")
     }
@@ -244,7 +261,7 @@ impl Gpt2Config {
 
 /// The sum of the products `parts`: one block's weights, or an error
 /// naming the widths when it overflows.
-fn block_weights(parts: &[&[usize]], owner: &str, width: usize, mlp: usize) -> Result<usize> {
+pub(super) fn block_weights(parts: &[&[usize]], owner: &str, width: usize, mlp: usize) -> Result<usize> {
     parts
         .iter()
         .try_fold(0usize, |sum, p| {

@@ -28,6 +28,7 @@ mod batch;
 mod chat;
 mod config;
 mod conversation;
+mod gemma;
 mod generation_config;
 mod gguf;
 mod gpt2;
@@ -54,6 +55,7 @@ pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CH
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
 pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig, NormPlacement, QkNorm, HF_DECODER_TYPES};
 pub use conversation::Conversation;
+pub use gemma::{Gemma, GemmaConfig, GemmaFamily, LayerKind, Rope, GEMMA_TYPES};
 pub use generation_config::HfGenerationConfig;
 pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
 pub use gpt2::Gpt2;
@@ -305,8 +307,11 @@ pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(
 pub enum DecoderModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3` or `smollm3`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3` or
+    /// `olmo2`.
     Llama(Llama),
+    /// `model_type` `gemma2`, `gemma3_text` or `gemma3` (its text).
+    Gemma(Gemma),
 }
 
 impl DecoderModel {
@@ -360,6 +365,7 @@ impl DecoderModel {
         match self {
             Self::Gpt2(m) => Self::Gpt2(m.with_kv_dtype(dtype)),
             Self::Llama(m) => Self::Llama(m.with_kv_dtype(dtype)),
+            Self::Gemma(m) => Self::Gemma(m.with_kv_dtype(dtype)),
         }
     }
 
@@ -377,6 +383,12 @@ impl DecoderModel {
                 ckpt.ensure_holds(&c.min_weights()?)?;
                 wanted_tensors(&names, |vb| Llama::new(c, vb))
             }
+            HfDecoderConfig::Gemma(c) => {
+                let (text, prefix) = Gemma::text_checkpoint(ckpt);
+                text.ensure_holds(&c.min_weights()?)?;
+                let names: Vec<&str> = text.tensors().iter().map(|t| t.name.as_str()).collect();
+                wanted_tensors(&names, |vb| Gemma::new(c, gemma::at(vb, prefix)))
+            }
         }
     }
 
@@ -385,6 +397,7 @@ impl DecoderModel {
         Ok(match cfg {
             HfDecoderConfig::Gpt2(c) => Self::Gpt2(Gpt2::load(c, ckpt, device)?),
             HfDecoderConfig::Llama(c) => Self::Llama(Llama::load(c, ckpt, device)?),
+            HfDecoderConfig::Gemma(c) => Self::Gemma(Gemma::load(c, ckpt, device)?),
         })
     }
 }
@@ -394,6 +407,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => m.forward(ids, cache),
             Self::Llama(m) => m.forward(ids, cache),
+            Self::Gemma(m) => m.forward(ids, cache),
         }
     }
 
@@ -401,6 +415,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => m.prefill(ids, cache),
             Self::Llama(m) => m.prefill(ids, cache),
+            Self::Gemma(m) => m.prefill(ids, cache),
         }
     }
 
@@ -408,6 +423,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => m.prefill_last(ids, cache),
             Self::Llama(m) => m.prefill_last(ids, cache),
+            Self::Gemma(m) => m.prefill_last(ids, cache),
         }
     }
 
@@ -415,6 +431,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => m.new_cache(left_padding),
             Self::Llama(m) => m.new_cache(left_padding),
+            Self::Gemma(m) => m.new_cache(left_padding),
         }
     }
 
@@ -422,6 +439,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => CausalLm::vocab_size(m),
             Self::Llama(m) => CausalLm::vocab_size(m),
+            Self::Gemma(m) => CausalLm::vocab_size(m),
         }
     }
 
@@ -429,6 +447,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => m.max_positions(),
             Self::Llama(m) => m.max_positions(),
+            Self::Gemma(m) => m.max_positions(),
         }
     }
 
@@ -436,6 +455,7 @@ impl CausalLm for DecoderModel {
         match self {
             Self::Gpt2(m) => CausalLm::device(m),
             Self::Llama(m) => CausalLm::device(m),
+            Self::Gemma(m) => CausalLm::device(m),
         }
     }
 }

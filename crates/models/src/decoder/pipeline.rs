@@ -234,6 +234,7 @@ impl TextGenerator {
     pub fn context(&self) -> Option<usize> {
         self.model.max_positions().or(match &self.model {
             DecoderModel::Llama(m) => m.config().max_position_embeddings,
+            DecoderModel::Gemma(m) => m.config().max_position_embeddings,
             DecoderModel::Gpt2(_) => None,
         })
     }
