@@ -12,7 +12,8 @@ text fixtures (tests/fixtures/text/*), writes one JSON file:
 * `templates`: small templates rendered by HF's own environment
   (`_compile_jinja_template`): `tojson` with insertion order, `indent`,
   `sort_keys`, `separators`, `ensure_ascii`; Python float repr; Jinja's
-  forgiving `int` and `float`; `{% generation %}`.
+  forgiving `int` and `float`; `{% generation %}`; the `iterable` test
+  (`none` is not iterable in Python).
 * `special_tokens_map`: `apply_chat_template` on a folder whose
   `bos_token` is only in `special_tokens_map.json`.
 * `conversation`: greedy replies of the llama3 folder, turn after turn,
@@ -62,6 +63,9 @@ TEMPLATES = [
     "{{ 'x'|int }} {{ '42'|int }} {{ ' 7 '|int }} {{ '3.9'|int }} {{ 'x'|int(5) }} {{ 2.7|int }} {{ none|int }}",
     "{{ 'x'|float }} {{ '2.5'|float }} {{ 3|float }}",
     "{% for m in messages %}{{ m.role }}:{%- generation -%} {{ m.content }} {%- endgeneration %};{% endfor %}",
+    "{{ none is iterable }} {{ nothing is iterable }} {{ [] is iterable }} {{ 'ab' is iterable }} "
+    "{{ {} is iterable }} {{ 1 is iterable }} {{ messages is iterable }}"
+    "{% if none is iterable and none | length > 0 %}x{% endif %}",
 ]
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
