@@ -21,6 +21,11 @@ Everything lands in tests/fixtures/gguf/:
   256), converted to f32 by the converter (not kept) and quantized by
   llama.cpp's own `llama-quantize` (q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m,
   q2_k: llama.cpp's mixes, each picking its types per tensor).
+* `{smollm3,olmo2}-f32.gguf` and `expected-archs.safetensors`: as the
+  first files and `expected.safetensors` (`{name}.input_ids`,
+  `{name}.f32.logits`, the same "case"), for the architectures llama.cpp
+  names `smollm3` and `olmo2`, kept apart so that the other files stay as
+  they were.
 * `expected-quantized.safetensors`: as `expected.safetensors` for those
   files (`llama256.input_ids`, `llama256.{type}.logits`), kept apart so that
   the first file stays as it was. gguf-py cannot make a k-quant, so the
@@ -40,6 +45,18 @@ The models:
   `output.weight`), not permuted; Qwen2's pre-tokenizer and NFC (`qwen2`).
 * `qwen3`: arch `qwen3`, q/k RMSNorms, head_dim 16 with hidden 32 and 4
   heads (`attention.key_length`); Llama 3's pre-tokenizer (`llama-bpe`).
+* `smollm3`: arch `smollm3` (`SmolLM3ForCausalLM`), 4 layers, the last
+  without rotary: llama.cpp writes no key for SmolLM3's layers without
+  rotary and takes every fourth (`n_no_rope_layer_step`, its
+  `src/models/smollm3.cpp`), which is HF's default `no_rope_layer_interval`
+  4, so the HF model has that pattern (a GGUF file cannot carry another).
+  The converter permutes q and k as for `llama`; tied embeddings, 2 kv
+  heads, rope_theta 2e6; Llama 3's pre-tokenizer (`llama-bpe`).
+* `olmo2`: arch `olmo2` (`Olmo2ForCausalLM`): RMSNorms after attention and
+  MLP (`post_attention_norm`, `post_ffw_norm`; gguf-py maps OLMo 2's
+  `post_attention_layernorm` there, not to `ffn_norm`), q/k RMSNorms over
+  all heads at once, not permuted; untied, 2 kv heads, rope_theta 5e5;
+  GPT-2's pre-tokenizer.
 * `llama256`: arch `llama`, hidden and intermediate 256 (every matrix's
   rows a whole number of 256-element super-blocks), one layer (six files
   of two layers would be 3.6 MB), 4 query heads sharing 2 kv heads, no
@@ -64,7 +81,10 @@ llama-cpp-python sdist's vendor/llama.cpp) with `llama-quantize` built
 (`cmake --build build --target llama-quantize`); offline, under a minute:
 
     .venv-ref/bin/python scripts/make_gguf_fixtures.py --llama-cpp PATH/TO/llama.cpp \
-        [--llama-quantize PATH/TO/llama-quantize]
+        [--llama-quantize PATH/TO/llama-quantize] [--only expected-archs.safetensors ...]
+
+`--only` remakes the files of the groups named by their expected file (the
+others stay; llama-quantize is needed only for `expected-quantized`).
 """
 
 import argparse
@@ -89,10 +109,14 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -150,6 +174,26 @@ def qwen3_config():
     )
 
 
+def smollm3_config():
+    # no_rope_layers [1, 1, 1, 0]: HF's default interval, llama.cpp's rule.
+    return SmolLM3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        no_rope_layer_interval=4, rope_theta=2000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        use_sliding_window=False, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
+        pad_token_id=None, attn_implementation="eager",
+    )
+
+
+def olmo2_config():
+    return Olmo2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=1, pad_token_id=None, attn_implementation="eager",
+    )
+
+
 def llama256_config():
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
@@ -165,6 +209,13 @@ MODELS = {
     "llama": (llama_config, LlamaForCausalLM, "gpt-2", ["f32", "f16", "bf16", "q8_0"]),
     "qwen2": (qwen2_config, Qwen2ForCausalLM, "qwen2", ["f32", "q8_0"]),
     "qwen3": (qwen3_config, Qwen3ForCausalLM, "llama-bpe", ["f32", "bf16"]),
+}
+
+# The same for llama.cpp's architectures `smollm3` and `olmo2`, whose HF
+# names are the model_type.
+ARCHS = {
+    "smollm3": (smollm3_config, SmolLM3ForCausalLM, "llama-bpe", ["f32"]),
+    "olmo2": (olmo2_config, Olmo2ForCausalLM, "gpt-2", ["f32"]),
 }
 
 # name: (config, class, llama.cpp pre-tokenizer, llama-quantize types): each
@@ -197,13 +248,22 @@ LAYER_TO_GGUF = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 
+# OLMo 2's norms follow attention and MLP: gguf-py's map for arch `olmo2`
+# takes `post_attention_layernorm` to ATTN_POST_NORM, not FFN_NORM.
+OLMO2_LAYER_TO_GGUF = {
+    **LAYER_TO_GGUF,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 
-def gguf_name(hf):
+
+def gguf_name(hf, model_type="llama"):
     if hf in HF_TO_GGUF:
         return HF_TO_GGUF[hf]
     parts = hf.split(".")
     assert parts[:2] == ["model", "layers"], hf
-    return f"blk.{parts[2]}.{LAYER_TO_GGUF['.'.join(parts[3:])]}"
+    layer = OLMO2_LAYER_TO_GGUF if model_type == "olmo2" else LAYER_TO_GGUF
+    return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
 def rename(tok, old, new):
@@ -268,7 +328,7 @@ def config_summary(model):
     return {k: v for k, v in model.config.to_dict().items()
             if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                     "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters")}
+                     "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters", "no_rope_layers")}
 
 
 def margins(logits):
@@ -313,7 +373,7 @@ def rounded_model(model, tensors):
     kinds = {}
     with torch.no_grad():
         for name, p in out.named_parameters():
-            kind = tensors[gguf_name(name)][0]
+            kind = tensors[gguf_name(name, model.config.model_type)][0]
             kinds[kind] = kinds.get(kind, 0) + 1
             if kind == "F32":
                 continue
@@ -400,8 +460,8 @@ def greedy(model, tokenizer, ids, eos, steps=False):
     return result
 
 
-def build(name, llama_cpp, tmp):
-    make_config, cls, pre, types = MODELS[name]
+def build(name, spec, llama_cpp, tmp):
+    make_config, cls, pre, types = spec
     folder, tokenizer, prompts, input_ids, model, logits, seed, tried = sample(name, make_config, cls, pre, tmp)
 
     tensors_out = {f"{name}.input_ids": input_ids.int()}
@@ -415,7 +475,7 @@ def build(name, llama_cpp, tmp):
         assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == pre
         # The oracle rounds exactly what the converter rounded: every tensor
         # is one of the model's parameters.
-        params = {gguf_name(n) for n, _ in model.named_parameters()}
+        params = {gguf_name(n, model.config.model_type) for n, _ in model.named_parameters()}
         assert set(tensors) == params, sorted(set(tensors) ^ params)
         rounded, kinds = rounded_model(model, tensors)
         with torch.no_grad():
@@ -563,18 +623,29 @@ def build_quantized(name, llama_cpp, quantize_exe, tmp):
     return tensors_out, case
 
 
+# Each expected file and the models whose values it holds.
+GROUPS = {
+    "expected.safetensors": MODELS,
+    "expected-archs.safetensors": ARCHS,
+    "expected-quantized.safetensors": QUANTIZED,
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
                         help="llama.cpp's source tree (convert_hf_to_gguf.py, conversion/, gguf-py/)")
     parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary "
                         "(default: LLAMA_CPP/build/bin/llama-quantize)")
+    parser.add_argument("--only", action="append", choices=list(GROUPS),
+                        help="remake only this group's files, named by its expected file (repeatable)")
     args = parser.parse_args()
+    only = args.only or list(GROUPS)
     if not args.llama_cpp or not os.path.isfile(os.path.join(args.llama_cpp, "convert_hf_to_gguf.py")):
         sys.exit("--llama-cpp (or LLAMA_CPP_DIR) must name llama.cpp's source tree")
     llama_cpp = os.path.abspath(args.llama_cpp)
     quantize_exe = os.path.abspath(args.llama_quantize or os.path.join(llama_cpp, "build", "bin", "llama-quantize"))
-    if not os.access(quantize_exe, os.X_OK):
+    if "expected-quantized.safetensors" in only and not os.access(quantize_exe, os.X_OK):
         sys.exit(f"no llama-quantize at {quantize_exe}: build it (cmake --build build --target llama-quantize) "
                  "or name it with --llama-quantize")
     sys.path.insert(0, llama_cpp)
@@ -589,15 +660,16 @@ def main():
                     "gguf_py": getattr(gguf, "__version__", "vendored")}
         out = os.path.join(tmp, "out")
         os.makedirs(out)
-        # (expected file, models, builder)
-        groups = [("expected.safetensors", MODELS, lambda name: build(name, llama_cpp, tmp)),
-                  ("expected-quantized.safetensors", QUANTIZED,
-                   lambda name: build_quantized(name, llama_cpp, quantize_exe, tmp))]
+        builders = {
+            "expected.safetensors": lambda name: build(name, MODELS[name], llama_cpp, tmp),
+            "expected-archs.safetensors": lambda name: build(name, ARCHS[name], llama_cpp, tmp),
+            "expected-quantized.safetensors": lambda name: build_quantized(name, llama_cpp, quantize_exe, tmp),
+        }
         all_cases = {}
-        for expected, models, make in groups:
+        for expected in only:
             tensors, cases = {}, {}
-            for name in models:
-                t, case = make(name)
+            for name in GROUPS[expected]:
+                t, case = builders[expected](name)
                 tensors.update(t)
                 cases[name] = case
             for name, case in cases.items():

@@ -12,11 +12,19 @@ text fixtures (tests/fixtures/text/*), writes one JSON file:
 * `templates`: small templates rendered by HF's own environment
   (`_compile_jinja_template`): `tojson` with insertion order, `indent`,
   `sort_keys`, `separators`, `ensure_ascii`; Python float repr; Jinja's
-  forgiving `int` and `float`; `{% generation %}`.
+  forgiving `int` and `float`; `{% generation %}`; the `iterable` test
+  (`none` is not iterable in Python).
 * `special_tokens_map`: `apply_chat_template` on a folder whose
   `bos_token` is only in `special_tokens_map.json`.
 * `conversation`: greedy replies of the llama3 folder, turn after turn,
   each to the conversation so far (HF's own replies appended).
+* `chat_templates`: real models' chat templates (`tests/fixtures/chat_templates`,
+  copies of llama.cpp's `models/templates`: Gemma 2, Phi-3.5, SmolLM3)
+  rendered by HF's own path (`render_jinja_template`, what
+  `apply_chat_template` calls) over a few conversations, with and without
+  the generation prompt, the model's special tokens as its tokenizer passes
+  them, and extra arguments (SmolLM3's `enable_thinking`); `text`, or
+  `error`, the message of the exception the template raises.
 
 Offline, a few seconds:
 
@@ -34,10 +42,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: E402
+from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "..", "tests", "fixtures", "text")
+# Outside TEXT, which make_text_fixtures.py replaces whole.
+CHAT_TEMPLATES_DIR = os.path.join(HERE, "..", "tests", "fixtures", "chat_templates")
 PENALTY = 1.3
 # The conversation's replies: the random model often ends a turn at once.
 MIN_NEW_TOKENS = 4
@@ -53,8 +63,60 @@ TEMPLATES = [
     "{{ 'x'|int }} {{ '42'|int }} {{ ' 7 '|int }} {{ '3.9'|int }} {{ 'x'|int(5) }} {{ 2.7|int }} {{ none|int }}",
     "{{ 'x'|float }} {{ '2.5'|float }} {{ 3|float }}",
     "{% for m in messages %}{{ m.role }}:{%- generation -%} {{ m.content }} {%- endgeneration %};{% endfor %}",
+    "{{ none is iterable }} {{ nothing is iterable }} {{ [] is iterable }} {{ 'ab' is iterable }} "
+    "{{ {} is iterable }} {{ 1 is iterable }} {{ messages is iterable }}"
+    "{% if none is iterable and none | length > 0 %}x{% endif %}",
 ]
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+# template file: the special tokens its model's tokenizer passes.
+CHAT_TEMPLATES = {
+    "google-gemma-2-2b-it.jinja": {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>",
+                                   "pad_token": "<pad>"},
+    "microsoft-Phi-3.5-mini-instruct.jinja": {"bos_token": "<s>", "eos_token": "<|endoftext|>",
+                                              "unk_token": "<unk>", "pad_token": "<|endoftext|>"},
+    "HuggingFaceTB-SmolLM3-3B.jinja": {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"},
+}
+
+SYSTEM = {"role": "system", "content": "  Be brief. "}
+# (messages, add_generation_prompt, extra arguments)
+CHAT_CASES = [
+    ([SYSTEM, {"role": "user", "content": "Hello world"}], True, {}),
+    ([{"role": "user", "content": " héllo\n"}], True, {}),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\nça va "},
+      {"role": "user", "content": "日本語?"}], True, {}),
+    ([SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yo"},
+      {"role": "user", "content": "more"}, {"role": "assistant", "content": "done"}], False, {}),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yo"}], False, {}),
+    ([{"role": "user", "content": "Hi"}, {"role": "user", "content": "again"}], True, {}),
+    ([{"role": "system", "content": "Think hard. /no_think  "}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "yo"}], True, {}),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "yo"}], True,
+     {"enable_thinking": False}),
+    ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Calling."},
+      {"role": "tool", "content": "{\"temp\": 21}"}], True, {"enable_thinking": True}),
+]
+
+
+def chat_templates():
+    out = []
+    for name, special in CHAT_TEMPLATES.items():
+        with open(os.path.join(CHAT_TEMPLATES_DIR, name), encoding="utf-8") as f:
+            source = f.read()
+        cases = []
+        for messages, add_generation_prompt, args in CHAT_CASES:
+            case = {"messages": messages, "add_generation_prompt": add_generation_prompt, "args": args}
+            try:
+                rendered, _ = render_jinja_template(conversations=[messages], chat_template=source,
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    **special, **args)
+                case["text"] = rendered[0]
+            except Exception as e:  # noqa: BLE001 - the template's own error is the answer
+                case["error"] = str(e)
+            cases.append(case)
+        out.append({"template": name, "special_tokens": special, "cases": cases})
+    return out
 
 
 def repetition_penalty(expected):
@@ -153,6 +215,7 @@ def main():
         "templates": templates(),
         "special_tokens_map": special_tokens_map(),
         "conversation": conversation(),
+        "chat_templates": chat_templates(),
     }
     with open(os.path.join(TEXT, "parity.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, ensure_ascii=False, indent=1)

@@ -38,10 +38,16 @@ fn stdout(out: &Output) -> Result<String> {
 }
 
 /// What the fixture script recorded per model: HF's config and each
-/// file's size and tensor types.
+/// file's size and tensor types (the archs smollm3 and olmo2 in a file of
+/// their own).
 fn recorded() -> Result<Value> {
-    let path = common::fixture_dir("gguf").join("expected.safetensors");
-    Ok(common::Fixture::load(&path, &candle::Device::Cpu)?.case["models"].clone())
+    let mut models = serde_json::Map::new();
+    for file in ["expected.safetensors", "expected-archs.safetensors"] {
+        let path = common::fixture_dir("gguf").join(file);
+        let case = common::Fixture::load(&path, &candle::Device::Cpu)?.case;
+        models.extend(case["models"].as_object().context("models")?.clone());
+    }
+    Ok(Value::Object(models))
 }
 
 /// `{arch}.context_length` as candle's own GGUF reader reads it.

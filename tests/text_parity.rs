@@ -11,7 +11,9 @@ use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
 use candle::Device;
-use multihead::models::decoder::{ChatMessage, ChatTemplate, Finish, TextGenerator, TextTokenizer};
+use multihead::models::decoder::{
+    ChatMessage, ChatTemplate, Finish, TemplateArgs, TextGenerator, TextTokenizer,
+};
 use serde_json::Value;
 use text_fixtures::{fixtures, folder_with, ids, FOLDERS};
 
@@ -78,6 +80,50 @@ fn templates_render_as_hf_s_jinja_renders_them() -> Result<()> {
             case["text"].as_str().context("text")?,
             "{source}"
         );
+    }
+    Ok(())
+}
+
+/// Real models' chat templates (Gemma 2, Phi-3.5, SmolLM3: copies of
+/// llama.cpp's `models/templates` in `tests/fixtures/chat_templates`) give
+/// HF's text byte for byte over each conversation, with and without the
+/// generation prompt and with SmolLM3's `enable_thinking` left to its
+/// default or set; where HF's rendering raises (Gemma's system role, roles
+/// that do not alternate), ours is an error carrying the template's message.
+#[test]
+fn real_chat_templates_render_as_hf_s() -> Result<()> {
+    for t in parity()?["chat_templates"].as_array().context("chat_templates")? {
+        let name = t["template"].as_str().context("template")?;
+        let path = common::fixture_dir("chat_templates").join(name);
+        let special: BTreeMap<String, String> = serde_json::from_value(t["special_tokens"].clone())?;
+        let template = ChatTemplate::new(std::fs::read_to_string(&path)?, name, special)?;
+        for (i, case) in t["cases"].as_array().context("cases")?.iter().enumerate() {
+            let messages: Vec<ChatMessage> = case["messages"]
+                .as_array()
+                .context("messages")?
+                .iter()
+                .map(|m| -> Result<ChatMessage> {
+                    Ok(ChatMessage::new(
+                        m["role"].as_str().context("role")?,
+                        m["content"].as_str().context("content")?,
+                    ))
+                })
+                .collect::<Result<_>>()?;
+            let add_generation_prompt = case["add_generation_prompt"].as_bool().context("flag")?;
+            let args: TemplateArgs = serde_json::from_value(case["args"].clone())?;
+            let got = template.render_with(&messages, add_generation_prompt, &args);
+            match (&case["text"], &case["error"]) {
+                (Value::String(want), _) => assert_eq!(&got?, want, "{name} case {i}"),
+                (_, Value::String(error)) => {
+                    let err = got.expect_err("HF's rendering raised").to_string();
+                    assert!(
+                        err.contains(name) && err.contains(error.as_str()),
+                        "{name} case {i}: {err:?} does not carry {error:?}"
+                    );
+                }
+                _ => anyhow::bail!("{name} case {i}: neither text nor error"),
+            }
+        }
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! Llama-family GGUF files against HF transformers (fixtures written by
 //! `scripts/make_gguf_fixtures.py`: tiny random-init HF models converted by
-//! llama.cpp's own `convert_hf_to_gguf.py` to f32, f16, bf16 and q8_0):
-//! the logits equal HF's over the weights as the file stores them, the
+//! llama.cpp's own `convert_hf_to_gguf.py` to f32, f16, bf16 and q8_0;
+//! archs llama, qwen2, qwen3, smollm3, olmo2): the logits equal HF's over
+//! the weights as the file stores them, cached steps the full pass's, the
 //! tokenizer the file carries encodes and decodes as HF's, greedy text
 //! generation gives HF's tokens and text (bad files: `decoders_gguf_untrusted.rs`).
 
@@ -13,10 +14,12 @@ use anyhow::{Context, Result};
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, Tensor};
 use common::{assert_close, half_weights_tolerance, max_abs_diff};
-use gguf_fixtures::{expected, gguf, ids, logits, model_case, opts, FILES};
+use gguf_fixtures::{expected, expected_for, gguf, ids, logits, model_case, opts, FILES};
 use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
-use multihead_models::decoder::{DecoderModel, LlamaConfig, QkNorm, TextGenerator, TextTokenizer};
+use multihead_models::decoder::{
+    CausalLm, DecoderModel, LlamaConfig, NormPlacement, QkNorm, TextGenerator, TextTokenizer,
+};
 
 /// Every file's prompt logits equal HF's with each weight rounded as the
 /// file stores it (gguf-py's own rounding), computed in f32, within 1e-5
@@ -24,11 +27,14 @@ use multihead_models::decoder::{DecoderModel, LlamaConfig, QkNorm, TextGenerator
 /// to f32 and kept as stored (bf16 within 2e-2, the bf16 target, where
 /// AVX512-BF16's layers round their inputs to bf16). Arch `llama` has its
 /// q and k (weights and biases) permuted by the converter; qwen2 has
-/// biases and tied embeddings; qwen3 q/k norms and wider heads.
+/// biases and tied embeddings; qwen3 q/k norms and wider heads; smollm3
+/// is permuted too and has no rotary on its fourth layer (llama.cpp's
+/// fixed rule, which HF's model follows); olmo2 has its norms after
+/// attention and MLP, under other names, and q/k norms over all heads.
 #[test]
 fn logits_equal_hf_over_the_weights_the_file_stores() -> Result<()> {
-    let f = expected()?;
     for (name, types) in FILES {
+        let f = expected_for(name)?;
         let input = f.get(&format!("{name}.input_ids"))?.to_dtype(DType::U32)?;
         for &ty in types {
             let want = f.get(&format!("{name}.{ty}.logits"))?;
@@ -51,6 +57,34 @@ fn logits_equal_hf_over_the_weights_the_file_stores() -> Result<()> {
                 );
             }
         }
+    }
+    Ok(())
+}
+
+/// The prompt's logits through the cache, its first tokens prefilled and
+/// the last four fed one at a time, equal the full pass's within 1e-5 of
+/// the largest, and so HF's (checked above).
+#[test]
+fn cached_steps_equal_the_full_pass() -> Result<()> {
+    for (name, _) in FILES {
+        let f = expected_for(name)?;
+        let input = f.get(&format!("{name}.input_ids"))?.to_dtype(DType::U32)?;
+        let model = DecoderModel::from_gguf(&gguf(name, "f32"), &Device::Cpu, &opts(WeightDtype::F32))?;
+        let full = logits(&model, &input)?;
+        let n = input.dim(1)?;
+        let mut cache = model.new_cache(vec![]);
+        let mut parts = vec![model.forward(&input.narrow(1, 0, n - 4)?, &mut cache)?];
+        for t in n - 4..n {
+            parts.push(model.forward(&input.narrow(1, t, 1)?, &mut cache)?);
+        }
+        let stepped = Tensor::cat(&parts, 1)?;
+        assert_close(&format!("{name}: cached steps"), &stepped, &full, 1e-5)?;
+        assert_close(
+            &format!("{name}: cached steps against HF"),
+            &stepped,
+            f.get(&format!("{name}.f32.logits"))?,
+            1e-5,
+        )?;
     }
     Ok(())
 }
@@ -134,8 +168,8 @@ fn weight_dtype_is_the_type_the_matrices_are_stored_in() -> Result<()> {
 /// embeddings, qk-norm and head_dim as each HF config has them.
 #[test]
 fn metadata_gives_the_hf_config() -> Result<()> {
-    let f = expected()?;
     for (name, _) in FILES {
+        let f = expected_for(name)?;
         let hf = &model_case(&f, name)?["config"];
         let cfg = LlamaConfig::from_gguf(&GgufFile::read(&gguf(name, "f32"))?)?;
         let n = |k: &str| hf[k].as_u64().map(|v| v as usize);
@@ -165,7 +199,27 @@ fn metadata_gives_the_hf_config() -> Result<()> {
         match name {
             "llama" => assert!(cfg.attention_bias && cfg.qk_norm == QkNorm::None),
             "qwen2" => assert!(cfg.qkv_bias && !cfg.attention_bias && cfg.qk_norm == QkNorm::None),
-            _ => assert!(cfg.qk_norm == QkNorm::PerHead && !cfg.qkv_bias && !cfg.attention_bias),
+            "qwen3" => assert!(cfg.qk_norm == QkNorm::PerHead && !cfg.qkv_bias && !cfg.attention_bias),
+            "smollm3" => assert!(cfg.qk_norm == QkNorm::None && !cfg.qkv_bias && !cfg.attention_bias),
+            "olmo2" => assert!(cfg.qk_norm == QkNorm::AllHeads && !cfg.qkv_bias && !cfg.attention_bias),
+            other => panic!("no expectations for {other}"),
+        }
+        let placement = if name == "olmo2" {
+            NormPlacement::Post
+        } else {
+            NormPlacement::Pre
+        };
+        assert_eq!(cfg.norm_placement, placement, "{name}");
+        // HF's `no_rope_layers` (1: rotary), every layer rotary where the
+        // config has none.
+        let rotary: Vec<bool> = match hf["no_rope_layers"].as_array() {
+            Some(flags) => flags.iter().map(|f| f.as_u64() == Some(1)).collect(),
+            None => vec![true; cfg.num_hidden_layers],
+        };
+        let ours: Vec<bool> = (0..cfg.num_hidden_layers).map(|i| cfg.rotary_at(i)).collect();
+        assert_eq!(ours, rotary, "{name}");
+        if name == "smollm3" {
+            assert_eq!(rotary, [true, true, true, false]);
         }
     }
     Ok(())
@@ -176,8 +230,8 @@ fn metadata_gives_the_hf_config() -> Result<()> {
 /// and HF's decoded text.
 #[test]
 fn the_file_s_tokenizer_encodes_and_decodes_as_hf() -> Result<()> {
-    let f = expected()?;
     for (name, _) in FILES {
+        let f = expected_for(name)?;
         let tok = TextTokenizer::from_gguf(&GgufFile::read(&gguf(name, "f32"))?)?;
         for p in model_case(&f, name)?["prompts"].as_array().context("prompts")? {
             let text = p["text"].as_str().context("text")?;
@@ -197,8 +251,8 @@ fn the_file_s_tokenizer_encodes_and_decodes_as_hf() -> Result<()> {
 /// new ids and text, ending where HF ends at the file's end token.
 #[test]
 fn text_generation_from_a_gguf_file_is_hf_s() -> Result<()> {
-    let f = expected()?;
     for (name, _) in FILES {
+        let f = expected_for(name)?;
         let g = TextGenerator::from_gguf(&gguf(name, "f32"), None, &Device::Cpu, &LoadOptions::default())?;
         let case = model_case(&f, name)?;
         assert_eq!(

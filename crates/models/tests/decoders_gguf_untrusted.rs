@@ -89,7 +89,7 @@ fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
         (
             "gemma",
             Box::new(|m| set(m, "general.architecture", GgufValue::String("gemma".into()))),
-            vec!["'gemma' is not supported", "llama, qwen2, qwen3"],
+            vec!["'gemma' is not supported", "llama, qwen2, qwen3, smollm3, olmo2"],
         ),
         (
             "yarn",
@@ -115,6 +115,63 @@ fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
         assert_refused(&path, &needles)?;
     }
     Ok(())
+}
+
+/// What llama.cpp's `smollm3` and `olmo2` read beyond these loaders is
+/// refused naming the key: OLMo 3's sliding windows (its files are arch
+/// `olmo2`, with `sliding_window` and the pattern of layers that use it)
+/// and an attention scale. An OLMo 2 file whose norms carry Llama's names
+/// is refused naming them.
+#[test]
+fn smollm3_and_olmo2_metadata_they_do_not_run_is_refused() -> Result<()> {
+    let cases: [(&str, &str, MetaEdit, Vec<&str>); 3] = [
+        (
+            "olmo2",
+            "window",
+            Box::new(|m| set(m, "olmo2.attention.sliding_window", GgufValue::U32(4096))),
+            vec!["olmo2.attention.sliding_window", "sliding windows"],
+        ),
+        (
+            "olmo2",
+            "pattern",
+            Box::new(|m| {
+                let pattern = GgufValue::Array(vec![GgufValue::Bool(true), GgufValue::Bool(false)]);
+                set(m, "olmo2.attention.sliding_window_pattern", pattern)
+            }),
+            vec![
+                "olmo2.attention.sliding_window_pattern",
+                "not one this loader can honour",
+            ],
+        ),
+        (
+            "smollm3",
+            "scale",
+            Box::new(|m| set(m, "smollm3.attention.scale", GgufValue::F32(0.5))),
+            vec!["smollm3.attention.scale", "not one this loader can honour"],
+        ),
+    ];
+    for (name, tag, edit, needles) in cases {
+        let path = rewrite(name, tag, |m, _| {
+            edit(m);
+            Ok(())
+        })?;
+        assert_refused(&path, &needles)?;
+    }
+    let renamed = rewrite("olmo2", "llama-names", |_, tensors| {
+        for (name, _) in tensors.iter_mut() {
+            if name == "blk.0.post_attention_norm.weight" {
+                *name = "blk.0.ffn_norm.weight".into();
+            }
+        }
+        Ok(())
+    })?;
+    assert_refused(
+        &renamed,
+        &[
+            "1 missing: blk.0.post_attention_norm.weight [32]",
+            "1 unexpected: blk.0.ffn_norm.weight",
+        ],
+    )
 }
 
 /// A tensor stored in a ggml type this loader does not read (Q8_1 here,

@@ -259,6 +259,7 @@ fn environment() -> Environment<'static> {
     env.add_filter("int", jinja_py::int_filter);
     env.add_filter("float", jinja_py::float_filter);
     env.add_filter("pprint", jinja_py::pprint);
+    env.add_test("iterable", |v: &Value| jinja_py::is_iterable(v));
     env.set_formatter(jinja_py::formatter);
     env
 }

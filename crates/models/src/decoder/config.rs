@@ -350,6 +350,12 @@ fn silu() -> String {
     "silu".into()
 }
 
+/// SmolLM3's [`LlamaConfig::rotary_layers`] for `n` layers where every
+/// `interval`-th has no rotary (`no_rope_layer_interval`; `interval` >= 1).
+pub(crate) fn rotary_every(n: usize, interval: usize) -> Vec<bool> {
+    (0..n).map(|i| (i + 1) % interval != 0).collect()
+}
+
 impl LlamaConfig {
     /// SmolLM3's fields (`SmolLM3Config`, `configuration_smollm3.py`):
     /// its defaults where Llama's differ, the layers without rotary, and
@@ -371,7 +377,7 @@ impl LlamaConfig {
                         _ => bail!("{label}: field 'no_rope_layer_interval' must be a whole number >= 1, found {v}"),
                     },
                 };
-                (0..n).map(|i| (i + 1) % interval != 0).collect()
+                rotary_every(n, interval)
             }
             Some(Value::Array(flags)) if flags.len() >= n => flags
                 .iter()

@@ -1,8 +1,8 @@
 //! What HF's chat-template environment (Jinja2, with the filters and
 //! functions `transformers/utils/chat_template_utils.py` adds) does that
 //! MiniJinja does differently: Python's `json.dumps` behind `tojson`, its
-//! float `repr`, Jinja's forgiving `int` and `float` filters,
-//! `strftime_now`, HF's `{% generation %}` tag, and a depth bound on the
+//! float `repr`, Jinja's forgiving `int` and `float` filters, the
+//! `iterable` test (`none` is not), `strftime_now`, HF's `{% generation %}` tag, and a depth bound on the
 //! values a template prints (Python stops deep ones with a
 //! `RecursionError`; printing one here would overflow the stack).
 
@@ -322,6 +322,16 @@ pub(super) fn float_filter(value: Value, default: Option<Value>) -> Result<Value
             _ => default,
         },
     )
+}
+
+/// Jinja2's `iterable` test: whether Python's `iter(value)` succeeds.
+/// MiniJinja iterates `none` as empty and so calls it iterable; Python
+/// does not, and templates lean on it: `tools is iterable and tools |
+/// length > 0` (Qwen3-Coder's, Nemotron's) with `tools` none takes
+/// `length` of none here unless the test is false. Undefined stays
+/// iterable, as Jinja2's `Undefined` is.
+pub(super) fn is_iterable(value: &Value) -> bool {
+    !value.is_none() && value.try_iter().is_ok()
 }
 
 /// HF's `{% generation %}…{% endgeneration %}` (TRL's templates mark the

@@ -16,11 +16,18 @@ use serde_json::Value;
 use crate::common::{fixture_dir, Fixture};
 
 /// Each model and the types it was converted to.
-pub const FILES: [(&str, &[&str]); 3] = [
+pub const FILES: [(&str, &[&str]); 5] = [
     ("llama", &["f32", "f16", "bf16", "q8_0"]),
     ("qwen2", &["f32", "q8_0"]),
     ("qwen3", &["f32", "bf16"]),
+    ("smollm3", &["f32"]),
+    ("olmo2", &["f32"]),
 ];
+
+/// The models whose HF values are in `expected-archs.safetensors`
+/// (llama.cpp's archs `smollm3` and `olmo2`) rather than
+/// `expected.safetensors`.
+pub const ARCHS: [&str; 2] = ["smollm3", "olmo2"];
 
 pub fn gguf(name: &str, ty: &str) -> PathBuf {
     fixture_dir("gguf").join(format!("{name}-{ty}.gguf"))
@@ -28,6 +35,17 @@ pub fn gguf(name: &str, ty: &str) -> PathBuf {
 
 pub fn expected() -> Result<Fixture> {
     Fixture::load(&fixture_dir("gguf").join("expected.safetensors"), &Device::Cpu)
+}
+
+/// The fixture holding model `name`'s HF values (`{name}.*` tensors and
+/// its case), of the two the script writes for [`FILES`].
+pub fn expected_for(name: &str) -> Result<Fixture> {
+    let file = if ARCHS.contains(&name) {
+        "expected-archs.safetensors"
+    } else {
+        "expected.safetensors"
+    };
+    Fixture::load(&fixture_dir("gguf").join(file), &Device::Cpu)
 }
 
 pub fn model_case<'a>(f: &'a Fixture, name: &str) -> Result<&'a Value> {

@@ -7,7 +7,13 @@ use multihead_attention::RopeScaling;
 
 use super::GGUF_ARCHITECTURES;
 use crate::checkpoint::GgufFile;
-use crate::decoder::config::{LlamaConfig, NormPlacement, QkNorm};
+use crate::decoder::config::{rotary_every, LlamaConfig, NormPlacement, QkNorm};
+
+/// SmolLM3's layers without rotary in a GGUF file: every fourth, which
+/// llama.cpp fixes (`n_no_rope_layer_step` in `src/llama-hparams.h`, read
+/// by `src/models/smollm3.cpp`) and its converter writes no key for; HF's
+/// default `no_rope_layer_interval`.
+const SMOLLM3_NO_ROPE_STEP: usize = 4;
 
 /// A GGUF file's architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,6 +21,11 @@ pub(super) enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    /// SmolLM3: Llama with every fourth layer without rotary; q and k
+    /// permuted as `llama`'s.
+    SmolLm3,
+    /// OLMo 2: norms after attention and MLP, q/k norms over all heads.
+    Olmo2,
 }
 
 impl Arch {
@@ -27,6 +38,8 @@ impl Arch {
             "llama" => Self::Llama,
             "qwen2" => Self::Qwen2,
             "qwen3" => Self::Qwen3,
+            "smollm3" => Self::SmolLm3,
+            "olmo2" => Self::Olmo2,
             other => bail!(
                 "GGUF file '{label}': architecture '{}' is not supported; this loader runs {} (Mistral files are 'llama')",
                 other.escape_debug(),
@@ -40,6 +53,24 @@ impl Arch {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::SmolLm3 => "smollm3",
+            Self::Olmo2 => "olmo2",
+        }
+    }
+
+    /// Whether the converter permuted q and k (weights and biases) for
+    /// llama.cpp's interleaved rotary (`LlamaModel.permute`; the archs
+    /// whose `llama_model_rope_type` is `LLAMA_ROPE_TYPE_NORM`).
+    pub(super) fn permutes_qk(self) -> bool {
+        matches!(self, Self::Llama | Self::SmolLm3)
+    }
+
+    /// Where the block's norms sit, which also decides their tensor
+    /// names (`mod.rs`).
+    pub(super) fn norm_placement(self) -> NormPlacement {
+        match self {
+            Self::Olmo2 => NormPlacement::Post,
+            _ => NormPlacement::Pre,
         }
     }
 }
@@ -71,7 +102,8 @@ const KNOWN_KEYS: [&str; 19] = [
 
 impl LlamaConfig {
     /// The config a GGUF file's metadata describes (`general.architecture`
-    /// `llama`, `qwen2` or `qwen3`), checked as `config.json` is: the
+    /// `llama`, `qwen2`, `qwen3`, `smollm3` or `olmo2`), checked as
+    /// `config.json` is: the
     /// vocabulary from `token_embd.weight`'s rows, tied embeddings where
     /// `output.weight` is absent, biases where layer 0 has them. Metadata
     /// this loader cannot honour (rotary scaling other than linear,
@@ -201,14 +233,18 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         sliding_window,
         rope_scaling,
         qkv_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
-        qk_norm: if arch == Arch::Qwen3 || has("blk.0.attn_q_norm.weight") {
-            QkNorm::PerHead
-        } else {
-            QkNorm::None
+        qk_norm: match arch {
+            Arch::Olmo2 => QkNorm::AllHeads,
+            Arch::Qwen3 => QkNorm::PerHead,
+            _ if has("blk.0.attn_q_norm.weight") => QkNorm::PerHead,
+            _ => QkNorm::None,
         },
-        norm_placement: NormPlacement::Pre,
+        norm_placement: arch.norm_placement(),
         rotary_layers: Vec::new(),
     };
+    if arch == Arch::SmolLm3 {
+        cfg.rotary_layers = rotary_every(cfg.num_hidden_layers, SMOLLM3_NO_ROPE_STEP);
+    }
     if cfg.attention_bias {
         cfg.qkv_bias = false;
     }

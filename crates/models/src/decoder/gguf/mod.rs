@@ -1,9 +1,9 @@
 //! Llama-family decoders (llama, and Mistral, which llama.cpp files as
-//! llama; qwen2; qwen3) from a GGUF file as llama.cpp's
+//! llama; qwen2; qwen3; smollm3; olmo2) from a GGUF file as llama.cpp's
 //! `convert_hf_to_gguf.py` writes it: the `{arch}.*` metadata read into a
 //! [`LlamaConfig`], and the tensors handed to [`Llama::new`] under HF's
-//! names, with the rotary permutation the converter applies to arch
-//! `llama`'s q and k undone. The metadata's reading is `config.rs`; the
+//! names, with the rotary permutation the converter applies to the q and
+//! k of archs `llama` and `smollm3` undone. The metadata's reading is `config.rs`; the
 //! tokenizer, end tokens and chat template the file carries, `text.rs`.
 
 mod config;
@@ -18,7 +18,7 @@ use candle::{bail, DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
-use super::config::LlamaConfig;
+use super::config::{LlamaConfig, NormPlacement};
 use super::{DecoderModel, Llama};
 use crate::checkpoint::{
     float_range, ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
@@ -29,15 +29,14 @@ pub(crate) use spm::SpmVocab;
 pub use text::GGUF_PRE_TOKENIZERS;
 
 /// The `general.architecture` values this loader runs.
-pub const GGUF_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+pub const GGUF_ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen3", "smollm3", "olmo2"];
 
 /// How many tensors of an unsupported type an error names.
 const NAMED: usize = 20;
 
 /// HF's names for one layer's tensors (after `model.layers.N.`) and the
-/// converter's (after `blk.N.`).
-const LAYER_NAMES: [(&str, &str); 18] = [
-    ("input_layernorm.weight", "attn_norm.weight"),
+/// converter's (after `blk.N.`), but for the block's norms.
+const LAYER_NAMES: [(&str, &str); 16] = [
     ("self_attn.q_proj.weight", "attn_q.weight"),
     ("self_attn.q_proj.bias", "attn_q.bias"),
     ("self_attn.k_proj.weight", "attn_k.weight"),
@@ -48,7 +47,6 @@ const LAYER_NAMES: [(&str, &str); 18] = [
     ("self_attn.o_proj.bias", "attn_output.bias"),
     ("self_attn.q_norm.weight", "attn_q_norm.weight"),
     ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-    ("post_attention_layernorm.weight", "ffn_norm.weight"),
     ("mlp.gate_proj.weight", "ffn_gate.weight"),
     ("mlp.gate_proj.bias", "ffn_gate.bias"),
     ("mlp.up_proj.weight", "ffn_up.weight"),
@@ -57,6 +55,29 @@ const LAYER_NAMES: [(&str, &str); 18] = [
     ("mlp.down_proj.bias", "ffn_down.bias"),
 ];
 
+/// The block's norms, by where they sit: HF's `post_attention_layernorm`
+/// is the norm before the MLP in Llama (`ffn_norm`) and the one after
+/// attention in OLMo 2 (`post_attention_norm`), as gguf-py's tensor map
+/// gives each arch.
+fn norm_names(placement: NormPlacement) -> &'static [(&'static str, &'static str); 2] {
+    match placement {
+        NormPlacement::Pre => &[
+            ("input_layernorm.weight", "attn_norm.weight"),
+            ("post_attention_layernorm.weight", "ffn_norm.weight"),
+        ],
+        NormPlacement::Post => &[
+            ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+            ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ],
+    }
+}
+
+/// One layer's names (HF's, the converter's) for a model whose norms sit
+/// at `placement`.
+fn layer_names(placement: NormPlacement) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    LAYER_NAMES.iter().chain(norm_names(placement))
+}
+
 /// HF's names for the tensors outside the layers, and the converter's.
 const TOP_NAMES: [(&str, &str); 3] = [
     ("model.embed_tokens.weight", "token_embd.weight"),
@@ -64,25 +85,27 @@ const TOP_NAMES: [(&str, &str); 3] = [
     ("lm_head.weight", "output.weight"),
 ];
 
-/// The converter's name for HF's tensor `hf`.
-fn gguf_name(hf: &str) -> Option<String> {
+/// The converter's name for HF's tensor `hf` of a model whose norms sit
+/// at `placement`.
+fn gguf_name(hf: &str, placement: NormPlacement) -> Option<String> {
     if let Some(&(_, g)) = TOP_NAMES.iter().find(|(h, _)| *h == hf) {
         return Some(g.to_string());
     }
     let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let &(_, g) = LAYER_NAMES.iter().find(|(h, _)| *h == rest)?;
+    let &(_, g) = layer_names(placement).find(|(h, _)| *h == rest)?;
     Some(format!("blk.{layer}.{g}"))
 }
 
-/// HF's name for the converter's tensor `gguf`.
-fn hf_name(gguf: &str) -> Option<String> {
+/// HF's name for the converter's tensor `gguf` of a model whose norms sit
+/// at `placement`.
+fn hf_name(gguf: &str, placement: NormPlacement) -> Option<String> {
     if let Some(&(h, _)) = TOP_NAMES.iter().find(|(_, g)| *g == gguf) {
         return Some(h.to_string());
     }
     let (layer, rest) = gguf.strip_prefix("blk.")?.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let &(h, _) = LAYER_NAMES.iter().find(|(_, g)| *g == rest)?;
+    let &(h, _) = layer_names(placement).find(|(_, g)| *g == rest)?;
     Some(format!("model.layers.{layer}.{h}"))
 }
 
@@ -105,11 +128,14 @@ fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
 }
 
 /// Answers `vb.get` under HF's names with the GGUF file's tensors: q and
-/// k un-permuted for arch `llama`, the weight matrices (2-D) in the dtype
+/// k un-permuted where the converter permuted them, the weight matrices (2-D) in the dtype
 /// the load asks for, norms and biases f32.
 struct GgufReader<'a> {
     file: &'a GgufFile,
-    /// `(heads, kv_heads)` where q and k are permuted (arch `llama`).
+    /// Where the block's norms sit, which names them.
+    norms: NormPlacement,
+    /// `(heads, kv_heads)` where q and k are permuted
+    /// ([`Arch::permutes_qk`]).
     permuted: Option<(usize, usize)>,
     /// The matrices' dtype; `None`: as stored (Q8_0, which the layers
     /// quantize as they pack them).
@@ -124,7 +150,7 @@ struct GgufReader<'a> {
 
 impl GgufReader<'_> {
     fn read(&self, name: &str, dev: &Device) -> Result<Tensor> {
-        let Some(g) = gguf_name(name) else {
+        let Some(g) = gguf_name(name, self.norms) else {
             bail!(
                 "GGUF file '{}': the model asks for '{name}', which GGUF files do not name",
                 self.file.label()
@@ -235,7 +261,7 @@ impl SimpleBackend for GgufReader<'_> {
             bail!(
                 "GGUF file '{}': tensor '{}' has shape {:?}, expected {:?}",
                 self.file.label(),
-                gguf_name(name).unwrap_or_default(),
+                gguf_name(name, self.norms).unwrap_or_default(),
                 t.dims(),
                 s.dims()
             )
@@ -248,7 +274,7 @@ impl SimpleBackend for GgufReader<'_> {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        gguf_name(name).is_some_and(|g| self.file.info(&g).is_some())
+        gguf_name(name, self.norms).is_some_and(|g| self.file.info(&g).is_some())
     }
 }
 
@@ -287,8 +313,9 @@ fn check_types(file: &GgufFile) -> Result<()> {
 fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>)> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
+    let norms = cfg.norm_placement;
     for t in file.tensors() {
-        match hf_name(&t.name) {
+        match hf_name(&t.name, norms) {
             Some(h) => present.push(h),
             None => report.unexpected.push(t.name.escape_debug().to_string()),
         }
@@ -298,7 +325,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
     let mut needed = HashSet::new();
     let mut matching = Vec::new();
     for w in wanted {
-        let Some(g) = gguf_name(&w.name) else {
+        let Some(g) = gguf_name(&w.name, norms) else {
             bail!(
                 "GGUF file '{}': the model asks for '{}', which GGUF files do not name",
                 file.label(),
@@ -322,7 +349,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
     report.unexpected.extend(
         file.tensors()
             .iter()
-            .filter(|t| hf_name(&t.name).is_some() && !needed.contains(&t.name))
+            .filter(|t| hf_name(&t.name, norms).is_some() && !needed.contains(&t.name))
             .map(|t| t.name.escape_debug().to_string()),
     );
     Ok((report, matching))
@@ -373,7 +400,7 @@ impl DecoderModel {
     }
 
     /// Loads a Llama-family decoder (arch `llama`, which Mistral files
-    /// use too, `qwen2` or `qwen3`) from a GGUF file as llama.cpp's
+    /// use too, `qwen2`, `qwen3`, `smollm3` or `olmo2`) from a GGUF file as llama.cpp's
     /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
     /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
     /// it (every missing, unexpected, mis-shaped or unreadable one named,
@@ -391,7 +418,10 @@ impl DecoderModel {
         preflight(file, &cfg)?;
         let reader = GgufReader {
             file,
-            permuted: (arch == Arch::Llama).then(|| (cfg.num_attention_heads, cfg.kv_heads())),
+            norms: cfg.norm_placement,
+            permuted: arch
+                .permutes_qk()
+                .then(|| (cfg.num_attention_heads, cfg.kv_heads())),
             weight_dtype: opts.dtype.dtype(),
             keep_blocks: opts.dtype == WeightDtype::Ggml,
             progress: opts.progress.clone(),
@@ -419,18 +449,37 @@ mod tests {
             ),
             ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
         ] {
-            assert_eq!(gguf_name(hf).as_deref(), Some(g));
-            assert_eq!(hf_name(g).as_deref(), Some(hf));
+            for placement in [NormPlacement::Pre, NormPlacement::Post] {
+                assert_eq!(gguf_name(hf, placement).as_deref(), Some(g));
+                assert_eq!(hf_name(g, placement).as_deref(), Some(hf));
+            }
         }
+        // The norms' names depend on where they sit (gguf-py's map for
+        // arch `olmo2` against `llama`'s).
+        let post = "model.layers.3.post_attention_layernorm.weight";
+        assert_eq!(
+            gguf_name(post, NormPlacement::Pre).as_deref(),
+            Some("blk.3.ffn_norm.weight")
+        );
+        assert_eq!(
+            gguf_name(post, NormPlacement::Post).as_deref(),
+            Some("blk.3.post_attention_norm.weight")
+        );
+        assert_eq!(
+            hf_name("blk.3.post_ffw_norm.weight", NormPlacement::Post).as_deref(),
+            Some("model.layers.3.post_feedforward_layernorm.weight")
+        );
+        assert_eq!(hf_name("blk.3.post_ffw_norm.weight", NormPlacement::Pre), None);
+        assert_eq!(hf_name("blk.3.attn_norm.weight", NormPlacement::Post), None);
         for bad in [
             "blk.x.attn_q.weight",
             "blk.0.",
             "rope_freqs.weight",
             "blk.0.attn_qkv.weight",
         ] {
-            assert_eq!(hf_name(bad), None, "{bad}");
+            assert_eq!(hf_name(bad, NormPlacement::Pre), None, "{bad}");
         }
-        assert_eq!(gguf_name("model.layers.0."), None);
+        assert_eq!(gguf_name("model.layers.0.", NormPlacement::Pre), None);
     }
 
     /// The inverse of the converter's permutation, written out for one
