@@ -20,6 +20,9 @@ instead a folder at Llama-3.2-1B's size (16 layers, 2048 wide, MLP 8192, GQA
 32/8, head 64, rope theta 500,000, the same vocabulary and tied embeddings:
 1.04 B parameters), `llama-1b-shaped`: every weight matrix there is a multiple
 of 256 wide, so Q4_K_M is Q4_K and Q6_K throughout, as for Llama 3.2 1B.
+`--shape gemma3-1b` makes a Gemma 3 text folder at Gemma-3-1B's size (26 layers, 1152 wide, MLP 6912, 4
+query heads and 1 key/value head of 256, sliding windows of 512 keys on five layers in six, the
+262,144-token vocabulary tied to the head: 1.0 B parameters), `gemma3-1b-shaped`.
 `--runs 0` only makes the folder and the GGUF files, and prints nothing.
 
 Each run, for each dtype, llama.cpp's side is
@@ -83,14 +86,25 @@ THREADS = 2
 PROMPT_TOKENS = 128
 NEW_TOKENS = 32
 
-# The made folders' shapes (--shape), LlamaConfig's arguments beside those they share: Qwen2.5-0.5B's size,
-# and Llama-3.2-1B's (every matrix a multiple of 256 wide, for ggml's k-quants).
+# The made folders' shapes (--shape), the config's arguments beside those they share: Qwen2.5-0.5B's size,
+# Llama-3.2-1B's (every matrix a multiple of 256 wide, for ggml's k-quants), and Gemma-3-1B's (a Gemma 3
+# text model: 26 layers, 1152 wide, MLP 6912, 4 query heads and 1 key/value head of 256, windows of 512
+# keys on five layers in six, its 262,144-token vocabulary tied to the head).
 SHAPES = {
     "0.39b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, rope_theta=10000.0),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, rope_theta=500000.0),
+    "gemma3-1b": dict(family="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      sliding_window=512, query_pre_attn_scalar=256),
 }
+
+
+def folder_name(shape):
+    """The made folder's name: `llama-0.39b-shaped`, `llama-1b-shaped`, `gemma3-1b-shaped`."""
+    return f"{shape}-shaped" if "family" in SHAPES[shape] else f"llama-{shape}-shaped"
+
 
 MAKE = """
 import json, os, random, sys
@@ -98,6 +112,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import sentencepiece as spm, torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 folder, shape = sys.argv[1], json.loads(sys.argv[2])
+family = shape.pop("family", "llama")
 os.makedirs(folder, exist_ok=True)
 # Text of made-up words, enough for a BPE of 8,000 pieces (32,000 would need far more text).
 rng = random.Random(0)
@@ -112,9 +127,16 @@ spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=os.pa
 os.remove(os.path.join(folder, "tokenizer.vocab"))
 LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)  # tokenizer.json, tokenizer_config.json
 torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=32000, **shape, max_position_embeddings=4096, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True, max_shard_size="10GB")
+if family == "gemma3":
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    cfg = Gemma3TextConfig(**shape, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg)
+else:
+    cfg = LlamaConfig(vocab_size=32000, **shape, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True, max_shard_size="10GB")
 """
 
 BANDWIDTH = r"""
@@ -282,7 +304,8 @@ def main():
                     help="llama.cpp source tree with build/bin/llama-bench and convert_hf_to_gguf.py")
     ap.add_argument("--folder", help="an HF Llama folder (default: one made here, of --shape)")
     ap.add_argument("--shape", choices=SHAPES, default="0.39b",
-                    help="the made folder's size: 0.39b (Qwen2.5-0.5B's, the default) or 1b (Llama-3.2-1B's)")
+                    help="the made folder's size: 0.39b (Qwen2.5-0.5B's, the default), 1b (Llama-3.2-1B's) or "
+                    "gemma3-1b (a Gemma 3 text model of Gemma-3-1B's size)")
     ap.add_argument("--work", metavar="DIR", help="keep the made folder and the GGUF files here, reused if present "
                     "(default: a temporary folder, removed)")
     ap.add_argument("--runs", type=int, default=3, help="0: only make the folder and the GGUF files")
@@ -316,7 +339,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         work = args.work or tmp
         os.makedirs(work, exist_ok=True)
-        folder = args.folder or os.path.join(work, f"llama-{args.shape}-shaped")
+        folder = args.folder or os.path.join(work, folder_name(args.shape))
         if not glob.glob(os.path.join(folder, "*.safetensors")):
             subprocess.run([sys.executable, "-c", MAKE, folder, json.dumps(SHAPES[args.shape])], check=True)
         ggufs = {}
