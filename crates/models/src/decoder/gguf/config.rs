@@ -7,7 +7,7 @@ use multihead_attention::RopeScaling;
 
 use super::GGUF_ARCHITECTURES;
 use crate::checkpoint::GgufFile;
-use crate::decoder::config::{LlamaConfig, NormPlacement, QkNorm};
+use crate::decoder::config::{LlamaConfig, NormPlacement, Projections, QkNorm};
 
 /// A GGUF file's architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +208,8 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         },
         norm_placement: NormPlacement::Pre,
         rotary_layers: Vec::new(),
+        rotary_dims: None,
+        projections: Projections::Separate,
     };
     if cfg.attention_bias {
         cfg.qkv_bias = false;
