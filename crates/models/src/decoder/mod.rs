@@ -53,7 +53,9 @@ use crate::generation::StepModel;
 
 pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CHUNK};
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
-pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig, NormPlacement, QkNorm, HF_DECODER_TYPES};
+pub use config::{
+    Gpt2Config, HfDecoderConfig, LlamaConfig, NormPlacement, Projections, QkNorm, HF_DECODER_TYPES,
+};
 pub use conversation::Conversation;
 pub use generation_config::HfGenerationConfig;
 pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
