@@ -66,6 +66,8 @@ from transformers import (  # noqa: E402
     Qwen3Config,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3ForCausalLM,
     SiglipVisionConfig,
     SmolLM3Config,
@@ -176,6 +178,36 @@ def olmo2_config():
     )
 
 
+def phi3_config():
+    # Phi-3: fused qkv_proj and gate_up_proj; Phi-4-mini's partial rotary
+    # (0.75 of each 16-wide head: 12 dims, 6 pairs) and LongRoPE with its
+    # own short and long factors. The original context is 2, so that every
+    # prompt (and the chunked prefill's first chunk of 3) already reaches
+    # past it: the whole fixture runs on long_factor, as HF does once a
+    # sequence passes it; `short_logits` covers short_factor. HF's
+    # attention factor comes from max_position_embeddings / original:
+    # sqrt(1 + ln(2) / ln(2)) = sqrt(2) (Phi-3.5-mini's is 1.19; a larger
+    # one makes the logits too sensitive for the bf16 tests). A sliding
+    # window of 5 keys, as Phi-3-mini's 2047, which HF's model masks with.
+    head = 16
+    pairs = int(head * 0.75) // 2
+    return Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4,
+        original_max_position_embeddings=PHI3_ORIGINAL, partial_rotary_factor=0.75, sliding_window=5,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.25 * i for i in range(pairs)],
+            "long_factor": [1.0 + 0.5 * i * i for i in range(pairs)],
+        },
+        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+    )
+
+
+PHI3_ORIGINAL = 2
+
+
 def gemma2_config():
     # Gemma 2: sandwich norms, (1 + w) RMSNorms, embeddings times
     # sqrt(hidden), GeGLU, query_pre_attn_scalar in place of head_dim,
@@ -223,6 +255,7 @@ MODELS = {
     "qwen3": (qwen3_config, Qwen3ForCausalLM),
     "smollm3": (smollm3_config, SmolLM3ForCausalLM),
     "olmo2": (olmo2_config, Olmo2ForCausalLM),
+    "phi3": (phi3_config, Phi3ForCausalLM),
     "gemma2": (gemma2_config, Gemma2ForCausalLM),
     "gemma3": (gemma3_config, Gemma3ForCausalLM),
 }
@@ -299,6 +332,29 @@ def try_seed(name, seed):
         "padded_position_ids": padded_pos, "padded_greedy_ids": p_greedy,
         "padded_step_logits": p_step,
     }
+    extra = {}
+    if name == "phi3":
+        # LongRoPE's short factors: a call whose positions stay within the
+        # original context. And what HF's generate does when a cached
+        # sequence first passes it: the cache dropped, the whole sequence
+        # recomputed on long_factor (Phi3ForCausalLM.prepare_inputs_for_generation).
+        with torch.no_grad():
+            short_ids = input_ids[:, :PHI3_ORIGINAL]
+            tensors["short_logits"] = model(short_ids).logits.float()
+            g = model.generate(short_ids[:, :1], attention_mask=torch.ones_like(short_ids[:, :1]),
+                               max_new_tokens=3, min_new_tokens=3, do_sample=False, num_beams=1,
+                               pad_token_id=PAD, eos_token_id=None, output_logits=True,
+                               return_dict_in_generate=True, use_cache=True)
+            crossing = torch.stack(g.logits, dim=1).float()
+            full = model(g.sequences[:, :-1]).logits.float()[:, -3:]
+        assert torch.equal(crossing[:, -1].argmax(-1), full[:, -1].argmax(-1))
+        extra = {
+            "short_logits": "model(input_ids[:, :%d]).logits: positions within original_max_position_embeddings "
+                            "(%d), so short_factor" % (PHI3_ORIGINAL, PHI3_ORIGINAL),
+            "crossing": "generate from 1 token, 3 steps: the step reaching past the original context recomputes "
+                        "the whole sequence on long_factor; its logits equal a full pass's within %.2g" % (
+                            (crossing[:, -1] - full[:, -1]).abs().max().item()),
+        }
     case = {
         "model": cls.__name__,
         "config_dir": name,
@@ -332,6 +388,7 @@ def try_seed(name, seed):
             "row0_equals_plain_batch_tokens": row0_same,
             "row0_max_abs_step_logit_diff_vs_plain_batch": row0_diff,
         },
+        **extra,
         "greedy_min_margin": {
             "plain": margins(step).min().item(),
             "padded": margins(p_step).min().item(),
@@ -530,6 +587,13 @@ torch {torch} and transformers {transformers}. Remake with
 * `olmo2/`: `Olmo2ForCausalLM` (RMSNorms after attention and MLP, none
   before; `q_norm`/`k_norm` over all heads at once, 64 and 32 wide;
   rope_theta 5e5, untied lm_head).
+* `phi3/`: `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj`;
+  partial_rotary_factor 0.75, so 12 of each 16-wide head rotate; rotary
+  `longrope` with short and long factors, original context 2 of 4, so
+  the attention factor is sqrt(2) and every prompt here runs on
+  long_factor; sliding_window 5; untied lm_head). Its expected file also
+  has `short_logits` (2, 2, 128): the first 2 prompt tokens alone, on
+  short_factor.
 * `gemma2/`: `Gemma2ForCausalLM` (sandwich norms, `(1 + w)` RMSNorms,
   embeddings times sqrt(64), GeGLU, head_dim 32, query_pre_attn_scalar 24,
   scores soft-capped at 4 and logits at 6, layer 0 sliding (window 4),
@@ -543,7 +607,7 @@ torch {torch} and transformers {transformers}. Remake with
   one-layer SigLIP vision tower and its projector); its text-only logits
   equal `gemma3/`'s (checked by the script), so its tests reuse
   `gemma3_expected.safetensors`.
-* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3,olmo2,gemma2,gemma3}}_expected.safetensors`: `input_ids`
+* `{{gpt2,llama,mistral,llama3,qwen2,qwen3,smollm3,olmo2,phi3,gemma2,gemma3}}_expected.safetensors`: `input_ids`
   (2, 7), `logits` (2, 7, 128) of the full prompt, `greedy_ids` (2, 17) and
   `step_logits` (2, 10, 128) from greedy `generate` (10 new tokens, no EOS),
   and a left-padded batch: `padded_ids`, `padded_attention_mask`,
@@ -598,7 +662,7 @@ def main():
                 total += size
                 print(f"  {os.path.relpath(os.path.join(root, n), tmp):40s} {size:9d} B")
         print(f"  total {total} B")
-        assert total < 3_500_000, f"fixtures too large: {total} B"
+        assert total < 4_000_000, f"fixtures too large: {total} B"
         for name, case in cases.items():
             print(f"{name}: seed {case['seed']}, greedy min margins {case['greedy_min_margin']}, "
                   f"padded {case['padded']['row1_equals_unpadded_tokens']} "

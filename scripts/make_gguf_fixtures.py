@@ -65,6 +65,16 @@ The models:
   share of their size that grows with the init under 4-bit weights (q4_k_m:
   0.2 at 0.05, 0.4 at 0.1, 0.7 at 0.2, max |diff| / max |logit|).
 
+* `phi3-f32.gguf`: tests/fixtures/decoders/phi3 (`Phi3ForCausalLM`,
+  written by make_decoder_fixtures.py) converted as it is, arch `phi3`:
+  fused `attn_qkv` and `ffn_up` (gate rows, then up), LongRoPE's factors
+  as the tensors `rope_factors_long` / `rope_factors_short`, partial
+  rotary as `rope.dimension_count`. Its oracle is that folder's
+  `phi3_expected.safetensors`, so nothing here is computed for it; the
+  folder has no tokenizer, so a byte-level one of its 128 tokens (no
+  merges) is put beside a copy for the converter. `--only phi3` remakes
+  this file alone (no llama-quantize needed).
+
 The tokenizer is tests/fixtures/text/llama3's (384 tokens, 5 special ones)
 with the pre-tokenizer each model's tokenizer has. The converter recognises
 a pre-tokenizer by hashing a real tokenizer's output, which these tiny ones
@@ -224,6 +234,13 @@ QUANTIZED = {
     "llama256": (llama256_config, LlamaForCausalLM, "gpt-2", ["q4_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k"]),
 }
 
+# name: GGUF types converted from tests/fixtures/decoders/{name}, whose
+# oracle is that folder's {name}_expected.safetensors.
+FROM_DECODERS = {
+    "phi3": ["f32"],
+}
+DECODERS = os.path.join(ROOT, "tests", "fixtures", "decoders")
+
 # HF parameter names to the converter's (gguf-py's tensor map for these archs).
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -257,13 +274,75 @@ OLMO2_LAYER_TO_GGUF = {
 }
 
 
+# Phi-3's fused projections (arch phi3).
+PHI3_LAYER_TO_GGUF = {
+    **LAYER_TO_GGUF,
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
+
+
 def gguf_name(hf, model_type="llama"):
     if hf in HF_TO_GGUF:
         return HF_TO_GGUF[hf]
     parts = hf.split(".")
     assert parts[:2] == ["model", "layers"], hf
-    layer = OLMO2_LAYER_TO_GGUF if model_type == "olmo2" else LAYER_TO_GGUF
+    layer = {"olmo2": OLMO2_LAYER_TO_GGUF, "phi3": PHI3_LAYER_TO_GGUF}.get(model_type, LAYER_TO_GGUF)
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
+
+
+def byte_level_tokenizer(folder, vocab_size):
+    """A byte-level BPE tokenizer of GPT-2's first `vocab_size` byte symbols, no merges."""
+    # GPT-2's bytes_to_unicode: printable bytes stand for themselves, the
+    # others for the code points from 256 on, in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    symbols = [chr(b) if b in printable else chr(next(shifted)) for b in range(256)][:vocab_size]
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                          "use_regex": True},
+        "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True,
+                                            "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": {c: i for i, c in enumerate(symbols)}, "merges": []},
+    }
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tok, f, ensure_ascii=False)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "GPT2Tokenizer", "clean_up_tokenization_spaces": False}, f)
+
+
+def build_from_decoder(name, llama_cpp, tmp):
+    """tests/fixtures/decoders/{name} converted to each of FROM_DECODERS[name]'s types, checked."""
+    from safetensors.torch import load_file
+
+    folder = os.path.join(tmp, name)
+    shutil.copytree(os.path.join(DECODERS, name), folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    byte_level_tokenizer(folder, config["vocab_size"])
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    files = {}
+    for outtype in FROM_DECODERS[name]:
+        path = os.path.join(tmp, f"{name}-{outtype}.gguf")
+        convert(llama_cpp, folder, outtype, path, "gpt-2")
+        tensors, fields = read_gguf(path)
+        assert fields["general.architecture"] == name, fields["general.architecture"]
+        rope = config["rope_parameters"]
+        factors = {"rope_factors_long.weight": rope["long_factor"], "rope_factors_short.weight": rope["short_factor"]}
+        params = {gguf_name(n, name) for n in weights}
+        assert set(tensors) == params | set(factors), sorted(set(tensors) ^ (params | set(factors)))
+        for n, w in weights.items():
+            kind, t = tensors[gguf_name(n, name)]
+            assert kind == "F32" and np.array_equal(np.asarray(t.data).reshape(tuple(w.shape)), w.numpy()), n
+        for n, want in factors.items():
+            assert np.array_equal(np.asarray(tensors[n][1].data), np.array(want, dtype=np.float32)), n
+        assert fields[f"{name}.rope.scaling.original_context_length"] == config["original_max_position_embeddings"]
+        files[outtype] = {"file": os.path.basename(path), "bytes": os.path.getsize(path),
+                          "metadata": {k: v for k, v in fields.items() if k.startswith(f"{name}.")}}
+    return files
 
 
 def rename(tok, old, new):
@@ -637,15 +716,17 @@ def main():
                         help="llama.cpp's source tree (convert_hf_to_gguf.py, conversion/, gguf-py/)")
     parser.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary "
                         "(default: LLAMA_CPP/build/bin/llama-quantize)")
-    parser.add_argument("--only", action="append", choices=list(GROUPS),
-                        help="remake only this group's files, named by its expected file (repeatable)")
+    parser.add_argument("--only", action="append", choices=list(GROUPS) + sorted(FROM_DECODERS),
+                        help="remake only this group's files, named by its expected file, or only the file "
+                        "converted from tests/fixtures/decoders/NAME (repeatable)")
     args = parser.parse_args()
-    only = args.only or list(GROUPS)
+    groups = [g for g in args.only or GROUPS if g in GROUPS]
+    decoders = [d for d in args.only or FROM_DECODERS if d in FROM_DECODERS]
     if not args.llama_cpp or not os.path.isfile(os.path.join(args.llama_cpp, "convert_hf_to_gguf.py")):
         sys.exit("--llama-cpp (or LLAMA_CPP_DIR) must name llama.cpp's source tree")
     llama_cpp = os.path.abspath(args.llama_cpp)
     quantize_exe = os.path.abspath(args.llama_quantize or os.path.join(llama_cpp, "build", "bin", "llama-quantize"))
-    if "expected-quantized.safetensors" in only and not os.access(quantize_exe, os.X_OK):
+    if "expected-quantized.safetensors" in groups and not os.access(quantize_exe, os.X_OK):
         sys.exit(f"no llama-quantize at {quantize_exe}: build it (cmake --build build --target llama-quantize) "
                  "or name it with --llama-quantize")
     sys.path.insert(0, llama_cpp)
@@ -660,13 +741,17 @@ def main():
                     "gguf_py": getattr(gguf, "__version__", "vendored")}
         out = os.path.join(tmp, "out")
         os.makedirs(out)
+        for name in decoders:
+            for t, f in build_from_decoder(name, llama_cpp, tmp).items():
+                shutil.move(os.path.join(tmp, f["file"]), os.path.join(out, f["file"]))
+                print(f"{name} {t}: {f['bytes']} bytes, {f['metadata']}")
         builders = {
             "expected.safetensors": lambda name: build(name, MODELS[name], llama_cpp, tmp),
             "expected-archs.safetensors": lambda name: build(name, ARCHS[name], llama_cpp, tmp),
             "expected-quantized.safetensors": lambda name: build_quantized(name, llama_cpp, quantize_exe, tmp),
         }
         all_cases = {}
-        for expected in only:
+        for expected in groups:
             tensors, cases = {}, {}
             for name in GROUPS[expected]:
                 t, case = builders[expected](name)

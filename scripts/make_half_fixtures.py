@@ -43,7 +43,8 @@ from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DIR = os.path.join(ROOT, "tests", "fixtures", "decoders")
-MODELS = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3"]
+MODELS = ["gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2",
+          "gemma3"]
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 

@@ -94,7 +94,7 @@ pub enum NormKind {
 }
 
 /// How token positions enter the attention, beside any mask.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PositionEncoding {
     /// None here (learned or sinusoidal embeddings added to the input).
@@ -122,7 +122,7 @@ pub enum RotaryStyle {
 }
 
 /// A rotary position embedding (Su et al., RoFormer).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RotaryConfig {
     /// Base of the frequencies (HF `rope_theta`; 10000 for most models).
@@ -144,7 +144,7 @@ pub struct RotaryConfig {
 
 /// How a rotary embedding's frequencies are rescaled, as HF transformers'
 /// `modeling_rope_utils` computes them (`rope_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "snake_case")]
 pub enum RopeScaling {
     /// Every frequency divided by `factor` (positions interpolated).
@@ -165,6 +165,27 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         /// The context the model was first trained for.
         original_max_position_embeddings: usize,
+    },
+    /// LongRoPE (Phi-3.5, Phi-4-mini; `_compute_longrope_parameters`):
+    /// frequency `i` divided by its own factor, `short_factor[i]` while a
+    /// call's positions stay within `original_max_position_embeddings`
+    /// and `long_factor[i]` for every position of a call that reaches
+    /// past it (HF's `longrope_frequency_update`: the longest row's
+    /// `max(position_ids) + 1` picks the set); cos and sin scaled by
+    /// `attention_factor` in both.
+    #[serde(rename = "longrope")]
+    LongRope {
+        /// One divisor per rotated pair (`dims / 2`), for short contexts.
+        short_factor: Vec<f64>,
+        /// One divisor per rotated pair, for long contexts.
+        long_factor: Vec<f64>,
+        /// The context the model was first trained for: a call whose
+        /// positions reach past it uses `long_factor`.
+        original_max_position_embeddings: usize,
+        /// The scale of cos and sin (HF's `attention_scaling`; by default
+        /// `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`,
+        /// which the config reader computes).
+        attention_factor: f64,
     },
 }
 
@@ -198,12 +219,51 @@ impl RopeScaling {
                 }
                 Ok(())
             }
+            RopeScaling::LongRope {
+                ref short_factor,
+                ref long_factor,
+                original_max_position_embeddings,
+                attention_factor,
+            } => {
+                positive("attention_factor", attention_factor)?;
+                for (name, factors) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                    if let Some(f) = factors.iter().find(|f| !(f.is_finite() && **f > 0.)) {
+                        bail!("RopeScaling: every {name} must be finite and > 0, found {f}")
+                    }
+                }
+                if short_factor.len() != long_factor.len() {
+                    bail!(
+                        "RopeScaling: short_factor has {} entries and long_factor {}; both need one per rotated pair",
+                        short_factor.len(),
+                        long_factor.len()
+                    )
+                }
+                if original_max_position_embeddings == 0 {
+                    bail!("RopeScaling: original_max_position_embeddings must be > 0")
+                }
+                Ok(())
+            }
         }
     }
 
-    /// `inv_freq` rescaled, in f32 as HF computes it.
+    /// The context past which a call's positions switch to another set of
+    /// frequencies (LongRoPE's `original_max_position_embeddings`); `None`
+    /// where the frequencies do not depend on the positions fed.
+    pub fn switch_after(&self) -> Option<usize> {
+        match *self {
+            RopeScaling::LongRope {
+                original_max_position_embeddings,
+                ..
+            } => Some(original_max_position_embeddings),
+            _ => None,
+        }
+    }
+
+    /// `inv_freq` rescaled, in f32 as HF computes it. LongRoPE's two
+    /// sets are computed from the base frequencies by `Rotary::new`.
     pub(crate) fn apply(&self, inv_freq: &mut [f32]) {
         match *self {
+            RopeScaling::LongRope { .. } => {}
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor as f32),
             RopeScaling::Llama3 {
                 factor,
@@ -464,7 +524,7 @@ impl MhaConfig {
                 )
             }
         }
-        if let PositionEncoding::Rotary(r) = self.position {
+        if let PositionEncoding::Rotary(r) = &self.position {
             let hd = self.head_dim();
             let dims = r.dims.unwrap_or(hd);
             if dims == 0 || !dims.is_multiple_of(2) || dims > hd {

@@ -3,20 +3,35 @@
 //! Ports `apply_rotary_pos_emb` of HF transformers'
 //! `models/llama/modeling_llama.py` (half-split, `rotate_half`; GPT-NeoX's
 //! partial `rotary_pct` too) and `models/gptj/modeling_gptj.py`
-//! (interleaved, `rotate_every_two`, partial `rotary_dim`).
+//! (interleaved, `rotate_every_two`, partial `rotary_dim`), with the
+//! frequency scalings of `modeling_rope_utils.py` ([`RopeScaling`]).
 
 use candle::{bail, DType, Result, Tensor, D};
 
-use crate::config::{RotaryConfig, RotaryStyle};
+use crate::config::{RopeScaling, RotaryConfig, RotaryStyle};
 
 /// A rotary embedding for heads of `head_dim` features.
 #[derive(Debug, Clone)]
 pub struct Rotary {
-    /// `theta^(-2i / dims)` for `i < dims / 2`, in f32 as HF computes it.
+    /// `theta^(-2i / dims)` for `i < dims / 2`, in f32 as HF computes it
+    /// (rescaled; LongRoPE's short set).
     inv_freq: Vec<f32>,
+    /// LongRoPE's frequencies for calls that reach past the original
+    /// context.
+    long: Option<LongFreqs>,
+    /// The scale of cos and sin (LongRoPE's `attention_factor`; 1 for the
+    /// others).
+    attention_factor: f32,
     dims: usize,
     head_dim: usize,
     style: RotaryStyle,
+}
+
+/// The frequencies a call whose positions reach past `after` uses.
+#[derive(Debug, Clone)]
+struct LongFreqs {
+    inv_freq: Vec<f32>,
+    after: usize,
 }
 
 impl Rotary {
@@ -31,15 +46,50 @@ impl Rotary {
         }
         // HF: 1 / base ** (arange(0, dim, 2).float() / dim), in f32.
         let theta = cfg.theta as f32;
-        let mut inv_freq: Vec<f32> = (0..dims / 2)
-            .map(|i| 1. / theta.powf((2 * i) as f32 / dims as f32))
+        let wavelengths: Vec<f32> = (0..dims / 2)
+            .map(|i| theta.powf((2 * i) as f32 / dims as f32))
             .collect();
+        let mut inv_freq: Vec<f32> = wavelengths.iter().map(|w| 1. / w).collect();
+        let (mut long, mut attention_factor) = (None, 1.);
         if let Some(scaling) = &cfg.scaling {
             scaling.validate()?;
-            scaling.apply(&mut inv_freq);
+        }
+        match &cfg.scaling {
+            None => {}
+            Some(RopeScaling::LongRope {
+                short_factor,
+                long_factor,
+                original_max_position_embeddings,
+                attention_factor: scale,
+            }) => {
+                if short_factor.len() != dims / 2 {
+                    bail!(
+                        "Rotary: LongRoPE needs one factor per rotated pair ({} for {dims} rotated dims), found {}",
+                        dims / 2,
+                        short_factor.len()
+                    )
+                }
+                // `_compute_longrope_parameters`: 1 / (ext_factors * base ** (arange(0, dim, 2) / dim)).
+                let scaled = |factors: &[f64]| -> Vec<f32> {
+                    wavelengths
+                        .iter()
+                        .zip(factors)
+                        .map(|(w, &f)| 1. / (f as f32 * w))
+                        .collect()
+                };
+                inv_freq = scaled(short_factor);
+                long = Some(LongFreqs {
+                    inv_freq: scaled(long_factor),
+                    after: *original_max_position_embeddings,
+                });
+                attention_factor = *scale as f32;
+            }
+            Some(scaling) => scaling.apply(&mut inv_freq),
         }
         Ok(Self {
             inv_freq,
+            long,
+            attention_factor,
             dims,
             head_dim,
             style: cfg.style,
@@ -67,19 +117,40 @@ impl Rotary {
 
     /// `(cos, sin)` of the angles at `positions` `(batch, seq)`, each
     /// `(batch, 1, seq, rot/2)`: HF's `position_ids.float() @ inv_freq`,
-    /// in f32.
+    /// in f32, times the attention factor where there is one.
     fn cos_sin(&self, positions: &Tensor, device: &candle::Device) -> Result<(Tensor, Tensor)> {
         let (b, t) = match *positions.dims() {
             [b, t] => (b, t),
             ref dims => bail!("Rotary: positions must be (batch, seq), found {dims:?}"),
         };
         let half = self.dims / 2;
-        let inv_freq = Tensor::new(self.inv_freq.as_slice(), device)?.reshape((1, 1, 1, half))?;
+        let inv_freq = match &self.long {
+            // HF's `longrope_frequency_update`: the set is chosen once for
+            // the whole call, by `max(position_ids) + 1`.
+            Some(long) if b * t > 0 && Self::reach(positions)? > long.after => &long.inv_freq,
+            _ => &self.inv_freq,
+        };
+        let inv_freq = Tensor::new(inv_freq.as_slice(), device)?.reshape((1, 1, 1, half))?;
         let freqs = positions
             .to_dtype(DType::F32)?
             .reshape((b, 1, t, 1))?
             .broadcast_mul(&inv_freq)?;
-        Ok((freqs.cos()?, freqs.sin()?))
+        let (cos, sin) = (freqs.cos()?, freqs.sin()?);
+        if self.attention_factor == 1. {
+            return Ok((cos, sin));
+        }
+        let scale = f64::from(self.attention_factor);
+        Ok((cos.affine(scale, 0.)?, sin.affine(scale, 0.)?))
+    }
+
+    /// `max(positions) + 1` of non-empty `(batch, seq)` `u32` positions.
+    fn reach(positions: &Tensor) -> Result<usize> {
+        let max = positions
+            .to_dtype(DType::U32)?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<u32>()?;
+        Ok(max as usize + 1)
     }
 
     /// Rotates `x` by the angles `cos`, `sin` from [`Rotary::cos_sin`].

@@ -66,7 +66,7 @@ fn decoder_configs() -> Vec<(&'static str, MhaConfig, WeightLayout)> {
         (
             "gpt-j interleaved partial rope",
             base.clone().with_position(PositionEncoding::Rotary(
-                rope.with_dims(4).with_style(RotaryStyle::Interleaved),
+                rope.clone().with_dims(4).with_style(RotaryStyle::Interleaved),
             )),
             WeightLayout::PyTorch,
         ),

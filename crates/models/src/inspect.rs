@@ -80,8 +80,8 @@ pub struct DecoderFacts {
     /// `gpt2`, `llama` (Llama, Mistral, SmolLM3: they store the same
     /// tensors), `qwen2` (biases on q, k, v only), `qwen3` (q/k norms per
     /// head), `olmo2` (norms after each branch, q/k norms over all heads),
-    /// `gemma2` (norms before and after each branch) or `gemma3` (those,
-    /// and q/k norms per head).
+    /// `phi3` (fused `qkv_proj` and `gate_up_proj`), `gemma2` (norms before
+    /// and after each branch) or `gemma3` (those, and q/k norms per head).
     pub family: String,
     /// The names' prefix (`transformer.`, `model.`, or none).
     pub prefix: String,
@@ -218,7 +218,7 @@ fn gpt2(n: &Names) -> Option<DecoderFacts> {
     })
 }
 
-/// Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Gemma 2 and 3:
+/// Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 2 and 3:
 /// `model.embed_tokens` and `model.layers.N`.
 fn llama(n: &Names) -> Option<DecoderFacts> {
     let [vocab, e] = *n.shape("model.embed_tokens.weight")? else {
@@ -235,6 +235,8 @@ fn llama(n: &Names) -> Option<DecoderFacts> {
     let head_dim = n
         .dim(&format!("{attn}q_norm.weight"), 0)
         .filter(|&d| d > 0 && !olmo2);
+    // Phi-3's fused projections: q, k and v in one, gate and up in one.
+    let phi3 = n.has(&format!("{attn}qkv_proj.weight"));
     let family = if gemma {
         match head_dim {
             Some(_) => "gemma3",
@@ -242,6 +244,8 @@ fn llama(n: &Names) -> Option<DecoderFacts> {
         }
     } else if olmo2 {
         "olmo2"
+    } else if phi3 {
+        "phi3"
     } else if head_dim.is_some() {
         "qwen3"
     } else if n.has(&format!("{attn}q_proj.bias")) && !n.has(&format!("{attn}o_proj.bias")) {
@@ -255,7 +259,9 @@ fn llama(n: &Names) -> Option<DecoderFacts> {
         vocab_size: vocab,
         hidden_size: e,
         num_layers: n.count_indexed("model.layers."),
-        intermediate_size: n.dim("model.layers.0.mlp.gate_proj.weight", 0),
+        intermediate_size: n
+            .dim("model.layers.0.mlp.gate_proj.weight", 0)
+            .or_else(|| n.dim("model.layers.0.mlp.gate_up_proj.weight", 0).map(|d| d / 2)),
         num_heads: head_dim.zip(q_dim).map(|(d, q)| q / d),
         num_kv_heads: head_dim.zip(kv_dim).map(|(d, k)| k / d),
         kv_dim,
@@ -432,6 +438,19 @@ mod tests {
         assert_eq!(
             (f.family.as_str(), f.num_layers, f.num_heads, f.kv_dim),
             ("olmo2", 2, None, Some(32))
+        );
+        // Phi-3 fuses q, k, v and gate, up: the MLP width is half gate_up's.
+        let phi3 = [
+            t("model.embed_tokens.weight", &[128, 64]),
+            t("model.layers.0.self_attn.qkv_proj.weight", &[128, 64]),
+            t("model.layers.0.mlp.gate_up_proj.weight", &[256, 64]),
+        ];
+        let Layout::Decoder(f) = recognise(&phi3) else {
+            panic!("not a decoder")
+        };
+        assert_eq!(
+            (f.family.as_str(), f.num_layers, f.intermediate_size),
+            ("phi3", 1, Some(128))
         );
         assert_eq!(recognise(&[t("x", &[1])]), Layout::Unknown);
     }

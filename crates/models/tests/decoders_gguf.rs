@@ -12,13 +12,14 @@ mod gguf_fixtures;
 
 use anyhow::{Context, Result};
 use candle::quantized::GgmlDType;
-use candle::{DType, Device, Tensor};
-use common::{assert_close, half_weights_tolerance, max_abs_diff};
+use candle::{DType, Device, IndexOp, Tensor};
+use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
 use gguf_fixtures::{expected, expected_for, gguf, ids, logits, model_case, opts, FILES};
+use multihead_attention::RopeScaling;
 use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
 use multihead_models::decoder::{
-    CausalLm, DecoderModel, LlamaConfig, NormPlacement, QkNorm, TextGenerator, TextTokenizer,
+    CausalLm, DecoderModel, LlamaConfig, NormPlacement, Projections, QkNorm, TextGenerator, TextTokenizer,
 };
 
 /// Every file's prompt logits equal HF's with each weight rounded as the
@@ -275,6 +276,65 @@ fn text_generation_from_a_gguf_file_is_hf_s() -> Result<()> {
                 "{name}"
             );
         }
+    }
+    Ok(())
+}
+
+/// `phi3-f32.gguf`, the converter's file of the decoder fixture
+/// `tests/fixtures/decoders/phi3` (a `Phi3ForCausalLM`), against that
+/// folder's HF oracle: fused `attn_qkv` and `ffn_up` (gate rows, then up),
+/// LongRoPE from the `rope_factors_long`/`rope_factors_short` tensors and
+/// `phi3.rope.scaling.*`, partial rotary from `rope.dimension_count`, and
+/// HF's sliding window. The prompt's logits and every cached step's (past
+/// the original context of 2: long_factor) and the first two tokens'
+/// alone (within it: short_factor) equal HF's, as the folder's do.
+#[test]
+fn phi3_gguf_gives_the_hf_folder_s_logits() -> Result<()> {
+    let dev = Device::Cpu;
+    let f = Fixture::load(&fixture_dir("decoders").join("phi3_expected.safetensors"), &dev)?;
+    let file = GgufFile::read(&gguf("phi3", "f32"))?;
+    let cfg = LlamaConfig::from_gguf(&file)?;
+    assert_eq!(cfg.projections, Projections::Fused);
+    assert_eq!((cfg.rotary_dims, cfg.sliding_window), (Some(12), Some(5)));
+    let Some(RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        original_max_position_embeddings,
+        attention_factor,
+    }) = &cfg.rope_scaling
+    else {
+        anyhow::bail!("not LongRoPE: {:?}", cfg.rope_scaling)
+    };
+    assert_eq!(*original_max_position_embeddings, 2);
+    assert_eq!((short_factor.len(), long_factor.len()), (6, 6));
+    // Written as an f32 by the converter: sqrt(2) to f32's precision.
+    assert!(
+        (attention_factor - 2f64.sqrt()).abs() < 1e-7,
+        "{attention_factor}"
+    );
+    let model = DecoderModel::from_gguf_file(&file, &dev, &LoadOptions::default())?;
+    let input = f.get("input_ids")?.to_dtype(DType::U32)?;
+    assert_close(
+        "phi3 gguf prompt",
+        &logits(&model, &input)?,
+        f.get("logits")?,
+        1e-5,
+    )?;
+    assert_close(
+        "phi3 gguf short_factor",
+        &logits(&model, &input.i((.., ..2))?)?,
+        f.get("short_logits")?,
+        1e-5,
+    )?;
+    let greedy = f.get("greedy_ids")?.to_dtype(DType::U32)?;
+    let steps = f.get("step_logits")?;
+    let mut cache = model.new_cache(vec![]);
+    let mut step = model.forward(&greedy.i((.., ..7))?, &mut cache)?.i((.., 6))?;
+    for s in 0..steps.dim(1)? {
+        assert_close(&format!("phi3 gguf step {s}"), &step, &steps.i((.., s))?, 1e-5)?;
+        step = model
+            .forward(&greedy.i((.., 7 + s..8 + s))?, &mut cache)?
+            .i((.., 0))?;
     }
     Ok(())
 }

@@ -16,7 +16,8 @@ use candle::quantized::{GgmlDType, QTensor};
 use candle::{DType, Device, Tensor};
 use common::{assert_err, fixture_dir};
 use gguf_fixtures::{
-    assert_mentions, expected, gguf, ids, load_error, model_case, rewrite, set, MetaEdit, FILES,
+    assert_mentions, expected, gguf, ids, load_error, model_case, rewrite, set, Meta, MetaEdit, Tensors,
+    FILES,
 };
 use multihead_models::checkpoint::{GgufFile, LoadOptions};
 use multihead_models::decoder::{DecoderModel, TextGenerator};
@@ -89,7 +90,10 @@ fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
         (
             "gemma",
             Box::new(|m| set(m, "general.architecture", GgufValue::String("gemma".into()))),
-            vec!["'gemma' is not supported", "llama, qwen2, qwen3, smollm3, olmo2"],
+            vec![
+                "'gemma' is not supported",
+                "llama, qwen2, qwen3, smollm3, olmo2, phi3",
+            ],
         ),
         (
             "yarn",
@@ -696,5 +700,55 @@ fn a_weight_past_f16_s_range_is_refused_when_loading_as_f16() -> Result<()> {
     );
     DecoderModel::from_gguf(&path, &Device::Cpu, &LoadOptions::default())?;
     std::fs::remove_file(&path)?;
+    Ok(())
+}
+
+/// A Phi-3 file whose LongRoPE is incomplete or misplaced is refused by
+/// the tensor or key at fault: one factor tensor without the other,
+/// factors of the wrong count for the rotated dims, factors without the
+/// original context, factors in another architecture's file.
+#[test]
+fn bad_longrope_metadata_is_refused_by_name() -> Result<()> {
+    let drop = |name: &'static str| {
+        move |_: &mut Meta, t: &mut Tensors| -> Result<()> {
+            t.retain(|(n, _)| n != name);
+            Ok(())
+        }
+    };
+    let path = rewrite("phi3", "no-short", drop("rope_factors_short.weight"))?;
+    assert_refused(
+        &path,
+        &["rope_factors_long.weight", "without 'rope_factors_short.weight'"],
+    )?;
+    let path = rewrite("phi3", "no-original", |m, _| {
+        m.retain(|(k, _)| k != "phi3.rope.scaling.original_context_length");
+        Ok(())
+    })?;
+    assert_refused(&path, &["phi3.rope.scaling.original_context_length"])?;
+    let path = rewrite("phi3", "few-factors", |_, t| {
+        for (n, q) in t.iter_mut() {
+            if n.starts_with("rope_factors_") {
+                let short = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+                *q = QTensor::quantize(&short, GgmlDType::F32)?;
+            }
+        }
+        Ok(())
+    })?;
+    assert_refused(&path, &["'short_factor'", "3 entries", "6"])?;
+    let path = rewrite("phi3", "dims", |m, _| {
+        set(m, "phi3.rope.dimension_count", GgufValue::U32(7));
+        Ok(())
+    })?;
+    assert_refused(&path, &["7 rotary dims"])?;
+    let path = rewrite("phi3", "as-llama", |m, _| {
+        let renamed: Meta = m
+            .drain(..)
+            .map(|(k, v)| (k.replacen("phi3.", "llama.", 1), v))
+            .collect();
+        *m = renamed;
+        set(m, "general.architecture", GgufValue::String("llama".into()));
+        Ok(())
+    })?;
+    assert_refused(&path, &["rope_factors_long.weight", "arch 'phi3' files only"])?;
     Ok(())
 }

@@ -1,11 +1,10 @@
 //! GPT-2 and Llama-family decoders against HF transformers (fixtures
 //! written by `scripts/make_decoder_fixtures.py`: random-init
 //! `GPT2LMHeadModel`, `LlamaForCausalLM` with grouped-query heads and
-//! rope_theta 50000, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Gemma 2 and
-//! Gemma 3, saved by
-//! `save_pretrained`): the folder loads unchanged, the prompt's logits,
-//! every cached decoding step's logits and greedy generation (plain and
-//! left-padded batches) equal HF's.
+//! rope_theta 50000, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 2
+//! and Gemma 3, saved by `save_pretrained`): the folder loads unchanged,
+//! the prompt's logits, every cached decoding step's logits and greedy
+//! generation (plain and left-padded batches) equal HF's.
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -17,8 +16,8 @@ use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{generate_from_prompts, left_pad, CausalLm, DecoderModel};
 use multihead_models::generation::{generate_from, Decoding, GenerateConfig};
 
-const MODELS: [&str; 10] = [
-    "gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3",
+const MODELS: [&str; 11] = [
+    "gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3",
 ];
 
 fn load(name: &str) -> Result<(DecoderModel, Fixture)> {
@@ -413,4 +412,57 @@ fn a_multimodal_gemma3_folder_runs_its_text_model() -> Result<()> {
         "gemma3_mm",
         1e-5,
     )
+}
+
+/// Phi-3's LongRoPE on short_factor: the first two prompt tokens alone
+/// stay within `original_max_position_embeddings` (2), so HF rotates them
+/// with the short factors (the fixture's other logits, past it, use the
+/// long ones), in one call and through the cache.
+#[test]
+fn phi3_within_the_original_context_uses_the_short_factors() -> Result<()> {
+    let (model, f) = load("phi3")?;
+    let input = ids(&f, "input_ids")?.i((.., ..2))?;
+    let want = f.get("short_logits")?;
+    let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
+    assert_close("phi3 short logits", &logits, want, 1e-5)?;
+    let long = f.get("logits")?.i((.., ..2))?;
+    assert!(
+        max_abs_diff(want, &long)? > 1e-2,
+        "the short and long factors give the same logits"
+    );
+    let mut cache = model.new_cache(vec![]);
+    model.prefill(&input.i((.., ..1))?, &mut cache)?;
+    let step = model.forward(&input.i((.., 1..2))?, &mut cache)?.i((.., 0))?;
+    assert_close("phi3 short cached step", &step, &want.i((.., 1))?, 1e-5)?;
+    Ok(())
+}
+
+/// A cached call that would take a sequence rotated with the short
+/// factors past the original context is refused, naming the field, and
+/// leaves the cache as it was: HF recomputes the whole sequence on the
+/// long factors at that point, which this crate does not. The same
+/// tokens fed as one prompt run on the long factors, as HF's.
+#[test]
+fn phi3_passing_the_original_context_in_the_cache_is_refused() -> Result<()> {
+    let (model, f) = load("phi3")?;
+    let input = ids(&f, "input_ids")?;
+    let mut cache = model.new_cache(vec![]);
+    model.prefill(&input.i((.., ..2))?, &mut cache)?;
+    let err = model
+        .forward(&input.i((.., 2..3))?, &mut cache)
+        .expect_err("a call past the original context on a short cache")
+        .to_string();
+    assert!(
+        err.contains("original_max_position_embeddings (2)") && err.contains("long_factor"),
+        "{err}"
+    );
+    assert_eq!(cache.len(), 2);
+    let whole = model.forward(&input.i((.., ..3))?, &mut model.new_cache(vec![]))?;
+    assert_close(
+        "phi3 three tokens at once",
+        &whole.i((.., 2))?,
+        &f.get("logits")?.i((.., 2))?,
+        1e-5,
+    )?;
+    Ok(())
 }

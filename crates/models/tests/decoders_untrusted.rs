@@ -94,6 +94,128 @@ fn smollm3_reads_its_layers_without_rotary() -> Result<()> {
     Ok(())
 }
 
+/// The Phi-3 fixture's config with `edit` applied.
+fn phi3_with(edit: impl FnOnce(&mut serde_json::Value)) -> Result<String> {
+    let text = std::fs::read_to_string(fixture_dir("decoders").join("phi3/config.json"))?;
+    let mut v: serde_json::Value = serde_json::from_str(&text)?;
+    edit(&mut v);
+    Ok(v.to_string())
+}
+
+/// Phi-3's rotary as `Phi3Config` reads it: `su` and `yarn` are names of
+/// `longrope`; the top-level `original_max_position_embeddings` wins over
+/// the scaling's own; the attention factor is `sqrt(1 + ln(factor) /
+/// ln(original))` with factor `max_position_embeddings / original`, or
+/// the scaling's `factor` or `attention_factor`; partial_rotary_factor
+/// from the scaling, else the top level.
+#[test]
+fn phi3_reads_longrope_as_hf() -> Result<()> {
+    use multihead_attention::RopeScaling;
+    let longrope = |json: &str| -> Result<(Option<usize>, usize, f64)> {
+        let HfDecoderConfig::Llama(c) = HfDecoderConfig::from_json(json, "config.json")? else {
+            anyhow::bail!("not a Llama config")
+        };
+        match c.rope_scaling {
+            Some(RopeScaling::LongRope {
+                original_max_position_embeddings,
+                attention_factor,
+                ..
+            }) => Ok((c.rotary_dims, original_max_position_embeddings, attention_factor)),
+            other => anyhow::bail!("not LongRoPE: {other:?}"),
+        }
+    };
+    let (dims, original, factor) = longrope(&phi3_with(|_| {})?)?;
+    assert_eq!((dims, original), (Some(12), 2));
+    assert!((factor - 2f64.sqrt()).abs() < 1e-12, "{factor}");
+    for name in ["su", "yarn"] {
+        let json = phi3_with(|v| v["rope_parameters"]["rope_type"] = name.into())?;
+        assert_eq!(longrope(&json)?.1, 2, "{name}");
+    }
+    let json = phi3_with(|v| {
+        v["original_max_position_embeddings"] = 4096.into();
+        v["max_position_embeddings"] = 131072.into();
+        v["rope_parameters"]["original_max_position_embeddings"] = 7.into();
+    })?;
+    let (_, original, factor) = longrope(&json)?;
+    assert_eq!(original, 4096);
+    // Phi-3.5-mini's: sqrt(1 + ln(32) / ln(4096)).
+    assert!((factor - (1. + 32f64.ln() / 4096f64.ln()).sqrt()).abs() < 1e-12);
+    let json = phi3_with(|v| v["rope_parameters"]["factor"] = 4.0.into())?;
+    assert!((longrope(&json)?.2 - 3f64.sqrt()).abs() < 1e-12);
+    let json = phi3_with(|v| v["rope_parameters"]["attention_factor"] = 1.5.into())?;
+    assert_eq!(longrope(&json)?.2, 1.5);
+    // Without the scaling's value, the top level's.
+    let json = phi3_with(|v| {
+        if let Some(p) = v["rope_parameters"].as_object_mut() {
+            p.remove("partial_rotary_factor");
+        }
+    })?;
+    assert_eq!(longrope(&json)?.0, Some(12));
+    Ok(())
+}
+
+#[test]
+fn bad_phi3_configs_name_the_file_and_field() -> Result<()> {
+    let cases: Vec<(String, &str)> = vec![
+        (
+            phi3_with(|v| v["rope_parameters"]["rope_type"] = "llama3".into())?,
+            "rope_parameters.rope_type 'llama3' is not one Phi-3 runs",
+        ),
+        (
+            phi3_with(|v| v["rope_parameters"]["short_factor"] = serde_json::json!([1.0, 2.0]))?,
+            "field 'rope_parameters': RopeScaling: short_factor has 2 entries and long_factor 6",
+        ),
+        (
+            phi3_with(|v| {
+                v["rope_parameters"]["short_factor"] = serde_json::json!([1.0, 2.0]);
+                v["rope_parameters"]["long_factor"] = serde_json::json!([1.0, 2.0]);
+            })?,
+            "field 'short_factor' of 'rope_scaling' (or 'rope_parameters') has 2 entries; it needs one per rotated pair of dims, 6",
+        ),
+        (
+            phi3_with(|v| v["rope_parameters"]["long_factor"] = serde_json::json!([1, 2, 3, "4", 5, 6]))?,
+            "field 'rope_parameters.long_factor' must be a list of numbers",
+        ),
+        (
+            phi3_with(|v| {
+                if let Some(p) = v["rope_parameters"].as_object_mut() {
+                    p.remove("short_factor");
+                }
+            })?,
+            "field 'rope_parameters.short_factor' is missing",
+        ),
+        (
+            phi3_with(|v| v["rope_parameters"]["long_factor"][2] = 0.0.into())?,
+            "every long_factor must be finite and > 0, found 0",
+        ),
+        (
+            phi3_with(|v| v["rope_parameters"]["partial_rotary_factor"] = 0.7.into())?,
+            "field 'rope_parameters.partial_rotary_factor' (0.7) rotates 11 of each head's 16 dims",
+        ),
+        (
+            phi3_with(|v| v["partial_rotary_factor"] = 1.5.into())?,
+            "field 'partial_rotary_factor' must be a number in (0, 1]",
+        ),
+        (
+            phi3_with(|v| v["original_max_position_embeddings"] = 0.into())?,
+            "field 'original_max_position_embeddings' must be a whole number in 1..=",
+        ),
+        (
+            llama_with(|v| {
+                v["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "short_factor": [1.0],
+                    "long_factor": [1.0], "original_max_position_embeddings": 8})
+            })?,
+            "rope_parameters.rope_type 'longrope' is not supported",
+        ),
+    ];
+    for (json, want) in cases {
+        let err = config_error(&json);
+        assert!(err.starts_with("config.json: "), "{err}");
+        assert!(err.contains(want), "expected {want:?} in {err:?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_configs_name_the_file_and_field() -> Result<()> {
     let cases: Vec<(String, &str)> = vec![
@@ -102,7 +224,7 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
         (r#"{"model_type": 3}"#.into(), "'model_type' must be a string"),
         (
             r#"{"model_type": "bert"}"#.into(),
-            "model_type 'bert' is not a decoder this crate runs (gpt2, llama, mistral, qwen2, qwen3, smollm3, olmo2)",
+            "model_type 'bert' is not a decoder this crate runs (gpt2, llama, mistral, qwen2, qwen3, smollm3, olmo2, phi3, gemma2, gemma3_text, gemma3)",
         ),
         (
             r#"{"model_type": "gpt2", "n_embd": 64}"#.into(),

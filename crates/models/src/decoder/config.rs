@@ -21,14 +21,14 @@ const MAX_DIM: usize = 1 << 24;
 pub enum HfDecoderConfig {
     /// `gpt2`.
     Gpt2(Gpt2Config),
-    /// `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `olmo2`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`, `olmo2`, `phi3`.
     Llama(LlamaConfig),
     /// `gemma2`, `gemma3_text`, and the text tower of `gemma3`.
     Gemma(GemmaConfig),
 }
 
 /// The `model_type` values [`HfDecoderConfig::from_json`] reads.
-pub const HF_DECODER_TYPES: [&str; 10] = [
+pub const HF_DECODER_TYPES: [&str; 11] = [
     "gpt2",
     "llama",
     "mistral",
@@ -36,10 +36,24 @@ pub const HF_DECODER_TYPES: [&str; 10] = [
     "qwen3",
     "smollm3",
     "olmo2",
+    "phi3",
     "gemma2",
     "gemma3_text",
     "gemma3",
 ];
+
+/// How a checkpoint stores a block's input projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Projections {
+    /// One linear each: `q_proj`, `k_proj`, `v_proj`; `gate_proj`,
+    /// `up_proj` (Llama).
+    #[default]
+    Separate,
+    /// Fused: `qkv_proj` (the query rows, then the key rows, then the
+    /// value rows, `(heads + 2 * kv_heads) * head_dim` in all) and
+    /// `gate_up_proj` (the gate rows, then the up rows) (Phi-3).
+    Fused,
+}
 
 /// Where a block's RMSNorms sit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -86,10 +100,14 @@ impl HfDecoderConfig {
                 cfg.validate(label)?;
                 Ok(Self::Gpt2(cfg))
             }
-            "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" | "olmo2" => {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "smollm3" | "olmo2" | "phi3" => {
                 let mut cfg: LlamaConfig = serde_json::from_value(value.clone())
                     .map_err(|e| candle::Error::Msg(format!("{label}: {e}")))?;
-                cfg.resolve_rope(&value, label)?;
+                if model_type == "phi3" {
+                    cfg.resolve_phi3(&value, label)?;
+                } else {
+                    cfg.resolve_rope(&value, label, None)?;
+                }
                 if model_type == "smollm3" {
                     cfg.resolve_smollm3(&value, label)?;
                 }
@@ -340,6 +358,26 @@ pub struct LlamaConfig {
     /// does.
     #[serde(skip)]
     pub rotary_layers: Vec<bool>,
+    /// The leading dims of each head that rotate (Phi-4-mini's
+    /// `partial_rotary_factor` of `head_dim`); `None`: all of them.
+    #[serde(skip)]
+    pub rotary_dims: Option<usize>,
+    /// Separate or fused input projections (Phi-3's `qkv_proj`,
+    /// `gate_up_proj`).
+    #[serde(skip)]
+    pub projections: Projections,
+}
+
+/// Phi-3's context defaults (`Phi3Config`): `max_position_embeddings` and
+/// `original_max_position_embeddings` where `config.json` omits them.
+const PHI3_CONTEXT: usize = 4096;
+
+/// The top-level context fields of a Phi-3 `config.json`, which its
+/// LongRoPE reads.
+#[derive(Debug, Clone, Copy)]
+struct Phi3Context {
+    max_position_embeddings: usize,
+    original_max_position_embeddings: usize,
 }
 
 fn rms_eps() -> f64 {
@@ -434,10 +472,75 @@ impl LlamaConfig {
         self.rotary_layers.get(i).copied().unwrap_or(true)
     }
 
+    /// Phi-3's (`Phi3Config`, `configuration_phi3.py`, run by
+    /// `modeling_phi3.py`): fused projections, no biases whatever
+    /// `attention_bias` or `mlp_bias` say (its model has none), its
+    /// `rms_norm_eps` default, `partial_rotary_factor` (Phi-4-mini), and
+    /// rotary scaling `longrope` (or its older names `su` and `yarn`,
+    /// which `Phi3Config` renames to it) with the top-level
+    /// `original_max_position_embeddings`, which `Phi3Config` puts in
+    /// place of the scaling's own. Its `sliding_window` stays: HF's model
+    /// masks with it.
+    fn resolve_phi3(&mut self, value: &Value, label: &str) -> Result<()> {
+        self.projections = Projections::Fused;
+        if value.get("rms_norm_eps").is_none() {
+            self.rms_norm_eps = 1e-5;
+        }
+        self.attention_bias = false;
+        self.mlp_bias = false;
+        let whole = |name: &str| -> Result<usize> {
+            match value.get(name) {
+                None | Some(Value::Null) => Ok(PHI3_CONTEXT),
+                Some(v) => match v.as_u64() {
+                    Some(n @ 1..) if n <= MAX_DIM as u64 => Ok(n as usize),
+                    _ => bail!("{label}: field '{name}' must be a whole number in 1..={MAX_DIM}, found {v}"),
+                },
+            }
+        };
+        let context = Phi3Context {
+            max_position_embeddings: whole("max_position_embeddings")?,
+            original_max_position_embeddings: whole("original_max_position_embeddings")?,
+        };
+        self.resolve_rope(value, label, Some(context))?;
+        // `Phi3Config.convert_rope_params_to_dict`: the scaling's own
+        // value first, else the top-level one, else 1.
+        let mut factor = None;
+        for key in ["partial_rotary_factor", "rope_scaling", "rope_parameters"] {
+            let (field, v) = match key {
+                "partial_rotary_factor" => (key.to_string(), value.get(key)),
+                _ => (
+                    format!("{key}.partial_rotary_factor"),
+                    value.get(key).and_then(|p| p.get("partial_rotary_factor")),
+                ),
+            };
+            match v {
+                None | Some(Value::Null) => {}
+                Some(v) => match v.as_f64() {
+                    Some(f) if f > 0. && f <= 1. => factor = Some((field, f)),
+                    _ => bail!("{label}: field '{field}' must be a number in (0, 1], found {v}"),
+                },
+            }
+        }
+        if let Some((field, f)) = factor {
+            // HF: int(head_dim * partial_rotary_factor).
+            let hd = self.head_width();
+            let dims = (hd as f64 * f) as usize;
+            if dims < 2 || !dims.is_multiple_of(2) {
+                bail!(
+                    "{label}: field '{field}' ({f}) rotates {dims} of each head's {hd} dims; that must be an even number >= 2"
+                )
+            }
+            self.rotary_dims = (dims < hd).then_some(dims);
+        }
+        Ok(())
+    }
+
     /// Reads the rotary parameters from wherever this transformers
     /// version put them, refusing scaled variants this crate does not
-    /// implement (rather than running them unscaled).
-    fn resolve_rope(&mut self, value: &Value, label: &str) -> Result<()> {
+    /// implement (rather than running them unscaled). `phi3`: Phi-3's
+    /// context fields, where its scaling (`longrope`) reads them; the
+    /// others refuse it.
+    fn resolve_rope(&mut self, value: &Value, label: &str, phi3: Option<Phi3Context>) -> Result<()> {
         for key in ["rope_parameters", "rope_scaling"] {
             let Some(p) = value.get(key).filter(|p| !p.is_null()) else {
                 continue;
@@ -465,10 +568,58 @@ impl LlamaConfig {
                     bail!("{label}: field '{key}.{name}' must be a string, found {other}")
                 }
             };
-            let scaling = match kind {
-                None | Some("default") => None,
-                Some("linear") => Some(RopeScaling::Linear { factor: number("factor")? }),
-                Some("llama3") => {
+            let factors = |name: &str| -> Result<Vec<f64>> {
+                let bad = |v: &Value| {
+                    candle::Error::Msg(format!(
+                        "{label}: field '{key}.{name}' must be a list of numbers, found {v}"
+                    ))
+                };
+                match p.get(name) {
+                    Some(Value::Array(list)) => {
+                        list.iter().map(|v| v.as_f64().ok_or_else(|| bad(v))).collect()
+                    }
+                    Some(v) => Err(bad(v)),
+                    None => bail!("{label}: field '{key}.{name}' is missing"),
+                }
+            };
+            let optional = |name: &str| -> Result<Option<f64>> {
+                match p.get(name) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(_) => number(name).map(Some),
+                }
+            };
+            let scaling = match (kind, phi3) {
+                (None | Some("default"), _) => None,
+                (Some("longrope" | "su" | "yarn"), Some(ctx)) => {
+                    // `_compute_longrope_parameters`.
+                    let original = ctx.original_max_position_embeddings;
+                    let factor = match optional("factor")? {
+                        Some(f) => f,
+                        None => ctx.max_position_embeddings as f64 / original as f64,
+                    };
+                    let attention_factor = match optional("attention_factor")? {
+                        Some(a) => a,
+                        None if factor <= 1. => 1.,
+                        None => (1. + factor.ln() / (original as f64).ln()).sqrt(),
+                    };
+                    if !(attention_factor.is_finite() && attention_factor > 0.) {
+                        bail!(
+                            "{label}: the attention factor of '{key}' (from 'attention_factor', or 'factor' {factor} and 'original_max_position_embeddings' {original}) must be finite and > 0, found {attention_factor}"
+                        )
+                    }
+                    Some(RopeScaling::LongRope {
+                        short_factor: factors("short_factor")?,
+                        long_factor: factors("long_factor")?,
+                        original_max_position_embeddings: original,
+                        attention_factor,
+                    })
+                }
+                (Some(kind), Some(_)) => bail!(
+                    "{label}: {key}.rope_type '{}' is not one Phi-3 runs ('default', 'longrope')",
+                    kind.escape_debug()
+                ),
+                (Some("linear"), None) => Some(RopeScaling::Linear { factor: number("factor")? }),
+                (Some("llama3"), None) => {
                     let original = number("original_max_position_embeddings")?;
                     if !(original >= 1. && original <= MAX_DIM as f64 && original.fract() == 0.) {
                         bail!(
@@ -482,7 +633,7 @@ impl LlamaConfig {
                         original_max_position_embeddings: original as usize,
                     })
                 }
-                Some(kind) => bail!(
+                (Some(kind), None) => bail!(
                     "{label}: {key}.rope_type '{kind}' is not supported; only 'default', 'linear' and 'llama3'"
                 ),
             };
@@ -531,6 +682,29 @@ impl LlamaConfig {
         }
         if self.sliding_window == Some(0) {
             bail!("{label}: field 'sliding_window' must be >= 1 when set")
+        }
+        let rotated = self.rotary_dims.unwrap_or(self.head_width());
+        if rotated == 0 || !rotated.is_multiple_of(2) || rotated > self.head_width() {
+            bail!(
+                "{label}: {rotated} rotary dims of heads {} wide: they must be even and at most the head's width",
+                self.head_width()
+            )
+        }
+        if let Some(RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            ..
+        }) = &self.rope_scaling
+        {
+            for (name, factors) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if factors.len() != rotated / 2 {
+                    bail!(
+                        "{label}: field '{name}' of 'rope_scaling' (or 'rope_parameters') has {} entries; it needs one per rotated pair of dims, {}",
+                        factors.len(),
+                        rotated / 2
+                    )
+                }
+            }
         }
         if self.hidden_act != "silu" {
             bail!(

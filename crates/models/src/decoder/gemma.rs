@@ -46,7 +46,7 @@ pub enum LayerKind {
 }
 
 /// A rotary base and its scaling.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Rope {
     /// `rope_theta`.
     pub theta: f64,
@@ -230,8 +230,8 @@ impl GemmaConfig {
             }
         }
         for (name, rope) in [
-            ("full_attention", self.rope_full),
-            ("sliding_attention", self.rope_sliding),
+            ("full_attention", &self.rope_full),
+            ("sliding_attention", &self.rope_sliding),
         ] {
             if !(rope.theta.is_finite() && rope.theta > 1.) {
                 bail!(
@@ -239,7 +239,7 @@ impl GemmaConfig {
                     rope.theta
                 )
             }
-            if let Some(s) = rope.scaling {
+            if let Some(s) = &rope.scaling {
                 s.validate().map_err(|e| {
                     candle::Error::Msg(format!("{label}: the {name} layers' rope scaling: {e}"))
                 })?;
@@ -383,10 +383,10 @@ impl Fields<'_> {
         };
         match family {
             GemmaFamily::Gemma2 => match self.present("rope_parameters") {
-                None => Ok((full, full)),
+                None => Ok((full.clone(), full)),
                 Some(p) => {
                     let rope = rope_from(p, top_theta, "rope_parameters", label)?;
-                    Ok((rope, rope))
+                    Ok((rope.clone(), rope))
                 }
             },
             GemmaFamily::Gemma3 => {
@@ -513,11 +513,11 @@ fn mlp(cfg: &GemmaConfig, vb: VarBuilder) -> Result<Mlp> {
 fn mha(cfg: &GemmaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAttention> {
     let kind = cfg.layer_kind(index);
     let rope = match kind {
-        LayerKind::Sliding => cfg.rope_sliding,
-        LayerKind::Full => cfg.rope_full,
+        LayerKind::Sliding => &cfg.rope_sliding,
+        LayerKind::Full => &cfg.rope_full,
     };
     let mut rotary = RotaryConfig::new(rope.theta);
-    rotary.scaling = rope.scaling;
+    rotary.scaling = rope.scaling.clone();
     let mut mha = MhaConfig::new(cfg.hidden_size, cfg.num_attention_heads)
         .with_bias(cfg.attention_bias)
         .with_kv_heads(cfg.num_key_value_heads)

@@ -1,31 +1,43 @@
-//! Llama (and Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2), as HF transformers'
-//! `LlamaForCausalLM` (`transformers/models/llama/modeling_llama.py`), on
+//! Llama (and Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3), as HF
+//! transformers' `LlamaForCausalLM`
+//! (`transformers/models/llama/modeling_llama.py`), on
 //! [`MultiheadAttention`] with grouped-query heads and rotary positions.
 //! The relatives differ in a few options of [`LlamaConfig`]: biases, qk
 //! norms (per head, or over all heads as in
 //! `transformers/models/olmo2/modeling_olmo2.py`, whose norms also follow
-//! each branch rather than lead it), layers without rotary.
+//! each branch rather than lead it), layers without rotary, fused
+//! projections, partial rotary and LongRoPE
+//! (`transformers/models/phi3/modeling_phi3.py`).
 
-use candle::{DType, Device, Module, Result, Tensor};
+use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, RmsNorm, VarBuilder};
 use multihead_attention::{
     KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear, PositionEncoding,
     RotaryConfig, WeightLayout,
 };
 
-use super::config::{ties_in, LlamaConfig, NormPlacement, QkNorm};
+use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::Checkpoint;
-use crate::mlp::Mlp;
+use crate::mlp::{Activation, Mlp};
 
 /// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`
-/// = `mlp`.
+/// = `mlp`; `Phi3MLP` stores gate and up as one `gate_up_proj`, the gate's
+/// rows first.
 fn mlp(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Mlp> {
     let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-    let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
-    let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
     let down = PackedLinear::from_linear(linear_b(i, e, bias, vb.pp("down_proj"))?)?;
-    Mlp::swiglu(gate, up, down)
+    match cfg.projections {
+        Projections::Separate => {
+            let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
+            let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
+            Mlp::swiglu(gate, up, down)
+        }
+        Projections::Fused => {
+            let gate_up = linear_b(e, 2 * i, bias, vb.pp("gate_up_proj"))?;
+            Mlp::new(PackedLinear::from_linear(gate_up)?, down, Activation::SwiGlu)
+        }
+    }
 }
 
 /// A block's RMSNorms, by where they sit ([`NormPlacement`]).
@@ -108,7 +120,8 @@ impl Layer {
 /// `vb` = `self_attn`.
 fn mha(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAttention> {
     let mut rotary = RotaryConfig::new(cfg.theta());
-    rotary.scaling = cfg.rope_scaling;
+    rotary.scaling = cfg.rope_scaling.clone();
+    rotary.dims = cfg.rotary_dims;
     // SmolLM3's layers without rotary see positions only through the
     // causal mask.
     let position = if cfg.rotary_at(index) {
@@ -139,7 +152,15 @@ fn mha(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAtten
     if let Some(w) = cfg.sliding_window {
         mha = mha.with_sliding_window(w);
     }
-    MultiheadAttention::new_with_layout(&mha, &WeightLayout::llama(), vb)
+    let layout = match cfg.projections {
+        Projections::Separate => WeightLayout::llama(),
+        // `Phi3Attention.qkv_proj`: q's rows, then k's, then v's.
+        Projections::Fused => WeightLayout::FusedQkv {
+            qkv: "qkv_proj".into(),
+            proj: "o_proj".into(),
+        },
+    };
+    MultiheadAttention::new_with_layout(&mha, &layout, vb)
 }
 
 /// Llama with its language-model head.
@@ -217,11 +238,52 @@ impl Llama {
     /// The last layer's output for `ids` (checked, `b > 0`), `(B, T, E)`,
     /// appending them to `cache`.
     fn hidden(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
+        self.check_rope_regime(ids.dim(1)?, cache)?;
         let mut x = self.embed_tokens.forward(ids, &self.lm_head)?;
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(&x, cache.layer(i)?)?;
         }
         Ok(x)
+    }
+}
+
+impl Llama {
+    /// Where the rotary frequencies depend on how far a call reaches
+    /// (LongRoPE), refuses a call whose `new` positions would be rotated
+    /// with other frequencies than those `cache` holds, and marks the
+    /// cache with the call's.
+    ///
+    /// HF picks the set per forward call from `max(position_ids) + 1`;
+    /// when cached generation first passes
+    /// `original_max_position_embeddings`,
+    /// `Phi3ForCausalLM.prepare_inputs_for_generation` drops the cache and
+    /// recomputes the whole sequence with `long_factor`. This crate does
+    /// not keep the tokens to recompute, so such a call is an error rather
+    /// than a silent mix of the two sets: a prompt longer than the
+    /// original context runs with `long_factor` throughout, as in HF.
+    fn check_rope_regime(&self, new: usize, cache: &mut DecoderCache) -> Result<()> {
+        let Some(after) = self.cfg.rope_scaling.as_ref().and_then(|s| s.switch_after()) else {
+            return Ok(());
+        };
+        let reach = cache.reach(new);
+        let long = reach > after;
+        if !cache.is_empty() && cache.long_rope() != long {
+            let (held, now) = match long {
+                true => ("short_factor", "long_factor"),
+                false => ("long_factor", "short_factor"),
+            };
+            bail!(
+                "Llama: this call reaches position {reach}, {} original_max_position_embeddings ({after}), so LongRoPE \
+                 would rotate it with {now}, but the {} positions the cache holds were rotated with {held}. HF \
+                 transformers recomputes the whole sequence with the new factors here \
+                 (Phi3ForCausalLM.prepare_inputs_for_generation), which this crate does not: feed the whole sequence \
+                 again as one prompt on a new cache",
+                if long { "past" } else { "within" },
+                cache.len()
+            )
+        }
+        cache.set_long_rope(long);
+        Ok(())
     }
 }
 

@@ -1,5 +1,6 @@
 //! Decoder-only language models on [`multihead_attention`]: GPT-2 and
-//! Llama (Mistral-style sliding windows too), loading the folders HF
+//! Llama and its relatives (Mistral-style sliding windows too, Phi-3's
+//! fused projections and LongRoPE), loading the folders HF
 //! transformers' `save_pretrained` writes, decoded through the shared
 //! [`crate::generation`] API.
 //!
@@ -53,7 +54,9 @@ use crate::generation::StepModel;
 
 pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CHUNK};
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
-pub use config::{Gpt2Config, HfDecoderConfig, LlamaConfig, NormPlacement, QkNorm, HF_DECODER_TYPES};
+pub use config::{
+    Gpt2Config, HfDecoderConfig, LlamaConfig, NormPlacement, Projections, QkNorm, HF_DECODER_TYPES,
+};
 pub use conversation::Conversation;
 pub use gemma::{Gemma, GemmaConfig, GemmaFamily, LayerKind, Rope, GEMMA_TYPES};
 pub use generation_config::HfGenerationConfig;
@@ -71,6 +74,10 @@ pub use text::{TextStream, TextTokenizer, MAX_TOKENIZER_BYTES};
 #[derive(Debug, Clone)]
 pub struct DecoderCache {
     layers: Vec<KvCache>,
+    /// Whether the positions held were rotated with LongRoPE's long
+    /// factors (a call that reached past the original context), which a
+    /// model must not mix with short ones.
+    long_rope: bool,
 }
 
 impl DecoderCache {
@@ -95,6 +102,7 @@ impl DecoderCache {
             layers: (0..n_layers)
                 .map(|_| KvCache::with_left_padding(chunk, left_padding.clone()))
                 .collect(),
+            long_rope: false,
         }
     }
 
@@ -111,6 +119,32 @@ impl DecoderCache {
     /// Forgets the positions from `len` on, in every layer.
     pub fn truncate(&mut self, len: usize) {
         self.layers.iter_mut().for_each(|c| c.truncate(len));
+        if self.is_empty() {
+            self.long_rope = false;
+        }
+    }
+
+    /// `max(position) + 1` over the rows once `new` more positions are
+    /// fed: how far the longest row reaches, counted from its first real
+    /// token (HF's `max(position_ids) + 1`).
+    pub fn reach(&self, new: usize) -> usize {
+        let Some(c) = self.layers.first() else {
+            return new;
+        };
+        let start = c.left_padding().iter().copied().min().unwrap_or(0);
+        (c.len() + new).saturating_sub(start)
+    }
+
+    /// Whether the positions held were rotated with LongRoPE's long
+    /// factors.
+    pub(crate) fn long_rope(&self) -> bool {
+        self.long_rope
+    }
+
+    /// Marks the positions held as rotated with LongRoPE's long factors,
+    /// or not.
+    pub(crate) fn set_long_rope(&mut self, long: bool) {
+        self.long_rope = long;
     }
 
     /// Keeps rows `rows` (`u32`, may repeat), in that order, in every layer.
@@ -127,6 +161,15 @@ impl DecoderCache {
                 "DecoderCache::join_rows: a cache of {} layers beside one of {}",
                 other.layers.len(),
                 self.layers.len()
+            )
+        }
+        if self.is_empty() {
+            self.long_rope = other.long_rope;
+        } else if !other.is_empty() && other.long_rope != self.long_rope {
+            bail!(
+                "DecoderCache::join_rows: one cache's positions were rotated with LongRoPE's long factors and the \
+                 other's with its short ones (past and within original_max_position_embeddings); they cannot \
+                 decode as one batch"
             )
         }
         self.layers
@@ -307,8 +350,8 @@ pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(
 pub enum DecoderModel {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2),
-    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3` or
-    /// `olmo2`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `smollm3`,
+    /// `olmo2` or `phi3`.
     Llama(Llama),
     /// `model_type` `gemma2`, `gemma3_text` or `gemma3` (its text).
     Gemma(Gemma),

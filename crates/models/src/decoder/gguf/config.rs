@@ -2,12 +2,12 @@
 //! key checked as `config.json`'s are, and anything the models cannot
 //! honour refused by name.
 
-use candle::{bail, Result};
+use candle::{bail, DType, Device, Result};
 use multihead_attention::RopeScaling;
 
 use super::GGUF_ARCHITECTURES;
 use crate::checkpoint::GgufFile;
-use crate::decoder::config::{rotary_every, LlamaConfig, NormPlacement, QkNorm};
+use crate::decoder::config::{rotary_every, LlamaConfig, NormPlacement, Projections, QkNorm};
 
 /// SmolLM3's layers without rotary in a GGUF file: every fourth, which
 /// llama.cpp fixes (`n_no_rope_layer_step` in `src/llama-hparams.h`, read
@@ -26,7 +26,13 @@ pub(super) enum Arch {
     SmolLm3,
     /// OLMo 2: norms after attention and MLP, q/k norms over all heads.
     Olmo2,
+    /// Phi-3: fused q/k/v and gate/up projections, LongRoPE.
+    Phi3,
 }
+
+/// Phi-3's LongRoPE factors, which the converter stores as tensors
+/// (`Phi3MiniModel.generate_extra_tensors`): the config's, not weights.
+pub(super) const LONGROPE_TENSORS: [&str; 2] = ["rope_factors_long.weight", "rope_factors_short.weight"];
 
 impl Arch {
     pub(super) fn of(file: &GgufFile) -> Result<Self> {
@@ -40,6 +46,7 @@ impl Arch {
             "qwen3" => Self::Qwen3,
             "smollm3" => Self::SmolLm3,
             "olmo2" => Self::Olmo2,
+            "phi3" => Self::Phi3,
             other => bail!(
                 "GGUF file '{label}': architecture '{}' is not supported; this loader runs {} (Mistral files are 'llama')",
                 other.escape_debug(),
@@ -55,6 +62,7 @@ impl Arch {
             Self::Qwen3 => "qwen3",
             Self::SmolLm3 => "smollm3",
             Self::Olmo2 => "olmo2",
+            Self::Phi3 => "phi3",
         }
     }
 
@@ -77,7 +85,7 @@ impl Arch {
 
 /// The `{arch}.*` keys read below; any other is refused, since it may
 /// change what the model computes.
-const KNOWN_KEYS: [&str; 19] = [
+const KNOWN_KEYS: [&str; 20] = [
     "block_count",
     "context_length",
     "embedding_length",
@@ -94,6 +102,7 @@ const KNOWN_KEYS: [&str; 19] = [
     "rope.scaling.type",
     "rope.scaling.factor",
     "rope.scaling.original_context_length",
+    "rope.scaling.attn_factor",
     "rope.scale_linear",
     // Refused unless 0.
     "expert_count",
@@ -102,7 +111,7 @@ const KNOWN_KEYS: [&str; 19] = [
 
 impl LlamaConfig {
     /// The config a GGUF file's metadata describes (`general.architecture`
-    /// `llama`, `qwen2`, `qwen3`, `smollm3` or `olmo2`), checked as
+    /// `llama`, `qwen2`, `qwen3`, `smollm3`, `olmo2` or `phi3`), checked as
     /// `config.json` is: the
     /// vocabulary from `token_embd.weight`'s rows, tied embeddings where
     /// `output.weight` is absent, biases where layer 0 has them. Metadata
@@ -201,13 +210,26 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
             other.escape_debug()
         ),
     };
+    let long_rope = longrope(file, arch, &key)?;
+    let rope_scaling = match (rope_scaling, long_rope) {
+        (None, long) => long,
+        (Some(s), None) => Some(s),
+        (Some(_), Some(_)) => bail!(
+            "GGUF file '{label}': both '{}' and LongRoPE factors ({}): one scaling at a time is supported",
+            key("rope.scaling.type"),
+            LONGROPE_TENSORS.join(", ")
+        ),
+    };
     if let Some(s) = &rope_scaling {
         s.validate()
             .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': rope scaling: {e}")))?;
     }
+    // Phi-3's window is HF's (`Phi3Model` masks with `sliding_window`),
+    // which llama.cpp's graph leaves off for now; the converter writes 0
+    // where the config has none.
     let sliding_window = match file.usize(&key("attention.sliding_window"))? {
         None | Some(0) => None,
-        Some(w) if arch == Arch::Llama => Some(w),
+        Some(w) if matches!(arch, Arch::Llama | Arch::Phi3) => Some(w),
         Some(_) => bail!(
             "GGUF file '{label}': '{}' is set, and this loader does not run {}'s sliding windows",
             key("attention.sliding_window"),
@@ -241,6 +263,11 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         },
         norm_placement: arch.norm_placement(),
         rotary_layers: Vec::new(),
+        rotary_dims: None,
+        projections: match arch {
+            Arch::Phi3 => Projections::Fused,
+            _ => Projections::Separate,
+        },
     };
     if arch == Arch::SmolLm3 {
         cfg.rotary_layers = rotary_every(cfg.num_hidden_layers, SMOLLM3_NO_ROPE_STEP);
@@ -248,8 +275,13 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     if cfg.attention_bias {
         cfg.qkv_bias = false;
     }
+    let rope_dims = file.usize(&key("rope.dimension_count"))?;
+    if arch == Arch::Phi3 {
+        // Phi-4-mini rotates the first `partial_rotary_factor` of each head.
+        cfg.rotary_dims = rope_dims.filter(|&d| d != cfg.head_width());
+    }
     cfg.validate(&format!("GGUF file '{label}'"))?;
-    if let Some(d) = file.usize(&key("rope.dimension_count"))? {
+    if let Some(d) = rope_dims.filter(|_| arch != Arch::Phi3) {
         if d != cfg.head_width() {
             bail!(
                 "GGUF file '{label}': '{}' is {d} but the heads are {} wide: partial rotary is not supported",
@@ -259,4 +291,93 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
         }
     }
     Ok((cfg, arch))
+}
+
+/// Phi-3's LongRoPE from the factor tensors and the `{arch}.rope.scaling.*`
+/// keys the converter writes with them (`original_context_length`,
+/// `attn_factor`, else HF's default from `context_length`); `None` where
+/// the file has no factors. Other architectures' files with factors or an
+/// attention factor are refused.
+fn longrope(file: &GgufFile, arch: Arch, key: &dyn Fn(&str) -> String) -> Result<Option<RopeScaling>> {
+    let label = file.label();
+    let present: Vec<&str> = LONGROPE_TENSORS
+        .into_iter()
+        .filter(|t| file.info(t).is_some())
+        .collect();
+    let attn_factor = file.float(&key("rope.scaling.attn_factor"))?;
+    if arch != Arch::Phi3 {
+        if let Some(t) = present.first() {
+            bail!("GGUF file '{label}': tensor '{t}' (LongRoPE) is supported in arch 'phi3' files only")
+        }
+        if attn_factor.is_some_and(|f| f != 1.) {
+            bail!(
+                "GGUF file '{label}': '{}' is not supported in arch '{}' files",
+                key("rope.scaling.attn_factor"),
+                arch.name()
+            )
+        }
+        return Ok(None);
+    }
+    match present.len() {
+        0 => {
+            if attn_factor.is_some_and(|f| f != 1.) {
+                bail!(
+                    "GGUF file '{label}': '{}' without LongRoPE factors ({})",
+                    key("rope.scaling.attn_factor"),
+                    LONGROPE_TENSORS.join(", ")
+                )
+            }
+            return Ok(None);
+        }
+        1 => bail!(
+            "GGUF file '{label}': tensor '{}' without '{}': LongRoPE needs both",
+            present[0],
+            LONGROPE_TENSORS
+                .into_iter()
+                .find(|t| *t != present[0])
+                .unwrap_or_default()
+        ),
+        _ => {}
+    }
+    let factors = |name: &str| -> Result<Vec<f64>> {
+        let t = file.tensor(name, &Device::Cpu)?;
+        if t.rank() != 1 {
+            bail!(
+                "GGUF file '{label}': tensor '{name}' has shape {:?}, expected one factor per rotated pair",
+                t.dims()
+            )
+        }
+        t.to_dtype(DType::F64)?.to_vec1()
+    };
+    let Some(original) = file.usize(&key("rope.scaling.original_context_length"))? else {
+        bail!(
+            "GGUF file '{label}': LongRoPE factors without '{}'",
+            key("rope.scaling.original_context_length")
+        )
+    };
+    if original == 0 {
+        bail!(
+            "GGUF file '{label}': '{}' must be > 0",
+            key("rope.scaling.original_context_length")
+        )
+    }
+    let attention_factor = match attn_factor {
+        Some(f) => f,
+        // `_compute_longrope_parameters` with factor = context / original.
+        None => {
+            let context = file.usize(&key("context_length"))?.unwrap_or(original);
+            let factor = context as f64 / original as f64;
+            if factor <= 1. {
+                1.
+            } else {
+                (1. + factor.ln() / (original as f64).ln()).sqrt()
+            }
+        }
+    };
+    Ok(Some(RopeScaling::LongRope {
+        short_factor: factors("rope_factors_short.weight")?,
+        long_factor: factors("rope_factors_long.weight")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    }))
 }

@@ -1,5 +1,5 @@
 //! Llama-family decoders (llama, and Mistral, which llama.cpp files as
-//! llama; qwen2; qwen3; smollm3; olmo2) from a GGUF file as llama.cpp's
+//! llama; qwen2; qwen3; smollm3; olmo2; phi3) from a GGUF file as llama.cpp's
 //! `convert_hf_to_gguf.py` writes it: the `{arch}.*` metadata read into a
 //! [`LlamaConfig`], and the tensors handed to [`Llama::new`] under HF's
 //! names, with the rotary permutation the converter applies to the q and
@@ -24,12 +24,12 @@ use crate::checkpoint::{
     float_range, ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
     Misshaped, NonFinite, Preflight, Wanted, WeightDtype, GGUF_TENSOR_TYPES,
 };
-use config::{gguf_config, Arch};
+use config::{gguf_config, Arch, LONGROPE_TENSORS};
 pub(crate) use spm::SpmVocab;
 pub use text::GGUF_PRE_TOKENIZERS;
 
 /// The `general.architecture` values this loader runs.
-pub const GGUF_ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen3", "smollm3", "olmo2"];
+pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"];
 
 /// How many tensors of an unsupported type an error names.
 const NAMED: usize = 20;
@@ -72,10 +72,23 @@ fn norm_names(placement: NormPlacement) -> &'static [(&'static str, &'static str
     }
 }
 
-/// One layer's names (HF's, the converter's) for a model whose norms sit
-/// at `placement`.
-fn layer_names(placement: NormPlacement) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
-    LAYER_NAMES.iter().chain(norm_names(placement))
+/// Phi-3's fused projections, before [`LAYER_NAMES`] in arch `phi3`
+/// files: `ffn_up` holds the gate's rows, then the up rows.
+const PHI3_LAYER_NAMES: [(&str, &str); 2] = [
+    ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+    ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+];
+
+/// The layer names of `arch`'s files, HF's and the converter's.
+fn layer_names(arch: Arch) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    let fused: &[_] = match arch {
+        Arch::Phi3 => &PHI3_LAYER_NAMES,
+        _ => &[],
+    };
+    fused
+        .iter()
+        .chain(&LAYER_NAMES)
+        .chain(norm_names(arch.norm_placement()))
 }
 
 /// HF's names for the tensors outside the layers, and the converter's.
@@ -85,27 +98,25 @@ const TOP_NAMES: [(&str, &str); 3] = [
     ("lm_head.weight", "output.weight"),
 ];
 
-/// The converter's name for HF's tensor `hf` of a model whose norms sit
-/// at `placement`.
-fn gguf_name(hf: &str, placement: NormPlacement) -> Option<String> {
+/// The converter's name for HF's tensor `hf` in `arch`'s files.
+fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     if let Some(&(_, g)) = TOP_NAMES.iter().find(|(h, _)| *h == hf) {
         return Some(g.to_string());
     }
     let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let &(_, g) = layer_names(placement).find(|(h, _)| *h == rest)?;
+    let &(_, g) = layer_names(arch).find(|(h, _)| *h == rest)?;
     Some(format!("blk.{layer}.{g}"))
 }
 
-/// HF's name for the converter's tensor `gguf` of a model whose norms sit
-/// at `placement`.
-fn hf_name(gguf: &str, placement: NormPlacement) -> Option<String> {
+/// HF's name for the converter's tensor `gguf` in `arch`'s files.
+fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
     if let Some(&(h, _)) = TOP_NAMES.iter().find(|(_, g)| *g == gguf) {
         return Some(h.to_string());
     }
     let (layer, rest) = gguf.strip_prefix("blk.")?.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let &(h, _) = layer_names(placement).find(|(_, g)| *g == rest)?;
+    let &(h, _) = layer_names(arch).find(|(_, g)| *g == rest)?;
     Some(format!("model.layers.{layer}.{h}"))
 }
 
@@ -132,8 +143,7 @@ fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
 /// the load asks for, norms and biases f32.
 struct GgufReader<'a> {
     file: &'a GgufFile,
-    /// Where the block's norms sit, which names them.
-    norms: NormPlacement,
+    arch: Arch,
     /// `(heads, kv_heads)` where q and k are permuted
     /// ([`Arch::permutes_qk`]).
     permuted: Option<(usize, usize)>,
@@ -150,7 +160,7 @@ struct GgufReader<'a> {
 
 impl GgufReader<'_> {
     fn read(&self, name: &str, dev: &Device) -> Result<Tensor> {
-        let Some(g) = gguf_name(name, self.norms) else {
+        let Some(g) = gguf_name(name, self.arch) else {
             bail!(
                 "GGUF file '{}': the model asks for '{name}', which GGUF files do not name",
                 self.file.label()
@@ -261,7 +271,7 @@ impl SimpleBackend for GgufReader<'_> {
             bail!(
                 "GGUF file '{}': tensor '{}' has shape {:?}, expected {:?}",
                 self.file.label(),
-                gguf_name(name, self.norms).unwrap_or_default(),
+                gguf_name(name, self.arch).unwrap_or_default(),
                 t.dims(),
                 s.dims()
             )
@@ -274,7 +284,7 @@ impl SimpleBackend for GgufReader<'_> {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        gguf_name(name, self.norms).is_some_and(|g| self.file.info(&g).is_some())
+        gguf_name(name, self.arch).is_some_and(|g| self.file.info(&g).is_some())
     }
 }
 
@@ -310,13 +320,15 @@ fn check_types(file: &GgufFile) -> Result<()> {
 /// (the unexpected, which the file names, escaped: `str::escape_debug`,
 /// since the report is printed). Also returns the names of those present
 /// in the right shape, in the order the model asks for them.
-fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>)> {
+fn compare(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<(Preflight, Vec<String>)> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
-    let norms = cfg.norm_placement;
+    // Read into the config, not the layers.
+    let config_tensor = |name: &str| arch == Arch::Phi3 && LONGROPE_TENSORS.contains(&name);
     for t in file.tensors() {
-        match hf_name(&t.name, norms) {
+        match hf_name(&t.name, arch) {
             Some(h) => present.push(h),
+            None if config_tensor(&t.name) => {}
             None => report.unexpected.push(t.name.escape_debug().to_string()),
         }
     }
@@ -325,7 +337,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
     let mut needed = HashSet::new();
     let mut matching = Vec::new();
     for w in wanted {
-        let Some(g) = gguf_name(&w.name, norms) else {
+        let Some(g) = gguf_name(&w.name, arch) else {
             bail!(
                 "GGUF file '{}': the model asks for '{}', which GGUF files do not name",
                 file.label(),
@@ -349,7 +361,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
     report.unexpected.extend(
         file.tensors()
             .iter()
-            .filter(|t| hf_name(&t.name, norms).is_some() && !needed.contains(&t.name))
+            .filter(|t| hf_name(&t.name, arch).is_some() && !needed.contains(&t.name))
             .map(|t| t.name.escape_debug().to_string()),
     );
     Ok((report, matching))
@@ -358,8 +370,8 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
 /// [`compare`], then, where the shapes all match, every needed tensor
 /// holding NaN or infinity ([`GgufFile::non_finite`]), as a safetensors
 /// file's pre-flight does: one error naming every problem.
-fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
-    let (mut report, matching) = compare(file, cfg)?;
+fn preflight(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<()> {
+    let (mut report, matching) = compare(file, cfg, arch)?;
     if report.misshaped.is_empty() {
         report.non_finite = file
             .non_finite(matching.iter().map(String::as_str))?
@@ -394,13 +406,13 @@ impl DecoderModel {
     /// one, by the file's names; clean where it loads).
     /// `multihead inspect FILE.gguf` prints it.
     pub fn gguf_preflight(file: &GgufFile) -> Result<(LlamaConfig, Preflight)> {
-        let (cfg, _) = checked_config(file)?;
-        let (report, _) = compare(file, &cfg)?;
+        let (cfg, arch) = checked_config(file)?;
+        let (report, _) = compare(file, &cfg, arch)?;
         Ok((cfg, report))
     }
 
     /// Loads a Llama-family decoder (arch `llama`, which Mistral files
-    /// use too, `qwen2`, `qwen3`, `smollm3` or `olmo2`) from a GGUF file as llama.cpp's
+    /// use too, `qwen2`, `qwen3`, `smollm3`, `olmo2` or `phi3`) from a GGUF file as llama.cpp's
     /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
     /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
     /// it (every missing, unexpected, mis-shaped or unreadable one named,
@@ -415,10 +427,10 @@ impl DecoderModel {
     /// [`DecoderModel::from_gguf`] from a file already read.
     pub fn from_gguf_file(file: &GgufFile, device: &Device, opts: &LoadOptions) -> Result<Self> {
         let (cfg, arch) = checked_config(file)?;
-        preflight(file, &cfg)?;
+        preflight(file, &cfg, arch)?;
         let reader = GgufReader {
             file,
-            norms: cfg.norm_placement,
+            arch,
             permuted: arch
                 .permutes_qk()
                 .then(|| (cfg.num_attention_heads, cfg.kv_heads())),
@@ -449,37 +461,53 @@ mod tests {
             ),
             ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
         ] {
-            for placement in [NormPlacement::Pre, NormPlacement::Post] {
-                assert_eq!(gguf_name(hf, placement).as_deref(), Some(g));
-                assert_eq!(hf_name(g, placement).as_deref(), Some(hf));
+            for arch in [Arch::Llama, Arch::Olmo2] {
+                assert_eq!(gguf_name(hf, arch).as_deref(), Some(g));
+                assert_eq!(hf_name(g, arch).as_deref(), Some(hf));
             }
         }
         // The norms' names depend on where they sit (gguf-py's map for
         // arch `olmo2` against `llama`'s).
         let post = "model.layers.3.post_attention_layernorm.weight";
         assert_eq!(
-            gguf_name(post, NormPlacement::Pre).as_deref(),
+            gguf_name(post, Arch::Llama).as_deref(),
             Some("blk.3.ffn_norm.weight")
         );
         assert_eq!(
-            gguf_name(post, NormPlacement::Post).as_deref(),
+            gguf_name(post, Arch::Olmo2).as_deref(),
             Some("blk.3.post_attention_norm.weight")
         );
         assert_eq!(
-            hf_name("blk.3.post_ffw_norm.weight", NormPlacement::Post).as_deref(),
+            hf_name("blk.3.post_ffw_norm.weight", Arch::Olmo2).as_deref(),
             Some("model.layers.3.post_feedforward_layernorm.weight")
         );
-        assert_eq!(hf_name("blk.3.post_ffw_norm.weight", NormPlacement::Pre), None);
-        assert_eq!(hf_name("blk.3.attn_norm.weight", NormPlacement::Post), None);
+        assert_eq!(hf_name("blk.3.post_ffw_norm.weight", Arch::Llama), None);
+        assert_eq!(hf_name("blk.3.attn_norm.weight", Arch::Olmo2), None);
+        // Phi-3's fused projections; `ffn_up` is the gate and up in one.
+        for (hf, g) in [
+            (
+                "model.layers.1.self_attn.qkv_proj.weight",
+                "blk.1.attn_qkv.weight",
+            ),
+            ("model.layers.0.mlp.gate_up_proj.weight", "blk.0.ffn_up.weight"),
+        ] {
+            assert_eq!(gguf_name(hf, Arch::Phi3).as_deref(), Some(g));
+            assert_eq!(hf_name(g, Arch::Phi3).as_deref(), Some(hf));
+        }
+        assert_eq!(
+            hf_name("blk.0.ffn_up.weight", Arch::Llama).as_deref(),
+            Some("model.layers.0.mlp.up_proj.weight")
+        );
+        assert_eq!(hf_name("blk.0.attn_qkv.weight", Arch::Llama), None);
         for bad in [
             "blk.x.attn_q.weight",
             "blk.0.",
             "rope_freqs.weight",
             "blk.0.attn_qkv.weight",
         ] {
-            assert_eq!(hf_name(bad, NormPlacement::Pre), None, "{bad}");
+            assert_eq!(hf_name(bad, Arch::Qwen2), None, "{bad}");
         }
-        assert_eq!(gguf_name("model.layers.0.", NormPlacement::Pre), None);
+        assert_eq!(gguf_name("model.layers.0.", Arch::Llama), None);
     }
 
     /// The inverse of the converter's permutation, written out for one
