@@ -1,12 +1,16 @@
 //! Llama-family decoders (llama, and Mistral, which llama.cpp files as
-//! llama; qwen2; qwen3; smollm3; olmo2) from a GGUF file as llama.cpp's
-//! `convert_hf_to_gguf.py` writes it: the `{arch}.*` metadata read into a
-//! [`LlamaConfig`], and the tensors handed to [`Llama::new`] under HF's
-//! names, with the rotary permutation the converter applies to the q and
-//! k of archs `llama` and `smollm3` undone. The metadata's reading is `config.rs`; the
-//! tokenizer, end tokens and chat template the file carries, `text.rs`.
+//! llama; qwen2; qwen3; smollm3; olmo2) and Gemmas (gemma2, gemma3) from a
+//! GGUF file as llama.cpp's `convert_hf_to_gguf.py` writes it: the
+//! `{arch}.*` metadata read into a [`LlamaConfig`](super::LlamaConfig) or a
+//! [`GemmaConfig`](super::GemmaConfig), and the tensors handed to
+//! [`Llama::new`] or [`Gemma::with_unit_norms`] (the converter stores a
+//! Gemma's norm weights as the `1 + w` they scale by) under HF's names, with the rotary permutation the converter applies to
+//! the q and k of archs `llama` and `smollm3` undone. The metadata's
+//! reading is `config.rs` (Gemma's, `gemma.rs`); the tokenizer, end tokens
+//! and chat template the file carries, `text.rs`.
 
 mod config;
+mod gemma;
 mod spm;
 mod text;
 
@@ -18,8 +22,8 @@ use candle::{bail, DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
-use super::config::{LlamaConfig, NormPlacement};
-use super::{DecoderModel, Llama};
+use super::config::HfDecoderConfig;
+use super::{DecoderModel, Gemma, Llama};
 use crate::checkpoint::{
     float_range, ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
     Misshaped, NonFinite, Preflight, Wanted, WeightDtype, GGUF_TENSOR_TYPES,
@@ -29,7 +33,7 @@ pub(crate) use spm::SpmVocab;
 pub use text::GGUF_PRE_TOKENIZERS;
 
 /// The `general.architecture` values this loader runs.
-pub const GGUF_ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen3", "smollm3", "olmo2"];
+pub const GGUF_ARCHITECTURES: [&str; 7] = ["llama", "qwen2", "qwen3", "smollm3", "olmo2", "gemma2", "gemma3"];
 
 /// How many tensors of an unsupported type an error names.
 const NAMED: usize = 20;
@@ -55,27 +59,42 @@ const LAYER_NAMES: [(&str, &str); 16] = [
     ("mlp.down_proj.bias", "ffn_down.bias"),
 ];
 
-/// The block's norms, by where they sit: HF's `post_attention_layernorm`
-/// is the norm before the MLP in Llama (`ffn_norm`) and the one after
-/// attention in OLMo 2 (`post_attention_norm`), as gguf-py's tensor map
-/// gives each arch.
-fn norm_names(placement: NormPlacement) -> &'static [(&'static str, &'static str); 2] {
-    match placement {
-        NormPlacement::Pre => &[
-            ("input_layernorm.weight", "attn_norm.weight"),
-            ("post_attention_layernorm.weight", "ffn_norm.weight"),
-        ],
-        NormPlacement::Post => &[
+/// The block's norms, by arch, as gguf-py's tensor map gives each: HF's
+/// `post_attention_layernorm` is the norm before the MLP in Llama
+/// (`ffn_norm`) and the one after attention in OLMo 2 and the Gemmas
+/// (`post_attention_norm`), whose norm before the MLP
+/// (`pre_feedforward_layernorm`) is `ffn_norm`.
+fn norm_names(arch: Arch) -> &'static [(&'static str, &'static str)] {
+    match arch {
+        Arch::Olmo2 => &[
             ("post_attention_layernorm.weight", "post_attention_norm.weight"),
             ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ],
+        Arch::Gemma2 | Arch::Gemma3 => &[
+            ("input_layernorm.weight", "attn_norm.weight"),
+            ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+            ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+            ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ],
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLm3 => &[
+            ("input_layernorm.weight", "attn_norm.weight"),
+            ("post_attention_layernorm.weight", "ffn_norm.weight"),
         ],
     }
 }
 
-/// One layer's names (HF's, the converter's) for a model whose norms sit
-/// at `placement`.
-fn layer_names(placement: NormPlacement) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
-    LAYER_NAMES.iter().chain(norm_names(placement))
+/// One layer's names (HF's, the converter's) for arch `arch`.
+fn layer_names(arch: Arch) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    LAYER_NAMES.iter().chain(norm_names(arch))
+}
+
+/// The names outside the layers (HF's, the converter's) for arch `arch`:
+/// gguf-py's `gemma2` has no `output` (llama.cpp's Gemma 2 always projects
+/// with the embeddings).
+fn top_names(arch: Arch) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    TOP_NAMES
+        .iter()
+        .filter(move |(h, _)| arch != Arch::Gemma2 || *h != "lm_head.weight")
 }
 
 /// HF's names for the tensors outside the layers, and the converter's.
@@ -85,27 +104,25 @@ const TOP_NAMES: [(&str, &str); 3] = [
     ("lm_head.weight", "output.weight"),
 ];
 
-/// The converter's name for HF's tensor `hf` of a model whose norms sit
-/// at `placement`.
-fn gguf_name(hf: &str, placement: NormPlacement) -> Option<String> {
-    if let Some(&(_, g)) = TOP_NAMES.iter().find(|(h, _)| *h == hf) {
+/// The converter's name for HF's tensor `hf` of arch `arch`.
+fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
+    if let Some(&(_, g)) = top_names(arch).find(|(h, _)| *h == hf) {
         return Some(g.to_string());
     }
     let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let &(_, g) = layer_names(placement).find(|(h, _)| *h == rest)?;
+    let &(_, g) = layer_names(arch).find(|(h, _)| *h == rest)?;
     Some(format!("blk.{layer}.{g}"))
 }
 
-/// HF's name for the converter's tensor `gguf` of a model whose norms sit
-/// at `placement`.
-fn hf_name(gguf: &str, placement: NormPlacement) -> Option<String> {
-    if let Some(&(h, _)) = TOP_NAMES.iter().find(|(_, g)| *g == gguf) {
+/// HF's name for the converter's tensor `gguf` of arch `arch`.
+fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
+    if let Some(&(h, _)) = top_names(arch).find(|(_, g)| *g == gguf) {
         return Some(h.to_string());
     }
     let (layer, rest) = gguf.strip_prefix("blk.")?.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    let &(h, _) = layer_names(placement).find(|(_, g)| *g == rest)?;
+    let &(h, _) = layer_names(arch).find(|(_, g)| *g == rest)?;
     Some(format!("model.layers.{layer}.{h}"))
 }
 
@@ -132,8 +149,8 @@ fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
 /// the load asks for, norms and biases f32.
 struct GgufReader<'a> {
     file: &'a GgufFile,
-    /// Where the block's norms sit, which names them.
-    norms: NormPlacement,
+    /// The architecture, which names the tensors.
+    arch: Arch,
     /// `(heads, kv_heads)` where q and k are permuted
     /// ([`Arch::permutes_qk`]).
     permuted: Option<(usize, usize)>,
@@ -150,7 +167,7 @@ struct GgufReader<'a> {
 
 impl GgufReader<'_> {
     fn read(&self, name: &str, dev: &Device) -> Result<Tensor> {
-        let Some(g) = gguf_name(name, self.norms) else {
+        let Some(g) = gguf_name(name, self.arch) else {
             bail!(
                 "GGUF file '{}': the model asks for '{name}', which GGUF files do not name",
                 self.file.label()
@@ -261,7 +278,7 @@ impl SimpleBackend for GgufReader<'_> {
             bail!(
                 "GGUF file '{}': tensor '{}' has shape {:?}, expected {:?}",
                 self.file.label(),
-                gguf_name(name, self.norms).unwrap_or_default(),
+                gguf_name(name, self.arch).unwrap_or_default(),
                 t.dims(),
                 s.dims()
             )
@@ -274,7 +291,7 @@ impl SimpleBackend for GgufReader<'_> {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        gguf_name(name, self.norms).is_some_and(|g| self.file.info(&g).is_some())
+        gguf_name(name, self.arch).is_some_and(|g| self.file.info(&g).is_some())
     }
 }
 
@@ -305,27 +322,37 @@ fn check_types(file: &GgufFile) -> Result<()> {
     Ok(())
 }
 
-/// Compares the tensors the model `cfg` asks for with the file's, by the
-/// file's names: every missing, unexpected and mis-shaped one at once
-/// (the unexpected, which the file names, escaped: `str::escape_debug`,
-/// since the report is printed). Also returns the names of those present
-/// in the right shape, in the order the model asks for them.
-fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>)> {
+/// The model `cfg` describes, built from `vb` (HF's names; a Gemma's
+/// norms holding `1 + w`, as the converter writes them).
+fn build(cfg: &HfDecoderConfig, vb: VarBuilder) -> Result<DecoderModel> {
+    Ok(match cfg {
+        HfDecoderConfig::Llama(c) => DecoderModel::Llama(Llama::new(c, vb)?),
+        HfDecoderConfig::Gemma(c) => DecoderModel::Gemma(Gemma::with_unit_norms(c, vb)?),
+        HfDecoderConfig::Gpt2(_) => bail!("GGUF files of GPT-2 are not supported"),
+    })
+}
+
+/// Compares the tensors the model `cfg` (of arch `arch`) asks for with the
+/// file's, by the file's names: every missing, unexpected and mis-shaped
+/// one at once (the unexpected, which the file names, escaped:
+/// `str::escape_debug`, since the report is printed). Also returns the
+/// names of those present in the right shape, in the order the model asks
+/// for them.
+fn compare(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<(Preflight, Vec<String>)> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
-    let norms = cfg.norm_placement;
     for t in file.tensors() {
-        match hf_name(&t.name, norms) {
+        match hf_name(&t.name, arch) {
             Some(h) => present.push(h),
             None => report.unexpected.push(t.name.escape_debug().to_string()),
         }
     }
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
-    let wanted = wanted_tensors(&names, |vb| Llama::new(cfg, vb))?;
+    let wanted = wanted_tensors(&names, |vb| build(cfg, vb))?;
     let mut needed = HashSet::new();
     let mut matching = Vec::new();
     for w in wanted {
-        let Some(g) = gguf_name(&w.name, norms) else {
+        let Some(g) = gguf_name(&w.name, arch) else {
             bail!(
                 "GGUF file '{}': the model asks for '{}', which GGUF files do not name",
                 file.label(),
@@ -349,7 +376,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
     report.unexpected.extend(
         file.tensors()
             .iter()
-            .filter(|t| hf_name(&t.name, norms).is_some() && !needed.contains(&t.name))
+            .filter(|t| hf_name(&t.name, arch).is_some() && !needed.contains(&t.name))
             .map(|t| t.name.escape_debug().to_string()),
     );
     Ok((report, matching))
@@ -358,8 +385,8 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig) -> Result<(Preflight, Vec<String>
 /// [`compare`], then, where the shapes all match, every needed tensor
 /// holding NaN or infinity ([`GgufFile::non_finite`]), as a safetensors
 /// file's pre-flight does: one error naming every problem.
-fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
-    let (mut report, matching) = compare(file, cfg)?;
+fn preflight(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<()> {
+    let (mut report, matching) = compare(file, cfg, arch)?;
     if report.misshaped.is_empty() {
         report.non_finite = file
             .non_finite(matching.iter().map(String::as_str))?
@@ -378,7 +405,7 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig) -> Result<()> {
 
 /// The architecture, the tensors' types, and the config the metadata
 /// describes.
-fn checked_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
+fn checked_config(file: &GgufFile) -> Result<(HfDecoderConfig, Arch)> {
     Arch::of(file)?;
     check_types(file)?;
     gguf_config(file)
@@ -389,23 +416,26 @@ impl DecoderModel {
     /// weight, short of the NaN/Inf scan ([`GgufFile::non_finite`]): an
     /// error for an architecture, a tensor type or metadata it does not
     /// run; else the config the metadata describes
-    /// ([`LlamaConfig::from_gguf`]) and the tensors that config needs
-    /// compared with the file's (every missing, unexpected and mis-shaped
-    /// one, by the file's names; clean where it loads).
-    /// `multihead inspect FILE.gguf` prints it.
-    pub fn gguf_preflight(file: &GgufFile) -> Result<(LlamaConfig, Preflight)> {
-        let (cfg, _) = checked_config(file)?;
-        let (report, _) = compare(file, &cfg)?;
+    /// ([`LlamaConfig::from_gguf`](super::LlamaConfig::from_gguf),
+    /// [`GemmaConfig::from_gguf`](super::GemmaConfig::from_gguf)) and the
+    /// tensors that config needs compared with the file's (every missing,
+    /// unexpected and mis-shaped one, by the file's names; clean where it
+    /// loads). `multihead inspect FILE.gguf` prints it.
+    pub fn gguf_preflight(file: &GgufFile) -> Result<(HfDecoderConfig, Preflight)> {
+        let (cfg, arch) = checked_config(file)?;
+        let (report, _) = compare(file, &cfg, arch)?;
         Ok((cfg, report))
     }
 
     /// Loads a Llama-family decoder (arch `llama`, which Mistral files
-    /// use too, `qwen2`, `qwen3`, `smollm3` or `olmo2`) from a GGUF file as llama.cpp's
-    /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
-    /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
-    /// it (every missing, unexpected, mis-shaped or unreadable one named,
-    /// then every one holding NaN or infinity, with the counts),
-    /// the weight matrices in `opts.dtype` as
+    /// use too, `qwen2`, `qwen3`, `smollm3` or `olmo2`) or a Gemma
+    /// (`gemma2`, `gemma3`) from a GGUF file as llama.cpp's converter
+    /// writes it, F32, F16, BF16 or Q8_0: the config from its metadata
+    /// ([`LlamaConfig::from_gguf`](super::LlamaConfig::from_gguf),
+    /// [`GemmaConfig::from_gguf`](super::GemmaConfig::from_gguf)), the
+    /// tensors checked against it (every missing, unexpected, mis-shaped
+    /// or unreadable one named, then every one holding NaN or infinity,
+    /// with the counts), the weight matrices in `opts.dtype` as
     /// [`DecoderModel::from_folder_with`] keeps them (Q8_0 dequantized to
     /// f32 first), norms and biases f32.
     pub fn from_gguf(path: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
@@ -415,13 +445,15 @@ impl DecoderModel {
     /// [`DecoderModel::from_gguf`] from a file already read.
     pub fn from_gguf_file(file: &GgufFile, device: &Device, opts: &LoadOptions) -> Result<Self> {
         let (cfg, arch) = checked_config(file)?;
-        preflight(file, &cfg)?;
+        preflight(file, &cfg, arch)?;
+        let permuted = match &cfg {
+            HfDecoderConfig::Llama(c) if arch.permutes_qk() => Some((c.num_attention_heads, c.kv_heads())),
+            _ => None,
+        };
         let reader = GgufReader {
             file,
-            norms: cfg.norm_placement,
-            permuted: arch
-                .permutes_qk()
-                .then(|| (cfg.num_attention_heads, cfg.kv_heads())),
+            arch,
+            permuted,
             weight_dtype: opts.dtype.dtype(),
             keep_blocks: opts.dtype == WeightDtype::Ggml,
             progress: opts.progress.clone(),
@@ -429,8 +461,8 @@ impl DecoderModel {
             total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
-        let model = multihead_attention::lending(|| opts.dtype.packing(|| Llama::new(&cfg, vb)))?;
-        Ok(Self::Llama(model.with_kv_dtype(opts.kv_dtype)))
+        let model = multihead_attention::lending(|| opts.dtype.packing(|| build(&cfg, vb)))?;
+        Ok(model.with_kv_dtype(opts.kv_dtype))
     }
 }
 
@@ -449,37 +481,50 @@ mod tests {
             ),
             ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
         ] {
-            for placement in [NormPlacement::Pre, NormPlacement::Post] {
-                assert_eq!(gguf_name(hf, placement).as_deref(), Some(g));
-                assert_eq!(hf_name(g, placement).as_deref(), Some(hf));
+            for arch in [Arch::Llama, Arch::Olmo2, Arch::Gemma3] {
+                assert_eq!(gguf_name(hf, arch).as_deref(), Some(g));
+                assert_eq!(hf_name(g, arch).as_deref(), Some(hf));
             }
         }
-        // The norms' names depend on where they sit (gguf-py's map for
-        // arch `olmo2` against `llama`'s).
+        // The norms' names depend on the arch (gguf-py's map for `olmo2`
+        // and the Gemmas against `llama`'s).
         let post = "model.layers.3.post_attention_layernorm.weight";
         assert_eq!(
-            gguf_name(post, NormPlacement::Pre).as_deref(),
+            gguf_name(post, Arch::Llama).as_deref(),
             Some("blk.3.ffn_norm.weight")
         );
+        for arch in [Arch::Olmo2, Arch::Gemma2] {
+            assert_eq!(
+                gguf_name(post, arch).as_deref(),
+                Some("blk.3.post_attention_norm.weight")
+            );
+            assert_eq!(
+                hf_name("blk.3.post_ffw_norm.weight", arch).as_deref(),
+                Some("model.layers.3.post_feedforward_layernorm.weight")
+            );
+        }
         assert_eq!(
-            gguf_name(post, NormPlacement::Post).as_deref(),
-            Some("blk.3.post_attention_norm.weight")
+            hf_name("blk.3.ffn_norm.weight", Arch::Gemma2).as_deref(),
+            Some("model.layers.3.pre_feedforward_layernorm.weight")
         );
+        assert_eq!(hf_name("blk.3.ffn_norm.weight", Arch::Olmo2), None);
+        assert_eq!(hf_name("blk.3.post_ffw_norm.weight", Arch::Llama), None);
+        assert_eq!(hf_name("blk.3.attn_norm.weight", Arch::Olmo2), None);
+        // gguf-py's `gemma2` has no output projection; `gemma3`'s has.
+        assert_eq!(hf_name("output.weight", Arch::Gemma2), None);
         assert_eq!(
-            hf_name("blk.3.post_ffw_norm.weight", NormPlacement::Post).as_deref(),
-            Some("model.layers.3.post_feedforward_layernorm.weight")
+            hf_name("output.weight", Arch::Gemma3).as_deref(),
+            Some("lm_head.weight")
         );
-        assert_eq!(hf_name("blk.3.post_ffw_norm.weight", NormPlacement::Pre), None);
-        assert_eq!(hf_name("blk.3.attn_norm.weight", NormPlacement::Post), None);
         for bad in [
             "blk.x.attn_q.weight",
             "blk.0.",
             "rope_freqs.weight",
             "blk.0.attn_qkv.weight",
         ] {
-            assert_eq!(hf_name(bad, NormPlacement::Pre), None, "{bad}");
+            assert_eq!(hf_name(bad, Arch::Llama), None, "{bad}");
         }
-        assert_eq!(gguf_name("model.layers.0.", NormPlacement::Pre), None);
+        assert_eq!(gguf_name("model.layers.0.", Arch::Llama), None);
     }
 
     /// The inverse of the converter's permutation, written out for one
