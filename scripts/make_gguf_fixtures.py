@@ -21,11 +21,12 @@ Everything lands in tests/fixtures/gguf/:
   256), converted to f32 by the converter (not kept) and quantized by
   llama.cpp's own `llama-quantize` (q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m,
   q2_k: llama.cpp's mixes, each picking its types per tensor).
-* `{smollm3,olmo2}-f32.gguf` and `expected-archs.safetensors`: as the
-  first files and `expected.safetensors` (`{name}.input_ids`,
-  `{name}.f32.logits`, the same "case"), for the architectures llama.cpp
-  names `smollm3` and `olmo2`, kept apart so that the other files stay as
-  they were.
+* `{smollm3,olmo2,gemma3}-f32.gguf`, `gemma2-{f32,q8_0}.gguf` and
+  `expected-archs.safetensors`: as the first files and
+  `expected.safetensors` (`{name}.input_ids`, `{name}.{type}.logits`, the
+  same "case"), for the architectures llama.cpp names `smollm3`, `olmo2`,
+  `gemma2` and `gemma3`, kept apart so that the other files stay as they
+  were.
 * `expected-quantized.safetensors`: as `expected.safetensors` for those
   files (`llama256.input_ids`, `llama256.{type}.logits`), kept apart so that
   the first file stays as it was. gguf-py cannot make a k-quant, so the
@@ -57,6 +58,22 @@ The models:
   `post_attention_layernorm` there, not to `ffn_norm`), q/k RMSNorms over
   all heads at once, not permuted; untied, 2 kv heads, rope_theta 5e5;
   GPT-2's pre-tokenizer.
+* `gemma2`: arch `gemma2` (`Gemma2ForCausalLM`): four norms a block, which
+  the converter stores as `1 + w` (`attn_norm`, `post_attention_norm`,
+  `ffn_norm` for `pre_feedforward_layernorm`, `post_ffw_norm`), 4 layers
+  alternating sliding (window 4, shorter than the prompt) and full as
+  llama.cpp's default pattern has them, soft-caps 4 (scores) and 6
+  (logits), small enough to bend them, query_pre_attn_scalar = head_dim =
+  16 (llama.cpp scales by head_dim^-1/2 but for the 27B), rope_theta 10000
+  (the converter writes no rope base for Gemma 2), tied, 2 kv heads. Its
+  norm weights are drawn around 0, as Gemma's scale by `1 + w`. The
+  converter reads Gemma 2's tokenizer only from a SentencePiece
+  tokenizer.model; it is given Gemma 3's reading of a tokenizer.json
+  (`_set_vocab_gpt2`), so both Gemmas have the others' BPE tokenizer.
+* `gemma3`: arch `gemma3` (`Gemma3ForCausalLM`): Gemma 2's block with
+  q/k RMSNorms per head and no soft-caps, 6 layers, the last full
+  (llama.cpp's default pattern, 6), window 4, rope bases 1e6 (full layers,
+  `rope.freq_base`) and 5e4 (sliding, `rope.freq_base_swa`), untied.
 * `llama256`: arch `llama`, hidden and intermediate 256 (every matrix's
   rows a whole number of 256-element super-blocks), one layer (six files
   of two layers would be 3.6 MB), 4 query heads sharing 2 kv heads, no
@@ -117,6 +134,10 @@ import transformers  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Olmo2Config,
@@ -204,6 +225,37 @@ def olmo2_config():
     )
 
 
+def gemma2_config():
+    # What a gemma2 file can say: scores scaled by head_dim^-1/2 (llama.cpp's
+    # rule but for the 27B's 46 layers), sliding layers alternating from the
+    # first (its default pattern, 2), soft-caps small enough to bend these
+    # scores and logits, a window shorter than the prompt; rope_theta 10000,
+    # since the converter writes no rope base for Gemma 2 and llama.cpp takes
+    # 10000.
+    return Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=4,
+        attn_logit_softcapping=4.0, final_logit_softcapping=6.0, tie_word_embeddings=True,
+        initializer_range=0.2, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+        attn_implementation="eager",
+    )
+
+
+def gemma3_config():
+    # Six layers, the last full (llama.cpp's default pattern, 6), with their
+    # own rope bases (rope.freq_base, rope.freq_base_swa); untied.
+    return Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=4,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50000.0}},
+        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
+        pad_token_id=None, attn_implementation="eager",
+    )
+
+
 def llama256_config():
     return LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
@@ -221,11 +273,13 @@ MODELS = {
     "qwen3": (qwen3_config, Qwen3ForCausalLM, "llama-bpe", ["f32", "bf16"]),
 }
 
-# The same for llama.cpp's architectures `smollm3` and `olmo2`, whose HF
-# names are the model_type.
+# The same for llama.cpp's architectures `smollm3`, `olmo2`, `gemma2` and
+# `gemma3`, whose HF names are the model_type (Gemma 3's `gemma3_text`).
 ARCHS = {
     "smollm3": (smollm3_config, SmolLM3ForCausalLM, "llama-bpe", ["f32"]),
     "olmo2": (olmo2_config, Olmo2ForCausalLM, "gpt-2", ["f32"]),
+    "gemma2": (gemma2_config, Gemma2ForCausalLM, "gpt-2", ["f32", "q8_0"]),
+    "gemma3": (gemma3_config, Gemma3ForCausalLM, "llama-bpe", ["f32"]),
 }
 
 # name: (config, class, llama.cpp pre-tokenizer, llama-quantize types): each
@@ -281,13 +335,23 @@ PHI3_LAYER_TO_GGUF = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 
+# Gemma's four norms a block: gguf-py's map for archs `gemma2` and `gemma3`
+# takes `pre_feedforward_layernorm` to FFN_PRE_NORM, which is `ffn_norm`.
+GEMMA_LAYER_TO_GGUF = {
+    **OLMO2_LAYER_TO_GGUF,
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+}
+
+LAYER_MAPS = {"olmo2": OLMO2_LAYER_TO_GGUF, "phi3": PHI3_LAYER_TO_GGUF, "gemma2": GEMMA_LAYER_TO_GGUF,
+              "gemma3_text": GEMMA_LAYER_TO_GGUF}
+
 
 def gguf_name(hf, model_type="llama"):
     if hf in HF_TO_GGUF:
         return HF_TO_GGUF[hf]
     parts = hf.split(".")
     assert parts[:2] == ["model", "layers"], hf
-    layer = {"olmo2": OLMO2_LAYER_TO_GGUF, "phi3": PHI3_LAYER_TO_GGUF}.get(model_type, LAYER_TO_GGUF)
+    layer = LAYER_MAPS.get(model_type, LAYER_TO_GGUF)
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
@@ -394,20 +458,24 @@ def write_tokenizer(folder, pre):
 
 
 def randomize_norms_and_biases(model):
-    """HF initialises norm weights to one and biases to zero; make them non-trivial."""
+    """HF initialises norm weights to one (Gemma's, which scale by 1 + w, to zero) and biases to
+    zero; make them non-trivial."""
+    one = 0.0 if model.config.model_type in ("gemma2", "gemma3_text") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             elif "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_(one + 0.2 * torch.randn_like(p))
 
 
 def config_summary(model):
     return {k: v for k, v in model.config.to_dict().items()
             if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                     "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters", "no_rope_layers")}
+                     "attention_bias", "rope_theta", "rms_norm_eps", "rope_parameters", "no_rope_layers",
+                     "query_pre_attn_scalar", "sliding_window", "layer_types", "attn_logit_softcapping",
+                     "final_logit_softcapping")}
 
 
 def margins(logits):
@@ -417,9 +485,13 @@ def margins(logits):
 
 def convert(llama_cpp, folder, outtype, outfile, pre):
     """Runs convert_hf_to_gguf.py's main() in this process, its pre-tokenizer hash check answered."""
-    from conversion import base
+    from conversion import base, gemma
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+    # Gemma 2's converter reads only a SentencePiece tokenizer.model; these
+    # folders have the byte-level BPE tokenizer.json the others have, which
+    # Gemma 3's reads (`_set_vocab_gpt2` where there is no tokenizer.model).
+    gemma.Gemma2Model.set_vocab = gemma.Gemma3Model.set_vocab
     import convert_hf_to_gguf
 
     argv = sys.argv
@@ -578,7 +650,8 @@ def build(name, spec, llama_cpp, tmp):
         "model": cls.__name__,
         "config": config_summary(model),
         "seed": seed,
-        "init": "config initializer_range 0.2; then every bias ~ 0.1*N(0,1), every norm weight ~ 1+0.2*N(0,1)",
+        "init": "config initializer_range 0.2; then every bias ~ 0.1*N(0,1), every norm weight ~ 1+0.2*N(0,1) "
+            "(Gemma's, which scale by 1 + w: 0.2*N(0,1))",
         "pre_tokenizer": pre,
         "eos_token_ids": eos,
         "files": files,

@@ -38,8 +38,8 @@ fn stdout(out: &Output) -> Result<String> {
 }
 
 /// What the fixture script recorded per model: HF's config and each
-/// file's size and tensor types (the archs smollm3 and olmo2 in a file of
-/// their own).
+/// file's size and tensor types (the archs smollm3, olmo2, gemma2 and
+/// gemma3 in a file of their own).
 fn recorded() -> Result<Value> {
     let mut models = serde_json::Map::new();
     for file in ["expected.safetensors", "expected-archs.safetensors"] {
@@ -92,11 +92,25 @@ fn json_describes_every_fixture_as_it_was_written() -> Result<()> {
             ] {
                 assert_eq!(meta[key], hf[hf_key], "{what}: {key}");
             }
-            assert_eq!(
-                meta["rope.freq_base"].as_f64(),
-                hf["rope_parameters"]["rope_theta"].as_f64(),
-                "{what}"
-            );
+            // Gemma 3 gives each kind of layer its base; Gemma 2's
+            // converter writes none (llama.cpp's 10000 is HF's).
+            let rope = &hf["rope_parameters"];
+            let (base, swa_base) = match name.as_str() {
+                "gemma2" => (None, None),
+                "gemma3" => (
+                    rope["full_attention"]["rope_theta"].as_f64(),
+                    rope["sliding_attention"]["rope_theta"].as_f64(),
+                ),
+                _ => (rope["rope_theta"].as_f64(), None),
+            };
+            assert_eq!(meta["rope.freq_base"].as_f64(), base, "{what}");
+            let swa_key = format!("{name}.rope.freq_base_swa");
+            assert_eq!(v["metadata"][&swa_key].as_f64(), swa_base, "{what}");
+            let kind = match name.as_str() {
+                "gemma2" | "gemma3" => "GemmaConfig from the GGUF metadata",
+                _ => "LlamaConfig from the GGUF metadata",
+            };
+            assert_eq!(v["config"]["kind"], kind, "{what}");
             assert_eq!(
                 meta["context_length"].as_u64(),
                 Some(context_length(&gguf(name, ty), name)?),

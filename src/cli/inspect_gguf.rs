@@ -14,7 +14,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use candle::quantized::gguf_file::Value;
 use multihead::models::checkpoint::{ggml_type_name, GgufFile, NonFinite, Preflight, WeightDtype};
-use multihead::models::decoder::DecoderModel;
+use multihead::models::decoder::{DecoderModel, HfDecoderConfig};
 
 use super::inspect::{human_bytes, more, print_report, print_tensors};
 
@@ -38,10 +38,11 @@ const CONFIG_KEYS: [(&str, &str); 8] = [
     ("context", "context_length"),
 ];
 
-/// The config the metadata describes, and the file's tensors compared
-/// with it; or why the metadata gives none this loader runs.
+/// The config the metadata describes (its type's name: `LlamaConfig`,
+/// `GemmaConfig`), and the file's tensors compared with it; or why the
+/// metadata gives none this loader runs.
 enum ConfigCheck {
-    Checked(Preflight),
+    Checked(&'static str, Preflight),
     Unusable(String),
 }
 
@@ -66,7 +67,7 @@ pub fn run(path: &Path, json: bool, all: bool) -> Result<()> {
         .map(|(name, nan, inf)| NonFinite { name, nan, inf })
         .collect();
     let check = match DecoderModel::gguf_preflight(&file) {
-        Ok((_, report)) => ConfigCheck::Checked(report),
+        Ok((cfg, report)) => ConfigCheck::Checked(config_kind(&cfg), report),
         Err(e) => ConfigCheck::Unusable(e.to_string().lines().next().unwrap_or_default().to_string()),
     };
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
@@ -77,7 +78,7 @@ pub fn run(path: &Path, json: bool, all: bool) -> Result<()> {
         print_text(&mut out, limit, &file, &non_finite, &check)?;
     }
     out.flush()?;
-    if let ConfigCheck::Checked(report) = &check {
+    if let ConfigCheck::Checked(_, report) = &check {
         if let Some(summary) = report.summary() {
             bail!(
                 "'{}' does not fit the config its metadata describes: {summary}",
@@ -86,6 +87,15 @@ pub fn run(path: &Path, json: bool, all: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The name of the config type `cfg` holds.
+fn config_kind(cfg: &HfDecoderConfig) -> &'static str {
+    match cfg {
+        HfDecoderConfig::Gpt2(_) => "Gpt2Config",
+        HfDecoderConfig::Llama(_) => "LlamaConfig",
+        HfDecoderConfig::Gemma(_) => "GemmaConfig",
+    }
 }
 
 fn rows(file: &GgufFile) -> Vec<Row<'_>> {
@@ -271,8 +281,8 @@ fn print_text(
     more(out, "values: ", non_finite.len(), limit, "tensors with NaN/Inf")?;
     match check {
         ConfigCheck::Unusable(why) => writeln!(out, "config: the file's metadata not used: {why}")?,
-        ConfigCheck::Checked(r) => {
-            writeln!(out, "config: LlamaConfig from the file's metadata")?;
+        ConfigCheck::Checked(kind, r) => {
+            writeln!(out, "config: {kind} from the file's metadata")?;
             print_report(out, r, limit)?;
         }
     }
@@ -297,9 +307,9 @@ fn print_json(
             .map(|(_, key, v)| (key, v))
             .collect();
     let (config, config_note) = match check {
-        ConfigCheck::Checked(r) => (
+        ConfigCheck::Checked(kind, r) => (
             Some(serde_json::json!({
-                "kind": "LlamaConfig from the GGUF metadata",
+                "kind": format!("{kind} from the GGUF metadata"),
                 "clean": r.is_clean(),
                 "missing": r.missing,
                 "unexpected": r.unexpected,

@@ -92,7 +92,7 @@ fn unknown_architectures_and_metadata_are_refused() -> Result<()> {
             Box::new(|m| set(m, "general.architecture", GgufValue::String("gemma".into()))),
             vec![
                 "'gemma' is not supported",
-                "llama, qwen2, qwen3, smollm3, olmo2, phi3",
+                "llama, qwen2, qwen3, smollm3, olmo2, phi3, gemma2, gemma3",
             ],
         ),
         (
@@ -176,6 +176,78 @@ fn smollm3_and_olmo2_metadata_they_do_not_run_is_refused() -> Result<()> {
             "1 unexpected: blk.0.ffn_norm.weight",
         ],
     )
+}
+
+/// What a Gemma file says that llama.cpp would not run as its author's
+/// model is refused naming the key: a soft-cap on Gemma 3's scores (which
+/// llama.cpp's `gemma3` ignores), an attention scale (neither Gemma reads
+/// one), a Gemma 2 window of 0 (every key hidden from its sliding layers)
+/// or logit cap of 0 (llama.cpp divides by it), a per-layer pattern of
+/// the wrong length. A `gemma2` file holding `output.weight` (llama.cpp's
+/// Gemma 2 always projects with the embeddings) or lacking the norm
+/// before the MLP is refused naming the tensor.
+#[test]
+fn gemma_metadata_they_do_not_run_is_refused() -> Result<()> {
+    let cases: [(&str, &str, MetaEdit, Vec<&str>); 5] = [
+        (
+            "gemma3",
+            "attn-cap",
+            Box::new(|m| set(m, "gemma3.attn_logit_softcapping", GgufValue::F32(50.))),
+            vec!["gemma3.attn_logit_softcapping", "not one this loader can honour"],
+        ),
+        (
+            "gemma2",
+            "scale",
+            Box::new(|m| set(m, "gemma2.attention.scale", GgufValue::F32(0.25))),
+            vec!["gemma2.attention.scale", "not one this loader can honour"],
+        ),
+        (
+            "gemma2",
+            "window-0",
+            Box::new(|m| set(m, "gemma2.attention.sliding_window", GgufValue::U32(0))),
+            vec!["gemma2.attention.sliding_window", "is 0"],
+        ),
+        (
+            "gemma2",
+            "cap-0",
+            Box::new(|m| set(m, "gemma2.final_logit_softcapping", GgufValue::F32(0.))),
+            vec!["gemma2.final_logit_softcapping", "must be finite and > 0"],
+        ),
+        (
+            "gemma3",
+            "pattern-length",
+            Box::new(|m| {
+                let pattern = GgufValue::Array(vec![GgufValue::Bool(true); 3]);
+                set(m, "gemma3.attention.sliding_window_pattern", pattern)
+            }),
+            vec![
+                "gemma3.attention.sliding_window_pattern",
+                "3 entries for 6 layers",
+            ],
+        ),
+    ];
+    for (name, tag, edit, needles) in cases {
+        let path = rewrite(name, tag, |m, _| {
+            edit(m);
+            Ok(())
+        })?;
+        assert_refused(&path, &needles)?;
+    }
+    let untied = rewrite("gemma2", "output", |_, tensors| {
+        let embd = tensors
+            .iter()
+            .find(|(n, _)| n == "token_embd.weight")
+            .map(|(_, t)| t.dequantize(&Device::Cpu))
+            .context("token_embd")??;
+        tensors.push(("output.weight".into(), QTensor::quantize(&embd, GgmlDType::F32)?));
+        Ok(())
+    })?;
+    assert_refused(&untied, &["1 unexpected: output.weight"])?;
+    let no_pre_norm = rewrite("gemma3", "no-ffn-norm", |_, tensors| {
+        tensors.retain(|(n, _)| n != "blk.2.ffn_norm.weight");
+        Ok(())
+    })?;
+    assert_refused(&no_pre_norm, &["1 missing: blk.2.ffn_norm.weight [32]"])
 }
 
 /// A tensor stored in a ggml type this loader does not read (Q8_1 here,

@@ -196,7 +196,7 @@ impl GemmaConfig {
         Ok(cfg)
     }
 
-    fn validate(&self, label: &str) -> Result<()> {
+    pub(crate) fn validate(&self, label: &str) -> Result<()> {
         check_dims(
             label,
             &[

@@ -16,18 +16,24 @@ use serde_json::Value;
 use crate::common::{fixture_dir, Fixture};
 
 /// Each model and the types it was converted to.
-pub const FILES: [(&str, &[&str]); 5] = [
+pub const FILES: [(&str, &[&str]); 7] = [
     ("llama", &["f32", "f16", "bf16", "q8_0"]),
     ("qwen2", &["f32", "q8_0"]),
     ("qwen3", &["f32", "bf16"]),
     ("smollm3", &["f32"]),
     ("olmo2", &["f32"]),
+    ("gemma2", &["f32", "q8_0"]),
+    ("gemma3", &["f32"]),
 ];
 
 /// The models whose HF values are in `expected-archs.safetensors`
-/// (llama.cpp's archs `smollm3` and `olmo2`) rather than
-/// `expected.safetensors`.
-pub const ARCHS: [&str; 2] = ["smollm3", "olmo2"];
+/// (llama.cpp's archs `smollm3`, `olmo2`, `gemma2` and `gemma3`) rather
+/// than `expected.safetensors`.
+pub const ARCHS: [&str; 4] = ["smollm3", "olmo2", "gemma2", "gemma3"];
+
+/// The models that are Gemmas ([`multihead_models::decoder::GemmaConfig`]),
+/// the others Llama-family.
+pub const GEMMAS: [&str; 2] = ["gemma2", "gemma3"];
 
 pub fn gguf(name: &str, ty: &str) -> PathBuf {
     fixture_dir("gguf").join(format!("{name}-{ty}.gguf"))

@@ -1,5 +1,6 @@
-//! A GGUF file's `{arch}.*` metadata read into a [`LlamaConfig`], each
-//! key checked as `config.json`'s are, and anything the models cannot
+//! A GGUF file's `{arch}.*` metadata read into the config of the HF model
+//! it describes ([`LlamaConfig`] here, [`GemmaConfig`] in `gemma.rs`),
+//! each key checked as `config.json`'s are, and anything the models cannot
 //! honour refused by name.
 
 use candle::{bail, DType, Device, Result};
@@ -7,7 +8,9 @@ use multihead_attention::RopeScaling;
 
 use super::GGUF_ARCHITECTURES;
 use crate::checkpoint::GgufFile;
-use crate::decoder::config::{rotary_every, LlamaConfig, NormPlacement, Projections, QkNorm};
+use crate::decoder::config::{
+    rotary_every, HfDecoderConfig, LlamaConfig, NormPlacement, Projections, QkNorm,
+};
 
 /// SmolLM3's layers without rotary in a GGUF file: every fourth, which
 /// llama.cpp fixes (`n_no_rope_layer_step` in `src/llama-hparams.h`, read
@@ -26,6 +29,10 @@ pub(super) enum Arch {
     SmolLm3,
     /// OLMo 2: norms after attention and MLP, q/k norms over all heads.
     Olmo2,
+    /// Gemma 2: a [`crate::decoder::Gemma`], its norms stored as `1 + w`.
+    Gemma2,
+    /// Gemma 3 (text): as Gemma 2.
+    Gemma3,
     /// Phi-3: fused q/k/v and gate/up projections, LongRoPE.
     Phi3,
 }
@@ -46,6 +53,8 @@ impl Arch {
             "qwen3" => Self::Qwen3,
             "smollm3" => Self::SmolLm3,
             "olmo2" => Self::Olmo2,
+            "gemma2" => Self::Gemma2,
+            "gemma3" => Self::Gemma3,
             "phi3" => Self::Phi3,
             other => bail!(
                 "GGUF file '{label}': architecture '{}' is not supported; this loader runs {} (Mistral files are 'llama')",
@@ -62,8 +71,16 @@ impl Arch {
             Self::Qwen3 => "qwen3",
             Self::SmolLm3 => "smollm3",
             Self::Olmo2 => "olmo2",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3 => "gemma3",
             Self::Phi3 => "phi3",
         }
+    }
+
+    /// Whether the file holds a Gemma ([`crate::decoder::Gemma`]) rather
+    /// than a [`crate::decoder::Llama`].
+    pub(super) fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
     /// Whether the converter permuted q and k (weights and biases) for
@@ -73,18 +90,38 @@ impl Arch {
         matches!(self, Self::Llama | Self::SmolLm3)
     }
 
-    /// Where the block's norms sit, which also decides their tensor
-    /// names (`mod.rs`).
+    /// Where a Llama-family block's norms sit, which also decides their
+    /// tensor names (`mod.rs`).
     pub(super) fn norm_placement(self) -> NormPlacement {
         match self {
             Self::Olmo2 => NormPlacement::Post,
             _ => NormPlacement::Pre,
         }
     }
+
+    /// The `{arch}.*` keys llama.cpp reads for this arch beyond
+    /// [`KNOWN_KEYS`] (its `load_arch_hparams`), which `gemma.rs` reads.
+    fn own_keys(self) -> &'static [&'static str] {
+        match self {
+            Self::Gemma2 => &[
+                "attn_logit_softcapping",
+                "final_logit_softcapping",
+                "attention.sliding_window_pattern",
+                "rope.freq_base_swa",
+            ],
+            Self::Gemma3 => &[
+                "final_logit_softcapping",
+                "attention.sliding_window_pattern",
+                "rope.freq_base_swa",
+            ],
+            _ => &[],
+        }
+    }
 }
 
-/// The `{arch}.*` keys read below; any other is refused, since it may
-/// change what the model computes.
+/// The `{arch}.*` keys every arch's reading reads; any other (but an
+/// arch's [`Arch::own_keys`]) is refused, since it may change what the
+/// model computes.
 const KNOWN_KEYS: [&str; 20] = [
     "block_count",
     "context_length",
@@ -109,151 +146,244 @@ const KNOWN_KEYS: [&str; 20] = [
     "expert_used_count",
 ];
 
-impl LlamaConfig {
-    /// The config a GGUF file's metadata describes (`general.architecture`
-    /// `llama`, `qwen2`, `qwen3`, `smollm3`, `olmo2` or `phi3`), checked as
-    /// `config.json` is: the
-    /// vocabulary from `token_embd.weight`'s rows, tied embeddings where
-    /// `output.weight` is absent, biases where layer 0 has them. Metadata
-    /// this loader cannot honour (rotary scaling other than linear,
-    /// experts, an unknown `{arch}.*` key, Llama 3.1's `rope_freqs`
-    /// tensor) is refused by name.
-    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
-        Ok(gguf_config(file)?.0)
-    }
+/// A GGUF file's `{arch}.*` metadata, checked for what no arch's reading
+/// honours (an unknown key, experts, a split file, Llama 3.1's
+/// `rope_freqs` tensor), read by the key's name after `{arch}.`, errors
+/// naming it whole.
+pub(super) struct Meta<'a> {
+    pub(super) file: &'a GgufFile,
+    pub(super) arch: Arch,
+    prefix: String,
 }
 
-/// [`LlamaConfig::from_gguf`], with the architecture.
-pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
-    let label = file.label();
-    let arch = Arch::of(file)?;
-    let prefix = format!("{}.", arch.name());
-    let key = |k: &str| format!("{prefix}{k}");
-    for k in file.keys() {
-        if let Some(rest) = k.strip_prefix(&prefix) {
-            if !KNOWN_KEYS.contains(&rest) {
+impl<'a> Meta<'a> {
+    pub(super) fn new(file: &'a GgufFile) -> Result<Self> {
+        let label = file.label();
+        let arch = Arch::of(file)?;
+        let prefix = format!("{}.", arch.name());
+        for k in file.keys() {
+            if let Some(rest) = k.strip_prefix(&prefix) {
+                if !KNOWN_KEYS.contains(&rest) && !arch.own_keys().contains(&rest) {
+                    bail!(
+                        "GGUF file '{label}': metadata '{}' is not one this loader can honour",
+                        k.escape_debug()
+                    )
+                }
+            }
+            if k == "split.count" && file.usize(k)?.unwrap_or(1) > 1 {
+                bail!("GGUF file '{label}' is one part of a split model: merge the parts first (llama-gguf-split --merge)")
+            }
+        }
+        let meta = Self { file, arch, prefix };
+        for k in ["expert_count", "expert_used_count"] {
+            if meta.usize(k)?.unwrap_or(0) > 0 {
                 bail!(
-                    "GGUF file '{label}': metadata '{}' is not one this loader can honour",
-                    k.escape_debug()
+                    "GGUF file '{label}': '{}' > 0: mixture-of-experts models are not supported",
+                    meta.key(k)
                 )
             }
         }
-        if k == "split.count" && file.usize(k)?.unwrap_or(1) > 1 {
-            bail!("GGUF file '{label}' is one part of a split model: merge the parts first (llama-gguf-split --merge)")
+        if file.info("rope_freqs.weight").is_some() {
+            bail!("GGUF file '{label}': tensor 'rope_freqs.weight' (Llama 3.1-style rotary scaling) is not supported")
         }
+        Ok(meta)
     }
-    let required = |k: &str| -> Result<usize> {
-        file.usize(&key(k))?
-            .ok_or_else(|| candle::Error::Msg(format!("GGUF file '{label}': no metadata '{}'", key(k))))
-    };
-    for k in ["expert_count", "expert_used_count"] {
-        if file.usize(&key(k))?.unwrap_or(0) > 0 {
-            bail!(
-                "GGUF file '{label}': '{}' > 0: mixture-of-experts models are not supported",
-                key(k)
-            )
-        }
+
+    pub(super) fn label(&self) -> &str {
+        self.file.label()
     }
-    if file.info("rope_freqs.weight").is_some() {
-        bail!("GGUF file '{label}': tensor 'rope_freqs.weight' (Llama 3.1-style rotary scaling) is not supported")
+
+    /// The full name of key `k` (`{arch}.k`).
+    pub(super) fn key(&self, k: &str) -> String {
+        format!("{}{k}", self.prefix)
     }
-    let Some(embd) = file.info("token_embd.weight") else {
-        bail!("GGUF file '{label}': no tensor 'token_embd.weight'")
-    };
-    let hidden = required("embedding_length")?;
-    let vocab = match embd.shape.as_slice() {
-        &[v, e] if e == hidden => v,
-        dims => bail!(
-            "GGUF file '{label}': tensor 'token_embd.weight' has shape {dims:?}, expected (vocab, {hidden}) for '{}' {hidden}",
-            key("embedding_length")
-        ),
-    };
-    if let Some(v) = file.usize(&key("vocab_size"))? {
-        if v != vocab {
-            bail!(
-                "GGUF file '{label}': '{}' is {v} but token_embd.weight has {vocab} rows",
-                key("vocab_size")
-            )
-        }
+
+    pub(super) fn usize(&self, k: &str) -> Result<Option<usize>> {
+        self.file.usize(&self.key(k))
     }
-    let heads = required("attention.head_count")?;
-    let kv_heads = file.usize(&key("attention.head_count_kv"))?.unwrap_or(heads);
-    let head_dim = file.usize(&key("attention.key_length"))?;
-    if let (Some(k), Some(v)) = (head_dim, file.usize(&key("attention.value_length"))?) {
-        if k != v {
-            bail!(
-                "GGUF file '{label}': key_length {k} and value_length {v} differ, which these models do not"
-            )
-        }
+
+    pub(super) fn float(&self, k: &str) -> Result<Option<f64>> {
+        self.file.float(&self.key(k))
     }
-    let Some(eps) = file.float(&key("attention.layer_norm_rms_epsilon"))? else {
-        bail!(
-            "GGUF file '{label}': no metadata '{}'",
-            key("attention.layer_norm_rms_epsilon")
-        )
-    };
-    let rope_scaling = match file.string(&key("rope.scaling.type"))? {
-        None | Some("none") => match file.float(&key("rope.scale_linear"))? {
-            Some(f) if f != 1. => Some(RopeScaling::Linear { factor: f }),
-            _ => None,
-        },
-        Some("linear") => match file.float(&key("rope.scaling.factor"))? {
-            Some(factor) => Some(RopeScaling::Linear { factor }),
-            None => bail!(
-                "GGUF file '{label}': rope scaling 'linear' without '{}'",
-                key("rope.scaling.factor")
+
+    pub(super) fn required(&self, k: &str) -> Result<usize> {
+        self.usize(k)?.ok_or_else(|| {
+            candle::Error::Msg(format!(
+                "GGUF file '{}': no metadata '{}'",
+                self.label(),
+                self.key(k)
+            ))
+        })
+    }
+
+    /// Whether the file holds tensor `name`.
+    pub(super) fn has(&self, name: &str) -> bool {
+        self.file.info(name).is_some()
+    }
+
+    /// The vocabulary: `token_embd.weight`'s rows, which `vocab_size`
+    /// must match where given; the embeddings `embedding_length` wide.
+    pub(super) fn vocab(&self, hidden: usize) -> Result<usize> {
+        let label = self.label();
+        let Some(embd) = self.file.info("token_embd.weight") else {
+            bail!("GGUF file '{label}': no tensor 'token_embd.weight'")
+        };
+        let vocab = match embd.shape.as_slice() {
+            &[v, e] if e == hidden => v,
+            dims => bail!(
+                "GGUF file '{label}': tensor 'token_embd.weight' has shape {dims:?}, expected (vocab, {hidden}) for '{}' {hidden}",
+                self.key("embedding_length")
             ),
-        },
-        Some(other) => bail!(
-            "GGUF file '{label}': '{}' '{}' is not supported; only 'none' and 'linear'",
-            key("rope.scaling.type"),
-            other.escape_debug()
-        ),
-    };
-    let long_rope = longrope(file, arch, &key)?;
-    let rope_scaling = match (rope_scaling, long_rope) {
-        (None, long) => long,
-        (Some(s), None) => Some(s),
-        (Some(_), Some(_)) => bail!(
-            "GGUF file '{label}': both '{}' and LongRoPE factors ({}): one scaling at a time is supported",
-            key("rope.scaling.type"),
-            LONGROPE_TENSORS.join(", ")
-        ),
-    };
-    if let Some(s) = &rope_scaling {
-        s.validate()
-            .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': rope scaling: {e}")))?;
+        };
+        if let Some(v) = self.usize("vocab_size")? {
+            if v != vocab {
+                bail!(
+                    "GGUF file '{label}': '{}' is {v} but token_embd.weight has {vocab} rows",
+                    self.key("vocab_size")
+                )
+            }
+        }
+        Ok(vocab)
     }
-    // Phi-3's window is HF's (`Phi3Model` masks with `sliding_window`),
-    // which llama.cpp's graph leaves off for now; the converter writes 0
-    // where the config has none.
-    let sliding_window = match file.usize(&key("attention.sliding_window"))? {
+
+    /// `attention.key_length`, which `value_length` must equal where both
+    /// are given.
+    pub(super) fn head_dim(&self) -> Result<Option<usize>> {
+        let head_dim = self.usize("attention.key_length")?;
+        if let (Some(k), Some(v)) = (head_dim, self.usize("attention.value_length")?) {
+            if k != v {
+                bail!(
+                    "GGUF file '{}': key_length {k} and value_length {v} differ, which these models do not",
+                    self.label()
+                )
+            }
+        }
+        Ok(head_dim)
+    }
+
+    pub(super) fn rms_norm_eps(&self) -> Result<f64> {
+        let k = "attention.layer_norm_rms_epsilon";
+        self.float(k)?.ok_or_else(|| {
+            candle::Error::Msg(format!(
+                "GGUF file '{}': no metadata '{}'",
+                self.label(),
+                self.key(k)
+            ))
+        })
+    }
+
+    /// The rotary scaling: none or linear (`rope.scaling.*`, or the older
+    /// `rope.scale_linear`), validated.
+    pub(super) fn rope_scaling(&self) -> Result<Option<RopeScaling>> {
+        let label = self.label();
+        let scaling = match self.file.string(&self.key("rope.scaling.type"))? {
+            None | Some("none") => match self.float("rope.scale_linear")? {
+                Some(f) if f != 1. => Some(RopeScaling::Linear { factor: f }),
+                _ => None,
+            },
+            Some("linear") => match self.float("rope.scaling.factor")? {
+                Some(factor) => Some(RopeScaling::Linear { factor }),
+                None => bail!(
+                    "GGUF file '{label}': rope scaling 'linear' without '{}'",
+                    self.key("rope.scaling.factor")
+                ),
+            },
+            Some(other) => bail!(
+                "GGUF file '{label}': '{}' '{}' is not supported; only 'none' and 'linear'",
+                self.key("rope.scaling.type"),
+                other.escape_debug()
+            ),
+        };
+        if let Some(s) = &scaling {
+            s.validate()
+                .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': rope scaling: {e}")))?;
+        }
+        Ok(scaling)
+    }
+
+    /// Refuses a `rope.dimension_count` other than the heads' width:
+    /// partial rotary.
+    pub(super) fn check_rotary_width(&self, head_width: usize) -> Result<()> {
+        if let Some(d) = self.usize("rope.dimension_count")? {
+            if d != head_width {
+                bail!(
+                    "GGUF file '{}': '{}' is {d} but the heads are {head_width} wide: partial rotary is not supported",
+                    self.label(),
+                    self.key("rope.dimension_count"),
+                )
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LlamaConfig {
+    /// The config a GGUF file's metadata describes (`general.architecture`
+    /// `llama`, `qwen2`, `qwen3`, `smollm3`, `olmo2` or `phi3`), checked as
+    /// `config.json` is: the vocabulary from `token_embd.weight`'s rows,
+    /// tied embeddings where `output.weight` is absent, biases where layer
+    /// 0 has them. Metadata this loader cannot honour (rotary scaling other
+    /// than linear, experts, an unknown `{arch}.*` key, Llama 3.1's
+    /// `rope_freqs` tensor) is refused by name; so is a Gemma's file
+    /// ([`crate::decoder::GemmaConfig::from_gguf`]).
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let meta = Meta::new(file)?;
+        if meta.arch.is_gemma() {
+            bail!(
+                "GGUF file '{}': architecture '{}' is a Gemma (GemmaConfig::from_gguf)",
+                meta.label(),
+                meta.arch.name()
+            )
+        }
+        llama_config(&meta)
+    }
+}
+
+/// The config of the HF model a GGUF file describes, and its architecture.
+pub(super) fn gguf_config(file: &GgufFile) -> Result<(HfDecoderConfig, Arch)> {
+    let meta = Meta::new(file)?;
+    let cfg = match meta.arch.is_gemma() {
+        true => HfDecoderConfig::Gemma(super::gemma::gemma_config(&meta)?),
+        false => HfDecoderConfig::Llama(llama_config(&meta)?),
+    };
+    Ok((cfg, meta.arch))
+}
+
+/// [`LlamaConfig::from_gguf`] of a file's checked metadata.
+fn llama_config(meta: &Meta) -> Result<LlamaConfig> {
+    let (label, arch) = (meta.label(), meta.arch);
+    let hidden = meta.required("embedding_length")?;
+    let heads = meta.required("attention.head_count")?;
+    let sliding_window = match meta.usize("attention.sliding_window")? {
         None | Some(0) => None,
+        // Phi-3's window is HF's (`Phi3Model` masks with `sliding_window`),
+        // which llama.cpp's graph leaves off for now; the converter writes 0
+        // where the config has none.
         Some(w) if matches!(arch, Arch::Llama | Arch::Phi3) => Some(w),
         Some(_) => bail!(
             "GGUF file '{label}': '{}' is set, and this loader does not run {}'s sliding windows",
-            key("attention.sliding_window"),
+            meta.key("attention.sliding_window"),
             arch.name()
         ),
     };
-    let has = |name: &str| file.info(name).is_some();
+    let has = |name: &str| meta.has(name);
     let mut cfg = LlamaConfig {
-        vocab_size: vocab,
+        vocab_size: meta.vocab(hidden)?,
         hidden_size: hidden,
-        intermediate_size: required("feed_forward_length")?,
-        num_hidden_layers: required("block_count")?,
+        intermediate_size: meta.required("feed_forward_length")?,
+        num_hidden_layers: meta.required("block_count")?,
         num_attention_heads: heads,
-        num_key_value_heads: Some(kv_heads),
-        head_dim,
-        rms_norm_eps: eps,
-        rope_theta: Some(file.float(&key("rope.freq_base"))?.unwrap_or(10_000.)),
-        max_position_embeddings: file.usize(&key("context_length"))?,
+        num_key_value_heads: Some(meta.usize("attention.head_count_kv")?.unwrap_or(heads)),
+        head_dim: meta.head_dim()?,
+        rms_norm_eps: meta.rms_norm_eps()?,
+        rope_theta: Some(meta.float("rope.freq_base")?.unwrap_or(10_000.)),
+        max_position_embeddings: meta.usize("context_length")?,
         attention_bias: has("blk.0.attn_output.bias"),
         mlp_bias: has("blk.0.ffn_gate.bias"),
         tie_word_embeddings: !has("output.weight"),
         hidden_act: "silu".into(),
         sliding_window,
-        rope_scaling,
+        rope_scaling: rope_scaling(meta)?,
         qkv_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
         qk_norm: match arch {
             Arch::Olmo2 => QkNorm::AllHeads,
@@ -275,22 +405,37 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
     if cfg.attention_bias {
         cfg.qkv_bias = false;
     }
-    let rope_dims = file.usize(&key("rope.dimension_count"))?;
+    let rope_dims = meta.usize("rope.dimension_count")?;
     if arch == Arch::Phi3 {
         // Phi-4-mini rotates the first `partial_rotary_factor` of each head.
         cfg.rotary_dims = rope_dims.filter(|&d| d != cfg.head_width());
     }
     cfg.validate(&format!("GGUF file '{label}'"))?;
-    if let Some(d) = rope_dims.filter(|_| arch != Arch::Phi3) {
-        if d != cfg.head_width() {
-            bail!(
-                "GGUF file '{label}': '{}' is {d} but the heads are {} wide: partial rotary is not supported",
-                key("rope.dimension_count"),
-                cfg.head_width()
-            )
-        }
+    if arch != Arch::Phi3 {
+        meta.check_rotary_width(cfg.head_width())?;
     }
-    Ok((cfg, arch))
+    Ok(cfg)
+}
+
+/// The rotary scaling: linear ([`Meta::rope_scaling`]) or Phi-3's
+/// LongRoPE ([`longrope`]), one at most.
+fn rope_scaling(meta: &Meta) -> Result<Option<RopeScaling>> {
+    match (meta.rope_scaling()?, longrope(meta)?) {
+        (None, Some(long)) => {
+            long.validate().map_err(|e| {
+                candle::Error::Msg(format!("GGUF file '{}': rope scaling: {e}", meta.label()))
+            })?;
+            Ok(Some(long))
+        }
+        (None, None) => Ok(None),
+        (Some(s), None) => Ok(Some(s)),
+        (Some(_), Some(_)) => bail!(
+            "GGUF file '{}': both '{}' and LongRoPE factors ({}): one scaling at a time is supported",
+            meta.label(),
+            meta.key("rope.scaling.type"),
+            LONGROPE_TENSORS.join(", ")
+        ),
+    }
 }
 
 /// Phi-3's LongRoPE from the factor tensors and the `{arch}.rope.scaling.*`
@@ -298,8 +443,9 @@ pub(super) fn gguf_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
 /// `attn_factor`, else HF's default from `context_length`); `None` where
 /// the file has no factors. Other architectures' files with factors or an
 /// attention factor are refused.
-fn longrope(file: &GgufFile, arch: Arch, key: &dyn Fn(&str) -> String) -> Result<Option<RopeScaling>> {
-    let label = file.label();
+fn longrope(meta: &Meta) -> Result<Option<RopeScaling>> {
+    let (file, arch, label) = (meta.file, meta.arch, meta.label());
+    let key = |k: &str| meta.key(k);
     let present: Vec<&str> = LONGROPE_TENSORS
         .into_iter()
         .filter(|t| file.info(t).is_some())

@@ -1,12 +1,17 @@
 //! Llama-family decoders (llama, and Mistral, which llama.cpp files as
-//! llama; qwen2; qwen3; smollm3; olmo2; phi3) from a GGUF file as llama.cpp's
-//! `convert_hf_to_gguf.py` writes it: the `{arch}.*` metadata read into a
-//! [`LlamaConfig`], and the tensors handed to [`Llama::new`] under HF's
-//! names, with the rotary permutation the converter applies to the q and
-//! k of archs `llama` and `smollm3` undone. The metadata's reading is `config.rs`; the
-//! tokenizer, end tokens and chat template the file carries, `text.rs`.
+//! llama; qwen2; qwen3; smollm3; olmo2; phi3) and Gemmas (gemma2, gemma3)
+//! from a GGUF file as llama.cpp's `convert_hf_to_gguf.py` writes it: the
+//! `{arch}.*` metadata read into a [`LlamaConfig`](super::LlamaConfig) or a
+//! [`GemmaConfig`](super::GemmaConfig), and the tensors handed to
+//! [`Llama::new`] or [`Gemma::with_unit_norms`] (the converter stores a
+//! Gemma's norm weights as the `1 + w` they scale by) under HF's names,
+//! with the rotary permutation the converter applies to the q and k of
+//! archs `llama` and `smollm3` undone. The metadata's reading is
+//! `config.rs` (Gemma's, `gemma.rs`); the tokenizer, end tokens and chat
+//! template the file carries, `text.rs`.
 
 mod config;
+mod gemma;
 mod spm;
 mod text;
 
@@ -18,8 +23,8 @@ use candle::{bail, DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
-use super::config::{LlamaConfig, NormPlacement};
-use super::{DecoderModel, Llama};
+use super::config::HfDecoderConfig;
+use super::{DecoderModel, Gemma, Llama};
 use crate::checkpoint::{
     float_range, ggml_type_name, stored_dtype, wanted_tensors, GgufFile, LoadOptions, LoadProgress,
     Misshaped, NonFinite, Preflight, Wanted, WeightDtype, GGUF_TENSOR_TYPES,
@@ -29,7 +34,9 @@ pub(crate) use spm::SpmVocab;
 pub use text::GGUF_PRE_TOKENIZERS;
 
 /// The `general.architecture` values this loader runs.
-pub const GGUF_ARCHITECTURES: [&str; 6] = ["llama", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"];
+pub const GGUF_ARCHITECTURES: [&str; 8] = [
+    "llama", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3",
+];
 
 /// How many tensors of an unsupported type an error names.
 const NAMED: usize = 20;
@@ -55,19 +62,26 @@ const LAYER_NAMES: [(&str, &str); 16] = [
     ("mlp.down_proj.bias", "ffn_down.bias"),
 ];
 
-/// The block's norms, by where they sit: HF's `post_attention_layernorm`
-/// is the norm before the MLP in Llama (`ffn_norm`) and the one after
-/// attention in OLMo 2 (`post_attention_norm`), as gguf-py's tensor map
-/// gives each arch.
-fn norm_names(placement: NormPlacement) -> &'static [(&'static str, &'static str); 2] {
-    match placement {
-        NormPlacement::Pre => &[
-            ("input_layernorm.weight", "attn_norm.weight"),
-            ("post_attention_layernorm.weight", "ffn_norm.weight"),
-        ],
-        NormPlacement::Post => &[
+/// The block's norms, by arch, as gguf-py's tensor map gives each: HF's
+/// `post_attention_layernorm` is the norm before the MLP in Llama
+/// (`ffn_norm`) and the one after attention in OLMo 2 and the Gemmas
+/// (`post_attention_norm`), whose norm before the MLP
+/// (`pre_feedforward_layernorm`) is `ffn_norm`.
+fn norm_names(arch: Arch) -> &'static [(&'static str, &'static str)] {
+    match arch {
+        Arch::Olmo2 => &[
             ("post_attention_layernorm.weight", "post_attention_norm.weight"),
             ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ],
+        Arch::Gemma2 | Arch::Gemma3 => &[
+            ("input_layernorm.weight", "attn_norm.weight"),
+            ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+            ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+            ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+        ],
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::SmolLm3 | Arch::Phi3 => &[
+            ("input_layernorm.weight", "attn_norm.weight"),
+            ("post_attention_layernorm.weight", "ffn_norm.weight"),
         ],
     }
 }
@@ -79,16 +93,22 @@ const PHI3_LAYER_NAMES: [(&str, &str); 2] = [
     ("mlp.gate_up_proj.weight", "ffn_up.weight"),
 ];
 
-/// The layer names of `arch`'s files, HF's and the converter's.
+/// One layer's names (HF's, the converter's) for arch `arch`.
 fn layer_names(arch: Arch) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
     let fused: &[_] = match arch {
         Arch::Phi3 => &PHI3_LAYER_NAMES,
         _ => &[],
     };
-    fused
+    fused.iter().chain(&LAYER_NAMES).chain(norm_names(arch))
+}
+
+/// The names outside the layers (HF's, the converter's) for arch `arch`:
+/// gguf-py's `gemma2` has no `output` (llama.cpp's Gemma 2 always projects
+/// with the embeddings).
+fn top_names(arch: Arch) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    TOP_NAMES
         .iter()
-        .chain(&LAYER_NAMES)
-        .chain(norm_names(arch.norm_placement()))
+        .filter(move |(h, _)| arch != Arch::Gemma2 || *h != "lm_head.weight")
 }
 
 /// HF's names for the tensors outside the layers, and the converter's.
@@ -98,9 +118,9 @@ const TOP_NAMES: [(&str, &str); 3] = [
     ("lm_head.weight", "output.weight"),
 ];
 
-/// The converter's name for HF's tensor `hf` in `arch`'s files.
+/// The converter's name for HF's tensor `hf` of arch `arch`.
 fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
-    if let Some(&(_, g)) = TOP_NAMES.iter().find(|(h, _)| *h == hf) {
+    if let Some(&(_, g)) = top_names(arch).find(|(h, _)| *h == hf) {
         return Some(g.to_string());
     }
     let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
@@ -109,9 +129,9 @@ fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     Some(format!("blk.{layer}.{g}"))
 }
 
-/// HF's name for the converter's tensor `gguf` in `arch`'s files.
+/// HF's name for the converter's tensor `gguf` of arch `arch`.
 fn hf_name(gguf: &str, arch: Arch) -> Option<String> {
-    if let Some(&(h, _)) = TOP_NAMES.iter().find(|(_, g)| *g == gguf) {
+    if let Some(&(h, _)) = top_names(arch).find(|(_, g)| *g == gguf) {
         return Some(h.to_string());
     }
     let (layer, rest) = gguf.strip_prefix("blk.")?.split_once('.')?;
@@ -143,6 +163,7 @@ fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
 /// the load asks for, norms and biases f32.
 struct GgufReader<'a> {
     file: &'a GgufFile,
+    /// The architecture, which names the tensors.
     arch: Arch,
     /// `(heads, kv_heads)` where q and k are permuted
     /// ([`Arch::permutes_qk`]).
@@ -315,12 +336,23 @@ fn check_types(file: &GgufFile) -> Result<()> {
     Ok(())
 }
 
-/// Compares the tensors the model `cfg` asks for with the file's, by the
-/// file's names: every missing, unexpected and mis-shaped one at once
-/// (the unexpected, which the file names, escaped: `str::escape_debug`,
-/// since the report is printed). Also returns the names of those present
-/// in the right shape, in the order the model asks for them.
-fn compare(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<(Preflight, Vec<String>)> {
+/// The model `cfg` describes, built from `vb` (HF's names; a Gemma's
+/// norms holding `1 + w`, as the converter writes them).
+fn build(cfg: &HfDecoderConfig, vb: VarBuilder) -> Result<DecoderModel> {
+    Ok(match cfg {
+        HfDecoderConfig::Llama(c) => DecoderModel::Llama(Llama::new(c, vb)?),
+        HfDecoderConfig::Gemma(c) => DecoderModel::Gemma(Gemma::with_unit_norms(c, vb)?),
+        HfDecoderConfig::Gpt2(_) => bail!("GGUF files of GPT-2 are not supported"),
+    })
+}
+
+/// Compares the tensors the model `cfg` (of arch `arch`) asks for with the
+/// file's, by the file's names: every missing, unexpected and mis-shaped
+/// one at once (the unexpected, which the file names, escaped:
+/// `str::escape_debug`, since the report is printed). Also returns the
+/// names of those present in the right shape, in the order the model asks
+/// for them.
+fn compare(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<(Preflight, Vec<String>)> {
     let mut report = Preflight::default();
     let mut present = Vec::new();
     // Read into the config, not the layers.
@@ -333,7 +365,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<(Preflight,
         }
     }
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
-    let wanted = wanted_tensors(&names, |vb| Llama::new(cfg, vb))?;
+    let wanted = wanted_tensors(&names, |vb| build(cfg, vb))?;
     let mut needed = HashSet::new();
     let mut matching = Vec::new();
     for w in wanted {
@@ -370,7 +402,7 @@ fn compare(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<(Preflight,
 /// [`compare`], then, where the shapes all match, every needed tensor
 /// holding NaN or infinity ([`GgufFile::non_finite`]), as a safetensors
 /// file's pre-flight does: one error naming every problem.
-fn preflight(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<()> {
+fn preflight(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<()> {
     let (mut report, matching) = compare(file, cfg, arch)?;
     if report.misshaped.is_empty() {
         report.non_finite = file
@@ -390,7 +422,7 @@ fn preflight(file: &GgufFile, cfg: &LlamaConfig, arch: Arch) -> Result<()> {
 
 /// The architecture, the tensors' types, and the config the metadata
 /// describes.
-fn checked_config(file: &GgufFile) -> Result<(LlamaConfig, Arch)> {
+fn checked_config(file: &GgufFile) -> Result<(HfDecoderConfig, Arch)> {
     Arch::of(file)?;
     check_types(file)?;
     gguf_config(file)
@@ -401,23 +433,26 @@ impl DecoderModel {
     /// weight, short of the NaN/Inf scan ([`GgufFile::non_finite`]): an
     /// error for an architecture, a tensor type or metadata it does not
     /// run; else the config the metadata describes
-    /// ([`LlamaConfig::from_gguf`]) and the tensors that config needs
-    /// compared with the file's (every missing, unexpected and mis-shaped
-    /// one, by the file's names; clean where it loads).
-    /// `multihead inspect FILE.gguf` prints it.
-    pub fn gguf_preflight(file: &GgufFile) -> Result<(LlamaConfig, Preflight)> {
+    /// ([`LlamaConfig::from_gguf`](super::LlamaConfig::from_gguf),
+    /// [`GemmaConfig::from_gguf`](super::GemmaConfig::from_gguf)) and the
+    /// tensors that config needs compared with the file's (every missing,
+    /// unexpected and mis-shaped one, by the file's names; clean where it
+    /// loads). `multihead inspect FILE.gguf` prints it.
+    pub fn gguf_preflight(file: &GgufFile) -> Result<(HfDecoderConfig, Preflight)> {
         let (cfg, arch) = checked_config(file)?;
         let (report, _) = compare(file, &cfg, arch)?;
         Ok((cfg, report))
     }
 
     /// Loads a Llama-family decoder (arch `llama`, which Mistral files
-    /// use too, `qwen2`, `qwen3`, `smollm3`, `olmo2` or `phi3`) from a GGUF file as llama.cpp's
-    /// converter writes it, F32, F16, BF16 or Q8_0: the config from its
-    /// metadata ([`LlamaConfig::from_gguf`]), the tensors checked against
-    /// it (every missing, unexpected, mis-shaped or unreadable one named,
-    /// then every one holding NaN or infinity, with the counts),
-    /// the weight matrices in `opts.dtype` as
+    /// use too, `qwen2`, `qwen3`, `smollm3`, `olmo2` or `phi3`) or a Gemma
+    /// (`gemma2`, `gemma3`) from a GGUF file as llama.cpp's converter
+    /// writes it, F32, F16, BF16 or Q8_0: the config from its metadata
+    /// ([`LlamaConfig::from_gguf`](super::LlamaConfig::from_gguf),
+    /// [`GemmaConfig::from_gguf`](super::GemmaConfig::from_gguf)), the
+    /// tensors checked against it (every missing, unexpected, mis-shaped
+    /// or unreadable one named, then every one holding NaN or infinity,
+    /// with the counts), the weight matrices in `opts.dtype` as
     /// [`DecoderModel::from_folder_with`] keeps them (Q8_0 dequantized to
     /// f32 first), norms and biases f32.
     pub fn from_gguf(path: &Path, device: &Device, opts: &LoadOptions) -> Result<Self> {
@@ -428,12 +463,14 @@ impl DecoderModel {
     pub fn from_gguf_file(file: &GgufFile, device: &Device, opts: &LoadOptions) -> Result<Self> {
         let (cfg, arch) = checked_config(file)?;
         preflight(file, &cfg, arch)?;
+        let permuted = match &cfg {
+            HfDecoderConfig::Llama(c) if arch.permutes_qk() => Some((c.num_attention_heads, c.kv_heads())),
+            _ => None,
+        };
         let reader = GgufReader {
             file,
             arch,
-            permuted: arch
-                .permutes_qk()
-                .then(|| (cfg.num_attention_heads, cfg.kv_heads())),
+            permuted,
             weight_dtype: opts.dtype.dtype(),
             keep_blocks: opts.dtype == WeightDtype::Ggml,
             progress: opts.progress.clone(),
@@ -441,8 +478,8 @@ impl DecoderModel {
             total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
-        let model = multihead_attention::lending(|| opts.dtype.packing(|| Llama::new(&cfg, vb)))?;
-        Ok(Self::Llama(model.with_kv_dtype(opts.kv_dtype)))
+        let model = multihead_attention::lending(|| opts.dtype.packing(|| build(&cfg, vb)))?;
+        Ok(model.with_kv_dtype(opts.kv_dtype))
     }
 }
 
@@ -461,28 +498,41 @@ mod tests {
             ),
             ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
         ] {
-            for arch in [Arch::Llama, Arch::Olmo2] {
+            for arch in [Arch::Llama, Arch::Olmo2, Arch::Gemma3] {
                 assert_eq!(gguf_name(hf, arch).as_deref(), Some(g));
                 assert_eq!(hf_name(g, arch).as_deref(), Some(hf));
             }
         }
-        // The norms' names depend on where they sit (gguf-py's map for
-        // arch `olmo2` against `llama`'s).
+        // The norms' names depend on the arch (gguf-py's map for `olmo2`
+        // and the Gemmas against `llama`'s).
         let post = "model.layers.3.post_attention_layernorm.weight";
         assert_eq!(
             gguf_name(post, Arch::Llama).as_deref(),
             Some("blk.3.ffn_norm.weight")
         );
+        for arch in [Arch::Olmo2, Arch::Gemma2] {
+            assert_eq!(
+                gguf_name(post, arch).as_deref(),
+                Some("blk.3.post_attention_norm.weight")
+            );
+            assert_eq!(
+                hf_name("blk.3.post_ffw_norm.weight", arch).as_deref(),
+                Some("model.layers.3.post_feedforward_layernorm.weight")
+            );
+        }
         assert_eq!(
-            gguf_name(post, Arch::Olmo2).as_deref(),
-            Some("blk.3.post_attention_norm.weight")
+            hf_name("blk.3.ffn_norm.weight", Arch::Gemma2).as_deref(),
+            Some("model.layers.3.pre_feedforward_layernorm.weight")
         );
-        assert_eq!(
-            hf_name("blk.3.post_ffw_norm.weight", Arch::Olmo2).as_deref(),
-            Some("model.layers.3.post_feedforward_layernorm.weight")
-        );
+        assert_eq!(hf_name("blk.3.ffn_norm.weight", Arch::Olmo2), None);
         assert_eq!(hf_name("blk.3.post_ffw_norm.weight", Arch::Llama), None);
         assert_eq!(hf_name("blk.3.attn_norm.weight", Arch::Olmo2), None);
+        // gguf-py's `gemma2` has no output projection; `gemma3`'s has.
+        assert_eq!(hf_name("output.weight", Arch::Gemma2), None);
+        assert_eq!(
+            hf_name("output.weight", Arch::Gemma3).as_deref(),
+            Some("lm_head.weight")
+        );
         // Phi-3's fused projections; `ffn_up` is the gate and up in one.
         for (hf, g) in [
             (
@@ -505,7 +555,7 @@ mod tests {
             "rope_freqs.weight",
             "blk.0.attn_qkv.weight",
         ] {
-            assert_eq!(hf_name(bad, Arch::Qwen2), None, "{bad}");
+            assert_eq!(hf_name(bad, Arch::Llama), None, "{bad}");
         }
         assert_eq!(gguf_name("model.layers.0.", Arch::Llama), None);
     }
