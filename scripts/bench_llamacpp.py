@@ -22,7 +22,10 @@ instead a folder at Llama-3.2-1B's size (16 layers, 2048 wide, MLP 8192, GQA
 of 256 wide, so Q4_K_M is Q4_K and Q6_K throughout, as for Llama 3.2 1B.
 `--shape gemma3-1b` makes a Gemma 3 text folder at Gemma-3-1B's size (26 layers, 1152 wide, MLP 6912, 4
 query heads and 1 key/value head of 256, sliding windows of 512 keys on five layers in six, the
-262,144-token vocabulary tied to the head: 1.0 B parameters), `gemma3-1b-shaped`.
+262,144-token vocabulary tied to the head: 1.0 B parameters), `gemma3-1b-shaped`; `--shape phi4-mini`
+a Phi-3 folder at Phi-4-mini's size (32 layers, 3072 wide, MLP 8192, GQA 24/8 of 128, 0.75 of each head
+rotated, LongRoPE with an original context of 4096, the 200,064-token vocabulary tied: 3.8 B
+parameters), `phi4-mini-shaped`.
 `--runs 0` only makes the folder and the GGUF files, and prints nothing.
 
 Each run, for each dtype, llama.cpp's side is
@@ -98,11 +101,14 @@ SHAPES = {
     "gemma3-1b": dict(family="gemma3", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                       sliding_window=512, query_pre_attn_scalar=256),
+    "phi4-mini": dict(family="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                      partial_rotary_factor=0.75),
 }
 
 
 def folder_name(shape):
-    """The made folder's name: `llama-0.39b-shaped`, `llama-1b-shaped`, `gemma3-1b-shaped`."""
+    """The made folder's name: `llama-0.39b-shaped`, `llama-1b-shaped`, `gemma3-1b-shaped`, `phi4-mini-shaped`."""
     return f"{shape}-shaped" if "family" in SHAPES[shape] else f"llama-{shape}-shaped"
 
 
@@ -127,7 +133,18 @@ spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=os.pa
 os.remove(os.path.join(folder, "tokenizer.vocab"))
 LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)  # tokenizer.json, tokenizer_config.json
 torch.manual_seed(0)
-if family == "gemma3":
+if family == "phi3":
+    from transformers import Phi3Config, Phi3ForCausalLM
+    # Phi-4-mini's LongRoPE: a factor per rotated pair (0.75 of 128: 48), an original context of 4096.
+    pairs = int(shape["hidden_size"] // shape["num_attention_heads"] * shape["partial_rotary_factor"]) // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": shape["partial_rotary_factor"],
+            "short_factor": [1.0 + 0.02 * i for i in range(pairs)], "long_factor": [1.0 + 0.5 * i for i in range(pairs)]}
+    cfg = Phi3Config(**shape, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)
+    torch.set_default_dtype(torch.bfloat16)  # 3.8 B: made in bf16, not in f32 then rounded (15 GB)
+    model = Phi3ForCausalLM(cfg)
+elif family == "gemma3":
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     cfg = Gemma3TextConfig(**shape, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -305,7 +322,7 @@ def main():
     ap.add_argument("--folder", help="an HF Llama folder (default: one made here, of --shape)")
     ap.add_argument("--shape", choices=SHAPES, default="0.39b",
                     help="the made folder's size: 0.39b (Qwen2.5-0.5B's, the default), 1b (Llama-3.2-1B's) or "
-                    "gemma3-1b (a Gemma 3 text model of Gemma-3-1B's size)")
+                    "gemma3-1b (a Gemma 3 text model of Gemma-3-1B's size) or phi4-mini (a Phi-3 of Phi-4-mini's)")
     ap.add_argument("--work", metavar="DIR", help="keep the made folder and the GGUF files here, reused if present "
                     "(default: a temporary folder, removed)")
     ap.add_argument("--runs", type=int, default=3, help="0: only make the folder and the GGUF files")
