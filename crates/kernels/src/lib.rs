@@ -82,6 +82,7 @@ mod lanes;
 mod linear;
 mod norm;
 mod packed;
+mod pages;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 mod pool;

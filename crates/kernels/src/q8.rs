@@ -200,7 +200,7 @@ impl Q8Weight {
         }
         let kernel = Kernel::for_isa(isa);
         let (nb, panels) = (k / QK, n.div_ceil(NR));
-        let mut qs = vec![kernel.encode(0); panels * nb * BLOCK_BYTES + 63];
+        let mut qs = crate::pages::filled(panels * nb * BLOCK_BYTES + 63, kernel.encode(0));
         let start = qs.as_ptr().align_offset(64).min(63);
         let mut d = vec![f16::ZERO; panels * nb * NR];
         qs[start..start + panels * nb * BLOCK_BYTES]
@@ -247,7 +247,7 @@ impl Q8Weight {
         }
         let kernel = Kernel::for_isa(isa);
         let (nb, panels) = (k / QK, n.div_ceil(NR));
-        let mut qs = vec![kernel.encode(0); panels * nb * BLOCK_BYTES + 63];
+        let mut qs = crate::pages::filled(panels * nb * BLOCK_BYTES + 63, kernel.encode(0));
         let start = qs.as_ptr().align_offset(64).min(63);
         let mut d = vec![f16::ZERO; panels * nb * NR];
         qs[start..start + panels * nb * BLOCK_BYTES]

@@ -43,7 +43,7 @@ impl<E: PanelElem> Panels<E> {
         let np = n.div_ceil(nr) * nr;
         // 64 bytes of slack to align the start.
         let slack = 64 / size_of::<E>();
-        let mut data = vec![E::default(); np * k + slack];
+        let mut data = crate::pages::filled(np * k + slack, E::default());
         let start = data.as_ptr().align_offset(64).min(slack);
         data[start..start + np * k]
             .par_chunks_mut(k * nr)

@@ -83,7 +83,7 @@ impl Layout {
 pub(crate) fn repack(l: Layout, data: &[u8], n: usize, nb: usize) -> Vec<u8> {
     use rayon::prelude::*;
     let panels = n.div_ceil(PANEL);
-    let mut out = vec![0u8; panels * nb * l.bytes()];
+    let mut out = crate::pages::filled(panels * nb * l.bytes(), 0u8);
     out.par_chunks_mut(nb * l.bytes())
         .enumerate()
         .for_each(|(p, panel)| {
