@@ -16,7 +16,7 @@ use candle::quantized::gguf_file::Value as GgufValue;
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
-use gguf_fixtures::{expected, expected_for, gguf, ids, logits, model_case, opts, FILES, GEMMAS};
+use gguf_fixtures::{expected_for, gguf, ids, logits, model_case, opts, FILES, GEMMAS};
 use multihead_attention::RopeScaling;
 use multihead_attention::{packing_as, PackFormat, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
