@@ -292,6 +292,52 @@ pub(super) fn block_weights(parts: &[&[usize]], owner: &str, width: usize, mlp: 
         })
 }
 
+/// The sizes that fix a grouped-query decoder's weight matrices (Llama's
+/// relatives, Gemma): what [`LlamaConfig::min_weights`] and
+/// `GemmaConfig::min_weights` count.
+pub(super) struct GqaDecoderShape {
+    /// The config's name, in errors.
+    pub owner: &'static str,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The output projection shares the embedding.
+    pub tied: bool,
+}
+
+impl GqaDecoderShape {
+    /// The token table, q and o (hidden x heads·head_dim each), k and v
+    /// (hidden x kv_heads·head_dim each), gate, up and down (hidden x
+    /// intermediate each) a layer, and an untied head, with checked
+    /// arithmetic.
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        let (e, i, v, hd) = (self.hidden, self.intermediate, self.vocab, self.head_dim);
+        let mut m = MinWeights::new(self.owner);
+        m.add(
+            format!("embed_tokens (vocab_size {v} x hidden_size {e})"),
+            &[v, e],
+        )?;
+        let per_layer = block_weights(
+            &[&[2, e, self.heads, hd], &[2, e, self.kv_heads, hd], &[3, e, i]],
+            self.owner,
+            e,
+            i,
+        )?;
+        m.add(
+            format!("layers (num_hidden_layers {} x {per_layer} each)", self.layers),
+            &[self.layers, per_layer],
+        )?;
+        if !self.tied {
+            m.add(format!("lm_head (vocab_size {v} x hidden_size {e})"), &[v, e])?;
+        }
+        Ok(m)
+    }
+}
+
 /// HF `LlamaConfig` / `MistralConfig`, the fields that shape the model.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct LlamaConfig {
@@ -725,36 +771,18 @@ impl LlamaConfig {
     /// and weight matrices), with checked arithmetic; see
     /// [`crate::checkpoint::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
-        let (e, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let hd = self.head_width();
-        let mut m = MinWeights::new("LlamaConfig");
-        m.add(
-            format!("embed_tokens (vocab_size {v} x hidden_size {e})"),
-            &[v, e],
-        )?;
-        // q and o (e x heads·head_dim each), k and v (e x kv_heads·head_dim
-        // each), gate, up and down (e x intermediate_size each).
-        let per_layer = block_weights(
-            &[
-                &[2, e, self.num_attention_heads, hd],
-                &[2, e, self.kv_heads(), hd],
-                &[3, e, i],
-            ],
-            "LlamaConfig",
-            e,
-            i,
-        )?;
-        m.add(
-            format!(
-                "layers (num_hidden_layers {} x {per_layer} each)",
-                self.num_hidden_layers
-            ),
-            &[self.num_hidden_layers, per_layer],
-        )?;
-        if !self.tie_word_embeddings {
-            m.add(format!("lm_head (vocab_size {v} x hidden_size {e})"), &[v, e])?;
+        GqaDecoderShape {
+            owner: "LlamaConfig",
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            intermediate: self.intermediate_size,
+            layers: self.num_hidden_layers,
+            heads: self.num_attention_heads,
+            kv_heads: self.kv_heads(),
+            head_dim: self.head_width(),
+            tied: self.tie_word_embeddings,
         }
-        Ok(m)
+        .min_weights()
     }
 
     /// Key/value heads.

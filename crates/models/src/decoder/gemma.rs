@@ -21,7 +21,7 @@ use multihead_attention::{
 };
 use serde_json::{Map, Value};
 
-use super::config::{block_weights, check_dims, check_eps, ties_in};
+use super::config::{check_dims, check_eps, ties_in, GqaDecoderShape};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
@@ -257,38 +257,18 @@ impl GemmaConfig {
     /// and weight matrices), with checked arithmetic; see
     /// [`crate::checkpoint::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
-        let (e, i, v, hd) = (
-            self.hidden_size,
-            self.intermediate_size,
-            self.vocab_size,
-            self.head_dim,
-        );
-        let mut m = MinWeights::new("GemmaConfig");
-        m.add(
-            format!("embed_tokens (vocab_size {v} x hidden_size {e})"),
-            &[v, e],
-        )?;
-        let per_layer = block_weights(
-            &[
-                &[2, e, self.num_attention_heads, hd],
-                &[2, e, self.num_key_value_heads, hd],
-                &[3, e, i],
-            ],
-            "GemmaConfig",
-            e,
-            i,
-        )?;
-        m.add(
-            format!(
-                "layers (num_hidden_layers {} x {per_layer} each)",
-                self.num_hidden_layers
-            ),
-            &[self.num_hidden_layers, per_layer],
-        )?;
-        if !self.tie_word_embeddings {
-            m.add(format!("lm_head (vocab_size {v} x hidden_size {e})"), &[v, e])?;
+        GqaDecoderShape {
+            owner: "GemmaConfig",
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            intermediate: self.intermediate_size,
+            layers: self.num_hidden_layers,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            tied: self.tie_word_embeddings,
         }
-        Ok(m)
+        .min_weights()
     }
 }
 
