@@ -183,12 +183,25 @@ fn smollm3_and_olmo2_metadata_they_do_not_run_is_refused() -> Result<()> {
 /// llama.cpp's `gemma3` ignores), an attention scale (neither Gemma reads
 /// one), a Gemma 2 window of 0 (every key hidden from its sliding layers)
 /// or logit cap of 0 (llama.cpp divides by it), a per-layer pattern of
-/// the wrong length. A `gemma2` file holding `output.weight` (llama.cpp's
+/// the wrong length, a layer count far past any model's (refused before
+/// any per-layer table is built; SmolLM3's too). A `gemma2` file holding `output.weight` (llama.cpp's
 /// Gemma 2 always projects with the embeddings) or lacking the norm
 /// before the MLP is refused naming the tensor.
 #[test]
 fn gemma_metadata_they_do_not_run_is_refused() -> Result<()> {
-    let cases: [(&str, &str, MetaEdit, Vec<&str>); 5] = [
+    let cases: [(&str, &str, MetaEdit, Vec<&str>); 7] = [
+        (
+            "gemma3",
+            "layers",
+            Box::new(|m| set(m, "gemma3.block_count", GgufValue::U64(1 << 40))),
+            vec!["gemma3.block_count", "must be in 1..="],
+        ),
+        (
+            "smollm3",
+            "layers",
+            Box::new(|m| set(m, "smollm3.block_count", GgufValue::U64(1 << 40))),
+            vec!["smollm3.block_count", "must be in 1..="],
+        ),
         (
             "gemma3",
             "attn-cap",

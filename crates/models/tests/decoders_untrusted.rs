@@ -299,6 +299,15 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
             "field 'layer_types' holds \"sliding_attention\"",
         ),
         (
+            smollm3_with(|v| {
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("no_rope_layers");
+                }
+                v["num_hidden_layers"] = (1u64 << 40).into();
+            })?,
+            "field 'num_hidden_layers' must be in 1..=",
+        ),
+        (
             smollm3_with(|v| v["no_rope_layers"] = serde_json::json!([1]))?,
             "field 'no_rope_layers' must be a list of 0 or 1 for each of the 2 layers",
         ),

@@ -170,6 +170,14 @@ pub(super) fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {
     Ok(())
 }
 
+/// `n` layers where that many is in range ([`check_dims`]): checked before
+/// anything is built per layer, so that a config asking for 2⁴⁰ layers is
+/// an error, not an allocation that aborts.
+pub(super) fn checked_layers(label: &str, name: &str, n: usize) -> Result<usize> {
+    check_dims(label, &[(name, n)])?;
+    Ok(n)
+}
+
 pub(super) fn check_eps(label: &str, name: &str, eps: f64) -> Result<()> {
     if !(eps.is_finite() && eps > 0. && eps < 1.) {
         bail!("{label}: field '{name}' must be in (0, 1), found {eps}")
@@ -451,7 +459,7 @@ impl LlamaConfig {
         if value.get("tie_word_embeddings").is_none() {
             self.tie_word_embeddings = true;
         }
-        let n = self.num_hidden_layers;
+        let n = checked_layers(label, "num_hidden_layers", self.num_hidden_layers)?;
         self.rotary_layers = match value.get("no_rope_layers") {
             None | Some(Value::Null) => {
                 let interval = match value.get("no_rope_layer_interval") {

@@ -21,7 +21,7 @@ use multihead_attention::{
 };
 use serde_json::{Map, Value};
 
-use super::config::{check_dims, check_eps, ties_in, GqaDecoderShape};
+use super::config::{check_dims, check_eps, checked_layers, ties_in, GqaDecoderShape};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::checkpoint::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
@@ -122,7 +122,8 @@ impl GemmaConfig {
         };
         let f = Fields { obj, label };
         let gemma2 = family == GemmaFamily::Gemma2;
-        let num_hidden_layers = f.usize_or("num_hidden_layers", 26)?;
+        let num_hidden_layers =
+            checked_layers(label, "num_hidden_layers", f.usize_or("num_hidden_layers", 26)?)?;
         let num_attention_heads = f.usize_or("num_attention_heads", 8)?;
         let activation = f.string_or("hidden_activation", "gelu_pytorch_tanh")?;
         if !matches!(
@@ -147,7 +148,13 @@ impl GemmaConfig {
             None | Some(Value::Null) => {
                 // Gemma 2 alternates, sliding first; Gemma 3 has one full
                 // layer in every `sliding_window_pattern` (6).
-                let pattern = if gemma2 { 2 } else { f.usize_or("sliding_window_pattern", 6)? };
+                let pattern = match gemma2 {
+                    true => 2,
+                    false => match f.usize_or("sliding_window_pattern", 6)? {
+                        0 => bail!("{label}: field 'sliding_window_pattern' must be >= 1"),
+                        p => p,
+                    },
+                };
                 (0..num_hidden_layers)
                     .map(|i| match (i + 1) % pattern {
                         0 => LayerKind::Full,
@@ -823,6 +830,7 @@ mod tests {
             (r#""query_pre_attn_scalar": -1"#, "query_pre_attn_scalar"),
             (r#""sliding_window": 0"#, "sliding_window"),
             (r#""final_logit_softcapping": 0.0"#, "final_logit_softcapping"),
+            (r#""sliding_window_pattern": 0"#, "sliding_window_pattern"),
         ] {
             let json = format!("{{{base}, {extra}}}");
             let err = parse(&json).expect_err(extra).to_string();
@@ -831,6 +839,12 @@ mod tests {
                 "{extra}: {err}"
             );
         }
+        // A layer count far past any model's is an error before anything
+        // is built per layer.
+        let err = parse(r#"{"model_type": "gemma3_text", "num_hidden_layers": 1099511627776}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("field 'num_hidden_layers' must be in 1..="), "{err}");
         let err = parse(r#"{"model_type": "gemma3"}"#).unwrap_err().to_string();
         assert!(err.contains("text_config"), "{err}");
     }

@@ -9,7 +9,7 @@ use multihead_attention::RopeScaling;
 use super::GGUF_ARCHITECTURES;
 use crate::checkpoint::GgufFile;
 use crate::decoder::config::{
-    rotary_every, HfDecoderConfig, LlamaConfig, NormPlacement, Projections, QkNorm,
+    checked_layers, rotary_every, HfDecoderConfig, LlamaConfig, NormPlacement, Projections, QkNorm,
 };
 
 /// SmolLM3's layers without rotary in a GGUF file: every fourth, which
@@ -216,6 +216,16 @@ impl<'a> Meta<'a> {
         })
     }
 
+    /// `block_count`, in range before anything is built per layer
+    /// ([`checked_layers`]).
+    pub(super) fn layers(&self) -> Result<usize> {
+        checked_layers(
+            &format!("GGUF file '{}'", self.label()),
+            &self.key("block_count"),
+            self.required("block_count")?,
+        )
+    }
+
     /// Whether the file holds tensor `name`.
     pub(super) fn has(&self, name: &str) -> bool {
         self.file.info(name).is_some()
@@ -371,7 +381,7 @@ fn llama_config(meta: &Meta) -> Result<LlamaConfig> {
         vocab_size: meta.vocab(hidden)?,
         hidden_size: hidden,
         intermediate_size: meta.required("feed_forward_length")?,
-        num_hidden_layers: meta.required("block_count")?,
+        num_hidden_layers: meta.layers()?,
         num_attention_heads: heads,
         num_key_value_heads: Some(meta.usize("attention.head_count_kv")?.unwrap_or(heads)),
         head_dim: meta.head_dim()?,

@@ -50,7 +50,7 @@ pub(super) fn gemma_config(meta: &Meta) -> Result<GemmaConfig> {
     let gemma2 = arch == Arch::Gemma2;
     let hidden = meta.required("embedding_length")?;
     let heads = meta.required("attention.head_count")?;
-    let layers = meta.required("block_count")?;
+    let layers = meta.layers()?;
     if heads == 0 {
         bail!("GGUF file '{label}': '{}' is 0", meta.key("attention.head_count"))
     }
