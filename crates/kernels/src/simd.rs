@@ -82,20 +82,26 @@ fn gelu_erf_impl(xs: &mut [f32]) {
     }
 }
 
-/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` in place, the
-/// tanh GELU (PyTorch's `approximate='tanh'`, HF's `gelu_new`), as `x ·
-/// σ(2u)` with `u` the tanh's argument and `σ` from `z = e^-|2u|` as in
-/// [`silu_mul_impl`]: no cancellation for negative `x`. Branch-free, so it
-/// vectorises; NaN stays NaN.
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, the tanh GELU
+/// (PyTorch's `approximate='tanh'`, HF's `gelu_new`), as `x · σ(2u)` with
+/// `u` the tanh's argument and `σ` from `z = e^-|2u|` as in
+/// [`silu_mul_impl`]: no cancellation for negative `x`. Branch-free, so
+/// the loops over it vectorise; NaN stays NaN.
 #[inline(always)]
-fn gelu_tanh_impl(xs: &mut [f32]) {
+fn gelu_tanh_one(x: f32) -> f32 {
     // 2 · √(2/π)
     const TWO_C: f32 = 1.595_769;
+    let t = TWO_C * x * (1. + 0.044_715 * x * x);
+    let z = exp(-t.abs());
+    let num = if t < 0. { z } else { 1. };
+    x * num / (1. + z)
+}
+
+/// [`gelu_tanh_one`] in place.
+#[inline(always)]
+fn gelu_tanh_impl(xs: &mut [f32]) {
     for x in xs.iter_mut() {
-        let t = TWO_C * *x * (1. + 0.044_715 * *x * *x);
-        let z = exp(-t.abs());
-        let num = if t < 0. { z } else { 1. };
-        *x = *x * num / (1. + z);
+        *x = gelu_tanh_one(*x);
     }
 }
 
@@ -112,18 +118,11 @@ fn silu_mul_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `gelu_tanh(g) · u` elementwise, the tanh GELU as [`gelu_tanh_impl`]
-/// computes it (`g · σ(2t)` from `z = e^-|2t|`). Branch-free, so it
-/// vectorises; NaN stays NaN.
+/// `gelu_tanh(g) · u` elementwise ([`gelu_tanh_one`]).
 #[inline(always)]
 fn gelu_tanh_mul_impl(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    // 2 · √(2/π)
-    const TWO_C: f32 = 1.595_769;
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        let t = TWO_C * g * (1. + 0.044_715 * g * g);
-        let z = exp(-t.abs());
-        let num = if t < 0. { z } else { 1. };
-        *o = g * num / (1. + z) * u;
+        *o = gelu_tanh_one(g) * u;
     }
 }
 
