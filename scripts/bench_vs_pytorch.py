@@ -54,6 +54,7 @@ matmul, and the attention table's candle columns keep their AVX-512.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -521,8 +522,12 @@ def write_section(path, key, command, body):
     KEY -->` in `path` (appended under a heading of its own where there is
     none) with `body`, headed by the date, the machine and the command."""
     start, end = f"<!-- bench: {key} -->", f"<!-- end bench: {key} -->"
-    block = (f"{start}\n{time.strftime('%Y-%m-%d')}, {machine()}:\n\n```sh\n{command}\n```\n\n"
-             f"{body.strip()}\n{end}")
+    # A paragraph of notes becomes one line (tables stay as they are), so
+    # that docs/benchmarks.md holds every current table in a few pages.
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", body.strip()) if p.strip()]
+    paragraphs = [p if p.startswith("|") else "; ".join(p.splitlines()) for p in paragraphs]
+    block = (f"{start}\n{time.strftime('%Y-%m-%d')}, {machine()}: `{command}`\n\n"
+             + "\n\n".join(paragraphs) + f"\n{end}")
     with open(path) as f:
         text = f.read()
     if start in text and end in text:
