@@ -1,23 +1,25 @@
 //! Multi-head attention with PyTorch's semantics: the module, and its
-//! entry points, which share one path (inputs made batch-first, the
-//! config's rules joined to the mask, heads projected, normed and
+//! entry points, which share the same steps (heads projected, normed and
 //! rotated, attention, output projection):
 //! - [`MultiheadAttention::forward_attn`]: query, key and value;
 //! - [`MultiheadAttention::forward_cached`]: a decoder step over a
-//!   [`KvCache`];
+//!   [`KvCache`](crate::KvCache);
 //! - [`MultiheadAttention::project_kv`] and
 //!   [`MultiheadAttention::forward_projected`]: keys and values projected
 //!   once (a fixed encoder memory).
 //!
-//! Building it from each weight layout is `mha/build.rs`'s; the layouts
-//! a call may come in (unbatched, sequence-first), `mha/batching.rs`'s;
-//! the shared path's steps, `mha/path.rs`'s.
+//! A decoder's step, [`MultiheadAttention::forward_cached`], reads top to
+//! bottom in `mha/cached.rs`. Building the module from each weight layout
+//! is `mha/build.rs`'s; the layouts a PyTorch call may come in
+//! (unbatched, sequence-first), `mha/batching.rs`'s; the steps the other
+//! entry points share, `mha/path.rs`'s.
 //!
 //! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
 mod batching;
 mod build;
+mod cached;
 mod path;
 
 use candle::{bail, Result, Tensor};
@@ -26,9 +28,7 @@ use candle_nn::{Module, ModuleT};
 use multihead_kernels::LayerNorm;
 use multihead_kernels::PackedLinear;
 
-use crate::cache::KvCache;
 use crate::config::MhaConfig;
-use crate::mask::Causal;
 use crate::options::{MhaOptions, MhaOutput, SeqLayout};
 use crate::projection::InProjection;
 use crate::rotary::Rotary;
@@ -306,68 +306,6 @@ impl MultiheadAttention {
         let mask = self.mask_for(&opts.mask, b, l, k.dim(2)?)?;
         let q = self.in_proj.forward_q(&query)?;
         let q = self.norm_q(&self.split_heads(&q, self.cfg.num_heads)?)?;
-        call.output(self.attend(&q, &k, &v, &mask, 0, opts)?)
-    }
-
-    /// One decoder step of causal self-attention over `cache`: projects
-    /// `x` once, applies qk-norm and the rotary embedding at the positions
-    /// the cache gives, appends the keys and values, and attends causally
-    /// with the cache length as offset (plus the config's sliding window
-    /// and ALiBi, the cache's left padding, and `opts.mask`'s key padding
-    /// or attention mask over all `len + new` keys, if any).
-    ///
-    /// Prefill of any length, chunked prefill and single-token decoding
-    /// are this same call, and equal the full causal pass.
-    ///
-    /// # Shapes
-    /// - `x`: `(batch, new, embed_dim)`, or unbatched `(new, embed_dim)`
-    /// - output: the shape of `x`; weights over all `len + new` keys
-    pub fn forward_cached(&self, x: &Tensor, cache: &mut KvCache, opts: &MhaOptions) -> Result<MhaOutput> {
-        self.check_no_extra_keys("forward_cached")?;
-        if opts.layout != SeqLayout::BatchFirst {
-            bail!(
-                "MultiheadAttention::forward_cached: takes batch-first inputs only, found {:?}",
-                opts.layout
-            )
-        }
-        if opts.mask.causal.is_some() {
-            bail!(
-                "MultiheadAttention::forward_cached: the causal rule comes from the cache (offset = cache length); \
-                 leave opts.mask.causal unset"
-            )
-        }
-        let unbatched = match x.rank() {
-            3 => false,
-            2 => true,
-            _ => bail!(
-                "MultiheadAttention::forward_cached: x must be (batch, new, embed_dim) or (new, embed_dim), found {:?}",
-                x.dims()
-            ),
-        };
-        let call = Batching::new(unbatched, SeqLayout::BatchFirst);
-        let x = call.input(x)?;
-        let opts = &call.options(opts)?;
-        let (b, t) = self.check_query(&x)?;
-        let offset = cache.len();
-        // (B, H, T, hd), (B, Hkv, T, hd), (B, Hkv, T, hd)
-        let (mut q, mut k, v) = self.project_heads(&x, &x, &x)?;
-        if let Some(rotary) = &self.rotary {
-            let pos = cache.positions(b, t, x.device())?;
-            (q, k) = rotary.apply_qk(&q, &k, &pos)?;
-        }
-        let (k, v) = cache.append(&k, &v)?;
-        let s = cache.len();
-        let mut mask = opts.mask.clone().with_causal(Causal::Offset(offset));
-        if let Some(pad) = cache.padding_mask(s, x.device())? {
-            if mask.key_padding.is_some() {
-                bail!(
-                    "MultiheadAttention::forward_cached: the cache tracks left padding; \
-                     a key padding mask in opts would conflict with it"
-                )
-            }
-            mask.key_padding = Some(pad);
-        }
-        let mask = self.mask_for(&mask, b, t, s)?;
         call.output(self.attend(&q, &k, &v, &mask, 0, opts)?)
     }
 }

@@ -55,30 +55,26 @@ impl InProjection {
         }
     }
 
-    /// For self-attention through the fused weight: one matmul, then q
-    /// `(B, H, T, hd)` and k, v `(B, Hkv, T, hd)` as views of its output,
-    /// without copies. `None` when the inputs differ or the weights are
-    /// separate.
-    pub(crate) fn self_attention_heads(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        h: usize,
-    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
-        let InKind::Fused(fused) = &self.kind else {
-            return Ok(None);
-        };
-        if q.id() != k.id() || k.id() != v.id() {
-            return Ok(None);
-        }
-        let (b, t, _) = q.dims3()?;
-        let hd = self.q_dim / h;
+    /// Self-attention's heads of `x` `(B, T, E)`: q `(B, H, T, hd)` and
+    /// k, v `(B, Hkv, T, hd)`, for `h` query heads. Through the fused
+    /// weight, one matmul whose output the heads view without copies.
+    pub(crate) fn self_attention_heads(&self, x: &Tensor, h: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let hd = self.q_dim / h.max(1);
         let kvh = self.kv_dim / hd.max(1);
-        // (B, T, H + 2 Hkv, hd)
-        let qkv = fused.forward(q)?.reshape((b, t, h + 2 * kvh, hd))?;
-        let heads = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
-        Ok(Some((heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?)))
+        match &self.kind {
+            InKind::Fused(fused) => {
+                // (B, T, H + 2 Hkv, hd)
+                let qkv = fused.forward(x)?.reshape((b, t, h + 2 * kvh, hd))?;
+                let heads = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
+                Ok((heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?))
+            }
+            InKind::Separate { q, k, v } => {
+                let heads =
+                    |p: &PackedLinear, n: usize| p.forward(x)?.reshape((b, t, n, hd))?.transpose(1, 2);
+                Ok((heads(q, h)?, heads(k, kvh)?, heads(v, kvh)?))
+            }
+        }
     }
 
     pub(crate) fn forward_q(&self, q: &Tensor) -> Result<Tensor> {

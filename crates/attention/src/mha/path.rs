@@ -58,16 +58,15 @@ impl MultiheadAttention {
         value: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (h, kvh) = (self.cfg.num_heads, self.cfg.kv_heads());
-        let (q, k, v) = match self.in_proj.self_attention_heads(query, key, value, h)? {
-            Some(heads) => heads,
-            None => {
-                let (q, k, v) = self.in_proj.forward(query, key, value)?;
-                (
-                    self.split_heads(&q, h)?,
-                    self.split_heads(&k, kvh)?,
-                    self.split_heads(&v, kvh)?,
-                )
-            }
+        let (q, k, v) = if query.id() == key.id() && key.id() == value.id() {
+            self.in_proj.self_attention_heads(query, h)?
+        } else {
+            let (q, k, v) = self.in_proj.forward(query, key, value)?;
+            (
+                self.split_heads(&q, h)?,
+                self.split_heads(&k, kvh)?,
+                self.split_heads(&v, kvh)?,
+            )
         };
         Ok((self.norm_q(&q)?, self.norm_k(&k)?, v))
     }
@@ -115,11 +114,55 @@ impl MultiheadAttention {
         }
     }
 
-    /// Heads `(B, H, L, hd)`, `(B, H, S, hd)` → output projection of the
-    /// merged attention `(B, L, E)` (plus `opts.residual`, batch-first
-    /// here), and the weights asked for. Weights and
-    /// dropout need the reference path; otherwise `opts.path` decides. The
-    /// last `appended` keys lie outside `mask`.
+    /// Attention of heads `(B, H, L, hd)` over `(B, Hkv, S, hd)`: the
+    /// output heads `(B, H, L, hd)` and the weights `opts` asks for.
+    /// Weights and dropout need the reference path; otherwise `opts.path`
+    /// decides. The last `appended` keys lie outside `mask`.
+    pub(super) fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Mask,
+        appended: usize,
+        opts: &MhaOptions,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let dropout = (opts.train && self.cfg.dropout > 0.).then_some(self.cfg.dropout);
+        if opts.need_weights == NeedWeights::No && dropout.is_none() {
+            let out = sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path)?;
+            return Ok((out, None));
+        }
+        if !matches!(opts.path, AttnPath::Auto | AttnPath::Reference) {
+            bail!(
+                "MultiheadAttention: the {:?} path returns no attention weights and applies no dropout; \
+                 use AttnPath::Auto or AttnPath::Reference",
+                opts.path
+            )
+        }
+        // (B, H, L, hd), (B, H, L, S)
+        let (out, weights) = sdpa_reference(q, k, v, mask, appended, self.cfg.scale, dropout)?;
+        let weights = match opts.need_weights {
+            NeedWeights::PerHead => Some(weights),
+            NeedWeights::Averaged => Some(average_heads(&weights)?),
+            NeedWeights::No => None,
+        };
+        Ok((out, weights))
+    }
+
+    /// Heads `(B, H, L, hd)` merged and projected out: `(B, L, E)`, plus
+    /// `residual` (batch-first) where given, added in the projection's
+    /// tiles.
+    pub(super) fn project_out(&self, heads: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        let (b, _, l, _) = heads.dims4()?;
+        let out = heads.transpose(1, 2)?.reshape((b, l, self.cfg.q_dim()))?;
+        match residual {
+            Some(residual) => self.out_proj.forward_add(&out, residual),
+            None => self.out_proj.forward(&out),
+        }
+    }
+
+    /// [`Self::attention`], then [`Self::project_out`]: what the PyTorch
+    /// entry points return.
     pub(super) fn attend(
         &self,
         q: &Tensor,
@@ -129,37 +172,8 @@ impl MultiheadAttention {
         appended: usize,
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (b, _, l, _) = q.dims4()?;
-        let dropout = (opts.train && self.cfg.dropout > 0.).then_some(self.cfg.dropout);
-        // (B, H, L, hd), (B, H, L, S)
-        let (out, weights) = if opts.need_weights == NeedWeights::No && dropout.is_none() {
-            (
-                sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path)?,
-                None,
-            )
-        } else {
-            if !matches!(opts.path, AttnPath::Auto | AttnPath::Reference) {
-                bail!(
-                    "MultiheadAttention: the {:?} path returns no attention weights and applies no dropout; \
-                     use AttnPath::Auto or AttnPath::Reference",
-                    opts.path
-                )
-            }
-            let (out, weights) = sdpa_reference(q, k, v, mask, appended, self.cfg.scale, dropout)?;
-            (out, Some(weights))
-        };
-        // (B, L, E)
-        let out = out.transpose(1, 2)?.reshape((b, l, self.cfg.q_dim()))?;
-        let out = match &opts.residual {
-            Some(residual) => self.out_proj.forward_add(&out, residual)?,
-            None => self.out_proj.forward(&out)?,
-        };
-        let weights = match (opts.need_weights, weights) {
-            (NeedWeights::PerHead, w) => w,
-            (NeedWeights::Averaged, Some(w)) => Some(average_heads(&w)?),
-            _ => None,
-        };
-        Ok((out, weights))
+        let (heads, weights) = self.attention(q, k, v, mask, appended, opts)?;
+        Ok((self.project_out(&heads, opts.residual.as_ref())?, weights))
     }
 }
 
