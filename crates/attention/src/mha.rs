@@ -9,18 +9,17 @@
 //!   once (a fixed encoder memory).
 //!
 //! A decoder's step, [`MultiheadAttention::forward_cached`], reads top to
-//! bottom in `mha/cached.rs`. Building the module from each weight layout
-//! is `mha/build.rs`'s; the layouts a PyTorch call may come in
-//! (unbatched, sequence-first), `mha/batching.rs`'s; the steps the other
-//! entry points share, `mha/path.rs`'s.
+//! bottom in `mha/steps.rs`, above the steps the other entry points share
+//! with it. Building the module from each weight layout is
+//! `mha/build.rs`'s; the layouts a PyTorch call may come in (unbatched,
+//! sequence-first), `mha/batching.rs`'s.
 //!
 //! Port of `torch.nn.MultiheadAttention` (`torch/nn/modules/activation.py`)
 //! and `F.multi_head_attention_forward` (`torch/nn/functional.py`).
 
 mod batching;
 mod build;
-mod cached;
-mod path;
+mod steps;
 
 use candle::{bail, Result, Tensor};
 use candle_nn::{Module, ModuleT};
