@@ -11,8 +11,8 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use serde::Serialize;
 
-use crate::checkpoint::dtype::{float_dtype, float_range};
-use crate::checkpoint::file::{natural_key, Checkpoint};
+use crate::checkpoint::{float_dtype, float_range};
+use crate::formats::safetensors::{natural_key, Checkpoint};
 
 /// A tensor a model asks for: its name and shape.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

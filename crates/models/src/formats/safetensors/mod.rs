@@ -1,0 +1,13 @@
+//! safetensors files from strangers: one file validated before use
+//! (file.rs), a checkpoint saved in shards read through its index
+//! (shards.rs), and a config's sizes compared with what the file can hold
+//! before its model is built (capacity.rs).
+
+mod capacity;
+mod file;
+mod shards;
+
+pub use capacity::{checked_product, MinWeights};
+pub(crate) use file::{export_hint, is_pickle, natural_key, pickle_error};
+pub use file::{Checkpoint, LoadProgress, TensorInfo};
+pub use shards::read_index;
