@@ -1,10 +1,12 @@
 //! safetensors files from strangers: one file validated before use
 //! (file.rs), a checkpoint saved in shards read through its index
-//! (shards.rs), and a config's sizes compared with what the file can hold
-//! before its model is built (capacity.rs).
+//! (shards.rs), a config's sizes compared with what the file can hold
+//! before its model is built (capacity.rs), and the file compared with
+//! what the model asks for, then read into it (load.rs).
 
 mod capacity;
 mod file;
+mod load;
 mod shards;
 
 pub use capacity::{checked_product, MinWeights};
