@@ -5,10 +5,17 @@
 //! [`crate::formats`]' work.
 //!
 //! ```
-//! use multihead_models::checkpoint::Checkpoint;
+//! use multihead_models::checkpoint::{LoadOptions, ModelFiles, WeightDtype};
 //!
-//! let err = Checkpoint::from_bytes(vec![1, 2, 3], "x.safetensors").unwrap_err();
-//! assert!(err.to_string().contains("truncated"));
+//! // A folder resolves to its weights and the configs beside them.
+//! let files = ModelFiles::resolve("../../tests/fixtures/decoders/llama".as_ref())?;
+//! assert!(files.beside("config.json").is_file());
+//! let opts = LoadOptions {
+//!     dtype: "bf16".parse()?,
+//!     ..LoadOptions::default()
+//! };
+//! assert_eq!(opts.dtype, WeightDtype::Bf16);
+//! # Ok::<(), candle::Error>(())
 //! ```
 
 mod dtype;
@@ -22,8 +29,8 @@ pub use dtype::{LoadOptions, WeightDtype};
 pub use folder::{ModelFiles, Weights};
 pub use hub_cache::{hub_cache_dir, resolve_model};
 
-// Where the files' own readers and checks live now; these keep the paths
-// they had here working.
+// The file formats' items, reachable here too: each group names the
+// module that defines it.
 
 /// A safetensors file and its checks: [`crate::formats::safetensors`].
 pub use crate::formats::safetensors::{

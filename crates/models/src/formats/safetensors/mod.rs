@@ -3,6 +3,13 @@
 //! (shards.rs), a config's sizes compared with what the file can hold
 //! before its model is built (capacity.rs), and the file compared with
 //! what the model asks for, then read into it (load.rs).
+//!
+//! ```
+//! use multihead_models::formats::safetensors::Checkpoint;
+//!
+//! let err = Checkpoint::from_bytes(vec![1, 2, 3], "x.safetensors").unwrap_err();
+//! assert!(err.to_string().contains("truncated"));
+//! ```
 
 mod capacity;
 mod file;
