@@ -11,7 +11,7 @@
 //! The default feature `cli` is the `multihead` binary's (clap, indicatif,
 //! font8x8, serde_json, image); depend with `default-features = false` for
 //! the library alone, and add the feature `image` for
-//! `models::image_input`.
+//! `models::formats::image_input`.
 
 pub use multihead_attention as attention;
 pub use multihead_kernels as kernels;

@@ -9,13 +9,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
-use multihead::models::checkpoint::{
-    is_gguf, resolve_model, GgufFile, LoadOptions, LoadProgress, ModelFiles, WeightDtype,
-};
+use multihead::models::checkpoint::{resolve_model, LoadOptions, LoadProgress, ModelFiles, WeightDtype};
 use multihead::models::decoder::{
     ChatMessage, Finish, GenerationSettings, Sampling, TemplateArgs, TextGenerator,
 };
-use multihead::models::files::{read_text, MAX_CONFIG_BYTES};
+use multihead::models::formats::files::{read_text, MAX_CONFIG_BYTES};
+use multihead::models::formats::gguf::{is_gguf, GgufFile};
 use serde_json::Value;
 
 use super::input::{preview, read_lines};

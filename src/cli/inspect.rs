@@ -1,24 +1,37 @@
-//! `multihead inspect FILE.safetensors`: what a checkpoint holds, what it
-//! is, and whether it fits a config. A GGUF file goes to
-//! `inspect_gguf.rs`.
+//! `multihead inspect FILE|DIR`: what a weights file (safetensors or
+//! GGUF) holds, what it is, and whether it fits a config, printed from the
+//! library's one report ([`InspectReport`]) as text or JSON.
+//!
+//! A GGUF file's names, keys and strings print escaped: the text output
+//! through `str::escape_debug` (strings quoted, as `{:?}`), the JSON output
+//! with every control character as a `\u` escape ([`terminal_safe`]), so
+//! no byte of the file can drive the terminal. A safetensors file's print
+//! as its header stores them.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
-use multihead::attention::{MhaConfig, MultiheadAttention};
-use multihead::models::checkpoint::{
-    is_gguf, wanted_tensors, Checkpoint, MinWeights, ModelFiles, NonFinite, Preflight,
+use anyhow::Result;
+use candle::quantized::gguf_file::Value;
+use multihead::models::checkpoint::WeightDtype;
+use multihead::models::formats::inspect::{
+    ConfigCheck, ConfigSource, FileLayout, GgufFacts, InspectReport, Layout, MetadataValue, VitFacts,
 };
-use multihead::models::decoder::{DecoderModel, Gemma, HfDecoderConfig, HF_DECODER_TYPES};
-use multihead::models::inspect::{recognise, Layout, VitFacts};
-use multihead::models::transformer::{Seq2Seq, Seq2SeqConfig};
-use multihead::models::vit::{folder, VisionTransformer, VitConfig};
+use multihead::models::formats::preflight::Preflight;
 
 /// Entries of each list the text output shows without `--all`: a header
 /// of 100,000 tensors prints a screenful and a count, not 100,000 lines.
-pub(super) const LISTED: usize = 200;
+const LISTED: usize = 200;
+
+/// Longest string metadata value of a GGUF file the text output prints
+/// whole (a chat template runs to kilobytes).
+const SHOWN_CHARS: usize = 80;
+
+/// Longest array of a GGUF file's metadata the output lists (a
+/// tokenizer's tokens run to 150,000).
+const SHOWN_ITEMS: usize = 8;
 
 /// Arguments of `multihead inspect`.
 #[derive(Debug, clap::Args)]
@@ -41,295 +54,110 @@ pub struct Args {
     all: bool,
 }
 
-/// The config a checkpoint was compared with.
-struct ConfigCheck {
-    path: PathBuf,
-    kind: &'static str,
-    beside: bool,
-    report: Preflight,
-}
-
-/// Runs the command.
+/// Runs the command: prints the report, then fails where the tensors do
+/// not fit the config they were compared with.
 pub fn run(args: Args) -> Result<()> {
-    if is_gguf(&args.file) && !args.file.is_dir() {
-        if let Some(config) = &args.config {
-            bail!(
-                "--config '{}' does not apply to the GGUF file '{}': its config is its metadata",
-                config.display(),
-                args.file.display()
-            )
-        }
-        return super::inspect_gguf::run(&args.file, args.json, args.all);
-    }
-    // A folder means its weights as `--weights DIR` finds them.
-    let at = ModelFiles::resolve(&args.file)?;
-    let ckpt = at.read()?;
-    let layout = recognise(ckpt.tensors());
-    let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
-    let non_finite: Vec<NonFinite> = ckpt
-        .non_finite(names.iter().copied())?
-        .into_iter()
-        .map(|(name, nan, inf)| NonFinite { name, nan, inf })
-        .collect();
-    let beside = at.beside("config.json");
-    // A config.json beside the file that cannot be used (another kind, or
-    // sizes the file cannot hold) does not fail the inspection, but is not
-    // passed over in silence either.
-    let mut beside_note = None;
-    let check = match &args.config {
-        Some(path) => Some(check_config(&ckpt, &layout, path, false)?),
-        None if beside.is_file() => match check_config(&ckpt, &layout, &beside, true) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                let why = format!("{e:#}");
-                let why = why.lines().next().unwrap_or_default().to_string();
-                beside_note = Some(format!("{} (beside the file) not used: {why}", beside.display()));
-                None
-            }
-        },
-        None => None,
-    };
+    let report = InspectReport::read(&args.file, args.config.as_deref())?;
     // Buffered: a long listing is one write per buffer, not per line. A
     // closed pipe (`| head`) surfaces as an error `main` ends quietly on.
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     if args.json {
-        print_json(
-            &mut out,
-            &ckpt,
-            &layout,
-            &non_finite,
-            check.as_ref(),
-            beside_note.as_deref(),
-        )?;
+        print_json(&mut out, &report)?;
     } else {
         let limit = if args.all { usize::MAX } else { LISTED };
-        print_text(&mut out, limit, &ckpt, &layout, &non_finite, check.as_ref())?;
-        if let Some(note) = &beside_note {
-            writeln!(out, "config: {note}")?;
-        }
+        print_text(&mut out, limit, &report)?;
     }
     out.flush()?;
-    if let Some(c) = &check {
-        if let Some(summary) = c.report.summary() {
-            bail!(
-                "'{}' does not fit config '{}': {summary}",
-                ckpt.label(),
-                c.path.display()
-            )
-        }
-    }
-    Ok(())
+    Ok(report.ensure_fits()?)
 }
 
-/// Compares the checkpoint with the model `config` describes.
-fn check_config(ckpt: &Checkpoint, layout: &Layout, path: &Path, beside: bool) -> Result<ConfigCheck> {
-    let json =
-        multihead::models::files::read_text(path, "config", multihead::models::files::MAX_CONFIG_BYTES)?;
-    let value: serde_json::Value =
-        serde_json::from_str(&json).with_context(|| format!("config '{}' is not JSON", path.display()))?;
-    let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
-    let ctx = || format!("config '{}'", path.display());
-    // Every config's sizes are checked against what the file can hold
-    // before its model is recorded: `depth: 300000` costs nothing.
-    let hf_vit = matches!(
-        value.get("model_type").and_then(|t| t.as_str()),
-        Some("vit" | "deit")
-    );
-    let decoder = value
-        .get("model_type")
-        .and_then(|t| t.as_str())
-        .is_some_and(|t| HF_DECODER_TYPES.contains(&t));
-    // A multimodal Gemma 3's vision tower is left out on purpose: the
-    // text model's tensors are compared with the config.
-    let text;
-    let mut ckpt = ckpt;
-    let (kind, wanted) = if decoder {
-        // As `generate --model` reads it.
-        let cfg = HfDecoderConfig::from_json(&json, &path.display().to_string())?;
-        if let HfDecoderConfig::Gemma(_) = cfg {
-            text = Gemma::text_checkpoint(ckpt).0;
-            ckpt = &text;
-        }
-        (
-            "HF transformers decoder config",
-            DecoderModel::wanted_tensors(&cfg, ckpt).with_context(ctx)?,
-        )
-    } else if hf_vit || value.get("architecture").is_some() {
-        // HF transformers and timm hub configs, read as `vit --weights` reads them.
-        let label = path.display().to_string();
-        let (kind, cfg) = if hf_vit {
-            (
-                "HF transformers config",
-                folder::hf::parse(&json, &label, None)?.0,
-            )
-        } else {
-            ("timm config", folder::timm::parse(&json, &label)?)
-        };
-        cfg.validate().with_context(ctx)?;
-        ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
-        (
-            kind,
-            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb)).with_context(ctx)?,
-        )
-    } else if value.get("img_size").is_some() || value.get("patch_size").is_some() {
-        let cfg = VitConfig::from_json(&json).with_context(ctx)?;
-        ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
-        (
-            "VitConfig",
-            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb)).with_context(ctx)?,
-        )
-    } else if value.get("transformer").is_some() {
-        let cfg = Seq2SeqConfig::from_json(&json).with_context(ctx)?;
-        ckpt.ensure_holds(&cfg.min_weights()?).with_context(ctx)?;
-        (
-            "Seq2SeqConfig",
-            wanted_tensors(&names, |vb| Seq2Seq::new(&cfg, vb)).with_context(ctx)?,
-        )
-    } else if value.get("embed_dim").is_some() {
-        let cfg: MhaConfig = serde_json::from_str(&json).with_context(|| format!("{}: MhaConfig", ctx()))?;
-        ckpt.ensure_holds(&mha_min_weights(&cfg)?).with_context(ctx)?;
-        let prefix = match layout {
-            Layout::MultiheadAttention(f) => f.prefix.trim_end_matches('.').to_string(),
-            _ => String::new(),
-        };
-        let wanted = wanted_tensors(&names, |vb| {
-            let vb = if prefix.is_empty() { vb } else { vb.pp(&prefix) };
-            MultiheadAttention::new(&cfg, vb)
-        })
-        .with_context(ctx)?;
-        ("MhaConfig", wanted)
-    } else {
-        bail!(
-            "config '{}' is neither a VitConfig (img_size, patch_size, ...), a Seq2SeqConfig (transformer, ...) \
-             nor an MhaConfig (embed_dim, num_heads, ...)",
-            path.display()
-        )
-    };
-    let report = Preflight::check(ckpt, &wanted, false)?;
-    Ok(ConfigCheck {
-        path: path.to_path_buf(),
-        kind,
-        beside,
-        report,
-    })
-}
-
-/// The fewest weights an `nn.MultiheadAttention` of `cfg` stores: the
-/// query, key, value and output projections.
-fn mha_min_weights(cfg: &MhaConfig) -> Result<MinWeights> {
-    let e = cfg.embed_dim;
-    let mut m = MinWeights::new("MhaConfig");
-    m.add(format!("q_proj and out_proj (2 x embed_dim {e}²)"), &[2, e, e])?;
-    m.add(
-        format!("k_proj (embed_dim {e} x kdim {})", cfg.kdim()),
-        &[e, cfg.kdim()],
-    )?;
-    m.add(
-        format!("v_proj (embed_dim {e} x vdim {})", cfg.vdim()),
-        &[e, cfg.vdim()],
-    )?;
-    Ok(m)
-}
-
-/// The tensor listing, `(name, dtype, shape, bytes)` a row, the first
-/// `limit` rows and a count of the rest.
-pub(super) fn print_tensors(
-    out: &mut impl Write,
-    rows: Vec<(&str, &str, &[usize], usize)>,
-    limit: usize,
-) -> Result<()> {
-    let shown = &rows[..rows.len().min(limit)];
-    let w = shown.iter().map(|t| t.0.len()).max().unwrap_or(4).max(4);
-    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
-    for &(name, dtype, shape, bytes) in shown {
-        let shape = format!("{shape:?}");
-        writeln!(out, "{name:<w$}  {dtype:<5}  {shape:<20}  {}", human_bytes(bytes))?;
-    }
-    more(out, "", rows.len(), limit, "tensors")
-}
-
-/// `… N more` after the first `limit` of `total` entries, or nothing.
-pub(super) fn more(out: &mut impl Write, indent: &str, total: usize, limit: usize, what: &str) -> Result<()> {
-    if total > limit {
-        writeln!(out, "{indent}… {} more {what} (--all lists them)", total - limit)?;
-    }
-    Ok(())
-}
-
-pub(super) fn human_bytes(n: usize) -> String {
-    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024. && u + 1 < UNITS.len() {
-        v /= 1024.;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
+/// `text` from the file, as the text output shows it: escaped where the
+/// file is GGUF.
+fn shown<'a>(r: &InspectReport, text: &'a str) -> Cow<'a, str> {
+    match r.layout {
+        FileLayout::Gguf(_) => Cow::Owned(text.escape_debug().to_string()),
+        FileLayout::Tensors(_) => Cow::Borrowed(text),
     }
 }
 
-fn dtype_counts(ckpt: &Checkpoint) -> BTreeMap<&str, usize> {
-    let mut counts = BTreeMap::new();
-    for t in ckpt.tensors() {
-        *counts.entry(t.dtype.as_str()).or_insert(0) += 1;
-    }
-    counts
-}
-
-fn vit_line(f: &VitFacts) -> String {
-    let opt = |v: Option<usize>, why: &str| v.map_or_else(|| format!("? ({why})"), |v| v.to_string());
-    format!(
-        "embed_dim {}, depth {}, heads {}, patch {}, image {}, in_chans {}, classes {}, mlp {}{}{}",
-        f.embed_dim,
-        f.depth,
-        opt(f.num_heads, "not stored in the weights; the config says"),
-        f.patch_size,
-        opt(f.img_size, "position table is not a square grid"),
-        f.in_chans,
-        f.num_classes,
-        opt(f.mlp_hidden_dim, "no MLP found"),
-        if f.class_token { ", class token" } else { "" },
-        if f.reg_tokens > 0 {
-            format!(", {} register tokens", f.reg_tokens)
-        } else {
-            String::new()
-        },
-    )
-}
-
-fn print_text(
-    out: &mut impl Write,
-    limit: usize,
-    ckpt: &Checkpoint,
-    layout: &Layout,
-    non_finite: &[NonFinite],
-    check: Option<&ConfigCheck>,
-) -> Result<()> {
-    let rows = ckpt
-        .tensors()
+/// The report as text, at most `limit` entries of each list.
+fn print_text(out: &mut impl Write, limit: usize, r: &InspectReport) -> Result<()> {
+    let names: Vec<Cow<str>> = r.tensors.iter().map(|t| shown(r, &t.name)).collect();
+    let rows = r
+        .tensors
         .iter()
-        .map(|t| (t.name.as_str(), t.dtype.as_str(), t.shape.as_slice(), t.bytes));
+        .zip(&names)
+        .map(|(t, name)| (name.as_ref(), t.dtype.as_str(), t.shape.as_slice(), t.bytes));
     print_tensors(out, rows.collect(), limit)?;
-    let dtypes: Vec<String> = dtype_counts(ckpt)
-        .iter()
-        .map(|(d, n)| format!("{n} {d}"))
-        .collect();
+    let dtypes: Vec<String> = r.dtype_counts().iter().map(|(d, n)| format!("{n} {d}")).collect();
     writeln!(
         out,
         "total: {} tensors ({}), {} parameters, {} of data, file {}",
-        ckpt.tensors().len(),
+        r.tensors.len(),
         dtypes.join(", "),
-        ckpt.total_params(),
-        human_bytes(ckpt.tensors().iter().map(|t| t.bytes).sum()),
-        human_bytes(ckpt.file_size()),
+        r.total_params(),
+        human_bytes(r.total_bytes()),
+        human_bytes(r.file_size),
     )?;
-    for (k, v) in ckpt.metadata().iter().take(limit) {
-        writeln!(out, "metadata: {k} = {v}")?;
+    for (k, v) in r.metadata.iter().take(limit) {
+        let v = match v {
+            MetadataValue::Text(s) => Cow::Borrowed(s.as_str()),
+            MetadataValue::Gguf(v) => Cow::Owned(show(v)),
+        };
+        writeln!(out, "metadata: {} = {v}", shown(r, k))?;
     }
-    more(out, "metadata: ", ckpt.metadata().len(), limit, "entries")?;
+    more(out, "metadata: ", r.metadata.len(), limit, "entries")?;
+    match &r.layout {
+        FileLayout::Tensors(layout) => print_layout(out, layout)?,
+        FileLayout::Gguf(facts) => print_gguf_facts(out, facts)?,
+    }
+    if r.non_finite.is_empty() {
+        writeln!(out, "values: all finite")?;
+    }
+    for n in r.non_finite.iter().take(limit) {
+        writeln!(
+            out,
+            "values: {} has {} NaN and {} Inf",
+            shown(r, &n.name),
+            n.nan,
+            n.inf
+        )?;
+    }
+    more(out, "values: ", r.non_finite.len(), limit, "tensors with NaN/Inf")?;
+    match &r.config {
+        None => {}
+        Some(ConfigCheck::Compared { kind, source, report }) => {
+            match source {
+                ConfigSource::Given(path) => writeln!(out, "config: {kind} {}", path.display())?,
+                ConfigSource::Beside(path) => {
+                    let whose = match *kind {
+                        "VitConfig" | "Seq2SeqConfig" | "MhaConfig" => {
+                            " (beside the file: a multihead model directory)"
+                        }
+                        _ => " (beside the file)",
+                    };
+                    writeln!(out, "config: {kind} {}{whose}", path.display())?
+                }
+                ConfigSource::Metadata => writeln!(out, "config: {kind} from the file's metadata")?,
+            }
+            print_report(out, report, limit)?;
+        }
+        Some(ConfigCheck::NotUsed { source, why }) => writeln!(out, "config: {}", not_used(source, why))?,
+    }
+    Ok(())
+}
+
+/// Why a config was passed over, after `config: `.
+fn not_used(source: &ConfigSource, why: &str) -> String {
+    match source {
+        ConfigSource::Given(path) => format!("{} not used: {why}", path.display()),
+        ConfigSource::Beside(path) => format!("{} (beside the file) not used: {why}", path.display()),
+        ConfigSource::Metadata => format!("the file's metadata not used: {why}"),
+    }
+}
+
+/// The layout a safetensors file's tensors reveal, and its sizes.
+fn print_layout(out: &mut impl Write, layout: &Layout) -> Result<()> {
     writeln!(out, "layout: {}", layout.describe())?;
     match layout {
         Layout::TimmVit(f) | Layout::HfVit(f) => writeln!(out, "  {}", vit_line(f))?,
@@ -365,29 +193,96 @@ fn print_text(
         }
         Layout::Unknown => {}
     }
-    if non_finite.is_empty() {
-        writeln!(out, "values: all finite")?;
+    Ok(())
+}
+
+/// A GGUF file's architecture, its config's sizes and how its weight
+/// matrices load.
+fn print_gguf_facts(out: &mut impl Write, f: &GgufFacts) -> Result<()> {
+    match &f.architecture {
+        Some(a) => writeln!(out, "layout: GGUF, architecture {}", a.escape_debug())?,
+        None => writeln!(out, "layout: GGUF, architecture ? (no general.architecture)")?,
     }
-    for n in non_finite.iter().take(limit) {
-        writeln!(out, "values: {} has {} NaN and {} Inf", n.name, n.nan, n.inf)?;
-    }
-    more(out, "values: ", non_finite.len(), limit, "tensors with NaN/Inf")?;
-    if let Some(c) = check {
-        let whose = match (c.beside, c.kind) {
-            (false, _) => "",
-            (true, "VitConfig" | "Seq2SeqConfig" | "MhaConfig") => {
-                " (beside the file: a multihead model directory)"
+    let sizes: Vec<String> = f
+        .sizes
+        .iter()
+        .map(|(name, _, v)| format!("{name} {}", v.as_ref().map_or("?".to_string(), show)))
+        .collect();
+    writeln!(out, "  {}", sizes.join(", "))?;
+    match f.weights {
+        Some(d) => writeln!(
+            out,
+            "weights: `multihead generate` keeps the matrices as {d}{}",
+            match d {
+                WeightDtype::Ggml => " (each in the block format it is stored in)",
+                WeightDtype::Q8_0 => " (the Q8_0 kernels)",
+                _ => "",
             }
-            (true, _) => " (beside the file)",
-        };
-        writeln!(out, "config: {} {}{whose}", c.kind, c.path.display())?;
-        print_report(out, &c.report, limit)?;
+        )?,
+        None => writeln!(out, "weights: no matrix of a type this loader reads")?,
     }
     Ok(())
 }
 
+/// The tensor listing, `(name, dtype, shape, bytes)` a row, the first
+/// `limit` rows and a count of the rest.
+fn print_tensors(out: &mut impl Write, rows: Vec<(&str, &str, &[usize], usize)>, limit: usize) -> Result<()> {
+    let shown = &rows[..rows.len().min(limit)];
+    let w = shown.iter().map(|t| t.0.len()).max().unwrap_or(4).max(4);
+    writeln!(out, "{:<w$}  {:<5}  {:<20}  size", "name", "dtype", "shape")?;
+    for &(name, dtype, shape, bytes) in shown {
+        let shape = format!("{shape:?}");
+        writeln!(out, "{name:<w$}  {dtype:<5}  {shape:<20}  {}", human_bytes(bytes))?;
+    }
+    more(out, "", rows.len(), limit, "tensors")
+}
+
+/// `… N more` after the first `limit` of `total` entries, or nothing.
+fn more(out: &mut impl Write, indent: &str, total: usize, limit: usize, what: &str) -> Result<()> {
+    if total > limit {
+        writeln!(out, "{indent}… {} more {what} (--all lists them)", total - limit)?;
+    }
+    Ok(())
+}
+
+fn human_bytes(n: usize) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024. && u + 1 < UNITS.len() {
+        v /= 1024.;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn vit_line(f: &VitFacts) -> String {
+    let opt = |v: Option<usize>, why: &str| v.map_or_else(|| format!("? ({why})"), |v| v.to_string());
+    format!(
+        "embed_dim {}, depth {}, heads {}, patch {}, image {}, in_chans {}, classes {}, mlp {}{}{}",
+        f.embed_dim,
+        f.depth,
+        opt(f.num_heads, "not stored in the weights; the config says"),
+        f.patch_size,
+        opt(f.img_size, "position table is not a square grid"),
+        f.in_chans,
+        f.num_classes,
+        opt(f.mlp_hidden_dim, "no MLP found"),
+        if f.class_token { ", class token" } else { "" },
+        if f.reg_tokens > 0 {
+            format!(", {} register tokens", f.reg_tokens)
+        } else {
+            String::new()
+        },
+    )
+}
+
 /// The pre-flight's findings, at most `limit` of each kind.
-pub(super) fn print_report(out: &mut impl Write, r: &Preflight, limit: usize) -> Result<()> {
+fn print_report(out: &mut impl Write, r: &Preflight, limit: usize) -> Result<()> {
     if r.is_clean() {
         writeln!(out, "  every tensor matches")?;
     }
@@ -413,44 +308,164 @@ pub(super) fn print_report(out: &mut impl Write, r: &Preflight, limit: usize) ->
     more(out, "  ", r.not_float.len(), limit, "not float")
 }
 
-fn print_json(
-    out: &mut impl Write,
-    ckpt: &Checkpoint,
-    layout: &Layout,
-    non_finite: &[NonFinite],
-    check: Option<&ConfigCheck>,
-    config_note: Option<&str>,
-) -> Result<()> {
-    let metadata: BTreeMap<&str, &str> = ckpt
-        .metadata()
+/// A metadata value in a line: numbers and booleans as written, strings
+/// quoted (the first [`SHOWN_CHARS`] characters), arrays listed up to
+/// [`SHOWN_ITEMS`] items, counted past that.
+fn show(v: &Value) -> String {
+    match v {
+        Value::U8(n) => n.to_string(),
+        Value::I8(n) => n.to_string(),
+        Value::U16(n) => n.to_string(),
+        Value::I16(n) => n.to_string(),
+        Value::U32(n) => n.to_string(),
+        Value::I32(n) => n.to_string(),
+        Value::U64(n) => n.to_string(),
+        Value::I64(n) => n.to_string(),
+        Value::F32(x) => x.to_string(),
+        Value::F64(x) => x.to_string(),
+        Value::Bool(b) => b.to_string(),
+        Value::String(s) if s.chars().count() > SHOWN_CHARS => format!(
+            "{:?}… ({} characters)",
+            s.chars().take(SHOWN_CHARS).collect::<String>(),
+            s.chars().count()
+        ),
+        Value::String(s) => format!("{s:?}"),
+        Value::Array(items) if items.len() > SHOWN_ITEMS => format!("[{} values]", items.len()),
+        Value::Array(items) => format!("[{}]", items.iter().map(show).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// A metadata value in the JSON output: scalars as JSON values, strings
+/// whole, arrays of more than [`SHOWN_ITEMS`] items as `{"len": N}`.
+fn json_value(v: &Value) -> serde_json::Value {
+    use serde_json::json;
+    match v {
+        Value::U8(n) => json!(n),
+        Value::I8(n) => json!(n),
+        Value::U16(n) => json!(n),
+        Value::I16(n) => json!(n),
+        Value::U32(n) => json!(n),
+        Value::I32(n) => json!(n),
+        Value::U64(n) => json!(n),
+        Value::I64(n) => json!(n),
+        // The decimal it was written from (`1e-6`, not `9.99999997e-7`).
+        Value::F32(x) => x.to_string().parse::<f64>().map_or(json!(null), |x| json!(x)),
+        Value::F64(x) => json!(x),
+        Value::Bool(b) => json!(b),
+        Value::String(s) => json!(s),
+        Value::Array(items) if items.len() > SHOWN_ITEMS => json!({ "len": items.len() }),
+        Value::Array(items) => serde_json::Value::Array(items.iter().map(json_value).collect()),
+    }
+}
+
+/// The report as one JSON object, every entry of every list.
+fn print_json(out: &mut impl Write, r: &InspectReport) -> Result<()> {
+    let metadata: BTreeMap<&str, serde_json::Value> = r
+        .metadata
         .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .map(|(k, v)| {
+            let v = match v {
+                MetadataValue::Text(s) => serde_json::json!(s),
+                MetadataValue::Gguf(v) => json_value(v),
+            };
+            (k.as_str(), v)
+        })
         .collect();
+    let layout = match &r.layout {
+        FileLayout::Tensors(layout) => serde_json::to_value(layout)?,
+        FileLayout::Gguf(f) => {
+            let sizes: BTreeMap<&str, Option<serde_json::Value>> = f
+                .sizes
+                .iter()
+                .map(|(_, key, v)| (*key, v.as_ref().map(json_value)))
+                .collect();
+            serde_json::json!({
+                "kind": "gguf",
+                "architecture": f.architecture,
+                "metadata": sizes,
+            })
+        }
+    };
+    let (config, config_note) = match &r.config {
+        None => (None, None),
+        Some(ConfigCheck::Compared { kind, source, report }) => {
+            (Some(config_json(kind, source, report)), None)
+        }
+        Some(ConfigCheck::NotUsed { source, why }) => (
+            None,
+            Some(match source {
+                ConfigSource::Metadata => why.clone(),
+                _ => not_used(source, why),
+            }),
+        ),
+    };
     let json = serde_json::json!({
-        "file": ckpt.label(),
-        "file_size": ckpt.file_size(),
-        "num_tensors": ckpt.tensors().len(),
-        "total_params": ckpt.total_params(),
-        "total_bytes": ckpt.tensors().iter().map(|t| t.bytes).sum::<usize>(),
-        "dtypes": dtype_counts(ckpt),
+        "file": r.file,
+        "file_size": r.file_size,
+        "num_tensors": r.tensors.len(),
+        "total_params": r.total_params(),
+        "total_bytes": r.total_bytes(),
+        "dtypes": r.dtype_counts(),
         "metadata": metadata,
-        "tensors": ckpt.tensors(),
+        "tensors": r.tensors,
         "layout": layout,
-        "non_finite": non_finite,
-        "config": check.map(|c| serde_json::json!({
-            "path": c.path.display().to_string(),
-            "kind": c.kind,
-            "beside": c.beside,
-            "clean": c.report.is_clean(),
-            "missing": c.report.missing,
-            "unexpected": c.report.unexpected,
-            "misshaped": c.report.misshaped,
-            "not_float": c.report.not_float,
-        })),
+        "non_finite": r.non_finite,
+        "config": config,
         "config_note": config_note,
     });
     // Formatted first: serde_json's writer errors hide the io::Error that
     // tells a closed pipe from a real failure.
-    writeln!(out, "{}", serde_json::to_string_pretty(&json)?)?;
+    let json = serde_json::to_string_pretty(&json)?;
+    match r.layout {
+        FileLayout::Gguf(_) => writeln!(out, "{}", terminal_safe(&json))?,
+        FileLayout::Tensors(_) => writeln!(out, "{json}")?,
+    }
     Ok(())
+}
+
+/// The comparison with a config as the JSON output gives it.
+fn config_json(kind: &str, source: &ConfigSource, r: &Preflight) -> serde_json::Value {
+    match source {
+        ConfigSource::Given(path) | ConfigSource::Beside(path) => serde_json::json!({
+            "path": path.display().to_string(),
+            "kind": kind,
+            "beside": matches!(source, ConfigSource::Beside(_)),
+            "clean": r.is_clean(),
+            "missing": r.missing,
+            "unexpected": r.unexpected,
+            "misshaped": r.misshaped,
+            "not_float": r.not_float,
+        }),
+        ConfigSource::Metadata => serde_json::json!({
+            "kind": format!("{kind} from the GGUF metadata"),
+            "clean": r.is_clean(),
+            "missing": r.missing,
+            "unexpected": r.unexpected,
+            "misshaped": r.misshaped,
+        }),
+    }
+}
+
+/// JSON text with every control character (and each bidirectional
+/// override, which reorders what a terminal shows) written as a `\u`
+/// escape. serde_json escapes only U+0000 to U+001F: a C1 control such as
+/// U+009B, a terminal's one-byte CSI, would reach it raw. Outside its
+/// strings JSON is ASCII, so only strings change, and they parse back to
+/// the same text; every character escaped is in the BMP, one `\uXXXX`.
+fn terminal_safe(json: &str) -> String {
+    // A raw newline is the pretty layout's; inside strings serde_json
+    // has written each as `\n` already.
+    let escaped = |c: char| {
+        (c.is_control() && c != '\n')
+            || matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if escaped(c) {
+            out.push_str(&format!("\\u{:04x}", u32::from(c)));
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

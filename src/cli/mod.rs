@@ -5,7 +5,6 @@ pub mod generate;
 mod heatmap;
 mod input;
 pub mod inspect;
-mod inspect_gguf;
 pub mod model_files;
 mod output;
 pub mod seq2seq;

@@ -9,8 +9,8 @@
 use std::path::Path;
 
 use anyhow::Result;
-use multihead::models::checkpoint::Checkpoint;
-use multihead::models::files;
+use multihead::models::formats::files;
+use multihead::models::formats::safetensors::Checkpoint;
 
 /// A text file of a model (config, vocabulary): its contents and the name
 /// errors give it.

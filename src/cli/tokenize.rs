@@ -7,8 +7,9 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use multihead::models::checkpoint::{is_gguf, resolve_model, GgufFile};
+use multihead::models::checkpoint::resolve_model;
 use multihead::models::decoder::{ChatMessage, ChatTemplate, TextTokenizer};
+use multihead::models::formats::gguf::{is_gguf, GgufFile};
 use serde_json::json;
 
 /// Most bytes read from standard input as the one text.

@@ -36,7 +36,7 @@ impl Input {
     pub fn open(&self) -> Result<DynamicImage> {
         match self {
             Self::File(p) => open_image(p),
-            Self::BuiltIn(name, bytes) => Ok(multihead::models::image_input::decode_image(
+            Self::BuiltIn(name, bytes) => Ok(multihead::models::formats::image_input::decode_image(
                 bytes,
                 &self.path().display().to_string(),
             )
@@ -46,11 +46,14 @@ impl Input {
 }
 
 /// Decodes a PNG or JPEG, recognised by its bytes, not its extension,
-/// under the size limits of [`multihead::models::image_input`].
+/// under the size limits of [`multihead::models::formats::image_input`].
 pub fn open_image(path: &Path) -> Result<DynamicImage> {
-    let bytes =
-        multihead::models::files::read_bytes(path, "image", multihead::models::image_input::MAX_IMAGE_ALLOC)?;
-    Ok(multihead::models::image_input::decode_image(
+    let bytes = multihead::models::formats::files::read_bytes(
+        path,
+        "image",
+        multihead::models::formats::image_input::MAX_IMAGE_ALLOC,
+    )?;
+    Ok(multihead::models::formats::image_input::decode_image(
         &bytes,
         &path.display().to_string(),
     )?)
@@ -59,10 +62,10 @@ pub fn open_image(path: &Path) -> Result<DynamicImage> {
 /// The image's pixels as a `(channels, H, W)` u8 tensor (luma for one
 /// channel, RGB for three), ready to be resized to `target`: a
 /// large image is block-averaged in 8 bits first
-/// ([`multihead::models::image_input::pixels_u8`]), so no full-size float
+/// ([`multihead::models::formats::image_input::pixels_u8`]), so no full-size float
 /// copy of it is ever made.
 pub fn pixels(img: &DynamicImage, channels: usize, target: (usize, usize)) -> Result<Tensor> {
-    let px = multihead::models::image_input::pixels_u8(img, channels, target)?;
+    let px = multihead::models::formats::image_input::pixels_u8(img, channels, target)?;
     Ok(Tensor::from_vec(
         px.data,
         (px.channels, px.height, px.width),

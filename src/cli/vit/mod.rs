@@ -17,7 +17,8 @@ use multihead::models::vit::{
     attention_rollout, decode_target, preprocess_to, ModelFolder, VisionTransformer, VitConfig,
 };
 
-use multihead::models::checkpoint::{Checkpoint, WeightDtype};
+use multihead::models::checkpoint::WeightDtype;
+use multihead::models::formats::safetensors::Checkpoint;
 
 use super::model_files::{self, Text};
 

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use candle::{bail, Result};
 
 use super::dtype::WeightDtype;
-use super::file::{export_hint, is_pickle, pickle_error, Checkpoint};
-use crate::files;
+use crate::formats::files;
+use crate::formats::safetensors::{export_hint, is_pickle, pickle_error, Checkpoint};
 
 /// The index of a sharded checkpoint.
 pub(crate) const INDEX_NAME: &str = "model.safetensors.index.json";

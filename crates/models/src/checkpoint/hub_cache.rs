@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use candle::{bail, Result};
 
-use crate::files::{read_text, MAX_CONFIG_BYTES};
+use crate::formats::files::{read_text, MAX_CONFIG_BYTES};
 
 /// The hub cache folder this process would read, from the environment.
 pub fn hub_cache_dir() -> Option<PathBuf> {

@@ -19,8 +19,8 @@ use hf_hub::{Cache, Repo, RepoType};
 
 use super::folder::{Weights, INDEX_NAME};
 use super::hub_cache::{is_commit_hash, snapshot_in};
-use super::shards::read_index;
-use crate::files::{read_text, MAX_CONFIG_BYTES};
+use crate::formats::files::{read_text, MAX_CONFIG_BYTES};
+use crate::formats::safetensors::read_index;
 
 /// The files a decoder folder must have: without them nothing is fetched.
 const REQUIRED: [&str; 2] = ["config.json", "tokenizer.json"];

@@ -1,46 +1,47 @@
-//! Checkpoints from strangers: a safetensors file validated before use,
-//! compared with what a model needs before it is built, and described by
-//! [`crate::inspect`].
+//! A model's weights as a whole, whatever their format: where they are
+//! (a folder and its config files, [`ModelFiles`]; a model named as on
+//! the Hugging Face hub, [`resolve_model`]) and how they load
+//! ([`LoadOptions`], [`WeightDtype`]). Reading each file format is
+//! [`crate::formats`]' work.
 //!
 //! ```
-//! use multihead_models::checkpoint::Checkpoint;
+//! use multihead_models::checkpoint::{LoadOptions, ModelFiles, WeightDtype};
 //!
-//! let err = Checkpoint::from_bytes(vec![1, 2, 3], "x.safetensors").unwrap_err();
-//! assert!(err.to_string().contains("truncated"));
+//! // A folder resolves to its weights and the configs beside them.
+//! let files = ModelFiles::resolve("../../tests/fixtures/decoders/llama".as_ref())?;
+//! assert!(files.beside("config.json").is_file());
+//! let opts = LoadOptions {
+//!     dtype: "bf16".parse()?,
+//!     ..LoadOptions::default()
+//! };
+//! assert_eq!(opts.dtype, WeightDtype::Bf16);
+//! # Ok::<(), candle::Error>(())
 //! ```
 
-// `Checkpoint`'s methods sit with the concern each serves: opening one
-// file and reading its tensors (file.rs), reading a sharded checkpoint
-// through its index (`read_sharded`, shards.rs), refusing a config too
-// large for the file (`ensure_holds`, beside `MinWeights` in capacity.rs),
-// and building a model after the pre-flight (`load`, preflight.rs).
-// A GGUF file (llama.cpp's format) has a reader of its own, gguf.rs
-// (its metadata's typed getters in gguf/metadata.rs), after its header was
-// walked for what candle's reader would not refuse (gguf_header.rs). Both hold their file's bytes mapped (bytes.rs) and
-// scan them for NaN and infinity in place (finite.rs).
-mod bytes;
-mod capacity;
 mod dtype;
-pub(crate) mod file;
-mod finite;
 mod folder;
-mod gguf;
-mod gguf_header;
 mod hub_cache;
 #[cfg(feature = "hub-download")]
 mod hub_download;
-mod preflight;
-mod shards;
 
-pub use capacity::{checked_product, MinWeights};
-pub(crate) use dtype::float_range;
+pub(crate) use dtype::{float_dtype, float_range};
 pub use dtype::{LoadOptions, WeightDtype};
-pub use file::{Checkpoint, LoadProgress, TensorInfo};
 pub use folder::{ModelFiles, Weights};
-pub use gguf::{
+pub use hub_cache::{hub_cache_dir, resolve_model};
+
+// The file formats' items, reachable here too: each group names the
+// module that defines it.
+
+/// A safetensors file and its checks: [`crate::formats::safetensors`].
+pub use crate::formats::safetensors::{
+    checked_product, read_index, Checkpoint, LoadProgress, MinWeights, TensorInfo,
+};
+
+/// A GGUF file: [`crate::formats::gguf`].
+pub use crate::formats::gguf::{
     block_format, dequantize_q8_0, ggml_type_name, is_gguf, stored_dtype, GgufFile, GgufTensorInfo,
     GGUF_TENSOR_TYPES,
 };
-pub use hub_cache::{hub_cache_dir, resolve_model};
-pub use preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};
-pub use shards::read_index;
+
+/// A file compared with what a model needs: [`crate::formats::preflight`].
+pub use crate::formats::preflight::{wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted};

@@ -18,7 +18,7 @@ use serde::Serialize;
 use serde_json::Value as Json;
 
 use super::jinja_py;
-use crate::files::{read_text, MAX_CONFIG_BYTES};
+use crate::formats::files::{read_text, MAX_CONFIG_BYTES};
 use crate::vit::folder::json::{parse_object, short};
 
 /// Instructions one rendering may run: Llama 3's template takes about 31

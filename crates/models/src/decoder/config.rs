@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::gemma::GemmaConfig;
-use crate::checkpoint::{checked_product, Checkpoint, MinWeights};
+use crate::formats::safetensors::{checked_product, Checkpoint, MinWeights};
 use crate::mlp::Activation;
 
 /// Largest width, vocabulary, layer count or context a config may ask for:
@@ -173,7 +173,7 @@ pub(super) fn check_dims(label: &str, dims: &[(&str, usize)]) -> Result<()> {
 /// `n` layers where that many is in range ([`check_dims`]): checked before
 /// anything is built per layer, so that a config asking for 2⁴⁰ layers is
 /// an error, not an allocation that aborts.
-pub(super) fn checked_layers(label: &str, name: &str, n: usize) -> Result<usize> {
+pub(crate) fn checked_layers(label: &str, name: &str, n: usize) -> Result<usize> {
     check_dims(label, &[(name, n)])?;
     Ok(n)
 }
@@ -263,7 +263,7 @@ impl Gpt2Config {
 
     /// The fewest weights a checkpoint of this config stores (embeddings
     /// and weight matrices), with checked arithmetic; see
-    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
         let (e, inner) = (self.n_embd, self.n_inner());
         let mut m = MinWeights::new("Gpt2Config");
@@ -777,7 +777,7 @@ impl LlamaConfig {
 
     /// The fewest weights a checkpoint of this config stores (embeddings
     /// and weight matrices), with checked arithmetic; see
-    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
         GqaDecoderShape {
             owner: "LlamaConfig",

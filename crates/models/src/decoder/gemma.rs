@@ -23,7 +23,7 @@ use serde_json::{Map, Value};
 
 use super::config::{check_dims, check_eps, checked_layers, ties_in, GqaDecoderShape};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
-use crate::checkpoint::{Checkpoint, MinWeights};
+use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
 
 /// Which Gemma.
@@ -262,7 +262,7 @@ impl GemmaConfig {
 
     /// The fewest weights a checkpoint of this config stores (embeddings
     /// and weight matrices), with checked arithmetic; see
-    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
         GqaDecoderShape {
             owner: "GemmaConfig",

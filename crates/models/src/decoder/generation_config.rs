@@ -7,7 +7,7 @@ use std::path::Path;
 use candle::{bail, Result};
 use serde_json::Value;
 
-use crate::files::{read_text, MAX_CONFIG_BYTES};
+use crate::formats::files::{read_text, MAX_CONFIG_BYTES};
 use crate::vit::folder::json::{parse_object, Fields, MAX_SIZE};
 
 /// HF's `GenerationConfig`, the fields this crate's generation uses. A

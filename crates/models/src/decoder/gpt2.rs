@@ -8,7 +8,7 @@ use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, 
 
 use super::config::{ties_in, Gpt2Config};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
-use crate::checkpoint::Checkpoint;
+use crate::formats::safetensors::Checkpoint;
 use crate::mlp::{Activation, Mlp};
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.

@@ -18,7 +18,7 @@ use multihead_attention::{
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
-use crate::checkpoint::Checkpoint;
+use crate::formats::safetensors::Checkpoint;
 use crate::mlp::{Activation, Mlp};
 
 /// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`

@@ -27,11 +27,10 @@
 
 mod batch;
 mod chat;
-mod config;
+pub(crate) mod config;
 mod conversation;
 mod gemma;
 mod generation_config;
-mod gguf;
 mod gpt2;
 mod jinja_py;
 mod llama;
@@ -47,11 +46,12 @@ use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
 
-use crate::checkpoint::{
-    wanted_tensors, Checkpoint, LoadOptions, LoadProgress, ModelFiles, Wanted, WeightDtype,
-};
+use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles, WeightDtype};
+use crate::formats::preflight::{wanted_tensors, Wanted};
+use crate::formats::safetensors::Checkpoint;
 use crate::generation::StepModel;
 
+pub use crate::formats::gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
 pub use batch::{BatchEvent, BatchRequest, BatchSink, Batcher, DEFAULT_PREFILL_CHUNK};
 pub use chat::{ChatMessage, ChatTemplate, TemplateArgs};
 pub use config::{
@@ -60,7 +60,6 @@ pub use config::{
 pub use conversation::Conversation;
 pub use gemma::{Gemma, GemmaConfig, GemmaFamily, LayerKind, Rope, GEMMA_TYPES};
 pub use generation_config::HfGenerationConfig;
-pub use gguf::{GGUF_ARCHITECTURES, GGUF_PRE_TOKENIZERS};
 pub use gpt2::Gpt2;
 pub use llama::Llama;
 pub use pipeline::{Finish, GenerationSettings, Sampling, TextGenerator, TextOutput, DEFAULT_MAX_NEW_TOKENS};

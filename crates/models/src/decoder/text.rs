@@ -8,9 +8,9 @@ use std::path::Path;
 use candle::{bail, Result};
 use serde_json::Value;
 
-use super::gguf::SpmVocab;
 use super::tokenizer_bounds::{guard, normalizer_growth, MAX_NORMALIZED_BYTES};
-use crate::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
+use crate::formats::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
+use crate::formats::gguf::SpmVocab;
 use crate::vit::folder::json::parse_object;
 
 /// Largest `tokenizer.json` read, in bytes (Llama 3's is 9 MB, Qwen2's

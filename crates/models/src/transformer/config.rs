@@ -5,7 +5,7 @@ use candle::{bail, Result};
 use multihead_attention::{MhaConfig, SeqLayout};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{checked_product, MinWeights};
+use crate::formats::safetensors::{checked_product, MinWeights};
 use crate::mlp::Activation;
 
 /// Constructor arguments of `torch.nn.Transformer` (and of its layers,
@@ -180,7 +180,7 @@ impl TransformerConfig {
     }
 
     /// The fewest weights a checkpoint of this config stores; see
-    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
         let mut m = MinWeights::new("TransformerConfig");
         self.add_min_weights(&mut m)?;

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::cache::Seq2SeqCache;
 use super::config::TransformerConfig;
 use super::model::Transformer;
-use crate::checkpoint::{checked_product, MinWeights};
+use crate::formats::safetensors::{checked_product, MinWeights};
 
 /// Architecture and special tokens of a [`Seq2Seq`] model; the
 /// `config.json` that `scripts/train_dates.py` writes.
@@ -58,7 +58,7 @@ impl Seq2SeqConfig {
 
     /// The fewest weights a checkpoint of this config stores (the
     /// positional table is optional and not counted), with checked
-    /// arithmetic; see [`crate::checkpoint::Checkpoint::ensure_holds`].
+    /// arithmetic; see [`crate::formats::safetensors::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
         let d = self.transformer.d_model;
         let mut m = MinWeights::new("Seq2SeqConfig");

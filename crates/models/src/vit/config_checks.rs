@@ -4,13 +4,13 @@
 use candle::{bail, Result};
 
 use super::{GlobalPool, Naming, VitConfig};
-use crate::checkpoint::{checked_product, MinWeights};
+use crate::formats::safetensors::{checked_product, MinWeights};
 
 impl VitConfig {
     /// The fewest weights a checkpoint of this config stores (weight
     /// matrices only, no biases or norms), computed with checked arithmetic
     /// so that an absurd size is an error naming it; see
-    /// [`crate::checkpoint::Checkpoint::ensure_holds`].
+    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
     pub fn min_weights(&self) -> Result<MinWeights> {
         let d = self.embed_dim;
         let p = self.patch_size;

@@ -22,14 +22,15 @@ use std::path::{Path, PathBuf};
 
 use candle::{bail, DType, Device, Result};
 
-use crate::checkpoint::{Checkpoint, ModelFiles};
+use crate::checkpoint::ModelFiles;
+use crate::formats::safetensors::Checkpoint;
 use crate::vit::config::VitConfig;
 use crate::vit::folder::hf::HfArchitecture;
 use crate::vit::folder::json::parse_object;
 use crate::vit::model::VisionTransformer;
 
 pub use crate::checkpoint::Weights;
-pub use crate::files::MAX_CONFIG_BYTES;
+pub use crate::formats::files::MAX_CONFIG_BYTES;
 
 /// Which writer the `config.json` comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,7 +64,7 @@ pub struct ModelFolder {
 
 /// Reads a small JSON file, refusing one over [`MAX_CONFIG_BYTES`].
 fn read_json(path: &Path, what: &str) -> Result<String> {
-    crate::files::read_text(path, what, MAX_CONFIG_BYTES)
+    crate::formats::files::read_text(path, what, MAX_CONFIG_BYTES)
 }
 
 impl ModelFolder {

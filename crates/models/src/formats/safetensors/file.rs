@@ -11,9 +11,9 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensorError, SafeTensors};
 use serde::Serialize;
 
-use super::bytes::Bytes;
-use super::finite::{par_count_at_least, par_count_non_finite};
-use super::WeightDtype;
+use crate::checkpoint::WeightDtype;
+use crate::formats::bytes::Bytes;
+use crate::formats::finite::{par_count_at_least, par_count_non_finite};
 
 /// One tensor as the header describes it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

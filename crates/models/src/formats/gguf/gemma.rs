@@ -10,8 +10,8 @@ use candle::quantized::gguf_file::Value;
 use candle::{bail, Result};
 
 use super::config::{Arch, Meta};
-use crate::checkpoint::GgufFile;
-use crate::decoder::gemma::{GemmaConfig, GemmaFamily, LayerKind, Rope};
+use super::GgufFile;
+use crate::decoder::{GemmaConfig, GemmaFamily, LayerKind, Rope};
 
 /// llama.cpp's layer counts of the 27B models (`LLM_TYPE_27B`), whose
 /// scores it scales by `(hidden / heads)^-1/2` rather than `head_dim^-1/2`

@@ -41,7 +41,7 @@ impl Bytes {
     /// no bytes); `what` names the file's kind in errors.
     pub(crate) fn map(path: &Path, what: &str) -> Result<Self> {
         let label = path.display();
-        if crate::files::regular_file_len(path, what)? == 0 {
+        if crate::formats::files::regular_file_len(path, what)? == 0 {
             return Ok(Self::Owned(Vec::new()));
         }
         let file = std::fs::File::open(path)

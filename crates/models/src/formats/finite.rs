@@ -1,9 +1,10 @@
 //! NaN and infinity counted in a tensor's stored bytes, read in place:
 //! the value scan of the pre-flight, for safetensors files
-//! ([`super::Checkpoint::non_finite`]) and GGUF files
-//! ([`super::GgufFile::non_finite`]); and the finite values too large for
+//! ([`super::safetensors::Checkpoint::non_finite`]) and GGUF files
+//! ([`super::gguf::GgufFile::non_finite`]); and the finite values too large for
 //! a narrower dtype, which would become infinity when a load converts
-//! them ([`super::Checkpoint::too_large`], [`super::GgufFile::too_large`]).
+//! them ([`super::safetensors::Checkpoint::too_large`],
+//! [`super::gguf::GgufFile::too_large`]).
 
 use rayon::prelude::*;
 use safetensors::Dtype;

@@ -9,7 +9,7 @@ use std::path::{Component, Path};
 use candle::{bail, Result};
 use serde_json::Value;
 
-use crate::checkpoint::file::Checkpoint;
+use super::file::Checkpoint;
 
 /// Most shards an index may name (the largest models on the Hub have a few
 /// hundred).
@@ -68,7 +68,7 @@ impl Checkpoint {
     /// copy of the weights is made.
     pub fn read_sharded(index: &Path) -> Result<Self> {
         let label = index.display().to_string();
-        let text = crate::files::read_text(index, "index", crate::files::MAX_CONFIG_BYTES)?;
+        let text = crate::formats::files::read_text(index, "index", crate::formats::files::MAX_CONFIG_BYTES)?;
         let (shards, weight_map) = read_index(&text, &label)?;
         let dir = index.parent().map(Path::to_path_buf).unwrap_or_default();
         let files = shards

@@ -20,7 +20,7 @@ use std::collections::{BinaryHeap, HashMap};
 use candle::{bail, Result};
 use serde_json::{json, Map, Value};
 
-use crate::checkpoint::GgufFile;
+use super::GgufFile;
 
 /// `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 pub(super) mod token_type {

@@ -6,7 +6,7 @@
 
 use candle::{bail, Result};
 
-use crate::checkpoint::file::Checkpoint;
+use super::file::Checkpoint;
 
 /// How many times the weights a file holds a config may ask for and still
 /// be compared tensor by tensor. A config one layer or one width off gets

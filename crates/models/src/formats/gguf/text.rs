@@ -12,7 +12,8 @@ use serde_json::{json, Map, Value};
 
 use super::spm::token_type::{CONTROL, USER_DEFINED};
 use super::spm::SpmVocab;
-use crate::checkpoint::{GgufFile, LoadOptions};
+use super::GgufFile;
+use crate::checkpoint::LoadOptions;
 use crate::decoder::{ChatTemplate, DecoderModel, HfGenerationConfig, TextGenerator, TextTokenizer};
 
 /// GPT-2's split (the `tokenizers` crate's `ByteLevel` regex).

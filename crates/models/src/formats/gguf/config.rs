@@ -1,13 +1,13 @@
 //! A GGUF file's `{arch}.*` metadata read into the config of the HF model
-//! it describes ([`LlamaConfig`] here, [`GemmaConfig`] in `gemma.rs`),
+//! it describes ([`LlamaConfig`] here, [`GemmaConfig`](crate::decoder::GemmaConfig) in `gemma.rs`),
 //! each key checked as `config.json`'s are, and anything the models cannot
 //! honour refused by name.
 
 use candle::{bail, DType, Device, Result};
 use multihead_attention::RopeScaling;
 
+use super::GgufFile;
 use super::GGUF_ARCHITECTURES;
-use crate::checkpoint::GgufFile;
 use crate::decoder::config::{
     checked_layers, rotary_every, HfDecoderConfig, LlamaConfig, NormPlacement, Projections, QkNorm,
 };

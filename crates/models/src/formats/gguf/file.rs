@@ -31,15 +31,13 @@ use candle::{bail, DType, Device, Result, Tensor};
 use multihead_attention::{dequantize_row, BlockFormat};
 use safetensors::Dtype;
 
-use super::bytes::Bytes;
-use super::dtype::WeightDtype;
-use super::file::natural_key;
-use super::finite::{
+use super::header::check_header;
+use crate::checkpoint::WeightDtype;
+use crate::formats::bytes::Bytes;
+use crate::formats::finite::{
     par_count_at_least, par_count_at_least_q8_0, par_count_non_finite, par_count_non_finite_q8_0,
 };
-use super::gguf_header::check_header;
-
-mod metadata;
+use crate::formats::safetensors::natural_key;
 
 /// The ggml types whose tensors this reader returns.
 pub const GGUF_TENSOR_TYPES: [GgmlDType; 13] = [
@@ -98,9 +96,10 @@ pub struct GgufTensorInfo {
 /// A validated GGUF file: its metadata and the tensors' byte ranges, each
 /// inside the file and of the size its shape and type give.
 pub struct GgufFile {
-    label: String,
+    pub(super) label: String,
     bytes: Bytes,
-    metadata: HashMap<String, Value>,
+    /// Read through metadata.rs's typed getters.
+    pub(super) metadata: HashMap<String, Value>,
     /// In natural name order.
     tensors: Vec<GgufTensorInfo>,
     index: HashMap<String, usize>,
@@ -377,7 +376,7 @@ impl GgufFile {
     }
 
     /// The named tensors holding NaN or infinity, with the counts
-    /// `(name, nan, inf)`, as [`super::Checkpoint::non_finite`] gives them:
+    /// `(name, nan, inf)`, as [`crate::formats::safetensors::Checkpoint::non_finite`] gives them:
     /// F32, F16 and BF16 element by element, Q8_0 as the values its blocks
     /// dequantize to (only its f16 scales can be non-finite: a NaN scale
     /// makes 32 NaN, an infinite one ±Inf, and NaN where `q` is 0). Names

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use serde::Serialize;
 
-use crate::checkpoint::TensorInfo;
+use crate::formats::safetensors::TensorInfo;
 
 /// Sizes of a Vision Transformer read off its tensors.
 #[derive(Debug, Clone, PartialEq, Serialize)]
