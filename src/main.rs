@@ -90,3 +90,15 @@ fn one_line(e: &anyhow::Error) -> String {
     }
     parts.join(": ")
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own consistency checks over every subcommand (argument ids,
+    /// group ids, conflicts), which a debug build runs only for the
+    /// subcommand a user calls and a release build never.
+    #[test]
+    fn every_subcommand_passes_clap_checks() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
+    }
+}

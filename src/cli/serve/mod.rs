@@ -55,6 +55,9 @@ const COUNT_SEGMENT_BYTES: usize = 16 << 10;
 /// Arguments of `multihead serve`: `generate`'s model and sampling options
 /// (the defaults of every request), and the server's own.
 #[derive(Debug, clap::Args)]
+// Its own group id: by default clap names a struct's group after the
+// struct, and the flattened `generate::Args` is `Args` too.
+#[group(id = "serve_args")]
 pub struct Args {
     #[command(flatten)]
     pub generate: super::generate::Args,
