@@ -108,7 +108,7 @@ mod tests {
     /// `Tiles::best` would not give it: single query rows for the
     /// micro-kernels, partial row groups, key counts off the panel and
     /// block sizes, value widths off the panel width; decode-sized blocks
-    /// (the kernels' `direct.rs` products) with dims off the vector widths,
+    /// (the kernels' `attention/decode.rs` products) with dims off the vector widths,
     /// grouped heads taken together.
     #[test]
     fn every_tile_implementation_equals_reference() -> Result<()> {

@@ -4,7 +4,7 @@
 use candle::{Module, Result, Tensor};
 
 use super::PackedLinear;
-use crate::isa::{force, supported, Isa, FORCE_LOCK};
+use crate::runtime::isa::{force, supported, Isa, FORCE_LOCK};
 use crate::testing::{randn, rel_err};
 
 /// Packed for every instruction set the processor runs, the layer
