@@ -38,10 +38,14 @@
 //! - `elem.rs`: the element types of panels and caches (f32, bf16, f16),
 //!   which the micro-kernels widen to f32 lanes as they load them.
 //!
-//! Every kernel variant can be forced ([`isa::force`], or
+//! The instruction set is an argument, never ambient state: every kernel
+//! that dispatches takes the [`isa::Isa`] it runs with, the public entry
+//! points from their options (`PackOptions`, [`attention::TileOptions`])
+//! or [`isa::current`] (detected, capped by
 //! `MULTIHEAD_CPU_ISA=avx512bf16|avx512|avx2|portable` for a whole
-//! process), and the tests compare each one the processor runs with the
-//! reference path.
+//! process). So every variant can be forced, two at once, and the tests
+//! compare each one the processor runs ([`isa::supported`]) with the
+//! reference path, in parallel.
 
 #![warn(missing_docs)]
 
@@ -109,8 +113,9 @@ pub use runtime::isa;
 /// (AVX-512F with AVX512-BF16: bf16 weights multiply inputs rounded to
 /// bf16), `"avx512"` (AVX-512F), `"avx2"` (AVX2 and FMA) or `"portable"`;
 /// the best the processor has, unless `MULTIHEAD_CPU_ISA` (one of those
-/// names, read once) or [`isa::force`] asks for less. Benchmarks print it beside their
-/// figures.
+/// names, read once) asks for less ([`isa::current`]); a layer or call
+/// given another in its options runs with that one. Benchmarks print it
+/// beside their figures.
 pub fn cpu_isa() -> &'static str {
     isa::current().name()
 }

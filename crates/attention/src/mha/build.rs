@@ -195,14 +195,11 @@ mod tests {
     use candle_nn::{VarBuilder, VarMap};
 
     use crate::projection::InKind;
-    use crate::testing::{rel_err as diff, FORCE_LOCK};
+    use crate::testing::rel_err as diff;
     use crate::{MhaConfig, MhaOptions, MultiheadAttention, WeightLayout};
 
     #[test]
     fn separate_plain_weights_are_joined_and_variables_stay_apart_and_live() -> Result<()> {
-        // Plain weights pack on every instruction set but a forced
-        // portable one, which another test may be running with.
-        let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         for bias in [false, true] {
             let cfg = MhaConfig::new(64, 4).with_kv_heads(2).with_bias(bias);

@@ -38,7 +38,7 @@ use candle::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
 use half::{bf16, f16};
 
 use crate::rows::simd;
-use crate::runtime::isa::Isa;
+use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
 pub use problem::{window_isize, MaskPart};
 use problem::{KvElem, PartView, Problem, Unit, View, BLOCK_K, DIRECT_ROWS};
@@ -128,20 +128,18 @@ pub enum Tiles {
 }
 
 impl Tiles {
-    /// The faster choice on this CPU for `q_len` query rows and these head
+    /// The faster choice on `isa` for `q_len` query rows and these head
     /// dims (the packed layout needs both non-zero).
-    fn best(q_len: usize, head_dim: usize, v_head_dim: usize) -> Tiles {
+    fn best(isa: Isa, q_len: usize, head_dim: usize, v_head_dim: usize) -> Tiles {
         #[cfg(target_arch = "x86_64")]
         if q_len >= tiles::MIN_Q_LEN && head_dim > 0 && v_head_dim > 0 {
-            match crate::runtime::isa::current() {
-                crate::runtime::isa::Isa::Avx512 | crate::runtime::isa::Isa::Avx512Bf16 => {
-                    return Tiles::Avx512
-                }
-                crate::runtime::isa::Isa::Avx2 => return Tiles::Avx2,
-                crate::runtime::isa::Isa::Portable => {}
+            match isa {
+                Isa::Avx512 | Isa::Avx512Bf16 => return Tiles::Avx512,
+                Isa::Avx2 => return Tiles::Avx2,
+                Isa::Portable => {}
             }
         }
-        let _ = (q_len, head_dim, v_head_dim);
+        let _ = (isa, q_len, head_dim, v_head_dim);
         Tiles::Gemm
     }
 }
@@ -182,15 +180,20 @@ fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// The tile products and the packing, where a caller forces them (tests
-/// and benchmarks); `None` takes the best for the call and the processor.
-/// A choice the processor cannot run falls back to the best it can.
+/// The instruction set, the tile products and the packing, where a
+/// caller forces them (tests and benchmarks); `None` takes the best for
+/// the call and the processor. A choice the processor cannot run falls
+/// back to the best it can.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TileOptions {
     /// How the tile products are computed.
     pub tiles: Option<Tiles>,
     /// Where the micro-kernels' packed keys and values are packed.
     pub packing: Option<Packing>,
+    /// The instruction set every part of the call runs with (capped at
+    /// what the processor runs, [`isa::runnable`](crate::isa::runnable));
+    /// `None`: [`isa::current`](crate::isa::current).
+    pub isa: Option<Isa>,
 }
 
 /// `softmax(q kᵀ · scale + mask) v` (with the scores soft-capped first
@@ -245,7 +248,7 @@ fn sdpa_in<KV: KvElem>(
     scale: f64,
     options: TileOptions,
 ) -> Result<Option<Tensor>> {
-    let TileOptions { tiles, packing } = options;
+    let TileOptions { tiles, packing, isa } = options;
     // The kernel reads rows in place; any other layout is copied once.
     let (q, k, v) = (
         last_dim_contiguous(q)?,
@@ -269,9 +272,9 @@ fn sdpa_in<KV: KvElem>(
     let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
     // A forced choice the processor cannot run, or that the packed layout
     // has no room for (a zero head dim), falls back to what it can.
-    let isa = crate::runtime::isa::current();
+    let isa = isa.map_or_else(current, runnable);
     let packable = d > 0 && dv > 0;
-    let tiles = match tiles.unwrap_or_else(|| Tiles::best(l, d, dv)) {
+    let tiles = match tiles.unwrap_or_else(|| Tiles::best(isa, l, d, dv)) {
         Tiles::Avx512 if packable && isa >= Isa::Avx512 => Tiles::Avx512,
         Tiles::Avx2 | Tiles::Avx512 if packable && isa >= Isa::Avx2 => Tiles::Avx2,
         _ => Tiles::Gemm,
@@ -335,6 +338,7 @@ fn sdpa_in<KV: KvElem>(
                     alibi: *alibi,
                     softcap: *softcap,
                     masked_keys,
+                    isa,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
                 // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
@@ -422,7 +426,7 @@ fn sdpa_in<KV: KvElem>(
     // +inf score: right as it is) or from a non-finite value; the latter
     // may sit in a hidden key that a tile still multiplied by its zero
     // weight, so the reference path, which reads no hidden value, decides.
-    if non_finite.into_inner() && !all_finite_tensor(&v.to_dtype(DType::F32)?)? {
+    if non_finite.into_inner() && !all_finite_tensor(isa, &v.to_dtype(DType::F32)?)? {
         return Ok(None);
     }
     Ok(Some(
@@ -431,13 +435,14 @@ fn sdpa_in<KV: KvElem>(
 }
 
 /// Whether every element of a CPU f32 tensor is finite.
-fn all_finite_tensor(t: &Tensor) -> Result<bool> {
+fn all_finite_tensor(isa: Isa, t: &Tensor) -> Result<bool> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         bail!("cpu attention kernel: tensor is not on the CPU")
     };
     Ok(simd::all_finite(
+        isa,
         &cpu.as_slice::<f32>()?[layout.start_offset()..][..t.elem_count()],
     ))
 }

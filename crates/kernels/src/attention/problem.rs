@@ -141,6 +141,9 @@ pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) softcap: Option<f32>,
     /// Keys past this (`add_bias_kv`, `add_zero_attn`) are never masked.
     pub(crate) masked_keys: usize,
+    /// The instruction set the row operations and the decode-sized
+    /// products run with (at most what the processor runs).
+    pub(crate) isa: Isa,
 }
 
 /// The element types [`sdpa`](super::sdpa) reads keys and values in, in place: f32,
@@ -233,14 +236,16 @@ impl<KV: KvElem> Problem<'_, KV> {
         };
         for p in self.parts {
             if let PartData::Additive(data) = p.data {
-                simd::add_visible(row, &data[entries(p)]);
+                simd::add_visible(self.isa, row, &data[entries(p)]);
             }
         }
         for p in self.parts {
             match p.data {
-                PartData::Additive(data) => simd::hide_where_neg_inf(row, &data[entries(p)]),
-                PartData::HideWhereNonZero(data) => simd::hide_where_nonzero(row, &data[entries(p)]),
-                PartData::HideWhereZero(data) => simd::hide_where_zero(row, &data[entries(p)]),
+                PartData::Additive(data) => simd::hide_where_neg_inf(self.isa, row, &data[entries(p)]),
+                PartData::HideWhereNonZero(data) => {
+                    simd::hide_where_nonzero(self.isa, row, &data[entries(p)])
+                }
+                PartData::HideWhereZero(data) => simd::hide_where_zero(self.isa, row, &data[entries(p)]),
             }
         }
         let visible = self.causal_end(i).saturating_sub(j0).min(masked);
@@ -282,11 +287,7 @@ impl<KV: KvElem> Problem<'_, KV> {
         };
         // Decode-sized blocks (too few rows for `gemm` to pay for its
         // packing) take the products read in place (`decode.rs`).
-        let lanes = if n < DIRECT_ROWS {
-            crate::runtime::isa::current()
-        } else {
-            Isa::Portable
-        };
+        let lanes = if n < DIRECT_ROWS { self.isa } else { Isa::Portable };
         let mut j0 = self.keys_start(i0);
         while j0 < kv_end {
             let cols = bk.min(kv_end - j0);
@@ -340,11 +341,11 @@ impl<KV: KvElem> Problem<'_, KV> {
             for r in 0..n {
                 let row = &mut tile[r * cols..(r + 1) * cols];
                 if let Some(cap) = self.softcap {
-                    simd::softcap_row(row, cap);
+                    simd::softcap_row(self.isa, row, cap);
                 }
                 self.mask_row(row, bi, hi + r / rows, i0 + r % rows, j0);
                 let acc_row = &mut acc[r * dv..(r + 1) * dv];
-                simd::online_softmax_row(row, &mut row_max[r], &mut row_sum[r], acc_row);
+                simd::online_softmax_row(self.isa, row, &mut row_max[r], &mut row_sum[r], acc_row);
             }
             let v_off = self.v.offset(bi, kvh, j0);
             // SAFETY: as above.

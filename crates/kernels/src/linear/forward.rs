@@ -163,12 +163,12 @@ impl PackedLinear {
             Inner::Packed(p) => p.forward(x, m, range, epilogue, residual),
             Inner::Q8(q) => {
                 let mut y = q.forward(x, m, range, residual);
-                epilogue.apply(&mut y);
+                epilogue.apply(q.isa(), &mut y);
                 y
             }
             Inner::Blocks(b) => {
                 let mut y = b.forward(x, m, range, residual);
-                epilogue.apply(&mut y);
+                epilogue.apply(b.isa(), &mut y);
                 y
             }
             Inner::Candle(_) => unreachable!("only packed weights take slices"),

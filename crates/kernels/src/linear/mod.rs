@@ -36,6 +36,7 @@ use crate::elem::plain_cpu_f32;
 use crate::quant::blocks::BlockWeight;
 use crate::quant::q8_0::Q8Weight;
 use crate::quant::BlockFormat;
+use crate::runtime::isa::{current, runnable, Isa};
 pub use format::{is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat};
 use weight::PackedWeight;
 
@@ -151,6 +152,12 @@ impl PackedLinear {
     /// the packed path serves them (see the type's docs), in the weight's
     /// dtype.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Self::build(weight, bias, packing_format(), current())
+    }
+
+    /// [`PackedLinear::new`] packing in `format` for `isa` (capped at what
+    /// the processor runs).
+    pub(crate) fn build(weight: Tensor, bias: Option<Tensor>, format: PackFormat, isa: Isa) -> Result<Self> {
         let (n, k) = weight.dims2()?;
         if let Some(b) = &bias {
             if b.dims() != [n] {
@@ -158,17 +165,18 @@ impl PackedLinear {
             }
         }
         if let Some((format, data)) = format::take_lent(&weight) {
-            return Self::from_blocks(format, data, (n, k), bias.as_ref());
+            return Self::from_blocks_on(format, data, (n, k), bias.as_ref(), isa);
         }
+        let isa = runnable(isa);
         let packable = packable_weight(&weight)
             && !is_broadcast(&weight)
             && bias.as_ref().is_none_or(packable_weight)
             && n > 0
             && k > 0;
-        let quantize = packable && k.is_multiple_of(32) && packing_format() != PackFormat::AsStored;
+        let quantize = packable && k.is_multiple_of(32) && format != PackFormat::AsStored;
         let isa = match quantize {
-            true => Some(crate::runtime::isa::current()),
-            false => PackedWeight::isa().filter(|_| packable),
+            true => Some(isa),
+            false => PackedWeight::isa_for(isa).filter(|_| packable),
         };
         let Some(isa) = isa else {
             return Ok(Self {
@@ -191,7 +199,7 @@ impl PackedLinear {
                 }
             };
         }
-        let inner = match (quantize, packing_format()) {
+        let inner = match (quantize, format) {
             (true, PackFormat::Q4_0) => Inner::Blocks(Arc::new(
                 from_weight!(w => BlockWeight::quantize_q4_0(w, n, k, b, isa)),
             )),
@@ -213,11 +221,22 @@ impl PackedLinear {
     pub fn from_blocks(
         format: BlockFormat,
         data: Vec<u8>,
-        (n, k): (usize, usize),
+        dims: (usize, usize),
         bias: Option<&Tensor>,
     ) -> Result<Self> {
+        Self::from_blocks_on(format, data, dims, bias, current())
+    }
+
+    /// [`PackedLinear::from_blocks`] for `isa` (capped at what the
+    /// processor runs).
+    pub(crate) fn from_blocks_on(
+        format: BlockFormat,
+        data: Vec<u8>,
+        (n, k): (usize, usize),
+        bias: Option<&Tensor>,
+        isa: Isa,
+    ) -> Result<Self> {
         let b = bias.map(cpu_f32).transpose()?;
-        let isa = crate::runtime::isa::current();
         // Q8_0 takes its own kernels, whose panels the blocks go into as
         // they are.
         let inner = match format {
@@ -250,8 +269,15 @@ impl PackedLinear {
     /// others' panels, so that a model packs a fused projection one part
     /// at a time and never holds its unpacked whole; other parts are
     /// unpacked, concatenated and packed again as [`PackedLinear::new`]
-    /// packs, in Q8_0 where one of them is.
+    /// packs, in Q8_0 where one of them is, for the instruction set the
+    /// first packed part was packed for ([`isa::current`](crate::isa::current)
+    /// where none is).
     pub fn cat(parts: Vec<PackedLinear>) -> Result<Self> {
+        Self::cat_on(parts, current())
+    }
+
+    /// [`PackedLinear::cat`], packing for `isa` where no part is packed.
+    pub(crate) fn cat_on(parts: Vec<PackedLinear>, isa: Isa) -> Result<Self> {
         if parts.is_empty() {
             bail!("PackedLinear::cat: no parts")
         }
@@ -307,7 +333,18 @@ impl PackedLinear {
             true => PackFormat::Q8_0,
             false => PackFormat::AsStored,
         };
-        packing_as(format, || Self::new(Tensor::cat(&weights, 0)?, bias))
+        let isa = parts.iter().find_map(PackedLinear::isa).unwrap_or(isa);
+        Self::build(Tensor::cat(&weights, 0)?, bias, format, isa)
+    }
+
+    /// The instruction set the weight is packed for, where it is.
+    fn isa(&self) -> Option<Isa> {
+        match &self.inner {
+            Inner::Candle(_) => None,
+            Inner::Packed(p) => Some(p.isa),
+            Inner::Q8(q) => Some(q.isa()),
+            Inner::Blocks(b) => Some(b.isa()),
+        }
     }
 
     /// Whether the weight is held packed (the fast path serves plain

@@ -67,7 +67,7 @@ impl PackedWeight {
         #[cfg(target_arch = "x86_64")]
         if self.isa >= Isa::Avx2 && m == 1 {
             let mut out = self.one_row(panels, x, xb.as_deref(), (lo, hi));
-            epilogue.apply(&mut out);
+            epilogue.apply(self.isa, &mut out);
             if let Some(residual) = residual {
                 for (y, r) in out.iter_mut().zip(residual) {
                     *y += r;
@@ -265,7 +265,10 @@ impl PackedWeight {
                             }
                             if k0 + kc == k && epilogue != Epilogue::Identity {
                                 for r in 0..rows {
-                                    epilogue.apply(std::slice::from_raw_parts_mut(dst.add(r * width), cols));
+                                    epilogue.apply(
+                                        self.isa,
+                                        std::slice::from_raw_parts_mut(dst.add(r * width), cols),
+                                    );
                                 }
                             }
                         }

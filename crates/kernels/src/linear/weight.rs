@@ -65,13 +65,13 @@ pub(crate) enum Epilogue {
 }
 
 impl Epilogue {
-    /// Applies the epilogue to `xs` in place.
-    pub(crate) fn apply(self, xs: &mut [f32]) {
+    /// Applies the epilogue to `xs` in place, on `isa`.
+    pub(crate) fn apply(self, isa: Isa, xs: &mut [f32]) {
         match self {
             Epilogue::Identity => {}
-            Epilogue::GeluErf => simd::gelu_erf(xs),
-            Epilogue::GeluTanh => simd::gelu_tanh(xs),
-            Epilogue::Relu => simd::relu(xs),
+            Epilogue::GeluErf => simd::gelu_erf(isa, xs),
+            Epilogue::GeluTanh => simd::gelu_tanh(isa, xs),
+            Epilogue::Relu => simd::relu(isa, xs),
         }
     }
 }
@@ -121,10 +121,10 @@ impl std::fmt::Debug for PackedWeight {
 }
 
 impl PackedWeight {
-    /// The instruction set a weight packed now would run with, if any
-    /// kernel serves this processor.
-    pub(crate) fn isa() -> Option<Isa> {
-        match crate::runtime::isa::current() {
+    /// The instruction set a weight packed for `isa` runs with, if any
+    /// kernel serves it.
+    pub(crate) fn isa_for(isa: Isa) -> Option<Isa> {
+        match isa {
             Isa::Portable => None,
             isa => Some(isa),
         }
@@ -137,7 +137,7 @@ impl PackedWeight {
 
     /// Packs `w`, `n` rows of `k` elements, into panels of `dtype` (F32,
     /// BF16 or F16; each element rounded to it), and `bias` (`n` floats),
-    /// for `isa` (from [`PackedWeight::isa`]); `n, k > 0`.
+    /// for `isa` (from [`PackedWeight::isa_for`]); `n, k > 0`.
     pub(crate) fn new<S: PanelElem>(
         w: &[S],
         n: usize,

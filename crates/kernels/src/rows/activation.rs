@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use crate::elem::plain_cpu_f32;
 use crate::rows::simd;
+use crate::runtime::isa::{current, Isa};
 
 /// `max(xs, 0)` elementwise as PyTorch's `relu` computes it: NaN stays NaN
 /// (candle's `Tensor::relu` turns it into 0). Any device and dtype;
@@ -21,7 +22,7 @@ pub fn relu(xs: &Tensor) -> Result<Tensor> {
 /// `silu` and multiply otherwise (any device; gradients flow). NaN stays
 /// NaN.
 pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
-    gated(gate_up, Gate::Silu)
+    gated(gate_up, Gate::Silu, current())
 }
 
 /// `gelu_tanh(gate) · up` for `gate_up = [gate | up]` along the last dim,
@@ -29,7 +30,7 @@ pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
 /// computes its SwiGLU: one pass over plain f32 CPU tensors, candle's
 /// (tanh) `gelu` and multiply otherwise.
 pub fn gelu_tanh_and_mul(gate_up: &Tensor) -> Result<Tensor> {
-    gated(gate_up, Gate::GeluTanh)
+    gated(gate_up, Gate::GeluTanh, current())
 }
 
 /// The activation on a gated MLP's gate half.
@@ -48,7 +49,9 @@ impl Gate {
     }
 }
 
-fn gated(gate_up: &Tensor, kind: Gate) -> Result<Tensor> {
+/// `act(gate) · up` with the CPU pass's rows on `isa` (at most what the
+/// processor runs).
+fn gated(gate_up: &Tensor, kind: Gate, isa: Isa) -> Result<Tensor> {
     let name = kind.name();
     let dims = gate_up.dims();
     let Some(&width) = dims.last() else {
@@ -79,6 +82,7 @@ fn gated(gate_up: &Tensor, kind: Gate) -> Result<Tensor> {
             rows,
             i,
             kind,
+            isa,
         )
     };
     let mut shape = dims.to_vec();
@@ -91,14 +95,14 @@ fn gated(gate_up: &Tensor, kind: Gate) -> Result<Tensor> {
 /// `act(gate_up[.., :i]) · gate_up[.., i:]` for `rows` rows of `2i`
 /// floats, into `rows` rows of `i`; rows split over rayon's pool where
 /// there are enough of them.
-fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate) -> Vec<f32> {
+fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate, isa: Isa) -> Vec<f32> {
     let mut out = vec![0f32; rows * i];
     if i == 0 {
         return out;
     }
     let row = |(o, x): (&mut [f32], &[f32])| match kind {
-        Gate::Silu => simd::silu_mul(&x[..i], &x[i..], o),
-        Gate::GeluTanh => simd::gelu_tanh_mul(&x[..i], &x[i..], o),
+        Gate::Silu => simd::silu_mul(isa, &x[..i], &x[i..], o),
+        Gate::GeluTanh => simd::gelu_tanh_mul(isa, &x[..i], &x[i..], o),
     };
     // About 16 K outputs a task, as candle's elementwise ops take.
     let per_task = (16 * 1024 / i).max(1);
@@ -116,8 +120,8 @@ fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate) -> Vec<f32> {
 mod tests {
     use candle::Result;
 
-    use super::{gelu_tanh_and_mul, silu_and_mul};
-    use crate::runtime::isa::{force, supported, FORCE_LOCK};
+    use super::{gated, gelu_tanh_and_mul, silu_and_mul, Gate};
+    use crate::runtime::isa::supported;
     use crate::testing::{randn, rel_err};
 
     /// `silu_and_mul` equals candle's `silu` times the other half, on every
@@ -126,30 +130,29 @@ mod tests {
     /// flow); an odd width is an error that says so.
     #[test]
     fn silu_and_mul_equals_silu_times_up() -> Result<()> {
-        gated_equals_candle(silu_and_mul, |g| g.silu())
+        gated_equals_candle(silu_and_mul, Gate::Silu, |g| g.silu())
     }
 
     /// `gelu_tanh_and_mul` equals candle's (tanh) `gelu` times the other
     /// half, as [`silu_and_mul_equals_silu_times_up`] checks the SwiGLU.
     #[test]
     fn gelu_tanh_and_mul_equals_gelu_times_up() -> Result<()> {
-        gated_equals_candle(gelu_tanh_and_mul, |g| g.gelu())
+        gated_equals_candle(gelu_tanh_and_mul, Gate::GeluTanh, |g| g.gelu())
     }
 
     fn gated_equals_candle(
         ours: fn(&candle::Tensor) -> Result<candle::Tensor>,
+        kind: Gate,
         act: fn(&candle::Tensor) -> Result<candle::Tensor>,
     ) -> Result<()> {
         use candle::{Device, Tensor, Var, D};
 
-        let silu_and_mul = ours;
         let reference = |x: &Tensor| -> Result<Tensor> {
             let i = x.dim(D::Minus1)? / 2;
             act(&x.narrow(D::Minus1, 0, i)?)? * x.narrow(D::Minus1, i, i)?
         };
-        let _lock = FORCE_LOCK.lock();
         for isa in supported() {
-            force(Some(isa));
+            let silu_and_mul = |x: &Tensor| gated(x, kind, isa);
             // A few rows (serial) and enough for the pool, widths off the
             // vector lanes; arguments past exp's range both ways.
             for shape in [[1, 3, 2 * 37], [2, 300, 2 * 176]] {
@@ -175,7 +178,7 @@ mod tests {
                 );
             }
         }
-        force(None);
+        let silu_and_mul = ours;
         let var = Var::from_tensor(&randn(&[4, 8])?)?;
         let grads = silu_and_mul(var.as_tensor())?.sum_all()?.backward()?;
         assert!(grads.get(var.as_tensor()).is_some());

@@ -6,6 +6,8 @@ use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tens
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
+use crate::runtime::isa::{current, Isa};
+
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
 /// and, unless built with [`LayerNorm::new_no_bias`], a bias.
 ///
@@ -65,11 +67,31 @@ impl LayerNorm {
     /// else (gradients, other devices and dtypes, broadcasting) adds, then
     /// normalises.
     pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        match FusedLayerNorm::for_input(self, xs)? {
+        self.forward_add_on(xs, residual, current())
+    }
+
+    /// [`LayerNorm::forward_add`] with the CPU kernel's rows on `isa` (at
+    /// most what the processor runs).
+    pub(crate) fn forward_add_on(&self, xs: &Tensor, residual: &Tensor, isa: Isa) -> Result<Tensor> {
+        match FusedLayerNorm::for_input(self, xs, isa)? {
             Some(op) if crate::elem::plain_cpu_f32(residual) && xs.dims() == residual.dims() => {
                 xs.contiguous()?.apply_op2_no_bwd(&residual.contiguous()?, &op)
             }
-            _ => self.forward(&(xs + residual)?),
+            _ => self.forward_on(&(xs + residual)?, isa),
+        }
+    }
+
+    /// `forward` with the CPU kernel's rows on `isa` (at most what the
+    /// processor runs).
+    pub(crate) fn forward_on(&self, xs: &Tensor, isa: Isa) -> Result<Tensor> {
+        let eps = self.eps as f32;
+        if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
+            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
+        } else if let Some(op) = FusedLayerNorm::for_input(self, xs, isa)? {
+            // On the CPU in f32, the same rows as `forward_add`'s.
+            xs.contiguous()?.apply_op1_no_bwd(&op)
+        } else {
+            candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
         }
     }
 }
@@ -80,12 +102,13 @@ struct FusedLayerNorm {
     weight: Vec<f32>,
     bias: Vec<f32>,
     eps: f32,
+    isa: Isa,
 }
 
 impl FusedLayerNorm {
     /// The op over `x`'s last dim, or `None` where it does not apply
     /// (gradients, other devices and dtypes, a width other than `norm`'s).
-    fn for_input(norm: &LayerNorm, x: &Tensor) -> Result<Option<Self>> {
+    fn for_input(norm: &LayerNorm, x: &Tensor, isa: Isa) -> Result<Option<Self>> {
         let plain = crate::elem::plain_cpu_f32;
         let dim = norm.weight.dim(0)?;
         if !(plain(x) && plain(&norm.weight) && plain(&norm.bias)) || x.dims().last() != Some(&dim) {
@@ -95,6 +118,7 @@ impl FusedLayerNorm {
             weight: norm.weight.to_vec1()?,
             bias: norm.bias.to_vec1()?,
             eps: norm.eps as f32,
+            isa,
         }))
     }
 
@@ -116,7 +140,15 @@ impl FusedLayerNorm {
         // order on each, so the same result).
         let norm_row = |(i, o): (usize, &mut [MaybeUninit<f32>])| {
             let b = b.map(|b| &b[i * d..][..d]);
-            crate::rows::simd::layer_norm_row(&a[i * d..][..d], b, &self.weight, &self.bias, self.eps, o);
+            crate::rows::simd::layer_norm_row(
+                self.isa,
+                &a[i * d..][..d],
+                b,
+                &self.weight,
+                &self.bias,
+                self.eps,
+                o,
+            );
         };
         let spare = &mut out.spare_capacity_mut()[..a.len()];
         if a.len() > 1 << 14 {
@@ -170,15 +202,7 @@ impl CustomOp2 for FusedLayerNorm {
 impl Module for LayerNorm {
     /// `(..., dim)` → same.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let eps = self.eps as f32;
-        if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
-            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
-        } else if let Some(op) = FusedLayerNorm::for_input(self, xs)? {
-            // On the CPU in f32, the same rows as `forward_add`'s.
-            xs.contiguous()?.apply_op1_no_bwd(&op)
-        } else {
-            candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
-        }
+        self.forward_on(xs, current())
     }
 }
 
@@ -253,8 +277,7 @@ mod tests {
     /// lanes.
     #[test]
     fn every_instruction_set_gives_the_same_floats() -> Result<()> {
-        use crate::runtime::isa::{force, supported, FORCE_LOCK};
-        let _lock = FORCE_LOCK.lock();
+        use crate::runtime::isa::supported;
         for d in [37, 512, 768] {
             let vb = VarBuilder::from_tensors(
                 [
@@ -269,7 +292,6 @@ mod tests {
             let (x, r) = (randn(&[300, d])?.affine(3., 2.)?, randn(&[300, d])?);
             let mut outs = Vec::new();
             for isa in supported() {
-                force(Some(isa));
                 let bits = |t: Tensor| -> Result<Vec<u32>> {
                     Ok(t.flatten_all()?
                         .to_vec1::<f32>()?
@@ -277,9 +299,12 @@ mod tests {
                         .map(f32::to_bits)
                         .collect())
                 };
-                outs.push((isa, bits(norm.forward(&x)?)?, bits(norm.forward_add(&x, &r)?)?));
+                outs.push((
+                    isa,
+                    bits(norm.forward_on(&x, isa)?)?,
+                    bits(norm.forward_add_on(&x, &r, isa)?)?,
+                ));
             }
-            force(None);
             let (first, norm_bits, add_bits) = &outs[0];
             for (isa, n, a) in &outs[1..] {
                 assert!(

@@ -3,10 +3,12 @@
 //! application, the exact and
 //! tanh GELUs, SiLU times a gate's other half, a finiteness check,
 //! LayerNorm's rows. Each is written once as plain
-//! Rust and compiled for AVX-512, AVX2+FMA and the baseline; the
-//! instruction set is picked at run time (`runtime/isa.rs`).
+//! Rust and compiled for AVX-512, AVX2+FMA and the baseline; each call
+//! takes the instruction set it runs with (at most what the processor
+//! has: `runtime/isa.rs`).
 
 use crate::rows::softmax::{exp, online_softmax_block, softcap_row as softcap_lanes};
+use crate::runtime::isa::Isa;
 
 /// Lanes of the explicit reductions: float sums and maxes only
 /// vectorise when their order is spelled out as independent lanes.
@@ -199,13 +201,12 @@ fn layer_norm_row_impl(
 }
 
 /// One key block of a row's online softmax ([`online_softmax_block`]) on
-/// the widest lanes the instruction set has (any row length: whole
-/// vectors, then the tail one lane at a time).
-pub(crate) fn online_softmax_row(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
+/// the widest lanes `isa` has (any row length: whole vectors, then the
+/// tail one lane at a time).
+pub(crate) fn online_softmax_row(isa: Isa, row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::rows::lanes::{Ymm, Zmm};
-        use crate::runtime::isa::{current, Isa};
         #[target_feature(enable = "avx512f")]
         unsafe fn avx512(row: &mut [f32], m: &mut f32, l: &mut f32, acc: &mut [f32]) {
             // SAFETY: this function's set.
@@ -216,25 +217,26 @@ pub(crate) fn online_softmax_row(row: &mut [f32], m: &mut f32, l: &mut f32, acc:
             // SAFETY: this function's set.
             unsafe { online_softmax_block::<Ymm>(row, m, l, acc, None) }
         }
-        match current() {
-            // SAFETY: `current` never exceeds what was detected.
+        match isa {
+            // SAFETY: `isa` never exceeds what was detected.
             Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512(row, m, l, acc) },
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { avx2(row, m, l, acc) },
             Isa::Portable => {}
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     // SAFETY: one-lane f32 needs no instruction set.
     unsafe { online_softmax_block::<f32>(row, m, l, acc, None) }
 }
 
 /// `row[j] = cap · tanh(row[j] / cap)` in place ([`softcap_row`]) on
-/// the widest lanes the instruction set has.
-pub(crate) fn softcap_row(row: &mut [f32], cap: f32) {
+/// the widest lanes `isa` has.
+pub(crate) fn softcap_row(isa: Isa, row: &mut [f32], cap: f32) {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::rows::lanes::{Ymm, Zmm};
-        use crate::runtime::isa::{current, Isa};
         #[target_feature(enable = "avx512f")]
         unsafe fn avx512(row: &mut [f32], cap: f32) {
             // SAFETY: this function's set.
@@ -245,21 +247,25 @@ pub(crate) fn softcap_row(row: &mut [f32], cap: f32) {
             // SAFETY: this function's set.
             unsafe { softcap_lanes::<Ymm>(row, cap) }
         }
-        match current() {
-            // SAFETY: `current` never exceeds what was detected.
+        match isa {
+            // SAFETY: `isa` never exceeds what was detected.
             Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512(row, cap) },
             // SAFETY: as above.
             Isa::Avx2 => return unsafe { avx2(row, cap) },
             Isa::Portable => {}
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     // SAFETY: one-lane f32 needs no instruction set.
     unsafe { softcap_lanes::<f32>(row, cap) }
 }
 
+/// `$name(isa, args)`: `$impl(args)` compiled for the widest lanes `isa`
+/// has (at most what the processor runs).
 macro_rules! dispatch {
     ($name:ident, $impl:ident, ($($arg:ident: $ty:ty),*) $(-> $ret:ty)?) => {
-        pub(crate) fn $name($($arg: $ty),*) $(-> $ret)? {
+        pub(crate) fn $name(isa: Isa, $($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f")]
@@ -270,15 +276,16 @@ macro_rules! dispatch {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     $impl($($arg),*)
                 }
-                use crate::runtime::isa::{current, Isa};
-                match current() {
-                    // SAFETY: `current` never exceeds what was detected.
+                match isa {
+                    // SAFETY: `isa` never exceeds what was detected.
                     Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512($($arg),*) },
                     // SAFETY: as above.
                     Isa::Avx2 => return unsafe { avx2($($arg),*) },
                     Isa::Portable => {}
                 }
             }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = isa;
             $impl($($arg),*)
         }
     };
@@ -298,9 +305,30 @@ dispatch!(gelu_tanh_mul, gelu_tanh_mul_impl, (gate: &[f32], up: &[f32], out: &mu
 
 #[cfg(test)]
 mod tests {
+    use crate::runtime::isa::{supported, Isa};
+
     /// `f`'s worst error against `exact` (in f64) over `-12..=12` in steps
-    /// of 1e-3, relative to `max(1, |x|)`; and `f` of NaN, -inf, +inf, 0.
-    fn against(f: fn(&mut [f32]), exact: impl Fn(f64) -> f64) -> (f64, [f32; 4]) {
+    /// of 1e-3, relative to `max(1, |x|)`; and `f` of NaN, -inf, +inf, 0;
+    /// on every instruction set the processor runs, the worst of them.
+    fn against(f: fn(Isa, &mut [f32]), exact: impl Fn(f64) -> f64) -> (f64, [f32; 4]) {
+        let mut all = supported()
+            .into_iter()
+            .map(|isa| against_on(|xs| f(isa, xs), &exact));
+        let first = all.next().expect("portable code runs everywhere");
+        all.fold(first, |(worst, special), (w, s)| {
+            let same = special
+                .iter()
+                .zip(&s)
+                .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+            assert!(
+                same,
+                "special values differ by instruction set: {special:?} vs {s:?}"
+            );
+            (worst.max(w), special)
+        })
+    }
+
+    fn against_on(f: impl Fn(&mut [f32]), exact: impl Fn(f64) -> f64) -> (f64, [f32; 4]) {
         let xs: Vec<f32> = (-12_000..=12_000).map(|i| i as f32 / 1000.).collect();
         let mut ys = xs.clone();
         f(&mut ys);

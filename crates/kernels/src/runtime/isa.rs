@@ -1,14 +1,17 @@
-//! The one place that picks the instruction set the CPU code runs with.
+//! The one place that detects the instruction set the CPU code runs with.
 //!
-//! The best the processor has, unless `MULTIHEAD_CPU_ISA` (`avx512bf16`,
-//! `avx512`, `avx2` or `portable`, read once) or [`force`] (tests,
-//! benchmarks) asks for less; asking for more than the processor has gets
-//! what it has.
+//! [`current`], the default every entry point takes: the best the
+//! processor has, unless `MULTIHEAD_CPU_ISA` (`avx512bf16`, `avx512`,
+//! `avx2` or `portable`, read once) asks for less. A caller that wants
+//! another passes it (`PackOptions::isa`, `TileOptions::isa`): every
+//! kernel that dispatches takes the [`Isa`] it runs with as an argument,
+//! so two calls on two instruction sets can run at once. Asking for more
+//! than the processor has gets what it has ([`runnable`]); the tests run
+//! each of [`supported`].
 //!
 //! AMX is not among them: its tiles multiply bf16 and int8, not f32, and
 //! an f32-exact product from bf16 parts costs more than AVX-512's FMAs.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// Instruction sets, weakest first.
@@ -73,10 +76,10 @@ fn detected() -> Isa {
 }
 
 /// Whether the AVX-512 kernels may take AVX512-VNNI's int8 dot products
-/// (`vpdpbusd`, with AVX512BW): the processor has both and the
-/// instruction set is not capped below [`Isa::Avx512`] (forcing AVX2 or
-/// the portable code turns them off with the rest of AVX-512).
-pub(crate) fn has_vnni() -> bool {
+/// (`vpdpbusd`, with AVX512BW) when running with `isa`: the processor has
+/// both and `isa` is [`Isa::Avx512`] or above (AVX2 or the portable code
+/// leaves them off with the rest of AVX-512).
+pub(crate) fn has_vnni(isa: Isa) -> bool {
     static VNNI: OnceLock<bool> = OnceLock::new();
     let detected = *VNNI.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -86,11 +89,11 @@ pub(crate) fn has_vnni() -> bool {
         #[cfg(not(target_arch = "x86_64"))]
         false
     });
-    detected && current() >= Isa::Avx512
+    detected && isa >= Isa::Avx512
 }
 
 /// [`has_vnni`] with AVX512-VL besides: `vpdpbusd` on 256-bit vectors.
-pub(crate) fn has_vnni_vl() -> bool {
+pub(crate) fn has_vnni_vl(isa: Isa) -> bool {
     static VL: OnceLock<bool> = OnceLock::new();
     let detected = *VL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -100,7 +103,7 @@ pub(crate) fn has_vnni_vl() -> bool {
         #[cfg(not(target_arch = "x86_64"))]
         false
     });
-    detected && has_vnni()
+    detected && has_vnni(isa)
 }
 
 /// The L2 cache of one core in bytes, where the processor reports it
@@ -141,33 +144,18 @@ fn from_env() -> Option<Isa> {
     })
 }
 
-/// 0: not forced; else 1 + the index in `Isa::ALL`.
-static FORCED: AtomicU8 = AtomicU8::new(0);
-
-/// The instruction set to run with now.
+/// The instruction set the kernels run with where the caller names none:
+/// the best the processor has, capped by `MULTIHEAD_CPU_ISA`.
 pub fn current() -> Isa {
-    let forced = match FORCED.load(Ordering::Relaxed) {
-        0 => from_env(),
-        i => Isa::ALL.get(usize::from(i) - 1).copied(),
-    };
-    forced.map_or(detected(), |f| f.min(detected()))
+    from_env().map_or(detected(), |cap| cap.min(detected()))
 }
 
-/// Held by the crate's tests that [`force`] an instruction set, so that two
-/// of them do not interleave.
-#[cfg(test)]
-pub(crate) static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// Caps the instruction set at `isa` (`None`: back to `MULTIHEAD_CPU_ISA`
-/// or the best the processor has) for the whole process, from the next
-/// kernel call on; more than the processor has gets what it has. Tests use
-/// it to run every variant the processor supports; tests that force
-/// different sets must not run at once.
-pub fn force(isa: Option<Isa>) {
-    let i = isa.map_or(0, |isa| {
-        Isa::ALL.iter().position(|&x| x == isa).map_or(0, |i| i as u8 + 1)
-    });
-    FORCED.store(i, Ordering::Relaxed);
+/// `isa` where the processor runs it, else the best it runs: what a
+/// caller's explicit choice runs with. `MULTIHEAD_CPU_ISA` caps only the
+/// default ([`current`]), so that a test can run every one of
+/// [`supported`] under it.
+pub fn runnable(isa: Isa) -> Isa {
+    isa.min(detected())
 }
 
 /// Every instruction set this processor runs, weakest first.
@@ -177,24 +165,19 @@ pub fn supported() -> Vec<Isa> {
 
 #[cfg(test)]
 mod tests {
-    use super::{force, supported, Isa, FORCE_LOCK};
+    use super::{current, detected, from_env, runnable, supported, Isa};
 
     #[test]
-    fn every_name_parses_back_and_cpu_isa_names_the_forced_set() {
+    fn every_name_parses_back_and_a_choice_runs_where_the_processor_can() {
         for isa in Isa::ALL {
             assert_eq!(Isa::parse(isa.name()), Some(isa));
             assert_eq!(Isa::parse(&format!(" {} ", isa.name().to_uppercase())), Some(isa));
+            assert_eq!(runnable(isa), isa.min(detected()));
         }
         assert_eq!(Isa::parse("avx"), None);
-        let _lock = FORCE_LOCK.lock();
         for isa in supported() {
-            force(Some(isa));
-            assert_eq!(super::current().name(), isa.name());
+            assert_eq!(runnable(isa), isa);
         }
-        force(None);
-        assert_eq!(
-            super::current(),
-            super::detected().min(super::from_env().unwrap_or(super::detected()))
-        );
+        assert_eq!(current(), detected().min(from_env().unwrap_or(detected())));
     }
 }

@@ -68,7 +68,7 @@ pub use format::{dequantize_row, BlockFormat};
 use inputs::{quantize_inputs, InputRow};
 use repack::{Layout, PANEL};
 
-use crate::runtime::isa::Isa;
+use crate::runtime::isa::{has_vnni_vl, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
 
 /// Output features a task takes (of a call of more than [`FEW_ROWS`]).
@@ -88,10 +88,11 @@ enum Kernel {
 }
 
 impl Kernel {
+    /// The kernel for `isa`, never past what the processor has.
     fn for_isa(isa: Isa) -> Kernel {
-        match isa.min(crate::runtime::isa::current()) {
+        match runnable(isa) {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 if crate::runtime::isa::has_vnni_vl() => Kernel::Vnni,
+            Isa::Avx512 | Isa::Avx512Bf16 if has_vnni_vl(isa) => Kernel::Vnni,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => Kernel::Avx2,
             _ => Kernel::Portable,
@@ -111,6 +112,8 @@ pub(crate) struct BlockWeight {
     n: usize,
     k: usize,
     kernel: Kernel,
+    /// The instruction set its calls' row passes (epilogues) run with.
+    isa: Isa,
 }
 
 impl std::fmt::Debug for BlockWeight {
@@ -127,7 +130,7 @@ impl std::fmt::Debug for BlockWeight {
 
 impl BlockWeight {
     /// `data`, `n` rows of `k` weights in `format`'s blocks, with `bias`
-    /// (`n` floats), for the kernel of `isa` (capped at what runs now).
+    /// (`n` floats), for the kernel of `isa` (capped at what the processor has).
     pub(crate) fn new(
         format: BlockFormat,
         data: Vec<u8>,
@@ -166,6 +169,7 @@ impl BlockWeight {
             n,
             k,
             kernel: Kernel::for_isa(isa),
+            isa: runnable(isa),
         })
     }
 
@@ -198,6 +202,11 @@ impl BlockWeight {
     /// `(out_features, in_features)`.
     pub(crate) fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
+    }
+
+    /// The instruction set it runs with.
+    pub(crate) fn isa(&self) -> Isa {
+        self.isa
     }
 
     /// Its block format.

@@ -6,7 +6,7 @@ use half::f16;
 
 use super::inputs::quantize_inputs;
 use super::{dequantize_row, BlockFormat, BlockWeight};
-use crate::runtime::isa::{self, Isa, FORCE_LOCK};
+use crate::runtime::isa::{self, Isa};
 
 /// SplitMix64: the tests' bytes, the same on every run.
 struct Rng(u64);
@@ -134,7 +134,6 @@ fn dequantization_equals_gguf_py() -> candle::Result<()> {
 /// quantization error; the bias and the residual added; a feature range.
 #[test]
 fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
-    let _lock = FORCE_LOCK.lock();
     let mut rng = Rng(11);
     for format in BlockFormat::ALL {
         let (n, k) = (37, 2 * 256);
@@ -148,7 +147,6 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
             let xq = quantize_inputs(&x, m, k, format.block_elems());
             let xrows = xq.rows();
             for isa in isa::supported() {
-                isa::force(Some(isa));
                 let weight = BlockWeight::new(format, data.clone(), n, k, Some(bias.clone()), isa)?;
                 let y = weight.forward(&x, m, (0, n), Some(&residual));
                 let part = weight.forward(&x, m, (5, 21), None);
@@ -183,7 +181,6 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
                     }
                 }
             }
-            isa::force(None);
         }
     }
     Ok(())
@@ -313,12 +310,12 @@ fn q4_0_quantizes_as_gguf_py() -> candle::Result<()> {
     quantize_row_q4_0(&widened, &mut b);
     assert!(a == b);
     let (n, k) = (4, source.len() / 4);
-    let layer = crate::packing_as(crate::PackFormat::Q4_0, || {
-        crate::PackedLinear::new(
-            candle::Tensor::from_vec(source.clone(), (n, k), &candle::Device::Cpu)?,
-            None,
-        )
-    })?;
+    let layer = crate::PackedLinear::build(
+        candle::Tensor::from_vec(source.clone(), (n, k), &candle::Device::Cpu)?,
+        None,
+        crate::PackFormat::Q4_0,
+        isa::current(),
+    )?;
     assert_eq!(layer.block_format(), Some(BlockFormat::Q4_0));
     assert_eq!(layer.weight()?.flatten_all()?.to_vec1::<f32>()?, values);
     Ok(())

@@ -32,7 +32,7 @@
 //! as Q8_0's blocks.
 //!
 //! # Kernels
-//! Picked when the weight is quantized ([`crate::runtime::isa::current`], as for
+//! Picked when the weight is quantized, for the instruction set it is built for (as for
 //! the packed weights), each in its own file:
 //! - `vnni.rs`: AVX-512 with AVX512-VNNI and AVX512BW; the weights are
 //!   stored as `q + 128` for `vpdpbusd`'s unsigned operand, corrected by
@@ -77,7 +77,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::elem::PanelElem;
-use crate::runtime::isa::Isa;
+use crate::runtime::isa::{has_vnni, runnable, Isa};
 use quantize::{quantize_block, QK};
 
 /// Output features per panel.
@@ -107,12 +107,11 @@ enum Kernel {
 }
 
 impl Kernel {
-    /// The kernel for `isa`, never past what runs now (so never past what
-    /// the processor has).
+    /// The kernel for `isa`, never past what the processor has.
     fn for_isa(isa: Isa) -> Kernel {
-        match isa.min(crate::runtime::isa::current()) {
+        match runnable(isa) {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Bf16 if crate::runtime::isa::has_vnni() => Kernel::Vnni,
+            Isa::Avx512 | Isa::Avx512Bf16 if has_vnni(isa) => Kernel::Vnni,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => Kernel::Avx2,
             _ => Kernel::Portable,
@@ -159,6 +158,8 @@ pub(crate) struct Q8Weight {
     n: usize,
     k: usize,
     kernel: Kernel,
+    /// The instruction set its calls' row passes (epilogues) run with.
+    isa: Isa,
 }
 
 impl std::fmt::Debug for Q8Weight {
@@ -174,7 +175,7 @@ impl std::fmt::Debug for Q8Weight {
 
 impl Q8Weight {
     /// Quantizes `w`, `n` rows of `k` values (f32, bf16 or f16, widened
-    /// exactly), for the kernel of `isa` (capped at what runs now) and by
+    /// exactly), for the kernel of `isa` (capped at what the processor has) and by
     /// its instruction set (the same blocks whichever it is), with `bias`
     /// (`n` floats). `k` must be a positive multiple of 32, `n` positive.
     pub(crate) fn quantize<S: PanelElem>(
@@ -196,7 +197,7 @@ impl Q8Weight {
         if let Some(b) = bias.filter(|b| b.len() != n) {
             bail!("Q8Weight: bias of {} for {n} features", b.len())
         }
-        let kernel = Kernel::for_isa(isa);
+        let (isa, kernel) = (runnable(isa), Kernel::for_isa(isa));
         let (nb, panels) = (k / QK, n.div_ceil(NR));
         let mut qs = crate::runtime::pages::filled(panels * nb * BLOCK_BYTES + 63, kernel.encode(0));
         let start = qs.as_ptr().align_offset(64).min(63);
@@ -218,6 +219,7 @@ impl Q8Weight {
             n,
             k,
             kernel,
+            isa,
         })
     }
 
@@ -243,7 +245,7 @@ impl Q8Weight {
         if let Some(b) = bias.filter(|b| b.len() != n) {
             bail!("Q8Weight: bias of {} for {n} features", b.len())
         }
-        let kernel = Kernel::for_isa(isa);
+        let (isa, kernel) = (runnable(isa), Kernel::for_isa(isa));
         let (nb, panels) = (k / QK, n.div_ceil(NR));
         let mut qs = crate::runtime::pages::filled(panels * nb * BLOCK_BYTES + 63, kernel.encode(0));
         let start = qs.as_ptr().align_offset(64).min(63);
@@ -272,12 +274,18 @@ impl Q8Weight {
             n,
             k,
             kernel,
+            isa,
         })
     }
 
     /// `(out_features, in_features)`.
     pub(crate) fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
+    }
+
+    /// The instruction set it runs with.
+    pub(crate) fn isa(&self) -> Isa {
+        self.isa
     }
 
     /// Its output features, then `other`'s, `other`'s panels and scales
@@ -317,6 +325,7 @@ impl Q8Weight {
             n: self.n + other.n,
             k,
             kernel: self.kernel,
+            isa: self.isa,
         })
     }
 

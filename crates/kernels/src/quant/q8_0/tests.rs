@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 
 use super::{Kernel, Q8Weight, QK};
-use crate::runtime::isa::{force, supported, Isa, FORCE_LOCK};
+use crate::runtime::isa::{supported, Isa};
 
 /// `quantize_row_q8_0_ref` (ggml-quants.c) as written there, one
 /// block of finite values: `amax` by its `MAX` macro, `d = amax / 127`,
@@ -80,7 +80,6 @@ fn assert_same(got: &[f32], want: &[f32], what: &str) {
 /// written out, then through the layer (a weight of one row).
 #[test]
 fn blocks_quantize_as_llama_cpp() {
-    let _lock = FORCE_LOCK.lock();
     // (values, expected scale as f32 before the f16 rounding, expected
     // values); positions past those listed are 0.
     let mut cases: Vec<(Vec<f32>, f32, Vec<i8>)> = vec![
@@ -112,13 +111,11 @@ fn blocks_quantize_as_llama_cpp() {
         assert_eq!((f16::from_f32(our_d), ours), (got_d, got_q), "{x:?}");
         assert_eq!(sum, q.iter().map(|&q| i32::from(q)).sum::<i32>());
         for isa in supported() {
-            force(Some(isa));
             let layer = Q8Weight::quantize(x, 1, QK, None, isa).unwrap();
             let want: Vec<f32> = q.iter().map(|&q| got_d.to_f32() * f32::from(q)).collect();
             assert_same(&layer.rows(&[0]), &want, &format!("{isa:?} {x:?}"));
         }
     }
-    force(None);
     // A NaN sticks to the block's scale whatever its position.
     for at in [0, 7, 16, 31] {
         let mut x = [1f32; QK];
@@ -135,7 +132,6 @@ fn blocks_quantize_as_llama_cpp() {
 /// starts are `-128 · Σ q`.
 #[test]
 fn inputs_quantize_as_llama_cpp_on_every_kernel() {
-    let _lock = FORCE_LOCK.lock();
     let mut blocks: Vec<[f32; QK]> = (0..3).map(|_| randn(QK).try_into().unwrap()).collect();
     let ties: [f32; QK] = std::array::from_fn(|i| if i == 0 { 127. } else { i as f32 * 3.5 - 56. });
     blocks.extend([
@@ -151,7 +147,6 @@ fn inputs_quantize_as_llama_cpp_on_every_kernel() {
     let x: Vec<f32> = blocks.iter().chain([&nan, &inf]).flatten().copied().collect();
     let (m, k) = (2, x.len() / 2);
     for isa in supported() {
-        force(Some(isa));
         let layer = Q8Weight::quantize(&vec![0f32; k], 1, k, None, isa).unwrap();
         let xq = layer.quantize_inputs(&x, m);
         for (b, xb) in x.chunks_exact(QK).enumerate() {
@@ -173,7 +168,6 @@ fn inputs_quantize_as_llama_cpp_on_every_kernel() {
             }
         }
     }
-    force(None);
 }
 
 /// Every kernel the processor runs equals the reference loop above bit
@@ -185,7 +179,6 @@ fn inputs_quantize_as_llama_cpp_on_every_kernel() {
 /// off the panels; on 3 threads, so that units share out unevenly.
 #[test]
 fn every_kernel_equals_the_reference() {
-    let _lock = FORCE_LOCK.lock();
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     let mut case = 0;
     for k in [32, 96, 896, 4864] {
@@ -202,7 +195,6 @@ fn every_kernel_equals_the_reference() {
                 let residual = randn(m * (hi - lo));
                 let with_residual: Vec<f32> = part.iter().zip(&residual).map(|(y, r)| y + r).collect();
                 for isa in supported() {
-                    force(Some(isa));
                     let what = format!("{isa:?} m {m} k {k} n {n} bias {}", bias.is_some());
                     let layer = Q8Weight::quantize(&w, n, k, bias, isa).unwrap();
                     assert_eq!(layer.kernel, Kernel::for_isa(isa), "{what}");
@@ -220,35 +212,29 @@ fn every_kernel_equals_the_reference() {
             }
         }
     }
-    force(None);
 }
 
 /// A NaN input makes every output of its row NaN (its block's scale
 /// is NaN), and no other row's, on every kernel.
 #[test]
 fn a_nan_input_reaches_its_row_only() {
-    let _lock = FORCE_LOCK.lock();
     let (m, n, k) = (3, 40, 96);
     let mut x = randn(m * k);
     x[k + 50] = f32::NAN;
     for isa in supported() {
-        force(Some(isa));
         let layer = Q8Weight::quantize(&randn(n * k), n, k, Some(&randn(n)), isa).unwrap();
         let y = layer.forward(&x, m, (0, n), None);
         assert!(y[n..2 * n].iter().all(|y| y.is_nan()), "{isa:?}");
         assert!(y[..n].iter().chain(&y[2 * n..]).all(|y| y.is_finite()), "{isa:?}");
     }
-    force(None);
 }
 
-/// Forcing an instruction set picks its kernel: AVX-512 with VNNI
-/// where the processor has it (else AVX2's), AVX2, portable.
+/// An instruction set picks its kernel: AVX-512 with VNNI where the
+/// processor has it (else AVX2's), AVX2, portable.
 #[test]
-fn forcing_an_isa_picks_its_kernel() {
-    let _lock = FORCE_LOCK.lock();
+fn an_isa_picks_its_kernel() {
     for isa in supported() {
-        force(Some(isa));
-        let layer = Q8Weight::quantize(&randn(64), 2, 32, None, Isa::Avx512).unwrap();
+        let layer = Q8Weight::quantize(&randn(64), 2, 32, None, isa).unwrap();
         let want = match isa {
             Isa::Portable => Kernel::Portable,
             #[cfg(target_arch = "x86_64")]
@@ -266,7 +252,6 @@ fn forcing_an_isa_picks_its_kernel() {
         };
         assert_eq!(layer.kernel, want, "{isa:?}");
     }
-    force(None);
 }
 
 /// `rows` and `unpack` give `d · q` of llama.cpp's blocks, for each
@@ -275,7 +260,6 @@ fn forcing_an_isa_picks_its_kernel() {
 /// given; `bytes` counts 34 bytes per 32 weights and the bias.
 #[test]
 fn rows_and_unpack_are_the_dequantized_blocks() {
-    let _lock = FORCE_LOCK.lock();
     let (n, k) = (37, 96);
     let w = randn(n * k);
     let bias = randn(n);
@@ -288,7 +272,6 @@ fn rows_and_unpack_are_the_dequantized_blocks() {
             .collect()
     };
     for isa in supported() {
-        force(Some(isa));
         let sources = [
             (Q8Weight::quantize(&w, n, k, Some(&bias), isa).unwrap(), w.clone()),
             (
@@ -322,7 +305,6 @@ fn rows_and_unpack_are_the_dequantized_blocks() {
         }
         assert_same(&sources[0].0.unpack().1.unwrap(), &bias, "bias");
     }
-    force(None);
 }
 
 /// ggml's `block_q8_0` bytes of `blocks` (scale, values) in order.
@@ -357,7 +339,6 @@ fn ggml_dequantize(bytes: &[u8]) -> Vec<f32> {
 /// comes back with its `q` zeroed.
 #[test]
 fn ggml_blocks_round_trip_exactly() {
-    let _lock = FORCE_LOCK.lock();
     let (n, k) = (37, 128);
     let mut state = 0x2545_f491_4f6c_dd1d_u64;
     let mut next = move || {
@@ -397,7 +378,6 @@ fn ggml_blocks_round_trip_exactly() {
     blocks[5].1 = [0; QK];
     let want_zero = ggml_bytes(&blocks);
     for isa in supported() {
-        force(Some(isa));
         // Straight from the file's bytes (`from_blocks`, what a GGUF file
         // kept in its blocks loads): the same blocks back, the same values.
         let direct = Q8Weight::from_blocks(&file, n, k, None, isa).unwrap();
@@ -413,10 +393,9 @@ fn ggml_blocks_round_trip_exactly() {
             assert_eq!(bad, None, "{isa:?} {what}: first block that differs");
         }
     }
-    force(None);
 }
 
-/// Weights quantized on every kernel (each instruction set forced) give
+/// Weights quantized on every kernel (each instruction set) give
 /// the portable kernel's blocks bit for bit, scales included, from f32,
 /// bf16 and f16 (widened exactly): random blocks with magnitudes from
 /// 1e-30 to 1e30, ties at .5 either side (scales 1 and 2, so that `x / d`
@@ -427,7 +406,6 @@ fn ggml_blocks_round_trip_exactly() {
 /// llama.cpp's (`llama_block`; its `MAX` drops a NaN that is not last).
 #[test]
 fn weights_quantize_alike_on_every_kernel() {
-    let _lock = FORCE_LOCK.lock();
     let (n, k) = (19, 96);
     let mut blocks: Vec<[f32; QK]> = Vec::new();
     let ties: [f32; QK] = std::array::from_fn(|i| if i == 0 { 127. } else { i as f32 * 3.5 - 56. });
@@ -475,7 +453,6 @@ fn weights_quantize_alike_on_every_kernel() {
     let wh: Vec<f16> = w.iter().map(|&x| f16::from_f32(x)).collect();
     fn check<S: crate::elem::PanelElem>(w: &[S], (n, k): (usize, usize), what: &str) {
         let wide: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
-        force(Some(Isa::Portable));
         let want = Q8Weight::quantize(w, n, k, None, Isa::Portable).unwrap().blocks();
         for (b, (x, got)) in wide.chunks_exact(QK).zip(want.chunks_exact(2 + QK)).enumerate() {
             if !x.iter().any(|x| x.is_nan()) {
@@ -483,7 +460,6 @@ fn weights_quantize_alike_on_every_kernel() {
             }
         }
         for isa in supported() {
-            force(Some(isa));
             let got = Q8Weight::quantize(w, n, k, None, isa).unwrap().blocks();
             for (b, (g, want)) in got
                 .chunks_exact(2 + QK)
@@ -493,7 +469,6 @@ fn weights_quantize_alike_on_every_kernel() {
                 assert_eq!(g, want, "{isa:?} {what} block {b}: {:?}", &wide[b * QK..][..QK]);
             }
         }
-        force(None);
     }
     check(&w, (n, k), "f32");
     check(&wb, (n, k), "bf16");
