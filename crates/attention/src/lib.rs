@@ -66,8 +66,8 @@ mod tiled;
 /// The CPU building blocks the attention and the models run on, from
 /// `multihead-kernels`.
 pub use multihead_kernels::{
-    cpu_isa, dequantize_row, gelu_tanh_and_mul, is_broadcast, is_lent, lend_blocks, lending, packing_as,
-    packing_format, relu, silu_and_mul, BlockFormat, LayerNorm, PackFormat, PackedLinear,
+    cpu_isa, dequantize_row, gelu_tanh_and_mul, is_broadcast, relu, silu_and_mul, BlockFormat, LayerNorm,
+    LentBlocks, PackFormat, PackOptions, PackedLinear,
 };
 
 pub use cache::KvCache;

@@ -17,7 +17,9 @@
 //! `portable.rs`). ISA files are leaves: they import element types,
 //! layouts and lane types, never a driver; the one driver of each
 //! operation picks among them at run time.
-//! - `linear/`: [`PackedLinear`]; its weight packed into panels
+//! - `linear/`: [`PackedLinear`] and how a loader asks it to pack
+//!   ([`PackOptions`]: the format, the instruction set, the blocks a GGUF
+//!   file lends, [`LentBlocks`]); its weight packed into panels
 //!   (`weight.rs`, `pack.rs`), the driver over row groups and panel blocks
 //!   (`tiles.rs`, `units.rs`) or a single row (`one_row.rs`), and the
 //!   linear micro-kernels (`avx2.rs`, `avx512.rs`; `avx512bf16.rs`, the
@@ -40,7 +42,7 @@
 //!
 //! The instruction set is an argument, never ambient state: every kernel
 //! that dispatches takes the [`isa::Isa`] it runs with, the public entry
-//! points from their options (`PackOptions`, [`attention::TileOptions`])
+//! points from their options ([`PackOptions`], [`attention::TileOptions`])
 //! or [`isa::current`] (detected, capped by
 //! `MULTIHEAD_CPU_ISA=avx512bf16|avx512|avx2|portable` for a whole
 //! process). So every variant can be forced, two at once, and the tests
@@ -102,9 +104,7 @@ mod runtime;
 #[cfg(test)]
 mod testing;
 
-pub use linear::{
-    is_broadcast, is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat, PackedLinear,
-};
+pub use linear::{is_broadcast, LentBlocks, PackFormat, PackOptions, PackedLinear};
 pub use quant::{dequantize_row, BlockFormat};
 pub use rows::{gelu_tanh_and_mul, relu, silu_and_mul, LayerNorm};
 pub use runtime::isa;

@@ -2,6 +2,8 @@
 //! micro-kernels once, when it is built (`weight.rs`), or quantized
 //! (`quant/`); its calls are `forward.rs`'s.
 //!
+//! - `options.rs`: [`PackOptions`], what a loader passes to every layer
+//!   it builds (format, instruction set, lent blocks: `lent.rs`);
 //! - `weight.rs`: the packed weight and its epilogues; `pack.rs` its
 //!   panels in one element type (packing, joining, reading a feature
 //!   back);
@@ -19,10 +21,11 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
-mod format;
 mod forward;
+mod lent;
 #[cfg(target_arch = "x86_64")]
 mod one_row;
+mod options;
 mod pack;
 mod tiles;
 mod units;
@@ -36,8 +39,9 @@ use crate::elem::plain_cpu_f32;
 use crate::quant::blocks::BlockWeight;
 use crate::quant::q8_0::Q8Weight;
 use crate::quant::BlockFormat;
-use crate::runtime::isa::{current, runnable, Isa};
-pub use format::{is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat};
+use crate::runtime::isa::{current, Isa};
+pub use lent::LentBlocks;
+pub use options::{PackFormat, PackOptions};
 use weight::PackedWeight;
 
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
@@ -150,24 +154,29 @@ fn join(a: Inner, b: &Inner) -> std::result::Result<Inner, Inner> {
 impl PackedLinear {
     /// A layer over `weight` `(out, in)` and `bias` `(out)`, packed where
     /// the packed path serves them (see the type's docs), in the weight's
-    /// dtype.
+    /// dtype, for [`isa::current`](crate::isa::current): the default
+    /// [`PackOptions`].
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        Self::build(weight, bias, packing_format(), current())
+        Self::with_options(weight, bias, &PackOptions::default())
     }
 
-    /// [`PackedLinear::new`] packing in `format` for `isa` (capped at what
-    /// the processor runs).
-    pub(crate) fn build(weight: Tensor, bias: Option<Tensor>, format: PackFormat, isa: Isa) -> Result<Self> {
+    /// A layer over `weight` `(out, in)` and `bias` `(out)` packed as
+    /// `options` asks: in its format (quantized where the format is and the
+    /// input size allows), for its instruction set; a placeholder for
+    /// blocks its [`LentBlocks`] holds takes them, as
+    /// [`PackedLinear::from_blocks`] would.
+    pub fn with_options(weight: Tensor, bias: Option<Tensor>, options: &PackOptions) -> Result<Self> {
         let (n, k) = weight.dims2()?;
         if let Some(b) = &bias {
             if b.dims() != [n] {
                 bail!("PackedLinear: bias has shape {:?}, expected ({n},)", b.dims())
             }
         }
-        if let Some((format, data)) = format::take_lent(&weight) {
+        let isa = options.isa();
+        if let Some((format, data)) = options.lent().and_then(|l| l.take(&weight)) {
             return Self::from_blocks_on(format, data, (n, k), bias.as_ref(), isa);
         }
-        let isa = runnable(isa);
+        let format = options.format();
         let packable = packable_weight(&weight)
             && !is_broadcast(&weight)
             && bias.as_ref().is_none_or(packable_weight)
@@ -250,14 +259,26 @@ impl PackedLinear {
     /// it: transposed once here (a broadcast placeholder is left as a view,
     /// see [`is_broadcast`]), then [`PackedLinear::new`].
     pub fn from_in_out(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        Self::from_in_out_with(weight, bias, &PackOptions::default())
+    }
+
+    /// [`PackedLinear::from_in_out`] packed as `options` asks
+    /// ([`PackedLinear::with_options`]).
+    pub fn from_in_out_with(weight: Tensor, bias: Option<Tensor>, options: &PackOptions) -> Result<Self> {
         let w = weight.t()?;
         let w = if is_broadcast(&w) { w } else { w.contiguous()? };
-        Self::new(w, bias)
+        Self::with_options(w, bias, options)
     }
 
     /// [`PackedLinear::new`] over a candle `Linear`'s weight and bias.
     pub fn from_linear(linear: candle_nn::Linear) -> Result<Self> {
-        Self::new(linear.weight().clone(), linear.bias().cloned())
+        Self::from_linear_with(linear, &PackOptions::default())
+    }
+
+    /// [`PackedLinear::with_options`] over a candle `Linear`'s weight and
+    /// bias.
+    pub fn from_linear_with(linear: candle_nn::Linear, options: &PackOptions) -> Result<Self> {
+        Self::with_options(linear.weight().clone(), linear.bias().cloned(), options)
     }
 
     /// One layer computing `parts`' outputs side by side: their weights
@@ -273,11 +294,12 @@ impl PackedLinear {
     /// first packed part was packed for ([`isa::current`](crate::isa::current)
     /// where none is).
     pub fn cat(parts: Vec<PackedLinear>) -> Result<Self> {
-        Self::cat_on(parts, current())
+        Self::cat_with(parts, &PackOptions::default())
     }
 
-    /// [`PackedLinear::cat`], packing for `isa` where no part is packed.
-    pub(crate) fn cat_on(parts: Vec<PackedLinear>, isa: Isa) -> Result<Self> {
+    /// [`PackedLinear::cat`], packing for `options`' instruction set where
+    /// no part is packed.
+    pub fn cat_with(parts: Vec<PackedLinear>, options: &PackOptions) -> Result<Self> {
         if parts.is_empty() {
             bail!("PackedLinear::cat: no parts")
         }
@@ -333,8 +355,12 @@ impl PackedLinear {
             true => PackFormat::Q8_0,
             false => PackFormat::AsStored,
         };
-        let isa = parts.iter().find_map(PackedLinear::isa).unwrap_or(isa);
-        Self::build(Tensor::cat(&weights, 0)?, bias, format, isa)
+        let isa = parts
+            .iter()
+            .find_map(PackedLinear::isa)
+            .unwrap_or_else(|| options.isa());
+        let options = PackOptions::new().with_format(format).with_isa(isa);
+        Self::with_options(Tensor::cat(&weights, 0)?, bias, &options)
     }
 
     /// The instruction set the weight is packed for, where it is.
@@ -353,8 +379,9 @@ impl PackedLinear {
         matches!(self.inner, Inner::Packed(_) | Inner::Q8(_) | Inner::Blocks(_))
     }
 
-    /// Whether the weight is held quantized (Q8_0, [`packing_as`], or a
-    /// ggml block format, [`PackedLinear::from_blocks`]).
+    /// Whether the weight is held quantized (Q8_0 or Q4_0,
+    /// [`PackOptions::with_format`], or a ggml block format,
+    /// [`PackedLinear::from_blocks`]).
     pub fn is_quantized(&self) -> bool {
         matches!(self.inner, Inner::Q8(_) | Inner::Blocks(_))
     }

@@ -3,13 +3,18 @@
 
 use candle::{Module, Result, Tensor};
 
-use super::{PackFormat, PackedLinear};
+use super::{PackFormat, PackOptions, PackedLinear};
 use crate::runtime::isa::{supported, Isa};
 use crate::testing::{randn, rel_err};
 
 /// `w` and `b` packed in `format` for `isa`.
 fn packed(w: &Tensor, b: Option<Tensor>, format: PackFormat, isa: Isa) -> Result<PackedLinear> {
-    PackedLinear::build(w.clone(), b, format, isa)
+    PackedLinear::with_options(w.clone(), b, &on(isa).with_format(format))
+}
+
+/// Packing as stored for `isa`.
+fn on(isa: Isa) -> PackOptions {
+    PackOptions::new().with_isa(isa)
 }
 
 /// Packed for every instruction set the processor runs, the layer
@@ -200,7 +205,8 @@ fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
                 let w2 = randn(&[n2, k])?.to_dtype(dtype)?;
                 let b2 = randn(&[n2])?;
                 let pack = |w: &Tensor, b: Option<Tensor>| packed(w, b, format, isa);
-                let ours = PackedLinear::cat_on(vec![pack(&w1, None)?, pack(&w2, Some(b2.clone()))?], isa)?;
+                let ours =
+                    PackedLinear::cat_with(vec![pack(&w1, None)?, pack(&w2, Some(b2.clone()))?], &on(isa))?;
                 let bias = Tensor::cat(&[&Tensor::zeros(n1, DType::F32, w1.device())?, &b2], 0)?;
                 let want = pack(&Tensor::cat(&[&w1, &w2], 0)?, Some(bias))?;
                 assert_eq!(ours.dims()?, (n1 + n2, k), "{what}");
@@ -221,9 +227,9 @@ fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
         // Mixed formats: Q8_0 with a plain part, quantized together.
         let (w1, w2) = (randn(&[32, 64])?, randn(&[16, 64])?);
         let q = packed(&w1, None, PackFormat::Q8_0, isa)?;
-        let mixed = PackedLinear::cat_on(
+        let mixed = PackedLinear::cat_with(
             vec![q.clone(), packed(&w2, None, PackFormat::AsStored, isa)?],
-            isa,
+            &on(isa),
         )?;
         let want = packed(
             &Tensor::cat(&[&q.weight()?, &w2], 0)?,
@@ -233,7 +239,7 @@ fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
         )?;
         assert_eq!(mixed.q8_0_blocks(), want.q8_0_blocks(), "{isa:?} mixed");
         let other = packed(&randn(&[16, 32])?, None, PackFormat::AsStored, isa)?;
-        let err = PackedLinear::cat_on(vec![q, other], isa).unwrap_err();
+        let err = PackedLinear::cat_with(vec![q, other], &on(isa)).unwrap_err();
         assert!(err.to_string().contains("different input sizes"), "{err}");
     }
     Ok(())
@@ -405,12 +411,13 @@ fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
 }
 
 /// Blocks lent through a placeholder are taken by the layer built over it
-/// (the layer's products equal the dequantized weight's within the
-/// inputs' rounding); lent outside `lending`, or left untaken by a build
-/// that succeeds, they are errors.
+/// in options that hold them (the layer's products equal the dequantized
+/// weight's within the inputs' rounding), and by no other; blocks left
+/// untaken are an error `all_taken` names; two lenders, two models'
+/// loads, keep apart.
 #[test]
 fn lent_blocks_are_taken_by_their_layer() -> Result<()> {
-    use crate::{is_lent, lend_blocks, lending, BlockFormat};
+    use crate::{BlockFormat, LentBlocks};
     // Two features of 32 Q4_0 weights: d = 1 and 0.5, q = i % 16.
     let mut data = Vec::new();
     for d in [1f32, 0.5] {
@@ -418,21 +425,25 @@ fn lent_blocks_are_taken_by_their_layer() -> Result<()> {
         data.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
     }
     let dev = candle::Device::Cpu;
-    assert!(lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev).is_err());
-    let layer = lending(|| {
-        let w = lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev)?;
-        assert!(is_lent(&w));
-        let layer = PackedLinear::new(w.clone(), None)?;
-        assert!(!is_lent(&w));
-        Ok(layer)
-    })?;
+    let (lent, other) = (LentBlocks::new(), LentBlocks::new());
+    let w = lent.lend(BlockFormat::Q4_0, data.clone(), (2, 32), &dev)?;
+    let options = PackOptions::new().with_lent(lent.clone());
+    assert!(lent.is_lent(&w) && options.is_lent(&w) && !other.is_lent(&w));
+    // Options without these blocks see a broadcast placeholder: left as a
+    // view, neither packed nor taken.
+    let elsewhere = PackedLinear::with_options(w.clone(), None, &PackOptions::new().with_lent(other))?;
+    assert!(!elsewhere.is_packed() && lent.is_lent(&w));
+    assert!(lent.all_taken().unwrap_err().to_string().contains("1 weight(s)"));
+    let layer = PackedLinear::with_options(w.clone(), None, &options)?;
+    assert!(!lent.is_lent(&w) && lent.untaken() == 0);
+    lent.all_taken()?;
     assert_eq!(layer.block_format(), Some(BlockFormat::Q4_0));
     let x = Tensor::ones((1, 32), candle::DType::F32, &dev)?;
     let want = x.matmul(&layer.weight()?.t()?)?;
     let got = layer.forward(&x)?;
     assert!(rel_err(&got, &want)? < 1e-5, "{got} vs {want}");
-    let untaken = lending(|| lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev).map(|_| ()));
-    assert!(untaken.unwrap_err().to_string().contains("not taken"));
-    assert!(lend_blocks(BlockFormat::Q4_0, data[..20].to_vec(), (2, 32), &dev).is_err());
+    assert!(lent
+        .lend(BlockFormat::Q4_0, data[..20].to_vec(), (2, 32), &dev)
+        .is_err());
     Ok(())
 }

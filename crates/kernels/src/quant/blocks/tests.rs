@@ -310,11 +310,10 @@ fn q4_0_quantizes_as_gguf_py() -> candle::Result<()> {
     quantize_row_q4_0(&widened, &mut b);
     assert!(a == b);
     let (n, k) = (4, source.len() / 4);
-    let layer = crate::PackedLinear::build(
+    let layer = crate::PackedLinear::with_options(
         candle::Tensor::from_vec(source.clone(), (n, k), &candle::Device::Cpu)?,
         None,
-        crate::PackFormat::Q4_0,
-        isa::current(),
+        &crate::PackOptions::new().with_format(crate::PackFormat::Q4_0),
     )?;
     assert_eq!(layer.block_format(), Some(BlockFormat::Q4_0));
     assert_eq!(layer.weight()?.flatten_all()?.to_vec1::<f32>()?, values);
