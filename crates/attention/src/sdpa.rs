@@ -136,7 +136,7 @@ pub fn scaled_dot_product_attention_via(
     scale: Option<f64>,
     path: AttnPath,
 ) -> Result<Tensor> {
-    sdpa_dispatch(q, k, v, mask, 0, scale, path)
+    sdpa_dispatch(q, k, v, mask, 0, scale, path, None)
 }
 
 /// [`scaled_dot_product_attention_via`] on [`AttnPath::CpuTiled`], the
@@ -152,28 +152,15 @@ pub fn scaled_dot_product_attention_tiled_on(
     scale: Option<f64>,
     isa: Isa,
 ) -> Result<Tensor> {
-    sdpa_dispatch_on(q, k, v, mask, 0, scale, AttnPath::CpuTiled, Some(isa))
+    sdpa_dispatch(q, k, v, mask, 0, scale, AttnPath::CpuTiled, Some(isa))
 }
 
 /// The dispatch behind every attention call. The last `appended` keys
 /// (`add_bias_kv`, `add_zero_attn`) lie outside the mask: every query sees
-/// them, and `mask` covers the keys before them.
-pub(crate) fn sdpa_dispatch(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Mask,
-    appended: usize,
-    scale: Option<f64>,
-    path: AttnPath,
-) -> Result<Tensor> {
-    sdpa_dispatch_on(q, k, v, mask, appended, scale, path, None)
-}
-
-/// [`sdpa_dispatch`] with the CPU kernel on `isa` (`None`: the default,
-/// `multihead_kernels::isa::current`).
+/// them, and `mask` covers the keys before them. The CPU kernel runs on
+/// `isa` (`None`: the default, `multihead_kernels::isa::current`).
 #[allow(clippy::too_many_arguments)]
-fn sdpa_dispatch_on(
+pub(crate) fn sdpa_dispatch(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,

@@ -134,7 +134,7 @@ impl MultiheadAttention {
         // (B, H, L, hd), (B, H, L, S)
         let (out, weights) = if opts.need_weights == NeedWeights::No && dropout.is_none() {
             (
-                sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path)?,
+                sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path, None)?,
                 None,
             )
         } else {
