@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use multihead::attention::PackedLinear;
-use multihead::kernels::{packing_as, PackFormat};
+use multihead::kernels::{PackFormat, PackOptions};
 
 use crate::machine::fma_peak;
 use crate::{alternating_ms, dtype_name, median, median_ms, quantile, share_fields, timed};
@@ -271,7 +271,11 @@ pub fn decode_layers(dtype: &str) -> Result<()> {
         .iter()
         .map(|&(n, k)| {
             let w = (Tensor::randn(0f32, 1., (n, k), &dev)? * 0.02)?.to_dtype(dtype)?;
-            Ok(packing_as(format, || PackedLinear::new(w, None))?)
+            Ok(PackedLinear::with_options(
+                w,
+                None,
+                &PackOptions::new().with_format(format),
+            )?)
         })
         .collect::<Result<Vec<_>>>()?;
     let inputs = [896, 4864]

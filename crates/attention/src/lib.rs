@@ -66,8 +66,8 @@ mod tiled;
 /// The CPU building blocks the attention and the models run on, from
 /// `multihead-kernels`.
 pub use multihead_kernels::{
-    cpu_isa, dequantize_row, gelu_tanh_and_mul, is_broadcast, is_lent, lend_blocks, lending, packing_as,
-    packing_format, relu, silu_and_mul, BlockFormat, LayerNorm, PackFormat, PackedLinear,
+    cpu_isa, dequantize_row, gelu_tanh_and_mul, is_broadcast, relu, silu_and_mul, BlockFormat, LayerNorm,
+    LentBlocks, PackFormat, PackOptions, PackedLinear,
 };
 
 pub use cache::KvCache;
@@ -79,7 +79,7 @@ pub use mha::MultiheadAttention;
 pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 pub use rotary::Rotary;
 pub use sdpa::{
-    scaled_dot_product_attention, scaled_dot_product_attention_via,
+    scaled_dot_product_attention, scaled_dot_product_attention_tiled_on, scaled_dot_product_attention_via,
     scaled_dot_product_attention_with_weights, AttnPath,
 };
 
@@ -87,10 +87,6 @@ pub use sdpa::{
 #[cfg(test)]
 pub(crate) mod testing {
     use candle::{Device, Result, Tensor};
-
-    /// Held by the tests that force an instruction set, and by those that
-    /// need the packed weights a forced portable set would not make.
-    pub(crate) static FORCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     pub(crate) fn randn(shape: &[usize]) -> Result<Tensor> {
         Tensor::randn(0f32, 1., shape, &Device::Cpu)

@@ -4,7 +4,7 @@
 use candle::{Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
-use multihead_kernels::PackedLinear;
+use multihead_kernels::{PackOptions, PackedLinear};
 
 /// The input projection with its output widths: `q_dim` (`embed_dim`)
 /// for queries, `kv_dim` (`num_kv_heads * head_dim`) for keys and values.
@@ -114,12 +114,14 @@ pub(crate) enum Stored {
     InOut,
 }
 
-/// A linear layer `<name>.weight` (stored as `stored` says), `<name>.bias (out)`.
+/// A linear layer `<name>.weight` (stored as `stored` says), `<name>.bias
+/// (out)`, packed as `pack` asks.
 pub(crate) fn linear(
     (in_dim, out_dim): (usize, usize),
     bias: bool,
     init: Init,
     stored: Stored,
+    pack: &PackOptions,
     vb: VarBuilder,
 ) -> Result<PackedLinear> {
     let shape = match stored {
@@ -131,7 +133,7 @@ pub(crate) fn linear(
         .then(|| vb.get_with_hints(out_dim, "bias", Init::Const(0.)))
         .transpose()?;
     match stored {
-        Stored::OutIn => PackedLinear::new(w, b),
-        Stored::InOut => PackedLinear::from_in_out(w, b),
+        Stored::OutIn => PackedLinear::with_options(w, b, pack),
+        Stored::InOut => PackedLinear::from_in_out_with(w, b, pack),
     }
 }

@@ -8,6 +8,7 @@
 //! masked returns zeros where PyTorch returns NaN.
 
 use candle::{bail, DType, Result, Tensor, D};
+use multihead_kernels::isa::Isa;
 
 use crate::mask::Mask;
 use crate::tiled;
@@ -135,12 +136,30 @@ pub fn scaled_dot_product_attention_via(
     scale: Option<f64>,
     path: AttnPath,
 ) -> Result<Tensor> {
-    sdpa_dispatch(q, k, v, mask, 0, scale, path)
+    sdpa_dispatch(q, k, v, mask, 0, scale, path, None)
+}
+
+/// [`scaled_dot_product_attention_via`] on [`AttnPath::CpuTiled`], the
+/// kernel running every part of the call with the instruction set `isa`
+/// (capped at what the processor runs; `multihead_kernels::isa::supported`
+/// lists them): what the tests that compare each variant with the
+/// reference path call, any number at once.
+pub fn scaled_dot_product_attention_tiled_on(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: Option<f64>,
+    isa: Isa,
+) -> Result<Tensor> {
+    sdpa_dispatch(q, k, v, mask, 0, scale, AttnPath::CpuTiled, Some(isa))
 }
 
 /// The dispatch behind every attention call. The last `appended` keys
 /// (`add_bias_kv`, `add_zero_attn`) lie outside the mask: every query sees
-/// them, and `mask` covers the keys before them.
+/// them, and `mask` covers the keys before them. The CPU kernel runs on
+/// `isa` (`None`: the default, `multihead_kernels::isa::current`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn sdpa_dispatch(
     q: &Tensor,
     k: &Tensor,
@@ -149,6 +168,7 @@ pub(crate) fn sdpa_dispatch(
     appended: usize,
     scale: Option<f64>,
     path: AttnPath,
+    isa: Option<Isa>,
 ) -> Result<Tensor> {
     let call = check_qkv(q, k, v)?;
     let scale = check_scale(scale, call.head_dim)?;
@@ -175,7 +195,7 @@ pub(crate) fn sdpa_dispatch(
         _ => kv_in_dtype_of(q, k, v)?,
     };
     match path {
-        AttnPath::CpuTiled => tiled::sdpa_tiled(q, k, v, mask, appended, scale),
+        AttnPath::CpuTiled => tiled::sdpa_tiled(q, k, v, mask, appended, scale, isa),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
         AttnPath::Auto | AttnPath::Reference => {

@@ -3,6 +3,7 @@
 
 use candle::{Result, Tensor};
 use multihead_kernels::attention::{self as kernel, Masking, TileOptions};
+use multihead_kernels::isa::Isa;
 
 use crate::mask::Mask;
 use crate::sdpa::sdpa_reference;
@@ -15,7 +16,8 @@ pub(crate) fn supports(q: &Tensor) -> bool {
 /// `softmax(q kᵀ · scale + mask) v` (soft-capped where the mask asks)
 /// through the tiled kernel; shapes as
 /// [`crate::scaled_dot_product_attention`] (validated by the caller), the
-/// last `appended` keys outside the mask.
+/// last `appended` keys outside the mask, on `isa` (`None`: the
+/// kernel's default).
 pub(crate) fn sdpa_tiled(
     q: &Tensor,
     k: &Tensor,
@@ -23,11 +25,17 @@ pub(crate) fn sdpa_tiled(
     mask: &Mask,
     appended: usize,
     scale: f64,
+    isa: Option<Isa>,
 ) -> Result<Tensor> {
-    sdpa_tiled_with(q, k, v, mask, appended, scale, TileOptions::default())
+    let options = TileOptions {
+        isa,
+        ..TileOptions::default()
+    };
+    sdpa_tiled_with(q, k, v, mask, appended, scale, options)
 }
 
-/// [`sdpa_tiled`] with the kernel's tiles and packing as `options` asks.
+/// [`sdpa_tiled`] with the kernel's instruction set, tiles and packing as
+/// `options` asks.
 fn sdpa_tiled_with(
     q: &Tensor,
     k: &Tensor,
@@ -65,39 +73,43 @@ mod tests {
     use candle::{DType, Device, Result, Tensor};
 
     use multihead_kernels::attention::{Packing, TileOptions, Tiles};
-    use multihead_kernels::isa::{current, force, supported, Isa};
+    use multihead_kernels::isa::{supported, Isa};
 
     use super::sdpa_tiled_with;
     use crate::mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
     use crate::sdpa::sdpa_reference;
-    use crate::testing::{randn, rel_err, FORCE_LOCK};
+    use crate::testing::{randn, rel_err};
 
-    /// [`sdpa_tiled_with`] with the tiles (and packing) forced.
+    /// [`sdpa_tiled_with`] with the instruction set, the tiles and the
+    /// packing forced.
+    #[allow(clippy::too_many_arguments)]
     fn forced(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         mask: &Mask,
         scale: f64,
+        isa: Isa,
         tiles: Tiles,
         packing: Packing,
     ) -> Result<Tensor> {
         let options = TileOptions {
             tiles: Some(tiles),
             packing: Some(packing),
+            isa: Some(isa),
         };
         sdpa_tiled_with(q, k, v, mask, 0, scale, options)
     }
 
-    /// Every tile implementation the processor runs under the current ISA,
-    /// the packed ones with each packing.
-    fn runnable_tiles() -> Vec<(Tiles, Packing)> {
+    /// Every tile implementation `isa` runs, the packed ones with each
+    /// packing.
+    fn runnable_tiles(isa: Isa) -> Vec<(Tiles, Packing)> {
         let mut tiles = vec![(Tiles::Gemm, Packing::Shared)];
         let mut packed = |t| tiles.extend([(t, Packing::Shared), (t, Packing::PerThread)]);
-        if cfg!(target_arch = "x86_64") && current() >= Isa::Avx2 {
+        if cfg!(target_arch = "x86_64") && isa >= Isa::Avx2 {
             packed(Tiles::Avx2);
         }
-        if cfg!(target_arch = "x86_64") && current() >= Isa::Avx512 {
+        if cfg!(target_arch = "x86_64") && isa >= Isa::Avx512 {
             packed(Tiles::Avx512);
         }
         tiles
@@ -108,21 +120,18 @@ mod tests {
     /// `Tiles::best` would not give it: single query rows for the
     /// micro-kernels, partial row groups, key counts off the panel and
     /// block sizes, value widths off the panel width; decode-sized blocks
-    /// (the kernels' `direct.rs` products) with dims off the vector widths,
+    /// (the kernels' `attention/decode.rs` products) with dims off the vector widths,
     /// grouped heads taken together.
     #[test]
     fn every_tile_implementation_equals_reference() -> Result<()> {
-        let _lock = FORCE_LOCK.lock();
         for isa in supported() {
-            force(Some(isa));
             every_tile_implementation_equals_reference_under(isa)?;
         }
-        force(None);
         Ok(())
     }
 
     fn every_tile_implementation_equals_reference_under(isa: Isa) -> Result<()> {
-        let tiles = runnable_tiles();
+        let tiles = runnable_tiles(isa);
         // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim)
         let shapes = [
             (1, 2, 2, 1, 300, 64, 64),
@@ -176,7 +185,7 @@ mod tests {
                 let scale = 0.7 / (d as f64).sqrt().max(1.);
                 let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(scale), None)?.0;
                 for &(t, packing) in &tiles {
-                    let ours = forced(&q, &k, &v, mask, scale, t, packing)?;
+                    let ours = forced(&q, &k, &v, mask, scale, isa, t, packing)?;
                     let err = rel_err(&ours, &reference)?;
                     let what = format!(
                         "{isa:?} {t:?} {packing:?} shape {:?} mask {m}",
@@ -199,7 +208,6 @@ mod tests {
     /// is off by orders of magnitude more.
     #[test]
     fn far_from_zero_scores_equal_reference_on_every_variant() -> Result<()> {
-        let _lock = FORCE_LOCK.lock();
         // (batch, heads, q_len, kv_len, head_dim): key counts off the panel.
         for (b, h, l, s, d) in [(1, 2, 40, 37, 64), (2, 1, 30, 300, 16)] {
             let offset = |t: Tensor, by: f64| -> Result<Tensor> { t.affine(1., by) };
@@ -225,9 +233,8 @@ mod tests {
                     let scale = 0.7 / (d as f64).sqrt();
                     let reference = sdpa_reference(q, k, &v, &mask, 0, Some(scale), None)?.0;
                     for isa in supported() {
-                        force(Some(isa));
-                        for (t, packing) in runnable_tiles() {
-                            let ours = forced(q, k, &v, &mask, scale, t, packing)?;
+                        for (t, packing) in runnable_tiles(isa) {
+                            let ours = forced(q, k, &v, &mask, scale, isa, t, packing)?;
                             let err = rel_err(&ours, &reference)?;
                             let what = format!(
                                 "{isa:?} {t:?} {packing:?} case {c} {:?} causal {:?}",
@@ -237,7 +244,6 @@ mod tests {
                             assert!(err < 1e-3, "{what}: relative error {err:e}");
                         }
                     }
-                    force(None);
                 }
             }
         }
@@ -252,7 +258,6 @@ mod tests {
     /// at a time for `gemm`. The output comes in the queries' dtype.
     #[test]
     fn half_precision_keys_and_values_equal_the_f32_path_over_them() -> Result<()> {
-        let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         // (batch, heads, kv_heads, q_len, kv_len, head_dim, v_head_dim):
         // dims on and off the vector widths, grouped heads, a prefill.
@@ -262,7 +267,6 @@ mod tests {
             (2, 2, 2, 20, 40, 16, 16),
         ];
         for isa in supported() {
-            force(Some(isa));
             for (b, h, kh, l, s, d, dv) in shapes {
                 let q = randn(&[b, h, l, d])?;
                 let masks = [
@@ -276,11 +280,18 @@ mod tests {
                         randn(&[b, kh, s, dv])?.to_dtype(dtype)?,
                     );
                     let (k32, v32) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
-                    let forced = runnable_tiles().into_iter().map(|(tiles, packing)| TileOptions {
-                        tiles: Some(tiles),
-                        packing: Some(packing),
-                    });
-                    for options in forced.chain([TileOptions::default()]) {
+                    let forced = runnable_tiles(isa)
+                        .into_iter()
+                        .map(|(tiles, packing)| TileOptions {
+                            tiles: Some(tiles),
+                            packing: Some(packing),
+                            isa: Some(isa),
+                        });
+                    let best = TileOptions {
+                        isa: Some(isa),
+                        ..TileOptions::default()
+                    };
+                    for options in forced.chain([best]) {
                         for mask in &masks {
                             let scale = 1. / (d as f64).sqrt();
                             let half = sdpa_tiled_with(&q, &k, &v, mask, 0, scale, options)?;
@@ -298,7 +309,6 @@ mod tests {
                 }
             }
         }
-        force(None);
         Ok(())
     }
 
@@ -331,10 +341,8 @@ mod tests {
     /// key takes no part, visible pairs follow IEEE arithmetic.
     #[test]
     fn non_finite_inputs_equal_reference_on_every_variant() -> Result<()> {
-        let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         let (b, h, kh, s, d, dv) = (2, 2, 1, 40, 16, 24);
-        let tiles = runnable_tiles();
         // (tensor, flat index, value): q is (b, h, l, d), k (b, kh, s, d),
         // v (b, kh, s, dv), the additive mask (l, s). Key 33 is padding in
         // batch 0 (length 30) and past the causal diagonal of early rows.
@@ -399,21 +407,14 @@ mod tests {
                 for (mi, mask) in masks.iter().enumerate() {
                     let reference = sdpa_reference(&q, &k, &v, mask, 0, Some(0.5), None)?.0;
                     for isa in supported() {
-                        force(Some(isa));
-                        for &(t, packing) in &tiles {
-                            // Under a forced ISA, only the tiles it runs.
-                            if !runnable_tiles().contains(&(t, packing)) {
-                                continue;
-                            }
-                            let ours = forced(&q, &k, &v, mask, 0.5, t, packing)?;
+                        for (t, packing) in runnable_tiles(isa) {
+                            let ours = forced(&q, &k, &v, mask, 0.5, isa, t, packing)?;
                             if let Some(diff) = nan_aware_diff(&ours, &reference, 1e-5)? {
-                                force(None);
                                 panic!("{isa:?} {t:?} {packing:?} q_len {l}, {what}{at:?} = {x}, mask {mi}: {diff}");
                             }
                             checked += 1;
                         }
                     }
-                    force(None);
                 }
             }
         }

@@ -7,35 +7,14 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 
-use std::sync::Mutex;
-
 use anyhow::{Context, Result};
 use candle::{Device, IndexOp, Tensor, Var};
 use common::{assert_close, assert_err, fixture_dir, Fixture};
 use multihead_attention::{
-    scaled_dot_product_attention_via, AttnMask, AttnPath, Causal, KeyPaddingMask, Mask, MhaConfig,
-    MhaOptions, MultiheadAttention,
+    scaled_dot_product_attention_tiled_on, scaled_dot_product_attention_via, AttnMask, AttnPath, Causal,
+    KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
 };
-use multihead_kernels::isa::{force, supported, Isa};
-
-/// Held by the tests that force an instruction set, so that each runs
-/// under the one it names.
-static FORCE_LOCK: Mutex<()> = Mutex::new(());
-
-/// `f` under every instruction set this processor runs, then the default.
-fn on_every_isa(mut f: impl FnMut(Isa) -> Result<()>) -> Result<()> {
-    let _lock = FORCE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    for isa in supported() {
-        force(Some(isa));
-        let res = f(isa);
-        if res.is_err() {
-            force(None);
-            return res;
-        }
-    }
-    force(None);
-    Ok(())
-}
+use multihead_kernels::isa::supported;
 
 fn randn(shape: &[usize]) -> Result<Tensor> {
     Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?)
@@ -71,25 +50,27 @@ fn matches_hf_gemma2_eager_attention() -> Result<()> {
     let f = Fixture::load(&fixture_dir("softcap.safetensors"), &Device::Cpu)?;
     let cases = f.case["cases"].as_object().context("no cases")?;
     assert_eq!(cases.len(), 4);
-    on_every_isa(|isa| {
-        for (name, case) in cases {
-            let get = |part: &str| f.get(&format!("{name}.{part}"));
-            let (q, k, v, expected) = (get("q")?, get("k")?, get("v")?, get("out")?);
-            let scale = case["scaling"].as_f64().context("scaling")?;
-            let (batch, kv_len) = (k.dim(0)?, k.dim(2)?);
-            let rules = case_mask(case, batch, kv_len)?;
-            let boolean = Mask::new()
-                .with_softcap(rules.softcap.context("softcap")?)
-                .with_attn(AttnMask::AttendWhereTrue(get("allowed")?.clone()));
-            for (m, mask) in [("rules", &rules), ("bool", &boolean)] {
-                for path in [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference] {
-                    let out = scaled_dot_product_attention_via(q, k, v, mask, Some(scale), path)?;
-                    assert_close(&format!("{isa:?} {name} {m} {path:?}"), &out, expected, 1e-5)?;
-                }
+    for (name, case) in cases {
+        let get = |part: &str| f.get(&format!("{name}.{part}"));
+        let (q, k, v, expected) = (get("q")?, get("k")?, get("v")?, get("out")?);
+        let scale = case["scaling"].as_f64().context("scaling")?;
+        let (batch, kv_len) = (k.dim(0)?, k.dim(2)?);
+        let rules = case_mask(case, batch, kv_len)?;
+        let boolean = Mask::new()
+            .with_softcap(rules.softcap.context("softcap")?)
+            .with_attn(AttnMask::AttendWhereTrue(get("allowed")?.clone()));
+        for (m, mask) in [("rules", &rules), ("bool", &boolean)] {
+            for path in [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference] {
+                let out = scaled_dot_product_attention_via(q, k, v, mask, Some(scale), path)?;
+                assert_close(&format!("{name} {m} {path:?}"), &out, expected, 1e-5)?;
+            }
+            for isa in supported() {
+                let out = scaled_dot_product_attention_tiled_on(q, k, v, mask, Some(scale), isa)?;
+                assert_close(&format!("{isa:?} {name} {m}"), &out, expected, 1e-5)?;
             }
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// The reference path's gradients through the soft-cap equal
@@ -167,14 +148,14 @@ fn tiled_equals_reference_soft_capped_on_every_isa() -> Result<()> {
             }
         }
     }
-    on_every_isa(|isa| {
-        for (what, q, k, v, mask) in &cases {
-            let reference = scaled_dot_product_attention_via(q, k, v, mask, None, AttnPath::Reference)?;
-            let tiled = scaled_dot_product_attention_via(q, k, v, mask, None, AttnPath::CpuTiled)?;
+    for (what, q, k, v, mask) in &cases {
+        let reference = scaled_dot_product_attention_via(q, k, v, mask, None, AttnPath::Reference)?;
+        for isa in supported() {
+            let tiled = scaled_dot_product_attention_tiled_on(q, k, v, mask, None, isa)?;
             assert_close(&format!("{isa:?} {what}"), &tiled, &reference, 1e-5)?;
         }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// Infinite scores are capped, as HF's `tanh` caps them: `±inf` becomes
@@ -191,14 +172,14 @@ fn infinite_scores_are_capped() -> Result<()> {
     )?;
     let (k, v) = (randn(&[1, 1, s, d])?, randn(&[1, 1, s, d])?);
     let mask = Mask::causal(Causal::BottomRight).with_softcap(10.);
-    on_every_isa(|isa| {
-        let reference = scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::Reference)?;
-        let tiled = scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::CpuTiled)?;
+    let reference = scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::Reference)?;
+    for isa in supported() {
+        let tiled = scaled_dot_product_attention_tiled_on(&q, &k, &v, &mask, None, isa)?;
         let first: Vec<f32> = reference.i((0, 0, 0))?.to_vec1()?;
         assert!(first.iter().all(|x| x.is_finite()), "{first:?}");
         assert_close(&format!("{isa:?}"), &tiled, &reference, 1e-5)?;
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// `MhaConfig::softcap` reaches every path of a module (appended

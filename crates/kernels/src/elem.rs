@@ -2,13 +2,21 @@
 //! `f16` as checkpoints store them. The micro-kernels are written once over
 //! [`PanelElem`] and widen a panel row to f32 lanes as they load it, so a
 //! half-precision weight is read from memory at half the bytes and every
-//! product still accumulates in f32.
+//! product still accumulates in f32. And the tensors the fused ops take as
+//! they are ([`plain_cpu_f32`]).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use candle::{DType, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
+
+/// Whether a tensor can take part in the packed path and the other fused
+/// CPU ops: an f32 CPU tensor that tracks no gradient.
+pub(crate) fn plain_cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op()
+}
 
 /// An element of packed weight panels.
 pub(crate) trait PanelElem: Copy + Default + Send + Sync + 'static {

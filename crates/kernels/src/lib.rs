@@ -7,42 +7,47 @@
 //!   [`silu_and_mul`] as PyTorch computes them;
 //! - [`attention::sdpa`]: a memory-efficient (FlashAttention-style)
 //!   attention kernel over strided inputs, masks read in their own shapes;
-//! - [`isa`]: the one place that picks the instruction set.
+//! - [`isa`]: the one place that detects the instruction set.
 //!
-//! The layout, after BLIS and the `gemm` crate: packing, a driver that
-//! walks blocks sized for L1 and L2, and register-blocked micro-kernels.
-//! - `packed.rs`: linear weights packed into panels; `packed/tiles.rs`
-//!   the loop over row groups and panel blocks that runs the linear
-//!   micro-kernels, `packed/one_row.rs` a single row's;
-//! - `tile.rs`: the attention tiles' packing and work unit (`panel.rs`
-//!   holds the layout it shares with the micro-kernels);
-//! - `avx2.rs`, `avx512.rs`: the micro-kernels of one instruction set
-//!   each, importing nothing from one another; `avx512bf16.rs`: AVX-512's
-//!   linear kernels with `vdpbf16ps` for their step (bf16 weights times
-//!   inputs rounded to bf16);
-//! - `lanes.rs`: a vector type per instruction set (`ymm`, `zmm`, and
-//!   portable lanes the compiler vectorises), so that kernels are written
-//!   once over the vector width: `softmax.rs` (the online softmax, its
-//!   `exp`, and the `tanh` of logit soft-capping) and `direct.rs`
-//!   (decode-sized attention products read in place);
-//! - `simd.rs`: row operations (masks, GELU, SiLU, LayerNorm rows) written
-//!   once as plain Rust and compiled for each instruction set;
-//! - `attention.rs`: the attention kernel's problem, masks and dispatch;
-//! - `elem.rs`: the element types of weight panels (f32, bf16, f16), which
-//!   the linear micro-kernels widen to f32 lanes as they load them;
-//! - `q8.rs`: linear weights in llama.cpp's 8-bit Q8_0 blocks, with a
-//!   kernel per instruction set in `q8/` (AVX512-VNNI, AVX2, portable);
-//! - `quant/`: linear weights in ggml's block formats (Q4_0 … Q6_K) as a
-//!   GGUF file stores them (most reordered into panels of 8 features at
-//!   load, never widened), their reference dequantization and integer
-//!   products per instruction set (AVX512-VNNI, AVX2, portable);
-//! - `pool.rs`: work spread over the caller and polling helper threads (or
-//!   rayon's pool from inside it), buffers kept between calls.
+//! # Layout
+//! By operation first, the instruction sets underneath (as ggml-cpu), and
+//! in each operation BLIS's split: packing, a driver that walks blocks
+//! sized for L1 and L2, and register-blocked micro-kernels, one file per
+//! instruction set (`avx2.rs`, `avx512.rs`, `avx512bf16.rs`, `vnni.rs`,
+//! `portable.rs`). ISA files are leaves: they import element types,
+//! layouts and lane types, never a driver; the one driver of each
+//! operation picks among them at run time.
+//! - `linear/`: [`PackedLinear`] and how a loader asks it to pack
+//!   ([`PackOptions`]: the format, the instruction set, the blocks a GGUF
+//!   file lends, [`LentBlocks`]); its weight packed into panels
+//!   (`weight.rs`, `pack.rs`), the driver over row groups and panel blocks
+//!   (`tiles.rs`, `units.rs`) or a single row (`one_row.rs`), and the
+//!   linear micro-kernels (`avx2.rs`, `avx512.rs`; `avx512bf16.rs`, the
+//!   AVX-512 kernels with `vdpbf16ps` for their step);
+//! - `attention/`: [`attention::sdpa`] and its dispatch (`mod.rs`), a call
+//!   as its work units see it (`problem.rs`), the packed tiles' driver
+//!   (`tiles.rs`), decode-sized products read in place (`decode.rs`), and
+//!   the attention micro-kernels (`avx2.rs`, `avx512.rs`);
+//! - `panel/`: the panel layout both share, and the AVX2 micro-kernel of
+//!   rows by panels that both run;
+//! - `quant/`: linear weights in quantized block formats, a folder per
+//!   kernel family (`q8_0/`, `blocks/`; see its module doc);
+//! - `rows/`: row operations (LayerNorm, activations, the online softmax,
+//!   masks) written once over a vector type per instruction set
+//!   (`lanes.rs`) or as plain Rust compiled for each (`simd.rs`);
+//! - `runtime/`: the instruction set's detection ([`isa`]), work spread
+//!   over the threads (`pool.rs`) and page-backed buffers (`pages.rs`);
+//! - `elem.rs`: the element types of panels and caches (f32, bf16, f16),
+//!   which the micro-kernels widen to f32 lanes as they load them.
 //!
-//! Every kernel variant can be forced ([`isa::force`], or
+//! The instruction set is an argument, never ambient state: every kernel
+//! that dispatches takes the [`isa::Isa`] it runs with, the public entry
+//! points from their options ([`PackOptions`], [`attention::TileOptions`])
+//! or [`isa::current`] (detected, capped by
 //! `MULTIHEAD_CPU_ISA=avx512bf16|avx512|avx2|portable` for a whole
-//! process), and the
-//! tests compare each one the processor runs with the reference path.
+//! process). So every variant can be forced, two at once, and the tests
+//! compare each one the processor runs ([`isa::supported`]) with the
+//! reference path, in parallel.
 
 #![warn(missing_docs)]
 
@@ -66,65 +71,53 @@ macro_rules! unrolled {
     }};
 }
 
-mod activation;
+/// `$f::<r, ..>(args)` for a group of `$rows` rows: the micro-kernel's
+/// instance for each row count of the list, the full group's (`$mr`) for
+/// any other.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($rows:expr, [$($r:literal)+] else $mr:expr, $f:ident::<_ $(, $p:tt)*>($($arg:expr),*)) => {
+        by_rows!(@match $rows, [$($r)+], $mr, $f, [$($p),*], ($($arg),*))
+    };
+    ($rows:expr, [$($r:literal)+] else $mr:expr, $f:ident($($arg:expr),*)) => {
+        by_rows!(@match $rows, [$($r)+], $mr, $f, [], ($($arg),*))
+    };
+    (@match $rows:expr, [$($r:literal)+], $mr:expr, $f:ident, $p:tt, $args:tt) => {
+        match $rows {
+            $($r => by_rows!(@call $f, $r, $p, $args),)+
+            _ => by_rows!(@call $f, { $mr }, $p, $args),
+        }
+    };
+    (@call $f:ident, $r:tt, [$($p:tt),*], ($($arg:expr),*)) => {
+        $f::<$r $(, $p)*>($($arg),*)
+    };
+}
+
 pub mod attention;
-#[cfg(target_arch = "x86_64")]
-mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
-#[cfg(target_arch = "x86_64")]
-mod avx512bf16;
-#[cfg(target_arch = "x86_64")]
-mod direct;
 mod elem;
-pub mod isa;
-mod lanes;
 mod linear;
-mod norm;
-mod packed;
-mod pages;
 #[cfg(target_arch = "x86_64")]
 mod panel;
-mod pool;
-mod q8;
 mod quant;
-mod simd;
-mod softmax;
-#[cfg(target_arch = "x86_64")]
-mod tile;
+mod rows;
+mod runtime;
+#[cfg(test)]
+mod testing;
 
-pub use activation::{gelu_tanh_and_mul, relu, silu_and_mul};
-pub use linear::{
-    is_broadcast, is_lent, lend_blocks, lending, packing_as, packing_format, PackFormat, PackedLinear,
-};
-pub use norm::LayerNorm;
+pub use linear::{is_broadcast, LentBlocks, PackFormat, PackOptions, PackedLinear};
 pub use quant::{dequantize_row, BlockFormat};
+pub use rows::{gelu_tanh_and_mul, relu, silu_and_mul, LayerNorm};
+pub use runtime::isa;
 
 /// The instruction set the CPU kernels run with now: `"avx512bf16"`
 /// (AVX-512F with AVX512-BF16: bf16 weights multiply inputs rounded to
 /// bf16), `"avx512"` (AVX-512F), `"avx2"` (AVX2 and FMA) or `"portable"`;
 /// the best the processor has, unless `MULTIHEAD_CPU_ISA` (one of those
-/// names, read once) or [`isa::force`] asks for less. Benchmarks print it beside their
-/// figures.
+/// names, read once) asks for less ([`isa::current`]); a layer or call
+/// given another in its options runs with that one. Benchmarks print it
+/// beside their figures.
 pub fn cpu_isa() -> &'static str {
     isa::current().name()
-}
-
-/// Helpers of the crate's unit tests.
-#[cfg(test)]
-pub(crate) mod testing {
-    use candle::{Device, Result, Tensor};
-
-    pub(crate) fn randn(shape: &[usize]) -> Result<Tensor> {
-        Tensor::randn(0f32, 1., shape, &Device::Cpu)
-    }
-
-    /// Largest difference over the expected tensor's largest magnitude.
-    pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
-        Ok(diff / scale)
-    }
 }
 
 /// The crate README's Rust snippets, compiled and run as doctests.

@@ -3,7 +3,7 @@
 use candle::{bail, Module, Result, Tensor};
 use candle_nn::Linear;
 use multihead_attention::{
-    gelu_tanh_and_mul, is_broadcast, is_lent, packing_format, silu_and_mul, PackFormat, PackedLinear,
+    gelu_tanh_and_mul, is_broadcast, silu_and_mul, PackFormat, PackOptions, PackedLinear,
 };
 use serde::{Deserialize, Serialize};
 
@@ -133,6 +133,19 @@ impl Mlp {
     /// or the pre-flight's broadcast placeholders (a full-size copy for
     /// nothing).
     pub fn gated(gate: Linear, up: Linear, down: PackedLinear, activation: Activation) -> Result<Self> {
+        Self::gated_with(gate, up, down, activation, &PackOptions::default())
+    }
+
+    /// [`Mlp::gated`], gate and up packed as `pack` asks (the format, the
+    /// instruction set, a GGUF file's lent blocks), as the loader packed
+    /// `down`.
+    pub fn gated_with(
+        gate: Linear,
+        up: Linear,
+        down: PackedLinear,
+        activation: Activation,
+        pack: &PackOptions,
+    ) -> Result<Self> {
         if !activation.is_gated() {
             bail!("Mlp::gated: {activation:?} is not a gated activation")
         }
@@ -141,12 +154,15 @@ impl Mlp {
                 && !is_broadcast(l.weight())
                 && l.bias().is_none_or(|b| !b.is_variable())
         };
-        // A GGUF file's blocks, lent to the layers (`lend_blocks`): joined
+        // A GGUF file's blocks, lent to the layers (`LentBlocks`): joined
         // where both are in one format, kept apart otherwise.
-        if is_lent(gate.weight()) && is_lent(up.weight()) {
-            let (gate, up) = (PackedLinear::from_linear(gate)?, PackedLinear::from_linear(up)?);
+        if pack.is_lent(gate.weight()) && pack.is_lent(up.weight()) {
+            let (gate, up) = (
+                PackedLinear::from_linear_with(gate, pack)?,
+                PackedLinear::from_linear_with(up, pack)?,
+            );
             if gate.joins_with(&up) {
-                return Self::new(PackedLinear::cat(vec![gate, up])?, down, activation);
+                return Self::new(PackedLinear::cat_with(vec![gate, up], pack)?, down, activation);
             }
             let Self { up, down, .. } = Self::new(up, down, Activation::Silu)?;
             return Ok(Self {
@@ -160,26 +176,27 @@ impl Mlp {
             if gate.bias().is_some() != up.bias().is_some() {
                 bail!("Mlp: the gate and up projections must both have a bias or neither")
             }
-            let gate_up = if packing_format() != PackFormat::AsStored {
+            let gate_up = if pack.format() != PackFormat::AsStored {
                 // Each quantized, its tensors dropped, before the two are
                 // joined: no copy of the fused weight in f32 (3.8 times
                 // its Q8_0 size) beside them while a model loads. As
                 // stored, one fused tensor packed at once leaves the heap
                 // less fragmented than two parts and their join.
-                let gate = PackedLinear::from_linear(gate)?;
-                PackedLinear::cat(vec![gate, PackedLinear::from_linear(up)?])?
+                let gate = PackedLinear::from_linear_with(gate, pack)?;
+                PackedLinear::cat_with(vec![gate, PackedLinear::from_linear_with(up, pack)?], pack)?
             } else {
                 let bias = match (gate.bias(), up.bias()) {
                     (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?),
                     _ => None,
                 };
-                PackedLinear::new(Tensor::cat(&[gate.weight(), up.weight()], 0)?, bias)?
+                PackedLinear::with_options(Tensor::cat(&[gate.weight(), up.weight()], 0)?, bias, pack)?
             };
             Self::new(gate_up, down, activation)
         } else {
-            let gate = PackedLinear::from_linear(gate)?;
+            let gate = PackedLinear::from_linear_with(gate, pack)?;
             // Checked as an ungated MLP: up's width is down's input.
-            let Self { up, down, .. } = Self::new(PackedLinear::from_linear(up)?, down, Activation::Silu)?;
+            let up = PackedLinear::from_linear_with(up, pack)?;
+            let Self { up, down, .. } = Self::new(up, down, Activation::Silu)?;
             Ok(Self {
                 up,
                 gate: Some(gate),

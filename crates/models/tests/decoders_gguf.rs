@@ -18,7 +18,7 @@ use candle::{DType, Device, IndexOp, Tensor};
 use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
 use gguf_fixtures::{expected_for, gguf, ids, logits, model_case, opts, FILES, GEMMAS};
 use multihead_attention::RopeScaling;
-use multihead_attention::{packing_as, PackFormat, PackedLinear};
+use multihead_attention::{PackFormat, PackOptions, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
 use multihead_models::decoder::{
     CausalLm, DecoderModel, GemmaConfig, GemmaFamily, LayerKind, LlamaConfig, NormPlacement, Projections,
@@ -183,7 +183,8 @@ fn q8_0_tensors_requantize_to_the_file_s_blocks() -> Result<()> {
         assert!(q8.len() > 10, "{name}: {} Q8_0 tensors", q8.len());
         for t in q8 {
             let w = file.tensor(&t.name, &Device::Cpu)?;
-            let layer = packing_as(PackFormat::Q8_0, || PackedLinear::new(w, None))?;
+            let layer =
+                PackedLinear::with_options(w, None, &PackOptions::new().with_format(PackFormat::Q8_0))?;
             let blocks = layer
                 .q8_0_blocks()
                 .with_context(|| format!("{name}: {} was not quantized", t.name))?;

@@ -466,3 +466,47 @@ fn phi3_passing_the_original_context_in_the_cache_is_refused() -> Result<()> {
     )?;
     Ok(())
 }
+
+/// Two models of one folder, one packed as stored and one in Q8_0, loaded
+/// at once on two threads: the format travels in each load's pack
+/// options, no thread or global holds it, so each equals the same model
+/// loaded alone, bit for bit, and the two differ.
+#[test]
+fn two_formats_load_at_once() -> Result<()> {
+    let dir = fixture_dir("decoders");
+    let load = |dtype: WeightDtype| -> Result<DecoderModel> {
+        let opts = LoadOptions {
+            dtype,
+            ..LoadOptions::default()
+        };
+        Ok(DecoderModel::from_folder_with(
+            &dir.join("llama"),
+            &Device::Cpu,
+            &opts,
+        )?)
+    };
+    let (plain, q8) = std::thread::scope(|s| {
+        let plain = s.spawn(|| load(WeightDtype::F32));
+        let q8 = s.spawn(|| load(WeightDtype::Q8_0));
+        (plain.join(), q8.join())
+    });
+    let joined =
+        |r: std::thread::Result<Result<DecoderModel>>| r.map_err(|_| anyhow::anyhow!("a load panicked"))?;
+    let (plain, q8) = (joined(plain)?, joined(q8)?);
+    let f = Fixture::load(&dir.join("llama_expected.safetensors"), &Device::Cpu)?;
+    let input = ids(&f, "input_ids")?;
+    let logits = |m: &DecoderModel| m.forward(&input, &mut m.new_cache(vec![]));
+    assert_eq!(
+        max_abs_diff(&logits(&plain)?, &logits(&load(WeightDtype::F32)?)?)?,
+        0.
+    );
+    assert_eq!(
+        max_abs_diff(&logits(&q8)?, &logits(&load(WeightDtype::Q8_0)?)?)?,
+        0.
+    );
+    assert!(
+        max_abs_diff(&logits(&plain)?, &logits(&q8)?)? > 0.,
+        "Q8_0 equals f32: not quantized?"
+    );
+    Ok(())
+}

@@ -4,7 +4,7 @@
 use candle::{bail, Result};
 use candle_nn::{Init, VarBuilder};
 
-use multihead_kernels::{LayerNorm, PackedLinear};
+use multihead_kernels::{LayerNorm, PackOptions, PackedLinear};
 
 use super::{HeadNorm, MultiheadAttention};
 use crate::config::{MhaConfig, NormKind, PositionEncoding};
@@ -23,6 +23,18 @@ impl MultiheadAttention {
     /// does (xavier-uniform input projection, zero biases) when `vb` is
     /// backed by a `VarMap`.
     pub fn new_with_layout(cfg: &MhaConfig, layout: &WeightLayout, vb: VarBuilder) -> Result<Self> {
+        Self::new_with_pack(cfg, layout, &PackOptions::default(), vb)
+    }
+
+    /// [`MultiheadAttention::new_with_layout`], its projections packed as
+    /// `pack` asks (a format, an instruction set, a GGUF file's lent
+    /// blocks): what a model loader passes down to every layer it builds.
+    pub fn new_with_pack(
+        cfg: &MhaConfig,
+        layout: &WeightLayout,
+        pack: &PackOptions,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         cfg.validate()?;
         let (e, kdim, vdim, kvd) = (cfg.embed_dim, cfg.kdim(), cfg.vdim(), cfg.kv_dim());
         // Query width: `e` unless `head_dim` sets another.
@@ -51,12 +63,12 @@ impl MultiheadAttention {
                         "in_proj_weight",
                         xavier_uniform(qd + 2 * kvd, e),
                     )?;
-                    InKind::Fused(PackedLinear::new(weight, bias)?)
+                    InKind::Fused(PackedLinear::with_options(weight, bias, pack)?)
                 } else {
                     let part = |from: usize, out: usize, name: &str, in_dim: usize| -> Result<PackedLinear> {
                         let w = vb.get_with_hints((out, in_dim), name, xavier_uniform(out, in_dim))?;
                         let b = bias.as_ref().map(|b| b.narrow(0, from, out)).transpose()?;
-                        PackedLinear::new(w, b)
+                        PackedLinear::with_options(w, b, pack)
                     };
                     InKind::Separate {
                         q: part(0, qd, "q_proj_weight", e)?,
@@ -66,7 +78,14 @@ impl MultiheadAttention {
                 };
                 (
                     kind,
-                    linear((qd, e), cfg.bias, out_init, Stored::OutIn, vb.pp("out_proj"))?,
+                    linear(
+                        (qd, e),
+                        cfg.bias,
+                        out_init,
+                        Stored::OutIn,
+                        pack,
+                        vb.pp("out_proj"),
+                    )?,
                 )
             }
             WeightLayout::Separate(names) => {
@@ -76,6 +95,7 @@ impl MultiheadAttention {
                         qkv_bias,
                         xavier_uniform(qd, e),
                         Stored::OutIn,
+                        pack,
                         vb.pp(&names.q),
                     )?,
                     linear(
@@ -83,6 +103,7 @@ impl MultiheadAttention {
                         qkv_bias,
                         xavier_uniform(kvd, kdim),
                         Stored::OutIn,
+                        pack,
                         vb.pp(&names.k),
                     )?,
                     linear(
@@ -90,6 +111,7 @@ impl MultiheadAttention {
                         qkv_bias,
                         xavier_uniform(kvd, vdim),
                         Stored::OutIn,
+                        pack,
                         vb.pp(&names.v),
                     )?,
                 );
@@ -106,13 +128,20 @@ impl MultiheadAttention {
                     && q.joins_with(&k)
                     && k.joins_with(&v)
                 {
-                    InKind::Fused(PackedLinear::cat(vec![q, k, v])?)
+                    InKind::Fused(PackedLinear::cat_with(vec![q, k, v], pack)?)
                 } else {
                     InKind::Separate { q, k, v }
                 };
                 (
                     kind,
-                    linear((qd, e), cfg.bias, out_init, Stored::OutIn, vb.pp(&names.out))?,
+                    linear(
+                        (qd, e),
+                        cfg.bias,
+                        out_init,
+                        Stored::OutIn,
+                        pack,
+                        vb.pp(&names.out),
+                    )?,
                 )
             }
             WeightLayout::FusedQkv {
@@ -134,9 +163,13 @@ impl MultiheadAttention {
                     qkv_bias,
                     xavier_uniform(n, e),
                     stored,
+                    pack,
                     vb.pp(fused),
                 )?);
-                (kind, linear((qd, e), cfg.bias, out_init, stored, vb.pp(out))?)
+                (
+                    kind,
+                    linear((qd, e), cfg.bias, out_init, stored, pack, vb.pp(out))?,
+                )
             }
         };
         let in_proj = InProjection {
@@ -195,14 +228,11 @@ mod tests {
     use candle_nn::{VarBuilder, VarMap};
 
     use crate::projection::InKind;
-    use crate::testing::{rel_err as diff, FORCE_LOCK};
+    use crate::testing::rel_err as diff;
     use crate::{MhaConfig, MhaOptions, MultiheadAttention, WeightLayout};
 
     #[test]
     fn separate_plain_weights_are_joined_and_variables_stay_apart_and_live() -> Result<()> {
-        // Plain weights pack on every instruction set but a forced
-        // portable one, which another test may be running with.
-        let _lock = FORCE_LOCK.lock();
         let dev = Device::Cpu;
         for bias in [false, true] {
             let cfg = MhaConfig::new(64, 4).with_kv_heads(2).with_bias(bias);

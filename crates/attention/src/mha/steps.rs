@@ -221,7 +221,7 @@ impl MultiheadAttention {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dropout = (opts.train && self.cfg.dropout > 0.).then_some(self.cfg.dropout);
         if opts.need_weights == NeedWeights::No && dropout.is_none() {
-            let out = sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path)?;
+            let out = sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path, None)?;
             return Ok((out, None));
         }
         if !matches!(opts.path, AttnPath::Auto | AttnPath::Reference) {

@@ -1,19 +1,67 @@
 //! One [`sdpa`](super::sdpa) call as its work units see it: the problem
 //! ([`Problem`]: the views, the masks and the rules), a unit's rows
-//! ([`Unit`]), and a unit's run over its key blocks: scores, masks, the
-//! online softmax and the weighted values, then its rows written out.
+//! ([`Unit`]), and a unit's run over its key blocks through `gemm` or the
+//! decode-sized products (`decode.rs`): scores, masks, the online softmax
+//! and the weighted values, then its rows written out. The packed tiles
+//! (`tiles.rs`) run the same units over the same problem.
 
-use candle::{bail, Layout, Result, Storage, WithDType};
+use candle::{bail, Layout, Result, Storage, Tensor, WithDType};
 use gemm::{gemm, Parallelism};
 use half::{bf16, f16};
 
-use super::{window_isize, MaskPart, View, BLOCK_K, DIRECT_ROWS};
 #[cfg(target_arch = "x86_64")]
-use crate::direct;
+use super::decode;
 use crate::elem::PanelElem;
-use crate::isa::Isa;
-use crate::pool::SyncPtr;
-use crate::simd;
+use crate::rows::simd;
+use crate::runtime::isa::Isa;
+use crate::runtime::pool::SyncPtr;
+
+/// Keys per tile.
+pub(super) const BLOCK_K: usize = 512;
+/// Query blocks of fewer rows take the `decode.rs` products on AVX2 and
+/// AVX-512 (each key and value read once per row, no packing).
+pub(super) const DIRECT_ROWS: usize = 16;
+/// A read-only 4-D view (f32, or a cache's bf16/f16 keys and values):
+/// base slice and element strides.
+pub(crate) struct View<'a, T = f32> {
+    pub(crate) data: &'a [T],
+    pub(crate) stride: [usize; 4],
+}
+
+impl<T> View<'_, T> {
+    /// Offset of element `(b, h, i, 0)`.
+    pub(crate) fn offset(&self, b: usize, h: usize, i: usize) -> usize {
+        b * self.stride[0] + h * self.stride[1] + i * self.stride[2]
+    }
+}
+
+/// One mask tensor as the kernel reads it: in its own broadcast shape
+/// (4-D, broadcastable to `(batch, heads, q_len, kv_len)`, contiguous),
+/// never expanded to the full score shape.
+#[derive(Debug, Clone)]
+pub enum MaskPart {
+    /// `u8`; a non-zero entry hides the pair.
+    HideWhereNonZero(Tensor),
+    /// `u8`; a zero entry hides the pair.
+    HideWhereZero(Tensor),
+    /// `f32`, added to the scores of visible pairs; `-inf` hides the pair.
+    Additive(Tensor),
+}
+
+impl MaskPart {
+    /// The part's tensor.
+    pub fn tensor(&self) -> &Tensor {
+        match self {
+            Self::HideWhereNonZero(t) | Self::HideWhereZero(t) | Self::Additive(t) => t,
+        }
+    }
+}
+
+/// A window's length as a signed key distance, saturating: a window longer
+/// than any sequence hides nothing rather than wrapping negative.
+pub fn window_isize(w: usize) -> isize {
+    isize::try_from(w).unwrap_or(isize::MAX)
+}
 
 /// A mask part's data as the kernel reads it, with its element strides
 /// over (batch, head, query, key); a broadcast dim has stride 0.
@@ -93,6 +141,9 @@ pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) softcap: Option<f32>,
     /// Keys past this (`add_bias_kv`, `add_zero_attn`) are never masked.
     pub(crate) masked_keys: usize,
+    /// The instruction set the row operations and the decode-sized
+    /// products run with (at most what the processor runs).
+    pub(crate) isa: Isa,
 }
 
 /// The element types [`sdpa`](super::sdpa) reads keys and values in, in place: f32,
@@ -185,14 +236,16 @@ impl<KV: KvElem> Problem<'_, KV> {
         };
         for p in self.parts {
             if let PartData::Additive(data) = p.data {
-                simd::add_visible(row, &data[entries(p)]);
+                simd::add_visible(self.isa, row, &data[entries(p)]);
             }
         }
         for p in self.parts {
             match p.data {
-                PartData::Additive(data) => simd::hide_where_neg_inf(row, &data[entries(p)]),
-                PartData::HideWhereNonZero(data) => simd::hide_where_nonzero(row, &data[entries(p)]),
-                PartData::HideWhereZero(data) => simd::hide_where_zero(row, &data[entries(p)]),
+                PartData::Additive(data) => simd::hide_where_neg_inf(self.isa, row, &data[entries(p)]),
+                PartData::HideWhereNonZero(data) => {
+                    simd::hide_where_nonzero(self.isa, row, &data[entries(p)])
+                }
+                PartData::HideWhereZero(data) => simd::hide_where_zero(self.isa, row, &data[entries(p)]),
             }
         }
         let visible = self.causal_end(i).saturating_sub(j0).min(masked);
@@ -233,12 +286,8 @@ impl<KV: KvElem> Problem<'_, KV> {
             (self.q.stride[2], heads, rows)
         };
         // Decode-sized blocks (too few rows for `gemm` to pay for its
-        // packing) take the products read in place (`direct.rs`).
-        let lanes = if n < DIRECT_ROWS {
-            crate::isa::current()
-        } else {
-            Isa::Portable
-        };
+        // packing) take the products read in place (`decode.rs`).
+        let lanes = if n < DIRECT_ROWS { self.isa } else { Isa::Portable };
         let mut j0 = self.keys_start(i0);
         while j0 < kv_end {
             let cols = bk.min(kv_end - j0);
@@ -255,11 +304,11 @@ impl<KV: KvElem> Problem<'_, KV> {
                     match lanes {
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx512 | Isa::Avx512Bf16 => {
-                            direct::zmm::scores(run_rows, q, q_rs, k, k_rs, cols, d, self.scale, tile)
+                            decode::zmm::scores(run_rows, q, q_rs, k, k_rs, cols, d, self.scale, tile)
                         }
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx2 => {
-                            direct::ymm::scores(run_rows, q, q_rs, k, k_rs, cols, d, self.scale, tile)
+                            decode::ymm::scores(run_rows, q, q_rs, k, k_rs, cols, d, self.scale, tile)
                         }
                         // tile (rows, cols) = scale · Q (rows, d) · Kᵀ (d, cols)
                         _ => {
@@ -292,11 +341,11 @@ impl<KV: KvElem> Problem<'_, KV> {
             for r in 0..n {
                 let row = &mut tile[r * cols..(r + 1) * cols];
                 if let Some(cap) = self.softcap {
-                    simd::softcap_row(row, cap);
+                    simd::softcap_row(self.isa, row, cap);
                 }
                 self.mask_row(row, bi, hi + r / rows, i0 + r % rows, j0);
                 let acc_row = &mut acc[r * dv..(r + 1) * dv];
-                simd::online_softmax_row(row, &mut row_max[r], &mut row_sum[r], acc_row);
+                simd::online_softmax_row(self.isa, row, &mut row_max[r], &mut row_sum[r], acc_row);
             }
             let v_off = self.v.offset(bi, kvh, j0);
             // SAFETY: as above.
@@ -305,10 +354,10 @@ impl<KV: KvElem> Problem<'_, KV> {
                 match lanes {
                     #[cfg(target_arch = "x86_64")]
                     Isa::Avx512 | Isa::Avx512Bf16 => {
-                        direct::zmm::weighted_values(n, &tile, cols, v, v_rs, dv, &mut acc)
+                        decode::zmm::weighted_values(n, &tile, cols, v, v_rs, dv, &mut acc)
                     }
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => direct::ymm::weighted_values(n, &tile, cols, v, v_rs, dv, &mut acc),
+                    Isa::Avx2 => decode::ymm::weighted_values(n, &tile, cols, v, v_rs, dv, &mut acc),
                     // acc (n, dv) += P (n, cols) · V (cols, dv)
                     _ => {
                         let (v, v_rs, _widened) = f32_rows(v, v_rs, cols, dv);

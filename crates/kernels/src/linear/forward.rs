@@ -4,9 +4,10 @@
 
 use candle::{bail, DType, Module, Result, Storage, Tensor};
 
-use super::{candle_linear, plain_cpu_f32, Inner, PackedLinear};
-use crate::activation::relu;
-use crate::packed::Epilogue;
+use super::weight::Epilogue;
+use super::{candle_linear, Inner, PackedLinear};
+use crate::elem::plain_cpu_f32;
+use crate::rows::relu;
 
 impl PackedLinear {
     /// `gelu_erf(x · wᵀ + b)`, the GELU fused into the write-out where
@@ -149,7 +150,7 @@ impl PackedLinear {
     }
 
     /// The packed or quantized weight's product over plain slices (see
-    /// [`PackedWeight::forward`](crate::packed::PackedWeight::forward)).
+    /// [`PackedWeight::forward`](super::weight::PackedWeight::forward)).
     fn forward_slices(
         &self,
         x: &[f32],
@@ -162,12 +163,12 @@ impl PackedLinear {
             Inner::Packed(p) => p.forward(x, m, range, epilogue, residual),
             Inner::Q8(q) => {
                 let mut y = q.forward(x, m, range, residual);
-                epilogue.apply(&mut y);
+                epilogue.apply(q.isa(), &mut y);
                 y
             }
             Inner::Blocks(b) => {
                 let mut y = b.forward(x, m, range, residual);
-                epilogue.apply(&mut y);
+                epilogue.apply(b.isa(), &mut y);
                 y
             }
             Inner::Candle(_) => unreachable!("only packed weights take slices"),

@@ -3,9 +3,19 @@
 
 use candle::{Module, Result, Tensor};
 
-use super::PackedLinear;
-use crate::isa::{force, supported, Isa, FORCE_LOCK};
+use super::{PackFormat, PackOptions, PackedLinear};
+use crate::runtime::isa::{supported, Isa};
 use crate::testing::{randn, rel_err};
+
+/// `w` and `b` packed in `format` for `isa`.
+fn packed(w: &Tensor, b: Option<Tensor>, format: PackFormat, isa: Isa) -> Result<PackedLinear> {
+    PackedLinear::with_options(w.clone(), b, &on(isa).with_format(format))
+}
+
+/// Packing as stored for `isa`.
+fn on(isa: Isa) -> PackOptions {
+    PackOptions::new().with_isa(isa)
+}
 
 /// Packed for every instruction set the processor runs, the layer
 /// equals candle's `Linear` (and `gelu_erf`, `gelu`, `relu` or a
@@ -37,16 +47,14 @@ fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
         (1, 1, 300, 7, true),
         (1, 1, 7, 21, true),
     ];
-    let _lock = FORCE_LOCK.lock();
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     pool.install(|| -> Result<()> {
         for isa in supported() {
-            force(Some(isa));
             for (batch, rows, k, n, bias) in shapes {
                 let x = randn(&[batch, rows, k])?;
                 let (w, b) = (randn(&[n, k])?, bias.then(|| randn(&[n])).transpose()?);
                 let expected = candle_nn::Linear::new(w.clone(), b.clone()).forward(&x)?;
-                let ours = PackedLinear::new(w, b)?;
+                let ours = packed(&w, b, PackFormat::AsStored, isa)?;
                 assert_eq!(ours.is_packed(), isa != Isa::Portable, "{isa:?}");
                 let what = format!("{isa:?} ({batch}, {rows}, {k}) x ({n}, {k})");
                 let y = ours.forward(&x)?;
@@ -92,7 +100,6 @@ fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
         }
         Ok(())
     })?;
-    force(None);
     Ok(())
 }
 
@@ -123,9 +130,7 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
         (3, 41, 70, true),
         (1, 41, 40, false),
     ];
-    let _lock = FORCE_LOCK.lock();
     for isa in supported() {
-        force(Some(isa));
         for dtype in [DType::BF16, DType::F16] {
             for (m, k, n, bias) in shapes {
                 let what = format!("{isa:?} {dtype:?} ({m}, {k}) x ({n}, {k})");
@@ -139,7 +144,7 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
                     false => x.clone(),
                 };
                 let expected = candle_nn::Linear::new(wide.clone(), b.clone()).forward(&x_seen)?;
-                let ours = PackedLinear::new(w.clone(), b)?;
+                let ours = packed(&w, b, PackFormat::AsStored, isa)?;
                 assert_eq!(ours.is_packed(), isa != Isa::Portable, "{what}");
                 assert_eq!(ours.dtype(), dtype, "{what}");
                 let y = ours.forward(&x)?;
@@ -176,7 +181,6 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
             }
         }
     }
-    force(None);
     Ok(())
 }
 
@@ -187,11 +191,8 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
 /// part cut short of a panel, mixed formats) unpacked and packed again.
 #[test]
 fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
-    use super::{packing_as, PackFormat};
     use candle::DType;
-    let _lock = FORCE_LOCK.lock();
     for isa in supported() {
-        force(Some(isa));
         for (dtype, format) in [
             (DType::F32, PackFormat::AsStored),
             (DType::BF16, PackFormat::AsStored),
@@ -203,9 +204,9 @@ fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
                 let w1 = randn(&[n1, k])?.to_dtype(dtype)?;
                 let w2 = randn(&[n2, k])?.to_dtype(dtype)?;
                 let b2 = randn(&[n2])?;
-                let pack =
-                    |w: &Tensor, b: Option<Tensor>| packing_as(format, || PackedLinear::new(w.clone(), b));
-                let ours = PackedLinear::cat(vec![pack(&w1, None)?, pack(&w2, Some(b2.clone()))?])?;
+                let pack = |w: &Tensor, b: Option<Tensor>| packed(w, b, format, isa);
+                let ours =
+                    PackedLinear::cat_with(vec![pack(&w1, None)?, pack(&w2, Some(b2.clone()))?], &on(isa))?;
                 let bias = Tensor::cat(&[&Tensor::zeros(n1, DType::F32, w1.device())?, &b2], 0)?;
                 let want = pack(&Tensor::cat(&[&w1, &w2], 0)?, Some(bias))?;
                 assert_eq!(ours.dims()?, (n1 + n2, k), "{what}");
@@ -225,36 +226,38 @@ fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
         }
         // Mixed formats: Q8_0 with a plain part, quantized together.
         let (w1, w2) = (randn(&[32, 64])?, randn(&[16, 64])?);
-        let q = packing_as(PackFormat::Q8_0, || PackedLinear::new(w1.clone(), None))?;
-        let mixed = PackedLinear::cat(vec![q.clone(), PackedLinear::new(w2.clone(), None)?])?;
-        let want = packing_as(PackFormat::Q8_0, || {
-            PackedLinear::new(Tensor::cat(&[&q.weight()?, &w2], 0)?, None)
-        })?;
+        let q = packed(&w1, None, PackFormat::Q8_0, isa)?;
+        let mixed = PackedLinear::cat_with(
+            vec![q.clone(), packed(&w2, None, PackFormat::AsStored, isa)?],
+            &on(isa),
+        )?;
+        let want = packed(
+            &Tensor::cat(&[&q.weight()?, &w2], 0)?,
+            None,
+            PackFormat::Q8_0,
+            isa,
+        )?;
         assert_eq!(mixed.q8_0_blocks(), want.q8_0_blocks(), "{isa:?} mixed");
-        let err = PackedLinear::cat(vec![q, PackedLinear::new(randn(&[16, 32])?, None)?]).unwrap_err();
+        let other = packed(&randn(&[16, 32])?, None, PackFormat::AsStored, isa)?;
+        let err = PackedLinear::cat_with(vec![q, other], &on(isa)).unwrap_err();
         assert!(err.to_string().contains("different input sizes"), "{err}");
     }
-    force(None);
     Ok(())
 }
 
-/// Under `packing_as(Q8_0)`, layers whose input size is a multiple of
-/// 32 are quantized (on every instruction set, the portable one
-/// included): the forward, the fused residual and GELU and a range of
-/// features equal candle's layer over the dequantized weight within
-/// the inputs' quantization error, a tied table's rows are the
-/// dequantized rows; other layers pack as stored; the format is
-/// restored after the scope.
+/// Packed in Q8_0, layers whose input size is a multiple of 32 are
+/// quantized (on every instruction set, the portable one included): the
+/// forward, the fused residual and GELU and a range of features equal
+/// candle's layer over the dequantized weight within the inputs'
+/// quantization error, a tied table's rows are the dequantized rows;
+/// other layers pack as stored, as every layer packed as stored does.
 #[test]
-fn q8_0_packing_quantizes_within_its_scope() -> Result<()> {
-    use super::{packing_as, PackFormat};
-    let _lock = FORCE_LOCK.lock();
+fn q8_0_packing_quantizes_what_it_can() -> Result<()> {
     for isa in supported() {
-        force(Some(isa));
         let (w, b) = (randn(&[70, 96])?, Some(randn(&[70])?));
-        let layer = packing_as(PackFormat::Q8_0, || PackedLinear::new(w.clone(), b.clone()))?;
-        let odd = packing_as(PackFormat::Q8_0, || PackedLinear::new(randn(&[8, 40])?, None))?;
-        let after = PackedLinear::new(w.clone(), b.clone())?;
+        let layer = packed(&w, b.clone(), PackFormat::Q8_0, isa)?;
+        let odd = packed(&randn(&[8, 40])?, None, PackFormat::Q8_0, isa)?;
+        let after = packed(&w, b.clone(), PackFormat::AsStored, isa)?;
         assert!(
             layer.is_quantized() && !odd.is_quantized() && !after.is_quantized(),
             "{isa:?}"
@@ -296,7 +299,6 @@ fn q8_0_packing_quantizes_within_its_scope() -> Result<()> {
             "{isa:?} rows"
         );
     }
-    force(None);
     Ok(())
 }
 
@@ -304,18 +306,15 @@ fn q8_0_packing_quantizes_within_its_scope() -> Result<()> {
 /// as through PyTorch's `relu`, on every instruction set.
 #[test]
 fn fused_relu_keeps_nan() -> Result<()> {
-    let _lock = FORCE_LOCK.lock();
     for isa in supported() {
-        force(Some(isa));
         let mut x = randn(&[3, 40])?.to_vec2::<f32>()?;
         x[1][7] = f32::NAN;
         let x = candle::Tensor::new(x, &candle::Device::Cpu)?;
-        let layer = PackedLinear::new(randn(&[70, 40])?, Some(randn(&[70])?))?;
+        let layer = packed(&randn(&[70, 40])?, Some(randn(&[70])?), PackFormat::AsStored, isa)?;
         let y = layer.forward_relu(&x)?.to_vec2::<f32>()?;
         assert!(y[1].iter().all(|v| v.is_nan()), "{isa:?}");
         assert!(y[0].iter().chain(&y[2]).all(|&v| v >= 0.), "{isa:?}");
     }
-    force(None);
     Ok(())
 }
 
@@ -351,11 +350,9 @@ fn variables_are_not_packed_and_inputs_with_gradients_get_them() -> Result<()> {
 /// weight (the pre-flight's placeholder) is neither packed nor copied.
 #[test]
 fn packed_rows_equal_the_table() -> Result<()> {
-    let _lock = FORCE_LOCK.lock();
     for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
-        force(Some(isa));
         let w = randn(&[70, 40])?;
-        let layer = PackedLinear::new(w.clone(), None)?;
+        let layer = packed(&w, None, PackFormat::AsStored, isa)?;
         assert!(layer.is_packed());
         let ids = Tensor::new(&[[0u32, 69, 33], [64, 1, 65]], &candle::Device::Cpu)?;
         let want = candle_nn::Embedding::new(w, 40).forward(&ids)?;
@@ -365,7 +362,6 @@ fn packed_rows_equal_the_table() -> Result<()> {
         let err = layer.embed(&Tensor::new(&[70u32], &candle::Device::Cpu)?);
         assert!(err.is_err_and(|e| e.to_string().contains("id 70 is out of range for 70 rows")));
     }
-    force(None);
     let placeholder =
         Tensor::zeros(1, candle::DType::F32, &candle::Device::Cpu)?.broadcast_as((4096, 4096))?;
     assert!(super::is_broadcast(&placeholder));
@@ -381,12 +377,10 @@ fn packed_rows_equal_the_table() -> Result<()> {
 #[test]
 fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
     use candle::Var;
-    let _lock = FORCE_LOCK.lock();
     for isa in supported().into_iter().filter(|&isa| isa != Isa::Portable) {
-        force(Some(isa));
         for bias in [true, false] {
             let (w, b) = (randn(&[70, 40])?, bias.then(|| randn(&[70])).transpose()?);
-            let layer = PackedLinear::new(w, b)?;
+            let layer = packed(&w, b, PackFormat::AsStored, isa)?;
             let gamma = randn(&[70])?;
             let scaled = layer
                 .scaled_outputs(&gamma)?
@@ -403,7 +397,6 @@ fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
             );
         }
     }
-    force(None);
     let layer = PackedLinear::new(randn(&[8, 4])?, None)?;
     let trained = Var::from_tensor(&randn(&[8])?)?;
     assert!(layer.scaled_outputs(trained.as_tensor())?.is_none());
@@ -418,12 +411,13 @@ fn scaled_outputs_equal_the_layer_then_the_scale() -> Result<()> {
 }
 
 /// Blocks lent through a placeholder are taken by the layer built over it
-/// (the layer's products equal the dequantized weight's within the
-/// inputs' rounding); lent outside `lending`, or left untaken by a build
-/// that succeeds, they are errors.
+/// in options that hold them (the layer's products equal the dequantized
+/// weight's within the inputs' rounding), and by no other; blocks left
+/// untaken are an error `all_taken` names; two lenders, two models'
+/// loads, keep apart.
 #[test]
 fn lent_blocks_are_taken_by_their_layer() -> Result<()> {
-    use crate::{is_lent, lend_blocks, lending, BlockFormat};
+    use crate::{BlockFormat, LentBlocks};
     // Two features of 32 Q4_0 weights: d = 1 and 0.5, q = i % 16.
     let mut data = Vec::new();
     for d in [1f32, 0.5] {
@@ -431,21 +425,25 @@ fn lent_blocks_are_taken_by_their_layer() -> Result<()> {
         data.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
     }
     let dev = candle::Device::Cpu;
-    assert!(lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev).is_err());
-    let layer = lending(|| {
-        let w = lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev)?;
-        assert!(is_lent(&w));
-        let layer = PackedLinear::new(w.clone(), None)?;
-        assert!(!is_lent(&w));
-        Ok(layer)
-    })?;
+    let (lent, other) = (LentBlocks::new(), LentBlocks::new());
+    let w = lent.lend(BlockFormat::Q4_0, data.clone(), (2, 32), &dev)?;
+    let options = PackOptions::new().with_lent(lent.clone());
+    assert!(lent.is_lent(&w) && options.is_lent(&w) && !other.is_lent(&w));
+    // Options without these blocks see a broadcast placeholder: left as a
+    // view, neither packed nor taken.
+    let elsewhere = PackedLinear::with_options(w.clone(), None, &PackOptions::new().with_lent(other))?;
+    assert!(!elsewhere.is_packed() && lent.is_lent(&w));
+    assert!(lent.all_taken().unwrap_err().to_string().contains("1 weight(s)"));
+    let layer = PackedLinear::with_options(w.clone(), None, &options)?;
+    assert!(!lent.is_lent(&w) && lent.untaken() == 0);
+    lent.all_taken()?;
     assert_eq!(layer.block_format(), Some(BlockFormat::Q4_0));
     let x = Tensor::ones((1, 32), candle::DType::F32, &dev)?;
     let want = x.matmul(&layer.weight()?.t()?)?;
     let got = layer.forward(&x)?;
     assert!(rel_err(&got, &want)? < 1e-5, "{got} vs {want}");
-    let untaken = lending(|| lend_blocks(BlockFormat::Q4_0, data.clone(), (2, 32), &dev).map(|_| ()));
-    assert!(untaken.unwrap_err().to_string().contains("not taken"));
-    assert!(lend_blocks(BlockFormat::Q4_0, data[..20].to_vec(), (2, 32), &dev).is_err());
+    assert!(lent
+        .lend(BlockFormat::Q4_0, data[..20].to_vec(), (2, 32), &dev)
+        .is_err());
     Ok(())
 }

@@ -176,16 +176,16 @@ pub(crate) fn float_dtype(name: &str) -> Option<DType> {
 }
 
 impl WeightDtype {
-    /// `build` with the linear layers it packs in this format
-    /// (`multihead_attention::packing_as`): quantized for Q8_0, as read
-    /// otherwise.
-    pub(crate) fn packing<R>(self, build: impl FnOnce() -> R) -> R {
+    /// How the linear layers of a model loaded in this dtype pack:
+    /// quantized for Q8_0 and Q4_0 (a GGUF file's float and Q8_0 matrices
+    /// in Q8_0 for `ggml`), as read otherwise.
+    pub(crate) fn pack_options(self) -> multihead_attention::PackOptions {
         let format = match self {
             WeightDtype::Q8_0 | WeightDtype::Ggml => multihead_attention::PackFormat::Q8_0,
             WeightDtype::Q4_0 => multihead_attention::PackFormat::Q4_0,
             _ => multihead_attention::PackFormat::AsStored,
         };
-        multihead_attention::packing_as(format, build)
+        multihead_attention::PackOptions::new().with_format(format)
     }
 }
 

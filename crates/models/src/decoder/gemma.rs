@@ -16,8 +16,8 @@
 use candle::{bail, DType, Device, Module, Result, Shape, Tensor};
 use candle_nn::{linear_b, RmsNorm, VarBuilder};
 use multihead_attention::{
-    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear, PositionEncoding,
-    RopeScaling, RotaryConfig, WeightLayout,
+    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackOptions, PackedLinear,
+    PositionEncoding, RopeScaling, RotaryConfig, WeightLayout,
 };
 use serde_json::{Map, Value};
 
@@ -486,18 +486,19 @@ pub(super) fn at<'a>(vb: VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
 }
 
 /// `GemmaMLP`: `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`, under
-/// `vb` = `mlp`.
-fn mlp(cfg: &GemmaConfig, vb: VarBuilder) -> Result<Mlp> {
+/// `vb` = `mlp`, its linears packed as `pack` asks.
+fn mlp(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Mlp> {
     let (e, i) = (cfg.hidden_size, cfg.intermediate_size);
     let gate = linear_b(e, i, false, vb.pp("gate_proj"))?;
     let up = linear_b(e, i, false, vb.pp("up_proj"))?;
-    let down = PackedLinear::from_linear(linear_b(i, e, false, vb.pp("down_proj"))?)?;
-    Mlp::gated(gate, up, down, Activation::GeGlu)
+    let down = PackedLinear::from_linear_with(linear_b(i, e, false, vb.pp("down_proj"))?, pack)?;
+    Mlp::gated_with(gate, up, down, Activation::GeGlu, pack)
 }
 
 /// `Gemma2Attention` / `Gemma3Attention` on [`MultiheadAttention`] for
-/// layer `index`, under `vb` = `self_attn`.
-fn mha(cfg: &GemmaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAttention> {
+/// layer `index`, under `vb` = `self_attn`, its projections packed as
+/// `pack` asks.
+fn mha(cfg: &GemmaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<MultiheadAttention> {
     let kind = cfg.layer_kind(index);
     let rope = match kind {
         LayerKind::Sliding => &cfg.rope_sliding,
@@ -522,7 +523,7 @@ fn mha(cfg: &GemmaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAtten
         mha.qk_norm_kind = NormKind::RmsNorm;
         mha.qk_norm_eps = cfg.rms_norm_eps;
     }
-    MultiheadAttention::new_with_layout(&mha, &WeightLayout::llama(), vb)
+    MultiheadAttention::new_with_pack(&mha, &WeightLayout::llama(), pack, vb)
 }
 
 /// `Gemma2DecoderLayer`: each branch normed before and after, then added
@@ -538,15 +539,15 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(cfg: &GemmaConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &GemmaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let norm = |name: &str| candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp(name));
         Ok(Self {
             input_layernorm: norm("input_layernorm")?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
             pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
             post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
-            self_attn: mha(cfg, index, vb.pp("self_attn"))?,
-            mlp: mlp(cfg, vb.pp("mlp"))?,
+            self_attn: mha(cfg, index, pack, vb.pp("self_attn"))?,
+            mlp: mlp(cfg, pack, vb.pp("mlp"))?,
         })
     }
 
@@ -581,14 +582,26 @@ impl Gemma {
     /// `lm_head.weight` ignored), its RMSNorm weights zero-centred as HF
     /// stores them (scaling by `1 + w`).
     pub fn new(cfg: &GemmaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`Gemma::new`], every linear layer packed as `pack` asks (the
+    /// format, the instruction set, a GGUF file's lent blocks).
+    pub fn new_with(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let (dtype, device, prefix) = (vb.dtype(), vb.device().clone(), vb.prefix());
         let root = VarBuilder::from_backend(Box::new(NormsPlusOne { inner: vb.root() }), dtype, device);
-        Self::with_unit_norms(cfg, if prefix.is_empty() { root } else { root.pp(prefix) })
+        Self::with_unit_norms_with(cfg, pack, if prefix.is_empty() { root } else { root.pp(prefix) })
     }
 
     /// [`Gemma::new`] from a checkpoint whose RMSNorm weights already hold
     /// the `1 + w` they scale by (llama.cpp's converter adds the one).
     pub fn with_unit_norms(cfg: &GemmaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::with_unit_norms_with(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`Gemma::with_unit_norms`], every linear layer packed as `pack`
+    /// asks.
+    pub fn with_unit_norms_with(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
         let m = vb.pp("model");
         let embed_tokens = candle_nn::embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?;
@@ -596,9 +609,9 @@ impl Gemma {
             .then(|| vb.get((cfg.vocab_size, e), "lm_head.weight"))
             .transpose()?
             .filter(|_| !cfg.tie_word_embeddings);
-        let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head)?;
+        let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head, pack)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Layer::new(cfg, i, m.pp(format!("layers.{i}"))))
+            .map(|i| Layer::new(cfg, i, pack, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
         Ok(Self {
@@ -627,7 +640,9 @@ impl Gemma {
             ),
             ..cfg.clone()
         };
-        ckpt.load(DType::F32, device, |vb| Self::new(&cfg, at(vb, prefix)))
+        ckpt.load_with(DType::F32, device, |vb, pack| {
+            Self::new_with(&cfg, pack, at(vb, prefix))
+        })
     }
 
     /// The checkpoint of the text model and the prefix of its names: as

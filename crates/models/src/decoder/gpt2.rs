@@ -4,18 +4,21 @@
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
-use multihead_attention::{LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, WeightLayout};
+use multihead_attention::{
+    LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, PackOptions, PackedLinear, WeightLayout,
+};
 
 use super::config::{ties_in, Gpt2Config};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
 use crate::formats::safetensors::Checkpoint;
 use crate::mlp::{Activation, Mlp};
 
-/// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer.
-fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<PackedLinear> {
+/// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer packed
+/// as `pack` asks.
+fn conv1d(in_dim: usize, out_dim: usize, pack: &PackOptions, vb: VarBuilder) -> Result<PackedLinear> {
     let w = vb.get((in_dim, out_dim), "weight")?;
     let b = vb.get(out_dim, "bias")?;
-    PackedLinear::from_in_out(w, Some(b))
+    PackedLinear::from_in_out_with(w, Some(b), pack)
 }
 
 /// `GPT2Block`: pre-norm attention and MLP, each added back.
@@ -28,7 +31,7 @@ struct Block {
 }
 
 impl Block {
-    fn new(cfg: &Gpt2Config, layer: usize, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: &Gpt2Config, layer: usize, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let e = cfg.n_embd;
         let mut mha = MhaConfig::new(e, cfg.n_head);
         let mut scale = if cfg.scale_attn_weights {
@@ -43,11 +46,11 @@ impl Block {
         let act = Activation::from_hf_name(&cfg.activation_function, "GPT-2 config")?;
         Ok(Self {
             ln_1: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_1"))?,
-            attn: MultiheadAttention::new_with_layout(&mha, &WeightLayout::gpt2(), vb.pp("attn"))?,
+            attn: MultiheadAttention::new_with_pack(&mha, &WeightLayout::gpt2(), pack, vb.pp("attn"))?,
             ln_2: LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_2"))?,
             mlp: Mlp::new(
-                conv1d(e, cfg.n_inner(), vb.pp("mlp.c_fc"))?,
-                conv1d(cfg.n_inner(), e, vb.pp("mlp.c_proj"))?,
+                conv1d(e, cfg.n_inner(), pack, vb.pp("mlp.c_fc"))?,
+                conv1d(cfg.n_inner(), e, pack, vb.pp("mlp.c_proj"))?,
                 act,
             )?,
         })
@@ -84,14 +87,25 @@ impl Gpt2 {
     /// `ln_f` live (`transformer` in a `GPT2LMHeadModel` checkpoint);
     /// `lm_head` is the head's own weight when the embeddings are untied.
     pub fn new(cfg: &Gpt2Config, vb: VarBuilder, lm_head: Option<Tensor>) -> Result<Self> {
+        Self::new_with(cfg, &PackOptions::default(), vb, lm_head)
+    }
+
+    /// [`Gpt2::new`], every linear layer packed as `pack` asks (the format,
+    /// the instruction set).
+    pub fn new_with(
+        cfg: &Gpt2Config,
+        pack: &PackOptions,
+        vb: VarBuilder,
+        lm_head: Option<Tensor>,
+    ) -> Result<Self> {
         let e = cfg.n_embd;
         // The embedding and the head first: a tied table is packed and its
         // unpacked copy dropped before the blocks take their memory.
         let wte = candle_nn::embedding(cfg.vocab_size, e, vb.pp("wte"))?;
-        let (wte, lm_head) = TokenEmbedding::with_head(wte, lm_head)?;
+        let (wte, lm_head) = TokenEmbedding::with_head(wte, lm_head, pack)?;
         let wpe = candle_nn::embedding(cfg.n_positions, e, vb.pp("wpe"))?;
         let blocks = (0..cfg.n_layer)
-            .map(|i| Block::new(cfg, i, vb.pp(format!("h.{i}"))))
+            .map(|i| Block::new(cfg, i, pack, vb.pp(format!("h.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::new(e, cfg.layer_norm_epsilon, vb.pp("ln_f"))?;
         Ok(Self {
@@ -116,15 +130,16 @@ impl Gpt2 {
         // A config far larger than the file is refused before anything of
         // its size is built.
         ckpt.ensure_holds(&cfg.min_weights()?)?;
-        ckpt.load(DType::F32, device, Self::builder(cfg, ckpt))
+        ckpt.load_with(DType::F32, device, Self::builder(cfg, ckpt))
     }
 
-    /// What builds the model from a `VarBuilder` over `ckpt`'s names (for
-    /// [`Checkpoint::load`] and its pre-flight).
+    /// What builds the model from a `VarBuilder` over `ckpt`'s names, its
+    /// layers packed as the options ask (for [`Checkpoint::load_with`] and
+    /// its pre-flight).
     pub(crate) fn builder<'a>(
         cfg: &'a Gpt2Config,
         ckpt: &Checkpoint,
-    ) -> impl Fn(VarBuilder) -> Result<Self> + 'a {
+    ) -> impl Fn(VarBuilder, &PackOptions) -> Result<Self> + 'a {
         let prefix = if ckpt.info("transformer.wte.weight").is_some() {
             "transformer."
         } else {
@@ -138,7 +153,7 @@ impl Gpt2 {
             .collect();
         let tied = ties_in(cfg.tie_word_embeddings, ckpt, &format!("{prefix}wte.weight"));
         let in_file = ckpt.info("lm_head.weight").is_some();
-        move |vb| {
+        move |vb, pack| {
             // Asked for, so the pre-flight counts them as used; never read.
             for (name, shape) in &buffers {
                 vb.get(shape.as_slice(), name)?;
@@ -155,7 +170,7 @@ impl Gpt2 {
             } else {
                 vb.pp("transformer")
             };
-            Self::new(cfg, root, head)
+            Self::new_with(cfg, pack, root, head)
         }
     }
 

@@ -12,8 +12,8 @@
 use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, RmsNorm, VarBuilder};
 use multihead_attention::{
-    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackedLinear, PositionEncoding,
-    RotaryConfig, WeightLayout,
+    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackOptions, PackedLinear,
+    PositionEncoding, RotaryConfig, WeightLayout,
 };
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
@@ -23,19 +23,23 @@ use crate::mlp::{Activation, Mlp};
 
 /// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`
 /// = `mlp`; `Phi3MLP` stores gate and up as one `gate_up_proj`, the gate's
-/// rows first.
-fn mlp(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Mlp> {
+/// rows first; its linears packed as `pack` asks.
+fn mlp(cfg: &LlamaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Mlp> {
     let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
-    let down = PackedLinear::from_linear(linear_b(i, e, bias, vb.pp("down_proj"))?)?;
+    let down = PackedLinear::from_linear_with(linear_b(i, e, bias, vb.pp("down_proj"))?, pack)?;
     match cfg.projections {
         Projections::Separate => {
             let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
             let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
-            Mlp::swiglu(gate, up, down)
+            Mlp::gated_with(gate, up, down, Activation::SwiGlu, pack)
         }
         Projections::Fused => {
             let gate_up = linear_b(e, 2 * i, bias, vb.pp("gate_up_proj"))?;
-            Mlp::new(PackedLinear::from_linear(gate_up)?, down, Activation::SwiGlu)
+            Mlp::new(
+                PackedLinear::from_linear_with(gate_up, pack)?,
+                down,
+                Activation::SwiGlu,
+            )
         }
     }
 }
@@ -65,8 +69,9 @@ struct Layer {
 }
 
 impl Layer {
-    /// Layer `index` of the model `cfg` describes.
-    fn new(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<Self> {
+    /// Layer `index` of the model `cfg` describes, its linears packed as
+    /// `pack` asks.
+    fn new(cfg: &LlamaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
         let norm = |name: &str| candle_nn::rms_norm(e, cfg.rms_norm_eps, vb.pp(name));
         let norms = match cfg.norm_placement {
@@ -81,8 +86,8 @@ impl Layer {
         };
         Ok(Self {
             norms,
-            self_attn: mha(cfg, index, vb.pp("self_attn"))?,
-            mlp: mlp(cfg, vb.pp("mlp"))?,
+            self_attn: mha(cfg, index, pack, vb.pp("self_attn"))?,
+            mlp: mlp(cfg, pack, vb.pp("mlp"))?,
         })
     }
 
@@ -117,8 +122,8 @@ impl Layer {
 }
 
 /// `LlamaAttention` on [`MultiheadAttention`] for layer `index`, under
-/// `vb` = `self_attn`.
-fn mha(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAttention> {
+/// `vb` = `self_attn`, its projections packed as `pack` asks.
+fn mha(cfg: &LlamaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<MultiheadAttention> {
     let mut rotary = RotaryConfig::new(cfg.theta());
     rotary.scaling = cfg.rope_scaling.clone();
     rotary.dims = cfg.rotary_dims;
@@ -160,7 +165,7 @@ fn mha(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<MultiheadAtten
             proj: "o_proj".into(),
         },
     };
-    MultiheadAttention::new_with_layout(&mha, &layout, vb)
+    MultiheadAttention::new_with_pack(&mha, &layout, pack, vb)
 }
 
 /// Llama with its language-model head.
@@ -183,6 +188,12 @@ impl Llama {
     /// it as a copy of the embedding and ignores it; [`Llama::load`] unties
     /// a model whose file holds a different one, as HF transformers does.
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`Llama::new`], every linear layer packed as `pack` asks (the
+    /// format, the instruction set, a GGUF file's lent blocks).
+    pub fn new_with(cfg: &LlamaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
         let m = vb.pp("model");
         // The embedding and the head first: a tied table is packed and its
@@ -194,9 +205,9 @@ impl Llama {
             .then(|| vb.get((cfg.vocab_size, e), "lm_head.weight"))
             .transpose()?
             .filter(|_| !cfg.tie_word_embeddings);
-        let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head)?;
+        let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head, pack)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Layer::new(cfg, i, m.pp(format!("layers.{i}"))))
+            .map(|i| Layer::new(cfg, i, pack, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
         let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
         Ok(Self {
@@ -219,7 +230,7 @@ impl Llama {
             tie_word_embeddings: ties_in(cfg.tie_word_embeddings, ckpt, "model.embed_tokens.weight"),
             ..cfg.clone()
         };
-        ckpt.load(DType::F32, device, |vb| Self::new(&cfg, vb))
+        ckpt.load_with(DType::F32, device, |vb, pack| Self::new_with(&cfg, pack, vb))
     }
 
     /// The model, its caches storing keys and values in `dtype` (`None`:

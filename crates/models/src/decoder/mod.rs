@@ -42,9 +42,9 @@ mod tokenizer_bounds;
 use std::path::Path;
 
 use candle::{bail, DType, Device, Result, Tensor};
-use multihead_attention::KvCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
+use multihead_attention::{KvCache, PackOptions, PackedLinear};
 
 use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles, WeightDtype};
 use crate::formats::preflight::{wanted_tensors, Wanted};
@@ -279,7 +279,7 @@ impl<M: CausalLm> StepModel for M {
 pub(crate) enum TokenEmbedding {
     Own(candle_nn::Embedding),
     /// A table in a ggml block format (a GGUF file's, lent to the layer:
-    /// `multihead_attention::lend_blocks`), its rows dequantized as they
+    /// `multihead_attention::LentBlocks`), its rows dequantized as they
     /// are looked up.
     Blocks(multihead_attention::PackedLinear),
     TiedToHead,
@@ -287,28 +287,28 @@ pub(crate) enum TokenEmbedding {
 
 impl TokenEmbedding {
     /// `embedding` as the table of a model whose output projection is
-    /// `head` when `tied`: returns the embedding and the projection.
+    /// `head` when `tied`, the projection (and a table lent as blocks)
+    /// packed as `pack` asks: returns the embedding and the projection.
     pub(crate) fn with_head(
         embedding: candle_nn::Embedding,
         head: Option<Tensor>,
-    ) -> Result<(Self, multihead_attention::PackedLinear)> {
+        pack: &PackOptions,
+    ) -> Result<(Self, PackedLinear)> {
         let own = |embedding: candle_nn::Embedding| -> Result<Self> {
-            Ok(match multihead_attention::is_lent(embedding.embeddings()) {
-                true => Self::Blocks(multihead_attention::PackedLinear::new(
+            Ok(match pack.is_lent(embedding.embeddings()) {
+                true => Self::Blocks(PackedLinear::with_options(
                     embedding.embeddings().clone(),
                     None,
+                    pack,
                 )?),
                 false => Self::Own(embedding),
             })
         };
         Ok(match head {
-            Some(head) => (
-                own(embedding)?,
-                multihead_attention::PackedLinear::new(head, None)?,
-            ),
+            Some(head) => (own(embedding)?, PackedLinear::with_options(head, None, pack)?),
             None => (
                 Self::TiedToHead,
-                multihead_attention::PackedLinear::new(embedding.embeddings().clone(), None)?,
+                PackedLinear::with_options(embedding.embeddings().clone(), None, pack)?,
             ),
         })
     }
@@ -419,7 +419,8 @@ impl DecoderModel {
         match cfg {
             HfDecoderConfig::Gpt2(c) => {
                 ckpt.ensure_holds(&c.min_weights()?)?;
-                wanted_tensors(&names, Gpt2::builder(c, ckpt))
+                let build = Gpt2::builder(c, ckpt);
+                wanted_tensors(&names, |vb| build(vb, &PackOptions::default()))
             }
             HfDecoderConfig::Llama(c) => {
                 ckpt.ensure_holds(&c.min_weights()?)?;

@@ -6,7 +6,8 @@
 use candle::{Result, Tensor};
 use candle_nn::{linear_b, Module, VarBuilder};
 use multihead_attention::{
-    KvCache, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackedLinear,
+    KvCache, LayerNorm, Mask, MhaOptions, MultiheadAttention, NeedWeights, PackOptions, PackedLinear,
+    WeightLayout,
 };
 
 use super::config::TransformerConfig;
@@ -26,13 +27,18 @@ pub(crate) fn norm(cfg: &TransformerConfig, vb: VarBuilder) -> Result<LayerNorm>
 /// `linear2(activation(linear1(x)))`, the `_ff_block` both layers share:
 /// `linear1` `(dim_feedforward, d_model)`, `linear2` `(d_model,
 /// dim_feedforward)`, directly under the layer's prefix.
-fn feed_forward(cfg: &TransformerConfig, vb: &VarBuilder) -> Result<Mlp> {
+fn feed_forward(cfg: &TransformerConfig, pack: &PackOptions, vb: &VarBuilder) -> Result<Mlp> {
     let (d, ff) = (cfg.d_model, cfg.dim_feedforward);
     Mlp::new(
-        PackedLinear::from_linear(linear_b(d, ff, cfg.bias, vb.pp("linear1"))?)?,
-        PackedLinear::from_linear(linear_b(ff, d, cfg.bias, vb.pp("linear2"))?)?,
+        PackedLinear::from_linear_with(linear_b(d, ff, cfg.bias, vb.pp("linear1"))?, pack)?,
+        PackedLinear::from_linear_with(linear_b(ff, d, cfg.bias, vb.pp("linear2"))?, pack)?,
         cfg.activation,
     )
+}
+
+/// `nn.MultiheadAttention` of the layers under `vb`, packed as `pack` asks.
+fn attention(cfg: &TransformerConfig, pack: &PackOptions, vb: VarBuilder) -> Result<MultiheadAttention> {
+    MultiheadAttention::new_with_pack(&cfg.mha(), &WeightLayout::PyTorch, pack, vb)
 }
 
 /// The options with `residual` added to the output, where given.
@@ -61,10 +67,15 @@ pub struct TransformerEncoderLayer {
 impl TransformerEncoderLayer {
     /// Loads the layer's weights (or initialises them from a `VarMap`).
     pub fn new(cfg: &TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`TransformerEncoderLayer::new`], its linears packed as `pack` asks.
+    pub(crate) fn build(cfg: &TransformerConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
-            self_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("self_attn"))?,
-            ff: feed_forward(cfg, &vb)?,
+            self_attn: attention(cfg, pack, vb.pp("self_attn"))?,
+            ff: feed_forward(cfg, pack, &vb)?,
             norm1: norm(cfg, vb.pp("norm1"))?,
             norm2: norm(cfg, vb.pp("norm2"))?,
             cfg: cfg.clone(),
@@ -135,11 +146,16 @@ pub struct TransformerDecoderLayer {
 impl TransformerDecoderLayer {
     /// Loads the layer's weights (or initialises them from a `VarMap`).
     pub fn new(cfg: &TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`TransformerDecoderLayer::new`], its linears packed as `pack` asks.
+    pub(crate) fn build(cfg: &TransformerConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
-            self_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("self_attn"))?,
-            multihead_attn: MultiheadAttention::new(&cfg.mha(), vb.pp("multihead_attn"))?,
-            ff: feed_forward(cfg, &vb)?,
+            self_attn: attention(cfg, pack, vb.pp("self_attn"))?,
+            multihead_attn: attention(cfg, pack, vb.pp("multihead_attn"))?,
+            ff: feed_forward(cfg, pack, &vb)?,
             norm1: norm(cfg, vb.pp("norm1"))?,
             norm2: norm(cfg, vb.pp("norm2"))?,
             norm3: norm(cfg, vb.pp("norm3"))?,

@@ -6,7 +6,7 @@
 use candle::{bail, Result, Tensor};
 use candle_nn::{Module, VarBuilder};
 use multihead_attention::LayerNorm;
-use multihead_attention::Mask;
+use multihead_attention::{Mask, PackOptions};
 
 use super::config::TransformerConfig;
 use super::layer::{norm, TransformerDecoderLayer, TransformerEncoderLayer};
@@ -52,9 +52,20 @@ impl TransformerEncoder {
 
     /// An encoder with or without the final LayerNorm.
     pub fn new_with_norm(cfg: &TransformerConfig, norm: FinalNorm, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, norm, &PackOptions::default(), vb)
+    }
+
+    /// [`TransformerEncoder::new_with_norm`], its linears packed as `pack`
+    /// asks.
+    pub(crate) fn build(
+        cfg: &TransformerConfig,
+        norm: FinalNorm,
+        pack: &PackOptions,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         cfg.validate()?;
         let layers = (0..cfg.num_encoder_layers)
-            .map(|i| TransformerEncoderLayer::new(cfg, vb.pp("layers").pp(i)))
+            .map(|i| TransformerEncoderLayer::build(cfg, pack, vb.pp("layers").pp(i)))
             .collect::<Result<_>>()?;
         Ok(Self {
             layers,
@@ -107,9 +118,20 @@ impl TransformerDecoder {
 
     /// A decoder with or without the final LayerNorm.
     pub fn new_with_norm(cfg: &TransformerConfig, norm: FinalNorm, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, norm, &PackOptions::default(), vb)
+    }
+
+    /// [`TransformerDecoder::new_with_norm`], its linears packed as `pack`
+    /// asks.
+    pub(crate) fn build(
+        cfg: &TransformerConfig,
+        norm: FinalNorm,
+        pack: &PackOptions,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         cfg.validate()?;
         let layers = (0..cfg.num_decoder_layers)
-            .map(|i| TransformerDecoderLayer::new(cfg, vb.pp("layers").pp(i)))
+            .map(|i| TransformerDecoderLayer::build(cfg, pack, vb.pp("layers").pp(i)))
             .collect::<Result<_>>()?;
         Ok(Self {
             layers,
@@ -190,10 +212,16 @@ impl Transformer {
     /// Loads `encoder.*` and `decoder.*` (or initialises them from a
     /// `VarMap`).
     pub fn new(cfg: &TransformerConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`Transformer::new`], every linear layer packed as `pack` asks (the
+    /// format, the instruction set).
+    pub fn new_with(cfg: &TransformerConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         Ok(Self {
-            encoder: TransformerEncoder::new(cfg, vb.pp("encoder"))?,
-            decoder: TransformerDecoder::new(cfg, vb.pp("decoder"))?,
+            encoder: TransformerEncoder::build(cfg, FinalNorm::LayerNorm, pack, vb.pp("encoder"))?,
+            decoder: TransformerDecoder::build(cfg, FinalNorm::LayerNorm, pack, vb.pp("decoder"))?,
             cfg: cfg.clone(),
         })
     }

@@ -6,7 +6,7 @@
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{embedding, linear, Embedding, VarBuilder};
-use multihead_attention::{Causal, KeyPaddingMask, Mask, PackedLinear};
+use multihead_attention::{Causal, KeyPaddingMask, Mask, PackOptions, PackedLinear};
 use serde::{Deserialize, Serialize};
 
 use super::cache::Seq2SeqCache;
@@ -184,6 +184,12 @@ pub struct Seq2Seq {
 impl Seq2Seq {
     /// Loads the model (or initialises it from a `VarMap`).
     pub fn new(cfg: &Seq2SeqConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`Seq2Seq::new`], every linear layer packed as `pack` asks (the
+    /// format, the instruction set).
+    pub fn new_with(cfg: &Seq2SeqConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let d = cfg.transformer.d_model;
         let pe = if vb.contains_tensor("pos_encoding.pe") {
@@ -201,8 +207,11 @@ impl Seq2Seq {
             src_embed: embedding(cfg.src_vocab_size, d, vb.pp("src_embed"))?,
             tgt_embed: embedding(cfg.tgt_vocab_size, d, vb.pp("tgt_embed"))?,
             pe,
-            transformer: Transformer::new(&cfg.transformer, vb.pp("transformer"))?,
-            generator: PackedLinear::from_linear(linear(d, cfg.tgt_vocab_size, vb.pp("generator"))?)?,
+            transformer: Transformer::new_with(&cfg.transformer, pack, vb.pp("transformer"))?,
+            generator: PackedLinear::from_linear_with(
+                linear(d, cfg.tgt_vocab_size, vb.pp("generator"))?,
+                pack,
+            )?,
             cfg: cfg.clone(),
         })
     }

@@ -5,7 +5,7 @@ use candle::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use multihead_attention::{
     HydraAttention, HydraConfig, LayerNorm, MhaConfig, MhaOptions, MultiheadAttention, NeedWeights,
-    PackedLinear, WeightLayout,
+    PackOptions, PackedLinear, WeightLayout,
 };
 
 use crate::mlp::{Activation, Mlp};
@@ -69,11 +69,11 @@ impl Module for LayerScale {
 /// `fc2(gelu(fc1(x)))` with the exact (erf) GELU, as timm's `Mlp` and HF's
 /// `ViTIntermediate` + `ViTOutput` compute it: the linears at `fc1` and
 /// `fc2` under `vb`.
-fn mlp(cfg: &VitConfig, (fc1, fc2): (&str, &str), vb: VarBuilder) -> Result<Mlp> {
+fn mlp(cfg: &VitConfig, (fc1, fc2): (&str, &str), pack: &PackOptions, vb: VarBuilder) -> Result<Mlp> {
     let (d, hidden) = (cfg.embed_dim, cfg.mlp_hidden_dim());
     Mlp::new(
-        PackedLinear::from_linear(candle_nn::linear(d, hidden, vb.pp(fc1))?)?,
-        PackedLinear::from_linear(candle_nn::linear(hidden, d, vb.pp(fc2))?)?,
+        PackedLinear::from_linear_with(candle_nn::linear(d, hidden, vb.pp(fc1))?, pack)?,
+        PackedLinear::from_linear_with(candle_nn::linear(hidden, d, vb.pp(fc2))?, pack)?,
         Activation::Gelu,
     )
 }
@@ -88,7 +88,7 @@ pub struct VitMlp(Mlp);
 impl VitMlp {
     /// Loads the two linears at `fc1` and `fc2` under `vb`.
     pub fn new(cfg: &VitConfig, names: (&str, &str), vb: VarBuilder) -> Result<Self> {
-        mlp(cfg, names, vb).map(Self)
+        mlp(cfg, names, &PackOptions::default(), vb).map(Self)
     }
 
     /// `residual + mlp(xs)`, the add fused into fc2's write-out where the
@@ -137,6 +137,16 @@ impl Block {
 
     /// Loads one block with the given attention.
     pub fn new_with_attention(cfg: &VitConfig, kind: AttentionKind, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, kind, &PackOptions::default(), vb)
+    }
+
+    /// [`Block::new_with_attention`], its linears packed as `pack` asks.
+    pub(crate) fn build(
+        cfg: &VitConfig,
+        kind: AttentionKind,
+        pack: &PackOptions,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let names = BlockNames::of(cfg.naming);
         let d = cfg.embed_dim;
         let mut mha_cfg = MhaConfig::new(d, cfg.num_heads).with_qk_norm(cfg.qk_norm);
@@ -155,9 +165,10 @@ impl Block {
         // this order too).
         let norm1 = LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm1))?;
         let attn = match kind {
-            AttentionKind::Softmax => Attention::Softmax(Box::new(MultiheadAttention::new_with_layout(
+            AttentionKind::Softmax => Attention::Softmax(Box::new(MultiheadAttention::new_with_pack(
                 &mha_cfg,
                 &layout,
+                pack,
                 vb.pp(names.attn),
             )?)),
             AttentionKind::Hydra => {
@@ -174,7 +185,7 @@ impl Block {
         };
         let ls1 = ls("ls1")?;
         let norm2 = LayerNorm::new(d, cfg.layer_norm_eps, vb.pp(names.norm2))?;
-        let mlp = mlp(cfg, (names.fc1, names.fc2), vb.clone())?;
+        let mlp = mlp(cfg, (names.fc1, names.fc2), pack, vb.clone())?;
         let mut block = Self {
             norm1,
             attn,

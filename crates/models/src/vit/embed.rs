@@ -2,7 +2,7 @@
 
 use candle::{bail, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
-use multihead_attention::PackedLinear;
+use multihead_attention::{PackOptions, PackedLinear};
 
 use crate::vit::config::{Naming, VitConfig};
 
@@ -27,6 +27,11 @@ impl PatchEmbed {
     /// Loads `proj.weight` `(embed_dim, in_chans, p, p)` and `proj.bias`
     /// (HF: `projection.*`).
     pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`PatchEmbed::new`], the projection packed as `pack` asks.
+    pub(crate) fn build(cfg: &VitConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let name = match cfg.naming {
             Naming::Timm => "proj",
             Naming::Hf | Naming::HfDeit => "projection",
@@ -41,7 +46,7 @@ impl PatchEmbed {
         let vb = vb.pp(name);
         let weight = vb.get_with_hints((d, c, p, p), "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
         let bias = vb.get_with_hints(d, "bias", init)?;
-        let proj = PackedLinear::new(weight.reshape((d, c * p * p))?, Some(bias))?;
+        let proj = PackedLinear::with_options(weight.reshape((d, c * p * p))?, Some(bias), pack)?;
         Ok(Self {
             proj,
             patch_size: cfg.patch_size,

@@ -3,7 +3,7 @@
 
 use candle::{bail, Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
-use multihead_attention::NeedWeights;
+use multihead_attention::{NeedWeights, PackOptions};
 
 use crate::vit::block::Block;
 use crate::vit::config::{GlobalPool, Naming, VitConfig};
@@ -111,10 +111,16 @@ impl VisionTransformer {
     /// Validates `cfg` and loads every tensor by its checkpoint name, or
     /// initialises it when `vb` is backed by a `VarMap`.
     pub fn new(cfg: &VitConfig, vb: VarBuilder) -> Result<Self> {
+        Self::new_with(cfg, &PackOptions::default(), vb)
+    }
+
+    /// [`VisionTransformer::new`], every linear layer packed as `pack`
+    /// asks (the format, the instruction set).
+    pub fn new_with(cfg: &VitConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let names = ModelNames::of(cfg.naming, cfg.head_dist);
         let d = cfg.embed_dim;
-        let patch_embed = PatchEmbed::new(cfg, vb.pp(names.patch_embed))?;
+        let patch_embed = PatchEmbed::build(cfg, pack, vb.pp(names.patch_embed))?;
         let cls_token = cfg
             .class_token
             .then(|| {
@@ -169,7 +175,7 @@ impl VisionTransformer {
             },
         )?;
         let blocks = (0..cfg.depth)
-            .map(|i| Block::new_with_attention(cfg, cfg.attention_kind(i), vb.pp(names.blocks).pp(i)))
+            .map(|i| Block::build(cfg, cfg.attention_kind(i), pack, vb.pp(names.blocks).pp(i)))
             .collect::<Result<Vec<_>>>()?;
         let eps = cfg.layer_norm_eps;
         let (norm, fc_norm) = if cfg.use_fc_norm() {
@@ -178,7 +184,7 @@ impl VisionTransformer {
             (Some(LayerNorm::new(d, eps, vb.pp(names.norm))?), None)
         };
         let linear = |name: &str| -> Result<PackedLinear> {
-            PackedLinear::from_linear(candle_nn::linear(d, cfg.num_classes, vb.pp(name))?)
+            PackedLinear::from_linear_with(candle_nn::linear(d, cfg.num_classes, vb.pp(name))?, pack)
         };
         let head = (cfg.num_classes > 0).then(|| linear(names.head)).transpose()?;
         let head_dist = (cfg.num_classes > 0 && cfg.head_dist)

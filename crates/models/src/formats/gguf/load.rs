@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle::{bail, DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
+use multihead_attention::{LentBlocks, PackOptions};
 
 use super::config::{gguf_config, Arch, LONGROPE_TENSORS};
 use super::names::{gguf_name, hf_name};
@@ -65,8 +66,10 @@ struct GgufReader<'a> {
     /// quantize as they pack them).
     weight_dtype: Option<DType>,
     /// Matrices in ggml's block formats lent to the layers as their
-    /// bytes (`lend_blocks`; [`WeightDtype::Ggml`]), not dequantized.
+    /// bytes ([`WeightDtype::Ggml`]), not dequantized.
     keep_blocks: bool,
+    /// Where those blocks are lent, for the layers to take.
+    lent: LentBlocks,
     progress: Option<LoadProgress>,
     read: AtomicU64,
     total: u64,
@@ -100,7 +103,7 @@ impl GgufReader<'_> {
             };
             self.file.release(&g);
             self.progress(&g);
-            return multihead_attention::lend_blocks(format, data, (n, k), dev);
+            return self.lent.lend(format, data, (n, k), dev);
         }
         let mut t = self.file.tensor(&g, dev)?;
         if let Some(h) = permuted_heads {
@@ -231,10 +234,10 @@ fn check_types(file: &GgufFile) -> Result<()> {
 
 /// The model `cfg` describes, built from `vb` (HF's names; a Gemma's
 /// norms holding `1 + w`, as the converter writes them).
-fn build(cfg: &HfDecoderConfig, vb: VarBuilder) -> Result<DecoderModel> {
+fn build(cfg: &HfDecoderConfig, pack: &PackOptions, vb: VarBuilder) -> Result<DecoderModel> {
     Ok(match cfg {
-        HfDecoderConfig::Llama(c) => DecoderModel::Llama(Llama::new(c, vb)?),
-        HfDecoderConfig::Gemma(c) => DecoderModel::Gemma(Gemma::with_unit_norms(c, vb)?),
+        HfDecoderConfig::Llama(c) => DecoderModel::Llama(Llama::new_with(c, pack, vb)?),
+        HfDecoderConfig::Gemma(c) => DecoderModel::Gemma(Gemma::with_unit_norms_with(c, pack, vb)?),
         HfDecoderConfig::Gpt2(_) => bail!("GGUF files of GPT-2 are not supported"),
     })
 }
@@ -258,7 +261,7 @@ fn compare(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<(Prefli
         }
     }
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
-    let wanted = wanted_tensors(&names, |vb| build(cfg, vb))?;
+    let wanted = wanted_tensors(&names, |vb| build(cfg, &PackOptions::default(), vb))?;
     let mut needed = HashSet::new();
     let mut matching = Vec::new();
     for w in wanted {
@@ -360,18 +363,24 @@ impl DecoderModel {
             HfDecoderConfig::Llama(c) if arch.permutes_qk() => Some((c.num_attention_heads, c.kv_heads())),
             _ => None,
         };
+        let lent = LentBlocks::new();
         let reader = GgufReader {
             file,
             arch,
             permuted,
             weight_dtype: opts.dtype.dtype(),
             keep_blocks: opts.dtype == WeightDtype::Ggml,
+            lent: lent.clone(),
             progress: opts.progress.clone(),
             read: AtomicU64::new(0),
             total: file.tensors().iter().map(|t| t.range.len() as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), DType::F32, device.clone());
-        let model = multihead_attention::lending(|| opts.dtype.packing(|| build(&cfg, vb)))?;
+        let pack = opts.dtype.pack_options().with_lent(lent.clone());
+        let model = build(&cfg, &pack, vb)?;
+        // A placeholder that reached anything but a layer that keeps its
+        // blocks would compute with zeros.
+        lent.all_taken()?;
         Ok(model.with_kv_dtype(opts.kv_dtype))
     }
 }

@@ -7,9 +7,10 @@ use std::collections::HashSet;
 use candle::{DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
+use multihead_attention::{PackFormat, PackOptions};
 
 use super::file::{natural_key, Checkpoint};
-use crate::checkpoint::{float_dtype, float_range};
+use crate::checkpoint::{float_dtype, float_range, WeightDtype};
 use crate::formats::preflight::{
     wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, SUMMARY_ITEMS,
 };
@@ -64,7 +65,10 @@ impl Checkpoint {
     /// every missing, unexpected, mis-shaped, integer-typed or non-finite
     /// tensor is reported in one error. Weights stored as f32, f16 or
     /// bf16 are converted to `dtype`, the weight matrices to the
-    /// checkpoint's [`Checkpoint::with_weight_dtype`] where set.
+    /// checkpoint's [`Checkpoint::with_weight_dtype`] where set; a
+    /// quantized one (Q8_0, Q4_0) is how the layers pack, which only a
+    /// `build` given the [`PackOptions`] can honour: that takes
+    /// [`Checkpoint::load_with`], and is refused here.
     ///
     /// `build` runs twice: once against a recorder, once for real.
     pub fn load<T>(
@@ -73,8 +77,30 @@ impl Checkpoint {
         device: &Device,
         build: impl Fn(VarBuilder) -> Result<T>,
     ) -> Result<T> {
+        if let Some(w) = self
+            .weight_dtype()
+            .filter(|w| w.pack_options().format() != PackFormat::AsStored)
+        {
+            candle::bail!(
+                "weights '{}': weight dtype {w} quantizes the linear layers as they pack; load them with Checkpoint::load_with, whose build takes the PackOptions",
+                self.label()
+            )
+        }
+        self.load_with(dtype, device, |vb, _| build(vb))
+    }
+
+    /// [`Checkpoint::load`], `build` given the [`PackOptions`] every
+    /// linear layer of the model packs with (the format the checkpoint's
+    /// weight dtype asks for, for the default instruction set): a model's
+    /// `new_with` (`Llama::new_with`) passes them down.
+    pub fn load_with<T>(
+        &self,
+        dtype: DType,
+        device: &Device,
+        build: impl Fn(VarBuilder, &PackOptions) -> Result<T>,
+    ) -> Result<T> {
         let names: Vec<&str> = self.tensors().iter().map(|t| t.name.as_str()).collect();
-        let wanted = wanted_tensors(&names, &build)?;
+        let wanted = wanted_tensors(&names, |vb| build(vb, &PackOptions::default()))?;
         let report = Preflight::check(self, &wanted, true)?;
         if let Some(summary) = report.summary() {
             candle::bail!("weights '{}' do not match the model: {summary}", self.label())
@@ -86,10 +112,10 @@ impl Checkpoint {
             total: self.tensors().iter().map(|t| t.bytes as u64).sum(),
         };
         let vb = VarBuilder::from_backend(Box::new(reader), dtype, device.clone());
-        match self.weight_dtype() {
-            Some(w) => w.packing(|| build(vb)),
-            None => build(vb),
-        }
+        let pack = self
+            .weight_dtype()
+            .map_or_else(PackOptions::default, WeightDtype::pack_options);
+        build(vb, &pack)
     }
 
     /// Refuses the `wanted` tensors holding finite values too large for

@@ -1,0 +1,98 @@
+//! A packed weight's panels in one element type: the packing (plain, or
+//! in input pairs for AVX512-BF16), joining, and reading a feature back.
+
+use rayon::prelude::*;
+
+use crate::elem::PanelElem;
+
+/// `x` as an `E`: rounded, or, where `S` is `E`, itself (a bf16 weight
+/// packed as bf16 is copied, not widened and rounded back).
+#[inline(always)]
+fn convert<S: PanelElem, E: PanelElem>(x: S) -> E {
+    if std::any::TypeId::of::<S>() == std::any::TypeId::of::<E>() {
+        // SAFETY: S and E are the same type.
+        unsafe { std::mem::transmute_copy::<S, E>(&x) }
+    } else {
+        E::from_f32(x.to_f32())
+    }
+}
+
+/// Where input `e` of feature `c` lies from the start of a panel of `nr`
+/// features: `e·nr + c`, or, `paired`, in the input pairs of
+/// `avx512bf16.rs`.
+fn panel_index(paired: bool, e: usize, c: usize, nr: usize) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if paired {
+        return super::avx512bf16::pair_index(e, c);
+    }
+    debug_assert!(!paired);
+    e * nr + c
+}
+
+/// A weight's panels in one element type, 64-byte aligned from `start`,
+/// so that a panel row's loads never straddle a cache line.
+pub(crate) struct Panels<E> {
+    data: Vec<E>,
+    start: usize,
+}
+
+impl<E: PanelElem> Panels<E> {
+    /// `w`, `n` rows of `k` elements, as panels of `nr` features, each
+    /// element rounded to `E`, its inputs `paired` or not.
+    pub(super) fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize, paired: bool) -> Self {
+        let np = n.div_ceil(nr) * nr;
+        // 64 bytes of slack to align the start.
+        let slack = 64 / size_of::<E>();
+        let mut data = crate::runtime::pages::filled(np * k + slack, E::default());
+        let start = data.as_ptr().align_offset(64).min(slack);
+        data[start..start + np * k]
+            .par_chunks_mut(k * nr)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                // In blocks of inputs whose panel rows stay in L1 while
+                // every feature's inputs are written into them.
+                const BLOCK: usize = 64;
+                for e0 in (0..k).step_by(BLOCK) {
+                    let e1 = (e0 + BLOCK).min(k);
+                    for c in 0..nr.min(n.saturating_sub(p * nr)) {
+                        let row = &w[(p * nr + c) * k..][e0..e1];
+                        for (e, &x) in (e0..).zip(row) {
+                            panel[panel_index(paired, e, c, nr)] = convert(x);
+                        }
+                    }
+                }
+            });
+        Panels { data, start }
+    }
+
+    pub(super) fn get(&self) -> &[E] {
+        &self.data[self.start..]
+    }
+
+    /// Its first `la` elements, then `b`'s first `lb`, realigned as
+    /// [`Panels::pack`] aligns them: the buffer grown in place where the
+    /// allocator can, so that joining holds one copy of `b` beside it.
+    pub(super) fn extend(mut self, la: usize, b: &Self, lb: usize) -> Self {
+        let slack = 64 / size_of::<E>();
+        let old = self.start;
+        self.data.truncate(old + la);
+        self.data.resize(slack + la + lb, E::default());
+        let start = self.data.as_ptr().align_offset(64).min(slack);
+        self.data.copy_within(old..old + la, start);
+        self.data[start + la..][..lb].copy_from_slice(&b.get()[..lb]);
+        Panels {
+            data: self.data,
+            start,
+        }
+    }
+
+    /// Output feature `j`'s `k` weights as f32, into `row`, its inputs
+    /// `paired` or not.
+    pub(super) fn row_into(&self, j: usize, nr: usize, paired: bool, row: &mut [f32]) {
+        let k = row.len();
+        let panel = &self.get()[(j / nr) * k * nr..];
+        for (e, x) in row.iter_mut().enumerate() {
+            *x = panel[panel_index(paired, e, j % nr, nr)].to_f32();
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! The k-quants' panels (`repack.rs`: Q4_K, Q5_K, Q6_K, 8 features a
+//! panel) with AVX2, and with AVX512-VNNI on 256-bit vectors (the same
+//! code, its step `vpdpbusd`, its 32 registers holding 4 rows' sums), as
+//! ggml-cpu's repacked `gemv_q4_K_8x8`: a step of 4 values for each of the
+//! 8 features, its `vpmaddubsw` products summed in `i16` over a
+//! sub-block, widened, then multiplied by the 8 features'
+//! scales of that sub-block (`vpmulld`, one lane each); the mins' and
+//! Q6_K's offset's part from the inputs' per-16 sums (`vpmaddwd` on
+//! scale pairs). Sums stay in `i32` to the block's end. Also the byte
+//! loads both AVX2 files read blocks with ([`load32`], [`x4`]).
+
+use std::arch::x86_64::*;
+
+use super::inputs::InputRow;
+
+/// Blocks ahead of its loads a panel prefetches (a block: 1.1–1.7 KB),
+/// so that a decode step's stream of weights is in cache when a block
+/// starts.
+const AHEAD: usize = 2;
+
+/// Step `s` (of a block's 32) prefetches its 32nd of the block [`AHEAD`]
+/// blocks on: spread over the steps, a block's lines are asked for a few
+/// at a time, within what the core's line fill buffers hold.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn prefetch_ahead(blk: &[u8], pb: usize, s: usize) {
+    _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(AHEAD * pb + s * pb / 32).cast());
+}
+
+/// 32 bytes of `b` from `at` (checked).
+#[target_feature(enable = "avx2")]
+pub(super) fn load32(b: &[u8], at: usize) -> __m256i {
+    let b = &b[at..at + 32];
+    // SAFETY: `b` holds 32 bytes.
+    unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
+}
+
+/// The 4 bytes of a row's quantized inputs at `at`, as one `i32` to
+/// broadcast.
+#[inline]
+pub(super) fn x4(q: &[i8], at: usize) -> i32 {
+    let four = &q[at..at + 4];
+    // SAFETY: `four` holds 4 bytes; any 4 bytes are an `i32`.
+    unsafe { four.as_ptr().cast::<i32>().read_unaligned() }
+}
+
+/// Byte `i` (0..4) of each `i32` lane, zero-extended.
+#[target_feature(enable = "avx2")]
+fn lane_byte(v: __m256i, i: i32) -> __m256i {
+    _mm256_and_si256(
+        _mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i)),
+        _mm256_set1_epi32(0xFF),
+    )
+}
+
+/// Q4_K (`Q5`: Q5_K) panels times `R` rows, into `out` (8 a row), as a
+/// function `$name` with `$features`, `$step(s, u, x)` adding a step's
+/// products to `s` and `$widen(s)` its sums as `i32` (AVX2: `vpmaddubsw`
+/// into `i16`, widened by `vpmaddwd`; VNNI: `vpdpbusd` into `i32`).
+macro_rules! panel_k4 {
+    ($name:ident, $features:literal, $step:expr, $widen:expr) => {
+        #[target_feature(enable = $features)]
+        pub(crate) fn $name<const Q5: bool, const R: usize>(
+            panel: &[u8],
+            nb: usize,
+            rows: &[InputRow],
+            out: &mut [f32],
+        ) {
+            let step = $step;
+            let widen = $widen;
+
+            let (pb, qs_at) = if Q5 { (1408, 384) } else { (1152, 128) };
+            let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+            assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
+            for row in rows {
+                assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
+            }
+            let low = _mm256_set1_epi8(0x0F);
+            let (k1, k2, k3) = (
+                _mm256_set1_epi32(0x3f3f_3f3f),
+                _mm256_set1_epi32(0x0f0f_0f0f),
+                _mm256_set1_epi32(0x0303_0303),
+            );
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let blk = &panel[b * pb..b * pb + pb];
+                // SAFETY: `blk` holds `pb` bytes, past both 16-byte loads.
+                let (d, dmin) = unsafe {
+                    (
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
+                    )
+                };
+                // The 8 features' 12 scale bytes as 3 words a lane, unpacked as
+                // ggml's `utmp`: scales 0..4 and 4..8, mins 0..4 and 4..8.
+                let (a, bw, c) = (load32(blk, 32), load32(blk, 64), load32(blk, 96));
+                let sc = [
+                    _mm256_and_si256(a, k1),
+                    _mm256_or_si256(
+                        _mm256_and_si256(c, k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 6), k3), 4),
+                    ),
+                ];
+                let mn = [
+                    _mm256_and_si256(bw, k1),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi32(c, 4), k2),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bw, 6), k3), 4),
+                    ),
+                ];
+                let mut isum = [_mm256_setzero_si256(); R];
+                let mut msum = [_mm256_setzero_si256(); R];
+                for g in 0..4 {
+                    // Sub-blocks 2g (the low nibbles) and 2g + 1 (the high ones).
+                    let (sa, sb) = (
+                        lane_byte(sc[g / 2], 2 * (g % 2) as i32),
+                        lane_byte(sc[g / 2], 2 * (g % 2) as i32 + 1),
+                    );
+                    let (ma, mb) = (
+                        lane_byte(mn[g / 2], 2 * (g % 2) as i32),
+                        lane_byte(mn[g / 2], 2 * (g % 2) as i32 + 1),
+                    );
+                    // Q4: 8 steps' products fit `i16` (8·2·15·127); Q5: 4.
+                    let halves = if Q5 { 2 } else { 1 };
+                    let mut wide_lo = [_mm256_setzero_si256(); R];
+                    let mut wide_hi = [_mm256_setzero_si256(); R];
+                    for h in 0..halves {
+                        let mut s_lo = [_mm256_setzero_si256(); R];
+                        let mut s_hi = [_mm256_setzero_si256(); R];
+                        for st in h * 8 / halves..(h + 1) * 8 / halves {
+                            prefetch_ahead(blk, pb, 8 * g + st);
+                            let v = load32(blk, qs_at + 32 * (8 * g + st));
+                            let mut lo = _mm256_and_si256(v, low);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                            if Q5 {
+                                let qh = load32(blk, 128 + 32 * st);
+                                let fifth = |bit: usize| {
+                                    let mask = _mm256_set1_epi8(1 << bit);
+                                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask);
+                                    _mm256_and_si256(set, _mm256_set1_epi8(16))
+                                };
+                                lo = _mm256_or_si256(lo, fifth(2 * g));
+                                hi = _mm256_or_si256(hi, fifth(2 * g + 1));
+                            }
+                            for r in 0..R {
+                                let q = &rows[r].q[256 * b..256 * b + 256];
+                                let (xl, xh) = (x4(q, 64 * g + 4 * st), x4(q, 64 * g + 32 + 4 * st));
+                                s_lo[r] = step(s_lo[r], lo, _mm256_set1_epi32(xl));
+                                s_hi[r] = step(s_hi[r], hi, _mm256_set1_epi32(xh));
+                            }
+                        }
+                        for r in 0..R {
+                            wide_lo[r] = _mm256_add_epi32(wide_lo[r], widen(s_lo[r]));
+                            wide_hi[r] = _mm256_add_epi32(wide_hi[r], widen(s_hi[r]));
+                        }
+                    }
+                    for r in 0..R {
+                        let scaled = _mm256_add_epi32(
+                            _mm256_mullo_epi32(wide_lo[r], sa),
+                            _mm256_mullo_epi32(wide_hi[r], sb),
+                        );
+                        isum[r] = _mm256_add_epi32(isum[r], scaled);
+                        // The two sub-blocks' input sums (each of 32: two of 16).
+                        let sums = &rows[r].sums[16 * b + 4 * g..16 * b + 4 * g + 4];
+                        let (s0, s1) = (i32::from(sums[0] + sums[1]), i32::from(sums[2] + sums[3]));
+                        let mins = _mm256_add_epi32(
+                            _mm256_mullo_epi32(ma, _mm256_set1_epi32(s0)),
+                            _mm256_mullo_epi32(mb, _mm256_set1_epi32(s1)),
+                        );
+                        msum[r] = _mm256_add_epi32(msum[r], mins);
+                    }
+                }
+                for r in 0..R {
+                    let dx = _mm256_set1_ps(rows[r].d[b]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), acc[r]);
+                }
+            }
+            for (acc, out) in acc.iter().zip(out.chunks_exact_mut(8)) {
+                // SAFETY: `out` holds 8 floats.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *acc) };
+            }
+        }
+    };
+}
+
+avx2_and_vnni!(panel_k4, panel_k4, panel_k4_vnni);
+
+/// Q6_K panels times `R` rows, into `out` (8 a row): `w = d·sc·(u −
+/// 32)` per 16 elements, `u` six bits from `ql` and `qh`; `$step` and
+/// `$widen` as [`panel_k4!`]'s.
+macro_rules! panel_q6k {
+    ($name:ident, $features:literal, $step:expr, $widen:expr) => {
+        #[target_feature(enable = $features)]
+        pub(crate) fn $name<const R: usize>(panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
+            let step = $step;
+            let widen = $widen;
+
+            // The panel block: `d` at 0, the scales at 16, `ql` and `qh`.
+            const PB: usize = 1680;
+            const QL: usize = 144;
+            const QH: usize = 1168;
+            let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+            assert!(panel.len() >= nb * PB && out.len() >= 8 * R);
+            for row in rows {
+                assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
+            }
+            let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let blk = &panel[b * PB..b * PB + PB];
+                // SAFETY: `blk` holds `PB` bytes, past the 16-byte load at 0.
+                let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())) };
+                // The 16 scales (i8) of each feature: 4 words a lane.
+                let scales: [__m256i; 4] = std::array::from_fn(|i| load32(blk, 16 + 32 * i));
+                // Scale `h` of each lane, sign-extended.
+                let scale = |h: usize| {
+                    let v = _mm256_sll_epi32(scales[h / 4], _mm_cvtsi32_si128(24 - 8 * (h % 4) as i32));
+                    _mm256_srai_epi32(v, 24)
+                };
+                let mut isum = [_mm256_setzero_si256(); R];
+                for n in 0..2 {
+                    for j1 in 0..2 {
+                        for hh in 0..2 {
+                            // Groups of 16: quarter j1's (low nibbles) and quarter
+                            // 2 + j1's (high), half hh of each.
+                            let mut w_lo = [_mm256_setzero_si256(); R];
+                            let mut w_hi = [_mm256_setzero_si256(); R];
+                            for pair in 0..2 {
+                                // Two steps' products fit `i16` (2·2·63·127).
+                                let mut s_lo = [_mm256_setzero_si256(); R];
+                                let mut s_hi = [_mm256_setzero_si256(); R];
+                                for st in 4 * hh + 2 * pair..4 * hh + 2 * pair + 2 {
+                                    prefetch_ahead(blk, PB, 16 * n + 8 * j1 + st);
+                                    let v = load32(blk, QL + 32 * (16 * n + 8 * j1 + st));
+                                    let h = load32(blk, QH + 32 * (8 * n + st));
+                                    let (hl, hh_bits) = match j1 {
+                                        0 => (_mm256_slli_epi16(h, 4), h),
+                                        _ => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
+                                    };
+                                    let lo =
+                                        _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hl, two));
+                                    let hi = _mm256_or_si256(
+                                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                        _mm256_and_si256(hh_bits, two),
+                                    );
+                                    for r in 0..R {
+                                        let q = &rows[r].q[256 * b..256 * b + 256];
+                                        let at = 128 * n + 32 * j1 + 4 * st;
+                                        let (xl, xh) = (x4(q, at), x4(q, at + 64));
+                                        s_lo[r] = step(s_lo[r], lo, _mm256_set1_epi32(xl));
+                                        s_hi[r] = step(s_hi[r], hi, _mm256_set1_epi32(xh));
+                                    }
+                                }
+                                for r in 0..R {
+                                    w_lo[r] = _mm256_add_epi32(w_lo[r], widen(s_lo[r]));
+                                    w_hi[r] = _mm256_add_epi32(w_hi[r], widen(s_hi[r]));
+                                }
+                            }
+                            let (h_lo, h_hi) = (8 * n + 2 * j1 + hh, 8 * n + 2 * (2 + j1) + hh);
+                            let (sc_lo, sc_hi) = (scale(h_lo), scale(h_hi));
+                            for r in 0..R {
+                                let scaled = _mm256_add_epi32(
+                                    _mm256_mullo_epi32(w_lo[r], sc_lo),
+                                    _mm256_mullo_epi32(w_hi[r], sc_hi),
+                                );
+                                isum[r] = _mm256_add_epi32(isum[r], scaled);
+                            }
+                        }
+                    }
+                }
+                // The offset: 32·Σ_h sc_h·Σ_{i∈h} q_i, scale pairs (even and odd
+                // bytes of each word, sign-extended) by input-sum pairs.
+                for r in 0..R {
+                    let sums = &rows[r].sums[16 * b..16 * b + 16];
+                    let mut off = _mm256_setzero_si256();
+                    for (i, s) in scales.iter().enumerate() {
+                        let even = _mm256_srai_epi16(_mm256_slli_epi16(*s, 8), 8);
+                        let odd = _mm256_srai_epi16(*s, 8);
+                        let pair =
+                            |a: i16, c: i16| _mm256_set1_epi32((i32::from(c) << 16) | i32::from(a as u16));
+                        let (s0, s1, s2, s3) = (
+                            sums[4 * i],
+                            sums[4 * i + 1],
+                            sums[4 * i + 2],
+                            sums[4 * i + 3],
+                        );
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(even, pair(s0, s2)));
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(odd, pair(s1, s3)));
+                    }
+                    let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
+                    let dx = _mm256_set1_ps(rows[r].d[b]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r]);
+                }
+            }
+            for (acc, out) in acc.iter().zip(out.chunks_exact_mut(8)) {
+                // SAFETY: `out` holds 8 floats.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr(), *acc) };
+            }
+        }
+    };
+}
+
+avx2_and_vnni!(panel_q6k, panel_q6k, panel_q6k_vnni);

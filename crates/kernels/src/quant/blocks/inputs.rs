@@ -1,0 +1,136 @@
+//! The inputs of a block-quantized product, quantized once per call in
+//! the manner of ggml's `block_q8_K` (the k-quants) and `block_q8_0`/`q8_1`
+//! (the others): per block of the weight's size, a scale
+//! `dx = max|x| / 127` and the values `q = round(x / dx)` (ties away from
+//! zero, `i8`), and the sum of every 16 values (ggml's `bsums`), which the
+//! formats' mins multiply. Not to ggml's bits: ggml rounds `q8_0`'s scale
+//! to f16 and takes `q8_K`'s from the signed largest value, where this
+//! keeps the f32 scale of the largest magnitude; the products then differ
+//! from llama.cpp's within the inputs' rounding.
+
+/// `(first, count)` of the groups a kernel takes `rows` input rows in:
+/// `most` at a time while they last, then 4, 2 and 1 (each count a
+/// kernel holding that many rows' sums in registers).
+pub(crate) fn row_groups(rows: usize, most: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let n = match (rows - at).min(most) {
+            0 => return None,
+            8.. => 8,
+            4..=7 => 4,
+            2..=3 => 2,
+            _ => 1,
+        };
+        at += n;
+        Some((at - n, n))
+    })
+}
+
+/// `m` rows of `k` inputs quantized in blocks of `block` (32 or 256).
+#[derive(Debug)]
+pub(crate) struct QuantizedInputs {
+    pub(crate) q: Vec<i8>,
+    /// Per row and block.
+    pub(crate) d: Vec<f32>,
+    /// Per row and 16 values.
+    pub(crate) sums: Vec<i16>,
+    /// Per row and block, `dx · Σ q`: what a block's min multiplies in
+    /// the formats with one scale per 32 (`format.rs`).
+    pub(crate) dsums: Vec<f32>,
+    pub(crate) k: usize,
+    pub(crate) block: usize,
+}
+
+impl QuantizedInputs {
+    /// Every row's slices.
+    pub(crate) fn rows(&self) -> Vec<InputRow<'_>> {
+        let (k, nb) = (self.k, self.k / self.block);
+        (0..self.q.len() / k.max(1))
+            .map(|r| InputRow {
+                q: &self.q[r * k..][..k],
+                d: &self.d[r * nb..][..nb],
+                sums: &self.sums[r * k / 16..][..k / 16],
+                dsums: &self.dsums[r * nb..][..nb],
+            })
+            .collect()
+    }
+}
+
+/// One row of quantized inputs: its values, per block its scale and
+/// `dx · Σ q`, per 16 values their sum.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct InputRow<'a> {
+    pub(crate) q: &'a [i8],
+    pub(crate) d: &'a [f32],
+    pub(crate) sums: &'a [i16],
+    pub(crate) dsums: &'a [f32],
+}
+
+/// One block of `x` into `q` and `sums`; returns its scale. A block
+/// holding NaN or infinity gets that scale (NaN) and zeros, so the
+/// outputs it reaches are NaN, as in ggml; an all-zero block scale 0.
+fn quantize_block(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let amax = if x.iter().any(|v| !v.is_finite()) {
+        f32::NAN
+    } else {
+        amax
+    };
+    let d = amax / 127.;
+    let id = if d != 0. { 1. / d } else { 0. };
+    if !(d.is_finite() && id.is_finite()) {
+        q.fill(0);
+        sums.fill(0);
+        return if d.is_finite() { 0. } else { f32::NAN };
+    }
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = (v * id).round() as i8;
+    }
+    for (s, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
+        *s = q.iter().map(|&v| i16::from(v)).sum();
+    }
+    d
+}
+
+/// `x`'s `m` rows of `k` values (`k` a multiple of `block`, itself of 16)
+/// quantized, in parallel over rows where they are many.
+pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> QuantizedInputs {
+    use rayon::prelude::*;
+    let nb = k / block;
+    let mut out = QuantizedInputs {
+        q: vec![0; m * k],
+        d: vec![0.; m * nb],
+        sums: vec![0; m * k / 16],
+        dsums: vec![0.; m * nb],
+        k,
+        block,
+    };
+    type Row<'a> = (
+        ((&'a mut [i8], &'a mut [f32]), &'a mut [f32]),
+        (&'a mut [i16], &'a [f32]),
+    );
+    let one_row = |(((q, d), dsums), (sums, x)): Row| {
+        for ((((q, d), dsum), sums), x) in q
+            .chunks_exact_mut(block)
+            .zip(d.iter_mut())
+            .zip(dsums.iter_mut())
+            .zip(sums.chunks_exact_mut(block / 16))
+            .zip(x.chunks_exact(block))
+        {
+            *d = quantize_block(x, q, sums);
+            *dsum = *d * sums.iter().map(|&s| f32::from(s)).sum::<f32>();
+        }
+    };
+    let rows = out
+        .q
+        .chunks_exact_mut(k)
+        .zip(out.d.chunks_exact_mut(nb))
+        .zip(out.dsums.chunks_exact_mut(nb))
+        .zip(out.sums.chunks_exact_mut(k / 16).zip(x.chunks_exact(k)));
+    if m * k >= 1 << 15 {
+        rows.collect::<Vec<_>>().into_par_iter().for_each(one_row);
+    } else {
+        rows.for_each(one_row);
+    }
+    out
+}

@@ -1,0 +1,385 @@
+//! Linear layers over weights in ggml's block formats (Q4_0 … Q6_K) as a
+//! GGUF file stores them: each output feature's row of blocks kept as its
+//! bytes, never widened, and multiplied by inputs quantized per block
+//! (`inputs.rs`) in the integer form of `format.rs`, as ggml's
+//! `ggml_vec_dot_*` do.
+//!
+//! A call quantizes its input rows once, then cuts the output features
+//! into tasks over the pool; a task takes its features one at a time and
+//! unpacks each block of the feature's row once for up to 8 input rows
+//! (`avx2.rs`, `portable.rs`), so that a prefill's rows share the
+//! unpacking and a decode step reads every weight byte once.
+//!
+//! Unlike Q8_0's kernels (`quant/q8_0/`), the vector and portable code
+//! add the same integer sums in other orders of f32 operations: they agree
+//! within float rounding, not bit for bit.
+//!
+//! # Kernels
+//! One body for several formats, by family: the formats of 32 in panels
+//! (Q4_0, Q4_1, Q5_0, Q5_1) share one (`avx2.rs`), Q4_K and Q5_K one and
+//! Q6_K its own (`avx2_k.rs`), each written over its step and compiled
+//! for AVX2 (`vpmaddubsw`) and for AVX512-VNNI on 256-bit vectors
+//! (`vpdpbusd`, `vnni.rs` runs those instances, 8 rows at a time where
+//! AVX2 takes 4); Q2_K and Q3_K stay in rows (`avx2.rs`); `portable.rs`
+//! computes every format. `vnni.rs` imports the AVX2 files' VNNI
+//! instances, the only import between ISA files here; none imports a
+//! driver.
+
+/// `$kernel!` (a kernel body written over a step and a widening)
+/// instantiated twice: `$avx2` with AVX2's step (`vpmaddubsw` into `i16`
+/// sums, widened by `vpmaddwd`) and `$vnni` with AVX512-VNNI's
+/// (`vpdpbusd` straight into `i32` sums) on 256-bit vectors.
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx2_and_vnni {
+    ($kernel:ident, $avx2:ident, $vnni:ident) => {
+        $kernel!(
+            $avx2,
+            "avx2,fma,f16c",
+            |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
+            |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+        );
+        $kernel!(
+            $vnni,
+            "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+            |s, u, x| _mm256_dpbusd_epi32(s, u, x),
+            |s| s
+        );
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_k;
+mod format;
+mod inputs;
+mod portable;
+mod quantize;
+mod repack;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
+
+use candle::{bail, Result};
+use rayon::prelude::*;
+
+pub use format::{dequantize_row, BlockFormat};
+use inputs::{quantize_inputs, InputRow};
+use repack::{Layout, PANEL};
+
+use crate::runtime::isa::{has_vnni_vl, runnable, Isa};
+use crate::runtime::pool::{par_for, SyncPtr};
+
+/// Output features a task takes (of a call of more than [`FEW_ROWS`]).
+const TASK_FEATURES: usize = 16;
+/// Input rows up to which a call gives each thread one run of features.
+const FEW_ROWS: usize = 4;
+
+/// The code a weight's products run with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX2's code, the panels with AVX512-VNNI's `vpdpbusd`.
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    /// The kernel for `isa`, never past what the processor has.
+    fn for_isa(isa: Isa) -> Kernel {
+        match runnable(isa) {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx512Bf16 if has_vnni_vl(isa) => Kernel::Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => Kernel::Avx2,
+            _ => Kernel::Portable,
+        }
+    }
+}
+
+/// A weight `(n, k)` in one block format: `n` rows of `k / block`
+/// blocks, the bytes a GGUF file holds for it (the formats of 32
+/// reordered into panels of 8 features, `repack.rs`), and its bias in f32.
+pub(crate) struct BlockWeight {
+    format: BlockFormat,
+    data: Vec<u8>,
+    /// Where the blocks are in panels, their layout.
+    panels: Option<Layout>,
+    bias: Option<Vec<f32>>,
+    n: usize,
+    k: usize,
+    kernel: Kernel,
+    /// The instruction set its calls' row passes (epilogues) run with.
+    isa: Isa,
+}
+
+impl std::fmt::Debug for BlockWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockWeight")
+            .field("format", &self.format)
+            .field("out", &self.n)
+            .field("in", &self.k)
+            .field("bias", &self.bias.is_some())
+            .field("kernel", &self.kernel)
+            .finish()
+    }
+}
+
+impl BlockWeight {
+    /// `data`, `n` rows of `k` weights in `format`'s blocks, with `bias`
+    /// (`n` floats), for the kernel of `isa` (capped at what the processor has).
+    pub(crate) fn new(
+        format: BlockFormat,
+        data: Vec<u8>,
+        n: usize,
+        k: usize,
+        bias: Option<Vec<f32>>,
+        isa: Isa,
+    ) -> Result<Self> {
+        let name = format.name();
+        if n == 0 || k == 0 || !k.is_multiple_of(format.block_elems()) {
+            bail!(
+                "{name} weight ({n}, {k}): the input size must be a positive multiple of {}",
+                format.block_elems()
+            )
+        }
+        if data.len() != n * format.row_bytes(k) {
+            bail!(
+                "{name} weight ({n}, {k}): {} bytes, expected {}",
+                data.len(),
+                n * format.row_bytes(k)
+            )
+        }
+        if let Some(b) = bias.as_ref().filter(|b| b.len() != n) {
+            bail!("{name} weight ({n}, {k}): bias of {}", b.len())
+        }
+        let panels = Layout::of(format);
+        let data = match panels {
+            Some(l) => repack::repack(l, &data, n, k / format.block_elems()),
+            None => data,
+        };
+        Ok(BlockWeight {
+            format,
+            data,
+            panels,
+            bias,
+            n,
+            k,
+            kernel: Kernel::for_isa(isa),
+            isa: runnable(isa),
+        })
+    }
+
+    /// `w`, `n` rows of `k` values (f32, bf16 or f16, widened exactly),
+    /// quantized to Q4_0 by ggml's reference rule (`quantize.rs`), in
+    /// parallel over rows, with `bias`, for the kernel of `isa`. `k` must
+    /// be a positive multiple of 32.
+    pub(crate) fn quantize_q4_0<S: crate::elem::PanelElem>(
+        w: &[S],
+        n: usize,
+        k: usize,
+        bias: Option<&[f32]>,
+        isa: Isa,
+    ) -> Result<Self> {
+        let format = BlockFormat::Q4_0;
+        if k == 0 || !k.is_multiple_of(32) || w.len() != n * k {
+            bail!(
+                "Q4_0 weight ({n}, {k}): {} values, the input size a positive multiple of 32",
+                w.len()
+            )
+        }
+        let rb = format.row_bytes(k);
+        let mut data = vec![0u8; n * rb];
+        data.par_chunks_mut(rb)
+            .zip(w.par_chunks(k))
+            .for_each(|(out, row)| quantize::quantize_row_q4_0(row, out));
+        Self::new(format, data, n, k, bias.map(<[f32]>::to_vec), isa)
+    }
+
+    /// `(out_features, in_features)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// The instruction set it runs with.
+    pub(crate) fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Its block format.
+    pub(crate) fn format(&self) -> BlockFormat {
+        self.format
+    }
+
+    /// Blocks a row.
+    fn nb(&self) -> usize {
+        self.k / self.format.block_elems()
+    }
+
+    /// Feature `j`'s blocks, where they are kept in rows.
+    fn row(&self, j: usize) -> &[u8] {
+        let rb = self.format.row_bytes(self.k);
+        &self.data[j * rb..][..rb]
+    }
+
+    /// Panel `p`'s blocks, where they are kept in panels.
+    fn panel(&self, l: Layout, p: usize) -> &[u8] {
+        let pb = self.nb() * l.bytes();
+        &self.data[p * pb..][..pb]
+    }
+
+    /// Its output features, then `other`'s (rows appended, a missing
+    /// bias as zeros); given back where the two differ in format, input
+    /// size or kernel, or its features do not fill whole panels.
+    pub(crate) fn join(mut self, other: &Self) -> std::result::Result<Self, Self> {
+        let whole_panels = self.panels.is_none() || self.n.is_multiple_of(PANEL);
+        if self.format != other.format || self.k != other.k || self.kernel != other.kernel || !whole_panels {
+            return Err(self);
+        }
+        self.data.extend_from_slice(&other.data);
+        self.bias = match (self.bias.take(), &other.bias) {
+            (None, None) => None,
+            (a, b) => {
+                let mut bias = a.unwrap_or_else(|| vec![0.; self.n]);
+                bias.extend_from_slice(b.as_deref().unwrap_or(&vec![0.; other.n]));
+                Some(bias)
+            }
+        };
+        self.n += other.n;
+        Ok(self)
+    }
+
+    /// Rows `ids` (each `< n`) dequantized, one after another: an
+    /// embedding table's lookup.
+    pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = vec![0f32; ids.len() * self.k];
+        let (format, nb, be) = (self.format, self.nb(), self.format.block_elems());
+        out.par_chunks_mut(self.k)
+            .zip(ids)
+            .for_each(|(o, &j)| match self.panels {
+                Some(l) => {
+                    let mut block = [0u8; 256];
+                    for (b, o) in o.chunks_exact_mut(be).enumerate() {
+                        repack::block_of(l, &self.data, nb, j as usize, b, &mut block[..l.block]);
+                        format::dequantize_block(format, &block[..l.block], o);
+                    }
+                }
+                None => dequantize_row(format, self.row(j as usize), o),
+            });
+        out
+    }
+
+    /// The weight dequantized (`n` rows of `k`) and the bias.
+    pub(crate) fn unpack(&self) -> (Vec<f32>, Option<Vec<f32>>) {
+        let ids: Vec<u32> = (0..self.n as u32).collect();
+        (self.rows(&ids), self.bias.clone())
+    }
+
+    /// `x · wᵀ + b` for output features `lo..hi`, plus `residual` where
+    /// given: `x` `m` rows of `k`, `residual` `m` rows of `hi - lo`; `m`
+    /// rows of `hi - lo` back. Panics where `lo..hi` is not in `0..n` or a
+    /// slice is short.
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        (lo, hi): (usize, usize),
+        residual: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let (k, width) = (self.k, hi - lo);
+        assert!(
+            lo < hi && hi <= self.n,
+            "BlockWeight: features {lo}..{hi} of {}",
+            self.n
+        );
+        assert!(x.len() >= m * k && residual.is_none_or(|r| r.len() == m * width));
+        let mut out = vec![0f32; m * width];
+        if m == 0 {
+            return out;
+        }
+        let xq = quantize_inputs(&x[..m * k], m, k, self.format.block_elems());
+        let rows = xq.rows();
+        let out_ptr = SyncPtr(out.as_mut_ptr());
+        // Writes row r's outputs for features j0.. from `ys`, with the
+        // bias and the residual.
+        let write = |r: usize, j0: usize, ys: &[f32]| {
+            for (j, &y) in (j0..).zip(ys) {
+                let at = r * width + j - lo;
+                let y = y + self.bias.as_ref().map_or(0., |b| b[j]);
+                let y = residual.map_or(y, |res| y + res[at]);
+                // SAFETY: column j - lo of the m × width output is this
+                // task's alone (tasks take disjoint features).
+                unsafe { *out_ptr.get().add(at) = y };
+            }
+        };
+        // Units: features, or panels of them. A few rows (a decode step):
+        // one run of units a thread, so that each thread streams its part
+        // of the weight from memory in order; more: tasks of
+        // TASK_FEATURES, taken as threads free up.
+        let (u_lo, u_hi, unit) = match self.panels {
+            Some(_) => (lo / PANEL, hi.div_ceil(PANEL), PANEL),
+            None => (lo, hi, 1),
+        };
+        let per_task = match m {
+            ..=FEW_ROWS => (u_hi - u_lo).div_ceil(rayon::current_num_threads()).max(1),
+            _ => TASK_FEATURES.div_ceil(unit),
+        };
+        let tasks = (u_hi - u_lo).div_ceil(per_task);
+        par_for(tasks, m * width * k, |t| {
+            let mut ys = vec![0f32; m * unit];
+            for u in u_lo + t * per_task..(u_lo + (t + 1) * per_task).min(u_hi) {
+                match self.panels {
+                    Some(l) => {
+                        self.dot_panel(l, u, &rows, &mut ys);
+                        // The panel's features inside lo..hi.
+                        let (j0, j1) = ((u * PANEL).max(lo), ((u + 1) * PANEL).min(hi));
+                        for (r, ys) in ys.chunks_exact(PANEL).enumerate() {
+                            write(r, j0, &ys[j0 - u * PANEL..j1 - u * PANEL]);
+                        }
+                    }
+                    None => {
+                        self.dot_rows(u, &rows, &mut ys);
+                        for (r, &y) in ys.iter().enumerate() {
+                            write(r, u, &[y]);
+                        }
+                    }
+                }
+            }
+        });
+        out
+    }
+
+    /// Panel `p`'s products with every input row, into `out` (8 a row).
+    fn dot_panel(&self, l: Layout, p: usize, rows: &[InputRow], out: &mut [f32]) {
+        let (panel, nb) = (self.panel(l, p), self.nb());
+        match self.kernel {
+            Kernel::Portable => portable::dot_panel(self.format, panel, nb, rows, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Avx2` is chosen only where the processor
+            // runs AVX2, FMA and F16C (`Kernel::for_isa`, `runtime/isa.rs`).
+            Kernel::Avx2 => unsafe { avx2::dot_panel(self.format, panel, nb, rows, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Vnni` is chosen only where the processor
+            // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
+            Kernel::Vnni => unsafe { vnni::dot_panel(self.format, panel, nb, rows, out) },
+        }
+    }
+
+    /// Feature `j`'s products with every input row, into `out`.
+    fn dot_rows(&self, j: usize, rows: &[InputRow], out: &mut [f32]) {
+        match self.kernel {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernel::Avx2` is chosen only where the processor
+            // runs AVX2, FMA and F16C (`Kernel::for_isa`, `runtime/isa.rs`).
+            Kernel::Avx2 | Kernel::Vnni if self.format.block_elems() == 256 => unsafe {
+                avx2::dot_rows(self.format, self.row(j), rows, out)
+            },
+            // The formats of 32 kept in rows (Q8_0, whose layers take the
+            // Q8_0 kernels) have no vector code.
+            _ => portable::dot_rows(self.format, self.row(j), rows, out),
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! Row operations: LayerNorm (`norm.rs`), the activations and gated MLP
+//! halves (`activation.rs`), the online softmax, its `exp` and the `tanh`
+//! of logit soft-capping (`softmax.rs`), and the masks' and epilogues' row
+//! passes (`simd.rs`). They are written once, over a vector type per
+//! instruction set (`lanes.rs`: `ymm`, `zmm`, and `f32` for one lane) or as
+//! plain Rust that each instruction set's `#[target_feature]` instance
+//! vectorises (`simd.rs`, which picks the instance at run time).
+
+mod activation;
+pub(crate) mod lanes;
+mod norm;
+pub(crate) mod simd;
+pub(crate) mod softmax;
+
+pub use activation::{gelu_tanh_and_mul, relu, silu_and_mul};
+pub use norm::LayerNorm;

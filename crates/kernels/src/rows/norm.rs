@@ -1,0 +1,322 @@
+//! A LayerNorm that trains.
+
+use std::mem::MaybeUninit;
+
+use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_nn::{Init, Module, VarBuilder};
+use rayon::prelude::*;
+
+use crate::runtime::isa::{current, Isa};
+
+/// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
+/// and, unless built with [`LayerNorm::new_no_bias`], a bias.
+///
+/// candle-nn's `LayerNorm` runs its fused kernel on contiguous inputs, and
+/// that kernel has no backward (`apply_op3_no_bwd`), so gradients stop
+/// there. When the input or the weights track gradients this takes
+/// candle-nn's op-by-op `layer_norm_slow`; otherwise, on the CPU in f32,
+/// this crate's kernel (two passes a row for the mean and variance,
+/// vectorised for the processor, rows on rayon's pool, the output never
+/// zeroed first), and elsewhere
+/// candle-nn's fused kernel. Every LayerNorm in this workspace is this
+/// one.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    /// The loaded bias, or zeros (a constant, never trained) without one.
+    bias: Tensor,
+    has_bias: bool,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// Loads `weight` and `bias` of width `dim` (initialised to 1 and 0 in
+    /// a `VarMap`).
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
+        let bias = vb.get_with_hints(dim, "bias", Init::Const(0.))?;
+        Ok(Self {
+            weight,
+            bias,
+            has_bias: true,
+            eps,
+        })
+    }
+
+    /// Loads only `weight`: PyTorch's `LayerNorm(dim, bias=False)`.
+    pub fn new_no_bias(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
+        let bias = Tensor::zeros(dim, weight.dtype(), weight.device())?;
+        Ok(Self {
+            weight,
+            bias,
+            has_bias: false,
+            eps,
+        })
+    }
+
+    /// Whether the norm has a (loaded or trained) bias.
+    pub fn has_bias(&self) -> bool {
+        self.has_bias
+    }
+
+    /// `norm(xs + residual)`, a post-norm block's residual connection
+    /// (`nn.Transformer`'s default). On plain f32 CPU tensors of the same
+    /// shape, one pass with one output: the sum is never a tensor of its
+    /// own (which would cost a fresh buffer and a pass over it); anything
+    /// else (gradients, other devices and dtypes, broadcasting) adds, then
+    /// normalises.
+    pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.forward_add_on(xs, residual, current())
+    }
+
+    /// [`LayerNorm::forward_add`] with the CPU kernel's rows on `isa` (at
+    /// most what the processor runs).
+    pub(crate) fn forward_add_on(&self, xs: &Tensor, residual: &Tensor, isa: Isa) -> Result<Tensor> {
+        match FusedLayerNorm::for_input(self, xs, isa)? {
+            Some(op) if crate::elem::plain_cpu_f32(residual) && xs.dims() == residual.dims() => {
+                xs.contiguous()?.apply_op2_no_bwd(&residual.contiguous()?, &op)
+            }
+            _ => self.forward_on(&(xs + residual)?, isa),
+        }
+    }
+
+    /// `forward` with the CPU kernel's rows on `isa` (at most what the
+    /// processor runs).
+    pub(crate) fn forward_on(&self, xs: &Tensor, isa: Isa) -> Result<Tensor> {
+        let eps = self.eps as f32;
+        if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
+            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
+        } else if let Some(op) = FusedLayerNorm::for_input(self, xs, isa)? {
+            // On the CPU in f32, the same rows as `forward_add`'s.
+            xs.contiguous()?.apply_op1_no_bwd(&op)
+        } else {
+            candle_nn::ops::layer_norm(&xs.contiguous()?, &self.weight, &self.bias, eps)
+        }
+    }
+}
+
+/// `LayerNorm(a)` or `LayerNorm(a + b)` over the last dim, row by row on
+/// rayon's pool.
+struct FusedLayerNorm {
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+    eps: f32,
+    isa: Isa,
+}
+
+impl FusedLayerNorm {
+    /// The op over `x`'s last dim, or `None` where it does not apply
+    /// (gradients, other devices and dtypes, a width other than `norm`'s).
+    fn for_input(norm: &LayerNorm, x: &Tensor, isa: Isa) -> Result<Option<Self>> {
+        let plain = crate::elem::plain_cpu_f32;
+        let dim = norm.weight.dim(0)?;
+        if !(plain(x) && plain(&norm.weight) && plain(&norm.bias)) || x.dims().last() != Some(&dim) {
+            return Ok(None);
+        }
+        Ok(Some(FusedLayerNorm {
+            weight: norm.weight.to_vec1()?,
+            bias: norm.bias.to_vec1()?,
+            eps: norm.eps as f32,
+            isa,
+        }))
+    }
+
+    /// The normalised rows of `a` (plus `b`, of `a`'s length).
+    fn rows(&self, a: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
+        let d = self.weight.len();
+        if b.is_some_and(|b| b.len() != a.len()) || d == 0 || !a.len().is_multiple_of(d) {
+            bail!(
+                "layer-norm: inputs of {} and {:?} floats for rows of {d}",
+                a.len(),
+                b.map(<[f32]>::len)
+            )
+        }
+        // Written row by row below, never zeroed first: a zeroing pass
+        // would run on the calling thread while the pool waits.
+        let mut out: Vec<f32> = Vec::with_capacity(a.len());
+        // Each row in one vectorised call (`simd::layer_norm_row`, compiled
+        // for AVX-512, AVX2+FMA and the baseline; the same sums in the same
+        // order on each, so the same result).
+        let norm_row = |(i, o): (usize, &mut [MaybeUninit<f32>])| {
+            let b = b.map(|b| &b[i * d..][..d]);
+            crate::rows::simd::layer_norm_row(
+                self.isa,
+                &a[i * d..][..d],
+                b,
+                &self.weight,
+                &self.bias,
+                self.eps,
+                o,
+            );
+        };
+        let spare = &mut out.spare_capacity_mut()[..a.len()];
+        if a.len() > 1 << 14 {
+            spare.par_chunks_mut(d).enumerate().for_each(norm_row);
+        } else {
+            spare.chunks_mut(d).enumerate().for_each(norm_row);
+        }
+        // SAFETY: every row was written.
+        unsafe { out.set_len(a.len()) };
+        Ok(out)
+    }
+}
+
+/// The contiguous f32 data of an input.
+fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
+        (CpuStorage::F32(_), None) => bail!("layer-norm: inputs must be contiguous"),
+        _ => bail!("layer-norm: inputs must be f32"),
+    }
+}
+
+impl CustomOp1 for FusedLayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = self.rows(f32_data(s, l)?, None)?;
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+}
+
+impl CustomOp2 for FusedLayerNorm {
+    fn name(&self) -> &'static str {
+        "add-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = self.rows(f32_data(s1, l1)?, Some(f32_data(s2, l2)?))?;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+impl Module for LayerNorm {
+    /// `(..., dim)` → same.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_on(xs, current())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{DType, Device, Module, Result, Tensor};
+    use candle_nn::{VarBuilder, VarMap};
+
+    use super::LayerNorm;
+    use crate::testing::{randn, rel_err};
+
+    /// The CPU kernel's `norm(x)` and one-pass `norm(x + residual)` equal
+    /// candle-nn's op-by-op `layer_norm_slow` (after the add), with and
+    /// without a bias, on widths off the 16 lanes, batched and not, in
+    /// parallel and not, and fall back where the kernel does not apply.
+    #[test]
+    fn forward_add_equals_add_then_norm() -> Result<()> {
+        for (shape, bias) in [
+            (vec![3, 5, 37], true),
+            (vec![700, 64], false),
+            (vec![2, 1, 512], true),
+        ] {
+            let d = *shape.last().unwrap();
+            let w = randn(&[d])?.affine(0.5, 1.)?;
+            let b = randn(&[d])?;
+            let vb = VarBuilder::from_tensors(
+                [("weight".to_string(), w), ("bias".to_string(), b)].into(),
+                DType::F32,
+                &Device::Cpu,
+            );
+            let norm = if bias {
+                LayerNorm::new(d, 1e-5, vb)?
+            } else {
+                LayerNorm::new_no_bias(d, 1e-5, vb)?
+            };
+            let (x, r) = (randn(&shape)?.affine(3., 2.)?, randn(&shape)?);
+            let slow = |x: &Tensor| candle_nn::ops::layer_norm_slow(x, &norm.weight, &norm.bias, 1e-5);
+            assert!(rel_err(&norm.forward(&x)?, &slow(&x)?)? < 1e-5, "{shape:?} norm");
+            let expected = slow(&(&x + &r)?)?;
+            assert!(
+                rel_err(&norm.forward_add(&x, &r)?, &expected)? < 1e-5,
+                "{shape:?}"
+            );
+            // A strided input, and a residual that is a broadcast view
+            // (both copied to contiguous first).
+            let xt = x.t()?.contiguous()?.t()?;
+            assert!(
+                rel_err(&norm.forward_add(&xt, &r)?, &expected)? < 1e-5,
+                "{shape:?} strided"
+            );
+            let row = r.narrow(0, 0, 1)?;
+            let expected = norm.forward(&x.broadcast_add(&row)?)?;
+            assert!(rel_err(&norm.forward_add(&x, &row.broadcast_as(x.shape())?)?, &expected)? < 1e-5);
+        }
+        // Variables: the gradient reaches the input through the fallback.
+        let varmap = VarMap::new();
+        let norm = LayerNorm::new(
+            8,
+            1e-5,
+            VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
+        )?;
+        let x = candle::Var::from_tensor(&randn(&[2, 8])?)?;
+        let y = norm.forward_add(x.as_tensor(), &Tensor::ones((2, 8), DType::F32, &Device::Cpu)?)?;
+        let grads = y.sqr()?.sum_all()?.backward()?;
+        assert!(grads.get(x.as_tensor()).is_some());
+        Ok(())
+    }
+
+    /// Every instruction set the processor runs gives the same floats, bit
+    /// for bit (each row's sums are taken in the same order on each), for
+    /// `norm(x)` and `norm(x + residual)`, on widths off and on the 16
+    /// lanes.
+    #[test]
+    fn every_instruction_set_gives_the_same_floats() -> Result<()> {
+        use crate::runtime::isa::supported;
+        for d in [37, 512, 768] {
+            let vb = VarBuilder::from_tensors(
+                [
+                    ("weight".to_string(), randn(&[d])?.affine(0.5, 1.)?),
+                    ("bias".to_string(), randn(&[d])?),
+                ]
+                .into(),
+                DType::F32,
+                &Device::Cpu,
+            );
+            let norm = LayerNorm::new(d, 1e-5, vb)?;
+            let (x, r) = (randn(&[300, d])?.affine(3., 2.)?, randn(&[300, d])?);
+            let mut outs = Vec::new();
+            for isa in supported() {
+                let bits = |t: Tensor| -> Result<Vec<u32>> {
+                    Ok(t.flatten_all()?
+                        .to_vec1::<f32>()?
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect())
+                };
+                outs.push((
+                    isa,
+                    bits(norm.forward_on(&x, isa)?)?,
+                    bits(norm.forward_add_on(&x, &r, isa)?)?,
+                ));
+            }
+            let (first, norm_bits, add_bits) = &outs[0];
+            for (isa, n, a) in &outs[1..] {
+                assert!(
+                    n == norm_bits,
+                    "width {d}: norm(x) on {isa:?} differs from {first:?}"
+                );
+                assert!(
+                    a == add_bits,
+                    "width {d}: norm(x + r) on {isa:?} differs from {first:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+}
