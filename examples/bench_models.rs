@@ -154,6 +154,7 @@ fn dtype_name(format: PackFormat, dtype: DType) -> &'static str {
     match (format, dtype) {
         (PackFormat::Q8_0, _) => "q8_0",
         (PackFormat::Q4_0, _) => "q4_0",
+        (PackFormat::Q4_K, _) => "q4_k",
         (_, DType::BF16) => "bf16",
         (_, DType::F16) => "f16",
         _ => "f32",

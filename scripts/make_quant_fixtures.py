@@ -21,18 +21,20 @@ Q5_K, Q6_K), ROWS rows of COLS elements (COLS / block size blocks a row):
 Values are gguf-py's own `gguf.quants.dequantize(blocks, type)`: the layouts
 are ggml's (`ggml/src/ggml-common.h`), which gguf-py's `quants.py` follows.
 Before writing, the script checks HALF_FIELDS against that: with every f16
-field zeroed, every block must dequantize to zeros. With --ggml-lib it also
-checks every value against ggml's own C `to_float` (libggml-base.so, through
-`ggml_get_type_traits`), allowing one float32 rounding where ggml's build
-may fuse `d * q - m` into one FMA.
+field zeroed, every block must dequantize to zeros. --ggml-lib
+(libggml-base.so, through `ggml_get_type_traits`) checks every value
+against ggml's own C `to_float`, allowing one float32 rounding where
+ggml's build may fuse `d * q - m` into one FMA, and quantizes
+`quantize.Q4_K.source` with ggml's reference quantizer (gguf-py has none
+for Q4_K); `quantize.{Q4_0,Q5_0}.blocks` are gguf-py's `quantize`.
 
 The "case" metadata (JSON) has the types' layouts (block size, bytes, f16
 field offsets), the seed, the sources of the real blocks and the versions
-(the same with or without --ggml-lib, which only checks).
+(the same on every run).
 Deterministic (a fixed seed, numpy's PCG64); offline, a second:
 
     .venv-ref/bin/python scripts/make_quant_fixtures.py --llama-cpp PATH/TO/llama.cpp \\
-        [--ggml-lib PATH/TO/llama.cpp/build/bin/libggml-base.so]
+        --ggml-lib PATH/TO/llama.cpp/build/bin/libggml-base.so
 """
 
 import argparse
@@ -111,7 +113,7 @@ def check_half_fields(gguf, name, blocks):
 
 # The formats a float folder can be quantized to at load, whose quantizers
 # are checked against gguf-py's.
-QUANTIZED = ["Q4_0"]
+QUANTIZED = ["Q4_0", "Q5_0"]
 
 
 def real_blocks(rng, gguf, name):
@@ -157,6 +159,23 @@ def ggml_to_float(lib, gguf, name, blocks):
     return out
 
 
+def ggml_from_float_ref(lib, gguf, name, x):
+    """ggml's C reference quantizer (its type traits' from_float_ref,
+    `quantize_row_{type}_ref`) of the float32 rows `x`."""
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(GgmlTypeTraits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    qtype = gguf.GGMLQuantizationType[name]
+    traits = lib.ggml_get_type_traits(int(qtype)).contents
+    assert traits.type_name.decode().upper() == name, traits.type_name
+    from_float = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_int64)(
+        traits.from_float_ref)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    src = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros((x.shape[0], x.shape[1] // block_size * type_size), dtype=np.uint8)
+    from_float(src.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.ctypes.data, src.size)
+    return out
+
+
 def check_against_ggml(lib, gguf, name, blocks, values):
     ours = ggml_to_float(lib, gguf, name, blocks)
     if np.array_equal(ours, values):
@@ -172,7 +191,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
                         help="llama.cpp's source tree (its gguf-py/)")
-    parser.add_argument("--ggml-lib", help="libggml-base.so to check every value against ggml's own C dequantize")
+    parser.add_argument("--ggml-lib", required=True,
+                        help="llama.cpp's libggml-base.so: ggml's own C dequantize checks every value, "
+                             "and its reference quantizer writes quantize.Q4_K")
     args = parser.parse_args()
     if not args.llama_cpp or not os.path.isdir(os.path.join(args.llama_cpp, "gguf-py", "gguf")):
         sys.exit("--llama-cpp (or LLAMA_CPP_DIR) must name llama.cpp's source tree")
@@ -182,7 +203,7 @@ def main():
 
     with open(os.path.join(llama_cpp, "gguf-py", "pyproject.toml"), encoding="utf-8") as f:
         gguf_version = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
-    lib = ctypes.CDLL(os.path.abspath(args.ggml_lib)) if args.ggml_lib else None
+    lib = ctypes.CDLL(os.path.abspath(args.ggml_lib))
 
     rng = np.random.default_rng(SEED)
     tensors, layouts, real_sources, ggml_check = {}, {}, {}, {}
@@ -232,6 +253,23 @@ def main():
         tensors[f"quantize.{name}.source"] = x
         tensors[f"quantize.{name}.blocks"] = np.asarray(gguf.quants.quantize(x, qtype), dtype=np.uint8)
         quantized[name] = f"gguf-py quants.quantize of quantize.{name}.source (float32)"
+
+    # Q4_K (`--dtype q4_k`): gguf-py has no quantizer for it, so the
+    # oracle is ggml's own C reference (`quantize_row_q4_K_ref`, what
+    # llama-quantize writes without an importance matrix), through
+    # --ggml-lib. Each row two super-blocks of N(0, 1) scaled per
+    # sub-block from 1e-3 to 1e3; row 0's sub-blocks: all zeros, all
+    # positive (the min clipped to 0), constant, and one outlier.
+    krng = np.random.default_rng(SEED + 2)
+    scale = 10.0 ** krng.uniform(-3, 3, size=(ROWS, COLS // 32, 1))
+    x = (krng.standard_normal((ROWS, COLS // 32, 32)) * scale).astype(np.float32).reshape(ROWS, COLS)
+    x[0, :32] = 0
+    x[0, 32:64] = np.abs(x[0, 32:64]) + np.float32(0.5)
+    x[0, 64:96] = np.float32(0.75)
+    x[0, 100] = np.float32(40) * np.max(np.abs(x[0, 96:128]))
+    tensors["quantize.Q4_K.source"] = x
+    tensors["quantize.Q4_K.blocks"] = ggml_from_float_ref(lib, gguf, "Q4_K", x)
+    quantized["Q4_K"] = "ggml's from_float_ref (quantize_row_q4_K_ref, --ggml-lib) of quantize.Q4_K.source (float32)"
 
     case = {
         "quantize": quantized,

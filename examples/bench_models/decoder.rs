@@ -144,23 +144,24 @@ fn step_bytes(dir: &str, dtype: WeightDtype) -> Result<f64> {
         .tensors()
         .iter()
         .filter(|t| t.shape.len() == 2 && t.is_float());
-    let mut weights: usize = matrices
-        .clone()
-        .filter(|t| !lookup(t))
-        .map(TensorInfo::numel)
-        .sum();
-    if ckpt.info("lm_head.weight").is_none() {
-        weights += matrices
-            .filter(|t| t.name.ends_with("embed_tokens.weight") || t.name.ends_with("wte.weight"))
-            .map(TensorInfo::numel)
-            .sum::<usize>();
+    let tied = ckpt.info("lm_head.weight").is_none();
+    let read = matrices.filter(|t| {
+        !lookup(t) || (tied && (t.name.ends_with("embed_tokens.weight") || t.name.ends_with("wte.weight")))
+    });
+    let mut bytes = 0.;
+    for t in read {
+        let k = t.shape[1];
+        bytes += t.numel() as f64
+            * match dtype {
+                WeightDtype::F32 => 4.,
+                WeightDtype::Bf16 | WeightDtype::F16 => 2.,
+                WeightDtype::Q8_0 => 34. / 32.,
+                WeightDtype::Q4_0 => 18. / 32.,
+                // Q5_0 where 256 does not divide the input size.
+                WeightDtype::Q4K if k % 256 == 0 => 144. / 256.,
+                WeightDtype::Q4K => 22. / 32.,
+                WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
+            };
     }
-    let per_weight = match dtype {
-        WeightDtype::F32 => 4.,
-        WeightDtype::Bf16 | WeightDtype::F16 => 2.,
-        WeightDtype::Q8_0 => 34. / 32.,
-        WeightDtype::Q4_0 => 18. / 32.,
-        WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
-    };
-    Ok(weights as f64 * per_weight)
+    Ok(bytes)
 }

@@ -259,7 +259,8 @@ pub fn decode_layers(dtype: &str) -> Result<()> {
         "f16" => (DType::F16, PackFormat::AsStored),
         "q8_0" => (DType::F32, PackFormat::Q8_0),
         "q4_0" => (DType::F32, PackFormat::Q4_0),
-        other => bail!("decode-layers takes f32, bf16, f16, q8_0 or q4_0, not {other}"),
+        "q4_k" => (DType::F32, PackFormat::Q4_K),
+        other => bail!("decode-layers takes f32, bf16, f16, q8_0, q4_0 or q4_k, not {other}"),
     };
     let dev = Device::Cpu;
     let mut shapes = Vec::new();
@@ -288,12 +289,20 @@ pub fn decode_layers(dtype: &str) -> Result<()> {
         }
         Ok(())
     })?;
-    let weights: usize = shapes.iter().map(|(n, k)| n * k).sum();
-    let bytes = match format {
-        PackFormat::Q8_0 => weights as f64 * 34. / 32.,
-        PackFormat::Q4_0 => weights as f64 * 18. / 32.,
-        PackFormat::AsStored => (weights * dtype.size_in_bytes()) as f64,
-    };
+    let bytes: f64 = shapes
+        .iter()
+        .map(|&(n, k)| {
+            (n * k) as f64
+                * match format {
+                    PackFormat::Q8_0 => 34. / 32.,
+                    PackFormat::Q4_0 => 18. / 32.,
+                    // Q5_0 where 256 does not divide the input size.
+                    PackFormat::Q4_K if k % 256 == 0 => 144. / 256.,
+                    PackFormat::Q4_K => 22. / 32.,
+                    PackFormat::AsStored => dtype.size_in_bytes() as f64,
+                }
+        })
+        .sum();
     println!(
         r#"{{"work": "decode-layers {}", "median_ms": {ms:.2}, "gb_per_s": {:.1}, "tokens_per_s": {:.1}}}"#,
         dtype_name(format, dtype),

@@ -177,8 +177,8 @@ pub struct Args {
     pub threads: Option<usize>,
     /// The dtype the weight matrices are kept in: f32, or bf16 and f16
     /// (half the memory and the bytes read a token; a bf16 folder is kept
-    /// as stored), or q8_0 or q4_0 (llama.cpp's 8- and 4-bit blocks,
-    /// quantized at load), or ggml (a GGUF file's 2- to 6-bit blocks, Q4_0
+    /// as stored), or q8_0, q4_0 or q4_k (llama.cpp's 8- and 4-bit blocks,
+    /// quantized at load as llama-quantize does), or ggml (a GGUF file's 2- to 6-bit blocks, Q4_0
     /// … Q6_K, kept as stored). Activations stay f32. Default: for a folder, the dtype HF
     /// transformers loads it in (its config's, else its weights'); for a
     /// GGUF file, the type it stores its matrices in.

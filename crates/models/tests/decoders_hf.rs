@@ -172,40 +172,49 @@ fn a_half_precision_cache_gives_hf_logits_over_the_rounded_keys_and_values() -> 
     Ok(())
 }
 
-/// Loaded as Q4_0 (`--dtype q4_0`: ggml's 4-bit blocks, quantized at
-/// load), every model runs, its logits move from f32's by more than 1e-2
-/// and less than the largest logit (25–65 % of it: 4 bits are lossy, and
-/// these random-init models' logits are flat), and f32's top token stays
-/// the top at a quarter of the positions or more (51 % here; a broken
-/// product would agree at 1 in 384).
+/// Loaded in 4 bits (`--dtype q4_0`, and `--dtype q4_k`: Q4_K where 256
+/// divides a matrix's input size, Q5_0 elsewhere; ggml's blocks, quantized
+/// at load), every model runs, its logits move from f32's by more than
+/// 1e-2 and less than the largest logit (25–65 % of it: 4 bits are lossy,
+/// and these random-init models' logits are flat), and f32's top token
+/// stays the top at a quarter of the positions or more (about half here; a
+/// broken product would agree at 1 in 384).
 #[test]
-fn q4_0_weights_run_every_model() -> Result<()> {
+fn four_bit_weights_run_every_model() -> Result<()> {
     let dir = fixture_dir("decoders");
-    let (mut agree, mut positions) = (0, 0);
-    for name in MODELS {
-        let (f32_model, f) = load(name)?;
-        let opts = LoadOptions {
-            dtype: WeightDtype::Q4_0,
-            ..LoadOptions::default()
-        };
-        let model = DecoderModel::from_folder_with(&dir.join(name), &Device::Cpu, &opts)?;
-        let input = ids(&f, "input_ids")?;
-        let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
-        let f32_logits = f32_model.forward(&input, &mut f32_model.new_cache(vec![]))?;
-        let scale = f32_logits.abs()?.max_all()?.to_scalar::<f32>()?;
-        let moved = max_abs_diff(&logits, &f32_logits)?;
-        eprintln!(
-            "{name} q4_0: max |q4_0 - f32| {:.2e} of the largest logit",
-            moved / scale
+    for dtype in [WeightDtype::Q4_0, WeightDtype::Q4K] {
+        let (mut agree, mut positions) = (0, 0);
+        for name in MODELS {
+            let (f32_model, f) = load(name)?;
+            let opts = LoadOptions {
+                dtype,
+                ..LoadOptions::default()
+            };
+            let model = DecoderModel::from_folder_with(&dir.join(name), &Device::Cpu, &opts)?;
+            let input = ids(&f, "input_ids")?;
+            let logits = model.forward(&input, &mut model.new_cache(vec![]))?;
+            let f32_logits = f32_model.forward(&input, &mut f32_model.new_cache(vec![]))?;
+            let scale = f32_logits.abs()?.max_all()?.to_scalar::<f32>()?;
+            let moved = max_abs_diff(&logits, &f32_logits)?;
+            eprintln!(
+                "{name} {dtype}: max |{dtype} - f32| {:.2e} of the largest logit",
+                moved / scale
+            );
+            assert!(
+                moved > 1e-2 && moved < scale,
+                "{name} {dtype}: moved {moved} of {scale}"
+            );
+            let ours: Vec<u32> = logits.argmax(2)?.flatten_all()?.to_vec1()?;
+            let theirs: Vec<u32> = f32_logits.argmax(2)?.flatten_all()?.to_vec1()?;
+            agree += ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
+            positions += ours.len();
+        }
+        eprintln!("{dtype} top-1 equal to f32's at {agree} of {positions} positions");
+        assert!(
+            agree * 4 >= positions,
+            "{dtype}: top-1 equal at {agree} of {positions}"
         );
-        assert!(moved > 1e-2 && moved < scale, "{name}: moved {moved} of {scale}");
-        let ours: Vec<u32> = logits.argmax(2)?.flatten_all()?.to_vec1()?;
-        let theirs: Vec<u32> = f32_logits.argmax(2)?.flatten_all()?.to_vec1()?;
-        agree += ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
-        positions += ours.len();
     }
-    eprintln!("q4_0 top-1 equal to f32's at {agree} of {positions} positions");
-    assert!(agree * 4 >= positions, "top-1 equal at {agree} of {positions}");
     Ok(())
 }
 

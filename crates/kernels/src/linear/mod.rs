@@ -208,11 +208,18 @@ impl PackedLinear {
                 }
             };
         }
-        let inner = match (quantize, format) {
-            (true, PackFormat::Q4_0) => Inner::Blocks(Arc::new(
-                from_weight!(w => BlockWeight::quantize_q4_0(w, n, k, b, isa)),
+        let blocks = match format {
+            PackFormat::Q4_0 => Some(BlockFormat::Q4_0),
+            // llama-quantize's fallback for rows Q4_K's 256 do not divide.
+            PackFormat::Q4_K if k.is_multiple_of(256) => Some(BlockFormat::Q4_K),
+            PackFormat::Q4_K => Some(BlockFormat::Q5_0),
+            PackFormat::AsStored | PackFormat::Q8_0 => None,
+        };
+        let inner = match (quantize, blocks) {
+            (true, Some(blocks)) => Inner::Blocks(Arc::new(
+                from_weight!(w => BlockWeight::quantize(blocks, w, n, k, b, isa)),
             )),
-            (true, _) => Inner::Q8(Arc::new(from_weight!(w => Q8Weight::quantize(w, n, k, b, isa)))),
+            (true, None) => Inner::Q8(Arc::new(from_weight!(w => Q8Weight::quantize(w, n, k, b, isa)))),
             (false, _) => Inner::Packed(Arc::new(
                 from_weight!(w => PackedWeight::new(w, n, k, b, isa, dtype)),
             )),
@@ -350,10 +357,11 @@ impl PackedLinear {
                 Some(Tensor::cat(&biases, 0)?)
             }
         };
-        let format = match parts.iter().any(PackedLinear::is_quantized) {
-            _ if parts.iter().any(|p| p.block_format() == Some(BlockFormat::Q4_0)) => PackFormat::Q4_0,
-            true => PackFormat::Q8_0,
-            false => PackFormat::AsStored,
+        let format = match parts.iter().find_map(PackedLinear::block_format) {
+            Some(BlockFormat::Q4_0) => PackFormat::Q4_0,
+            Some(BlockFormat::Q4_K | BlockFormat::Q5_0) => PackFormat::Q4_K,
+            _ if parts.iter().any(PackedLinear::is_quantized) => PackFormat::Q8_0,
+            _ => PackFormat::AsStored,
         };
         let isa = parts
             .iter()

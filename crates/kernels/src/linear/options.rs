@@ -6,7 +6,8 @@
 use super::lent::LentBlocks;
 use crate::runtime::isa::{current, runnable, Isa};
 
-/// The format a layer's weight is packed in.
+/// The format a layer's weight is packed in (ggml's names).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PackFormat {
     /// In the weight's own dtype: f32, bf16 or f16.
@@ -22,6 +23,13 @@ pub enum PackFormat {
     /// quantized per block at each call, where the input size is a
     /// multiple of 32; as stored otherwise.
     Q4_0,
+    /// Quantized to ggml's Q4_K (super-blocks of 256 4-bit values, 6-bit
+    /// scales and mins per 32, by ggml's reference rule:
+    /// `quantize_row_q4_K_ref`'s bits) where the input size is a multiple
+    /// of 256, to Q5_0 where it is a multiple of 32 only (the fallback
+    /// `llama-quantize` takes for Q4_K), as stored otherwise; the inputs
+    /// quantized per block at each call.
+    Q4_K,
 }
 
 /// How [`PackedLinear::with_options`](super::PackedLinear::with_options)

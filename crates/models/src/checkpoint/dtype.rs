@@ -49,6 +49,13 @@ pub enum WeightDtype {
     /// inputs quantized per block at each call. Lossier than Q8_0 (about
     /// llama.cpp's own Q4_0 files).
     Q4_0,
+    /// ggml's Q4_K: super-blocks of 256 4-bit weights with 6-bit scales
+    /// and mins per 32, 0.56 bytes a weight, quantized at load by ggml's
+    /// reference rule (`llama-quantize`'s bits without an importance
+    /// matrix); matrices whose input size 256 does not divide in Q5_0
+    /// (0.69 bytes a weight), as `llama-quantize` falls back. Closer to
+    /// f32 than Q4_0 at the same size.
+    Q4K,
     /// A GGUF file's matrices in the ggml block formats it stores them in
     /// (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K; a Q4_K_M file's mix of Q4_K
     /// and Q6_K as it is), kept as their bytes and multiplied in integers
@@ -59,17 +66,18 @@ pub enum WeightDtype {
 }
 
 impl WeightDtype {
-    const ALL: [WeightDtype; 6] = [
+    const ALL: [WeightDtype; 7] = [
         WeightDtype::F32,
         WeightDtype::Bf16,
         WeightDtype::F16,
         WeightDtype::Q8_0,
         WeightDtype::Q4_0,
+        WeightDtype::Q4K,
         WeightDtype::Ggml,
     ];
 
-    /// The name `--dtype` takes: `f32`, `bf16`, `f16`, `q8_0`, `q4_0` or
-    /// `ggml`.
+    /// The name `--dtype` takes: `f32`, `bf16`, `f16`, `q8_0`, `q4_0`,
+    /// `q4_k` or `ggml`.
     pub fn name(self) -> &'static str {
         match self {
             WeightDtype::F32 => "f32",
@@ -77,6 +85,7 @@ impl WeightDtype {
             WeightDtype::F16 => "f16",
             WeightDtype::Q8_0 => "q8_0",
             WeightDtype::Q4_0 => "q4_0",
+            WeightDtype::Q4K => "q4_k",
             WeightDtype::Ggml => "ggml",
         }
     }
@@ -88,7 +97,7 @@ impl WeightDtype {
             WeightDtype::F32 => Some(DType::F32),
             WeightDtype::Bf16 => Some(DType::BF16),
             WeightDtype::F16 => Some(DType::F16),
-            WeightDtype::Q8_0 | WeightDtype::Q4_0 | WeightDtype::Ggml => None,
+            WeightDtype::Q8_0 | WeightDtype::Q4_0 | WeightDtype::Q4K | WeightDtype::Ggml => None,
         }
     }
 
@@ -177,12 +186,13 @@ pub(crate) fn float_dtype(name: &str) -> Option<DType> {
 
 impl WeightDtype {
     /// How the linear layers of a model loaded in this dtype pack:
-    /// quantized for Q8_0 and Q4_0 (a GGUF file's float and Q8_0 matrices
-    /// in Q8_0 for `ggml`), as read otherwise.
+    /// quantized for Q8_0, Q4_0 and Q4_K (a GGUF file's float and Q8_0
+    /// matrices in Q8_0 for `ggml`), as read otherwise.
     pub(crate) fn pack_options(self) -> multihead_attention::PackOptions {
         let format = match self {
             WeightDtype::Q8_0 | WeightDtype::Ggml => multihead_attention::PackFormat::Q8_0,
             WeightDtype::Q4_0 => multihead_attention::PackFormat::Q4_0,
+            WeightDtype::Q4K => multihead_attention::PackFormat::Q4_K,
             _ => multihead_attention::PackFormat::AsStored,
         };
         multihead_attention::PackOptions::new().with_format(format)
@@ -288,7 +298,7 @@ mod tests {
         }
         let err = "fp8".parse::<WeightDtype>().unwrap_err().to_string();
         assert!(
-            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0, q4_0, ggml"),
+            err.contains("'fp8'") && err.contains("f32, bf16, f16, q8_0, q4_0, q4_k, ggml"),
             "{err}"
         );
     }

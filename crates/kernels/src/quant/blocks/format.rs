@@ -154,7 +154,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 
 /// Q4_K's and Q5_K's `get_scale_min_k4`: scale and min `j` (0..8) of the
 /// 12 packed bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

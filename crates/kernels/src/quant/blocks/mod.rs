@@ -174,20 +174,32 @@ impl BlockWeight {
     }
 
     /// `w`, `n` rows of `k` values (f32, bf16 or f16, widened exactly),
-    /// quantized to Q4_0 by ggml's reference rule (`quantize.rs`), in
-    /// parallel over rows, with `bias`, for the kernel of `isa`. `k` must
-    /// be a positive multiple of 32.
-    pub(crate) fn quantize_q4_0<S: crate::elem::PanelElem>(
+    /// quantized to `format` (Q4_0, Q5_0 or Q4_K) by ggml's reference
+    /// rule (`quantize.rs`), in parallel over rows, with `bias`, for the
+    /// kernel of `isa`. `k` must be a positive multiple of the format's
+    /// block.
+    pub(crate) fn quantize<S: crate::elem::PanelElem>(
+        format: BlockFormat,
         w: &[S],
         n: usize,
         k: usize,
         bias: Option<&[f32]>,
         isa: Isa,
     ) -> Result<Self> {
-        let format = BlockFormat::Q4_0;
-        if k == 0 || !k.is_multiple_of(32) || w.len() != n * k {
+        let quantize_row: fn(&[S], &mut [u8]) = match format {
+            BlockFormat::Q4_0 => quantize::quantize_row_q4_0,
+            BlockFormat::Q5_0 => quantize::quantize_row_q5_0,
+            BlockFormat::Q4_K => quantize::quantize_row_q4_k,
+            other => bail!(
+                "{} weights are read from GGUF files, not quantized here",
+                other.name()
+            ),
+        };
+        let block = format.block_elems();
+        if k == 0 || !k.is_multiple_of(block) || w.len() != n * k {
             bail!(
-                "Q4_0 weight ({n}, {k}): {} values, the input size a positive multiple of 32",
+                "{} weight ({n}, {k}): {} values, the input size a positive multiple of {block}",
+                format.name(),
                 w.len()
             )
         }
@@ -195,7 +207,7 @@ impl BlockWeight {
         let mut data = vec![0u8; n * rb];
         data.par_chunks_mut(rb)
             .zip(w.par_chunks(k))
-            .for_each(|(out, row)| quantize::quantize_row_q4_0(row, out));
+            .for_each(|(out, row)| quantize_row(row, out));
         Self::new(format, data, n, k, bias.map(<[f32]>::to_vec), isa)
     }
 

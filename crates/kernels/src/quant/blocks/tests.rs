@@ -319,3 +319,58 @@ fn q4_0_quantizes_as_gguf_py() -> candle::Result<()> {
     assert_eq!(layer.weight()?.flatten_all()?.to_vec1::<f32>()?, values);
     Ok(())
 }
+
+/// `--dtype q4_k`'s quantizers give their oracles' bits on the fixture's
+/// floats: Q4_K ggml's own C `quantize_row_q4_K_ref` (a zero sub-block, an
+/// all-positive one, a constant one, an outlier; magnitudes 1e-3 to 1e3),
+/// Q5_0 (its fallback) gguf-py's `quantize`; from bf16 as from the f32
+/// values it widens to; and a layer packed as Q4_K holds Q4_K blocks where
+/// 256 divides its input size and Q5_0 blocks where only 32 does.
+#[test]
+fn q4_k_and_q5_0_quantize_as_ggml() -> candle::Result<()> {
+    use super::quantize::{quantize_row_q4_k, quantize_row_q5_0};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/fixtures/quant/blocks.safetensors"
+    );
+    let tensors = candle::safetensors::load(path, &candle::Device::Cpu)?;
+    type Quantize = fn(&[f32], &mut [u8]);
+    let rows: [(&str, usize, Quantize); 2] =
+        [("Q4_K", 144, quantize_row_q4_k), ("Q5_0", 22, quantize_row_q5_0)];
+    for (name, block_bytes, quantize) in rows {
+        let source: Vec<f32> = tensors[&format!("quantize.{name}.source")]
+            .flatten_all()?
+            .to_vec1()?;
+        let want: Vec<u8> = tensors[&format!("quantize.{name}.blocks")]
+            .flatten_all()?
+            .to_vec1()?;
+        let mut got = vec![0u8; want.len()];
+        quantize(&source, &mut got);
+        let bad = got
+            .chunks_exact(block_bytes)
+            .zip(want.chunks_exact(block_bytes))
+            .position(|(g, w)| g != w);
+        assert_eq!(bad, None, "{name}: first block that differs from the oracle's");
+    }
+    let source: Vec<f32> = tensors["quantize.Q4_K.source"].flatten_all()?.to_vec1()?;
+    let halves: Vec<half::bf16> = source.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let widened: Vec<f32> = halves.iter().map(|v| v.to_f32()).collect();
+    let (mut a, mut b) = (
+        vec![0u8; source.len() / 256 * 144],
+        vec![0u8; source.len() / 256 * 144],
+    );
+    quantize_row_q4_k(&halves, &mut a);
+    quantize_row_q4_k(&widened, &mut b);
+    assert!(a == b);
+    let q4k = crate::PackOptions::new().with_format(crate::PackFormat::Q4_K);
+    let dev = candle::Device::Cpu;
+    for (k, format) in [(512, BlockFormat::Q4_K), (96, BlockFormat::Q5_0)] {
+        let w = candle::Tensor::randn(0f32, 1., (16, k), &dev)?;
+        let layer = crate::PackedLinear::with_options(w, None, &q4k)?;
+        assert_eq!(layer.block_format(), Some(format), "input size {k}");
+    }
+    let odd =
+        crate::PackedLinear::with_options(candle::Tensor::randn(0f32, 1., (16, 40), &dev)?, None, &q4k)?;
+    assert_eq!(odd.block_format(), None);
+    Ok(())
+}
