@@ -4,6 +4,7 @@
 //!
 //! - `options.rs`: [`PackOptions`], what a loader passes to every layer
 //!   it builds (format, instruction set, lent blocks: `lent.rs`);
+//!   `calibrate.rs` decides once whether bf16 weights take `vdpbf16ps`;
 //! - `weight.rs`: the packed weight and its epilogues; `pack.rs` its
 //!   panels in one element type (packing, joining, reading a feature
 //!   back);
@@ -21,6 +22,7 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+mod calibrate;
 mod forward;
 mod lent;
 #[cfg(target_arch = "x86_64")]
@@ -183,9 +185,10 @@ impl PackedLinear {
             && n > 0
             && k > 0;
         let quantize = packable && k.is_multiple_of(32) && format != PackFormat::AsStored;
-        let isa = match quantize {
-            true => Some(isa),
-            false => PackedWeight::isa_for(isa).filter(|_| packable),
+        let isa = match (quantize, packable) {
+            (true, _) => Some(isa),
+            (false, true) => PackedWeight::isa_for(options.isa_for(weight.dtype())),
+            (false, false) => None,
         };
         let Some(isa) = isa else {
             return Ok(Self {

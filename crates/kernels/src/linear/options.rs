@@ -3,6 +3,9 @@
 //! held by no thread or global, so that two models packed two ways can be
 //! built at once.
 
+use candle::DType;
+
+use super::calibrate::bf16_dot_pays;
 use super::lent::LentBlocks;
 use crate::runtime::isa::{current, runnable, Isa};
 
@@ -95,6 +98,22 @@ impl PackOptions {
     /// the processor runs it, else [`isa::current`](crate::isa::current).
     pub fn isa(&self) -> Isa {
         self.isa.map_or_else(current, runnable)
+    }
+
+    /// The instruction set a weight stored in `dtype` is packed for:
+    /// [`PackOptions::isa`], except that by default bf16 weights take
+    /// AVX512-BF16's `vdpbf16ps` only where it measures no slower than
+    /// widening them for f32 FMAs (`calibrate.rs`), so that bf16 is never
+    /// slower than f32 for want of the choice. An instruction set asked
+    /// for ([`PackOptions::with_isa`]) is kept.
+    pub(crate) fn isa_for(&self, dtype: DType) -> Isa {
+        let isa = self.isa();
+        let widen = self.isa.is_none() && isa == Isa::Avx512Bf16 && dtype == DType::BF16 && !bf16_dot_pays();
+        if widen {
+            Isa::Avx512
+        } else {
+            isa
+        }
     }
 
     /// The blocks lent to the layers, if any.

@@ -447,3 +447,36 @@ fn lent_blocks_are_taken_by_their_layer() -> Result<()> {
         .is_err());
     Ok(())
 }
+
+/// By default a bf16 layer takes AVX512-BF16's `vdpbf16ps` only where the
+/// one-time measurement found it no slower than widening (and an f32 or
+/// f16 layer never does); an instruction set asked for is kept. The
+/// default layer computes what the layer packed explicitly for the chosen
+/// set computes.
+#[test]
+fn bf16_layers_take_the_measured_path_by_default() -> Result<()> {
+    use crate::runtime::isa::current;
+    let w = randn(&[40, 64])?;
+    let x = randn(&[3, 64])?;
+    let pays = super::calibrate::bf16_dot_pays();
+    eprintln!("vdpbf16ps pays here: {pays} (default {:?})", current());
+    let want = match current() {
+        Isa::Avx512Bf16 if !pays => Isa::Avx512,
+        isa => isa,
+    };
+    let half = w.to_dtype(candle::DType::BF16)?;
+    let default = PackedLinear::with_options(half.clone(), None, &PackOptions::new())?;
+    assert_eq!(default.isa(), Some(want));
+    let explicit = PackedLinear::with_options(half.clone(), None, &PackOptions::new().with_isa(want))?;
+    assert_eq!(
+        default.forward(&x)?.to_vec2::<f32>()?,
+        explicit.forward(&x)?.to_vec2::<f32>()?
+    );
+    for isa in supported().into_iter().filter(|&i| i != Isa::Portable) {
+        let asked = PackedLinear::with_options(half.clone(), None, &PackOptions::new().with_isa(isa))?;
+        assert_eq!(asked.isa(), Some(isa));
+    }
+    let full = PackedLinear::with_options(w, None, &PackOptions::new())?;
+    assert_eq!(full.isa(), Some(current()));
+    Ok(())
+}
