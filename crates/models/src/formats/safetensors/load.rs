@@ -11,7 +11,7 @@ use candle_nn::{Init, VarBuilder};
 use super::file::{natural_key, Checkpoint};
 use crate::checkpoint::{float_dtype, float_range};
 use crate::formats::preflight::{
-    wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, SUMMARY_ITEMS,
+    wanted_tensors, wanted_within, Misshaped, NonFinite, NotFloat, Preflight, Wanted, SUMMARY_ITEMS,
 };
 
 impl Preflight {
@@ -75,11 +75,40 @@ impl Checkpoint {
     ) -> Result<T> {
         let names: Vec<&str> = self.tensors().iter().map(|t| t.name.as_str()).collect();
         let wanted = wanted_tensors(&names, &build)?;
-        let report = Preflight::check(self, &wanted, true)?;
+        self.load_wanted(&wanted, dtype, device, build)
+    }
+
+    /// [`Checkpoint::load`] of the model the config `owner` describes
+    /// (`LlamaConfig`), its recording held to this file's
+    /// [`Checkpoint::budget`]: a config whose sizes the file cannot hold
+    /// is refused at the first tensor past it, naming the config, that
+    /// tensor and the file, before anything of the config's size is built.
+    pub fn load_bounded<T>(
+        &self,
+        owner: &str,
+        dtype: DType,
+        device: &Device,
+        build: impl Fn(VarBuilder) -> Result<T>,
+    ) -> Result<T> {
+        let names: Vec<&str> = self.tensors().iter().map(|t| t.name.as_str()).collect();
+        let wanted = wanted_within(&names, &self.budget(owner), &build)?;
+        self.load_wanted(&wanted, dtype, device, build)
+    }
+
+    /// The load after the recording: `wanted` compared with the file, then
+    /// `build` run over its tensors.
+    fn load_wanted<T>(
+        &self,
+        wanted: &[Wanted],
+        dtype: DType,
+        device: &Device,
+        build: impl Fn(VarBuilder) -> Result<T>,
+    ) -> Result<T> {
+        let report = Preflight::check(self, wanted, true)?;
         if let Some(summary) = report.summary() {
             candle::bail!("weights '{}' do not match the model: {summary}", self.label())
         }
-        self.ensure_representable(&wanted, dtype)?;
+        self.ensure_representable(wanted, dtype)?;
         let reader = Reader {
             ckpt: self,
             read: std::sync::atomic::AtomicU64::new(0),
