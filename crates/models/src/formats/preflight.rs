@@ -269,7 +269,11 @@ pub struct NonFinite {
 /// How many entries of each kind [`Preflight::summary`] names.
 pub(crate) const SUMMARY_ITEMS: usize = 20;
 
-/// A checkpoint compared with what a model needs.
+/// A checkpoint compared with what a model needs. The names it holds
+/// print as they are: each name a file supplied is escaped
+/// (`str::escape_debug`) as it is written down, so that no byte of a
+/// stranger's file reaches a terminal through a report or its
+/// [`Preflight::summary`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Preflight {
     /// Needed but absent.

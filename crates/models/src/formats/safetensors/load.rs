@@ -17,23 +17,29 @@ use crate::formats::preflight::{
 impl Preflight {
     /// Compares `ckpt` with `wanted`; scans the needed float tensors for
     /// NaN and infinity only when `scan_values` (it reads every weight).
+    /// Names are escaped as the report writes them down (a model's names
+    /// can hold a prefix read from the file).
     pub fn check(ckpt: &Checkpoint, wanted: &[Wanted], scan_values: bool) -> Result<Self> {
+        let escaped = |name: &str| name.escape_debug().to_string();
         let mut report = Self::default();
         let needed: HashSet<&str> = wanted.iter().map(|w| w.name.as_str()).collect();
         for w in wanted {
             match ckpt.info(&w.name) {
-                None => report.missing.push(w.clone()),
+                None => report.missing.push(Wanted {
+                    name: escaped(&w.name),
+                    shape: w.shape.clone(),
+                }),
                 Some(info) => {
                     if info.shape != w.shape {
                         report.misshaped.push(Misshaped {
-                            name: w.name.clone(),
+                            name: escaped(&w.name),
                             expected: w.shape.clone(),
                             found: info.shape.clone(),
                         });
                     }
                     if !info.is_float() {
                         report.not_float.push(NotFloat {
-                            name: w.name.clone(),
+                            name: escaped(&w.name),
                             dtype: info.dtype.clone(),
                         });
                     }
@@ -44,14 +50,18 @@ impl Preflight {
             .tensors()
             .iter()
             .filter(|t| !needed.contains(t.name.as_str()))
-            .map(|t| t.name.clone())
+            .map(|t| escaped(&t.name))
             .collect();
         report.missing.sort_by_cached_key(|w| natural_key(&w.name));
         if scan_values && report.misshaped.is_empty() && report.not_float.is_empty() {
             report.non_finite = ckpt
                 .non_finite(wanted.iter().map(|w| w.name.as_str()))?
                 .into_iter()
-                .map(|(name, nan, inf)| NonFinite { name, nan, inf })
+                .map(|(name, nan, inf)| NonFinite {
+                    name: escaped(&name),
+                    nan,
+                    inf,
+                })
                 .collect();
         }
         Ok(report)
