@@ -78,6 +78,92 @@ fn inspect_lists_every_mismatch_against_a_config() -> Result<()> {
     Ok(())
 }
 
+/// A safetensors file whose tensor names and metadata hold terminal
+/// escapes: ESC sequences (clear the screen, set the title) and a C1 CSI
+/// (U+009B). Its two tensors are an `nn.MultiheadAttention`'s, under a
+/// prefix that is the escape.
+fn hostile_safetensors(path: &Path) -> Result<()> {
+    let tensors = [
+        ("\u{1b}[2J.in_proj_weight", [12usize, 4]),
+        ("\u{1b}[2J.out_proj.weight", [4, 4]),
+    ];
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::json!({ "\u{1b}]0;title\u{7}": "\u{1b}[2J\u{9b}31m" }),
+    );
+    let mut offset = 0;
+    for (name, shape) in &tensors {
+        let end = offset + 4 * shape.iter().product::<usize>();
+        header.insert(
+            name.to_string(),
+            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let header = serde_json::to_vec(&header)?;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header);
+    bytes.resize(bytes.len() + offset, 0);
+    Ok(std::fs::write(path, bytes)?)
+}
+
+/// Names and metadata from a safetensors file cannot drive the terminal:
+/// every control character prints escaped (`\u{1b}`) in the listing, the
+/// metadata, the layout, the config check and the one-line error, as a
+/// GGUF file's do; the JSON writes them as `\u` escapes and parses back
+/// to the file's own names.
+#[test]
+fn inspect_escapes_control_characters_from_a_safetensors_file() -> Result<()> {
+    let dir = scratch("hostile_names")?;
+    let path = dir.join("hostile.safetensors");
+    hostile_safetensors(&path)?;
+    let config = dir.join("mha.json");
+    std::fs::write(&config, r#"{"embed_dim": 4, "num_heads": 1}"#)?;
+    let raw = |bytes: &[u8]| -> bool {
+        let text = String::from_utf8_lossy(bytes);
+        text.chars().any(|c| c.is_control() && c != '\n')
+    };
+
+    let out = multihead(&["inspect", s(&path)?])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for line in [
+        r"\u{1b}[2J.out_proj.weight  F32    [4, 4]",
+        r"metadata: \u{1b}]0;title\u{7} = \u{1b}[2J\u{9b}31m",
+        r"  at '\u{1b}[2J.': embed_dim 4,",
+    ] {
+        assert!(text.contains(line), "{line}\n{text}");
+    }
+
+    // Against a config: the missing biases under the file's prefix, named.
+    let out = multihead(&["inspect", s(&path)?, "--config", s(&config)?])?;
+    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(!raw(&out.stderr), "{:?}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        text.contains(r"  missing     \u{1b}[2J.in_proj_bias [12]"),
+        "{text}"
+    );
+    common::assert_one_line_error(&out, &[r"2 missing: \u{1b}[2J.in_proj_bias [12]"]);
+
+    let out = multihead(&["inspect", "--json", s(&path)?])?;
+    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    let json = String::from_utf8(out.stdout)?;
+    assert!(json.contains(r"\u001b[2J") && json.contains(r"\u009b"), "{json}");
+    let v: serde_json::Value = serde_json::from_str(&json)?;
+    let names: Vec<&str> = v["tensors"]
+        .as_array()
+        .context("tensors")?
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert_eq!(names, ["\u{1b}[2J.in_proj_weight", "\u{1b}[2J.out_proj.weight"]);
+    assert_eq!(v["metadata"]["\u{1b}]0;title\u{7}"], "\u{1b}[2J\u{9b}31m");
+    Ok(())
+}
+
 #[test]
 fn inspect_a_truncated_file() -> Result<()> {
     let dir = scratch("truncated")?;

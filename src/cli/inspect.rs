@@ -2,11 +2,13 @@
 //! GGUF) holds, what it is, and whether it fits a config, printed from the
 //! library's one report ([`InspectReport`]) as text or JSON.
 //!
-//! A GGUF file's names, keys and strings print escaped: the text output
-//! through `str::escape_debug` (strings quoted, as `{:?}`), the JSON output
-//! with every control character as a `\u` escape ([`terminal_safe`]), so
-//! no byte of the file can drive the terminal. A safetensors file's print
-//! as its header stores them.
+//! Names, keys and strings from the file print escaped, so that no byte
+//! of it can drive the terminal: the JSON output with every control
+//! character as a `\u` escape ([`terminal_safe`]); the text output of a
+//! GGUF file through `str::escape_debug` (strings quoted, as `{:?}`), a
+//! safetensors file's with its control characters alone escaped the same
+//! way ([`terminal_text`]), so that the JSON its metadata often holds
+//! prints as stored.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -71,13 +73,39 @@ pub fn run(args: Args) -> Result<()> {
     Ok(report.ensure_fits()?)
 }
 
-/// `text` from the file, as the text output shows it: escaped where the
-/// file is GGUF.
+/// `text` from the file, as the text output shows it: escaped
+/// (`str::escape_debug`) where the file is GGUF, its control characters
+/// escaped ([`terminal_text`]) where it is safetensors.
 fn shown<'a>(r: &InspectReport, text: &'a str) -> Cow<'a, str> {
     match r.layout {
         FileLayout::Gguf(_) => Cow::Owned(text.escape_debug().to_string()),
-        FileLayout::Tensors(_) => Cow::Borrowed(text),
+        FileLayout::Tensors(_) => terminal_text(text),
     }
+}
+
+/// Whether `c` can drive a terminal: a control character, or a
+/// bidirectional override, which reorders what a terminal shows.
+fn drives_terminal(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` with every character that can drive a terminal written as
+/// `char::escape_debug` writes it (`\u{1b}`, `\n`), any other as it is:
+/// text it has escaped comes back the same.
+fn terminal_text(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(drives_terminal) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if drives_terminal(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// The report as text, at most `limit` entries of each list.
@@ -101,7 +129,7 @@ fn print_text(out: &mut impl Write, limit: usize, r: &InspectReport) -> Result<(
     )?;
     for (k, v) in r.metadata.iter().take(limit) {
         let v = match v {
-            MetadataValue::Text(s) => Cow::Borrowed(s.as_str()),
+            MetadataValue::Text(s) => shown(r, s),
             MetadataValue::Gguf(v) => Cow::Owned(show(v)),
         };
         writeln!(out, "metadata: {} = {v}", shown(r, k))?;
@@ -142,7 +170,9 @@ fn print_text(out: &mut impl Write, limit: usize, r: &InspectReport) -> Result<(
             }
             print_report(out, report, limit)?;
         }
-        Some(ConfigCheck::NotUsed { source, why }) => writeln!(out, "config: {}", not_used(source, why))?,
+        Some(ConfigCheck::NotUsed { source, why }) => {
+            writeln!(out, "config: {}", not_used(source, &terminal_text(why)))?
+        }
     }
     Ok(())
 }
@@ -172,7 +202,12 @@ fn print_layout(out: &mut impl Write, layout: &Layout) -> Result<()> {
         Layout::MultiheadAttention(f) => writeln!(
             out,
             "  at '{}': embed_dim {}, kdim {}, vdim {}, bias {}, bias_kv {}, heads ? (not stored in the weights)",
-            f.prefix, f.embed_dim, f.kdim, f.vdim, f.bias, f.add_bias_kv
+            terminal_text(&f.prefix),
+            f.embed_dim,
+            f.kdim,
+            f.vdim,
+            f.bias,
+            f.add_bias_kv
         )?,
         Layout::Decoder(f) => {
             let opt = |v: Option<usize>| v.map_or("?".to_string(), |v| v.to_string());
@@ -286,24 +321,28 @@ fn print_report(out: &mut impl Write, r: &Preflight, limit: usize) -> Result<()>
     if r.is_clean() {
         writeln!(out, "  every tensor matches")?;
     }
+    // The pre-flight writes its names escaped; [`terminal_text`] leaves
+    // escaped text as it is.
     for m in r.missing.iter().take(limit) {
-        writeln!(out, "  missing     {} {:?}", m.name, m.shape)?;
+        writeln!(out, "  missing     {} {:?}", terminal_text(&m.name), m.shape)?;
     }
     more(out, "  ", r.missing.len(), limit, "missing")?;
     for u in r.unexpected.iter().take(limit) {
-        writeln!(out, "  unexpected  {u}")?;
+        writeln!(out, "  unexpected  {}", terminal_text(u))?;
     }
     more(out, "  ", r.unexpected.len(), limit, "unexpected")?;
     for m in r.misshaped.iter().take(limit) {
         writeln!(
             out,
             "  mis-shaped  {} expected {:?} found {:?}",
-            m.name, m.expected, m.found
+            terminal_text(&m.name),
+            m.expected,
+            m.found
         )?;
     }
     more(out, "  ", r.misshaped.len(), limit, "mis-shaped")?;
     for n in r.not_float.iter().take(limit) {
-        writeln!(out, "  not float   {} is {}", n.name, n.dtype)?;
+        writeln!(out, "  not float   {} is {}", terminal_text(&n.name), n.dtype)?;
     }
     more(out, "  ", r.not_float.len(), limit, "not float")
 }
@@ -416,10 +455,7 @@ fn print_json(out: &mut impl Write, r: &InspectReport) -> Result<()> {
     // Formatted first: serde_json's writer errors hide the io::Error that
     // tells a closed pipe from a real failure.
     let json = serde_json::to_string_pretty(&json)?;
-    match r.layout {
-        FileLayout::Gguf(_) => writeln!(out, "{}", terminal_safe(&json))?,
-        FileLayout::Tensors(_) => writeln!(out, "{json}")?,
-    }
+    writeln!(out, "{}", terminal_safe(&json))?;
     Ok(())
 }
 
@@ -455,13 +491,9 @@ fn config_json(kind: &str, source: &ConfigSource, r: &Preflight) -> serde_json::
 fn terminal_safe(json: &str) -> String {
     // A raw newline is the pretty layout's; inside strings serde_json
     // has written each as `\n` already.
-    let escaped = |c: char| {
-        (c.is_control() && c != '\n')
-            || matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
-    };
     let mut out = String::with_capacity(json.len());
     for c in json.chars() {
-        if escaped(c) {
+        if c != '\n' && drives_terminal(c) {
             out.push_str(&format!("\\u{:04x}", u32::from(c)));
         } else {
             out.push(c);

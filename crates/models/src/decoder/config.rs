@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::gemma::GemmaConfig;
-use crate::formats::safetensors::{checked_product, Checkpoint, MinWeights};
+use crate::formats::safetensors::Checkpoint;
 use crate::mlp::Activation;
 
 /// Largest width, vocabulary, layer count or context a config may ask for:
@@ -84,6 +84,16 @@ pub enum QkNorm {
 }
 
 impl HfDecoderConfig {
+    /// The config's type, as errors and `multihead inspect` name it
+    /// (`LlamaConfig`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Gpt2(_) => "Gpt2Config",
+            Self::Llama(_) => "LlamaConfig",
+            Self::Gemma(_) => "GemmaConfig",
+        }
+    }
+
     /// Parses `config.json` text; `label` names the file in errors.
     pub fn from_json(text: &str, label: &str) -> Result<Self> {
         let value: Value = serde_json::from_str(text)
@@ -259,90 +269,6 @@ impl Gpt2Config {
     /// MLP width.
     pub fn n_inner(&self) -> usize {
         self.n_inner.unwrap_or(4 * self.n_embd)
-    }
-
-    /// The fewest weights a checkpoint of this config stores (embeddings
-    /// and weight matrices), with checked arithmetic; see
-    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
-    pub fn min_weights(&self) -> Result<MinWeights> {
-        let (e, inner) = (self.n_embd, self.n_inner());
-        let mut m = MinWeights::new("Gpt2Config");
-        m.add(
-            format!("wte (vocab_size {} x n_embd {e})", self.vocab_size),
-            &[self.vocab_size, e],
-        )?;
-        m.add(
-            format!("wpe (n_positions {} x n_embd {e})", self.n_positions),
-            &[self.n_positions, e],
-        )?;
-        // c_attn (e x 3e), attn.c_proj (e x e), mlp.c_fc and mlp.c_proj (e x inner each).
-        let per_block = block_weights(&[&[4, e, e], &[2, e, inner]], "Gpt2Config", e, inner)?;
-        m.add(
-            format!("h (n_layer {} x {per_block} each)", self.n_layer),
-            &[self.n_layer, per_block],
-        )?;
-        Ok(m)
-    }
-}
-
-/// The sum of the products `parts`: one block's weights, or an error
-/// naming the widths when it overflows.
-pub(super) fn block_weights(parts: &[&[usize]], owner: &str, width: usize, mlp: usize) -> Result<usize> {
-    parts
-        .iter()
-        .try_fold(0usize, |sum, p| {
-            checked_product(p).and_then(|n| sum.checked_add(n))
-        })
-        .ok_or_else(|| {
-            candle::Error::Msg(format!(
-                "{owner}: one block's weights overflow (width {width}, MLP width {mlp})"
-            ))
-        })
-}
-
-/// The sizes that fix a grouped-query decoder's weight matrices (Llama's
-/// relatives, Gemma): what [`LlamaConfig::min_weights`] and
-/// `GemmaConfig::min_weights` count.
-pub(super) struct GqaDecoderShape {
-    /// The config's name, in errors.
-    pub owner: &'static str,
-    pub vocab: usize,
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    /// The output projection shares the embedding.
-    pub tied: bool,
-}
-
-impl GqaDecoderShape {
-    /// The token table, q and o (hidden x heads·head_dim each), k and v
-    /// (hidden x kv_heads·head_dim each), gate, up and down (hidden x
-    /// intermediate each) a layer, and an untied head, with checked
-    /// arithmetic.
-    pub fn min_weights(&self) -> Result<MinWeights> {
-        let (e, i, v, hd) = (self.hidden, self.intermediate, self.vocab, self.head_dim);
-        let mut m = MinWeights::new(self.owner);
-        m.add(
-            format!("embed_tokens (vocab_size {v} x hidden_size {e})"),
-            &[v, e],
-        )?;
-        let per_layer = block_weights(
-            &[&[2, e, self.heads, hd], &[2, e, self.kv_heads, hd], &[3, e, i]],
-            self.owner,
-            e,
-            i,
-        )?;
-        m.add(
-            format!("layers (num_hidden_layers {} x {per_layer} each)", self.layers),
-            &[self.layers, per_layer],
-        )?;
-        if !self.tied {
-            m.add(format!("lm_head (vocab_size {v} x hidden_size {e})"), &[v, e])?;
-        }
-        Ok(m)
     }
 }
 
@@ -773,24 +699,6 @@ impl LlamaConfig {
     pub fn head_width(&self) -> usize {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
-    }
-
-    /// The fewest weights a checkpoint of this config stores (embeddings
-    /// and weight matrices), with checked arithmetic; see
-    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
-    pub fn min_weights(&self) -> Result<MinWeights> {
-        GqaDecoderShape {
-            owner: "LlamaConfig",
-            vocab: self.vocab_size,
-            hidden: self.hidden_size,
-            intermediate: self.intermediate_size,
-            layers: self.num_hidden_layers,
-            heads: self.num_attention_heads,
-            kv_heads: self.kv_heads(),
-            head_dim: self.head_width(),
-            tied: self.tie_word_embeddings,
-        }
-        .min_weights()
     }
 
     /// Key/value heads.

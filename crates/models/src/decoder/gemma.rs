@@ -21,8 +21,10 @@ use multihead_attention::{
 };
 use serde_json::{Map, Value};
 
-use super::config::{check_dims, check_eps, checked_layers, ties_in, GqaDecoderShape};
+use super::config::{check_dims, check_eps, checked_layers, ties_in};
+use super::llama::{GGUF_LAYER, GGUF_TOP};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
+use crate::formats::gguf::{GgufNames, NamePair};
 use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
 
@@ -260,24 +262,47 @@ impl GemmaConfig {
         self.layer_types.get(i).copied().unwrap_or(LayerKind::Full)
     }
 
-    /// The fewest weights a checkpoint of this config stores (embeddings
-    /// and weight matrices), with checked arithmetic; see
-    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
-    pub fn min_weights(&self) -> Result<MinWeights> {
-        GqaDecoderShape {
-            owner: "GemmaConfig",
-            vocab: self.vocab_size,
-            hidden: self.hidden_size,
-            intermediate: self.intermediate_size,
-            layers: self.num_hidden_layers,
-            heads: self.num_attention_heads,
-            kv_heads: self.num_key_value_heads,
-            head_dim: self.head_dim,
-            tied: self.tie_word_embeddings,
+    /// The names the model of this config gives its tensors in a GGUF
+    /// file (what the GGUF loader reads them by): Llama's attention and
+    /// MLP, and Gemma's four norms. gguf-py's `gemma2` has no `output`
+    /// (llama.cpp's Gemma 2 always projects with the embeddings).
+    pub(crate) fn gguf_names(&self) -> GgufNames {
+        GgufNames {
+            top: GGUF_TOP
+                .iter()
+                .filter(|(_, g)| self.family != GemmaFamily::Gemma2 || *g != "output.weight")
+                .copied()
+                .collect(),
+            layer: [&GGUF_LAYER[..], &GGUF_NORMS].concat(),
         }
-        .min_weights()
+    }
+
+    /// The weights a model of this config asks for, counted from what
+    /// [`Gemma::new`] asks for.
+    #[deprecated(
+        note = "a decoder's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        MinWeights::recorded("GemmaConfig", self.num_hidden_layers, |n, vb| {
+            let cfg = GemmaConfig {
+                num_hidden_layers: n,
+                layer_types: self.layer_types.iter().copied().take(n).collect(),
+                ..self.clone()
+            };
+            Gemma::new(&cfg, vb)
+        })
     }
 }
+
+/// A Gemma block's four norms under HF's names beside the converter's:
+/// `post_attention_layernorm` follows attention (`post_attention_norm`),
+/// `pre_feedforward_layernorm` leads the MLP (`ffn_norm`).
+const GGUF_NORMS: [NamePair; 4] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+];
 
 /// A config object's fields, read with defaults and errors naming them.
 struct Fields<'a> {
@@ -631,7 +656,6 @@ impl Gemma {
     /// [`Gemma::text_checkpoint`]).
     pub fn load(cfg: &GemmaConfig, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
         let (ckpt, prefix) = Self::text_checkpoint(ckpt);
-        ckpt.ensure_holds(&cfg.min_weights()?)?;
         let cfg = GemmaConfig {
             tie_word_embeddings: ties_in(
                 cfg.tie_word_embeddings,
@@ -640,7 +664,9 @@ impl Gemma {
             ),
             ..cfg.clone()
         };
-        ckpt.load_with(DType::F32, device, |vb, pack| {
+        // A config far larger than the file is refused as it is recorded,
+        // before anything of its size is built.
+        ckpt.load_bounded("GemmaConfig", DType::F32, device, |vb, pack| {
             Self::new_with(&cfg, pack, at(vb, prefix))
         })
     }
@@ -741,7 +767,7 @@ mod tests {
     use multihead_attention::RopeScaling;
 
     use super::super::HfDecoderConfig;
-    use super::{GemmaConfig, GemmaFamily, LayerKind};
+    use super::{GemmaConfig, GemmaFamily, GgufNames, LayerKind};
 
     fn parse(json: &str) -> candle::Result<GemmaConfig> {
         match HfDecoderConfig::from_json(json, "config.json")? {
@@ -862,5 +888,33 @@ mod tests {
         assert!(err.contains("field 'num_hidden_layers' must be in 1..="), "{err}");
         let err = parse(r#"{"model_type": "gemma3"}"#).unwrap_err().to_string();
         assert!(err.contains("text_config"), "{err}");
+    }
+
+    /// Gemma's norms by gguf-py's map; `gemma2` has no output projection,
+    /// `gemma3` has.
+    #[test]
+    fn gemma_names_its_norms_and_its_head_by_family() -> candle::Result<()> {
+        let names = |model_type: &str| -> candle::Result<GgufNames> {
+            Ok(parse(&format!(
+                r#"{{"model_type": "{model_type}", "num_hidden_layers": 2}}"#
+            ))?
+            .gguf_names())
+        };
+        let (gemma2, gemma3) = (names("gemma2")?, names("gemma3_text")?);
+        for names in [&gemma2, &gemma3] {
+            assert_eq!(
+                names
+                    .gguf_name("model.layers.3.post_attention_layernorm.weight")
+                    .as_deref(),
+                Some("blk.3.post_attention_norm.weight")
+            );
+            assert_eq!(
+                names.hf_name("blk.3.ffn_norm.weight").as_deref(),
+                Some("model.layers.3.pre_feedforward_layernorm.weight")
+            );
+        }
+        assert_eq!(gemma2.hf_name("output.weight"), None);
+        assert_eq!(gemma3.hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        Ok(())
     }
 }

@@ -10,7 +10,7 @@ use multihead_attention::{
 
 use super::config::{ties_in, Gpt2Config};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
-use crate::formats::safetensors::Checkpoint;
+use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
 
 /// GPT-2's `Conv1D` `<name>.weight (in, out)` as a linear layer packed
@@ -127,10 +127,9 @@ impl Gpt2 {
     /// tied model's `lm_head.weight` equal to `wte`; a different one is the
     /// head's own weight, as in HF transformers.
     pub fn load(cfg: &Gpt2Config, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
-        // A config far larger than the file is refused before anything of
-        // its size is built.
-        ckpt.ensure_holds(&cfg.min_weights()?)?;
-        ckpt.load_with(DType::F32, device, Self::builder(cfg, ckpt))
+        // A config far larger than the file is refused as it is recorded,
+        // before anything of its size is built.
+        ckpt.load_bounded("Gpt2Config", DType::F32, device, Self::builder(cfg, ckpt))
     }
 
     /// What builds the model from a `VarBuilder` over `ckpt`'s names, its
@@ -206,6 +205,23 @@ impl Gpt2 {
             x = block.forward(&x, cache.layer(i)?)?;
         }
         Ok(x)
+    }
+}
+
+impl Gpt2Config {
+    /// The weights a model of this config asks for, counted from what
+    /// [`Gpt2::new`] asks for (its head tied).
+    #[deprecated(
+        note = "a decoder's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        MinWeights::recorded("Gpt2Config", self.n_layer, |n, vb| {
+            let cfg = Gpt2Config {
+                n_layer: n,
+                ..self.clone()
+            };
+            Gpt2::new(&cfg, vb, None)
+        })
     }
 }
 

@@ -18,7 +18,8 @@ use multihead_attention::{
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
 use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
-use crate::formats::safetensors::Checkpoint;
+use crate::formats::gguf::{GgufNames, NamePair};
+use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
 
 /// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`
@@ -223,14 +224,15 @@ impl Llama {
 
     /// Builds the model from a checkpoint, after the pre-flight check.
     pub fn load(cfg: &LlamaConfig, ckpt: &Checkpoint, device: &Device) -> Result<Self> {
-        // A config far larger than the file is refused before anything of
-        // its size is built.
-        ckpt.ensure_holds(&cfg.min_weights()?)?;
         let cfg = LlamaConfig {
             tie_word_embeddings: ties_in(cfg.tie_word_embeddings, ckpt, "model.embed_tokens.weight"),
             ..cfg.clone()
         };
-        ckpt.load_with(DType::F32, device, |vb, pack| Self::new_with(&cfg, pack, vb))
+        // A config far larger than the file is refused as it is recorded,
+        // before anything of its size is built.
+        ckpt.load_bounded("LlamaConfig", DType::F32, device, |vb, pack| {
+            Self::new_with(&cfg, pack, vb)
+        })
     }
 
     /// The model, its caches storing keys and values in `dtype` (`None`:
@@ -298,6 +300,92 @@ impl Llama {
     }
 }
 
+/// One layer's attention and MLP under HF's names (after
+/// `model.layers.N.`) beside those llama.cpp's `convert_hf_to_gguf.py`
+/// writes (after `blk.N.`), as gguf-py's `tensor_mapping.py` pairs them;
+/// Gemma's layers share them.
+pub(super) const GGUF_LAYER: [NamePair; 16] = [
+    ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.o_proj.bias", "attn_output.bias"),
+    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.gate_proj.bias", "ffn_gate.bias"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.up_proj.bias", "ffn_up.bias"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+    ("mlp.down_proj.bias", "ffn_down.bias"),
+];
+
+/// Phi-3's fused projections ([`Projections::Fused`]), ahead of
+/// [`GGUF_LAYER`]: the converter's `ffn_up` holds the gate's rows, then
+/// the up rows.
+const GGUF_FUSED: [NamePair; 2] = [
+    ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+    ("mlp.gate_up_proj.weight", "ffn_up.weight"),
+];
+
+/// The block's norms, by where they sit ([`NormPlacement`]): HF's
+/// `post_attention_layernorm` is the norm before the MLP in Llama
+/// (`ffn_norm`) and the one after attention in OLMo 2
+/// (`post_attention_norm`).
+const GGUF_NORMS_PRE: [NamePair; 2] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+];
+const GGUF_NORMS_POST: [NamePair; 2] = [
+    ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+];
+
+/// The tensors outside the layers, HF's names beside the converter's.
+pub(super) const GGUF_TOP: [NamePair; 3] = [
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+];
+
+impl LlamaConfig {
+    /// The names the model of this config gives its tensors in a GGUF
+    /// file (what the GGUF loader reads them by): its projections and
+    /// its norms' placement decide them.
+    pub(crate) fn gguf_names(&self) -> GgufNames {
+        let fused: &[NamePair] = match self.projections {
+            Projections::Fused => &GGUF_FUSED,
+            Projections::Separate => &[],
+        };
+        let norms = match self.norm_placement {
+            NormPlacement::Pre => &GGUF_NORMS_PRE,
+            NormPlacement::Post => &GGUF_NORMS_POST,
+        };
+        GgufNames {
+            top: GGUF_TOP.to_vec(),
+            layer: [fused, &GGUF_LAYER, norms].concat(),
+        }
+    }
+
+    /// The weights a model of this config asks for, counted from what
+    /// [`Llama::new`] asks for.
+    #[deprecated(
+        note = "a decoder's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
+    pub fn min_weights(&self) -> Result<MinWeights> {
+        MinWeights::recorded("LlamaConfig", self.num_hidden_layers, |n, vb| {
+            let cfg = LlamaConfig {
+                num_hidden_layers: n,
+                ..self.clone()
+            };
+            Llama::new(&cfg, vb)
+        })
+    }
+}
+
 impl CausalLm for Llama {
     fn forward(&self, ids: &Tensor, cache: &mut DecoderCache) -> Result<Tensor> {
         let (b, t) = check_ids(ids, self.cfg.vocab_size, "Llama")?;
@@ -336,5 +424,107 @@ impl CausalLm for Llama {
 
     fn device(&self) -> &Device {
         &self.device
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decoder::families::{family_config, recorded, FAMILIES};
+    use crate::decoder::HfDecoderConfig;
+
+    const SIZES: &str = r#""vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2"#;
+
+    /// Every tensor each family's constructor asks for has a GGUF name in
+    /// its table, which maps back to it: the table and the constructor
+    /// describe the same tensors. (A Gemma 2 file has no output
+    /// projection: its model is always tied.)
+    #[test]
+    fn the_gguf_table_names_every_tensor_the_constructor_asks_for() -> Result<()> {
+        for (family, options) in FAMILIES {
+            for tied in [true, false].into_iter().filter(|&t| t || family != "gemma2") {
+                let sizes = format!(r#"{SIZES}, "tie_word_embeddings": {tied}"#);
+                let cfg = family_config(options, &sizes)?;
+                let names = match &cfg {
+                    HfDecoderConfig::Llama(c) => c.gguf_names(),
+                    HfDecoderConfig::Gemma(c) => c.gguf_names(),
+                    HfDecoderConfig::Gpt2(_) => unreachable!("not a family"),
+                };
+                for w in recorded(&cfg, &[])? {
+                    let g = names.gguf_name(&w.name);
+                    assert!(g.is_some(), "{family} {options}: {} has no GGUF name", w.name);
+                    let back = g.as_deref().and_then(|g| names.hf_name(g));
+                    assert_eq!(back.as_deref(), Some(w.name.as_str()), "{family} {options}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The names that depend on the model: the norms' by their placement
+    /// (gguf-py's map for `olmo2` against `llama`'s), Phi-3's fused
+    /// projections.
+    #[test]
+    fn norms_and_fused_projections_are_named_by_the_config() -> Result<()> {
+        let names = |model_type: &str| -> Result<GgufNames> {
+            match family_config(&format!(r#""model_type": "{model_type}""#), SIZES)? {
+                HfDecoderConfig::Llama(c) => Ok(c.gguf_names()),
+                other => candle::bail!("not a Llama: {other:?}"),
+            }
+        };
+        let (llama, olmo2, phi3) = (names("llama")?, names("olmo2")?, names("phi3")?);
+        let post = "model.layers.3.post_attention_layernorm.weight";
+        assert_eq!(llama.gguf_name(post).as_deref(), Some("blk.3.ffn_norm.weight"));
+        assert_eq!(
+            olmo2.gguf_name(post).as_deref(),
+            Some("blk.3.post_attention_norm.weight")
+        );
+        assert_eq!(
+            olmo2.hf_name("blk.3.post_ffw_norm.weight").as_deref(),
+            Some("model.layers.3.post_feedforward_layernorm.weight")
+        );
+        assert_eq!(olmo2.hf_name("blk.3.ffn_norm.weight"), None);
+        assert_eq!(olmo2.hf_name("blk.3.attn_norm.weight"), None);
+        assert_eq!(llama.hf_name("blk.3.post_ffw_norm.weight"), None);
+        assert_eq!(llama.hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        // Phi-3's `ffn_up` is the gate and up in one.
+        for (hf, g) in [
+            (
+                "model.layers.1.self_attn.qkv_proj.weight",
+                "blk.1.attn_qkv.weight",
+            ),
+            ("model.layers.0.mlp.gate_up_proj.weight", "blk.0.ffn_up.weight"),
+        ] {
+            assert_eq!(phi3.gguf_name(hf).as_deref(), Some(g));
+            assert_eq!(phi3.hf_name(g).as_deref(), Some(hf));
+        }
+        assert_eq!(
+            llama.hf_name("blk.0.ffn_up.weight").as_deref(),
+            Some("model.layers.0.mlp.up_proj.weight")
+        );
+        assert_eq!(llama.hf_name("blk.0.attn_qkv.weight"), None);
+        Ok(())
+    }
+
+    /// The deprecated count is what the constructor asks for, every layer
+    /// multiplied out.
+    #[test]
+    #[allow(deprecated)]
+    fn min_weights_counts_what_the_constructor_asks_for() -> Result<()> {
+        let HfDecoderConfig::Llama(cfg) = family_config(r#""model_type": "qwen2""#, SIZES)? else {
+            candle::bail!("not a Llama")
+        };
+        let all: usize = recorded(&HfDecoderConfig::Llama(cfg.clone()), &[])?
+            .iter()
+            .map(|w| w.shape.iter().product::<usize>())
+            .sum();
+        assert_eq!(cfg.min_weights()?.total(), all);
+        let huge = LlamaConfig {
+            num_hidden_layers: 1 << 24,
+            ..cfg
+        };
+        assert!(huge.min_weights()?.total() > all << 20);
+        Ok(())
     }
 }

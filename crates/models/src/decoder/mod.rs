@@ -29,6 +29,7 @@ mod batch;
 mod chat;
 pub(crate) mod config;
 mod conversation;
+pub(crate) mod families;
 mod gemma;
 mod generation_config;
 mod gpt2;
@@ -47,7 +48,7 @@ use multihead_attention::MultiheadAttention;
 use multihead_attention::{KvCache, PackOptions, PackedLinear};
 
 use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles, WeightDtype};
-use crate::formats::preflight::{wanted_tensors, Wanted};
+use crate::formats::preflight::{wanted_within, Wanted};
 use crate::formats::safetensors::Checkpoint;
 use crate::generation::StepModel;
 
@@ -411,26 +412,25 @@ impl DecoderModel {
         }
     }
 
-    /// The tensors the model `cfg` describes asks `ckpt` for, after the
-    /// config's sizes were checked against what the file holds: what
+    /// The tensors the model `cfg` describes asks `ckpt` for, recorded
+    /// within the file's [`Checkpoint::budget`] (a config whose sizes the
+    /// file cannot hold is an error naming the tensor past it): what
     /// `multihead inspect` compares with the file.
     pub fn wanted_tensors(cfg: &HfDecoderConfig, ckpt: &Checkpoint) -> Result<Vec<Wanted>> {
         let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
+        let budget = ckpt.budget(cfg.kind());
         match cfg {
             HfDecoderConfig::Gpt2(c) => {
-                ckpt.ensure_holds(&c.min_weights()?)?;
                 let build = Gpt2::builder(c, ckpt);
-                wanted_tensors(&names, |vb| build(vb, &PackOptions::default()))
+                wanted_within(&names, &budget, |vb| build(vb, &PackOptions::default()))
             }
-            HfDecoderConfig::Llama(c) => {
-                ckpt.ensure_holds(&c.min_weights()?)?;
-                wanted_tensors(&names, |vb| Llama::new(c, vb))
-            }
+            HfDecoderConfig::Llama(c) => wanted_within(&names, &budget, |vb| Llama::new(c, vb)),
             HfDecoderConfig::Gemma(c) => {
                 let (text, prefix) = Gemma::text_checkpoint(ckpt);
-                text.ensure_holds(&c.min_weights()?)?;
                 let names: Vec<&str> = text.tensors().iter().map(|t| t.name.as_str()).collect();
-                wanted_tensors(&names, |vb| Gemma::new(c, gemma::at(vb, prefix)))
+                wanted_within(&names, &text.budget(cfg.kind()), |vb| {
+                    Gemma::new(c, gemma::at(vb, prefix))
+                })
             }
         }
     }

@@ -1,7 +1,9 @@
 //! What a model needs from a checkpoint, found by building it once
-//! against a recording `VarBuilder`, and the comparison with what the
-//! file holds: every missing, unexpected, mis-shaped, non-float and
-//! non-finite tensor at once, before any weight is loaded. Each format
+//! against a recording `VarBuilder` (within a [`Budget`] of the file's
+//! weights: a config's sizes checked against the file by the constructor
+//! that reads them), and the comparison with what the file holds: every
+//! missing, unexpected, mis-shaped, non-float and non-finite tensor at
+//! once, before any weight is loaded. Each format
 //! fills the report from its own file: a safetensors file in
 //! `safetensors/load.rs` ([`Preflight::check`]), a GGUF file by its
 //! tensors' GGUF names in `gguf/load.rs`.
@@ -23,41 +25,142 @@ pub struct Wanted {
     pub shape: Vec<usize>,
 }
 
+/// How many times the weights a file holds a model may ask for and still
+/// be compared with it tensor by tensor. A config one layer or one width
+/// off gets the full list of what is missing; one that asks for more
+/// cannot describe the file, and recording its model would cost time and
+/// memory in proportion to the config rather than the file.
+pub(crate) const CAPACITY_SLACK: usize = 2;
+
+/// How many more tensors than the file holds a model may ask for before
+/// a recording gives up: a config a few layers off still gets its full
+/// list of missing tensors.
+const EXTRA_WANTED: usize = 256;
+
+/// The most a model's recording ([`wanted_within`]) may ask of a file:
+/// twice the weights it holds, and twice its tensors plus 256. The
+/// model's constructor is the description of its tensors, so a config
+/// whose sizes the file cannot hold is refused as it is recorded, at the
+/// first tensor past the budget, before anything of the config's size is
+/// built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    /// The config that describes the model (`LlamaConfig`), in errors.
+    owner: String,
+    /// The file, as its errors name it.
+    file: String,
+    /// The weights the file holds.
+    held: usize,
+    /// The tensors the file holds.
+    held_tensors: usize,
+}
+
+impl Budget {
+    /// The budget of the model the config `owner` describes against
+    /// `file`, which holds `weights` weights in `tensors` tensors.
+    pub fn new(owner: impl Into<String>, file: impl Into<String>, weights: usize, tensors: usize) -> Self {
+        Self {
+            owner: owner.into(),
+            file: file.into(),
+            held: weights,
+            held_tensors: tensors,
+        }
+    }
+
+    /// The most weights the model may ask for.
+    pub fn weights(&self) -> usize {
+        self.held.saturating_mul(CAPACITY_SLACK)
+    }
+
+    /// The most tensors the model may ask for (requests, a name asked
+    /// twice counted twice).
+    pub fn tensors(&self) -> usize {
+        tensor_limit(self.held_tensors)
+    }
+}
+
+/// The most requests a recording against a file of `held` tensors answers.
+fn tensor_limit(held: usize) -> usize {
+    held.saturating_mul(2).saturating_add(EXTRA_WANTED)
+}
+
+/// What a recording has been asked so far.
+#[derive(Default)]
+struct Asked {
+    /// Every request, in order (a name asked twice is here twice).
+    wanted: Vec<Wanted>,
+    /// The names asked.
+    seen: HashSet<String>,
+    /// The weights of the names asked, each counted once.
+    weights: usize,
+}
+
 /// Answers every `vb.get` with zeros (one element broadcast, so a large
 /// model costs no memory) and writes down what was asked.
 struct Recorder {
     present: HashSet<String>,
-    wanted: Arc<Mutex<Vec<Wanted>>>,
-    /// Most requests answered: a config whose sizes the file cannot hold
-    /// (`depth: 300000`) stops here instead of recording millions.
-    limit: usize,
+    asked: Arc<Mutex<Asked>>,
+    /// The file's budget; without one, only the requests are bounded
+    /// ([`tensor_limit`] of `present`), so that a config whose sizes the
+    /// file cannot hold (`depth: 300000`) stops there instead of
+    /// recording millions.
+    budget: Option<Budget>,
 }
 
 impl SimpleBackend for Recorder {
     fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
-        if s.dims()
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .is_none()
-        {
-            candle::bail!(
-                "the model asks for '{name}' of shape {:?}, whose size overflows: a size in its config is absurd",
-                s.dims()
-            )
-        }
-        let mut w = self
-            .wanted
+        let Some(n) = s.dims().iter().try_fold(1usize, |n, &d| n.checked_mul(d)) else {
+            match &self.budget {
+                Some(b) => candle::bail!(
+                    "{} asks for '{name}' of shape {:?}, whose size overflows, but '{}' holds {}: a size in the \
+                     config is larger than this file can hold",
+                    b.owner,
+                    s.dims(),
+                    b.file,
+                    b.held
+                ),
+                None => candle::bail!(
+                    "the model asks for '{name}' of shape {:?}, whose size overflows: a size in its config is absurd",
+                    s.dims()
+                ),
+            }
+        };
+        let mut asked = self
+            .asked
             .lock()
             .map_err(|_| candle::Error::Msg("preflight: recorder poisoned".into()))?;
-        if w.len() >= self.limit {
-            candle::bail!(
+        match &self.budget {
+            Some(b) if asked.wanted.len() >= b.tensors() => candle::bail!(
+                "{} describes a model of more than {} tensors ('{name}' is one too many), but '{}' holds {}: \
+                 a size in the config (layers, ...) is larger than this file can hold",
+                b.owner,
+                b.tensors(),
+                b.file,
+                b.held_tensors
+            ),
+            None if asked.wanted.len() >= tensor_limit(self.present.len()) => candle::bail!(
                 "the model asks for more than {} tensors but the file holds {}: a size in its config \
                  (depth, layers, ...) is larger than this file can hold",
-                self.limit,
+                tensor_limit(self.present.len()),
                 self.present.len()
-            )
+            ),
+            _ => {}
         }
-        w.push(Wanted {
+        if asked.seen.insert(name.to_string()) {
+            let total = asked.weights.saturating_add(n);
+            if let Some(b) = self.budget.as_ref().filter(|b| total > b.weights()) {
+                candle::bail!(
+                    "{} describes a model of at least {total} weights ('{name}' {:?}: {n}), but '{}' holds {}: \
+                     a size in the config is larger than this file can hold",
+                    b.owner,
+                    s.dims(),
+                    b.file,
+                    b.held
+                )
+            }
+            asked.weights = total;
+        }
+        asked.wanted.push(Wanted {
             name: name.to_string(),
             shape: s.dims().to_vec(),
         });
@@ -74,11 +177,6 @@ impl SimpleBackend for Recorder {
     }
 }
 
-/// How many more tensors than the file holds a model may ask for before
-/// [`wanted_tensors`] gives up: a config a few layers off still gets its
-/// full list of missing tensors.
-pub(crate) const EXTRA_WANTED: usize = 256;
-
 /// The tensors `build` asks for when it constructs its model, in order,
 /// each once. `present` answers `vb.contains_tensor`.
 ///
@@ -86,25 +184,50 @@ pub(crate) const EXTRA_WANTED: usize = 256;
 /// tensors as `present` holds, plus 256, or for a shape whose
 /// size overflows: such a model cannot be in the file, and recording it
 /// would cost time and memory in proportion to the config, not the file.
+/// [`wanted_within`] also bounds the weights.
 pub fn wanted_tensors<T>(
     present: &[&str],
     build: impl FnOnce(VarBuilder) -> Result<T>,
 ) -> Result<Vec<Wanted>> {
-    let wanted = Arc::new(Mutex::new(Vec::new()));
+    record(present, None, build)
+}
+
+/// [`wanted_tensors`] within `budget`: the first tensor that takes the
+/// model past the weights (or the requests) the file's budget allows is
+/// an error naming the config, that tensor and the file, before the
+/// constructor builds anything with it. The constructors ask for a
+/// tensor before they allocate anything its sizes decide, so the
+/// recording costs time and memory in proportion to the file.
+pub fn wanted_within<T>(
+    present: &[&str],
+    budget: &Budget,
+    build: impl FnOnce(VarBuilder) -> Result<T>,
+) -> Result<Vec<Wanted>> {
+    record(present, Some(budget.clone()), build)
+}
+
+fn record<T>(
+    present: &[&str],
+    budget: Option<Budget>,
+    build: impl FnOnce(VarBuilder) -> Result<T>,
+) -> Result<Vec<Wanted>> {
+    let asked = Arc::new(Mutex::new(Asked::default()));
     let recorder = Recorder {
         present: present.iter().map(|s| s.to_string()).collect(),
-        wanted: wanted.clone(),
-        limit: present.len().saturating_mul(2).saturating_add(EXTRA_WANTED),
+        asked: asked.clone(),
+        budget,
     };
     build(VarBuilder::from_backend(
         Box::new(recorder),
         DType::F32,
         Device::Cpu,
     ))?;
-    let wanted: Vec<Wanted> = wanted
-        .lock()
-        .map_err(|_| candle::Error::Msg("preflight: recorder poisoned".into()))?
-        .clone();
+    let wanted = std::mem::take(
+        &mut asked
+            .lock()
+            .map_err(|_| candle::Error::Msg("preflight: recorder poisoned".into()))?
+            .wanted,
+    );
     let mut seen = HashSet::new();
     Ok(wanted
         .into_iter()
@@ -146,7 +269,11 @@ pub struct NonFinite {
 /// How many entries of each kind [`Preflight::summary`] names.
 pub(crate) const SUMMARY_ITEMS: usize = 20;
 
-/// A checkpoint compared with what a model needs.
+/// A checkpoint compared with what a model needs. The names it holds
+/// print as they are: each name a file supplied is escaped
+/// (`str::escape_debug`) as it is written down, so that no byte of a
+/// stranger's file reaches a terminal through a report or its
+/// [`Preflight::summary`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Preflight {
     /// Needed but absent.
@@ -201,5 +328,64 @@ impl Preflight {
             format!("{} ({} NaN, {} Inf)", n.name, n.nan, n.inf)
         });
         (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A model asking for `n` tensors `t0`, `t1`, ... of `shape` each,
+    /// and `t0` again.
+    fn asks(n: usize, shape: &'static [usize]) -> impl FnOnce(VarBuilder) -> Result<()> {
+        move |vb| {
+            for i in 0..n {
+                vb.get(shape, &format!("t{i}"))?;
+            }
+            vb.get(shape, "t0")?;
+            Ok(())
+        }
+    }
+
+    /// The first tensor past twice the file's weights stops the recording,
+    /// naming the config, that tensor and the file; a name asked twice
+    /// counts once.
+    #[test]
+    fn a_budget_stops_the_recording_at_the_tensor_past_it() -> Result<()> {
+        let budget = Budget::new("TestConfig", "w.safetensors", 100, 4);
+        assert_eq!((budget.weights(), budget.tensors()), (200, 264));
+        let wanted = wanted_within(&[], &budget, asks(3, &[6, 10]))?;
+        assert_eq!(wanted.len(), 3);
+        let err = wanted_within(&[], &budget, asks(4, &[6, 10]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "TestConfig describes a model of at least 240 weights ('t3' [6, 10]: 60), but 'w.safetensors' \
+                 holds 100: a size in the config is larger than this file can hold"
+            ),
+            "{err}"
+        );
+        let many = Budget::new("TestConfig", "w.safetensors", 1000, 4);
+        let err = wanted_within(&[], &many, asks(300, &[1]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("TestConfig describes a model of more than 264 tensors ('t264' is one too many)")
+                && err.contains("larger than this file can hold"),
+            "{err}"
+        );
+        let err = wanted_within(&[], &budget, asks(1, &[usize::MAX, 2]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("TestConfig asks for 't0'") && err.contains("overflows"),
+            "{err}"
+        );
+        // Without a budget only the requests are bounded.
+        assert_eq!(wanted_tensors(&[], asks(4, &[1000, 1000]))?.len(), 4);
+        let err = wanted_tensors(&[], asks(300, &[1])).unwrap_err().to_string();
+        assert!(err.contains("more than 256 tensors"), "{err}");
+        Ok(())
     }
 }

@@ -91,7 +91,7 @@ impl Arch {
     }
 
     /// Where a Llama-family block's norms sit, which also decides their
-    /// tensor names (`mod.rs`).
+    /// tensor names (`LlamaConfig::gguf_names`).
     pub(super) fn norm_placement(self) -> NormPlacement {
         match self {
             Self::Olmo2 => NormPlacement::Post,

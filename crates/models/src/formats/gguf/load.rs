@@ -7,8 +7,10 @@
 //! Gemma's norm weights as the `1 + w` they scale by) under HF's names,
 //! with the rotary permutation the converter applies to the q and k of
 //! archs `llama` and `smollm3` undone. The metadata's reading is
-//! `config.rs` (Gemma's, `gemma.rs`); the tensors' names, `names.rs`; the
-//! tokenizer, end tokens and chat template the file carries, `text.rs`.
+//! `config.rs` (Gemma's, `gemma.rs`); the tensors' names, the model's
+//! table (`LlamaConfig::gguf_names` in `decoder/llama.rs`, Gemma's in
+//! `decoder/gemma.rs`) mapped by `names.rs`; the tokenizer, end tokens
+//! and chat template the file carries, `text.rs`.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -20,11 +22,11 @@ use candle_nn::{Init, VarBuilder};
 use multihead_attention::{LentBlocks, PackOptions};
 
 use super::config::{gguf_config, Arch, LONGROPE_TENSORS};
-use super::names::{gguf_name, hf_name};
+use super::names::GgufNames;
 use super::{ggml_type_name, stored_dtype, GgufFile, GGUF_TENSOR_TYPES};
 use crate::checkpoint::{float_range, LoadOptions, LoadProgress, WeightDtype};
 use crate::decoder::{DecoderModel, Gemma, HfDecoderConfig, Llama};
-use crate::formats::preflight::{wanted_tensors, Misshaped, NonFinite, Preflight, Wanted};
+use crate::formats::preflight::{wanted_within, Budget, Misshaped, NonFinite, Preflight, Wanted};
 
 /// The `general.architecture` values this loader runs.
 pub const GGUF_ARCHITECTURES: [&str; 8] = [
@@ -57,8 +59,8 @@ fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
 /// the load asks for, norms and biases f32.
 struct GgufReader<'a> {
     file: &'a GgufFile,
-    /// The architecture, which names the tensors.
-    arch: Arch,
+    /// The model's tensors' names in the file.
+    names: GgufNames,
     /// `(heads, kv_heads)` where q and k are permuted
     /// ([`Arch::permutes_qk`]).
     permuted: Option<(usize, usize)>,
@@ -77,7 +79,7 @@ struct GgufReader<'a> {
 
 impl GgufReader<'_> {
     fn read(&self, name: &str, dev: &Device) -> Result<Tensor> {
-        let Some(g) = gguf_name(name, self.arch) else {
+        let Some(g) = self.names.gguf_name(name) else {
             bail!(
                 "GGUF file '{}': the model asks for '{name}', which GGUF files do not name",
                 self.file.label()
@@ -188,7 +190,7 @@ impl SimpleBackend for GgufReader<'_> {
             bail!(
                 "GGUF file '{}': tensor '{}' has shape {:?}, expected {:?}",
                 self.file.label(),
-                gguf_name(name, self.arch).unwrap_or_default(),
+                self.names.gguf_name(name).unwrap_or_default(),
                 t.dims(),
                 s.dims()
             )
@@ -201,7 +203,9 @@ impl SimpleBackend for GgufReader<'_> {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        gguf_name(name, self.arch).is_some_and(|g| self.file.info(&g).is_some())
+        self.names
+            .gguf_name(name)
+            .is_some_and(|g| self.file.info(&g).is_some())
     }
 }
 
@@ -242,30 +246,47 @@ fn build(cfg: &HfDecoderConfig, pack: &PackOptions, vb: VarBuilder) -> Result<De
     })
 }
 
+/// The names the model `cfg` describes gives its tensors in a GGUF file:
+/// its own table.
+fn names(cfg: &HfDecoderConfig) -> Result<GgufNames> {
+    Ok(match cfg {
+        HfDecoderConfig::Llama(c) => c.gguf_names(),
+        HfDecoderConfig::Gemma(c) => c.gguf_names(),
+        HfDecoderConfig::Gpt2(_) => bail!("GGUF files of GPT-2 are not supported"),
+    })
+}
+
 /// Compares the tensors the model `cfg` (of arch `arch`) asks for with the
 /// file's, by the file's names: every missing, unexpected and mis-shaped
 /// one at once (the unexpected, which the file names, escaped:
-/// `str::escape_debug`, since the report is printed). Also returns the
-/// names of those present in the right shape, in the order the model asks
-/// for them.
+/// `str::escape_debug`, since the report is printed). The model is
+/// recorded within the file's budget ([`Budget`]): metadata describing a
+/// model the file cannot hold is an error naming the tensor past it. Also
+/// returns the names of those present in the right shape, in the order
+/// the model asks for them.
 fn compare(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<(Preflight, Vec<String>)> {
+    let table = names(cfg)?;
     let mut report = Preflight::default();
     let mut present = Vec::new();
     // Read into the config, not the layers.
     let config_tensor = |name: &str| arch == Arch::Phi3 && LONGROPE_TENSORS.contains(&name);
     for t in file.tensors() {
-        match hf_name(&t.name, arch) {
+        match table.hf_name(&t.name) {
             Some(h) => present.push(h),
             None if config_tensor(&t.name) => {}
             None => report.unexpected.push(t.name.escape_debug().to_string()),
         }
     }
     let names: Vec<&str> = present.iter().map(String::as_str).collect();
-    let wanted = wanted_tensors(&names, |vb| build(cfg, &PackOptions::default(), vb))?;
+    let weights = file.tensors().iter().fold(0usize, |n, t| {
+        n.saturating_add(t.shape.iter().fold(1usize, |m, &d| m.saturating_mul(d)))
+    });
+    let budget = Budget::new(cfg.kind(), file.label(), weights, file.tensors().len());
+    let wanted = wanted_within(&names, &budget, |vb| build(cfg, &PackOptions::default(), vb))?;
     let mut needed = HashSet::new();
     let mut matching = Vec::new();
     for w in wanted {
-        let Some(g) = gguf_name(&w.name, arch) else {
+        let Some(g) = table.gguf_name(&w.name) else {
             bail!(
                 "GGUF file '{}': the model asks for '{}', which GGUF files do not name",
                 file.label(),
@@ -289,7 +310,7 @@ fn compare(file: &GgufFile, cfg: &HfDecoderConfig, arch: Arch) -> Result<(Prefli
     report.unexpected.extend(
         file.tensors()
             .iter()
-            .filter(|t| hf_name(&t.name, arch).is_some() && !needed.contains(&t.name))
+            .filter(|t| table.hf_name(&t.name).is_some() && !needed.contains(&t.name))
             .map(|t| t.name.escape_debug().to_string()),
     );
     Ok((report, matching))
@@ -366,7 +387,7 @@ impl DecoderModel {
         let lent = LentBlocks::new();
         let reader = GgufReader {
             file,
-            arch,
+            names: names(&cfg)?,
             permuted,
             weight_dtype: opts.dtype.dtype(),
             keep_blocks: opts.dtype == WeightDtype::Ggml,

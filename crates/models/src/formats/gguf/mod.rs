@@ -1,9 +1,11 @@
 //! GGUF files (llama.cpp's format), every part of them in one folder: the
 //! header walked for what candle's reader would not refuse (header.rs),
 //! the file read and checked tensor by tensor (file.rs), its metadata's
-//! typed getters (metadata.rs); the decoders built from it (load.rs, with
-//! the tensor names of each architecture in names.rs, the configs in
-//! config.rs and gemma.rs); and the text side it carries: the tokenizer
+//! typed getters (metadata.rs); the decoders built from it (load.rs, the
+//! configs in config.rs and gemma.rs, the mapping over a model's table of
+//! tensor names in names.rs: each model keeps its table beside it, in
+//! `decoder/llama.rs` and `decoder/gemma.rs`); and the text side it
+//! carries: the tokenizer
 //! rebuilt from `tokenizer.ggml.*` (text.rs, SentencePiece's in spm.rs),
 //! the end tokens and the chat template.
 
@@ -23,5 +25,6 @@ pub use file::{
     GGUF_TENSOR_TYPES,
 };
 pub use load::GGUF_ARCHITECTURES;
+pub(crate) use names::{GgufNames, NamePair};
 pub(crate) use spm::SpmVocab;
 pub use text::GGUF_PRE_TOKENIZERS;

@@ -1,11 +1,14 @@
 //! What a checkpoint is, from its tensor names and shapes alone: timm or
-//! HF ViT, a PyTorch `nn.MultiheadAttention` or `nn.Transformer`, and
-//! the sizes each layout reveals.
+//! HF ViT, a PyTorch `nn.MultiheadAttention` or `nn.Transformer`, an HF
+//! decoder, and the sizes each layout reveals. A Llama-like decoder's
+//! family is the one whose constructor asks for the tensors of the file's
+//! first layer (`decoder/families.rs`), not a list of names kept here.
 
 use std::collections::BTreeSet;
 
 use serde::Serialize;
 
+use crate::decoder::families::{family_layers, FamilyLayer};
 use crate::formats::safetensors::TensorInfo;
 
 /// Sizes of a Vision Transformer read off its tensors.
@@ -219,42 +222,24 @@ fn gpt2(n: &Names) -> Option<DecoderFacts> {
 }
 
 /// Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Phi-3, Gemma 2 and 3:
-/// `model.embed_tokens` and `model.layers.N`.
+/// `model.embed_tokens` and `model.layers.N`. The family is the one whose
+/// constructor asks for the tensors closest to those of the file's first
+/// layer ([`closest_family`]); the sizes are read off the shapes.
 fn llama(n: &Names) -> Option<DecoderFacts> {
     let [vocab, e] = *n.shape("model.embed_tokens.weight")? else {
         return None;
     };
+    let family = closest_family(n, "model.layers.0.")?;
     let attn = "model.layers.0.self_attn.";
     let kv_dim = n.dim(&format!("{attn}k_proj.weight"), 0);
     let q_dim = n.dim(&format!("{attn}q_proj.weight"), 0);
-    // OLMo 2's norms follow each branch, and its q_norm spans all heads:
-    // its width is q's, not a head's.
-    // Gemma's norms lead and follow each branch.
-    let gemma = n.has("model.layers.0.pre_feedforward_layernorm.weight");
-    let olmo2 = !gemma && n.has("model.layers.0.post_feedforward_layernorm.weight");
+    // A q norm over one head is as wide as a head (Qwen3's, Gemma 3's);
+    // OLMo 2's spans all heads, and tells no head count.
     let head_dim = n
         .dim(&format!("{attn}q_norm.weight"), 0)
-        .filter(|&d| d > 0 && !olmo2);
-    // Phi-3's fused projections: q, k and v in one, gate and up in one.
-    let phi3 = n.has(&format!("{attn}qkv_proj.weight"));
-    let family = if gemma {
-        match head_dim {
-            Some(_) => "gemma3",
-            None => "gemma2",
-        }
-    } else if olmo2 {
-        "olmo2"
-    } else if phi3 {
-        "phi3"
-    } else if head_dim.is_some() {
-        "qwen3"
-    } else if n.has(&format!("{attn}q_proj.bias")) && !n.has(&format!("{attn}o_proj.bias")) {
-        "qwen2"
-    } else {
-        "llama"
-    };
+        .filter(|&d| d > 0 && family.per_head_norms);
     Some(DecoderFacts {
-        family: family.into(),
+        family: family.family.into(),
         prefix: "model.".into(),
         vocab_size: vocab,
         hidden_size: e,
@@ -268,6 +253,35 @@ fn llama(n: &Names) -> Option<DecoderFacts> {
         positions: None,
         tied_embeddings: !n.has("lm_head.weight"),
     })
+}
+
+/// The family ([`FAMILIES`](crate::decoder::families::FAMILIES)) whose
+/// constructor's first layer is closest to the tensors under `layer` (the
+/// file's first): the most names in common for the names either has
+/// (Jaccard), the first listed on a tie. A file that is one family's
+/// model matches it exactly; a partial one still gets the family it is
+/// most of.
+fn closest_family(n: &Names, layer: &str) -> Option<FamilyLayer> {
+    let held: BTreeSet<&str> = n.0.iter().filter_map(|t| t.name.strip_prefix(layer)).collect();
+    // The families are this crate's own configs: recording them fails
+    // only if a constructor does, which the tests would show.
+    let families = family_layers().ok()?;
+    let score = |f: &FamilyLayer| -> (usize, usize) {
+        let common = f.layer.iter().filter(|w| held.contains(w.name.as_str())).count();
+        (common, f.layer.len() + held.len() - common)
+    };
+    let mut best: Option<(FamilyLayer, (usize, usize))> = None;
+    for f in families {
+        let (common, either) = score(&f);
+        // common / either > best_common / best_either, without dividing.
+        let better = best
+            .as_ref()
+            .is_none_or(|(_, (bc, be))| common * be > bc * either);
+        if better {
+            best = Some((f, (common, either)));
+        }
+    }
+    best.map(|(f, _)| f)
 }
 
 /// The image side for a position table of `len` entries over a square
@@ -453,6 +467,70 @@ mod tests {
             ("phi3", 1, Some(128))
         );
         assert_eq!(recognise(&[t("x", &[1])]), Layout::Unknown);
+    }
+
+    /// Each family's model, recorded from its constructor, is recognised
+    /// as that family with its config's sizes, and so is GPT-2's:
+    /// recognition and the constructors cannot drift apart.
+    #[test]
+    fn every_decoder_s_model_is_recognised_as_itself() -> candle::Result<()> {
+        use crate::decoder::families::{family_config, recorded, FAMILIES};
+        use crate::decoder::{Gpt2, HfDecoderConfig};
+        use crate::formats::preflight::{wanted_tensors, Wanted};
+
+        let infos = |wanted: Vec<Wanted>| -> Vec<TensorInfo> {
+            wanted.iter().map(|w| t(&w.name, &w.shape)).collect()
+        };
+        let sizes = r#""vocab_size": 32, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8"#;
+        for (family, options) in FAMILIES {
+            for tied in [true, false] {
+                let cfg = family_config(options, &format!(r#"{sizes}, "tie_word_embeddings": {tied}"#))?;
+                let Layout::Decoder(f) = recognise(&infos(recorded(&cfg, &[])?)) else {
+                    panic!("{options}: not a decoder")
+                };
+                let kv_dim = (family != "phi3").then_some(16);
+                assert_eq!(
+                    (
+                        f.family.as_str(),
+                        f.vocab_size,
+                        f.hidden_size,
+                        f.num_layers,
+                        f.intermediate_size,
+                        f.kv_dim,
+                        f.tied_embeddings
+                    ),
+                    (family, 32, 16, 3, Some(24), kv_dim, tied),
+                    "{options}"
+                );
+                // A q norm over one head tells the head counts.
+                let heads = matches!(family, "qwen3" | "gemma3").then_some((4, 2));
+                assert_eq!(f.num_heads.zip(f.num_kv_heads), heads, "{options}");
+            }
+        }
+        let json = r#"{"model_type": "gpt2", "vocab_size": 32, "n_positions": 20, "n_embd": 16, "n_layer": 3,
+            "n_head": 4, "n_inner": 24}"#;
+        let HfDecoderConfig::Gpt2(cfg) = HfDecoderConfig::from_json(json, "gpt2")? else {
+            panic!("not GPT-2")
+        };
+        let wanted = wanted_tensors(&[], |vb| Gpt2::new(&cfg, vb.pp("transformer"), None))?;
+        let Layout::Decoder(f) = recognise(&infos(wanted)) else {
+            panic!("GPT-2: not a decoder")
+        };
+        assert_eq!(
+            (
+                f.family.as_str(),
+                f.prefix.as_str(),
+                f.vocab_size,
+                f.hidden_size,
+                f.num_layers,
+                f.intermediate_size,
+                f.positions,
+                f.tied_embeddings
+            ),
+            ("gpt2", "transformer.", 32, 16, 3, Some(24), Some(20), true)
+        );
+        Ok(())
     }
 
     /// Sizes from a hostile header: no product or sum may overflow (this

@@ -25,7 +25,7 @@ use candle::quantized::gguf_file::Value;
 use candle::{bail, Result};
 
 use crate::checkpoint::{ModelFiles, WeightDtype};
-use crate::decoder::{DecoderModel, HfDecoderConfig};
+use crate::decoder::DecoderModel;
 use crate::formats::gguf::{ggml_type_name, is_gguf, GgufFile};
 use crate::formats::preflight::{NonFinite, Preflight};
 use crate::formats::safetensors::TensorInfo;
@@ -215,7 +215,7 @@ impl InspectReport {
         let non_finite = non_finite(file.non_finite(file.tensors().iter().map(|t| t.name.as_str()))?);
         let config = match DecoderModel::gguf_preflight(file) {
             Ok((cfg, report)) => ConfigCheck::Compared {
-                kind: config_kind(&cfg),
+                kind: cfg.kind(),
                 source: ConfigSource::Metadata,
                 report,
             },
@@ -325,15 +325,6 @@ fn non_finite(found: Vec<(String, usize, usize)>) -> Vec<NonFinite> {
         .into_iter()
         .map(|(name, nan, inf)| NonFinite { name, nan, inf })
         .collect()
-}
-
-/// The name of the config type `cfg` holds.
-fn config_kind(cfg: &HfDecoderConfig) -> &'static str {
-    match cfg {
-        HfDecoderConfig::Gpt2(_) => "Gpt2Config",
-        HfDecoderConfig::Llama(_) => "LlamaConfig",
-        HfDecoderConfig::Gemma(_) => "GemmaConfig",
-    }
 }
 
 /// The first line of `e` (candle appends a backtrace to its messages when

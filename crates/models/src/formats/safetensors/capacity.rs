@@ -1,19 +1,17 @@
-//! Whether a config's sizes can fit in a file at all, decided from the
-//! config's arithmetic before any model is built: a `depth: 300000` or a
-//! `max_positions` near `usize::MAX` beside a 500 KB file is refused in
-//! microseconds, naming the size, instead of building (or overflowing)
-//! first.
+//! Whether a config's sizes can fit in a file at all: a `depth: 300000`
+//! or a `max_positions` near `usize::MAX` beside a 500 KB file is refused
+//! in microseconds, naming the size, instead of building (or overflowing)
+//! first. A decoder's constructor is checked as it is recorded, within
+//! the file's [`Checkpoint::budget`]; the models whose constructors build
+//! tables from their config before they ask for a tensor (a ViT's or a
+//! seq2seq model's positions) are checked from their config's arithmetic
+//! first ([`MinWeights`], [`Checkpoint::ensure_holds`]).
 
 use candle::{bail, Result};
+use candle_nn::VarBuilder;
 
 use super::file::Checkpoint;
-
-/// How many times the weights a file holds a config may ask for and still
-/// be compared tensor by tensor. A config one layer or one width off gets
-/// the full list of what is missing; one that asks for more cannot
-/// describe the file, and recording its model would cost time and memory
-/// in proportion to the config rather than the file.
-pub(crate) const CAPACITY_SLACK: usize = 2;
+use crate::formats::preflight::{wanted_tensors, Budget, CAPACITY_SLACK};
 
 /// The fewest weights any checkpoint of a config stores, part by part,
 /// computed with checked arithmetic (an overflow is an error naming the
@@ -69,6 +67,35 @@ impl MinWeights {
             .max_by_key(|(_, n)| *n)
             .map(|(w, n)| (w.as_str(), *n))
     }
+
+    /// The weights the model of `layers` layers that `build(n, vb)` builds
+    /// with `n` layers asks for, every tensor counted: its constructor
+    /// recorded with one layer and with two (every layer asks for the
+    /// same tensors), the rest multiplied out with checked arithmetic.
+    pub(crate) fn recorded<T>(
+        owner: &str,
+        layers: usize,
+        build: impl Fn(usize, VarBuilder) -> Result<T>,
+    ) -> Result<Self> {
+        let weights = |n: usize| -> Result<usize> {
+            let wanted = wanted_tensors(&[], |vb| build(n, vb))?;
+            wanted
+                .iter()
+                .try_fold(0usize, |sum, w| {
+                    checked_product(&w.shape).and_then(|n| sum.checked_add(n))
+                })
+                .ok_or_else(|| candle::Error::Msg(format!("{owner}: the number of weights overflows")))
+        };
+        let (one, two) = (weights(1)?, weights(2)?);
+        let per_layer = two.saturating_sub(one);
+        let mut m = Self::new(owner);
+        m.add("outside the layers", &[one.saturating_sub(per_layer)])?;
+        m.add(
+            format!("layers ({layers} x {per_layer} each)"),
+            &[layers, per_layer],
+        )?;
+        Ok(m)
+    }
 }
 
 /// `factors` multiplied out, or `None` on overflow.
@@ -77,6 +104,12 @@ pub fn checked_product(factors: &[usize]) -> Option<usize> {
 }
 
 impl Checkpoint {
+    /// What a recording of the model the config `owner` describes may ask
+    /// of this file ([`Budget`]): twice its weights.
+    pub fn budget(&self, owner: &str) -> Budget {
+        Budget::new(owner, self.label(), self.total_params(), self.tensors().len())
+    }
+
     /// Refuses a config whose model needs more than twice the weights this
     /// file holds; call it before building (or pre-flighting) the model.
     pub fn ensure_holds(&self, min: &MinWeights) -> Result<()> {

@@ -12,29 +12,35 @@ use multihead_attention::{PackFormat, PackOptions};
 use super::file::{natural_key, Checkpoint};
 use crate::checkpoint::{float_dtype, float_range, WeightDtype};
 use crate::formats::preflight::{
-    wanted_tensors, Misshaped, NonFinite, NotFloat, Preflight, Wanted, SUMMARY_ITEMS,
+    wanted_tensors, wanted_within, Misshaped, NonFinite, NotFloat, Preflight, Wanted, SUMMARY_ITEMS,
 };
 
 impl Preflight {
     /// Compares `ckpt` with `wanted`; scans the needed float tensors for
     /// NaN and infinity only when `scan_values` (it reads every weight).
+    /// Names are escaped as the report writes them down (a model's names
+    /// can hold a prefix read from the file).
     pub fn check(ckpt: &Checkpoint, wanted: &[Wanted], scan_values: bool) -> Result<Self> {
+        let escaped = |name: &str| name.escape_debug().to_string();
         let mut report = Self::default();
         let needed: HashSet<&str> = wanted.iter().map(|w| w.name.as_str()).collect();
         for w in wanted {
             match ckpt.info(&w.name) {
-                None => report.missing.push(w.clone()),
+                None => report.missing.push(Wanted {
+                    name: escaped(&w.name),
+                    shape: w.shape.clone(),
+                }),
                 Some(info) => {
                     if info.shape != w.shape {
                         report.misshaped.push(Misshaped {
-                            name: w.name.clone(),
+                            name: escaped(&w.name),
                             expected: w.shape.clone(),
                             found: info.shape.clone(),
                         });
                     }
                     if !info.is_float() {
                         report.not_float.push(NotFloat {
-                            name: w.name.clone(),
+                            name: escaped(&w.name),
                             dtype: info.dtype.clone(),
                         });
                     }
@@ -45,14 +51,18 @@ impl Preflight {
             .tensors()
             .iter()
             .filter(|t| !needed.contains(t.name.as_str()))
-            .map(|t| t.name.clone())
+            .map(|t| escaped(&t.name))
             .collect();
         report.missing.sort_by_cached_key(|w| natural_key(&w.name));
         if scan_values && report.misshaped.is_empty() && report.not_float.is_empty() {
             report.non_finite = ckpt
                 .non_finite(wanted.iter().map(|w| w.name.as_str()))?
                 .into_iter()
-                .map(|(name, nan, inf)| NonFinite { name, nan, inf })
+                .map(|(name, nan, inf)| NonFinite {
+                    name: escaped(&name),
+                    nan,
+                    inf,
+                })
                 .collect();
         }
         Ok(report)
@@ -101,11 +111,43 @@ impl Checkpoint {
     ) -> Result<T> {
         let names: Vec<&str> = self.tensors().iter().map(|t| t.name.as_str()).collect();
         let wanted = wanted_tensors(&names, |vb| build(vb, &PackOptions::default()))?;
-        let report = Preflight::check(self, &wanted, true)?;
+        self.load_wanted(&wanted, dtype, device, build)
+    }
+
+    /// [`Checkpoint::load_with`] of the model the config `owner` describes
+    /// (`LlamaConfig`), its recording held to this file's
+    /// [`Checkpoint::budget`]: a config whose sizes the file cannot hold
+    /// is refused at the first tensor past it, naming the config, that
+    /// tensor and the file, before anything of the config's size is built.
+    pub fn load_bounded<T>(
+        &self,
+        owner: &str,
+        dtype: DType,
+        device: &Device,
+        build: impl Fn(VarBuilder, &PackOptions) -> Result<T>,
+    ) -> Result<T> {
+        let names: Vec<&str> = self.tensors().iter().map(|t| t.name.as_str()).collect();
+        let wanted = wanted_within(&names, &self.budget(owner), |vb| {
+            build(vb, &PackOptions::default())
+        })?;
+        self.load_wanted(&wanted, dtype, device, build)
+    }
+
+    /// The load after the recording: `wanted` compared with the file, then
+    /// `build` run over its tensors with the [`PackOptions`] of the
+    /// checkpoint's weight dtype.
+    fn load_wanted<T>(
+        &self,
+        wanted: &[Wanted],
+        dtype: DType,
+        device: &Device,
+        build: impl Fn(VarBuilder, &PackOptions) -> Result<T>,
+    ) -> Result<T> {
+        let report = Preflight::check(self, wanted, true)?;
         if let Some(summary) = report.summary() {
             candle::bail!("weights '{}' do not match the model: {summary}", self.label())
         }
-        self.ensure_representable(&wanted, dtype)?;
+        self.ensure_representable(wanted, dtype)?;
         let reader = Reader {
             ckpt: self,
             read: std::sync::atomic::AtomicU64::new(0),
