@@ -4,9 +4,6 @@
 //! streamed text equal to their final text; a listener that leaves frees
 //! its row without touching the others.
 
-mod common;
-mod text_fixtures;
-
 use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Result};
@@ -14,7 +11,7 @@ use candle::Device;
 use multihead::models::decoder::{
     BatchEvent, BatchRequest, Batcher, Finish, GenerationSettings, Sampling, TextGenerator, TextOutput,
 };
-use text_fixtures::fixtures;
+use multihead_test_support::text::fixtures;
 
 const PROMPTS: [&str; 5] = [
     "Hello world",

@@ -6,7 +6,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use multihead_test_support::cli::success;
 
 /// A fresh folder outside the source tree (and outside `target/`).
 fn outside(name: &str) -> Result<PathBuf> {
@@ -46,13 +47,6 @@ fn run(bin: &Path, cwd: &Path, args: &[&str]) -> Result<Output> {
     }
 }
 
-fn ok(out: &Output) -> Result<String> {
-    if !out.status.success() {
-        bail!("failed: {}", String::from_utf8_lossy(&out.stderr))
-    }
-    Ok(String::from_utf8(out.stdout.clone())?)
-}
-
 #[test]
 fn copied_binary_runs_both_demos_from_anywhere() -> Result<()> {
     let (bin_dir, cwd) = (outside("bin")?, outside("cwd")?);
@@ -62,7 +56,7 @@ fn copied_binary_runs_both_demos_from_anywhere() -> Result<()> {
 
     // `multihead vit`: the 12 built-in samples, each read as the digit its
     // name says (digit7_0413.png is a 7).
-    let stdout = ok(&run(&bin, &cwd, &["vit", "--top-k", "1"])?)?;
+    let stdout = success(&run(&bin, &cwd, &["vit", "--top-k", "1"])?)?;
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 2 * 12, "{stdout}");
     for pair in lines.chunks(2) {
@@ -75,11 +69,11 @@ fn copied_binary_runs_both_demos_from_anywhere() -> Result<()> {
     }
 
     // `multihead seq2seq`: the built-in date normaliser.
-    let out = ok(&run(&bin, &cwd, &["seq2seq", "March 3, 2021", "3 mars 2021"])?)?;
+    let out = success(&run(&bin, &cwd, &["seq2seq", "March 3, 2021", "3 mars 2021"])?)?;
     assert_eq!(out, "2021-03-03\n2021-03-03\n");
 
     // Neither help text nor the binary names the folder it was built in.
-    let help = ok(&run(&bin, &cwd, &["seq2seq", "--help"])?)?;
+    let help = success(&run(&bin, &cwd, &["seq2seq", "--help"])?)?;
     assert!(!help.contains(env!("CARGO_MANIFEST_DIR")), "{help}");
     let bytes = std::fs::read(&bin)?;
     let built_at = concat!(env!("CARGO_MANIFEST_DIR"), "/weights");
@@ -116,18 +110,18 @@ fn weights_take_a_file_or_a_folder() -> Result<()> {
     let s = |p: PathBuf| p.display().to_string();
 
     let date = ["seq2seq", "Wednesday, 3 March 2021"];
-    let built_in = ok(&run(bin, &cwd, &date)?)?;
+    let built_in = success(&run(bin, &cwd, &date)?)?;
     assert_eq!(built_in, "2021-03-03\n");
     let file = s(models.join("dates/renamed.safetensors"));
     assert_eq!(
-        ok(&run(bin, &cwd, &[&date[..], &["--weights", &file]].concat())?)?,
+        success(&run(bin, &cwd, &[&date[..], &["--weights", &file]].concat())?)?,
         built_in
     );
     // A folder's one safetensors file is its weights, whatever its name,
     // as every model kind finds them (`Weights::find`).
     let dir = s(models.join("dates"));
     assert_eq!(
-        ok(&run(bin, &cwd, &[&date[..], &["--weights", &dir]].concat())?)?,
+        success(&run(bin, &cwd, &[&date[..], &["--weights", &dir]].concat())?)?,
         built_in
     );
     std::fs::rename(
@@ -135,17 +129,17 @@ fn weights_take_a_file_or_a_folder() -> Result<()> {
         models.join("dates/model.safetensors"),
     )?;
     assert_eq!(
-        ok(&run(bin, &cwd, &[&date[..], &["--weights", &dir]].concat())?)?,
+        success(&run(bin, &cwd, &[&date[..], &["--weights", &dir]].concat())?)?,
         built_in
     );
 
     // vit: the built-in model, its file copy and its folder give the same
     // output.
     let sample = s(repo.join("vit-digits/samples/digit3_0705.png"));
-    let built_in = ok(&run(bin, &cwd, &["vit", &sample])?)?;
+    let built_in = success(&run(bin, &cwd, &["vit", &sample])?)?;
     let file = s(models.join("vit-digits/renamed.safetensors"));
     assert_eq!(
-        ok(&run(bin, &cwd, &["vit", &sample, "--weights", &file])?)?,
+        success(&run(bin, &cwd, &["vit", &sample, "--weights", &file])?)?,
         built_in
     );
     std::fs::rename(
@@ -154,7 +148,7 @@ fn weights_take_a_file_or_a_folder() -> Result<()> {
     )?;
     let dir = s(models.join("vit-digits"));
     assert_eq!(
-        ok(&run(bin, &cwd, &["vit", &sample, "--weights", &dir])?)?,
+        success(&run(bin, &cwd, &["vit", &sample, "--weights", &dir])?)?,
         built_in
     );
     Ok(())
@@ -164,10 +158,12 @@ fn weights_take_a_file_or_a_folder() -> Result<()> {
 #[test]
 fn inspect_takes_a_folder() -> Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
-    let out = ok(&Command::new(env!("CARGO_BIN_EXE_multihead"))
-        .arg("inspect")
-        .arg(&dir)
-        .output()?)?;
+    let out = success(
+        &Command::new(env!("CARGO_BIN_EXE_multihead"))
+            .arg("inspect")
+            .arg(&dir)
+            .output()?,
+    )?;
     assert!(out.contains("layout: timm VisionTransformer"), "{out}");
     assert!(out.contains("config: VitConfig"), "{out}");
     Ok(())
@@ -184,7 +180,7 @@ fn vit_config_elsewhere() -> Result<()> {
     std::fs::copy(repo.join("config.json"), dir.join("digits.json"))?;
     let bin = Path::new(env!("CARGO_BIN_EXE_multihead"));
     let sample = repo.join("samples/digit3_0705.png");
-    let out = ok(&run(
+    let out = success(&run(
         bin,
         &dir,
         &[

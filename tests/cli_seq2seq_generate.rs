@@ -2,24 +2,14 @@
 //! (on by default), N best with scores, seeded sampling, and the inputs
 //! and options it refuses with one line and exit status 1.
 
-use std::process::{Command, Output};
+use std::process::Output;
 
 use anyhow::{Context, Result};
+use multihead_test_support::{cli::text, multihead, shipped};
 
+/// `multihead seq2seq ARGS`.
 fn run(args: &[&str]) -> Result<Output> {
-    Command::new(env!("CARGO_BIN_EXE_multihead"))
-        .arg("seq2seq")
-        .args(args)
-        .output()
-        .context("running multihead")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    multihead!(&[&["seq2seq"], args].concat())
 }
 
 fn is_date(s: &str) -> bool {
@@ -30,13 +20,22 @@ fn is_date(s: &str) -> bool {
 fn the_date_constraint_never_prints_an_impossible_date() -> Result<()> {
     // Unconstrained, the model writes February 29th of a common year.
     let free = run(&["--constraint", "none", "Feb 29 2021"])?;
-    assert!(free.status.success(), "{}", stderr(&free));
-    assert_eq!(stdout(&free), "2021-02-29\n");
+    assert!(free.status.success(), "{}", text(&free.stderr));
+    assert_eq!(text(&free.stdout), "2021-02-29\n");
     // Constrained, it finds no real date it believes in, and says so.
     let o = run(&["Feb 29 2021"])?;
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("cannot read a date"), "{}", stderr(&o));
-    assert_eq!(stderr(&o).trim_end().lines().count(), 1, "{}", stderr(&o));
+    assert!(
+        text(&o.stderr).contains("cannot read a date"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert_eq!(
+        text(&o.stderr).trim_end().lines().count(),
+        1,
+        "{}",
+        text(&o.stderr)
+    );
     // With the threshold off it prints the best real date (an input with
     // no year needs one given).
     let o = run(&[
@@ -48,8 +47,8 @@ fn the_date_constraint_never_prints_an_impossible_date() -> Result<()> {
         "hello there",
         "13/03/2021",
     ])?;
-    assert!(o.status.success(), "{}", stderr(&o));
-    let lines: Vec<String> = stdout(&o).lines().map(String::from).collect();
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let lines: Vec<String> = text(&o.stdout).lines().map(String::from).collect();
     assert_eq!(lines.len(), 3);
     assert!(lines.iter().all(|l| is_date(l)), "{lines:?}");
     Ok(())
@@ -60,8 +59,8 @@ fn unreadable_inputs_keep_the_output_aligned() -> Result<()> {
     // "hello there" states no year: `--year` lets it reach the model.
     let o = run(&["--year", "2021", "March 3, 2021", "hello there", "3 Mar 2021"])?;
     assert_eq!(o.status.code(), Some(1));
-    assert_eq!(stdout(&o), "2021-03-03\n\n2021-03-03\n");
-    let err = stderr(&o);
+    assert_eq!(text(&o.stdout), "2021-03-03\n\n2021-03-03\n");
+    let err = text(&o.stderr);
     assert!(
         err.contains("input 2 (\"hello there\"): cannot read a date"),
         "{err}"
@@ -73,8 +72,8 @@ fn unreadable_inputs_keep_the_output_aligned() -> Result<()> {
 #[test]
 fn num_return_prints_the_best_beams_with_scores() -> Result<()> {
     let o = run(&["--num-return", "3", "March 3, 2021"])?;
-    assert!(o.status.success(), "{}", stderr(&o));
-    let rows: Vec<(String, f32)> = stdout(&o)
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let rows: Vec<(String, f32)> = text(&o.stdout)
         .lines()
         .map(|l| {
             let (t, s) = l.split_once('\t').context("no tab")?;
@@ -102,10 +101,10 @@ fn sampling_is_reproducible_from_the_seed() -> Result<()> {
         "Feb 29 2021",
     ];
     let a = run(&args)?;
-    assert!(a.status.success(), "{}", stderr(&a));
-    assert_eq!(stdout(&a), stdout(&run(&args)?));
-    let text = stdout(&a);
-    let lines: Vec<&str> = text.lines().collect();
+    assert!(a.status.success(), "{}", text(&a.stderr));
+    assert_eq!(text(&a.stdout), text(&run(&args)?.stdout));
+    let sampled = text(&a.stdout);
+    let lines: Vec<&str> = sampled.lines().collect();
     assert!(!lines.is_empty());
     assert!(
         lines.iter().all(|l| l.split('\t').next().is_some_and(is_date)),
@@ -121,7 +120,7 @@ fn sampling_is_reproducible_from_the_seed() -> Result<()> {
         "8",
         "Feb 29 2021",
     ])?;
-    assert_ne!(stdout(&a), stdout(&other));
+    assert_ne!(text(&a.stdout), text(&other.stdout));
     Ok(())
 }
 
@@ -136,7 +135,7 @@ fn refuses_bad_generation_options() -> Result<()> {
         (vec!["--constraint", "regex", "x"], "invalid value"),
     ] {
         let o = run(&args)?;
-        let err = stderr(&o);
+        let err = text(&o.stderr);
         assert!(!o.status.success(), "{args:?}");
         assert!(!err.contains("panicked"), "{err}");
         assert!(err.contains(needle), "{args:?}: expected {needle:?} in {err}");
@@ -144,26 +143,44 @@ fn refuses_bad_generation_options() -> Result<()> {
     // Warpers only mean something when sampling.
     let o = run(&["--top-k", "3", "x"])?;
     assert!(
-        !o.status.success() && stderr(&o).contains("--sample"),
+        !o.status.success() && text(&o.stderr).contains("--sample"),
         "{}",
-        stderr(&o)
+        text(&o.stderr)
     );
     Ok(())
 }
 
 #[test]
 fn day_first_reads_ambiguous_numeric_dates_or_says_the_model_cannot() -> Result<()> {
-    let vocab = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/weights/dates/vocab.json"))?;
+    let vocab = std::fs::read_to_string(shipped::folder("dates").join("vocab.json"))?;
     let day_first = run(&["--day-first", "03/04/2021"])?;
     if vocab.contains("\"<dmy>\"") {
         // A model trained with the reading prefix: April 3rd day first,
         // March 4th month first (the default, as dateutil).
-        assert_eq!(stdout(&day_first), "2021-04-03\n", "{}", stderr(&day_first));
-        assert_eq!(stdout(&run(&["03/04/2021"])?), "2021-03-04\n");
+        assert_eq!(
+            text(&day_first.stdout),
+            "2021-04-03\n",
+            "{}",
+            text(&day_first.stderr)
+        );
+        assert_eq!(text(&run(&["03/04/2021"])?.stdout), "2021-03-04\n");
     } else {
         // A model with one fixed reading cannot honour the flag.
         assert_eq!(day_first.status.code(), Some(1));
-        assert!(stderr(&day_first).contains("day-first"), "{}", stderr(&day_first));
+        assert!(
+            text(&day_first.stderr).contains("day-first"),
+            "{}",
+            text(&day_first.stderr)
+        );
     }
+    Ok(())
+}
+
+/// A temperature whose division overflows is an error.
+#[test]
+fn an_overflowing_temperature_is_an_error() -> Result<()> {
+    let out = run(&["--sample", "--temperature", "1e-45", "March 3, 2021"])?;
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("overflows f32"), "{err}");
     Ok(())
 }

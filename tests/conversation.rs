@@ -3,13 +3,14 @@
 //! `generate_chat` over the whole history gives (which gives HF's reply:
 //! `text_generation.rs`); and `multihead chat` reads turns from a pipe.
 
-mod common;
-mod text_fixtures;
-
 use anyhow::{Context, Result};
 use candle::Device;
 use multihead::models::decoder::{ChatMessage, TextGenerator};
-use text_fixtures::{fixtures, multihead};
+use multihead_test_support::{
+    multihead, scratch_dir,
+    text::{fixtures, folder_with},
+    tokens::ids,
+};
 
 const TURNS: [&str; 3] = ["Hello world", "héllo again, 日本語?", "and once more"];
 
@@ -68,7 +69,7 @@ fn each_reply_is_hf_s_reply_to_the_conversation_so_far() -> Result<()> {
         conversation.push(ChatMessage::new("user", turn["user"].as_str().context("user")?));
         let reply = conversation.reply(&settings, &mut |_| Ok(()))?;
         // HF's new ids end with the end token it chose.
-        let mut hf = text_fixtures::ids(&turn["new_ids"]);
+        let mut hf = ids(&turn["new_ids"]);
         hf.pop();
         assert_eq!(reply.ids, hf, "{}", turn["user"]);
         assert_eq!(reply.text, turn["text"].as_str().context("text")?);
@@ -129,7 +130,7 @@ fn the_chat_command_reads_turns_from_a_pipe() -> Result<()> {
         "{}\n\n{}\n/reset\n{}\n/quit\nnot read\n",
         TURNS[0], TURNS[1], TURNS[2]
     );
-    let out = multihead(&["chat", "--model", dir.to_str().context("path")?], Some(&input))?;
+    let out = multihead!(&["chat", "--model", dir.to_str().context("path")?], &input)?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8(out.stdout)?, want);
     Ok(())
@@ -143,7 +144,7 @@ fn ctrl_c_stops_the_reply_not_the_chat() -> Result<()> {
     use std::io::{Read, Write};
     use std::process::{Command, Stdio};
     // No end token: the reply would run to 65,536 tokens.
-    let dir = text_fixtures::folder_with("llama3", "chat-ctrl-c", |d| {
+    let dir = folder_with(scratch_dir!("llama3-chat-ctrl-c")?, "llama3", |d| {
         Ok(std::fs::write(
             d.join("generation_config.json"),
             r#"{"max_new_tokens": 65536}"#,

@@ -2,13 +2,14 @@
 //! folder in (its config's dtype, else its weights'), and the type a GGUF
 //! file stores its matrices in; `--dtype` overrides either.
 
-mod common;
-
 use std::collections::HashMap;
 use std::process::Command;
 
 use anyhow::Result;
 use candle::{DType, Device};
+use multihead_test_support::{
+    cli::assert_one_line_error, fixtures::fixture_dir, scratch::copy_files, scratch_dir,
+};
 
 /// `generate` on `model` with `extra` arguments: the dtype its "loaded"
 /// line on stderr names.
@@ -34,13 +35,9 @@ fn loaded_dtype(model: &str, extra: &[&str]) -> Result<String> {
 /// A bf16 copy of the llama3 text fixture (f32): its weights rounded to
 /// bf16, its config saying so under `dtype_key`, or saying nothing.
 fn bf16_copy(tag: &str, dtype_key: Option<&str>) -> Result<std::path::PathBuf> {
-    let src = common::fixture_dir("text").join("llama3");
-    let dir = std::env::temp_dir().join(format!("multihead-dtype-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    for entry in std::fs::read_dir(&src)? {
-        let path = entry?.path();
-        std::fs::copy(&path, dir.join(path.file_name().unwrap_or_default()))?;
-    }
+    let src = fixture_dir("text").join("llama3");
+    let dir = scratch_dir!(format!("bf16-{tag}"))?;
+    copy_files(&src, &dir)?;
     let weights = candle::safetensors::load(src.join("model.safetensors"), &Device::Cpu)?;
     let bf16: HashMap<String, candle::Tensor> = weights
         .into_iter()
@@ -64,7 +61,7 @@ fn bf16_copy(tag: &str, dtype_key: Option<&str>) -> Result<std::path::PathBuf> {
 /// `dtype="auto"` loads it; `--dtype` overrides.
 #[test]
 fn a_folder_runs_in_its_own_dtype() -> Result<()> {
-    let f32_folder = common::fixture_dir("text").join("llama3").display().to_string();
+    let f32_folder = fixture_dir("text").join("llama3").display().to_string();
     assert_eq!(loaded_dtype(&f32_folder, &[])?, "f32");
     assert_eq!(loaded_dtype(&f32_folder, &["--dtype", "bf16"])?, "bf16");
     for (tag, key) in [
@@ -89,7 +86,7 @@ fn a_folder_runs_in_its_own_dtype() -> Result<()> {
 #[test]
 fn a_gguf_file_runs_in_the_type_it_stores() -> Result<()> {
     for ty in ["f32", "bf16", "f16", "q8_0"] {
-        let model = common::fixture_dir("gguf").join(format!("llama-{ty}.gguf"));
+        let model = fixture_dir("gguf").join(format!("llama-{ty}.gguf"));
         let model = model.display().to_string();
         assert_eq!(loaded_dtype(&model, &[])?, ty);
         assert_eq!(loaded_dtype(&model, &["--dtype", "f32"])?, "f32");
@@ -103,13 +100,9 @@ fn a_gguf_file_runs_in_the_type_it_stores() -> Result<()> {
 /// the first step; `--dtype bf16` runs it.
 #[test]
 fn a_weight_past_f16_s_range_is_refused_at_load() -> Result<()> {
-    let src = common::fixture_dir("text").join("llama3");
-    let dir = std::env::temp_dir().join(format!("multihead-dtype-past-f16-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    for entry in std::fs::read_dir(&src)? {
-        let path = entry?.path();
-        std::fs::copy(&path, dir.join(path.file_name().unwrap_or_default()))?;
-    }
+    let src = fixture_dir("text").join("llama3");
+    let dir = scratch_dir!("past-f16")?;
+    copy_files(&src, &dir)?;
     let mut weights = candle::safetensors::load(src.join("model.safetensors"), &Device::Cpu)?;
     let name = "lm_head.weight";
     let head = weights.get(name).ok_or_else(|| anyhow::anyhow!("no {name}"))?;
@@ -124,7 +117,7 @@ fn a_weight_past_f16_s_range_is_refused_at_load() -> Result<()> {
         .args(["generate", "--model", &model, "--dtype", "f16", "Hello"])
         .output()?;
     let file = dir.join("model.safetensors").display().to_string();
-    common::assert_one_line_error(
+    assert_one_line_error(
         &out,
         &[
             &file,

@@ -6,36 +6,16 @@
 //! naming them; an architecture the loader does not run is a note, not a
 //! failure.
 
-mod common;
-
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use anyhow::{Context, Result};
+use multihead_test_support::{
+    cli::{arg, assert_one_line_error, success},
+    fixtures::{fixture_dir, Fixture},
+    gguf::gguf,
+    multihead,
+};
 use serde_json::{json, Value};
-
-fn multihead(args: &[&str]) -> Result<Output> {
-    Ok(Command::new(env!("CARGO_BIN_EXE_multihead"))
-        .args(args)
-        .output()?)
-}
-
-fn gguf(name: &str, ty: &str) -> PathBuf {
-    common::fixture_dir("gguf").join(format!("{name}-{ty}.gguf"))
-}
-
-fn s(p: &Path) -> Result<&str> {
-    p.to_str().context("path is not UTF-8")
-}
-
-fn stdout(out: &Output) -> Result<String> {
-    anyhow::ensure!(
-        out.status.success(),
-        "failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout.clone())?)
-}
 
 /// What the fixture script recorded per model: HF's config and each
 /// file's size and tensor types (the archs smollm3, olmo2, gemma2 and
@@ -43,8 +23,8 @@ fn stdout(out: &Output) -> Result<String> {
 fn recorded() -> Result<Value> {
     let mut models = serde_json::Map::new();
     for file in ["expected.safetensors", "expected-archs.safetensors"] {
-        let path = common::fixture_dir("gguf").join(file);
-        let case = common::Fixture::load(&path, &candle::Device::Cpu)?.case;
+        let path = fixture_dir("gguf").join(file);
+        let case = Fixture::load(&path, &candle::Device::Cpu)?.case;
         models.extend(case["models"].as_object().context("models")?.clone());
     }
     Ok(Value::Object(models))
@@ -69,8 +49,8 @@ fn json_describes_every_fixture_as_it_was_written() -> Result<()> {
         let hf = &model["config"];
         for (ty, file) in model["files"].as_object().context("files")? {
             let what = format!("{name}-{ty}");
-            let out = multihead(&["inspect", "--json", s(&gguf(name, ty))?])?;
-            let v: Value = serde_json::from_str(&stdout(&out)?)?;
+            let out = multihead!(&["inspect", "--json", arg(&gguf(name, ty))?])?;
+            let v: Value = serde_json::from_str(&success(&out)?)?;
             assert_eq!(v["file_size"], file["bytes"], "{what}");
             assert_eq!(v["dtypes"], file["tensor_types"], "{what}");
             let types = file["tensor_types"].as_object().context("types")?;
@@ -130,7 +110,7 @@ fn text_lists_tensors_totals_and_config() -> Result<()> {
     let models = recorded()?;
     let (llama, hf) = (&models["llama"], &models["llama"]["config"]);
     let path = gguf("llama", "q8_0");
-    let text = stdout(&multihead(&["inspect", s(&path)?])?)?;
+    let text = success(&multihead!(&["inspect", arg(&path)?])?)?;
     let lines: Vec<&str> = text.lines().collect();
     let types = llama["files"]["q8_0"]["tensor_types"]
         .as_object()
@@ -214,14 +194,14 @@ fn problems_are_named() -> Result<()> {
         b[range.start + 8..][..4].copy_from_slice(&f32::NAN.to_le_bytes());
         Ok(())
     })?;
-    let out = multihead(&["inspect", s(&nan)?])?;
-    let text = stdout(&out)?;
+    let out = multihead!(&["inspect", arg(&nan)?])?;
+    let text = success(&out)?;
     assert!(
         text.lines()
             .any(|l| l == "values: blk.0.attn_q.weight has 1 NaN and 0 Inf"),
         "{text}"
     );
-    let v: Value = serde_json::from_str(&stdout(&multihead(&["inspect", "--json", s(&nan)?])?)?)?;
+    let v: Value = serde_json::from_str(&success(&multihead!(&["inspect", "--json", arg(&nan)?])?)?)?;
     assert_eq!(
         v["non_finite"],
         json!([{"name": "blk.0.attn_q.weight", "nan": 1, "inf": 0}])
@@ -233,12 +213,12 @@ fn problems_are_named() -> Result<()> {
         b[at + 11] = b'q';
         Ok(())
     })?;
-    let out = multihead(&["inspect", s(&renamed)?])?;
+    let out = multihead!(&["inspect", arg(&renamed)?])?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    common::assert_one_line_error(
+    assert_one_line_error(
         &out,
         &[
-            s(&renamed)?,
+            arg(&renamed)?,
             "1 missing: blk.1.ffn_up.weight [64, 32]",
             "1 unexpected: blk.1.ffn_uq.weight",
         ],
@@ -250,8 +230,8 @@ fn problems_are_named() -> Result<()> {
     assert!(text.contains("  unexpected  blk.1.ffn_uq.weight"), "{text}");
     std::fs::remove_file(&renamed)?;
 
-    let out = multihead(&["inspect", s(&path)?, "--config", "config.json"])?;
-    common::assert_one_line_error(&out, &["--config", "GGUF", "its metadata"]);
+    let out = multihead!(&["inspect", arg(&path)?, "--config", "config.json"])?;
+    assert_one_line_error(&out, &["--config", "GGUF", "its metadata"]);
     Ok(())
 }
 
@@ -267,7 +247,7 @@ fn another_architecture_is_a_note() -> Result<()> {
         b[at..at + 5].copy_from_slice(b"gemma");
         Ok(())
     })?;
-    let text = stdout(&multihead(&["inspect", s(&other)?])?)?;
+    let text = success(&multihead!(&["inspect", arg(&other)?])?)?;
     std::fs::remove_file(&other)?;
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines.contains(&"layout: GGUF, architecture gemma"), "{text}");
@@ -314,7 +294,7 @@ fn control_characters_from_the_file_print_escaped() -> Result<()> {
         text.chars().any(|c| c.is_control() && c != '\n')
     };
 
-    let out = multihead(&["inspect", s(&hostile)?])?;
+    let out = multihead!(&["inspect", arg(&hostile)?])?;
     assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
     assert!(!raw(&out.stderr), "{:?}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -326,9 +306,9 @@ fn control_characters_from_the_file_print_escaped() -> Result<()> {
     ] {
         assert!(text.contains(line), "{line}\n{text}");
     }
-    common::assert_one_line_error(&out, &[r"1 unexpected: blk.1.\u{1b}[31mp.weight"]);
+    assert_one_line_error(&out, &[r"1 unexpected: blk.1.\u{1b}[31mp.weight"]);
 
-    let out = multihead(&["inspect", "--json", s(&hostile)?])?;
+    let out = multihead!(&["inspect", "--json", arg(&hostile)?])?;
     std::fs::remove_file(&hostile)?;
     assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
     let json = String::from_utf8(out.stdout.clone())?;
@@ -365,12 +345,12 @@ fn overlapping_tensors_are_refused() -> Result<()> {
         b[q_at..q_at + 8].copy_from_slice(&k_offset);
         Ok(())
     })?;
-    let out = multihead(&["inspect", s(&overlapping)?])?;
+    let out = multihead!(&["inspect", arg(&overlapping)?])?;
     std::fs::remove_file(&overlapping)?;
-    common::assert_one_line_error(
+    assert_one_line_error(
         &out,
         &[
-            s(&overlapping)?,
+            arg(&overlapping)?,
             "'blk.0.attn_q.weight'",
             "'blk.0.attn_k.weight'",
             "overlap",
@@ -383,7 +363,7 @@ fn overlapping_tensors_are_refused() -> Result<()> {
 /// `generate` keeps each matrix in the format it is stored in.
 #[test]
 fn a_k_quant_file_lists_its_formats_and_how_it_loads() -> Result<()> {
-    let text = stdout(&multihead(&["inspect", s(&gguf("llama256", "q4_k_m"))?])?)?;
+    let text = success(&multihead!(&["inspect", arg(&gguf("llama256", "q4_k_m"))?])?)?;
     let lines: Vec<&str> = text.lines().collect();
     assert!(
         lines

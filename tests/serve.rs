@@ -6,9 +6,6 @@
 //! disconnect that frees its place, a template error that answers one
 //! request alone, and SIGTERM finishing what is in flight, then exit 0.
 
-mod common;
-mod text_fixtures;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
@@ -18,8 +15,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle::Device;
 use multihead::models::decoder::{ChatMessage, GenerationSettings, TextGenerator, TextOutput};
+use multihead_test_support::{
+    scratch_dir,
+    text::{fixtures, folder_with, FOLDERS},
+};
 use serde_json::{json, Value};
-use text_fixtures::{fixtures, folder_with, FOLDERS};
 
 const PROMPTS: [&str; 4] = [
     "Hello world",
@@ -403,7 +403,7 @@ fn bad_requests_are_400s_naming_the_field_and_the_server_goes_on() -> Result<()>
 
 #[test]
 fn a_template_error_answers_that_request_alone() -> Result<()> {
-    let folder = folder_with("llama3", "serve-raising-template", |dir| {
+    let folder = folder_with(scratch_dir!("llama3-serve-raising-template")?, "llama3", |dir| {
         let template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user\\'s') }}{% endif %}\
                         {% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:";
         std::fs::write(dir.join("chat_template.jinja"), template)?;
@@ -438,7 +438,7 @@ fn a_template_error_answers_that_request_alone() -> Result<()> {
 /// The llama3 fixture with a context long enough for requests that run
 /// until a test is done with them (rotary positions extrapolate).
 fn long_context() -> Result<std::path::PathBuf> {
-    folder_with("llama3", "serve-long-context", |dir| {
+    folder_with(scratch_dir!("llama3-serve-long-context")?, "llama3", |dir| {
         let path = dir.join("config.json");
         let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
         config["max_position_embeddings"] = json!(1_000_000);

@@ -7,9 +7,6 @@
 //! stop strings, constraints and token bytes hold through the library and
 //! `generate`'s flags; bad folders are refused by file and field.
 
-mod common;
-mod text_fixtures;
-
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -17,8 +14,13 @@ use candle::Device;
 use multihead::models::decoder::{
     ChatMessage, ChatTemplate, DecoderModel, Finish, HfGenerationConfig, TextGenerator, TextTokenizer,
 };
+use multihead_test_support::{
+    fixtures::fixture_dir,
+    multihead, scratch_dir,
+    text::{expected, fixtures, folder_with, FOLDERS},
+    tokens::ids,
+};
 use serde_json::Value;
-use text_fixtures::{expected, fixtures, folder_with, ids, multihead, FOLDERS};
 
 #[test]
 fn every_prompt_continues_as_hf_continues_it() -> Result<()> {
@@ -133,16 +135,13 @@ fn chat_templates_render_as_apply_chat_template() -> Result<()> {
     // A folder without a template says so for --chat.
     let dir = fixtures().join("llama2-sp");
     assert!(ChatTemplate::from_folder(&dir)?.is_none());
-    let out = multihead(
-        &[
-            "generate",
-            "--chat",
-            "--model",
-            dir.to_str().context("path")?,
-            "hi",
-        ],
-        None,
-    )?;
+    let out = multihead!(&[
+        "generate",
+        "--chat",
+        "--model",
+        dir.to_str().context("path")?,
+        "hi",
+    ])?;
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("has no chat template"),
@@ -206,14 +205,16 @@ fn bad_folders_name_the_file_and_field() -> Result<()> {
         ),
     ];
     for (tag, file, text, needle) in cases {
-        let dir = folder_with("llama3", tag, |d| Ok(std::fs::write(d.join(file), text)?))?;
+        let dir = folder_with(scratch_dir!(format!("llama3-{tag}"))?, "llama3", |d| {
+            Ok(std::fs::write(d.join(file), text)?)
+        })?;
         let err = load_error(&dir);
         assert!(err.contains(needle), "{tag}: {err}");
     }
     // A tokenizer larger than the model's embedding (HF's rule: ids past
     // the tokenizer are allowed, past the embedding refused): the
     // 384-token tokenizer over the 128-token Llama fixture.
-    let model = DecoderModel::from_folder(&common::fixture_dir("decoders").join("llama"), &Device::Cpu)?;
+    let model = DecoderModel::from_folder(&fixture_dir("decoders").join("llama"), &Device::Cpu)?;
     let tok = TextTokenizer::from_folder(&fixtures().join("gpt2-bpe"))?;
     let err = TextGenerator::new(model, tok, HfGenerationConfig::default(), "mixed")
         .unwrap_err()
@@ -265,7 +266,7 @@ fn the_stream_never_splits_a_character() -> Result<()> {
     assert_eq!(cfg.eos_token_ids, [1, 4]);
     // Without generation_config.json the end tokens come from config.json,
     // as HF's GenerationConfig.from_model_config takes them.
-    let dir = folder_with("llama3", "no-generation-config", |d| {
+    let dir = folder_with(scratch_dir!("llama3-no-generation-config")?, "llama3", |d| {
         Ok(std::fs::remove_file(d.join("generation_config.json"))?)
     })?;
     let cfg = HfGenerationConfig::from_folder(&dir)?;
@@ -295,19 +296,16 @@ fn stop_strings_stop_where_hf_stops() -> Result<()> {
         assert_eq!(out.text, case["text"].as_str().context("text")?, "{name}");
         assert_eq!(out.finish, Finish::Stop, "{name}");
         let dir = fixtures().join(name);
-        let out = multihead(
-            &[
-                "generate",
-                "--format",
-                "json",
-                "--stop",
-                stop,
-                "--model",
-                dir.to_str().context("path")?,
-                prompt,
-            ],
-            None,
-        )?;
+        let out = multihead!(&[
+            "generate",
+            "--format",
+            "json",
+            "--stop",
+            stop,
+            "--model",
+            dir.to_str().context("path")?,
+            prompt,
+        ])?;
         let got: Value = serde_json::from_slice(&out.stdout)?;
         assert_eq!(got[0]["finish"], "stop", "{name}");
         assert_eq!(got[0]["text"], case["text"], "{name}");
@@ -397,36 +395,30 @@ fn constrained_continuations_match_their_regex() -> Result<()> {
             assert_eq!(out.finish, Finish::Eos, "{name} {regex}");
         }
     }
-    let out = multihead(
-        &[
-            "generate",
-            "--model",
-            &fixtures().join("gpt2-bpe").display().to_string(),
-            "--constraint",
-            "[0-9]{4}-[0-9]{2}-[0-9]{2}",
-            "The date is",
-        ],
-        None,
-    )?;
+    let out = multihead!(&[
+        "generate",
+        "--model",
+        &fixtures().join("gpt2-bpe").display().to_string(),
+        "--constraint",
+        "[0-9]{4}-[0-9]{2}-[0-9]{2}",
+        "The date is",
+    ])?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout)?;
     assert!(is_date(text.trim_end_matches('\n')), "{text:?}");
     // A regex that does not parse, or that cannot fit the tokens left, is
     // one line naming it.
     for (regex, says) in [("(", "regex \"(\""), ("[0-9]{40}", "needs at least 40 tokens")] {
-        let out = multihead(
-            &[
-                "generate",
-                "--model",
-                &fixtures().join("gpt2-bpe").display().to_string(),
-                "--max-new-tokens",
-                "5",
-                "--constraint",
-                regex,
-                "x",
-            ],
-            None,
-        )?;
+        let out = multihead!(&[
+            "generate",
+            "--model",
+            &fixtures().join("gpt2-bpe").display().to_string(),
+            "--max-new-tokens",
+            "5",
+            "--constraint",
+            regex,
+            "x",
+        ])?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success() && !stderr.contains("panicked"),

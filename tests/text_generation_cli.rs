@@ -3,16 +3,18 @@
 //! and JSON mode and through `--chat`, a half-precision cache, and
 //! `inspect` on the decoder folders.
 
-mod common;
-mod text_fixtures;
-
 use std::path::Path;
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result};
+use multihead_test_support::{
+    cli::assert_one_line_error,
+    fixtures::fixture_dir,
+    multihead, scratch_dir,
+    text::{expected, fixtures, folder_with, FOLDERS},
+    tokens::ids,
+};
 use serde_json::Value;
-
-use text_fixtures::{expected, fixtures, ids, multihead, FOLDERS};
 
 #[test]
 fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
@@ -24,9 +26,9 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
         let prompts: Vec<&str> = cases.iter().filter_map(|c| c["prompt"].as_str()).collect();
         let texts: Vec<&str> = cases.iter().filter_map(|c| c["text"].as_str()).collect();
         // Text mode, prompts from standard input: one continuation a line.
-        let out = multihead(
+        let out = multihead!(
             &["generate", "--model", dir.to_str().context("path")?],
-            Some(&(prompts.join("\n") + "\n")),
+            &(prompts.join("\n") + "\n")
         )?;
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{name}: {err}");
@@ -46,7 +48,7 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
             dir.to_str().context("path")?,
         ];
         args.extend(&prompts);
-        let out = multihead(&args, None)?;
+        let out = multihead!(&args)?;
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let got: Value = serde_json::from_slice(&out.stdout)?;
         let got = got.as_array().context("an array")?;
@@ -65,16 +67,13 @@ fn the_cli_prints_hf_s_text_and_json() -> Result<()> {
         let Some(chat) = all.iter().find(|c| c["chat"] == true) else {
             continue;
         };
-        let out = multihead(
-            &[
-                "generate",
-                "--chat",
-                "--model",
-                dir.to_str().context("path")?,
-                chat["prompt"].as_str().context("prompt")?,
-            ],
-            None,
-        )?;
+        let out = multihead!(&[
+            "generate",
+            "--chat",
+            "--model",
+            dir.to_str().context("path")?,
+            chat["prompt"].as_str().context("prompt")?,
+        ])?;
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(
             String::from_utf8(out.stdout)?,
@@ -92,19 +91,16 @@ fn the_cli_keeps_the_cache_in_half_precision() -> Result<()> {
     for name in FOLDERS {
         let dir = fixtures().join(name);
         for kv in ["bf16", "f16"] {
-            let out = multihead(
-                &[
-                    "generate",
-                    "--format",
-                    "json",
-                    "--kv-dtype",
-                    kv,
-                    "--model",
-                    dir.to_str().context("path")?,
-                    "Hello",
-                ],
-                None,
-            )?;
+            let out = multihead!(&[
+                "generate",
+                "--format",
+                "json",
+                "--kv-dtype",
+                kv,
+                "--model",
+                dir.to_str().context("path")?,
+                "Hello",
+            ])?;
             assert!(
                 out.status.success(),
                 "{name} {kv}: {}",
@@ -118,17 +114,14 @@ fn the_cli_keeps_the_cache_in_half_precision() -> Result<()> {
         }
     }
     let dir = fixtures().join(FOLDERS[0]);
-    let out = multihead(
-        &[
-            "generate",
-            "--kv-dtype",
-            "q8_0",
-            "--model",
-            dir.to_str().context("path")?,
-            "Hello",
-        ],
-        None,
-    )?;
+    let out = multihead!(&[
+        "generate",
+        "--kv-dtype",
+        "q8_0",
+        "--model",
+        dir.to_str().context("path")?,
+        "Hello",
+    ])?;
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("q8_0") && err.contains("bf16"),
@@ -176,10 +169,7 @@ fn a_closed_pipe_ends_generate_quietly() -> Result<()> {
 #[test]
 fn the_timings_start_a_line_of_their_own() -> Result<()> {
     let dir = fixtures().join(FOLDERS[0]);
-    let path = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("text_generation_cli")
-        .join("one-screen.txt");
-    std::fs::create_dir_all(path.parent().context("parent")?)?;
+    let path = scratch_dir!("timings")?.join("one-screen.txt");
     let screen = std::fs::File::create(&path)?;
     let status = Command::new(env!("CARGO_BIN_EXE_multihead"))
         .args([
@@ -208,7 +198,7 @@ fn the_timings_start_a_line_of_their_own() -> Result<()> {
 
 #[test]
 fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
-    let decoders = common::fixture_dir("decoders");
+    let decoders = fixture_dir("decoders");
     for (folder, family) in [
         ("gpt2", "gpt2: vocab 128, hidden 64, layers 2, MLP 256"),
         ("llama", "llama: vocab 128, hidden 64, layers 2, MLP 128"),
@@ -219,10 +209,7 @@ fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
             "qwen3: vocab 128, hidden 64, layers 2, MLP 128, heads 4, kv heads 2",
         ),
     ] {
-        let out = multihead(
-            &["inspect", decoders.join(folder).to_str().context("path")?],
-            None,
-        )?;
+        let out = multihead!(&["inspect", decoders.join(folder).to_str().context("path")?])?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -239,11 +226,7 @@ fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
         }
     }
     // A config one key/value head off: the mis-shaped projections, named.
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("text_generation_cli")
-        .join("inspect-kv");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let dir = scratch_dir!("inspect-kv")?;
     let src = decoders.join("llama");
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors"))?;
     let text = std::fs::read_to_string(src.join("config.json"))?;
@@ -251,7 +234,7 @@ fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
         dir.join("config.json"),
         text.replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4"),
     )?;
-    let out = multihead(&["inspect", dir.to_str().context("path")?], None)?;
+    let out = multihead!(&["inspect", dir.to_str().context("path")?])?;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "{text}");
     assert!(
@@ -268,7 +251,7 @@ fn inspect_recognises_decoders_and_checks_their_config() -> Result<()> {
 #[test]
 fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> {
     use multihead::models::decoder::{ChatMessage, TemplateArgs, TextGenerator};
-    let dir = text_fixtures::folder_with("llama3", "cli-template-args", |d| {
+    let dir = folder_with(scratch_dir!("llama3-cli-template-args")?, "llama3", |d| {
         // Llama 3's template, with a line only `enable_thinking=false` adds.
         let path = d.join("chat_template.jinja");
         let source = std::fs::read_to_string(&path)?;
@@ -302,7 +285,7 @@ fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> 
         ];
         cli.extend(["--format", "jsonl", "--threads", "1"]);
         cli.extend(extra);
-        let out = multihead(&cli, None)?;
+        let out = multihead!(&cli)?;
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let lines: Vec<Value> = String::from_utf8(out.stdout)?
             .lines()
@@ -324,19 +307,16 @@ fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> 
     assert!(thinking.prompt_ids.len() > plain.prompt_ids.len());
     // `--temperature 0` is `--greedy`, one JSON line a prompt.
     let run = |flag: &str| -> Result<Vec<Value>> {
-        let out = multihead(
-            &[
-                "generate",
-                "--model",
-                model,
-                "--format",
-                "jsonl",
-                flag,
-                "Hello world",
-                "a",
-            ],
-            None,
-        )?;
+        let out = multihead!(&[
+            "generate",
+            "--model",
+            model,
+            "--format",
+            "jsonl",
+            flag,
+            "Hello world",
+            "a",
+        ])?;
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         Ok(String::from_utf8(out.stdout)?
             .lines()
@@ -351,17 +331,14 @@ fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> 
     );
     // A file that is not a conversation names the entry.
     std::fs::write(&file, r#"[{"role": "user", "content": ["parts"]}]"#)?;
-    let out = multihead(
-        &[
-            "generate",
-            "--model",
-            model,
-            "--messages",
-            file.to_str().context("path")?,
-        ],
-        None,
-    )?;
-    common::assert_one_line_error(&out, &["conversation.json: messages[0].content must be a string"]);
+    let out = multihead!(&[
+        "generate",
+        "--model",
+        model,
+        "--messages",
+        file.to_str().context("path")?,
+    ])?;
+    assert_one_line_error(&out, &["conversation.json: messages[0].content must be a string"]);
     Ok(())
 }
 
@@ -371,8 +348,7 @@ fn generate_takes_conversations_template_args_jsonl_and_threads() -> Result<()> 
 #[cfg(unix)]
 #[test]
 fn a_hub_name_loads_from_the_local_cache() -> Result<()> {
-    let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hf-home");
-    let _ = std::fs::remove_dir_all(&home);
+    let home = scratch_dir!("hf-home")?;
     let repo = home.join("hub").join("models--acme--tiny-llama");
     let commit = "0123456789abcdef0123456789abcdef01234567";
     let snapshot = repo.join("snapshots").join(commit);
@@ -417,8 +393,8 @@ fn a_hub_name_loads_from_the_local_cache() -> Result<()> {
     } else {
         "a multihead built with `--features hub-download`"
     };
-    common::assert_one_line_error(&out, &["'acme/other'", "hf-home/hub' has no acme/other", why]);
+    assert_one_line_error(&out, &["'acme/other'", "hf-home/hub' has no acme/other", why]);
     let out = run("acme/tiny-llama@v2")?;
-    common::assert_one_line_error(&out, &["has acme/tiny-llama but no revision 'v2'"]);
+    assert_one_line_error(&out, &["has acme/tiny-llama but no revision 'v2'"]);
     Ok(())
 }

@@ -4,9 +4,6 @@
 //! by `scripts/make_parity_fixtures.py`), and properties (streamed text
 //! equals the final text; hostile tokenizers and templates are errors).
 
-mod common;
-mod text_fixtures;
-
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
@@ -14,8 +11,13 @@ use candle::Device;
 use multihead::models::decoder::{
     ChatMessage, ChatTemplate, Finish, TemplateArgs, TextGenerator, TextTokenizer,
 };
+use multihead_test_support::{
+    fixtures::fixture_dir,
+    scratch_dir,
+    text::{fixtures, folder_with, FOLDERS},
+    tokens::ids,
+};
 use serde_json::Value;
-use text_fixtures::{fixtures, folder_with, ids, FOLDERS};
 
 fn parity() -> Result<Value> {
     Ok(serde_json::from_str(&std::fs::read_to_string(
@@ -94,7 +96,7 @@ fn templates_render_as_hf_s_jinja_renders_them() -> Result<()> {
 fn real_chat_templates_render_as_hf_s() -> Result<()> {
     for t in parity()?["chat_templates"].as_array().context("chat_templates")? {
         let name = t["template"].as_str().context("template")?;
-        let path = common::fixture_dir("chat_templates").join(name);
+        let path = fixture_dir("chat_templates").join(name);
         let special: BTreeMap<String, String> = serde_json::from_value(t["special_tokens"].clone())?;
         let template = ChatTemplate::new(std::fs::read_to_string(&path)?, name, special)?;
         for (i, case) in t["cases"].as_array().context("cases")?.iter().enumerate() {
@@ -132,17 +134,21 @@ fn real_chat_templates_render_as_hf_s() -> Result<()> {
 #[test]
 fn special_tokens_map_json_gives_the_template_its_tokens() -> Result<()> {
     let want = &parity()?["special_tokens_map"];
-    let dir = folder_with("llama2-sp", "parity-special-tokens-map", |d| {
-        std::fs::write(
-            d.join("tokenizer_config.json"),
-            serde_json::to_string(&want["tokenizer_config"])?,
-        )?;
-        std::fs::write(
-            d.join("special_tokens_map.json"),
-            serde_json::to_string(&want["special_tokens_map"])?,
-        )?;
-        Ok(())
-    })?;
+    let dir = folder_with(
+        scratch_dir!("llama2-sp-parity-special-tokens-map")?,
+        "llama2-sp",
+        |d| {
+            std::fs::write(
+                d.join("tokenizer_config.json"),
+                serde_json::to_string(&want["tokenizer_config"])?,
+            )?;
+            std::fs::write(
+                d.join("special_tokens_map.json"),
+                serde_json::to_string(&want["special_tokens_map"])?,
+            )?;
+            Ok(())
+        },
+    )?;
     let t = ChatTemplate::from_folder(&dir)?.context("a template")?;
     let messages = [
         ChatMessage::new("user", "hi"),
@@ -302,12 +308,16 @@ fn streamed_text_equals_the_final_text() -> Result<()> {
         ("llama2-sp", false),
         ("llama2-sp", true),
     ] {
-        let dir = folder_with(name, &format!("parity-stream-{clean_up}"), |d| {
-            let path = d.join("tokenizer_config.json");
-            let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-            config["clean_up_tokenization_spaces"] = Value::Bool(clean_up);
-            Ok(std::fs::write(path, config.to_string())?)
-        })?;
+        let dir = folder_with(
+            scratch_dir!(format!("{name}-parity-stream-{clean_up}"))?,
+            name,
+            |d| {
+                let path = d.join("tokenizer_config.json");
+                let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+                config["clean_up_tokenization_spaces"] = Value::Bool(clean_up);
+                Ok(std::fs::write(path, config.to_string())?)
+            },
+        )?;
         let tok = TextTokenizer::from_folder(&dir)?;
         let texts = [
             "Hello , world . I do n't know , she 's here ' s it ' m",
@@ -381,7 +391,7 @@ fn generation_configs_hf_accepts_load() -> Result<()> {
             r#"{"eos_token_id": [1, 4], "max_new_tokens": 16, "stop_strings": ""}"#,
         ),
     ] {
-        let dir = folder_with("llama3", &format!("parity-{tag}"), |d| {
+        let dir = folder_with(scratch_dir!(format!("llama3-parity-{tag}"))?, "llama3", |d| {
             Ok(std::fs::write(d.join("generation_config.json"), config)?)
         })?;
         let g = TextGenerator::from_folder(&dir, &Device::Cpu)?;
@@ -390,7 +400,7 @@ fn generation_configs_hf_accepts_load() -> Result<()> {
         assert_eq!(out.ids, want.ids, "{tag}");
     }
     // Sampling with top_p 0 keeps only the best token: greedy's answer.
-    let dir = folder_with("llama3", "parity-top-p-zero", |d| {
+    let dir = folder_with(scratch_dir!("llama3-parity-top-p-zero")?, "llama3", |d| {
         Ok(std::fs::write(
             d.join("generation_config.json"),
             r#"{"eos_token_id": [1, 4], "max_new_tokens": 16, "do_sample": true, "top_p": 0}"#,
@@ -409,7 +419,7 @@ fn generation_configs_hf_accepts_load() -> Result<()> {
 /// prompts; a conversation gets the first's error, the second renders.
 #[test]
 fn an_unusable_chat_template_fails_only_the_conversation() -> Result<()> {
-    let named = folder_with("llama3", "parity-named-templates", |d| {
+    let named = folder_with(scratch_dir!("llama3-parity-named-templates")?, "llama3", |d| {
         let path = d.join("tokenizer_config.json");
         let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
         config["chat_template"] = serde_json::json!([{"name": "tool_use", "template": "{{ messages }}"}]);
@@ -426,7 +436,7 @@ fn an_unusable_chat_template_fails_only_the_conversation() -> Result<()> {
         err.contains("tokenizer_config.json: field 'chat_template' lists templates but none named 'default'"),
         "{err}"
     );
-    let tagged = folder_with("llama3", "parity-generation-tag", |d| {
+    let tagged = folder_with(scratch_dir!("llama3-parity-generation-tag")?, "llama3", |d| {
         let path = d.join("chat_template.jinja");
         let source = std::fs::read_to_string(&path)?.replace(
             "{{ message['content'] | trim }}",

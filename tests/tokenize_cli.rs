@@ -5,66 +5,29 @@
 //! asks for unless `--no-special`; `--chat` on a folder gives HF's
 //! `apply_chat_template` ids (`tests/fixtures/text/expected.json`).
 
-mod common;
-
-use std::io::Write;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Output;
 
 use anyhow::{Context, Result};
+use multihead_test_support::{
+    cli::assert_one_line_error,
+    gguf::{vocab, vocab_cases},
+    multihead, text,
+    tokens::ids,
+};
 use serde_json::Value;
 
-fn vocab(name: &str) -> PathBuf {
-    common::fixture_dir("gguf")
-        .join("vocab")
-        .join(format!("ggml-vocab-{name}.gguf"))
-}
-
-/// The texts of `NAME.gguf.inp` and the ids of its `.out`.
-fn cases(name: &str) -> Result<Vec<(String, Vec<u64>)>> {
-    let path = vocab(name);
-    let inp = std::fs::read_to_string(path.with_extension("gguf.inp"))?;
-    let out = std::fs::read_to_string(path.with_extension("gguf.out"))?;
-    let texts = inp
-        .strip_suffix("\n__ggml_vocab_test__\n")
-        .unwrap_or(&inp)
-        .split("\n__ggml_vocab_test__\n");
-    let ids = out.lines().map(|l| {
-        l.split_whitespace()
-            .map(str::parse)
-            .collect::<Result<Vec<u64>, _>>()
-    });
-    texts.zip(ids).map(|(t, i)| Ok((t.to_string(), i?))).collect()
-}
-
-fn run(args: &[&str], stdin: Option<&str>) -> Result<std::process::Output> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_multihead"))
-        .arg("tokenize")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let mut input = child.stdin.take().context("stdin")?;
-    input.write_all(stdin.unwrap_or_default().as_bytes())?;
-    drop(input);
-    Ok(child.wait_with_output()?)
+/// `multihead tokenize ARGS` with `stdin` on its standard input.
+fn run(args: &[&str], stdin: &str) -> Result<Output> {
+    multihead!(&[&["tokenize"], args].concat(), stdin)
 }
 
 /// The JSON `multihead tokenize --format json ARGS` writes.
-fn json(args: &[&str], stdin: Option<&str>) -> Result<Vec<Value>> {
+fn json(args: &[&str], stdin: &str) -> Result<Vec<Value>> {
     let out = run(&[&["--format", "json"], args].concat(), stdin)?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{args:?}: {stderr}");
     let v: Value = serde_json::from_slice(&out.stdout)?;
     v.as_array().cloned().context("an array")
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v["ids"]
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default()
 }
 
 /// Every text of llama-spm (SentencePiece) and deepseek-coder (byte-level
@@ -74,7 +37,7 @@ fn ids(v: &Value) -> Vec<u64> {
 #[test]
 fn vocabulary_only_files_give_llama_cpps_ids() -> Result<()> {
     for (name, bos) in [("llama-spm", 1), ("deepseek-coder", 32013)] {
-        let cases = cases(name)?;
+        let cases = vocab_cases(&vocab(name))?;
         // Arguments cannot hold an empty text the way they are compared
         // here; the rest go in one call.
         let cases: Vec<_> = cases.into_iter().filter(|(t, _)| !t.is_empty()).collect();
@@ -82,11 +45,11 @@ fn vocabulary_only_files_give_llama_cpps_ids() -> Result<()> {
         let texts: Vec<&str> = cases.iter().map(|(t, _)| t.as_str()).collect();
         let got = json(
             &[&["--model", &model, "--no-special", "--"], &texts[..]].concat(),
-            None,
+            "",
         )?;
         assert_eq!(got.len(), cases.len(), "{name}");
         for ((text, want), got) in cases.iter().zip(&got) {
-            assert_eq!(&ids(got), want, "{name}: {text:?}");
+            assert_eq!(&ids(&got["ids"]), want, "{name}: {text:?}");
             assert_eq!(
                 got["pieces"].as_array().map(Vec::len),
                 Some(want.len()),
@@ -94,8 +57,12 @@ fn vocabulary_only_files_give_llama_cpps_ids() -> Result<()> {
             );
         }
         let (text, want) = &cases[0];
-        let got = json(&["--model", &model, "--", text], None)?;
-        assert_eq!(ids(&got[0]), [&[bos][..], want].concat(), "{name}: {text:?}");
+        let got = json(&["--model", &model, "--", text], "")?;
+        assert_eq!(
+            ids(&got[0]["ids"]),
+            [&[bos][..], want].concat(),
+            "{name}: {text:?}"
+        );
     }
     Ok(())
 }
@@ -104,11 +71,11 @@ fn vocabulary_only_files_give_llama_cpps_ids() -> Result<()> {
 #[test]
 fn standard_input_is_one_text() -> Result<()> {
     let model = vocab("llama-spm").display().to_string();
-    let cases = cases("llama-spm")?;
+    let cases = vocab_cases(&vocab("llama-spm"))?;
     for (text, want) in cases.iter().filter(|(t, _)| t.contains('\n')).take(3) {
-        let got = json(&["--model", &model, "--no-special"], Some(text))?;
+        let got = json(&["--model", &model, "--no-special"], text)?;
         assert_eq!(got.len(), 1);
-        assert_eq!(&ids(&got[0]), want, "{text:?}");
+        assert_eq!(&ids(&got[0]["ids"]), want, "{text:?}");
     }
     Ok(())
 }
@@ -117,7 +84,7 @@ fn standard_input_is_one_text() -> Result<()> {
 #[test]
 fn text_format_shows_ids_and_pieces() -> Result<()> {
     let model = vocab("llama-spm").display().to_string();
-    let out = run(&["--model", &model, "Hello world"], None)?;
+    let out = run(&["--model", &model, "Hello world"], "")?;
     assert!(out.status.success());
     // ▁Hello ▁world, the ids of llama-spm's .out for "Hello world".
     assert_eq!(
@@ -131,19 +98,17 @@ fn text_format_shows_ids_and_pieces() -> Result<()> {
 /// text as a user's message, as HF's `apply_chat_template` gives it.
 #[test]
 fn chat_renders_the_template_first() -> Result<()> {
-    let expected: Value = serde_json::from_str(&std::fs::read_to_string(
-        common::fixture_dir("text").join("expected.json"),
-    )?)?;
+    let expected = text::expected()?;
     let chat = &expected["llama3"]["chats"][0];
     assert_eq!(chat["messages"].as_array().map(Vec::len), Some(1));
     let text = chat["messages"][0]["content"].as_str().context("content")?;
-    let folder = common::fixture_dir("text").join("llama3").display().to_string();
-    let got = json(&["--model", &folder, "--chat", text], None)?;
-    assert_eq!(ids(&got[0]), ids(chat));
+    let folder = text::fixtures().join("llama3").display().to_string();
+    let got = json(&["--model", &folder, "--chat", text], "")?;
+    assert_eq!(ids(&got[0]["ids"]), ids(&chat["ids"]));
 
     // A file without a template says so.
     let model = vocab("llama-spm").display().to_string();
-    let out = run(&["--model", &model, "--chat", "hi"], None)?;
-    common::assert_one_line_error(&out, &["--chat", &model, "no chat template"]);
+    let out = run(&["--model", &model, "--chat", "hi"], "")?;
+    assert_one_line_error(&out, &["--chat", &model, "no chat template"]);
     Ok(())
 }

@@ -6,39 +6,27 @@
 //! naming the file and the field, never a panic. Every case is a copy of a
 //! committed fixture folder with one file changed, made in the test.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use candle::{DType, Device};
-use common::{assert_err, assert_one_line_error, fixture_dir};
 use multihead::models::vit::ModelFolder;
+use multihead_test_support::{
+    cli::assert_one_line_error,
+    errors::assert_err,
+    fixtures::fixture_dir,
+    scratch::{copy_files, edit_json},
+    scratch_dir,
+};
 
 /// A fresh copy of fixture folder `from` named `case`.
 fn copy_of(from: &str, case: &str) -> Result<PathBuf> {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("untrusted_folders")
-        .join(case);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let dir = scratch_dir!(case)?;
     if !from.is_empty() {
-        for entry in std::fs::read_dir(fixture_dir("folders").join(from))? {
-            let path = entry?.path();
-            std::fs::copy(&path, dir.join(path.file_name().context("name")?))?;
-        }
+        copy_files(&fixture_dir("folders").join(from), &dir)?;
     }
     Ok(dir)
-}
-
-/// `file` in `dir` as JSON, changed by `edit`, written back.
-fn edit_json(dir: &Path, file: &str, edit: impl FnOnce(&mut serde_json::Value)) -> Result<()> {
-    let path = dir.join(file);
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-    edit(&mut v);
-    std::fs::write(&path, v.to_string())?;
-    Ok(())
 }
 
 /// The folder fails to open or load with an error mentioning every one of
@@ -98,7 +86,7 @@ fn hf_config_json() -> Result<()> {
     ];
     for (field, value, needles) in cases {
         let dir = copy_of("hf_vit", &format!("hf_{field}"))?;
-        edit_json(&dir, "config.json", |v| v[field] = value)?;
+        edit_json(&dir.join("config.json"), |v| v[field] = value)?;
         refused(&dir, needles)?;
     }
     // Not JSON, not an object.
@@ -119,7 +107,7 @@ fn hf_config_json() -> Result<()> {
 #[test]
 fn config_disagrees_with_weights() -> Result<()> {
     let dir = copy_of("hf_vit", "hf_disagrees")?;
-    edit_json(&dir, "config.json", |v| {
+    edit_json(&dir.join("config.json"), |v| {
         v["num_hidden_layers"] = 3.into();
     })?;
     refused(
@@ -132,14 +120,14 @@ fn config_disagrees_with_weights() -> Result<()> {
         ],
     )?;
     let dir = copy_of("hf_vit", "hf_too_big")?;
-    edit_json(&dir, "config.json", |v| {
+    edit_json(&dir.join("config.json"), |v| {
         v["hidden_size"] = 4096.into();
         v["intermediate_size"] = 16384.into();
     })?;
     refused(&dir, &["config.json", "larger than this file can hold"])?;
     // The HF default sizes (768 wide, 12 layers) when the sizes are missing.
     let dir = copy_of("hf_vit", "hf_missing_sizes")?;
-    edit_json(&dir, "config.json", |v| {
+    edit_json(&dir.join("config.json"), |v| {
         if let Some(map) = v.as_object_mut() {
             for k in ["hidden_size", "num_hidden_layers", "intermediate_size"] {
                 map.remove(k);
@@ -148,7 +136,9 @@ fn config_disagrees_with_weights() -> Result<()> {
     })?;
     refused(&dir, &["config.json", "larger than this file can hold"])?;
     let dir = copy_of("timm_vit", "timm_disagrees")?;
-    edit_json(&dir, "config.json", |v| v["model_args"]["embed_dim"] = 40.into())?;
+    edit_json(&dir.join("config.json"), |v| {
+        v["model_args"]["embed_dim"] = 40.into()
+    })?;
     refused(&dir, &["config.json", "mis-shaped", "cls_token"])?;
     Ok(())
 }
@@ -208,7 +198,7 @@ fn preprocessor_config_json() -> Result<()> {
     ];
     for (i, (from, field, value, needles)) in cases.into_iter().enumerate() {
         let dir = copy_of(from, &format!("pre_{i}_{field}"))?;
-        edit_json(&dir, "preprocessor_config.json", |v| v[field] = value)?;
+        edit_json(&dir.join("preprocessor_config.json"), |v| v[field] = value)?;
         refused(&dir, needles)?;
     }
     let dir = copy_of("hf_vit", "pre_not_json")?;
@@ -279,7 +269,7 @@ fn timm_config_json() -> Result<()> {
     ];
     for (i, (field, value, needles)) in cases.into_iter().enumerate() {
         let dir = copy_of("timm_vit", &format!("timm_{i}_{field}"))?;
-        edit_json(&dir, "config.json", |v| v[field] = value)?;
+        edit_json(&dir.join("config.json"), |v| v[field] = value)?;
         refused(&dir, needles)?;
     }
     Ok(())
@@ -301,14 +291,14 @@ fn index_json() -> Result<()> {
         ("index_pickle", "pytorch_model-00001-of-00002.bin"),
     ] {
         let dir = copy_of("hf_deit_teacher", case)?;
-        edit_json(&dir, INDEX, |v| {
+        edit_json(&dir.join(INDEX), |v| {
             let t = first_tensor(v);
             v["weight_map"][t] = shard.into();
         })?;
         refused(&dir, &[INDEX, "field 'weight_map.", shard])?;
     }
     let dir = copy_of("hf_deit_teacher", "index_wrong_shard")?;
-    edit_json(&dir, INDEX, |v| {
+    edit_json(&dir.join(INDEX), |v| {
         let t = first_tensor(v);
         let other = if v["weight_map"][&t] == "model-00001-of-00003.safetensors" {
             "model-00002-of-00003.safetensors"
@@ -322,7 +312,7 @@ fn index_json() -> Result<()> {
     std::fs::remove_file(dir.join("model-00002-of-00003.safetensors"))?;
     refused(&dir, &["reading weights", "model-00002-of-00003.safetensors"])?;
     let dir = copy_of("hf_deit_teacher", "index_unlisted")?;
-    edit_json(&dir, INDEX, |v| {
+    edit_json(&dir.join(INDEX), |v| {
         let t = first_tensor(v);
         v["weight_map"].as_object_mut().map(|m| m.remove(&t));
     })?;

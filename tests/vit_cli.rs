@@ -1,47 +1,21 @@
 //! `multihead vit` as a user runs it: the default run, `--eval`,
 //! `--attention-map`, and one-line errors on bad input.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result};
+use multihead_test_support::{
+    cli::{assert_one_line_error, output},
+    scratch_dir, shipped,
+};
 
-fn model_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits")
-}
-
-/// A fresh scratch directory for one test.
-fn scratch(name: &str) -> Result<PathBuf> {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("vit_cli").join(name);
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
-
+/// `multihead vit ARGS` run in the shipped digits model's folder.
 fn vit(args: &[&str]) -> Result<Output> {
-    Ok(Command::new(env!("CARGO_BIN_EXE_multihead"))
-        .current_dir(model_dir())
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_multihead"));
+    cmd.current_dir(shipped::folder("vit-digits"))
         .arg("vit")
-        .args(args)
-        .output()?)
-}
-
-/// Fails unless the run exited non-zero with one `error:` line containing
-/// `what`.
-fn assert_one_line_error(out: &Output, what: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success(),
-        "succeeded; stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    assert!(!stderr.contains("panicked"), "panicked: {stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "not one line: {stderr}");
-    assert!(
-        lines[0].starts_with("error: ") && lines[0].contains(what),
-        "{stderr}"
-    );
+        .args(args);
+    output(cmd, b"")
 }
 
 #[test]
@@ -49,7 +23,7 @@ fn default_run_classifies_the_samples() -> Result<()> {
     let out = vit(&[])?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout)?;
-    let samples = std::fs::read_dir(model_dir().join("samples"))?.count();
+    let samples = std::fs::read_dir(shipped::folder("vit-digits").join("samples"))?.count();
     assert!(samples >= 10);
     assert_eq!(
         stdout.lines().filter(|l| l.ends_with(".png")).count(),
@@ -78,9 +52,9 @@ fn eval_prints_accuracy_and_confusion() -> Result<()> {
 
 #[test]
 fn attention_map_is_written() -> Result<()> {
-    let dir = scratch("attention_map")?;
+    let dir = scratch_dir!("attention_map")?;
     let out_png = dir.join("map.png");
-    let sample = std::fs::read_dir(model_dir().join("samples"))?
+    let sample = std::fs::read_dir(shipped::folder("vit-digits").join("samples"))?
         .next()
         .context("no sample")??
         .path();
@@ -110,23 +84,23 @@ fn other_dtypes_and_sizes_run() -> Result<()> {
 
 #[test]
 fn missing_file() -> Result<()> {
-    assert_one_line_error(&vit(&["no-such-image.png"])?, "no-such-image.png");
+    assert_one_line_error(&vit(&["no-such-image.png"])?, &["no-such-image.png"]);
     Ok(())
 }
 
 #[test]
 fn not_an_image() -> Result<()> {
-    let dir = scratch("not_an_image")?;
+    let dir = scratch_dir!("not_an_image")?;
     let path = dir.join("notes.png");
     std::fs::write(&path, "these are not pixels\n")?;
-    assert_one_line_error(&vit(&[path.to_str().context("path")?])?, "not a PNG or JPEG");
+    assert_one_line_error(&vit(&[path.to_str().context("path")?])?, &["not a PNG or JPEG"]);
     Ok(())
 }
 
 #[test]
 fn corrupt_image() -> Result<()> {
-    let dir = scratch("corrupt_image")?;
-    let good = std::fs::read_dir(model_dir().join("samples"))?
+    let dir = scratch_dir!("corrupt_image")?;
+    let good = std::fs::read_dir(shipped::folder("vit-digits").join("samples"))?
         .next()
         .context("no sample")??
         .path();
@@ -134,35 +108,40 @@ fn corrupt_image() -> Result<()> {
     bytes.truncate(bytes.len() / 2);
     let path = dir.join("truncated.png");
     std::fs::write(&path, bytes)?;
-    assert_one_line_error(&vit(&[path.to_str().context("path")?])?, "decoding image");
+    assert_one_line_error(&vit(&[path.to_str().context("path")?])?, &["decoding image"]);
     Ok(())
 }
 
 #[test]
 fn weights_that_do_not_match_the_config() -> Result<()> {
-    let dir = scratch("mismatch")?;
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model_dir().join("config.json"))?)?;
+    let dir = scratch_dir!("mismatch")?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        shipped::folder("vit-digits").join("config.json"),
+    )?)?;
     cfg["embed_dim"] = serde_json::json!(32);
     let path = dir.join("config.json");
     std::fs::write(&path, cfg.to_string())?;
     let out = vit(&["--config", path.to_str().context("path")?])?;
-    assert_one_line_error(&out, "do not match the model");
+    assert_one_line_error(&out, &["do not match the model"]);
     Ok(())
 }
 
 #[test]
 fn size_the_patch_does_not_divide() -> Result<()> {
-    assert_one_line_error(&vit(&["--image-size", "15"])?, "not a multiple of the patch size");
-    let dir = scratch("bad_config")?;
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model_dir().join("config.json"))?)?;
+    assert_one_line_error(
+        &vit(&["--image-size", "15"])?,
+        &["not a multiple of the patch size"],
+    );
+    let dir = scratch_dir!("bad_config")?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        shipped::folder("vit-digits").join("config.json"),
+    )?)?;
     cfg["patch_size"] = serde_json::json!(3);
     let path = dir.join("config.json");
     std::fs::write(&path, cfg.to_string())?;
     assert_one_line_error(
         &vit(&["--config", path.to_str().context("path")?])?,
-        "patch_size (3)",
+        &["patch_size (3)"],
     );
     Ok(())
 }
@@ -192,8 +171,8 @@ fn readings(args: &[&str]) -> Result<Vec<Vec<(u64, f64)>>> {
 /// of them inverted.
 #[test]
 fn either_polarity_reads_the_same() -> Result<()> {
-    let dir = scratch("polarity")?;
-    let sample = image::open(model_dir().join("samples/digit3_0705.png"))?.to_luma8();
+    let dir = scratch_dir!("polarity")?;
+    let sample = image::open(shipped::folder("vit-digits").join("samples/digit3_0705.png"))?.to_luma8();
     let big = image::imageops::resize(&sample, 64, 64, image::imageops::FilterType::Nearest);
     let mut ink_on_paper = big.clone();
     image::imageops::invert(&mut ink_on_paper);

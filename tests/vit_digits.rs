@@ -3,17 +3,18 @@
 //! files (`weights/vit-digits/pytorch_predictions.json`, written by
 //! `scripts/train_vit_digits.py`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+use multihead_test_support::shipped;
 
 /// Probabilities agree to float rounding; the predictions must be equal.
 const PROB_ATOL: f64 = 1e-4;
 
 /// The shipped model's folder and PyTorch's predictions there.
 fn reference() -> Result<(PathBuf, serde_json::Value)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
+    let dir = shipped::folder("vit-digits");
     let text = std::fs::read_to_string(dir.join("pytorch_predictions.json"))?;
     Ok((dir, serde_json::from_str(&text)?))
 }

@@ -18,15 +18,17 @@
 //!   vs PyTorch's: 1e-5 of max |logit| (measured: at most 5.6e-7), ten
 //!   times tighter than tests/vit_timm.rs's bar, since the inputs agree.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, Module, Tensor};
-use common::{assert_close, fixture_dir, max_abs_diff};
 use multihead::models::vit::{preprocess, ConfigKind, ModelFolder};
+use multihead_test_support::{
+    compare::{assert_close, max_abs_diff},
+    fixtures::fixture_dir,
+    shipped,
+};
 
 /// Each folder, what `describe` must say, and a weights path to give the
 /// CLI (the folder itself or a file in it).
@@ -190,7 +192,7 @@ fn inspect_reads_hf_and_timm_configs() -> Result<()> {
 /// Our own format is a folder too now: `--weights weights/vit-digits`.
 #[test]
 fn our_own_folder() -> Result<()> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("weights/vit-digits");
+    let dir = shipped::folder("vit-digits");
     let folder = ModelFolder::open(&dir)?;
     assert!(matches!(folder.kind(), ConfigKind::Multihead));
     let sample = std::fs::read_dir(dir.join("samples"))?

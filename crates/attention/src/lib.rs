@@ -83,23 +83,6 @@ pub use sdpa::{
     scaled_dot_product_attention_with_weights, AttnPath,
 };
 
-/// Helpers of the crate's unit tests.
-#[cfg(test)]
-pub(crate) mod testing {
-    use candle::{Device, Result, Tensor};
-
-    pub(crate) fn randn(shape: &[usize]) -> Result<Tensor> {
-        Tensor::randn(0f32, 1., shape, &Device::Cpu)
-    }
-
-    /// Largest difference over the expected tensor's largest magnitude.
-    pub(crate) fn rel_err(a: &Tensor, b: &Tensor) -> Result<f32> {
-        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-30);
-        Ok(diff / scale)
-    }
-}
-
 /// The crate README's Rust snippets, compiled and run as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

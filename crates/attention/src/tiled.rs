@@ -74,11 +74,12 @@ mod tests {
 
     use multihead_kernels::attention::{Packing, TileOptions, Tiles};
     use multihead_kernels::isa::{supported, Isa};
+    use multihead_test_support::compare::rel_err;
+    use multihead_test_support::random::randn;
 
     use super::sdpa_tiled_with;
     use crate::mask::{Alibi, AttnMask, Causal, KeyPaddingMask, Mask};
     use crate::sdpa::sdpa_reference;
-    use crate::testing::{randn, rel_err};
 
     /// [`sdpa_tiled_with`] with the instruction set, the tiles and the
     /// packing forced.

@@ -5,18 +5,18 @@
 //! reordering and truncation keep each row's result; the tiled kernel's
 //! window and ALiBi equal the reference path.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::collections::HashMap;
 
 use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{assert_close, max_abs_diff};
 use multihead_attention::{
     scaled_dot_product_attention_via, Alibi, AttnMask, AttnPath, Causal, KvCache, Mask, MhaConfig,
     MhaOptions, MultiheadAttention, NormKind, PositionEncoding, RotaryConfig, RotaryStyle, WeightLayout,
+};
+use multihead_test_support::{
+    compare::{assert_close, max_abs_diff},
+    random::randn,
 };
 
 const E: usize = 32;
@@ -41,10 +41,6 @@ fn random_mha(cfg: &MhaConfig, layout: &WeightLayout) -> Result<MultiheadAttenti
     }
     let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
     Ok(MultiheadAttention::new_with_layout(cfg, layout, vb)?)
-}
-
-fn randn(shape: &[usize]) -> Result<Tensor> {
-    Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?)
 }
 
 /// The configurations a decoder-only model uses, each with its layout.

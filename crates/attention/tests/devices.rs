@@ -5,16 +5,16 @@
 //! reference, and a bf16 decoder's attention stepping through a bf16
 //! cache against the f32 full pass.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use common::{assert_close, fixture_dir, Fixture};
 use multihead_attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, KeyPaddingMask, Mask, MhaConfig, MhaOptions,
     MultiheadAttention, NeedWeights,
+};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, Fixture},
 };
 
 fn devices() -> Vec<Device> {

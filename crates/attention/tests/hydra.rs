@@ -2,15 +2,15 @@
 //! fixtures, `scripts/make_hydra_fixtures.py`) and against a direct O(N²)
 //! evaluation of the same formula, written out below.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::Result;
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
-use common::{assert_close, fixture_dir, fixture_files, Fixture};
 use multihead_attention::{
     hydra_attention, AttnMask, Causal, HydraAttention, HydraConfig, KeyPaddingMask, Mask,
+};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, fixture_files, Fixture},
 };
 
 #[test]

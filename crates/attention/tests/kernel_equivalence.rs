@@ -1,20 +1,13 @@
 //! The tiled CPU kernel equals the reference path: random inputs of many
 //! shapes, every mask kind, grouped-query, half precision.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor};
-use common::assert_close;
 use multihead_attention::{
     scaled_dot_product_attention_via, AttnMask, AttnPath, Causal, KeyPaddingMask, Mask, MhaConfig,
     MhaOptions, MultiheadAttention, NeedWeights,
 };
-
-fn randn(shape: &[usize]) -> Result<Tensor> {
-    Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?)
-}
+use multihead_test_support::{compare::assert_close, errors::assert_err, random::randn, weights::plain_copy};
 
 fn both(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: Option<f64>) -> Result<(Tensor, Tensor)> {
     Ok((
@@ -149,7 +142,7 @@ fn mha_fast_path_equals_reference_path() -> Result<()> {
     )?;
     // Plain copies of the initialised weights: variables would force the
     // reference path.
-    let extra = MultiheadAttention::new(&cfg, common::plain_copy(&varmap)?)?;
+    let extra = MultiheadAttention::new(&cfg, plain_copy(&varmap)?)?;
     let masks = [
         Mask::causal(Causal::TopLeft),
         Mask::causal(Causal::TopLeft).with_key_padding(KeyPaddingMask::from_lengths(
@@ -347,7 +340,7 @@ fn invalid_scale_is_an_error_everywhere() -> Result<()> {
     for scale in [f64::NAN, f64::INFINITY, 0., -1.] {
         for path in [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference] {
             let res = scaled_dot_product_attention_via(&q, &k, &v, &Mask::new(), Some(scale), path);
-            common::assert_err(res, &["scale", "finite and > 0"]);
+            assert_err(res, &["scale", "finite and > 0"]);
         }
         let res = multihead_attention::scaled_dot_product_attention_with_weights(
             &q,
@@ -356,7 +349,7 @@ fn invalid_scale_is_an_error_everywhere() -> Result<()> {
             &Mask::new(),
             Some(scale),
         );
-        common::assert_err(res, &["scale"]);
+        assert_err(res, &["scale"]);
     }
     Ok(())
 }

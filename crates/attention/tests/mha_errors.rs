@@ -1,10 +1,5 @@
 //! Bad input ends in an error that names the problem, never a panic.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
-use common::assert_err;
-
 use std::collections::HashMap;
 
 use anyhow::Result;
@@ -14,16 +9,13 @@ use multihead_attention::{
     scaled_dot_product_attention, AttnMask, KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
     WeightLayout,
 };
+use multihead_test_support::{errors::assert_err, random::randn};
 
 const E: usize = 16;
 
 fn mha(cfg: &MhaConfig) -> Result<MultiheadAttention> {
     let vb = VarBuilder::from_varmap(&VarMap::new(), DType::F32, &Device::Cpu);
     Ok(MultiheadAttention::new(cfg, vb)?)
-}
-
-fn randn(shape: &[usize]) -> Tensor {
-    Tensor::randn(0f32, 1., shape, &Device::Cpu).expect("randn")
 }
 
 #[test]
@@ -59,30 +51,30 @@ fn config_values_are_checked_by_name() {
 fn wrong_ranks_and_sizes_are_named() -> Result<()> {
     let m = mha(&MhaConfig::new(E, 4))?;
     let o = MhaOptions::new();
-    let (q, k) = (randn(&[2, 5, E]), randn(&[2, 7, E]));
+    let (q, k) = (randn(&[2, 5, E])?, randn(&[2, 7, E])?);
     assert_err(
-        m.forward_attn(&randn(&[2, 5, E, 1]), &k, &k, &o),
+        m.forward_attn(&randn(&[2, 5, E, 1])?, &k, &k, &o),
         &["ranks 4, 3, 3"],
     );
-    assert_err(m.forward_attn(&q, &randn(&[7, E]), &k, &o), &["ranks 3, 2, 3"]);
+    assert_err(m.forward_attn(&q, &randn(&[7, E])?, &k, &o), &["ranks 3, 2, 3"]);
     assert_err(
-        m.forward_attn(&randn(&[2, 5, 12]), &k, &k, &o),
+        m.forward_attn(&randn(&[2, 5, 12])?, &k, &k, &o),
         &["query has 12 features", "embed_dim 16"],
     );
     assert_err(
-        m.forward_attn(&q, &randn(&[2, 7, 8]), &k, &o),
+        m.forward_attn(&q, &randn(&[2, 7, 8])?, &k, &o),
         &["key has 8 features", "kdim 16"],
     );
     assert_err(
-        m.forward_attn(&q, &k, &randn(&[2, 7, 9]), &o),
+        m.forward_attn(&q, &k, &randn(&[2, 7, 9])?, &o),
         &["value has 9 features", "vdim 16"],
     );
     assert_err(
-        m.forward_attn(&q, &randn(&[3, 7, E]), &randn(&[3, 7, E]), &o),
+        m.forward_attn(&q, &randn(&[3, 7, E])?, &randn(&[3, 7, E])?, &o),
         &["batch sizes differ", "query 2, key 3"],
     );
     assert_err(
-        m.forward_attn(&q, &k, &randn(&[2, 6, E]), &o),
+        m.forward_attn(&q, &k, &randn(&[2, 6, E])?, &o),
         &["key has 7 positions but value has 6"],
     );
     Ok(())
@@ -91,7 +83,7 @@ fn wrong_ranks_and_sizes_are_named() -> Result<()> {
 #[test]
 fn masks_of_the_wrong_shape_or_dtype_are_named() -> Result<()> {
     let m = mha(&MhaConfig::new(E, 4))?;
-    let (q, k) = (randn(&[2, 5, E]), randn(&[2, 7, E]));
+    let (q, k) = (randn(&[2, 5, E])?, randn(&[2, 7, E])?);
     let dev = Device::Cpu;
     let with = |mask: Mask| MhaOptions::new().with_mask(mask);
     let kp = KeyPaddingMask::PadWhereTrue(Tensor::zeros((2, 6), DType::U8, &dev)?);
@@ -133,34 +125,35 @@ fn masks_of_the_wrong_shape_or_dtype_are_named() -> Result<()> {
 }
 
 #[test]
-fn sdpa_shapes_are_checked() {
+fn sdpa_shapes_are_checked() -> Result<()> {
     let m = Mask::new();
-    let t = randn(&[2, 4, 5, 8]);
+    let t = randn(&[2, 4, 5, 8])?;
     assert_err(
-        scaled_dot_product_attention(&randn(&[4, 5, 8]), &t, &t, &m, None),
+        scaled_dot_product_attention(&randn(&[4, 5, 8])?, &t, &t, &m, None),
         &["q must be 4-D", "[4, 5, 8]"],
     );
     assert_err(
-        scaled_dot_product_attention(&t, &randn(&[2, 4, 5, 6]), &t, &m, None),
+        scaled_dot_product_attention(&t, &randn(&[2, 4, 5, 6])?, &t, &m, None),
         &["head_dim of k (6) differs from q (8)"],
     );
     assert_err(
-        scaled_dot_product_attention(&t, &randn(&[2, 3, 5, 8]), &randn(&[2, 3, 5, 8]), &m, None),
+        scaled_dot_product_attention(&t, &randn(&[2, 3, 5, 8])?, &randn(&[2, 3, 5, 8])?, &m, None),
         &["multiple of k/v heads (3)"],
     );
     assert_err(
-        scaled_dot_product_attention(&t, &t, &randn(&[2, 4, 6, 8]), &m, None),
+        scaled_dot_product_attention(&t, &t, &randn(&[2, 4, 6, 8])?, &m, None),
         &["k has 5 keys but v has 6"],
     );
     assert_err(
-        scaled_dot_product_attention(&t, &randn(&[1, 4, 5, 8]), &randn(&[1, 4, 5, 8]), &m, None),
+        scaled_dot_product_attention(&t, &randn(&[1, 4, 5, 8])?, &randn(&[1, 4, 5, 8])?, &m, None),
         &["batch sizes differ"],
     );
-    let half = t.to_dtype(DType::F16).expect("cast");
+    let half = t.to_dtype(DType::F16)?;
     assert_err(
         scaled_dot_product_attention(&t, &half, &t, &m, None),
         &["dtypes differ"],
     );
+    Ok(())
 }
 
 #[test]
@@ -168,10 +161,10 @@ fn weight_files_with_missing_or_misshaped_tensors_are_named() -> Result<()> {
     let dev = Device::Cpu;
     let cfg = MhaConfig::new(E, 4);
     let good: HashMap<String, Tensor> = [
-        ("in_proj_weight", randn(&[3 * E, E])),
-        ("in_proj_bias", randn(&[3 * E])),
-        ("out_proj.weight", randn(&[E, E])),
-        ("out_proj.bias", randn(&[E])),
+        ("in_proj_weight", randn(&[3 * E, E])?),
+        ("in_proj_bias", randn(&[3 * E])?),
+        ("out_proj.weight", randn(&[E, E])?),
+        ("out_proj.bias", randn(&[E])?),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -184,7 +177,7 @@ fn weight_files_with_missing_or_misshaped_tensors_are_named() -> Result<()> {
     missing.remove("out_proj.weight");
     assert_err(load(missing, &cfg), &["out_proj.weight"]);
     let mut misshaped = good.clone();
-    misshaped.insert("in_proj_weight".into(), randn(&[3 * E, E + 1]));
+    misshaped.insert("in_proj_weight".into(), randn(&[3 * E, E + 1])?);
     assert_err(load(misshaped, &cfg), &["in_proj_weight", "[48, 16]", "[48, 17]"]);
     // A checkpoint exported with add_bias_kv=False has no bias_k.
     assert_err(load(good.clone(), &cfg.clone().with_bias_kv(true)), &["bias_k"]);
@@ -200,7 +193,7 @@ fn weight_files_with_missing_or_misshaped_tensors_are_named() -> Result<()> {
 fn window_and_alibi_come_from_the_config_only() -> Result<()> {
     use multihead_attention::{Alibi, Causal, KvCache};
     let m = mha(&MhaConfig::new(E, 4).with_sliding_window(3))?;
-    let x = randn(&[1, 5, E]);
+    let x = randn(&[1, 5, E])?;
     let masks = [
         (
             Mask::causal(Causal::TopLeft).with_window(2),

@@ -2,18 +2,19 @@
 //! that hold for any weights: masking, causality, the equivalence of the
 //! weight layouts and of the fused and unfused paths, cached decoding.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::collections::HashMap;
 
 use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
-use common::{assert_close, max_abs_diff};
 use multihead_attention::{
     scaled_dot_product_attention, scaled_dot_product_attention_with_weights, Causal, KeyPaddingMask, Mask,
     MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
+};
+use multihead_test_support::{
+    compare::{assert_close, max_abs_diff},
+    random::randn,
+    weights::plain_copy,
 };
 
 const E: usize = 16;
@@ -29,10 +30,6 @@ fn random_mha(cfg: &MhaConfig) -> Result<(MultiheadAttention, VarMap)> {
         var.set(&(var.as_tensor() + Tensor::randn(0f32, 0.3, var.shape(), &Device::Cpu)?)?)?;
     }
     Ok((mha, varmap))
-}
-
-fn randn(shape: &[usize]) -> Result<Tensor> {
-    Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?)
 }
 
 #[test]
@@ -317,7 +314,7 @@ fn initialisation_follows_pytorch() -> Result<()> {
 fn residual_option_adds_to_the_output_in_every_layout() -> Result<()> {
     use multihead_attention::{KvCache, SeqLayout};
     let (mha_vars, varmap) = random_mha(&MhaConfig::new(64, H))?;
-    let mha_plain = MultiheadAttention::new(&MhaConfig::new(64, H), common::plain_copy(&varmap)?)?;
+    let mha_plain = MultiheadAttention::new(&MhaConfig::new(64, H), plain_copy(&varmap)?)?;
     for mha in [&mha_plain, &mha_vars] {
         for (shape, layout) in [
             (&[2, 5, 64][..], SeqLayout::BatchFirst),

@@ -1,16 +1,16 @@
 //! `MultiheadAttention` and `scaled_dot_product_attention` against PyTorch,
 //! on the fixtures written by `scripts/make_mha_fixtures.py`.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use common::{assert_close, fixture_dir, fixture_files, Fixture};
 use multihead_attention::{
     scaled_dot_product_attention, AttnMask, Causal, KeyPaddingMask, Mask, MhaConfig, MhaOptions,
     MultiheadAttention, NeedWeights, SeqLayout,
+};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, fixture_files, Fixture},
 };
 
 /// The bar: PyTorch within 1e-5 relative error in f32.

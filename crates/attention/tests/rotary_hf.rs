@@ -5,13 +5,13 @@
 //! (`rotary_pct` 0.5) and GPT-J's interleaved `rotate_every_two`
 //! (`rotary_dim` 8).
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::Result;
 use candle::{DType, Device};
-use common::{assert_close, fixture_dir, Fixture};
 use multihead_attention::{Rotary, RotaryConfig, RotaryStyle};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, Fixture},
+};
 
 #[test]
 fn rotary_equals_hf_in_every_form() -> Result<()> {

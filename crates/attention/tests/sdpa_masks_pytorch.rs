@@ -4,13 +4,13 @@
 //! safetensors `BOOL` (read as u8) and PyTorch's broadcasting of `(L, 1)`,
 //! `(1, S)`, `(H, L, S)` over a batch of 2, and `(B, 1, L, S)`.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
-use common::{assert_close, fixture_dir, Fixture};
 use multihead_attention::{scaled_dot_product_attention_via, AttnMask, AttnPath, Mask};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, Fixture},
+};
 
 #[test]
 fn masks_read_and_broadcast_as_pytorch_does() -> Result<()> {

@@ -4,21 +4,20 @@
 //! gradients from `torch.autograd`), and the tiled CPU kernel equal to the
 //! reference path on every instruction set the processor runs.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::{Context, Result};
 use candle::{Device, IndexOp, Tensor, Var};
-use common::{assert_close, assert_err, fixture_dir, Fixture};
 use multihead_attention::{
     scaled_dot_product_attention_tiled_on, scaled_dot_product_attention_via, AttnMask, AttnPath, Causal,
     KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
 };
 use multihead_kernels::isa::supported;
-
-fn randn(shape: &[usize]) -> Result<Tensor> {
-    Ok(Tensor::randn(0f32, 1., shape, &Device::Cpu)?)
-}
+use multihead_test_support::{
+    compare::assert_close,
+    errors::assert_err,
+    fixtures::{fixture_dir, Fixture},
+    random::randn,
+    weights::plain_copy,
+};
 
 /// A fixture case's mask in our terms (see the script's docstring).
 fn case_mask(case: &serde_json::Value, batch: usize, kv_len: usize) -> Result<Mask> {
@@ -194,13 +193,13 @@ fn multihead_attention_takes_the_cap_from_its_config() -> Result<()> {
         candle_nn::VarBuilder::from_varmap(&varmap, candle::DType::F32, &Device::Cpu),
     )?;
     // Plain copies: variables would send every call to the reference path.
-    let mha = MultiheadAttention::new(&cfg, common::plain_copy(&varmap)?)?;
+    let mha = MultiheadAttention::new(&cfg, plain_copy(&varmap)?)?;
     let uncapped = MultiheadAttention::new(
         &MhaConfig {
             softcap: None,
             ..cfg.clone()
         },
-        common::plain_copy(&varmap)?,
+        plain_copy(&varmap)?,
     )?;
     let x = (randn(&[2, 33, 64])? * 4.)?;
     let run = |mha: &MultiheadAttention, path| {

@@ -7,22 +7,22 @@
 //! tokenizer the file carries encodes and decodes as HF's, greedy text
 //! generation gives HF's tokens and text (bad files: `decoders_gguf_untrusted.rs`).
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-mod gguf_fixtures;
-
 use anyhow::{Context, Result};
 use candle::quantized::gguf_file::Value as GgufValue;
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, IndexOp, Tensor};
-use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
-use gguf_fixtures::{expected_for, gguf, ids, logits, model_case, opts, FILES, GEMMAS};
 use multihead_attention::RopeScaling;
 use multihead_attention::{PackFormat, PackOptions, PackedLinear};
 use multihead_models::checkpoint::{GgufFile, LoadOptions, WeightDtype};
 use multihead_models::decoder::{
     CausalLm, DecoderModel, GemmaConfig, GemmaFamily, LayerKind, LlamaConfig, NormPlacement, Projections,
     QkNorm, TextGenerator, TextTokenizer,
+};
+use multihead_test_support::{
+    compare::{assert_close, half_weights_tolerance, max_abs_diff},
+    fixtures::{fixture_dir, Fixture},
+    gguf::{expected_for, gguf, logits, model_case, opts, FILES, GEMMAS},
+    tokens::ids,
 };
 
 /// Every file's prompt logits equal HF's with each weight rounded as the
@@ -378,9 +378,9 @@ fn gemma_metadata_gives_the_hf_config() -> Result<()> {
 /// scores scaled by `(hidden / heads)^-1/2`.
 #[test]
 fn gemma_metadata_is_read_as_llama_cpp_reads_it() -> Result<()> {
-    use gguf_fixtures::{rewrite, set};
     use multihead_models::decoder::LayerKind::{Full as F, Sliding as S};
-    let read = |name: &str, tag: &str, edit: &dyn Fn(&mut gguf_fixtures::Meta)| -> Result<GemmaConfig> {
+    use multihead_test_support::gguf::{rewrite, set, Meta};
+    let read = |name: &str, tag: &str, edit: &dyn Fn(&mut Meta)| -> Result<GemmaConfig> {
         let path = rewrite(name, tag, |m, _| {
             edit(m);
             Ok(())

@@ -7,17 +7,16 @@
 //! inputs' 8-bit quantization, as llama.cpp computes them, with the same
 //! top token nearly everywhere.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-mod gguf_fixtures;
-
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
-use common::{assert_close, fixture_dir, max_abs_diff, Fixture};
-use gguf_fixtures::{logits, opts};
 use multihead_attention::BlockFormat;
 use multihead_models::checkpoint::{block_format, GgufFile, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel, TextGenerator};
+use multihead_test_support::{
+    compare::{assert_close, max_abs_diff},
+    fixtures::{fixture_dir, Fixture},
+    gguf::{logits, opts},
+};
 
 /// The quantized files of model `llama256`.
 const TYPES: [&str; 6] = ["q4_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k"];

@@ -4,23 +4,20 @@
 //! hostile headers, tensors holding NaN or infinity (the fixtures of
 //! `decoders_gguf.rs`, edited).
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-mod gguf_fixtures;
-
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use candle::quantized::gguf_file::Value as GgufValue;
 use candle::quantized::{GgmlDType, QTensor};
 use candle::{DType, Device, Tensor};
-use common::{assert_err, fixture_dir};
-use gguf_fixtures::{
-    assert_mentions, expected, gguf, ids, load_error, model_case, rewrite, set, Meta, MetaEdit, Tensors,
-    FILES,
-};
 use multihead_models::checkpoint::{GgufFile, LoadOptions};
 use multihead_models::decoder::{DecoderModel, TextGenerator};
+use multihead_test_support::{
+    errors::{assert_err, assert_mentions},
+    fixtures::fixture_dir,
+    gguf::{expected, gguf, load_error, model_case, rewrite, set, Meta, MetaEdit, Tensors, FILES},
+    tokens::ids,
+};
 
 /// A file whose tokenizer model is not rebuilt (WordPiece, `bert`) asks
 /// for the tokenizer.json, naming the model; with it, the same model

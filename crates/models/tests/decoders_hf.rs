@@ -6,15 +6,15 @@
 //! the prompt's logits, every cached decoding step's logits and greedy
 //! generation (plain and left-padded batches) equal HF's.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::{Context, Result};
 use candle::{DType, Device, IndexOp, Tensor};
-use common::{assert_close, fixture_dir, half_weights_tolerance, max_abs_diff, Fixture};
 use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{generate_from_prompts, left_pad, CausalLm, DecoderModel};
 use multihead_models::generation::{generate_from, Decoding, GenerateConfig};
+use multihead_test_support::{
+    compare::{assert_close, half_weights_tolerance, max_abs_diff},
+    fixtures::{fixture_dir, Fixture},
+};
 
 const MODELS: [&str; 11] = [
     "gpt2", "llama", "mistral", "llama3", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2", "gemma3",

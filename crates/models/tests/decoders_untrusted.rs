@@ -1,17 +1,14 @@
 //! Hostile or broken decoder folders: each gets one clear error naming the
 //! file and the field, never a panic or a model that runs wrong.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, Result};
 use candle::{Device, Tensor};
-use common::fixture_dir;
 use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel, HfDecoderConfig};
+use multihead_test_support::{compare::max_abs_diff, fixtures::fixture_dir, scratch_dir};
 
 fn config_error(json: &str) -> String {
     match HfDecoderConfig::from_json(json, "config.json") {
@@ -333,13 +330,11 @@ fn bad_configs_name_the_file_and_field() -> Result<()> {
     Ok(())
 }
 
-/// A copy of a fixture folder in a temporary directory, with `edit` applied.
+/// A copy of a fixture folder in a scratch folder, with `edit` applied.
 /// `tag` keeps the folders of tests running in parallel apart.
 fn folder_with(name: &str, tag: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<std::path::PathBuf> {
     let src = fixture_dir("decoders").join(name);
-    let dir = std::env::temp_dir().join(format!("multihead-decoder-{name}-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let dir = scratch_dir!(format!("{name}-{tag}"))?;
     for file in ["config.json", "model.safetensors"] {
         std::fs::copy(src.join(file), dir.join(file))?;
     }
@@ -431,7 +426,7 @@ fn a_sharded_folder_loads_as_the_single_file_does() -> Result<()> {
     let ids = Tensor::new(&[[3u32, 1, 4, 1, 5]], &dev)?;
     let a = sharded.forward(&ids, &mut sharded.new_cache(vec![]))?;
     let b = single.forward(&ids, &mut single.new_cache(vec![]))?;
-    assert_eq!(common::max_abs_diff(&a, &b)?, 0.);
+    assert_eq!(max_abs_diff(&a, &b)?, 0.);
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -498,11 +493,7 @@ fn a_tied_model_s_file_may_hold_its_head_as_hf_reads_it() -> Result<()> {
         // The embedding's copy: the same model.
         let dir = with_head("tied-copy", 1.)?;
         let copy = DecoderModel::from_folder(&dir, &Device::Cpu)?;
-        assert_eq!(
-            common::max_abs_diff(&logits(&copy)?, &logits(&tied)?)?,
-            0.,
-            "{name}"
-        );
+        assert_eq!(max_abs_diff(&logits(&copy)?, &logits(&tied)?)?, 0., "{name}");
         std::fs::remove_dir_all(&dir)?;
         // Another head: the model untied, as if the config said so.
         let dir = with_head("tied-other", 2.)?;
@@ -513,8 +504,8 @@ fn a_tied_model_s_file_may_hold_its_head_as_hf_reads_it() -> Result<()> {
             text.replace("\"tie_word_embeddings\": true", "\"tie_word_embeddings\": false"),
         )?;
         let untied = logits(&DecoderModel::from_folder(&dir, &Device::Cpu)?)?;
-        assert_eq!(common::max_abs_diff(&other, &untied)?, 0., "{name}");
-        assert!(common::max_abs_diff(&other, &logits(&tied)?)? > 1e-3, "{name}");
+        assert_eq!(max_abs_diff(&other, &untied)?, 0., "{name}");
+        assert!(max_abs_diff(&other, &logits(&tied)?)? > 1e-3, "{name}");
         std::fs::remove_dir_all(&dir)?;
     }
     Ok(())

@@ -9,10 +9,11 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use candle::quantized::gguf_file::{self, Value as GgufValue};
 use multihead_models::checkpoint::GgufFile;
 use multihead_models::decoder::{HfGenerationConfig, TextTokenizer};
+use multihead_test_support::gguf::{vocab, vocab_cases};
 
 /// The vocabularies committed (`tests/fixtures/gguf/vocab/README.md`).
 const COMMITTED: [&str; 2] = ["llama-spm", "deepseek-coder"];
@@ -35,56 +36,12 @@ const SUPPORTED: [&str; 13] = [
     "mpt",
 ];
 
-/// The marker line between two texts of an `.inp` file.
-const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gguf/vocab")
-}
-
 fn llama_cpp_models() -> PathBuf {
     match std::env::var_os("LLAMA_CPP_MODELS") {
         Some(dir) => PathBuf::from(dir),
         None => Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../../peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/models"),
     }
-}
-
-/// The texts of `NAME.gguf.inp` and the ids of `NAME.gguf.out`, read as
-/// `test-tokenizer-0.cpp` reads them.
-fn cases(gguf: &Path) -> Result<Vec<(String, Vec<u32>)>> {
-    let inp = std::fs::read_to_string(gguf.with_extension("gguf.inp"))
-        .with_context(|| format!("{}.inp", gguf.display()))?;
-    let out = std::fs::read_to_string(gguf.with_extension("gguf.out"))
-        .with_context(|| format!("{}.out", gguf.display()))?;
-    let mut texts = Vec::new();
-    let mut rest = inp.as_str();
-    while !rest.is_empty() {
-        match rest.find(SEPARATOR) {
-            Some(i) => {
-                texts.push(rest[..i].to_string());
-                rest = &rest[i + SEPARATOR.len()..];
-            }
-            None => {
-                texts.push(rest.to_string());
-                rest = "";
-            }
-        }
-    }
-    let ids: Vec<Vec<u32>> = out
-        .lines()
-        .map(|l| l.split_whitespace().map(str::parse).collect())
-        .collect::<std::result::Result<_, _>>()
-        .context("ids")?;
-    if texts.len() != ids.len() {
-        bail!(
-            "{}: {} texts, {} lines of ids",
-            gguf.display(),
-            texts.len(),
-            ids.len()
-        )
-    }
-    Ok(texts.into_iter().zip(ids).collect())
 }
 
 /// Every text of `gguf` encodes (no BOS/EOS added, as the test suite
@@ -95,7 +52,7 @@ fn check(gguf: &Path) -> Result<Vec<String>> {
     let file = GgufFile::read(gguf)?;
     let tokenizer = TextTokenizer::from_gguf(&file)?;
     let mut wrong = Vec::new();
-    for (text, want) in cases(gguf)? {
+    for (text, want) in vocab_cases(gguf)? {
         let got = tokenizer.encode_plain(&text)?;
         if got != want {
             wrong.push(format!("{text:?}: got {got:?}, want {want:?}"));
@@ -120,7 +77,7 @@ fn check(gguf: &Path) -> Result<Vec<String>> {
 #[test]
 fn committed_vocabularies_give_llama_cpps_ids() -> Result<()> {
     for name in COMMITTED {
-        let wrong = check(&fixtures().join(format!("ggml-vocab-{name}.gguf")))?;
+        let wrong = check(&vocab(name))?;
         assert!(wrong.is_empty(), "{name}:\n{}", wrong.join("\n"));
     }
     Ok(())
@@ -150,7 +107,7 @@ fn every_supported_llama_cpp_vocabulary_gives_its_ids() -> Result<()> {
 /// The committed SentencePiece vocabulary with its metadata edited, as a
 /// GGUF file of its own (candle's writer), read back.
 fn edited_spm(tag: &str, edit: impl FnOnce(&mut Vec<(String, GgufValue)>)) -> Result<GgufFile> {
-    let src = fixtures().join("ggml-vocab-llama-spm.gguf");
+    let src = vocab("llama-spm");
     let content = gguf_file::Content::read(&mut std::fs::File::open(&src)?)?;
     let mut meta: Vec<(String, GgufValue)> = content.metadata.into_iter().collect();
     meta.sort_by(|a, b| a.0.cmp(&b.0));
@@ -174,8 +131,8 @@ fn set(meta: &mut Vec<(String, GgufValue)>, key: &str, value: GgufValue) {
 /// starts the text, and decoding keeps a leading space.
 #[test]
 fn spm_special_tokens_and_space_prefix() -> Result<()> {
-    let path = fixtures().join("ggml-vocab-llama-spm.gguf");
-    let cases = cases(&path)?;
+    let path = vocab("llama-spm");
+    let cases = vocab_cases(&path)?;
     let (text, ids) = cases
         .iter()
         .find(|(t, _)| t == "Hello world")
@@ -208,8 +165,7 @@ fn spm_special_tokens_and_space_prefix() -> Result<()> {
 /// its encoder uses too.
 #[test]
 fn spm_default_end_token_stops_generation() -> Result<()> {
-    let named =
-        HfGenerationConfig::from_gguf(&GgufFile::read(&fixtures().join("ggml-vocab-llama-spm.gguf"))?)?;
+    let named = HfGenerationConfig::from_gguf(&GgufFile::read(&vocab("llama-spm"))?)?;
     let bare = edited_spm("no-ids", |m| {
         m.retain(|(k, _)| k != "tokenizer.ggml.eos_token_id" && k != "tokenizer.ggml.bos_token_id")
     })?;
@@ -305,7 +261,7 @@ type MetaEdit = Box<dyn FnOnce(&mut Vec<(String, GgufValue)>)>;
 /// it.
 #[test]
 fn an_unknown_pre_tokenizer_is_named() -> Result<()> {
-    let src = fixtures().join("ggml-vocab-deepseek-coder.gguf");
+    let src = vocab("deepseek-coder");
     let content = gguf_file::Content::read(&mut std::fs::File::open(&src)?)?;
     let mut meta: Vec<(String, GgufValue)> = content.metadata.into_iter().collect();
     set(

@@ -16,9 +16,10 @@ use multihead_models::transformer::{
     Activation, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig, TransformerMasks,
 };
 use multihead_models::vit::{VisionTransformer, VitConfig};
-
-#[path = "../../../tests/common/mod.rs"]
-mod common;
+use multihead_test_support::{
+    compare::{assert_close, max_abs_diff},
+    weights::plain_copy,
+};
 
 /// Backpropagates `loss` and checks that every variable of `varmap` has a
 /// gradient with a non-zero entry, naming the first that has none.
@@ -202,10 +203,10 @@ fn a_model_over_a_varmap_answers_each_training_step_as_one_built_from_its_weight
         let logits = vit.forward(tracked.as_tensor())?;
         opt.backward_step(&candle_nn::loss::cross_entropy(&logits, &labels)?)?;
         let after = vit.forward(&images)?;
-        let rebuilt = VisionTransformer::new(&cfg, common::plain_copy(&varmap)?)?.forward(&images)?;
-        let moved = common::max_abs_diff(&after, &before)?;
+        let rebuilt = VisionTransformer::new(&cfg, plain_copy(&varmap)?)?.forward(&images)?;
+        let moved = max_abs_diff(&after, &before)?;
         assert!(moved > 1e-3, "step {step}: the outputs moved by {moved} only");
-        common::assert_close(
+        assert_close(
             &format!("step {step}, against the model built from the trained weights"),
             &after,
             &rebuilt,

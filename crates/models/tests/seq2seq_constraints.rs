@@ -3,32 +3,13 @@
 //! changes nothing, the generic search equals `Seq2Seq::greedy`, and the
 //! ISO-date automaton accepts exactly the days of the calendar.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
-use std::path::Path;
-
 use anyhow::{Context, Result};
 use candle::{DType, Device};
-use candle_nn::VarBuilder;
-use common::padded;
 use multihead_models::dates::{self, DateReading, ISO_DATE_PATTERN};
 use multihead_models::generation::{Decoding, LogitsProcessor, TokenConstraint};
-use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
+use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq};
+use multihead_test_support::{shipped, tokens::padded};
 use serde_json::Value;
-
-fn weights_dir() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../weights/dates"))
-}
-
-fn load(dev: &Device) -> Result<(Seq2Seq, CharVocab)> {
-    let dir = weights_dir();
-    let cfg = Seq2SeqConfig::from_json(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let vocab = CharVocab::from_json(&std::fs::read_to_string(dir.join("vocab.json"))?)?;
-    let bytes = std::fs::read(dir.join("model.safetensors"))?;
-    let vb = VarBuilder::from_buffered_safetensors(bytes, DType::F32, dev)?;
-    Ok((Seq2Seq::new(&cfg, vb)?, vocab))
-}
 
 fn date_constraint(vocab: &CharVocab, model: &Seq2Seq) -> Result<TokenConstraint> {
     Ok(TokenConstraint::from_pattern(
@@ -48,7 +29,7 @@ fn sources(vocab: &CharVocab, texts: &[&str]) -> Result<Vec<Vec<u32>>> {
 #[test]
 fn the_date_constraint_turns_impossible_outputs_into_real_dates() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, vocab) = load(&dev)?;
+    let (model, vocab) = shipped::dates(&dev)?;
     let c = date_constraint(&vocab, &model)?;
     // Inputs that name no real date: February 29th of a common year, April
     // 31st, month 13. Unconstrained, the model copies them into impossible
@@ -83,7 +64,9 @@ fn the_date_constraint_turns_impossible_outputs_into_real_dates() -> Result<()> 
 }
 
 fn heldout_sources(vocab: &CharVocab, n: usize) -> Result<Vec<Vec<u32>>> {
-    let heldout: Value = serde_json::from_str(&std::fs::read_to_string(weights_dir().join("heldout.json"))?)?;
+    let heldout: Value = serde_json::from_str(&std::fs::read_to_string(
+        shipped::folder("dates").join("heldout.json"),
+    )?)?;
     let examples = heldout["examples"].as_array().context("examples")?;
     examples
         .iter()
@@ -102,7 +85,7 @@ fn heldout_sources(vocab: &CharVocab, n: usize) -> Result<Vec<Vec<u32>>> {
 #[test]
 fn a_constraint_that_never_binds_changes_nothing_and_generate_is_greedy() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, vocab) = load(&dev)?;
+    let (model, vocab) = shipped::dates(&dev)?;
     // Any digits and dashes: every held-out output already is one.
     let any = TokenConstraint::from_pattern(r"[0-9\-]*", &vocab.tgt_tokens(), model.config().eos_id)?;
     let date = date_constraint(&vocab, &model)?;
@@ -132,7 +115,7 @@ fn a_constraint_that_never_binds_changes_nothing_and_generate_is_greedy() -> Res
 #[test]
 fn sampling_the_date_model_is_reproducible_and_always_a_date() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, vocab) = load(&dev)?;
+    let (model, vocab) = shipped::dates(&dev)?;
     let c = date_constraint(&vocab, &model)?;
     let src = padded(&sources(&vocab, &["March 3, 2021", "hello there"])?, &dev)?;
     let cfg = model
@@ -158,7 +141,7 @@ fn sampling_the_date_model_is_reproducible_and_always_a_date() -> Result<()> {
 #[test]
 fn read_date_trusts_a_likely_date_and_refuses_nonsense() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, vocab) = load(&dev)?;
+    let (model, vocab) = shipped::dates(&dev)?;
     let c = date_constraint(&vocab, &model)?;
     let src = padded(&sources(&vocab, &["March 3, 2021", "hello there"])?, &dev)?;
     let cfg = model
@@ -183,7 +166,7 @@ fn read_date_trusts_a_likely_date_and_refuses_nonsense() -> Result<()> {
 #[test]
 fn the_iso_date_automaton_accepts_exactly_the_calendar() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, vocab) = load(&dev)?;
+    let (model, vocab) = shipped::dates(&dev)?;
     let c = date_constraint(&vocab, &model)?;
     let tgt = vocab.tgt_tokens();
     let id = |ch: char| {
@@ -224,7 +207,7 @@ fn the_iso_date_automaton_accepts_exactly_the_calendar() -> Result<()> {
 #[test]
 fn an_empty_batch_decodes_to_nothing() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, _) = load(&dev)?;
+    let (model, _) = shipped::dates(&dev)?;
     let src = candle::Tensor::zeros((0, 7), DType::U32, &dev)?;
     assert!(model.greedy(&src, CacheMode::Use)?.is_empty());
     assert!(model.greedy(&src, CacheMode::Recompute)?.is_empty());

@@ -2,36 +2,18 @@
 //! held-out example (`weights/dates/heldout.json`, written by
 //! `scripts/train_dates.py`), with and without the KV cache.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
-use std::path::Path;
-
 use anyhow::{Context, Result};
-use candle::{DType, Device};
-use candle_nn::VarBuilder;
-use common::padded;
+use candle::Device;
 use multihead_models::dates::{encode_source, DateOrder};
-use multihead_models::transformer::{CacheMode, CharVocab, Seq2Seq, Seq2SeqConfig};
+use multihead_models::transformer::CacheMode;
+use multihead_test_support::{shipped, tokens::padded};
 use serde_json::Value;
-
-fn weights_dir() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../weights/dates"))
-}
-
-fn load(dir: &Path, dev: &Device) -> Result<(Seq2Seq, CharVocab)> {
-    let cfg = Seq2SeqConfig::from_json(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let vocab = CharVocab::from_json(&std::fs::read_to_string(dir.join("vocab.json"))?)?;
-    let bytes = std::fs::read(dir.join("model.safetensors"))?;
-    let vb = VarBuilder::from_buffered_safetensors(bytes, DType::F32, dev)?;
-    Ok((Seq2Seq::new(&cfg, vb)?, vocab))
-}
 
 #[test]
 fn greedy_equals_pytorch_on_every_heldout_example() -> Result<()> {
     let dev = Device::Cpu;
-    let dir = weights_dir();
-    let (model, vocab) = load(dir, &dev)?;
+    let dir = shipped::folder("dates");
+    let (model, vocab) = shipped::dates(&dev)?;
     let heldout: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("heldout.json"))?)?;
     let examples = heldout["examples"].as_array().context("examples")?;
     assert!(examples.len() >= 500, "only {} held-out examples", examples.len());
@@ -81,7 +63,7 @@ fn greedy_equals_pytorch_on_every_heldout_example() -> Result<()> {
 #[test]
 fn beam_search_normalises_a_date() -> Result<()> {
     let dev = Device::Cpu;
-    let (model, vocab) = load(weights_dir(), &dev)?;
+    let (model, vocab) = shipped::dates(&dev)?;
     let src = padded(
         &[
             encode_source(&vocab, "March 3, 2021", DateOrder::MonthFirst)?,

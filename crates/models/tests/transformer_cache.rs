@@ -2,16 +2,17 @@
 //! causal pass at every step (batch > 1, padded sources), and the searches
 //! built on it agree with each other.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use common::{assert_close, fixture_dir, padded, Fixture};
 use multihead_attention::{Causal, KeyPaddingMask, Mask};
 use multihead_models::transformer::{
     Activation, CacheMode, Seq2Seq, Seq2SeqConfig, Transformer, TransformerConfig,
+};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, Fixture},
+    tokens::padded,
 };
 
 /// Cached and full passes do the same arithmetic in a different grouping

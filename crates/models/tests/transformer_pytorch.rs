@@ -1,15 +1,15 @@
 //! The transformer encoder–decoder against PyTorch's `nn.Transformer`, on
 //! the fixtures written by `scripts/make_transformer_fixtures.py`.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use candle_nn::VarBuilder;
-use common::{assert_close, fixture_dir, fixture_files, Fixture};
 use multihead_attention::{AttnMask, Causal, KeyPaddingMask, Mask};
 use multihead_models::transformer::{Transformer, TransformerConfig, TransformerMasks};
+use multihead_test_support::{
+    compare::assert_close,
+    fixtures::{fixture_dir, fixture_files, Fixture},
+};
 
 /// The bar: PyTorch within 1e-5 relative error in f32.
 const RTOL: f64 = 1e-5;

@@ -4,31 +4,24 @@
 //! batches, left padding that is never fed, contexts that run out,
 //! empty batches. Each is refused by name or answered correctly.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
-use common::fixture_dir;
 use multihead_attention::{
     scaled_dot_product_attention_via, AttnPath, Causal, KvCache, Mask, MhaConfig, MhaOptions,
     MultiheadAttention, NeedWeights,
 };
 use multihead_models::decoder::{generate_from_prompts, CausalLm, DecoderModel, HfDecoderConfig};
 use multihead_models::generation::{Decoding, GenerateConfig, LogitsProcessor, StepContext, Temperature};
+use multihead_test_support::{compare::max_abs_diff, fixtures::fixture_dir, scratch_dir};
 
 /// A copy of the decoder fixture `name` in a fresh folder, with its
 /// `config.json` edited by `edit`.
 fn folder_with(name: &str, tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> Result<PathBuf> {
     let src = fixture_dir("decoders").join(name);
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("untrusted_generation")
-        .join(format!("{name}-{tag}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let dir = scratch_dir!(format!("{name}-{tag}"))?;
     std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors"))?;
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
@@ -188,7 +181,7 @@ fn a_window_longer_than_the_sequence_is_no_window() -> Result<()> {
     let reference = logits(&none, &ids)?;
     let windowed = DecoderModel::from_folder(&fixture_dir("decoders").join("mistral"), &Device::Cpu)?;
     // The fixture's window of 4 changes the logits past position 4.
-    assert!(common::max_abs_diff(&logits(&windowed, &ids)?, &reference)? > 1e-3);
+    assert!(max_abs_diff(&logits(&windowed, &ids)?, &reference)? > 1e-3);
     for (tag, w) in [
         ("max", u64::MAX),
         ("max-1", u64::MAX - 1),
@@ -199,7 +192,7 @@ fn a_window_longer_than_the_sequence_is_no_window() -> Result<()> {
             &folder_with("mistral", tag, |v| v["sliding_window"] = w.into())?,
             &Device::Cpu,
         )?;
-        let d = common::max_abs_diff(&logits(&model, &ids)?, &reference)?;
+        let d = max_abs_diff(&logits(&model, &ids)?, &reference)?;
         assert!(d < 1e-5, "sliding_window {w}: {d}");
     }
 
@@ -214,7 +207,7 @@ fn a_window_longer_than_the_sequence_is_no_window() -> Result<()> {
             for w in [11, 1 << 40, usize::MAX - 1, usize::MAX] {
                 let got =
                     scaled_dot_product_attention_via(&q, &k, &v, &plain.clone().with_window(w), None, path)?;
-                let d = common::max_abs_diff(&got, &want)?;
+                let d = max_abs_diff(&got, &want)?;
                 assert!(d < 1e-6, "{causal:?} {path:?} window {w}: {d}");
             }
         }

@@ -1,11 +1,6 @@
 //! Bad images, sequences and masks: each ends in an error that says what
 //! is wrong, never a panic or an allocation the header asked for.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
-use common::assert_err;
-
 use anyhow::Result;
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
@@ -13,6 +8,7 @@ use multihead_attention::{
     scaled_dot_product_attention, AttnMask, KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
 };
 use multihead_models::image_input::{decode_image, MAX_IMAGE_SIDE};
+use multihead_test_support::errors::assert_err;
 
 /// CRC-32 (IEEE), as PNG chunks carry it.
 fn crc32(bytes: &[u8]) -> u32 {

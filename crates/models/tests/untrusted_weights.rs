@@ -1,16 +1,12 @@
 //! Bad weight files and configs: each ends in an error that says what is
 //! wrong, from the library, never a panic. Inputs are built in the test.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
-use common::assert_err;
-
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use multihead_models::checkpoint::Checkpoint;
 use multihead_models::vit::{VisionTransformer, VitConfig};
+use multihead_test_support::errors::assert_err;
 
 /// A ViT small enough to build in a test: 8x8 grayscale, 4x4 patches.
 fn tiny_cfg() -> VitConfig {

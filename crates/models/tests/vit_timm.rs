@@ -2,16 +2,16 @@
 //! `scripts/make_vit_fixtures.py`: logits within 1e-4 relative error and
 //! the attention weights of every stored layer.
 
-#[path = "../../../tests/common/mod.rs"]
-mod common;
-
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module};
 use candle_nn::VarBuilder;
-use common::{assert_close, fixture_dir, fixture_files, max_abs_diff, Fixture};
 use multihead_models::vit::{VisionTransformer, VitConfig};
+use multihead_test_support::{
+    compare::{assert_close, max_abs_diff},
+    fixtures::{fixture_dir, fixture_files, Fixture},
+};
 
 /// The bar for logits.
 const RTOL: f64 = 1e-4;

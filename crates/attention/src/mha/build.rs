@@ -227,8 +227,9 @@ mod tests {
     use candle::{DType, Device, Result, Tensor};
     use candle_nn::{VarBuilder, VarMap};
 
+    use multihead_test_support::compare::rel_err as diff;
+
     use crate::projection::InKind;
-    use crate::testing::rel_err as diff;
     use crate::{MhaConfig, MhaOptions, MultiheadAttention, WeightLayout};
 
     #[test]

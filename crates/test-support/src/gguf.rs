@@ -1,11 +1,12 @@
 //! The GGUF fixtures (`tests/fixtures/gguf`, written by
-//! `scripts/make_gguf_fixtures.py`) and edited copies of them, for
-//! `decoders_gguf.rs` and `decoders_gguf_untrusted.rs`.
-#![allow(dead_code)]
+//! `scripts/make_gguf_fixtures.py`: tiny random-init HF models converted
+//! by llama.cpp's `convert_hf_to_gguf.py`, HF's values beside them), edited
+//! copies of them, and llama.cpp's vocabulary-only test files
+//! (`tests/fixtures/gguf/vocab`).
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use candle::quantized::gguf_file::{self, Value as GgufValue};
 use candle::quantized::QTensor;
 use candle::{Device, Tensor};
@@ -13,7 +14,7 @@ use multihead_models::checkpoint::{LoadOptions, WeightDtype};
 use multihead_models::decoder::{CausalLm, DecoderModel};
 use serde_json::Value;
 
-use crate::common::{fixture_dir, Fixture};
+use crate::fixtures::{fixture_dir, Fixture};
 
 /// Each model and the types it was converted to.
 pub const FILES: [(&str, &[&str]); 7] = [
@@ -35,10 +36,14 @@ pub const ARCHS: [&str; 4] = ["smollm3", "olmo2", "gemma2", "gemma3"];
 /// the others Llama-family.
 pub const GEMMAS: [&str; 2] = ["gemma2", "gemma3"];
 
+/// The fixture file of model `name` converted to type `ty` (`f32`,
+/// `q8_0`, ...; see [`FILES`]).
 pub fn gguf(name: &str, ty: &str) -> PathBuf {
     fixture_dir("gguf").join(format!("{name}-{ty}.gguf"))
 }
 
+/// HF's values for the Llama-family models and the quantized files
+/// (`expected.safetensors`).
 pub fn expected() -> Result<Fixture> {
     Fixture::load(&fixture_dir("gguf").join("expected.safetensors"), &Device::Cpu)
 }
@@ -54,22 +59,19 @@ pub fn expected_for(name: &str) -> Result<Fixture> {
     Fixture::load(&fixture_dir("gguf").join(file), &Device::Cpu)
 }
 
+/// Model `name`'s case in fixture `f`: HF's config, prompts and ids.
 pub fn model_case<'a>(f: &'a Fixture, name: &str) -> Result<&'a Value> {
     f.case["models"]
         .get(name)
         .with_context(|| format!("no case for {name}"))
 }
 
-pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect())
-        .unwrap_or_default()
-}
-
+/// A model's logits over `input` in one pass from an empty cache.
 pub fn logits(model: &DecoderModel, input: &Tensor) -> Result<Tensor> {
     Ok(model.forward(input, &mut model.new_cache(vec![]))?)
 }
 
+/// Load options keeping the weight matrices in `dtype`.
 pub fn opts(dtype: WeightDtype) -> LoadOptions {
     LoadOptions {
         dtype,
@@ -77,10 +79,14 @@ pub fn opts(dtype: WeightDtype) -> LoadOptions {
     }
 }
 
+/// A file's metadata, as [`rewrite`] edits it.
 pub type Meta = Vec<(String, GgufValue)>;
+/// A file's tensors, as [`rewrite`] edits them.
 pub type Tensors = Vec<(String, QTensor)>;
+/// One edit of a file's metadata.
 pub type MetaEdit = Box<dyn Fn(&mut Meta)>;
 
+/// Sets metadata `key` to `value`, replacing any value it had.
 pub fn set(meta: &mut Meta, key: &str, value: GgufValue) {
     meta.retain(|(k, _)| k != key);
     meta.push((key.to_string(), value));
@@ -117,6 +123,8 @@ pub fn rewrite(
     Ok(path)
 }
 
+/// The first line of the error loading GGUF file `path` gives; panics if
+/// it loads.
 pub fn load_error(path: &Path) -> String {
     match DecoderModel::from_gguf(path, &Device::Cpu, &LoadOptions::default()) {
         Ok(_) => panic!("{} loaded", path.display()),
@@ -124,9 +132,52 @@ pub fn load_error(path: &Path) -> String {
     }
 }
 
-#[track_caller]
-pub fn assert_mentions(msg: &str, needles: &[&str]) {
-    for n in needles {
-        assert!(msg.contains(n), "error {msg:?} does not mention {n:?}");
+/// llama.cpp's vocabulary-only test file `ggml-vocab-<name>.gguf`, of
+/// those committed (`tests/fixtures/gguf/vocab/README.md`).
+pub fn vocab(name: &str) -> PathBuf {
+    fixture_dir("gguf")
+        .join("vocab")
+        .join(format!("ggml-vocab-{name}.gguf"))
+}
+
+/// The marker line between two texts of an `.inp` file.
+const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
+
+/// The texts of `NAME.gguf.inp` and the ids of `NAME.gguf.out` beside
+/// vocabulary file `gguf`, read as llama.cpp's `test-tokenizer-0.cpp`
+/// reads them (the ids are HF tokenizers', which that test checks
+/// llama.cpp against).
+pub fn vocab_cases(gguf: &Path) -> Result<Vec<(String, Vec<u32>)>> {
+    let inp = std::fs::read_to_string(gguf.with_extension("gguf.inp"))
+        .with_context(|| format!("{}.inp", gguf.display()))?;
+    let out = std::fs::read_to_string(gguf.with_extension("gguf.out"))
+        .with_context(|| format!("{}.out", gguf.display()))?;
+    let mut texts = Vec::new();
+    let mut rest = inp.as_str();
+    while !rest.is_empty() {
+        match rest.find(SEPARATOR) {
+            Some(i) => {
+                texts.push(rest[..i].to_string());
+                rest = &rest[i + SEPARATOR.len()..];
+            }
+            None => {
+                texts.push(rest.to_string());
+                rest = "";
+            }
+        }
     }
+    let ids: Vec<Vec<u32>> = out
+        .lines()
+        .map(|l| l.split_whitespace().map(str::parse).collect())
+        .collect::<std::result::Result<_, _>>()
+        .context("ids")?;
+    if texts.len() != ids.len() {
+        bail!(
+            "{}: {} texts, {} lines of ids",
+            gguf.display(),
+            texts.len(),
+            ids.len()
+        )
+    }
+    Ok(texts.into_iter().zip(ids).collect())
 }
