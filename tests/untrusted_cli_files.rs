@@ -1,8 +1,9 @@
 //! Files through the binary: weights and images `inspect`, `vit` and
 //! `seq2seq` cannot use (truncated, pickled, missing, holding NaN, a
-//! decompression bomb, empty), devices and FIFOs where a file belongs,
-//! writes that fail, and a standard output closed early. Each is one
-//! `error:` line, a non-zero exit, no panic and no backtrace even with
+//! decompression bomb, empty), names and metadata holding terminal
+//! escapes (printed escaped), devices and FIFOs where a file belongs,
+//! writes that fail, and a standard output closed early. Each refusal is
+//! one `error:` line, a non-zero exit, no panic and no backtrace even with
 //! RUST_BACKTRACE=1; a closed standard output ends quietly with status 0.
 
 use std::io::Read;
