@@ -11,25 +11,33 @@ use half::f16;
 
 use crate::elem::PanelElem;
 
+/// A block of 32 values widened to f32 (exactly, from bf16 or f16).
+fn widened<S: PanelElem>(src: &[S]) -> [f32; 32] {
+    std::array::from_fn(|i| src[i].to_f32())
+}
+
+/// The value of largest magnitude in `block`, the first of equals (0 for
+/// all zeros): the legacy quantizers' `max`.
+fn signed_max(block: &[f32; 32]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in block {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
 /// Row `x` (a multiple of 32 values, read in its own dtype and widened
 /// exactly) as Q4_0 blocks into `out` (18 bytes a block): per block, the
 /// value of largest magnitude `max` (the first of equals), `d = max / -8`
 /// (stored as f16), `q = min(15, trunc(x · (1 / d) + 8.5))` (0 where `d`
 /// is), the first 16 in the low nibbles.
 pub(crate) fn quantize_row_q4_0<S: PanelElem>(x: &[S], out: &mut [u8]) {
-    let mut block = [0f32; 32];
     for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(18)) {
-        for (b, v) in block.iter_mut().zip(src) {
-            *b = v.to_f32();
-        }
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in &block {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        let d = max / -8.;
+        let block = widened(src);
+        let d = signed_max(&block) / -8.;
         let id = if d != 0. { 1. / d } else { 0. };
         dst[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
         for j in 0..16 {
@@ -48,19 +56,9 @@ pub(crate) fn quantize_row_q4_0<S: PanelElem>(x: &[S], out: &mut [u8]) {
 /// magnitude (the first of equals), `q = min(31, trunc(x · (1 / d) +
 /// 16.5))` (0 where `d` is).
 pub(crate) fn quantize_row_q5_0<S: PanelElem>(x: &[S], out: &mut [u8]) {
-    let mut block = [0f32; 32];
     for (src, dst) in x.chunks_exact(32).zip(out.chunks_exact_mut(22)) {
-        for (b, v) in block.iter_mut().zip(src) {
-            *b = v.to_f32();
-        }
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in &block {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        let d = max / -16.;
+        let block = widened(src);
+        let d = signed_max(&block) / -16.;
         let id = if d != 0. { 1. / d } else { 0. };
         dst[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
         let mut qh = 0u32;
