@@ -374,8 +374,6 @@ impl VitConfig {
 }
 
 #[cfg(test)]
-#[path = "config_tests.rs"]
 mod tests;
 
-#[path = "config_checks.rs"]
 mod checks;
