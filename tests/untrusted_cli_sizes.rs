@@ -158,8 +158,8 @@ fn big_png(path: &Path, side: u32) -> Result<()> {
     Ok(())
 }
 
-/// A 16384 x 16384 grayscale PNG peaked at 2.6 GB (f32 copies and a dense
-/// resize of the full image); it is now averaged down in 8 bits first, so
+/// A 16384 x 16384 grayscale PNG is averaged down in 8 bits first (f32
+/// copies and a dense resize of the full image would peak at 2.6 GB), so
 /// what reaches the float resize is a few times the model input. Peak
 /// memory is measured in docs/untrusted.md (`/usr/bin/time -v`), not here.
 #[test]
