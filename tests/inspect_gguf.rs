@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use multihead_test_support::{
-    cli::{arg, assert_one_line_error, success},
+    cli::{arg, assert_one_line_error, has_raw_controls, success},
     fixtures::{fixture_dir, Fixture},
     gguf::gguf,
     multihead,
@@ -289,14 +289,18 @@ fn control_characters_from_the_file_print_escaped() -> Result<()> {
     })?;
     let name = "blk.1.\u{1b}[31mp.weight";
     let key = "general.s\u{9b}e_label";
-    let raw = |bytes: &[u8]| -> bool {
-        let text = String::from_utf8_lossy(bytes);
-        text.chars().any(|c| c.is_control() && c != '\n')
-    };
 
     let out = multihead!(&["inspect", arg(&hostile)?])?;
-    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
-    assert!(!raw(&out.stderr), "{:?}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        !has_raw_controls(&out.stdout),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        !has_raw_controls(&out.stderr),
+        "{:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     for line in [
         r"blk.1.\u{1b}[31mp.weight  F32    [64, 32]",
@@ -310,7 +314,11 @@ fn control_characters_from_the_file_print_escaped() -> Result<()> {
 
     let out = multihead!(&["inspect", "--json", arg(&hostile)?])?;
     std::fs::remove_file(&hostile)?;
-    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        !has_raw_controls(&out.stdout),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let json = String::from_utf8(out.stdout.clone())?;
     assert!(json.contains(r"\u001b[31m") && json.contains(r"\u009b"), "{json}");
     let v: Value = serde_json::from_str(&json)?;

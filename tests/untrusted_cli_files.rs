@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use anyhow::{Context, Result};
 use candle::{Device, Tensor};
 use multihead_test_support::{
-    cli::{arg, assert_one_line_error, output, run_capped, text},
+    cli::{arg, assert_one_line_error, has_raw_controls, output, run_capped, text},
     multihead, scratch_dir, shipped,
     weights::many_tensors,
 };
@@ -114,14 +114,14 @@ fn inspect_escapes_control_characters_from_a_safetensors_file() -> Result<()> {
     hostile_safetensors(&path)?;
     let config = dir.join("mha.json");
     std::fs::write(&config, r#"{"embed_dim": 4, "num_heads": 1}"#)?;
-    let raw = |bytes: &[u8]| -> bool {
-        let text = String::from_utf8_lossy(bytes);
-        text.chars().any(|c| c.is_control() && c != '\n')
-    };
 
     let out = in_digits(&["inspect", arg(&path)?])?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        !has_raw_controls(&out.stdout),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     for line in [
         r"\u{1b}[2J.out_proj.weight  F32    [4, 4]",
@@ -133,8 +133,16 @@ fn inspect_escapes_control_characters_from_a_safetensors_file() -> Result<()> {
 
     // Against a config: the missing biases under the file's prefix, named.
     let out = in_digits(&["inspect", arg(&path)?, "--config", arg(&config)?])?;
-    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
-    assert!(!raw(&out.stderr), "{:?}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        !has_raw_controls(&out.stdout),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        !has_raw_controls(&out.stderr),
+        "{:?}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         text.contains(r"  missing     \u{1b}[2J.in_proj_bias [12]"),
@@ -143,7 +151,11 @@ fn inspect_escapes_control_characters_from_a_safetensors_file() -> Result<()> {
     assert_one_line_error(&out, &[r"2 missing: \u{1b}[2J.in_proj_bias [12]"]);
 
     let out = in_digits(&["inspect", "--json", arg(&path)?])?;
-    assert!(!raw(&out.stdout), "{:?}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        !has_raw_controls(&out.stdout),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let json = String::from_utf8(out.stdout)?;
     assert!(json.contains(r"\u001b[2J") && json.contains(r"\u009b"), "{json}");
     let v: serde_json::Value = serde_json::from_str(&json)?;

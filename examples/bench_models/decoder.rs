@@ -158,8 +158,8 @@ fn step_bytes(dir: &str, dtype: WeightDtype) -> Result<f64> {
                 WeightDtype::Q8_0 => 34. / 32.,
                 WeightDtype::Q4_0 => 18. / 32.,
                 // Q5_0 where 256 does not divide the input size.
-                WeightDtype::Q4K if k % 256 == 0 => 144. / 256.,
-                WeightDtype::Q4K => 22. / 32.,
+                WeightDtype::Q4_K if k % 256 == 0 => 144. / 256.,
+                WeightDtype::Q4_K => 22. / 32.,
                 WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
             };
     }

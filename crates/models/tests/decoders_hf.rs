@@ -182,7 +182,7 @@ fn a_half_precision_cache_gives_hf_logits_over_the_rounded_keys_and_values() -> 
 #[test]
 fn four_bit_weights_run_every_model() -> Result<()> {
     let dir = fixture_dir("decoders");
-    for dtype in [WeightDtype::Q4_0, WeightDtype::Q4K] {
+    for dtype in [WeightDtype::Q4_0, WeightDtype::Q4_K] {
         let (mut agree, mut positions) = (0, 0);
         for name in MODELS {
             let (f32_model, f) = load(name)?;

@@ -66,6 +66,14 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// Whether output holds a control character other than a newline: what
+/// printing a file's names raw would let through to the terminal.
+pub fn has_raw_controls(bytes: &[u8]) -> bool {
+    String::from_utf8_lossy(bytes)
+        .chars()
+        .any(|c| c.is_control() && c != '\n')
+}
+
 /// What a run that must succeed printed: its standard output, or an error
 /// carrying its standard error.
 pub fn success(out: &Output) -> Result<String> {

@@ -1,11 +1,11 @@
 //! Whether AVX512-BF16's `vdpbf16ps` pays for bf16 weights on this
 //! processor, measured once. It multiplies two bf16 pairs a lane where an
-//! FMA multiplies one f32, so on cores that issue it as fast as an FMA
-//! (AMD's Zen 4 and 5) a bf16 layer runs at about twice its f32 rate; on
-//! cores where it issues at half that rate or worse (Intel's Sapphire
-//! Rapids class), widening the bf16 panels to f32 lanes and multiplying
-//! with FMAs is the faster path. No processor family list decides it: a
-//! layer of ViT-B/16's width is timed both ways, taking turns.
+//! FMA multiplies one f32, so on cores that issue it as fast as an FMA a
+//! bf16 layer runs at about twice its f32 rate; on cores that issue it at
+//! half that rate or worse, widening the bf16 panels to f32 lanes and
+//! multiplying with FMAs is the faster path. No processor family list
+//! decides it: a layer of ViT-B/16's width is timed both ways, taking
+//! turns.
 
 use std::sync::OnceLock;
 use std::time::Instant;

@@ -360,9 +360,14 @@ impl PackedLinear {
                 Some(Tensor::cat(&biases, 0)?)
             }
         };
+        // Packed again in the format the parts hold where a pack format
+        // writes it for this input size, in Q8_0 where one is quantized
+        // otherwise (a GGUF file's other block formats).
+        let k = dims[0].1;
         let format = match parts.iter().find_map(PackedLinear::block_format) {
             Some(BlockFormat::Q4_0) => PackFormat::Q4_0,
-            Some(BlockFormat::Q4_K | BlockFormat::Q5_0) => PackFormat::Q4_K,
+            Some(BlockFormat::Q4_K) if k.is_multiple_of(256) => PackFormat::Q4_K,
+            Some(BlockFormat::Q5_0) if !k.is_multiple_of(256) => PackFormat::Q4_K,
             _ if parts.iter().any(PackedLinear::is_quantized) => PackFormat::Q8_0,
             _ => PackFormat::AsStored,
         };

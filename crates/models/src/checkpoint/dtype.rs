@@ -29,6 +29,8 @@ pub struct LoadOptions {
 /// PyTorch's autocast and llama.cpp's converter keep them; activations and
 /// accumulation stay f32. A bf16 file loaded as bf16 is read as stored;
 /// f32 rounds to bf16 or f16 as PyTorch's `.to(dtype)` does.
+// ggml's names (`Q4_K`, as `BlockFormat` and `PackFormat` spell it).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightDtype {
     /// 4 bytes a weight.
@@ -55,7 +57,7 @@ pub enum WeightDtype {
     /// matrix); matrices whose input size 256 does not divide in Q5_0
     /// (0.69 bytes a weight), as `llama-quantize` falls back. Closer to
     /// f32 than Q4_0 at the same size.
-    Q4K,
+    Q4_K,
     /// A GGUF file's matrices in the ggml block formats it stores them in
     /// (Q4_0, Q4_1, Q5_0, Q5_1, Q2_K … Q6_K; a Q4_K_M file's mix of Q4_K
     /// and Q6_K as it is), kept as their bytes and multiplied in integers
@@ -72,7 +74,7 @@ impl WeightDtype {
         WeightDtype::F16,
         WeightDtype::Q8_0,
         WeightDtype::Q4_0,
-        WeightDtype::Q4K,
+        WeightDtype::Q4_K,
         WeightDtype::Ggml,
     ];
 
@@ -85,7 +87,7 @@ impl WeightDtype {
             WeightDtype::F16 => "f16",
             WeightDtype::Q8_0 => "q8_0",
             WeightDtype::Q4_0 => "q4_0",
-            WeightDtype::Q4K => "q4_k",
+            WeightDtype::Q4_K => "q4_k",
             WeightDtype::Ggml => "ggml",
         }
     }
@@ -97,7 +99,7 @@ impl WeightDtype {
             WeightDtype::F32 => Some(DType::F32),
             WeightDtype::Bf16 => Some(DType::BF16),
             WeightDtype::F16 => Some(DType::F16),
-            WeightDtype::Q8_0 | WeightDtype::Q4_0 | WeightDtype::Q4K | WeightDtype::Ggml => None,
+            WeightDtype::Q8_0 | WeightDtype::Q4_0 | WeightDtype::Q4_K | WeightDtype::Ggml => None,
         }
     }
 
@@ -192,7 +194,7 @@ impl WeightDtype {
         let format = match self {
             WeightDtype::Q8_0 | WeightDtype::Ggml => multihead_attention::PackFormat::Q8_0,
             WeightDtype::Q4_0 => multihead_attention::PackFormat::Q4_0,
-            WeightDtype::Q4K => multihead_attention::PackFormat::Q4_K,
+            WeightDtype::Q4_K => multihead_attention::PackFormat::Q4_K,
             _ => multihead_attention::PackFormat::AsStored,
         };
         multihead_attention::PackOptions::new().with_format(format)
