@@ -234,7 +234,7 @@ fn rows_join_and_bad_shapes() -> candle::Result<()> {
     Ok(())
 }
 
-/// Not a test: `cargo test --release -p multihead-kernels quant::tests::speed
+/// Not a test: `cargo test --release -p multihead-kernels quant::blocks::tests::speed
 /// -- --ignored --nocapture` times one decode-sized product (8192 × 2048,
 /// one row, past the caches) and a prefill-sized one (64 rows) per format
 /// (`QUANT_FORMATS=Q4_K,Q6_K` for some), on the
