@@ -6,7 +6,7 @@
 //! preallocated buffer written in place with `slice_set`; unlike it, the
 //! buffer grows (doubling, in whole chunks) instead of failing when full,
 //! rows can be reordered for beam search, and each row may start after
-//! some left padding.
+//! some left padding. [`DecoderCache`] holds one per layer of a model.
 
 use candle::{bail, DType, Device, Result, Tensor};
 
@@ -351,6 +351,148 @@ impl KvCache {
         }
         let lengths: Vec<usize> = self.starts.iter().map(|&s| kv_len.saturating_sub(s)).collect();
         KeyPaddingMask::from_lengths_left(&lengths, kv_len, device).map(Some)
+    }
+}
+
+/// The self-attention keys and values of every layer, sharing one length
+/// and the rows' left padding: the whole state of a decoder-only model, and
+/// the self-attention part of an encoder–decoder's.
+#[derive(Debug, Clone)]
+pub struct DecoderCache {
+    layers: Vec<KvCache>,
+    /// Whether the positions held were rotated with LongRoPE's long
+    /// factors (a call that reached past the original context), which a
+    /// model must not mix with short ones.
+    long_rope: bool,
+}
+
+impl DecoderCache {
+    /// Empty caches for `n_layers` layers; `left_padding[b]` leading
+    /// positions of row `b` will be padding (empty: none).
+    pub fn new(n_layers: usize, left_padding: Vec<usize>) -> Self {
+        Self::with_chunk(n_layers, 256, left_padding)
+    }
+
+    /// The caches with keys and values stored in `dtype` (`None`: as the
+    /// model computes them, f32): [`KvCache::with_dtype`].
+    pub fn with_kv_dtype(mut self, dtype: Option<DType>) -> Self {
+        if let Some(dtype) = dtype {
+            self.layers = self.layers.into_iter().map(|c| c.with_dtype(dtype)).collect();
+        }
+        self
+    }
+
+    /// [`DecoderCache::new`] whose buffers grow by `chunk` positions at a
+    /// time ([`KvCache::with_left_padding`]).
+    pub fn with_chunk(n_layers: usize, chunk: usize, left_padding: Vec<usize>) -> Self {
+        Self {
+            layers: (0..n_layers)
+                .map(|_| KvCache::with_left_padding(chunk, left_padding.clone()))
+                .collect(),
+            long_rope: false,
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets the positions from `len` on, in every layer.
+    pub fn truncate(&mut self, len: usize) {
+        self.layers.iter_mut().for_each(|c| c.truncate(len));
+        if self.is_empty() {
+            self.long_rope = false;
+        }
+    }
+
+    /// `max(position) + 1` over the rows once `new` more positions are
+    /// fed: how far the longest row reaches, counted from its first real
+    /// token (HF's `max(position_ids) + 1`).
+    pub fn reach(&self, new: usize) -> usize {
+        let Some(c) = self.layers.first() else {
+            return new;
+        };
+        let start = c.left_padding().iter().copied().min().unwrap_or(0);
+        (c.len() + new).saturating_sub(start)
+    }
+
+    /// Whether the positions held were rotated with LongRoPE's long
+    /// factors ([`crate::RopeScaling`]), which a model must not mix with
+    /// short ones.
+    pub fn long_rope(&self) -> bool {
+        self.long_rope
+    }
+
+    /// Marks the positions held as rotated with LongRoPE's long factors,
+    /// or not.
+    pub fn set_long_rope(&mut self, long: bool) {
+        self.long_rope = long;
+    }
+
+    /// Keeps rows `rows` (`u32`, may repeat), in that order, in every layer.
+    pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|c| c.select_rows(rows))
+    }
+
+    /// Appends `other`'s rows after these, aligned at their ends
+    /// ([`KvCache::join_rows`]): a sequence prefilled alone joins a batch
+    /// that decodes together.
+    pub fn join_rows(&mut self, other: &DecoderCache) -> Result<()> {
+        if other.layers.len() != self.layers.len() {
+            bail!(
+                "DecoderCache::join_rows: a cache of {} layers beside one of {}",
+                other.layers.len(),
+                self.layers.len()
+            )
+        }
+        if self.is_empty() {
+            self.long_rope = other.long_rope;
+        } else if !other.is_empty() && other.long_rope != self.long_rope {
+            bail!(
+                "DecoderCache::join_rows: one cache's positions were rotated with LongRoPE's long factors and the \
+                 other's with its short ones (past and within original_max_position_embeddings); they cannot \
+                 decode as one batch"
+            )
+        }
+        self.layers
+            .iter_mut()
+            .zip(&other.layers)
+            .try_for_each(|(c, o)| c.join_rows(o))
+    }
+
+    /// Drops the leading positions that every row holds as padding
+    /// ([`KvCache::trim_padding`]).
+    pub fn trim_padding(&mut self) -> Result<()> {
+        self.layers.iter_mut().try_for_each(KvCache::trim_padding)
+    }
+
+    /// `(batch, new)` `u32` positions of the next `new` tokens, counted
+    /// from each row's first real token.
+    pub fn positions(&self, batch: usize, new: usize, device: &Device) -> Result<Tensor> {
+        match self.layers.first() {
+            Some(c) => c.positions(batch, new, device),
+            None => KvCache::new(1).positions(batch, new, device),
+        }
+    }
+
+    /// Every layer's cache, in order.
+    pub fn layers_mut(&mut self) -> &mut [KvCache] {
+        &mut self.layers
+    }
+
+    /// The cache of layer `i`.
+    pub fn layer(&mut self, i: usize) -> Result<&mut KvCache> {
+        let n = self.layers.len();
+        match self.layers.get_mut(i) {
+            Some(c) => Ok(c),
+            None => bail!("DecoderCache: layer {i} of a cache for {n} layers"),
+        }
     }
 }
 

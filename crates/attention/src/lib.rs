@@ -61,7 +61,6 @@ mod options;
 mod projection;
 mod rotary;
 mod sdpa;
-mod tiled;
 
 /// The CPU building blocks the attention and the models run on, from
 /// `multihead-kernels`.
@@ -70,7 +69,7 @@ pub use multihead_kernels::{
     LentBlocks, PackFormat, PackOptions, PackedLinear,
 };
 
-pub use cache::KvCache;
+pub use cache::{DecoderCache, KvCache};
 pub use config::{MhaConfig, NormKind, PositionEncoding, RopeScaling, RotaryConfig, RotaryStyle};
 pub use hydra::{hydra_attention, HydraAttention, HydraConfig};
 pub use layout::{SeparateNames, WeightLayout};

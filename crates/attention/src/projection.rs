@@ -55,28 +55,6 @@ impl InProjection {
         }
     }
 
-    /// Self-attention's heads of `x` `(B, T, E)`: q `(B, H, T, hd)` and
-    /// k, v `(B, Hkv, T, hd)`, for `h` query heads. Through the fused
-    /// weight, one matmul whose output the heads view without copies.
-    pub(crate) fn self_attention_heads(&self, x: &Tensor, h: usize) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, t, _) = x.dims3()?;
-        let hd = self.q_dim / h.max(1);
-        let kvh = self.kv_dim / hd.max(1);
-        match &self.kind {
-            InKind::Fused(fused) => {
-                // (B, T, H + 2 Hkv, hd)
-                let qkv = fused.forward(x)?.reshape((b, t, h + 2 * kvh, hd))?;
-                let heads = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
-                Ok((heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?))
-            }
-            InKind::Separate { q, k, v } => {
-                let heads =
-                    |p: &PackedLinear, n: usize| p.forward(x)?.reshape((b, t, n, hd))?.transpose(1, 2);
-                Ok((heads(q, h)?, heads(k, kvh)?, heads(v, kvh)?))
-            }
-        }
-    }
-
     pub(crate) fn forward_q(&self, q: &Tensor) -> Result<Tensor> {
         match &self.kind {
             InKind::Fused(qkv) => qkv.forward_features(q, 0, self.q_dim),

@@ -1,5 +1,6 @@
 //! Scaled dot-product attention, the one function every attention path in
-//! this crate ends in.
+//! this crate ends in, and the bridge from a [`Mask`] to the tiled CPU
+//! kernel (`multihead_kernels::attention`) that serves it on the CPU.
 //!
 //! Port of PyTorch's `F.scaled_dot_product_attention` math reference
 //! (`aten/src/ATen/native/transformers/attention.cpp`,
@@ -8,10 +9,10 @@
 //! masked returns zeros where PyTorch returns NaN.
 
 use candle::{bail, DType, Result, Tensor, D};
+use multihead_kernels::attention::{self as kernel, Masking, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use crate::mask::Mask;
-use crate::tiled;
 
 /// `softmax(q kᵀ · scale + mask) v` on `(batch, heads, seq, head_dim)`
 /// tensors; with [`Mask::softcap`], `softmax(cap · tanh(q kᵀ · scale /
@@ -80,7 +81,7 @@ impl AttnPath {
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
             _ if grads => Some("gradients are tracked and only the reference path backpropagates".into()),
-            AttnPath::CpuTiled => (!tiled::supports(q)).then(|| {
+            AttnPath::CpuTiled => (!kernel::supports(q)).then(|| {
                 format!(
                     "needs a CPU tensor of f32/f16/bf16, found {:?} on {:?}",
                     q.dtype(),
@@ -195,12 +196,67 @@ pub(crate) fn sdpa_dispatch(
         _ => kv_in_dtype_of(q, k, v)?,
     };
     match path {
-        AttnPath::CpuTiled => tiled::sdpa_tiled(q, k, v, mask, appended, scale, isa),
+        AttnPath::CpuTiled => sdpa_tiled(q, k, v, mask, appended, scale, isa),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
         AttnPath::Auto | AttnPath::Reference => {
             Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0)
         }
+    }
+}
+
+/// `softmax(q kᵀ · scale + mask) v` (soft-capped where the mask asks)
+/// through the tiled kernel; shapes as
+/// [`crate::scaled_dot_product_attention`] (validated by the caller), the
+/// last `appended` keys outside the mask, on `isa` (`None`: the
+/// kernel's default).
+fn sdpa_tiled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+    isa: Option<Isa>,
+) -> Result<Tensor> {
+    let options = TileOptions {
+        isa,
+        ..TileOptions::default()
+    };
+    sdpa_tiled_with(q, k, v, mask, appended, scale, options)
+}
+
+/// [`sdpa_tiled`] with the kernel's instruction set, tiles and packing as
+/// `options` asks.
+fn sdpa_tiled_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+    options: TileOptions,
+) -> Result<Tensor> {
+    let (batch, heads, q_len, _) = q.dims4()?;
+    let masked_keys = k.dim(2)?.saturating_sub(appended);
+    // Key padding and attention masks are read in their own shapes (bytes
+    // stay bytes); the causal rule stays a rule, so tiles above the
+    // diagonal are skipped instead of computed and masked.
+    let masking = Masking {
+        parts: mask.tensor_parts((batch, heads, q_len, masked_keys))?,
+        causal: mask.causal.map(|c| c.offset(q_len, masked_keys)),
+        window: mask.window,
+        alibi: mask
+            .alibi
+            .as_ref()
+            .map(|a| (a.slopes(), mask.alibi_offset(q_len, masked_keys))),
+        softcap: mask.softcap,
+    };
+    match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
+        Some(out) => Ok(out),
+        // A non-finite value met a hidden key: the reference path, which
+        // reads no hidden value, decides.
+        None => Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0),
     }
 }
 
@@ -231,6 +287,9 @@ mod flash;
 
 /// candle's fused Metal kernel; compiled only with the `metal` feature.
 mod metal;
+
+#[cfg(test)]
+mod tiled_tests;
 
 /// [`scaled_dot_product_attention`] that also returns the attention
 /// weights, `(batch, heads, q_len, kv_len)`, in the input dtype.

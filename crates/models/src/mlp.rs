@@ -2,10 +2,10 @@
 
 use candle::{bail, Module, Result, Tensor};
 use candle_nn::Linear;
-use multihead_attention::{
-    gelu_tanh_and_mul, is_broadcast, silu_and_mul, PackFormat, PackOptions, PackedLinear,
-};
+use multihead_attention::{gelu_tanh_and_mul, silu_and_mul, PackOptions, PackedLinear};
 use serde::{Deserialize, Serialize};
+
+use crate::decoder::GatedMlp;
 
 /// A feed-forward activation.
 ///
@@ -83,18 +83,21 @@ impl Activation {
 ///
 /// Where a weight is packed, the activation (ReLU, both GELUs) is fused
 /// into `up`'s write-out, and a residual add into `down`'s
-/// ([`Mlp::forward_add`]).
+/// ([`Mlp::forward_add`]). A gated MLP (SwiGLU, GeGLU) is the one Llama
+/// and Gemma run, written beside Llama (`decoder/llama.rs`).
 #[derive(Debug, Clone)]
-pub struct Mlp {
-    /// `(hidden, in)`; `(2 * hidden, in)` for a gated activation, the
-    /// gate's rows first.
-    up: PackedLinear,
-    /// The gate of a gated MLP whose gate and up cannot be one projection
-    /// (see [`Mlp::gated`]); `None` otherwise.
-    gate: Option<PackedLinear>,
-    /// `(out, hidden)`.
-    down: PackedLinear,
-    activation: Activation,
+pub struct Mlp(Kind);
+
+#[derive(Debug, Clone)]
+enum Kind {
+    Plain {
+        /// `(hidden, in)`.
+        up: PackedLinear,
+        /// `(out, hidden)`.
+        down: PackedLinear,
+        activation: Activation,
+    },
+    Gated(GatedMlp),
 }
 
 impl Mlp {
@@ -102,21 +105,11 @@ impl Mlp {
     /// ([`Activation::SwiGlu`], [`Activation::GeGlu`]), `up` projects to
     /// `[gate | up]` at once.
     pub fn new(up: PackedLinear, down: PackedLinear, activation: Activation) -> Result<Self> {
-        let (up_out, _) = up.dims()?;
-        let (_, hidden) = down.dims()?;
-        let want = match activation.is_gated() {
-            true => hidden.checked_mul(2),
-            false => Some(hidden),
-        };
-        if want != Some(up_out) {
-            bail!("Mlp: up has {up_out} outputs, but down takes {hidden} features after {activation:?}")
+        if activation.is_gated() {
+            return Ok(Self(Kind::Gated(GatedMlp::fused(up, down, activation)?)));
         }
-        Ok(Self {
-            up,
-            gate: None,
-            down,
-            activation,
-        })
+        check_widths(&up, &down, activation)?;
+        Ok(Self(Kind::Plain { up, down, activation }))
     }
 
     /// The SwiGLU MLP `down(silu(gate(x)) * up(x))` from the two linears a
@@ -146,92 +139,33 @@ impl Mlp {
         activation: Activation,
         pack: &PackOptions,
     ) -> Result<Self> {
-        if !activation.is_gated() {
-            bail!("Mlp::gated: {activation:?} is not a gated activation")
-        }
-        let plain = |l: &Linear| {
-            !l.weight().is_variable()
-                && !is_broadcast(l.weight())
-                && l.bias().is_none_or(|b| !b.is_variable())
-        };
-        // A GGUF file's blocks, lent to the layers (`LentBlocks`): joined
-        // where both are in one format, kept apart otherwise.
-        if pack.is_lent(gate.weight()) && pack.is_lent(up.weight()) {
-            let (gate, up) = (
-                PackedLinear::from_linear_with(gate, pack)?,
-                PackedLinear::from_linear_with(up, pack)?,
-            );
-            if gate.joins_with(&up) {
-                return Self::new(PackedLinear::cat_with(vec![gate, up], pack)?, down, activation);
-            }
-            let Self { up, down, .. } = Self::new(up, down, Activation::Silu)?;
-            return Ok(Self {
-                up,
-                gate: Some(gate),
-                down,
-                activation,
-            });
-        }
-        if plain(&gate) && plain(&up) {
-            if gate.bias().is_some() != up.bias().is_some() {
-                bail!("Mlp: the gate and up projections must both have a bias or neither")
-            }
-            let gate_up = if pack.format() != PackFormat::AsStored {
-                // Each quantized, its tensors dropped, before the two are
-                // joined: no copy of the fused weight in f32 (3.8 times
-                // its Q8_0 size) beside them while a model loads. As
-                // stored, one fused tensor packed at once leaves the heap
-                // less fragmented than two parts and their join.
-                let gate = PackedLinear::from_linear_with(gate, pack)?;
-                PackedLinear::cat_with(vec![gate, PackedLinear::from_linear_with(up, pack)?], pack)?
-            } else {
-                let bias = match (gate.bias(), up.bias()) {
-                    (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?),
-                    _ => None,
-                };
-                PackedLinear::with_options(Tensor::cat(&[gate.weight(), up.weight()], 0)?, bias, pack)?
-            };
-            Self::new(gate_up, down, activation)
-        } else {
-            let gate = PackedLinear::from_linear_with(gate, pack)?;
-            // Checked as an ungated MLP: up's width is down's input.
-            let up = PackedLinear::from_linear_with(up, pack)?;
-            let Self { up, down, .. } = Self::new(up, down, Activation::Silu)?;
-            Ok(Self {
-                up,
-                gate: Some(gate),
-                down,
-                activation,
-            })
-        }
+        Ok(Self(Kind::Gated(GatedMlp::new(
+            gate, up, down, activation, pack,
+        )?)))
     }
 
     /// The activation.
     pub fn activation(&self) -> Activation {
-        self.activation
+        match &self.0 {
+            Kind::Plain { activation, .. } => *activation,
+            Kind::Gated(mlp) => mlp.activation(),
+        }
     }
 
     /// The same MLP with its outputs scaled per channel by `gamma`, folded
     /// into `down`'s weights; `None` where they cannot be (see
     /// [`PackedLinear::scaled_outputs`]).
     pub fn with_output_scale(&self, gamma: &Tensor) -> Result<Option<Self>> {
-        Ok(self
-            .down
-            .scaled_outputs(gamma)?
-            .map(|down| Self { down, ..self.clone() }))
-    }
-
-    /// `activation(up(x))`, fused into `up`'s write-out where it can be.
-    fn hidden(&self, xs: &Tensor) -> Result<Tensor> {
-        match (self.activation, &self.gate) {
-            (Activation::SwiGlu, Some(gate)) => gate.forward(xs)?.silu()? * self.up.forward(xs)?,
-            // candle's `gelu` is the tanh approximation.
-            (Activation::GeGlu, Some(gate)) => gate.forward(xs)?.gelu()? * self.up.forward(xs)?,
-            (Activation::Relu, _) => self.up.forward_relu(xs),
-            (Activation::Gelu, _) => self.up.forward_gelu(xs),
-            (Activation::GeluTanh, _) => self.up.forward_gelu_tanh(xs),
-            (act, _) => act.apply(&self.up.forward(xs)?),
-        }
+        Ok(match &self.0 {
+            Kind::Plain { up, down, activation } => down.scaled_outputs(gamma)?.map(|down| {
+                Self(Kind::Plain {
+                    up: up.clone(),
+                    down,
+                    activation: *activation,
+                })
+            }),
+            Kind::Gated(mlp) => mlp.with_output_scale(gamma)?.map(|mlp| Self(Kind::Gated(mlp))),
+        })
     }
 
     /// `residual + mlp(xs)`, the add fused into `down`'s write-out where
@@ -241,15 +175,49 @@ impl Mlp {
     /// - `xs`: `(..., in)`, `residual`: `(..., out)`
     /// - returns `(..., out)`
     pub fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.down.forward_add(&self.hidden(xs)?, residual)
+        match &self.0 {
+            Kind::Plain { up, down, activation } => {
+                down.forward_add(&plain_hidden(up, *activation, xs)?, residual)
+            }
+            Kind::Gated(mlp) => mlp.forward_add(xs, residual),
+        }
     }
 }
 
 impl Module for Mlp {
     /// `(..., in)` → `(..., out)`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.down.forward(&self.hidden(xs)?)
+        match &self.0 {
+            Kind::Plain { up, down, activation } => down.forward(&plain_hidden(up, *activation, xs)?),
+            Kind::Gated(mlp) => mlp.forward(xs),
+        }
     }
+}
+
+/// `activation(up(x))` of an ungated MLP, fused into `up`'s write-out where
+/// it can be.
+fn plain_hidden(up: &PackedLinear, activation: Activation, xs: &Tensor) -> Result<Tensor> {
+    match activation {
+        Activation::Relu => up.forward_relu(xs),
+        Activation::Gelu => up.forward_gelu(xs),
+        Activation::GeluTanh => up.forward_gelu_tanh(xs),
+        act => act.apply(&up.forward(xs)?),
+    }
+}
+
+/// Checks that `up`'s outputs are what `down` takes after `activation`
+/// (twice as many for a gated one, which halves the width).
+pub(crate) fn check_widths(up: &PackedLinear, down: &PackedLinear, activation: Activation) -> Result<()> {
+    let (up_out, _) = up.dims()?;
+    let (_, hidden) = down.dims()?;
+    let want = match activation.is_gated() {
+        true => hidden.checked_mul(2),
+        false => Some(hidden),
+    };
+    if want != Some(up_out) {
+        bail!("Mlp: up has {up_out} outputs, but down takes {hidden} features after {activation:?}")
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -260,7 +228,7 @@ mod tests {
     use candle_nn::{linear_b, VarBuilder, VarMap};
     use multihead_attention::PackedLinear;
 
-    use super::{Activation, Mlp};
+    use super::{Activation, Kind, Mlp};
 
     /// PyTorch's `relu` keeps NaN (candle's own turns it into 0).
     #[test]
@@ -293,6 +261,10 @@ mod tests {
         }
     }
 
+    fn gate_apart(mlp: &Mlp) -> bool {
+        matches!(&mlp.0, Kind::Gated(g) if g.gate_apart())
+    }
+
     /// A SwiGLU MLP over plain tensors projects to gate and up at once (and
     /// `silu_and_mul`s), over variables separately; both give the same
     /// result, and the variables' MLP follows a change to them (no fused
@@ -311,7 +283,7 @@ mod tests {
             };
             let varmap = VarMap::new();
             let live = build(VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
-            assert!(live.gate.is_some());
+            assert!(gate_apart(&live));
             let plain = || -> Result<Mlp> {
                 let tensors: HashMap<String, Tensor> = varmap
                     .data()
@@ -323,7 +295,7 @@ mod tests {
                 build(VarBuilder::from_tensors(tensors, DType::F32, &dev))
             };
             let fused = plain()?;
-            assert!(fused.gate.is_none());
+            assert!(!gate_apart(&fused));
             let (x, r) = (
                 Tensor::randn(0f32, 1., (2, 5, e), &dev)?,
                 Tensor::randn(0f32, 1., (2, 5, e), &dev)?,

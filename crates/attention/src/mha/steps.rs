@@ -10,6 +10,7 @@
 
 use candle::{bail, DType, Result, Tensor};
 use candle_nn::Module;
+use multihead_kernels::PackedLinear;
 
 use super::batching::Batching;
 use super::MultiheadAttention;
@@ -17,6 +18,7 @@ use crate::cache::KvCache;
 use crate::config::PositionEncoding;
 use crate::mask::{Alibi, Causal, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
+use crate::projection::InKind;
 use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
 
 impl MultiheadAttention {
@@ -34,13 +36,19 @@ impl MultiheadAttention {
     /// - `x`: `(batch, new, embed_dim)`, or unbatched `(new, embed_dim)`
     /// - output: the shape of `x`; weights over all `len + new` keys
     pub fn forward_cached(&self, x: &Tensor, cache: &mut KvCache, opts: &MhaOptions) -> Result<MhaOutput> {
-        let (call, x, opts) = self.decoder_call(x, opts)?;
+        // The PyTorch-only options first: extra keys, sequence-first input
+        // and a causal rule of the call's own are refused; an unbatched
+        // input is a batch of one.
+        self.check_decoder_call(x, opts)?;
+        if x.rank() == 2 {
+            return self.forward_cached_unbatched(x, cache, opts);
+        }
         // (B, T, E)
-        let (b, t) = self.check_query(&x)?;
+        let (b, t) = self.check_query(x)?;
 
         // 1. q, k and v in one projection, as heads: (B, H, T, hd),
         //    (B, Hkv, T, hd), (B, Hkv, T, hd).
-        let (q, k, v) = self.in_proj.self_attention_heads(&x, self.cfg.num_heads)?;
+        let (q, k, v) = self.self_attention_heads(x)?;
 
         // 2. qk-norm where configured, then the rotary embedding at the
         //    positions the cache gives (after its left padding).
@@ -57,7 +65,10 @@ impl MultiheadAttention {
         // 4. Attention, causal from `offset` on, the cache's left padding
         //    as key padding, the config's window, ALiBi and cap joined:
         //    (B, H, T, hd).
-        let mut mask = opts.mask.clone().with_causal(Causal::Offset(offset));
+        let mut mask = Mask {
+            causal: Some(Causal::Offset(offset)),
+            ..opts.mask.clone()
+        };
         if let Some(pad) = cache.padding_mask(cache.len(), x.device())? {
             if mask.key_padding.is_some() {
                 bail!(
@@ -68,17 +79,37 @@ impl MultiheadAttention {
             mask.key_padding = Some(pad);
         }
         let mask = self.mask_for(&mask, b, t, cache.len())?;
-        let (heads, weights) = self.attention(&q, &k, &v, &mask, 0, &opts)?;
+        let (heads, weights) = self.attention(&q, &k, &v, &mask, 0, opts)?;
 
         // 5. Heads merged and projected out, the residual added in the
         //    projection's tiles: (B, T, E).
-        let out = self.project_out(&heads, opts.residual.as_ref())?;
-        call.output((out, weights))
+        let output = self.project_out(&heads, opts.residual.as_ref())?;
+        Ok(MhaOutput { output, weights })
     }
 
-    /// `x` and `opts` batch-first for [`Self::forward_cached`], or the
-    /// reason the call cannot be a decoder step.
-    fn decoder_call(&self, x: &Tensor, opts: &MhaOptions) -> Result<(Batching, Tensor, MhaOptions)> {
+    /// Self-attention's heads of `x` `(B, T, E)`: q `(B, H, T, hd)` and
+    /// k, v `(B, Hkv, T, hd)`. Through the fused weight, one matmul whose
+    /// output the heads view without copies.
+    fn self_attention_heads(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kvh, hd) = (self.cfg.num_heads, self.cfg.kv_heads(), self.cfg.head_dim());
+        match &self.in_proj.kind {
+            InKind::Fused(fused) => {
+                // (B, T, H + 2 Hkv, hd)
+                let qkv = fused.forward(x)?.reshape((b, t, h + 2 * kvh, hd))?;
+                let heads = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
+                Ok((heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?))
+            }
+            InKind::Separate { q, k, v } => {
+                let heads =
+                    |p: &PackedLinear, n: usize| p.forward(x)?.reshape((b, t, n, hd))?.transpose(1, 2);
+                Ok((heads(q, h)?, heads(k, kvh)?, heads(v, kvh)?))
+            }
+        }
+    }
+
+    /// The reason `x` and `opts` cannot be a decoder step, if any.
+    fn check_decoder_call(&self, x: &Tensor, opts: &MhaOptions) -> Result<()> {
         self.check_no_extra_keys("forward_cached")?;
         if opts.layout != SeqLayout::BatchFirst {
             bail!(
@@ -92,16 +123,27 @@ impl MultiheadAttention {
                  leave opts.mask.causal unset"
             )
         }
-        let unbatched = match x.rank() {
-            3 => false,
-            2 => true,
-            _ => bail!(
+        if !matches!(x.rank(), 2 | 3) {
+            bail!(
                 "MultiheadAttention::forward_cached: x must be (batch, new, embed_dim) or (new, embed_dim), found {:?}",
                 x.dims()
-            ),
-        };
-        let call = Batching::new(unbatched, SeqLayout::BatchFirst);
-        Ok((call, call.input(x)?, call.options(opts)?))
+            )
+        }
+        Ok(())
+    }
+
+    /// [`Self::forward_cached`] of an unbatched `(new, embed_dim)` input,
+    /// as a batch of one.
+    fn forward_cached_unbatched(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        opts: &MhaOptions,
+    ) -> Result<MhaOutput> {
+        let call = Batching::new(true, SeqLayout::BatchFirst);
+        let MhaOutput { output, weights } =
+            self.forward_cached(&call.input(x)?, cache, &call.options(opts)?)?;
+        call.output((output, weights))
     }
 
     /// `mask` with the config's sliding window, ALiBi and soft-capping,
@@ -151,7 +193,7 @@ impl MultiheadAttention {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (h, kvh) = (self.cfg.num_heads, self.cfg.kv_heads());
         let (q, k, v) = if query.id() == key.id() && key.id() == value.id() {
-            self.in_proj.self_attention_heads(query, h)?
+            self.self_attention_heads(query)?
         } else {
             let (q, k, v) = self.in_proj.forward(query, key, value)?;
             (

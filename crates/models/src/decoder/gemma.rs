@@ -22,11 +22,12 @@ use multihead_attention::{
 use serde_json::{Map, Value};
 
 use super::config::{check_dims, check_eps, checked_layers, ties_in};
+use super::llama::{check_ids, GatedMlp, TokenEmbedding};
 use super::llama::{GGUF_LAYER, GGUF_TOP};
-use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
+use super::{CausalLm, DecoderCache};
 use crate::formats::gguf::{GgufNames, NamePair};
 use crate::formats::safetensors::{Checkpoint, MinWeights};
-use crate::mlp::{Activation, Mlp};
+use crate::mlp::Activation;
 
 /// Which Gemma.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -512,12 +513,12 @@ pub(super) fn at<'a>(vb: VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
 
 /// `GemmaMLP`: `down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`, under
 /// `vb` = `mlp`, its linears packed as `pack` asks.
-fn mlp(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Mlp> {
+fn mlp(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<GatedMlp> {
     let (e, i) = (cfg.hidden_size, cfg.intermediate_size);
     let gate = linear_b(e, i, false, vb.pp("gate_proj"))?;
     let up = linear_b(e, i, false, vb.pp("up_proj"))?;
     let down = PackedLinear::from_linear_with(linear_b(i, e, false, vb.pp("down_proj"))?, pack)?;
-    Mlp::gated_with(gate, up, down, Activation::GeGlu, pack)
+    GatedMlp::new(gate, up, down, Activation::GeGlu, pack)
 }
 
 /// `Gemma2Attention` / `Gemma3Attention` on [`MultiheadAttention`] for
@@ -560,7 +561,7 @@ struct Layer {
     pre_feedforward_layernorm: RmsNorm,
     post_feedforward_layernorm: RmsNorm,
     self_attn: MultiheadAttention,
-    mlp: Mlp,
+    mlp: GatedMlp,
 }
 
 impl Layer {

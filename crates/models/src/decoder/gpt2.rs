@@ -9,7 +9,8 @@ use multihead_attention::{
 };
 
 use super::config::{ties_in, Gpt2Config};
-use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
+use super::llama::{check_ids, TokenEmbedding};
+use super::{CausalLm, DecoderCache};
 use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{Activation, Mlp};
 

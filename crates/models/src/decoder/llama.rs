@@ -8,35 +8,190 @@
 //! each branch rather than lead it), layers without rotary, fused
 //! projections, partial rotary and LongRoPE
 //! (`transformers/models/phi3/modeling_phi3.py`).
+//!
+//! One forward pass, token ids to logits, reads in five files: this one
+//! (the token table, each layer's norms, attention call and gated MLP, the
+//! final norm and the head), then the attention crate's `mha/steps.rs`
+//! (`MultiheadAttention::forward_cached`: fused qkv → qk-norm and rotary →
+//! cache append → sdpa → o_proj), `rotary.rs` (the rotation), `cache.rs`
+//! (the keys and values kept) and `sdpa.rs` (the attention, on the CPU the
+//! tiled kernel of `multihead_kernels::attention`).
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
-use candle_nn::{linear_b, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, Linear, RmsNorm, VarBuilder};
 use multihead_attention::{
-    KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackOptions, PackedLinear,
-    PositionEncoding, RotaryConfig, WeightLayout,
+    is_broadcast, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackFormat, PackOptions,
+    PackedLinear, PositionEncoding, RotaryConfig, WeightLayout,
 };
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
-use super::{check_ids, CausalLm, DecoderCache, TokenEmbedding};
+use super::{CausalLm, DecoderCache};
 use crate::formats::gguf::{GgufNames, NamePair};
 use crate::formats::safetensors::{Checkpoint, MinWeights};
-use crate::mlp::{Activation, Mlp};
+use crate::mlp::{check_widths, Activation};
 
 /// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`
 /// = `mlp`; `Phi3MLP` stores gate and up as one `gate_up_proj`, the gate's
 /// rows first; its linears packed as `pack` asks.
-fn mlp(cfg: &LlamaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Mlp> {
+/// Llama's MLP, `down(silu(gate(x)) * up(x))` (SwiGLU; Gemma's is the
+/// same with the tanh GELU, GeGLU): gate and up projected at once to
+/// `[gate | up]` where their weights can be joined, the residual add fused
+/// into `down`'s write-out.
+#[derive(Debug, Clone)]
+pub(crate) struct GatedMlp {
+    /// `(2 * hidden, in)`, the gate's rows first; `(hidden, in)` where
+    /// `gate` is kept apart.
+    up: PackedLinear,
+    /// The gate where gate and up cannot be one projection (see
+    /// [`GatedMlp::new`]).
+    gate: Option<PackedLinear>,
+    /// `(out, hidden)`.
+    down: PackedLinear,
+    activation: Activation,
+}
+
+impl GatedMlp {
+    /// `residual + down(act(gate(x)) * up(x))`.
+    ///
+    /// # Shapes
+    /// - `xs`: `(..., in)`, `residual`: `(..., out)`
+    /// - returns `(..., out)`
+    pub(crate) fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.down.forward_add(&self.hidden(xs)?, residual)
+    }
+
+    /// `down(act(gate(x)) * up(x))`.
+    pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.down.forward(&self.hidden(xs)?)
+    }
+
+    /// `act(gate(x)) * up(x)`: `(..., hidden)`.
+    fn hidden(&self, xs: &Tensor) -> Result<Tensor> {
+        match (&self.gate, self.activation) {
+            // One projection to `[gate | up]`, then the gated activation
+            // over its halves.
+            (None, act) => act.apply(&self.up.forward(xs)?),
+            (Some(gate), Activation::GeGlu) => gate.forward(xs)?.gelu()? * self.up.forward(xs)?,
+            (Some(gate), _) => gate.forward(xs)?.silu()? * self.up.forward(xs)?,
+        }
+    }
+
+    /// The gated MLP over one projection `gate_up` to `[gate | up]`
+    /// (Phi-3's `gate_up_proj`).
+    pub(crate) fn fused(gate_up: PackedLinear, down: PackedLinear, activation: Activation) -> Result<Self> {
+        if !activation.is_gated() {
+            bail!("Mlp::gated: {activation:?} is not a gated activation")
+        }
+        check_widths(&gate_up, &down, activation)?;
+        Ok(Self {
+            up: gate_up,
+            gate: None,
+            down,
+            activation,
+        })
+    }
+
+    /// The gated MLP from the two linears a checkpoint stores, packed as
+    /// `pack` asks: joined into one projection where both are plain
+    /// tensors (or a GGUF file's blocks in one format); kept apart where
+    /// they are variables, which a joined copy would leave behind as they
+    /// train, or the pre-flight's broadcast placeholders (a full-size copy
+    /// for nothing).
+    pub(crate) fn new(
+        gate: Linear,
+        up: Linear,
+        down: PackedLinear,
+        activation: Activation,
+        pack: &PackOptions,
+    ) -> Result<Self> {
+        if !activation.is_gated() {
+            bail!("Mlp::gated: {activation:?} is not a gated activation")
+        }
+        let apart = |gate: PackedLinear, up: PackedLinear, down: PackedLinear| -> Result<Self> {
+            // Checked as an ungated MLP: up's width is down's input.
+            check_widths(&up, &down, Activation::Silu)?;
+            Ok(Self {
+                up,
+                gate: Some(gate),
+                down,
+                activation,
+            })
+        };
+        let plain = |l: &Linear| {
+            !l.weight().is_variable()
+                && !is_broadcast(l.weight())
+                && l.bias().is_none_or(|b| !b.is_variable())
+        };
+        // A GGUF file's blocks, lent to the layers (`LentBlocks`): joined
+        // where both are in one format, kept apart otherwise.
+        if pack.is_lent(gate.weight()) && pack.is_lent(up.weight()) {
+            let (gate, up) = (
+                PackedLinear::from_linear_with(gate, pack)?,
+                PackedLinear::from_linear_with(up, pack)?,
+            );
+            if gate.joins_with(&up) {
+                return Self::fused(PackedLinear::cat_with(vec![gate, up], pack)?, down, activation);
+            }
+            return apart(gate, up, down);
+        }
+        if !(plain(&gate) && plain(&up)) {
+            let gate = PackedLinear::from_linear_with(gate, pack)?;
+            return apart(gate, PackedLinear::from_linear_with(up, pack)?, down);
+        }
+        if gate.bias().is_some() != up.bias().is_some() {
+            bail!("Mlp: the gate and up projections must both have a bias or neither")
+        }
+        let gate_up = if pack.format() != PackFormat::AsStored {
+            // Each quantized, its tensors dropped, before the two are
+            // joined: no copy of the fused weight in f32 (3.8 times its
+            // Q8_0 size) beside them while a model loads. As stored, one
+            // fused tensor packed at once leaves the heap less fragmented
+            // than two parts and their join.
+            let gate = PackedLinear::from_linear_with(gate, pack)?;
+            PackedLinear::cat_with(vec![gate, PackedLinear::from_linear_with(up, pack)?], pack)?
+        } else {
+            let bias = match (gate.bias(), up.bias()) {
+                (Some(g), Some(u)) => Some(Tensor::cat(&[g, u], 0)?),
+                _ => None,
+            };
+            PackedLinear::with_options(Tensor::cat(&[gate.weight(), up.weight()], 0)?, bias, pack)?
+        };
+        Self::fused(gate_up, down, activation)
+    }
+
+    /// The activation.
+    pub(crate) fn activation(&self) -> Activation {
+        self.activation
+    }
+
+    /// Whether gate and up are two projections.
+    #[cfg(test)]
+    pub(crate) fn gate_apart(&self) -> bool {
+        self.gate.is_some()
+    }
+
+    /// The same MLP with its outputs scaled per channel by `gamma`, folded
+    /// into `down`'s weights, where they can be.
+    pub(crate) fn with_output_scale(&self, gamma: &Tensor) -> Result<Option<Self>> {
+        Ok(self
+            .down
+            .scaled_outputs(gamma)?
+            .map(|down| Self { down, ..self.clone() }))
+    }
+}
+
+fn mlp(cfg: &LlamaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<GatedMlp> {
     let (e, i, bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias);
     let down = PackedLinear::from_linear_with(linear_b(i, e, bias, vb.pp("down_proj"))?, pack)?;
     match cfg.projections {
         Projections::Separate => {
             let gate = linear_b(e, i, bias, vb.pp("gate_proj"))?;
             let up = linear_b(e, i, bias, vb.pp("up_proj"))?;
-            Mlp::gated_with(gate, up, down, Activation::SwiGlu, pack)
+            GatedMlp::new(gate, up, down, Activation::SwiGlu, pack)
         }
         Projections::Fused => {
             let gate_up = linear_b(e, 2 * i, bias, vb.pp("gate_up_proj"))?;
-            Mlp::new(
+            GatedMlp::fused(
                 PackedLinear::from_linear_with(gate_up, pack)?,
                 down,
                 Activation::SwiGlu,
@@ -45,7 +200,6 @@ fn mlp(cfg: &LlamaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Mlp> {
     }
 }
 
-/// A block's RMSNorms, by where they sit ([`NormPlacement`]).
 #[derive(Debug, Clone)]
 enum Norms {
     /// Llama: `x + attn(input_layernorm(x))`, then `x + mlp(post_attention_layernorm(x))`.
@@ -66,7 +220,7 @@ enum Norms {
 struct Layer {
     norms: Norms,
     self_attn: MultiheadAttention,
-    mlp: Mlp,
+    mlp: GatedMlp,
 }
 
 impl Layer {
@@ -170,6 +324,77 @@ fn mha(cfg: &LlamaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> R
 }
 
 /// Llama with its language-model head.
+/// A decoder's token embedding: its own table, or the rows of the output
+/// projection it is tied to (`tie_word_embeddings`), so that a tied model
+/// holds the table once, packed for the projection.
+#[derive(Debug, Clone)]
+pub(crate) enum TokenEmbedding {
+    Own(candle_nn::Embedding),
+    /// A table in a ggml block format (a GGUF file's, lent to the layer:
+    /// `multihead_attention::LentBlocks`), its rows dequantized as they
+    /// are looked up.
+    Blocks(PackedLinear),
+    TiedToHead,
+}
+
+impl TokenEmbedding {
+    /// `embedding` as the table of a model whose output projection is
+    /// `head` when `tied`, the projection (and a table lent as blocks)
+    /// packed as `pack` asks: returns the embedding and the projection.
+    pub(crate) fn with_head(
+        embedding: candle_nn::Embedding,
+        head: Option<Tensor>,
+        pack: &PackOptions,
+    ) -> Result<(Self, PackedLinear)> {
+        let own = |embedding: candle_nn::Embedding| -> Result<Self> {
+            Ok(match pack.is_lent(embedding.embeddings()) {
+                true => Self::Blocks(PackedLinear::with_options(
+                    embedding.embeddings().clone(),
+                    None,
+                    pack,
+                )?),
+                false => Self::Own(embedding),
+            })
+        };
+        Ok(match head {
+            Some(head) => (own(embedding)?, PackedLinear::with_options(head, None, pack)?),
+            None => (
+                Self::TiedToHead,
+                PackedLinear::with_options(embedding.embeddings().clone(), None, pack)?,
+            ),
+        })
+    }
+
+    /// `(B, T)` ids to `(B, T, E)` f32 (a half-precision table's rows
+    /// widened).
+    pub(crate) fn forward(&self, ids: &Tensor, head: &PackedLinear) -> Result<Tensor> {
+        match self {
+            Self::Own(e) => candle::Module::forward(e, ids)?.to_dtype(DType::F32),
+            Self::Blocks(table) => table.embed(ids),
+            Self::TiedToHead => head.embed(ids)?.to_dtype(DType::F32),
+        }
+    }
+}
+
+/// Checks `(batch, new)` `u32` ids against the vocabulary.
+pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(usize, usize)> {
+    let (b, t) = match ids.dims() {
+        &[b, t] if t > 0 => (b, t),
+        dims => bail!("{what}: ids must be (batch, new) with new > 0, found {dims:?}"),
+    };
+    if ids.dtype() != candle::DType::U32 {
+        bail!("{what}: ids must be u32, found {:?}", ids.dtype())
+    }
+    if b == 0 {
+        return Ok((b, t));
+    }
+    let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+    if max as usize >= vocab_size {
+        bail!("{what}: token id {max} is out of the vocabulary ({vocab_size} tokens)")
+    }
+    Ok((b, t))
+}
+
 #[derive(Debug, Clone)]
 pub struct Llama {
     embed_tokens: TokenEmbedding,

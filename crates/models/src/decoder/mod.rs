@@ -5,8 +5,9 @@
 //! [`crate::generation`] API.
 //!
 //! Every attention layer is a [`MultiheadAttention`] stepping a
-//! [`KvCache`] through [`MultiheadAttention::forward_cached`]: a prompt,
-//! a chunk of one, or a single new token is the same call.
+//! [`KvCache`](multihead_attention::KvCache) through
+//! [`MultiheadAttention::forward_cached`]: a prompt, a chunk of one, or a
+//! single new token is the same call.
 //!
 //! ```no_run
 //! use multihead_models::decoder::{generate_from_prompts, DecoderModel};
@@ -43,9 +44,10 @@ mod tokenizer_bounds;
 use std::path::Path;
 
 use candle::{bail, DType, Device, Result, Tensor};
+pub use multihead_attention::DecoderCache;
 #[cfg(doc)]
 use multihead_attention::MultiheadAttention;
-use multihead_attention::{KvCache, PackOptions, PackedLinear};
+use multihead_attention::PackOptions;
 
 use crate::checkpoint::{LoadOptions, LoadProgress, ModelFiles, WeightDtype};
 use crate::formats::preflight::{wanted_within, Wanted};
@@ -62,151 +64,11 @@ pub use conversation::Conversation;
 pub use gemma::{Gemma, GemmaConfig, GemmaFamily, LayerKind, Rope, GEMMA_TYPES};
 pub use generation_config::HfGenerationConfig;
 pub use gpt2::Gpt2;
+pub(crate) use llama::GatedMlp;
 pub use llama::Llama;
 pub use pipeline::{Finish, GenerationSettings, Sampling, TextGenerator, TextOutput, DEFAULT_MAX_NEW_TOKENS};
 pub use prompts::{generate_from_prompts, generate_from_prompts_streaming, left_pad};
 pub use text::{TextStream, TextTokenizer, MAX_TOKENIZER_BYTES};
-
-/// The self-attention keys and values of every layer, sharing one length
-/// and the rows' left padding: the whole state of a decoder-only model, and
-/// the self-attention part of an encoder–decoder's
-/// ([`crate::transformer::Seq2SeqCache`]).
-#[derive(Debug, Clone)]
-pub struct DecoderCache {
-    layers: Vec<KvCache>,
-    /// Whether the positions held were rotated with LongRoPE's long
-    /// factors (a call that reached past the original context), which a
-    /// model must not mix with short ones.
-    long_rope: bool,
-}
-
-impl DecoderCache {
-    /// Empty caches for `n_layers` layers; `left_padding[b]` leading
-    /// positions of row `b` will be padding (empty: none).
-    pub fn new(n_layers: usize, left_padding: Vec<usize>) -> Self {
-        Self::with_chunk(n_layers, 256, left_padding)
-    }
-
-    /// The caches with keys and values stored in `dtype` (`None`: as the
-    /// model computes them, f32): [`KvCache::with_dtype`].
-    pub fn with_kv_dtype(mut self, dtype: Option<DType>) -> Self {
-        if let Some(dtype) = dtype {
-            self.layers = self.layers.into_iter().map(|c| c.with_dtype(dtype)).collect();
-        }
-        self
-    }
-
-    /// [`DecoderCache::new`] whose buffers grow by `chunk` positions.
-    pub(crate) fn with_chunk(n_layers: usize, chunk: usize, left_padding: Vec<usize>) -> Self {
-        Self {
-            layers: (0..n_layers)
-                .map(|_| KvCache::with_left_padding(chunk, left_padding.clone()))
-                .collect(),
-            long_rope: false,
-        }
-    }
-
-    /// Positions held.
-    pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, KvCache::len)
-    }
-
-    /// Whether no position is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Forgets the positions from `len` on, in every layer.
-    pub fn truncate(&mut self, len: usize) {
-        self.layers.iter_mut().for_each(|c| c.truncate(len));
-        if self.is_empty() {
-            self.long_rope = false;
-        }
-    }
-
-    /// `max(position) + 1` over the rows once `new` more positions are
-    /// fed: how far the longest row reaches, counted from its first real
-    /// token (HF's `max(position_ids) + 1`).
-    pub fn reach(&self, new: usize) -> usize {
-        let Some(c) = self.layers.first() else {
-            return new;
-        };
-        let start = c.left_padding().iter().copied().min().unwrap_or(0);
-        (c.len() + new).saturating_sub(start)
-    }
-
-    /// Whether the positions held were rotated with LongRoPE's long
-    /// factors.
-    pub(crate) fn long_rope(&self) -> bool {
-        self.long_rope
-    }
-
-    /// Marks the positions held as rotated with LongRoPE's long factors,
-    /// or not.
-    pub(crate) fn set_long_rope(&mut self, long: bool) {
-        self.long_rope = long;
-    }
-
-    /// Keeps rows `rows` (`u32`, may repeat), in that order, in every layer.
-    pub fn select_rows(&mut self, rows: &Tensor) -> Result<()> {
-        self.layers.iter_mut().try_for_each(|c| c.select_rows(rows))
-    }
-
-    /// Appends `other`'s rows after these, aligned at their ends
-    /// ([`KvCache::join_rows`]): a sequence prefilled alone joins a batch
-    /// that decodes together.
-    pub fn join_rows(&mut self, other: &DecoderCache) -> Result<()> {
-        if other.layers.len() != self.layers.len() {
-            bail!(
-                "DecoderCache::join_rows: a cache of {} layers beside one of {}",
-                other.layers.len(),
-                self.layers.len()
-            )
-        }
-        if self.is_empty() {
-            self.long_rope = other.long_rope;
-        } else if !other.is_empty() && other.long_rope != self.long_rope {
-            bail!(
-                "DecoderCache::join_rows: one cache's positions were rotated with LongRoPE's long factors and the \
-                 other's with its short ones (past and within original_max_position_embeddings); they cannot \
-                 decode as one batch"
-            )
-        }
-        self.layers
-            .iter_mut()
-            .zip(&other.layers)
-            .try_for_each(|(c, o)| c.join_rows(o))
-    }
-
-    /// Drops the leading positions that every row holds as padding
-    /// ([`KvCache::trim_padding`]).
-    pub fn trim_padding(&mut self) -> Result<()> {
-        self.layers.iter_mut().try_for_each(KvCache::trim_padding)
-    }
-
-    /// `(batch, new)` `u32` positions of the next `new` tokens, counted
-    /// from each row's first real token.
-    pub fn positions(&self, batch: usize, new: usize, device: &Device) -> Result<Tensor> {
-        match self.layers.first() {
-            Some(c) => c.positions(batch, new, device),
-            None => KvCache::new(1).positions(batch, new, device),
-        }
-    }
-
-    /// Every layer's cache, in order.
-    pub(crate) fn layers_mut(&mut self) -> &mut [KvCache] {
-        &mut self.layers
-    }
-
-    /// The cache of layer `i`.
-    pub(crate) fn layer(&mut self, i: usize) -> Result<&mut KvCache> {
-        let n = self.layers.len();
-        match self.layers.get_mut(i) {
-            Some(c) => Ok(c),
-            None => bail!("DecoderCache: layer {i} of a cache for {n} layers"),
-        }
-    }
-}
 
 /// A causal language model: token ids through a cache to next-token
 /// logits. Every such model is a [`StepModel`], so [`crate::generation`]
@@ -271,77 +133,6 @@ impl<M: CausalLm> StepModel for M {
     fn device(&self) -> &Device {
         CausalLm::device(self)
     }
-}
-
-/// A decoder's token embedding: its own table, or the rows of the output
-/// projection it is tied to (`tie_word_embeddings`), so that a tied model
-/// holds the table once, packed for the projection.
-#[derive(Debug, Clone)]
-pub(crate) enum TokenEmbedding {
-    Own(candle_nn::Embedding),
-    /// A table in a ggml block format (a GGUF file's, lent to the layer:
-    /// `multihead_attention::LentBlocks`), its rows dequantized as they
-    /// are looked up.
-    Blocks(multihead_attention::PackedLinear),
-    TiedToHead,
-}
-
-impl TokenEmbedding {
-    /// `embedding` as the table of a model whose output projection is
-    /// `head` when `tied`, the projection (and a table lent as blocks)
-    /// packed as `pack` asks: returns the embedding and the projection.
-    pub(crate) fn with_head(
-        embedding: candle_nn::Embedding,
-        head: Option<Tensor>,
-        pack: &PackOptions,
-    ) -> Result<(Self, PackedLinear)> {
-        let own = |embedding: candle_nn::Embedding| -> Result<Self> {
-            Ok(match pack.is_lent(embedding.embeddings()) {
-                true => Self::Blocks(PackedLinear::with_options(
-                    embedding.embeddings().clone(),
-                    None,
-                    pack,
-                )?),
-                false => Self::Own(embedding),
-            })
-        };
-        Ok(match head {
-            Some(head) => (own(embedding)?, PackedLinear::with_options(head, None, pack)?),
-            None => (
-                Self::TiedToHead,
-                PackedLinear::with_options(embedding.embeddings().clone(), None, pack)?,
-            ),
-        })
-    }
-
-    /// `(B, T)` ids to `(B, T, E)` f32 (a half-precision table's rows
-    /// widened).
-    pub(crate) fn forward(&self, ids: &Tensor, head: &multihead_attention::PackedLinear) -> Result<Tensor> {
-        match self {
-            Self::Own(e) => candle::Module::forward(e, ids)?.to_dtype(DType::F32),
-            Self::Blocks(table) => table.embed(ids),
-            Self::TiedToHead => head.embed(ids)?.to_dtype(DType::F32),
-        }
-    }
-}
-
-/// Checks `(batch, new)` `u32` ids against the vocabulary.
-pub(crate) fn check_ids(ids: &Tensor, vocab_size: usize, what: &str) -> Result<(usize, usize)> {
-    let (b, t) = match ids.dims() {
-        &[b, t] if t > 0 => (b, t),
-        dims => bail!("{what}: ids must be (batch, new) with new > 0, found {dims:?}"),
-    };
-    if ids.dtype() != candle::DType::U32 {
-        bail!("{what}: ids must be u32, found {:?}", ids.dtype())
-    }
-    if b == 0 {
-        return Ok((b, t));
-    }
-    let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-    if max as usize >= vocab_size {
-        bail!("{what}: token id {max} is out of the vocabulary ({vocab_size} tokens)")
-    }
-    Ok((b, t))
 }
 
 /// A decoder loaded from a model folder, whichever architecture its
