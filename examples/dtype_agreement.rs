@@ -3,12 +3,16 @@
 //! same folder at each dtype, compared position by position with f32's.
 //!
 //! ```text
-//! cargo run --release --example dtype_agreement -- MODEL_DIR [TOKENS] [DTYPES]
+//! cargo run --release --example dtype_agreement -- MODEL_DIR [TOKENS] [DTYPES] [CHUNKS]
 //! cargo run --release --example dtype_agreement -- --text
 //! ```
 //!
 //! `TOKENS` (default 128) is the prompt's length: English text from the
-//! folder's `tokenizer.json`, repeated as needed. `DTYPES` (default
+//! folder's `tokenizer.json`, repeated as needed, every position compared.
+//! With `CHUNKS`, the text is that many prompts of `TOKENS` tokens, one
+//! after another in the repeated text, each from an empty cache, and only
+//! the second half of each is compared: the positions `llama-perplexity
+//! --kl-divergence -c TOKENS` scores over the same text. `DTYPES` (default
 //! `bf16,f16,q8_0`) are compared with f32; an entry ending in `.gguf` is
 //! that GGUF file of the same model, kept in the blocks it stores (`ggml`:
 //! a `llama-quantize` file of the folder's f32 GGUF). For each it prints the share of
@@ -31,7 +35,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let dir = args
         .first()
-        .context("usage: dtype_agreement MODEL_DIR [TOKENS] [DTYPES], or --text")?;
+        .context("usage: dtype_agreement MODEL_DIR [TOKENS] [DTYPES] [CHUNKS], or --text")?;
     if dir == "--text" {
         print!("{TEXT}");
         return Ok(());
@@ -48,66 +52,80 @@ fn main() -> Result<()> {
         .split(',')
         .collect();
 
+    let chunks: Option<usize> = args
+        .get(3)
+        .map(|n| n.parse().with_context(|| format!("CHUNKS: '{n}' is not a count")))
+        .transpose()?;
+    ensure!(tokens > 0, "TOKENS must be at least 1");
+    ensure!(chunks != Some(0), "CHUNKS must be at least 1");
+
     let tokenizer = TextTokenizer::from_folder(dir.as_ref())?;
     let mut ids = Vec::new();
-    while ids.len() < tokens {
+    while ids.len() < tokens * chunks.unwrap_or(1) {
         ids.extend(tokenizer.encode_plain(TEXT)?);
     }
-    ids.truncate(tokens);
-    ensure!(!ids.is_empty(), "TOKENS must be at least 1");
+    ids.truncate(tokens * chunks.unwrap_or(1));
+    // The prompts, and the first position of each that is compared.
+    let (prompts, from): (Vec<&[u32]>, usize) = match chunks {
+        Some(_) => (ids.chunks(tokens).collect(), tokens / 2),
+        None => (vec![&ids[..]], 0),
+    };
+    let positions = prompts.len() * (tokens - from);
 
-    let reference = logits(dir, WeightDtype::F32, &ids)?;
-    println!("{dir}: {} positions, each dtype against f32", ids.len());
+    let reference = load(dir, WeightDtype::F32)?;
+    println!("{dir}: {positions} positions, each dtype against f32");
     for dtype in dtypes {
         let (other, name) = match dtype.strip_suffix(".gguf") {
             Some(stem) => {
                 let name = stem.rsplit(['-', '/']).next().unwrap_or(stem).to_string();
-                (gguf_logits(dtype, &ids)?, name)
+                (load_gguf(dtype)?, name)
             }
             None => {
                 let d: WeightDtype = dtype.parse()?;
-                (logits(dir, d, &ids)?, d.name().to_string())
+                (load(dir, d)?, d.name().to_string())
             }
         };
         let (mut same, mut worst) = (0, 0f32);
-        for (r, o) in reference.iter().zip(&other) {
-            same += usize::from(argmax(r) == argmax(o));
-            let scale = r.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let diff = r.iter().zip(o).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            worst = worst.max(diff / scale);
+        for prompt in &prompts {
+            let (r, o) = (logits(&reference, prompt)?, logits(&other, prompt)?);
+            for (r, o) in r.iter().zip(&o).skip(from) {
+                same += usize::from(argmax(r) == argmax(o));
+                let scale = r.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let diff = r.iter().zip(o).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                worst = worst.max(diff / scale);
+            }
         }
         println!(
-            "  {:>5}: top-1 equal at {same}/{} positions ({:.1} %), largest logit difference {:.2e} of the largest logit",
+            "  {:>5}: top-1 equal at {same}/{positions} positions ({:.1} %), largest logit difference {:.2e} of the largest logit",
             name,
-            ids.len(),
-            100.0 * same as f64 / ids.len() as f64,
+            100.0 * same as f64 / positions as f64,
             worst
         );
     }
     Ok(())
 }
 
-/// Every position's logits, the model's weights kept in `dtype`.
-fn logits(dir: &str, dtype: WeightDtype, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+/// The folder's model, its weights kept in `dtype`.
+fn load(dir: &str, dtype: WeightDtype) -> Result<DecoderModel> {
     let opts = LoadOptions {
         dtype,
         ..LoadOptions::default()
     };
-    let model = DecoderModel::from_folder_with(dir.as_ref(), &Device::Cpu, &opts)
-        .with_context(|| format!("loading {dir} in {}", dtype.name()))?;
-    let input = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
-    let mut cache = model.new_cache(vec![0]);
-    Ok(model.forward(&input, &mut cache)?.squeeze(0)?.to_vec2()?)
+    DecoderModel::from_folder_with(dir.as_ref(), &Device::Cpu, &opts)
+        .with_context(|| format!("loading {dir} in {}", dtype.name()))
 }
 
-/// Every position's logits from a GGUF file kept in its blocks.
-fn gguf_logits(path: &str, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+/// A GGUF file's model, kept in its blocks.
+fn load_gguf(path: &str) -> Result<DecoderModel> {
     let opts = LoadOptions {
         dtype: WeightDtype::Ggml,
         ..LoadOptions::default()
     };
-    let model = DecoderModel::from_gguf(path.as_ref(), &Device::Cpu, &opts)
-        .with_context(|| format!("loading {path}"))?;
+    DecoderModel::from_gguf(path.as_ref(), &Device::Cpu, &opts).with_context(|| format!("loading {path}"))
+}
+
+/// Every position's logits of `ids` fed as one prompt to an empty cache.
+fn logits(model: &DecoderModel, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
     let input = Tensor::new(ids, &Device::Cpu)?.unsqueeze(0)?;
     let mut cache = model.new_cache(vec![0]);
     Ok(model.forward(&input, &mut cache)?.squeeze(0)?.to_vec2()?)

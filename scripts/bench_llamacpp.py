@@ -56,8 +56,8 @@ share of positions where the top-1 token is f32's, llama.cpp's from
 `llama-perplexity --kl-divergence` ("Same top p": chunks of 128 tokens of
 the text `dtype_agreement --text` prints, repeated, the second half of each
 chunk scored, the f32 GGUF's logits as the base) and ours from `cargo run
---release --example dtype_agreement -- FOLDER 128 DTYPES` (one 128-token
-prompt of that text, every position).
+--release --example dtype_agreement -- FOLDER 128 DTYPES CHUNKS` (as many
+128-token prompts of that text, the second half of each compared).
 
 llama.cpp is built from the source that the llama-cpp-python sdist vendors
 (CPU, native), its converter run with this venv (PYTHONPATH=gguf-py;
@@ -266,7 +266,7 @@ def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
     run = [perplexity, "-f", text, "-c", str(PROMPT_TOKENS), "-t", str(THREADS), "--kl-divergence-base", base]
     subprocess.run(run + ["-m", ggufs["f32"]], capture_output=True, text=True, check=True)
     others = [d for d in dtypes if d != "f32"]
-    theirs = {}
+    theirs, n_chunks = {}, None
     for dtype in others:
         out = subprocess.run(run + ["-m", ggufs[dtype], "--kl-divergence"], capture_output=True, text=True,
                              check=True)
@@ -275,10 +275,15 @@ def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
         chunks = re.search(r"computing over (\d+) chunks", log)
         theirs[dtype] = (f"{same[1]} ± {same[2]} % ({int(chunks[1]) * PROMPT_TOKENS // 2} positions)"
                          if same and chunks else "n/a")
+        n_chunks = n_chunks or (chunks and int(chunks[1]))
+    # Ours over as many chunks of the same text, the second half of each
+    # compared, as llama-perplexity scores them.
+    chunk_args = [str(n_chunks)] if n_chunks else []
     # llama-quantize's types: ours loads their GGUF files, kept in blocks.
     ours_args = [ggufs[d] if d in QUANTIZED else d for d in others]
-    out = subprocess.run(example + [folder, str(PROMPT_TOKENS), ",".join(ours_args)], cwd=ROOT, capture_output=True,
-                         text=True, check=True, env={**os.environ, "RAYON_NUM_THREADS": str(THREADS)})
+    out = subprocess.run(example + [folder, str(PROMPT_TOKENS), ",".join(ours_args)] + chunk_args, cwd=ROOT,
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "RAYON_NUM_THREADS": str(THREADS)})
     ours = {}
     for line in out.stdout.splitlines():
         if m := re.match(r"\s*(\S+): top-1 equal at (\d+)/(\d+) positions \(([0-9.]+) %\)", line):
