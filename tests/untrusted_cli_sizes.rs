@@ -72,16 +72,22 @@ fn a_config_deeper_than_its_file_is_refused_before_building() -> Result<()> {
     let out = multihead!(&["inspect", arg(&w)?])?;
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("(beside the file) not used: "));
-    // Sizes whose products overflow are errors too, not wrapped values.
+    // A width past the file is refused at its first tensor, and sizes
+    // whose products overflow are errors too, not wrapped values.
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg)?)?;
     v["depth"] = serde_json::json!(4);
-    v["embed_dim"] = serde_json::json!(1u64 << 40);
     v["num_heads"] = serde_json::json!(1);
-    std::fs::write(&cfg, v.to_string())?;
-    assert_one_line_error(
-        &multihead!(&["vit", "--weights", arg(&w)?])?,
-        &["embed_dim 1099511627776", "overflow"],
-    );
+    for (embed_dim, why) in [
+        (1u64 << 40, "larger than this file can hold"),
+        (1 << 62, "overflows"),
+    ] {
+        v["embed_dim"] = serde_json::json!(embed_dim);
+        std::fs::write(&cfg, v.to_string())?;
+        assert_one_line_error(
+            &multihead!(&["vit", "--weights", arg(&w)?])?,
+            &[&format!("embed_dim {embed_dim}"), "patch_embed.proj.weight", why],
+        );
+    }
     Ok(())
 }
 
@@ -103,13 +109,22 @@ fn seq2seq_refuses_absurd_max_positions() -> Result<()> {
     shipped::dates_with(&dir, billion, no_pe)?;
     let out = multihead!(&["seq2seq", "--weights", arg(&dir)?, "March 3, 2021"])?;
     assert_one_line_error(&out, &["max_positions (1000000000)", "pos_encoding.pe"]);
-    // Stored, but not that long: the table is mis-shaped.
+    // Stored, but not that long: a table past what the file holds.
     shipped::dates_with(&dir, billion, |_| Ok(()))?;
     let out = multihead!(&["seq2seq", "--weights", arg(&dir)?, "March 3, 2021"])?;
     assert_one_line_error(
         &out,
-        &["pos_encoding.pe expected [1000000000, 64] found [64, 64]"],
+        &[
+            "max_positions 1000000000",
+            "'pos_encoding.pe' [1000000000, 64]",
+            "larger than this file can hold",
+        ],
     );
+    // Within it, but not the stored table's length: mis-shaped.
+    let longer = |c: &mut serde_json::Value| c["max_positions"] = serde_json::json!(128);
+    shipped::dates_with(&dir, longer, |_| Ok(()))?;
+    let out = multihead!(&["seq2seq", "--weights", arg(&dir)?, "March 3, 2021"])?;
+    assert_one_line_error(&out, &["pos_encoding.pe expected [128, 64] found [64, 64]"]);
     // And a config with layers the file does not have.
     let deep =
         |c: &mut serde_json::Value| c["transformer"]["num_encoder_layers"] = serde_json::json!(100_000);

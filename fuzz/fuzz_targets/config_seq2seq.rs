@@ -20,11 +20,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(ckpt) = Checkpoint::from_bytes(WEIGHTS.to_vec(), "model.safetensors") else {
         return;
     };
-    let Ok(min) = cfg.min_weights() else { return };
-    if ckpt.ensure_holds(&min).is_err() {
-        return;
-    }
-    let Ok(model) = ckpt.load(DType::F32, &Device::Cpu, |vb| Seq2Seq::new(&cfg, vb)) else {
+    let Ok(model) = ckpt.load_bounded(&cfg.budget_owner(), DType::F32, &Device::Cpu, |vb, pack| {
+        Seq2Seq::new_with(&cfg, pack, vb)
+    }) else {
         return;
     };
     let len = cfg.max_src_len.min(4);

@@ -21,9 +21,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(ckpt) = Checkpoint::from_bytes(WEIGHTS.to_vec(), "model.safetensors") else {
         return;
     };
-    let Ok(min) = cfg.min_weights() else { return };
-    if ckpt.ensure_holds(&min).is_err() {
-        return;
-    }
-    let _ = ckpt.load(DType::F32, &Device::Cpu, |vb| VisionTransformer::new(&cfg, vb));
+    let _ = ckpt.load_bounded(&cfg.budget_owner(), DType::F32, &Device::Cpu, |vb, pack| {
+        VisionTransformer::new_with(&cfg, pack, vb)
+    });
 });

@@ -51,12 +51,13 @@ impl Translator {
             )
         }
         // The checked path `vit` uses: header validated, the config's
-        // sizes bounded by what the file holds, then every missing,
-        // unexpected, mis-shaped and NaN/Inf tensor reported at once.
-        ckpt.ensure_holds(&cfg.min_weights()?)
-            .with_context(|| format!("config {}", config.label))?;
+        // sizes bounded by what the file holds as the model is recorded,
+        // then every missing, unexpected, mis-shaped and NaN/Inf tensor
+        // reported at once.
         let model = ckpt
-            .load(dtype, &device, |vb| Seq2Seq::new(&cfg, vb))
+            .load_bounded(&cfg.budget_owner(), dtype, &device, |vb, pack| {
+                Seq2Seq::new_with(&cfg, pack, vb)
+            })
             .with_context(|| format!("with config {}", config.label))?;
         Ok(Self {
             model,

@@ -184,16 +184,13 @@ impl Classifier {
                 let ckpt = folder.checkpoint()?.with_weight_dtype(matrices);
                 folder.load_checkpoint(&ckpt, dtype, &device)?
             }
-            Source::BuiltIn { label, ckpt } => {
-                ckpt.ensure_holds(&cfg.min_weights()?)
-                    .with_context(|| format!("config {label}"))?;
-                let vit = ckpt
-                    .clone()
-                    .with_weight_dtype(matrices)
-                    .load(dtype, &device, |vb| VisionTransformer::new(&cfg, vb))
-                    .with_context(|| format!("with config {label}"))?;
-                vit
-            }
+            Source::BuiltIn { label, ckpt } => ckpt
+                .clone()
+                .with_weight_dtype(matrices)
+                .load_bounded(&cfg.budget_owner(), dtype, &device, |vb, pack| {
+                    VisionTransformer::new_with(&cfg, pack, vb)
+                })
+                .with_context(|| format!("with config {label}"))?,
         };
         Ok(Self {
             vit,

@@ -150,6 +150,9 @@ impl TransformerConfig {
 
     /// Adds the fewest weights an `nn.Transformer` of this config stores
     /// (weight matrices only) to `m`, with checked arithmetic.
+    #[deprecated(
+        note = "a model's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
     pub fn add_min_weights(&self, m: &mut MinWeights) -> Result<()> {
         let (d, ff) = (self.d_model, self.dim_feedforward);
         // Self-attention (4 d x d), feed-forward (2 d x ff); the decoder's
@@ -181,6 +184,10 @@ impl TransformerConfig {
 
     /// The fewest weights a checkpoint of this config stores; see
     /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
+    #[deprecated(
+        note = "a model's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
+    #[allow(deprecated)]
     pub fn min_weights(&self) -> Result<MinWeights> {
         let mut m = MinWeights::new("TransformerConfig");
         self.add_min_weights(&mut m)?;

@@ -59,6 +59,10 @@ impl Seq2SeqConfig {
     /// The fewest weights a checkpoint of this config stores (the
     /// positional table is optional and not counted), with checked
     /// arithmetic; see [`crate::formats::safetensors::Checkpoint::ensure_holds`].
+    #[deprecated(
+        note = "a model's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
+    #[allow(deprecated)]
     pub fn min_weights(&self) -> Result<MinWeights> {
         let d = self.transformer.d_model;
         let mut m = MinWeights::new("Seq2SeqConfig");
@@ -75,6 +79,24 @@ impl Seq2SeqConfig {
         )?;
         self.transformer.add_min_weights(&mut m)?;
         Ok(m)
+    }
+
+    /// The config as a recording within a file's budget names it
+    /// ([`crate::formats::safetensors::Checkpoint::load_bounded`]): with
+    /// the sizes that decide how many weights its model asks for.
+    pub fn budget_owner(&self) -> String {
+        let t = &self.transformer;
+        format!(
+            "Seq2SeqConfig (num_encoder_layers {}, num_decoder_layers {}, d_model {}, dim_feedforward {}, \
+             src_vocab_size {}, tgt_vocab_size {}, max_positions {})",
+            t.num_encoder_layers,
+            t.num_decoder_layers,
+            t.d_model,
+            t.dim_feedforward,
+            self.src_vocab_size,
+            self.tgt_vocab_size,
+            self.max_positions
+        )
     }
 
     /// Checks every value, naming the wrong one.
@@ -192,6 +214,11 @@ impl Seq2Seq {
     pub fn new_with(cfg: &Seq2SeqConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         cfg.validate()?;
         let d = cfg.transformer.d_model;
+        // The embeddings first: a recording within the file's budget
+        // (`Checkpoint::load_bounded`) refuses a `d_model` the file cannot
+        // hold there, before a position table of that width is computed.
+        let src_embed = embedding(cfg.src_vocab_size, d, vb.pp("src_embed"))?;
+        let tgt_embed = embedding(cfg.tgt_vocab_size, d, vb.pp("tgt_embed"))?;
         let pe = if vb.contains_tensor("pos_encoding.pe") {
             vb.get((cfg.max_positions, d), "pos_encoding.pe")?
         } else if cfg.max_positions > MAX_COMPUTED_POSITIONS {
@@ -204,8 +231,8 @@ impl Seq2Seq {
             sinusoidal_positions(cfg.max_positions, d, vb.device())?.to_dtype(vb.dtype())?
         };
         Ok(Self {
-            src_embed: embedding(cfg.src_vocab_size, d, vb.pp("src_embed"))?,
-            tgt_embed: embedding(cfg.tgt_vocab_size, d, vb.pp("tgt_embed"))?,
+            src_embed,
+            tgt_embed,
             pe,
             transformer: Transformer::new_with(&cfg.transformer, pack, vb.pp("transformer"))?,
             generator: PackedLinear::from_linear_with(

@@ -160,12 +160,18 @@ impl VisionTransformer {
             })
             .transpose()?;
         let g = cfg.grid_size();
-        let embed_len = g * g
-            + if cfg.no_embed_class {
-                0
-            } else {
-                cfg.num_prefix_tokens()
-            };
+        let prefix = if cfg.no_embed_class {
+            0
+        } else {
+            cfg.num_prefix_tokens()
+        };
+        let Some(embed_len) = g.checked_mul(g).and_then(|n| n.checked_add(prefix)) else {
+            bail!(
+                "VitConfig: img_size {} over patch_size {} gives a position table whose length overflows",
+                cfg.img_size,
+                cfg.patch_size
+            )
+        };
         let pos_embed = vb.get_with_hints(
             (1, embed_len, d),
             names.pos_embed,

@@ -12,8 +12,8 @@ use multihead_attention::{MhaConfig, MultiheadAttention};
 use super::Layout;
 use crate::decoder::{DecoderModel, Gemma, HfDecoderConfig, HF_DECODER_TYPES};
 use crate::formats::files::{read_text, MAX_CONFIG_BYTES};
-use crate::formats::preflight::{wanted_tensors, Preflight};
-use crate::formats::safetensors::{Checkpoint, MinWeights};
+use crate::formats::preflight::{wanted_within, Preflight};
+use crate::formats::safetensors::Checkpoint;
 use crate::transformer::{Seq2Seq, Seq2SeqConfig};
 use crate::vit::{folder, VisionTransformer, VitConfig};
 
@@ -27,8 +27,9 @@ pub(super) fn compare(ckpt: &Checkpoint, layout: &Layout, path: &Path) -> Result
     let names: Vec<&str> = ckpt.tensors().iter().map(|t| t.name.as_str()).collect();
     // Every error after the config's own reading names the config.
     let ctx = |e: candle::Error| candle::Error::Msg(format!("config '{}': {e}", path.display()));
-    // Every config's sizes are checked against what the file can hold
-    // before its model is recorded: `depth: 300000` costs nothing.
+    // Every config's model is recorded within what the file can hold: a
+    // tensor past it is refused as it is asked for, so `depth: 300000`
+    // costs nothing.
     let model_type = value.get("model_type").and_then(|t| t.as_str());
     let hf_vit = matches!(model_type, Some("vit" | "deit"));
     let decoder = model_type.is_some_and(|t| HF_DECODER_TYPES.contains(&t));
@@ -59,34 +60,39 @@ pub(super) fn compare(ckpt: &Checkpoint, layout: &Layout, path: &Path) -> Result
             ("timm config", folder::timm::parse(&json, &label)?)
         };
         cfg.validate().map_err(ctx)?;
-        ckpt.ensure_holds(&cfg.min_weights()?).map_err(ctx)?;
         (
             kind,
-            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb)).map_err(ctx)?,
+            wanted_within(&names, &ckpt.budget(&cfg.budget_owner()), |vb| {
+                VisionTransformer::new(&cfg, vb)
+            })
+            .map_err(ctx)?,
         )
     } else if value.get("img_size").is_some() || value.get("patch_size").is_some() {
         let cfg = VitConfig::from_json(&json).map_err(ctx)?;
-        ckpt.ensure_holds(&cfg.min_weights()?).map_err(ctx)?;
         (
             "VitConfig",
-            wanted_tensors(&names, |vb| VisionTransformer::new(&cfg, vb)).map_err(ctx)?,
+            wanted_within(&names, &ckpt.budget(&cfg.budget_owner()), |vb| {
+                VisionTransformer::new(&cfg, vb)
+            })
+            .map_err(ctx)?,
         )
     } else if value.get("transformer").is_some() {
         let cfg = Seq2SeqConfig::from_json(&json).map_err(ctx)?;
-        ckpt.ensure_holds(&cfg.min_weights()?).map_err(ctx)?;
         (
             "Seq2SeqConfig",
-            wanted_tensors(&names, |vb| Seq2Seq::new(&cfg, vb)).map_err(ctx)?,
+            wanted_within(&names, &ckpt.budget(&cfg.budget_owner()), |vb| {
+                Seq2Seq::new(&cfg, vb)
+            })
+            .map_err(ctx)?,
         )
     } else if value.get("embed_dim").is_some() {
         let cfg: MhaConfig = serde_json::from_str(&json)
             .map_err(|e| candle::Error::Msg(format!("config '{}': MhaConfig: {e}", path.display())))?;
-        ckpt.ensure_holds(&mha_min_weights(&cfg)?).map_err(ctx)?;
         let prefix = match layout {
             Layout::MultiheadAttention(f) => f.prefix.trim_end_matches('.').to_string(),
             _ => String::new(),
         };
-        let wanted = wanted_tensors(&names, |vb| {
+        let wanted = wanted_within(&names, &ckpt.budget("MhaConfig"), |vb| {
             let vb = if prefix.is_empty() { vb } else { vb.pp(&prefix) };
             MultiheadAttention::new(&cfg, vb)
         })
@@ -100,21 +106,4 @@ pub(super) fn compare(ckpt: &Checkpoint, layout: &Layout, path: &Path) -> Result
         )
     };
     Ok((kind, Preflight::check(ckpt, &wanted, false)?))
-}
-
-/// The fewest weights an `nn.MultiheadAttention` of `cfg` stores: the
-/// query, key, value and output projections.
-fn mha_min_weights(cfg: &MhaConfig) -> Result<MinWeights> {
-    let e = cfg.embed_dim;
-    let mut m = MinWeights::new("MhaConfig");
-    m.add(format!("q_proj and out_proj (2 x embed_dim {e}²)"), &[2, e, e])?;
-    m.add(
-        format!("k_proj (embed_dim {e} x kdim {})", cfg.kdim()),
-        &[e, cfg.kdim()],
-    )?;
-    m.add(
-        format!("v_proj (embed_dim {e} x vdim {})", cfg.vdim()),
-        &[e, cfg.vdim()],
-    )?;
-    Ok(m)
 }

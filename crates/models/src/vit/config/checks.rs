@@ -10,7 +10,12 @@ impl VitConfig {
     /// The fewest weights a checkpoint of this config stores (weight
     /// matrices only, no biases or norms), computed with checked arithmetic
     /// so that an absurd size is an error naming it; see
-    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`].
+    /// [`crate::formats::safetensors::Checkpoint::ensure_holds`]. The
+    /// loaders bound a config by recording its model within the file's
+    /// budget instead ([`crate::formats::safetensors::Checkpoint::load_bounded`]).
+    #[deprecated(
+        note = "a model's sizes are checked as its constructor is recorded: Checkpoint::load_bounded, Checkpoint::budget"
+    )]
     pub fn min_weights(&self) -> Result<MinWeights> {
         let d = self.embed_dim;
         let p = self.patch_size;
@@ -60,6 +65,20 @@ impl VitConfig {
             &[heads, self.num_classes, d],
         )?;
         Ok(m)
+    }
+
+    /// The config as a recording within a file's budget names it
+    /// ([`crate::formats::safetensors::Checkpoint::load_bounded`]): with
+    /// the sizes that decide how many weights its model asks for.
+    pub fn budget_owner(&self) -> String {
+        format!(
+            "VitConfig (depth {}, embed_dim {}, MLP width {}, img_size {} over patch_size {})",
+            self.depth,
+            self.embed_dim,
+            self.mlp_hidden_dim(),
+            self.img_size,
+            self.patch_size
+        )
     }
 
     /// Checks every value, naming the wrong one.

@@ -189,7 +189,8 @@ impl ModelFolder {
     }
 
     /// Reads the weights and builds the model after the checks of
-    /// [`Checkpoint::ensure_holds`] and [`Checkpoint::load`]; a config that
+    /// [`Checkpoint::load_bounded`]: a config whose sizes the file cannot
+    /// hold is refused before anything of its size is built, and one that
     /// disagrees with the weights is one error naming the config file and
     /// every tensor that differs.
     pub fn load(&self, dtype: DType, device: &Device) -> Result<VisionTransformer> {
@@ -205,9 +206,9 @@ impl ModelFolder {
     ) -> Result<VisionTransformer> {
         let label = self.config_path.display();
         let with_config = |e: candle::Error| candle::Error::Msg(format!("config '{label}': {e}"));
-        ckpt.ensure_holds(&self.cfg.min_weights().map_err(with_config)?)
-            .map_err(with_config)?;
-        ckpt.load(dtype, device, |vb| VisionTransformer::new(&self.cfg, vb))
-            .map_err(with_config)
+        ckpt.load_bounded(&self.cfg.budget_owner(), dtype, device, |vb, pack| {
+            VisionTransformer::new_with(&self.cfg, pack, vb)
+        })
+        .map_err(with_config)
     }
 }
