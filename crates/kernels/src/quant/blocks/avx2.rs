@@ -123,7 +123,7 @@ fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
 /// products to `s` and `$widen(s)` its sums as `i32` (AVX2: `vpmaddubsw`
 /// into `i16`, widened by `vpmaddwd`; VNNI: `vpdpbusd` into `i32`).
 macro_rules! panel_32 {
-    ($name:ident, $features:literal, $step:expr, $widen:expr) => {
+    ($name:ident, $features:literal, $step:expr, $widen:expr, $i16:expr) => {
         #[target_feature(enable = $features)]
         pub(super) fn $name<const F: u8, const R: usize>(
             panel: &[u8],

@@ -56,9 +56,10 @@ fn lane_byte(v: __m256i, i: i32) -> __m256i {
 /// Q4_K (`Q5`: Q5_K) panels times `R` rows, into `out` (8 a row), as a
 /// function `$name` with `$features`, `$step(s, u, x)` adding a step's
 /// products to `s` and `$widen(s)` its sums as `i32` (AVX2: `vpmaddubsw`
-/// into `i16`, widened by `vpmaddwd`; VNNI: `vpdpbusd` into `i32`).
+/// into `i16`, widened by `vpmaddwd`, `$i16` true; VNNI: `vpdpbusd` into
+/// `i32`).
 macro_rules! panel_k4 {
-    ($name:ident, $features:literal, $step:expr, $widen:expr) => {
+    ($name:ident, $features:literal, $step:expr, $widen:expr, $i16:expr) => {
         #[target_feature(enable = $features)]
         pub(crate) fn $name<const Q5: bool, const R: usize>(
             panel: &[u8],
@@ -120,8 +121,10 @@ macro_rules! panel_k4 {
                         lane_byte(mn[g / 2], 2 * (g % 2) as i32),
                         lane_byte(mn[g / 2], 2 * (g % 2) as i32 + 1),
                     );
-                    // Q4: 8 steps' products fit `i16` (8·2·15·127); Q5: 4.
-                    let halves = if Q5 { 2 } else { 1 };
+                    // In `i16` (AVX2), Q4's 8 steps' products fit
+                    // (8·2·15·127), Q5's 4; in `i32` (VNNI), any, and one
+                    // run of 8 leaves Q5's 4 rows' sums in registers.
+                    let halves = if Q5 && $i16 { 2 } else { 1 };
                     let mut wide_lo = [_mm256_setzero_si256(); R];
                     let mut wide_hi = [_mm256_setzero_si256(); R];
                     for h in 0..halves {
@@ -188,9 +191,11 @@ avx2_and_vnni!(panel_k4, panel_k4, panel_k4_vnni);
 
 /// Q6_K panels times `R` rows, into `out` (8 a row): `w = d·sc·(u −
 /// 32)` per 16 elements, `u` six bits from `ql` and `qh`; `$step` and
-/// `$widen` as [`panel_k4!`]'s.
+/// `$widen` as [`panel_k4!`]'s. Its sums are widened every two steps
+/// with either step (`$i16` unused): longer runs in `i32` measured
+/// slower for VNNI.
 macro_rules! panel_q6k {
-    ($name:ident, $features:literal, $step:expr, $widen:expr) => {
+    ($name:ident, $features:literal, $step:expr, $widen:expr, $i16:expr) => {
         #[target_feature(enable = $features)]
         pub(crate) fn $name<const R: usize>(panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
             let step = $step;

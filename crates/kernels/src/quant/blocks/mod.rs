@@ -36,13 +36,15 @@ macro_rules! avx2_and_vnni {
             $avx2,
             "avx2,fma,f16c",
             |s, u, x| _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x)),
-            |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+            |s| _mm256_madd_epi16(s, _mm256_set1_epi16(1)),
+            true
         );
         $kernel!(
             $vnni,
             "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
             |s, u, x| _mm256_dpbusd_epi32(s, u, x),
-            |s| s
+            |s| s,
+            false
         );
     };
 }
