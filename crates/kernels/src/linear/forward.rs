@@ -1,6 +1,7 @@
 //! The calls of a [`PackedLinear`]: the fused epilogues, the residual
 //! add and a range of output features, through the packed or quantized
-//! weight where it serves the call and candle's linear where not.
+//! weight where it serves the call, a training weight's op (`trained.rs`)
+//! where it trains, and candle's linear where neither does.
 
 use candle::{bail, DType, Module, Result, Storage, Tensor};
 
@@ -93,11 +94,20 @@ impl PackedLinear {
                 None => Ok(y),
             }
         };
+        // A training layer's whole output: the op that packs the weight
+        // as it is now and whose backward runs on the packed kernels.
+        if let Inner::Trained(t) = &self.inner {
+            if (lo, hi) == (0, n) {
+                if let Some(y) = t.forward(x)? {
+                    return epilogue_of(y);
+                }
+            }
+        }
         // Whether the packed (or quantized) weight computes these features.
         let serves = match &self.inner {
             Inner::Packed(p) => p.serves_range(lo, hi),
             Inner::Q8(_) | Inner::Blocks(_) => true,
-            Inner::Candle(_) => false,
+            Inner::Candle(_) | Inner::Trained(_) => false,
         };
         if !(serves && plain_cpu_f32(x) && residual.is_none_or(plain_cpu_f32)) {
             // Half-precision inputs: widened, through the packed path, and
@@ -171,7 +181,7 @@ impl PackedLinear {
                 epilogue.apply(b.isa(), &mut y);
                 y
             }
-            Inner::Candle(_) => unreachable!("only packed weights take slices"),
+            Inner::Candle(_) | Inner::Trained(_) => unreachable!("only packed weights take slices"),
         }
     }
 }
