@@ -1,4 +1,4 @@
-//! Row operations: LayerNorm (`norm.rs`), the activations and gated MLP
+//! Row operations: LayerNorm (`norm.rs`, its backward `norm_grad.rs`), the activations and gated MLP
 //! halves (`activation.rs`), the online softmax, its `exp` and the `tanh`
 //! of logit soft-capping (`softmax.rs`), and the masks' and epilogues' row
 //! passes (`simd.rs`). They are written once, over a vector type per
@@ -9,6 +9,7 @@
 mod activation;
 pub(crate) mod lanes;
 mod norm;
+mod norm_grad;
 pub(crate) mod simd;
 pub(crate) mod softmax;
 
