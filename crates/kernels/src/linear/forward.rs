@@ -8,7 +8,9 @@ use candle::{bail, DType, Module, Result, Storage, Tensor};
 use super::weight::Epilogue;
 use super::{candle_linear, Inner, PackedLinear};
 use crate::elem::plain_cpu_f32;
+use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::relu;
+use crate::runtime::isa::current;
 
 impl PackedLinear {
     /// `gelu_erf(x · wᵀ + b)`, the GELU fused into the write-out where
@@ -82,11 +84,17 @@ impl PackedLinear {
             }
             debug_assert!(epilogue == Epilogue::Identity);
         }
+        // Where gradients flow, the GELUs' ops with a backward of their own
+        // (`rows/activation_grad.rs`), candle's where not.
+        let isa = match &self.inner {
+            Inner::Trained(t) => t.isa(),
+            _ => current(),
+        };
         let epilogue_of = |y: Tensor| {
             let y = match epilogue {
                 Epilogue::Identity => y,
-                Epilogue::GeluErf => y.gelu_erf()?,
-                Epilogue::GeluTanh => y.gelu()?,
+                Epilogue::GeluErf => activate(&y, Activation::GeluErf, isa)?,
+                Epilogue::GeluTanh => activate(&y, Activation::GeluTanh, isa)?,
                 Epilogue::Relu => relu(&y)?,
             };
             match residual {

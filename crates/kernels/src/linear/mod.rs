@@ -70,8 +70,9 @@ use weight::PackedWeight;
 /// training step changes in place) train on the packed kernels too: every
 /// call of an f32 input is a candle op whose forward packs the weight
 /// (again only where its values changed since the last call) and whose
-/// backward takes `dX = dY · W` and `dW = dYᵀ · X` on the same kernels,
-/// so that gradients reach the input, the weight and the bias.
+/// backward takes `dX = dY · W` on the same kernels (`dW = dYᵀ · X` on
+/// candle's matmul, faster for that shape), so that gradients reach the
+/// input, the weight and the bias.
 ///
 /// Anything else keeps candle's `Linear`: other devices and dtypes, a
 /// range of a training layer's features, and calls whose input tracks

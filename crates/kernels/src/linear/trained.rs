@@ -1,16 +1,15 @@
 //! A linear layer whose weight trains (a `VarMap`'s variables): `x · wᵀ + b`
-//! as a candle custom op whose forward and backward run on the packed
-//! micro-kernels (`tiles.rs`), so that gradients flow and neither pass
-//! takes candle's generic matmul.
+//! as a candle custom op whose forward and input gradient run on the
+//! packed micro-kernels (`tiles.rs`), so that gradients flow.
 //!
 //! For `y = x · Wᵀ + b`, `x` `m` rows of `k`, `W` `(n, k)`:
 //! - forward: `W` packed as an inference layer packs it, its bias fused;
 //! - `dX = dY · W`: `Wᵀ` packed as a layer of `k` features over `n` inputs
 //!   (`PackedWeight::from_columns`: each panel row a piece of one of `W`'s
 //!   rows, so packing it is a copy), `dY`'s rows through it;
-//! - `dW = dYᵀ · X`: `Xᵀ` packed the same way, `dYᵀ`'s rows (a transposed
-//!   copy of `dY`) through it, so the reduction over the `m` rows runs in
-//!   the micro-kernels' slices;
+//! - `dW = dYᵀ · X`: candle's matmul (the `gemm` crate), which reads `dYᵀ`
+//!   in place; over a reduction of all `m` rows it runs faster than the
+//!   tiles, which would also need `Xᵀ` packed and `dYᵀ` copied each call;
 //! - `db = Σ dY` over the rows.
 //!
 //! Each is computed only for the arguments that track gradients (not `dX`
@@ -79,6 +78,11 @@ impl TrainedWeight {
             forward: Mutex::new(None),
             transposed: Mutex::new(None),
         }))
+    }
+
+    /// The instruction set the layer runs with.
+    pub(crate) fn isa(&self) -> Isa {
+        self.isa
     }
 
     /// The weight `(n, k)` itself.
@@ -176,20 +180,13 @@ impl TrainedWeight {
         } else {
             None
         };
+        // dW = dYᵀ · X on candle's matmul (`gemm`), which reads dYᵀ in
+        // place and measures faster than the tiles over this reduction of
+        // all the rows.
         let dw = if w.track_op() {
             Some(match m {
                 0 => w.zeros_like()?,
-                // dW = dYᵀ · X: dYᵀ's rows through Xᵀ.
-                _ => {
-                    let xt = with_f32(&x.contiguous()?, |x| {
-                        Ok(PackedWeight::from_columns(x, m, k, self.isa))
-                    })?;
-                    let dyt = dy.t()?.contiguous()?;
-                    let dw = with_f32(&dyt, |dyt| {
-                        Ok(xt.forward(dyt, n, (0, k), Epilogue::Identity, None))
-                    })?;
-                    Tensor::from_vec(dw, (n, k), w.device())?
-                }
+                _ => dy.t()?.matmul(&x.reshape((m, k))?)?,
             })
         } else {
             None
@@ -327,7 +324,8 @@ mod tests {
     /// processor runs, give candle's `Linear`'s output and its autograd's
     /// `dX`, `dW` and `db`, on shapes off the panels, row groups and
     /// reduction slices, with batch dims and without, with a bias and
-    /// without, on 3 threads; an input that tracks no gradient gets none.
+    /// without, on 3 threads, alone and with the fused GELU after it; an
+    /// input that tracks no gradient gets none.
     #[test]
     fn gradients_equal_candle_autograd_on_every_isa() -> Result<()> {
         let shapes: [(&[usize], usize, bool); 6] = [
@@ -375,6 +373,13 @@ mod tests {
                         };
                         assert_eq!(g.dims(), e.dims(), "{what}: {name}");
                         assert!(rel_err(g, e)? < 1e-5, "{what}: {name} {:e}", rel_err(g, e)?);
+                    }
+                    // The fused GELU's layer: its op's backward.
+                    let got = grads_of(&ours.forward_gelu(x.as_tensor())?, &r, &ts)?;
+                    let want_gelu = grads_of(&expected.gelu_erf()?, &r, &ts)?;
+                    for (g, e) in got.iter().zip(&want_gelu) {
+                        let (g, e) = (g.as_ref().unwrap(), e.as_ref().unwrap());
+                        assert!(rel_err(g, e)? < 1e-5, "{what}: gelu {:e}", rel_err(g, e)?);
                     }
                     // Data, not a variable: the weight's gradient only
                     // (candle's autograd computes the other too).

@@ -172,8 +172,8 @@ impl PackedWeight {
     /// The weight `aᵀ` in f32 for `isa` (from [`PackedWeight::isa_for`]),
     /// without a bias, `a` being `r` rows of `c` floats (`r, c > 0`): a
     /// layer of `c` output features over `r` inputs whose product of rows
-    /// `x` is `x · a`, the product a linear layer's backward takes with its
-    /// weight (`dY · W`) and its inputs (`dYᵀ · X`).
+    /// `x` is `x · a`: the product a linear layer's backward takes with its
+    /// weight (`dY · W`).
     pub(crate) fn from_columns(a: &[f32], r: usize, c: usize, isa: Isa) -> Self {
         let nr = panel_width(isa);
         PackedWeight {
