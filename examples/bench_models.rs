@@ -18,7 +18,8 @@
 //! cargo run --release --example bench_models -- decoder MODEL_DIR [CACHE_LEN] [PROMPT_LEN] [DTYPE]
 //! cargo run --release --example bench_models -- decode-share MODEL_DIR [DTYPE] [CACHE_LEN]
 //! cargo run --release --example bench_models -- serve [--sgemm] [--vit WEIGHTS|random] \
-//!     [--vit-bf16 WEIGHTS] [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR]
+//!     [--vit-bf16 WEIGHTS] [--transformer WEIGHTS|random] [--linear MxKxN]... [--decoder DIR] \
+//!     [--train full|tiny]
 //! ```
 //!
 //! `serve`: answers `N WORK` requests on stdin with the median of `N` runs
@@ -28,7 +29,10 @@
 //! the two ViT-B/16 rows and the two transformer rows as the other modes
 //! name them; `--vit-bf16` ViT-B/16 with its weight matrices in bf16
 //! (`vit_base_patch16_224 bf16 B1`, `B8`); `--linear` a `PackedLinear` without bias (`linear MxKxN`);
-//! `--decoder` the `decoder` mode's two works.
+//! `--decoder` the `decoder` mode's two works; `--train full` a training
+//! step (forward, backward, SGD) of five models over `VarMap`s
+//! (`bench_models/train.rs`), `--train tiny` the same models shrunk, to
+//! check that they run.
 //!
 //! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
 //! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
@@ -117,6 +121,8 @@ mod machine;
 mod rss;
 #[path = "support/serve.rs"]
 mod serve;
+#[path = "bench_models/train.rs"]
+mod train;
 #[path = "bench_models/vit.rs"]
 mod vit;
 
@@ -347,6 +353,14 @@ fn serve_works(args: &[&str]) -> Result<()> {
                     Box::new(move || Ok(lin.forward(&x).map(drop)?)),
                 ));
             }
+            "--train" => {
+                let tiny = match value()? {
+                    "full" => false,
+                    "tiny" => true,
+                    other => bail!("serve: --train takes full or tiny, not {other}"),
+                };
+                works.extend(train::works(tiny)?);
+            }
             "--decoder" => {
                 let dec = Rc::new(std::cell::RefCell::new(decoder::DecoderBench::new(
                     value()?,
@@ -361,7 +375,7 @@ fn serve_works(args: &[&str]) -> Result<()> {
             }
             _ => bail!(
                 "serve takes --sgemm, --vit WEIGHTS|random, --vit-bf16 WEIGHTS, --transformer \
-                 WEIGHTS|random, --linear MxKxN and --decoder DIR, not {flag}"
+                 WEIGHTS|random, --linear MxKxN, --train full|tiny and --decoder DIR, not {flag}"
             ),
         }
     }

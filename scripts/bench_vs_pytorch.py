@@ -11,6 +11,7 @@ and an MHA's projections) as a share of our sgemm rate.
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --linears [--isa avx2]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --decoders
     .venv-ref/bin/python scripts/bench_vs_pytorch.py --vit-bf16
+    .venv-ref/bin/python scripts/bench_vs_pytorch.py --train [--threads 2] [--pairs 21]
     .venv-ref/bin/python scripts/bench_vs_pytorch.py [--models | --decoders] --isa avx2
 
 `--models` times the models instead (`bench_models`): the machine's sgemm
@@ -41,6 +42,18 @@ venv) against ours in f32; and ours in bf16 against ours in f32. Without
 AVX512-BF16 (`lscpu`: `avx512_bf16`), oneDNN and our kernels both widen
 bf16 to f32 before the FMAs; with it, both multiply bf16 pairs with
 `vdpbf16ps` (ours: `MULTIHEAD_CPU_ISA=avx512` turns that off).
+
+`--train` times a training step of five models on both sides, each
+side's parameters trainable (ours a `VarMap`'s variables, `bench_models
+serve --train full`): `nn.MultiheadAttention(768, 12)` self-attention B8
+N197; the same at D512 H8 with a causal mask, B4 N512;
+`nn.Transformer(512, 8, 6, 6, 2048)` B8 S64 T64 with a causal target mask;
+timm's `vit_base_patch16_224` B8; and HF's `LlamaDecoderLayer` (hidden 512,
+8 heads over 2 key/value heads, rotary, SwiGLU 1408, SDPA attention),
+causal, B4 T512. A step is the forward (train mode, dropout 0), the
+backward of `(y * g).sum()` for a fixed random `g` of the output's shape,
+and an SGD step (lr 1e-4), so that every step sees new weights, as
+training does; inputs take no gradient.
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:
 PyTorch through `MKL_ENABLE_INSTRUCTIONS=AVX2`, `ATEN_CPU_CAPABILITY=avx2`
@@ -426,6 +439,70 @@ def linears(args, env):
               f"| **{ratio:.2f}×** {spread} |")
 
 
+def train(args, env):
+    """`--train`: a training step (forward, backward, SGD) of each model,
+    ours (`bench_models serve --train full`) paired with PyTorch's."""
+    import timm
+    import transformers
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    def step_of(model, forward):
+        """One training step of `model` through `forward()`."""
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        with torch.no_grad():
+            g = torch.randn(forward().shape)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            (forward() * g).sum().backward()
+            opt.step()
+        return step
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(768, 12, batch_first=True)
+    x_mha = torch.randn(8, 197, 768)
+    causal_mha = torch.nn.MultiheadAttention(512, 8, batch_first=True)
+    x_causal = torch.randn(4, 512, 512)
+    mask_causal = torch.nn.Transformer.generate_square_subsequent_mask(512)
+    tr = torch.nn.Transformer(d_model=512, nhead=8, num_encoder_layers=6, num_decoder_layers=6,
+                              dim_feedforward=2048, dropout=0.0, batch_first=True)
+    src, tgt = torch.randn(8, 64, 512), torch.randn(8, 64, 512)
+    mask_tgt = torch.nn.Transformer.generate_square_subsequent_mask(64)
+    vit = timm.create_model("vit_base_patch16_224", pretrained=False)
+    imgs = torch.randn(8, 3, 224, 224)
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, attn_implementation="sdpa")
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    x_llama = torch.randn(4, 512, 512)
+    with torch.no_grad():
+        # Positions 0.. once; with no mask, SDPA takes is_causal.
+        rope = LlamaRotaryEmbedding(config=cfg)(x_llama, torch.arange(512)[None])
+    # work (as `bench_models serve --train full` names it) -> one step of theirs
+    theirs = {
+        "train MHA B8 N197 D768 H12": step_of(mha, lambda: mha(x_mha, x_mha, x_mha, need_weights=False)[0]),
+        "train MHA causal B4 N512 D512 H8": step_of(causal_mha, lambda: causal_mha(
+            x_causal, x_causal, x_causal, attn_mask=mask_causal, is_causal=True, need_weights=False)[0]),
+        "train nn.Transformer B8 S64 T64": step_of(tr, lambda: tr(src, tgt, tgt_mask=mask_tgt,
+                                                                    tgt_is_causal=True)),
+        "train vit_base_patch16_224 B8": step_of(vit, lambda: vit(imgs)),
+        "train Llama decoder layer B4 T512 D512 H8/2 SwiGLU 1408": step_of(layer, lambda: layer(
+            x_llama, position_embeddings=rope)),
+    }
+    server = Server([example("bench_models"), "serve", "--train", "full"], env)
+    rows = {work: summary(paired(lambda n: server.ms(work, n), fn, args.pairs)) for work, fn in theirs.items()}
+    server.close()
+    print(f"torch {torch.__version__}, timm {timm.__version__}, transformers {transformers.__version__}, "
+          f"{args.threads} threads, f32{capped()}, a training step (forward, backward, SGD), "
+          f"medians in ms over {args.pairs} pairs")
+    print()
+    print("| work | PyTorch | ours | PyTorch / ours |")
+    print("|---|---|---|---|")
+    for work, (ours, pt, ratio, spread) in rows.items():
+        print(f"| {work} | {pt:.2f} | {ours:.2f} | **{ratio:.2f}×** {spread} |")
+
+
 def decoders(args, env):
     """A Llama-shaped decoder (GQA, rotary, SwiGLU) and a GPT-2-shaped one
     (learned positions, tanh GELU), random weights saved once and loaded by
@@ -550,6 +627,8 @@ def main():
                     help="time ViT-B/16 in bf16 (ours, timm under autocast) and in f32 (ours, timm, ONNX Runtime)")
     ap.add_argument("--linears", action="store_true",
                     help="time one linear layer at the models' shapes against torch.nn.Linear, one thread and --threads")
+    ap.add_argument("--train", action="store_true",
+                    help="time a training step (forward, backward, SGD) of five models against PyTorch")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: cap both sides at AVX2+FMA, as on an AVX2-only server")
     ap.add_argument("--write", metavar="FILE",
@@ -559,7 +638,8 @@ def main():
     if args.write:
         tee = sys.stdout = Tee(sys.stdout)
         mode = ("decoders" if args.decoders else "models" if args.models
-                else "linears" if args.linears else "vit-bf16" if args.vit_bf16 else "attention")
+                else "linears" if args.linears else "vit-bf16" if args.vit_bf16
+                else "train" if args.train else "attention")
         key = mode + (", AVX2 on both sides" if CAP_AVX2 else "")
         command = ".venv-ref/bin/python scripts/bench_vs_pytorch.py " + " ".join(
             a for a in sys.argv[1:] if not a.startswith("--write") and a != args.write)
@@ -589,6 +669,9 @@ def run(args):
     if args.vit_bf16:
         torch.set_num_threads(args.threads)
         return vit_bf16(args, env)
+    if args.train:
+        torch.set_num_threads(args.threads)
+        return train(args, env)
     torch.set_num_threads(args.threads)
     peak = fma_peak(env)
     # The machine's sgemm rate, both sides, paired as the works are (ours

@@ -21,9 +21,11 @@
 //!   ([`PackOptions`]: the format, the instruction set, the blocks a GGUF
 //!   file lends, [`LentBlocks`]); its weight packed into panels
 //!   (`weight.rs`, `pack.rs`), the driver over row groups and panel blocks
-//!   (`tiles.rs`, `units.rs`) or a single row (`one_row.rs`), and the
-//!   linear micro-kernels (`avx2.rs`, `avx512.rs`; `avx512bf16.rs`, the
-//!   AVX-512 kernels with `vdpbf16ps` for their step);
+//!   (`tiles.rs`, `units.rs`) or a single row (`one_row.rs`), a weight
+//!   that trains, its forward and backward a candle op over that driver
+//!   (`trained.rs`), and the linear micro-kernels (`avx2.rs`,
+//!   `avx512.rs`; `avx512bf16.rs`, the AVX-512 kernels with `vdpbf16ps`
+//!   for their step);
 //! - `attention/`: [`attention::sdpa`] and its dispatch (`mod.rs`), a call
 //!   as its work units see it (`problem.rs`), the packed tiles' driver
 //!   (`tiles.rs`), decode-sized products read in place (`decode.rs`), and

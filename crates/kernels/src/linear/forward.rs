@@ -1,13 +1,16 @@
 //! The calls of a [`PackedLinear`]: the fused epilogues, the residual
 //! add and a range of output features, through the packed or quantized
-//! weight where it serves the call and candle's linear where not.
+//! weight where it serves the call, a training weight's op (`trained.rs`)
+//! where it trains, and candle's linear where neither does.
 
 use candle::{bail, DType, Module, Result, Storage, Tensor};
 
 use super::weight::Epilogue;
 use super::{candle_linear, Inner, PackedLinear};
 use crate::elem::plain_cpu_f32;
+use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::relu;
+use crate::runtime::isa::current;
 
 impl PackedLinear {
     /// `gelu_erf(x · wᵀ + b)`, the GELU fused into the write-out where
@@ -81,11 +84,17 @@ impl PackedLinear {
             }
             debug_assert!(epilogue == Epilogue::Identity);
         }
+        // Where gradients flow, the GELUs' ops with a backward of their own
+        // (`rows/activation_grad.rs`), candle's where not.
+        let isa = match &self.inner {
+            Inner::Trained(t) => t.isa(),
+            _ => current(),
+        };
         let epilogue_of = |y: Tensor| {
             let y = match epilogue {
                 Epilogue::Identity => y,
-                Epilogue::GeluErf => y.gelu_erf()?,
-                Epilogue::GeluTanh => y.gelu()?,
+                Epilogue::GeluErf => activate(&y, Activation::GeluErf, isa)?,
+                Epilogue::GeluTanh => activate(&y, Activation::GeluTanh, isa)?,
                 Epilogue::Relu => relu(&y)?,
             };
             match residual {
@@ -93,11 +102,20 @@ impl PackedLinear {
                 None => Ok(y),
             }
         };
+        // A training layer's whole output: the op that packs the weight
+        // as it is now and whose backward runs on the packed kernels.
+        if let Inner::Trained(t) = &self.inner {
+            if (lo, hi) == (0, n) {
+                if let Some(y) = t.forward(x)? {
+                    return epilogue_of(y);
+                }
+            }
+        }
         // Whether the packed (or quantized) weight computes these features.
         let serves = match &self.inner {
             Inner::Packed(p) => p.serves_range(lo, hi),
             Inner::Q8(_) | Inner::Blocks(_) => true,
-            Inner::Candle(_) => false,
+            Inner::Candle(_) | Inner::Trained(_) => false,
         };
         if !(serves && plain_cpu_f32(x) && residual.is_none_or(plain_cpu_f32)) {
             // Half-precision inputs: widened, through the packed path, and
@@ -171,7 +189,7 @@ impl PackedLinear {
                 epilogue.apply(b.isa(), &mut y);
                 y
             }
-            Inner::Candle(_) => unreachable!("only packed weights take slices"),
+            Inner::Candle(_) | Inner::Trained(_) => unreachable!("only packed weights take slices"),
         }
     }
 }

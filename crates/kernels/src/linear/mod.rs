@@ -10,6 +10,8 @@
 //!   back);
 //! - the driver: `tiles.rs` (a call of several rows, in work units of
 //!   `units.rs`) and `one_row.rs` (a decoder's step);
+//! - `trained.rs`: a weight that trains, packed again where a step changed
+//!   it, its forward and backward a candle op over the same driver;
 //! - the micro-kernels, leaves: `avx2.rs` (one row; the tiles are the
 //!   AVX2 panel product of `panel/avx2.rs`, which the attention runs
 //!   too), `avx512.rs` (tiles and one row, written once over their step)
@@ -30,6 +32,7 @@ mod one_row;
 mod options;
 mod pack;
 mod tiles;
+mod trained;
 mod units;
 pub(crate) mod weight;
 
@@ -44,6 +47,7 @@ use crate::quant::BlockFormat;
 use crate::runtime::isa::{current, Isa};
 pub use lent::LentBlocks;
 pub use options::{PackFormat, PackOptions};
+use trained::TrainedWeight;
 use weight::PackedWeight;
 
 /// `x · wᵀ + b`, `torch.nn.Linear` (weight `(out, in)`, optional bias),
@@ -62,11 +66,19 @@ use weight::PackedWeight;
 /// rounded back to their dtype, as PyTorch's half-precision `linear`
 /// rounds its f32 accumulators.
 ///
-/// Anything else keeps candle's `Linear`: weights that track gradients (a
-/// `VarMap`'s variables, which a training step changes in place: a packed
-/// copy would go stale), other devices and dtypes, and calls whose input
-/// tracks gradients (computed through the unpacked weight, so gradients
-/// reach the input). Both give the same results within float rounding.
+/// f32 CPU weights that track gradients (a `VarMap`'s variables, which a
+/// training step changes in place) train on the packed kernels too: every
+/// call of an f32 input is a candle op whose forward packs the weight
+/// (again only where its values changed since the last call) and whose
+/// backward takes `dX = dY · W` on the same kernels (`dW = dYᵀ · X` on
+/// candle's matmul, faster for that shape), so that gradients reach the
+/// input, the weight and the bias.
+///
+/// Anything else keeps candle's `Linear`: other devices and dtypes, a
+/// range of a training layer's features, and calls whose input tracks
+/// gradients through a packed weight (computed through the unpacked
+/// weight, so gradients reach the input). All give the same results within
+/// float rounding.
 #[derive(Debug, Clone)]
 pub struct PackedLinear {
     inner: Inner,
@@ -78,6 +90,7 @@ enum Inner {
     Packed(Arc<PackedWeight>),
     Q8(Arc<Q8Weight>),
     Blocks(Arc<BlockWeight>),
+    Trained(Arc<TrainedWeight>),
 }
 
 /// Whether a weight can be packed: a CPU tensor of a dtype the panels hold
@@ -177,6 +190,15 @@ impl PackedLinear {
         let isa = options.isa();
         if let Some((format, data)) = options.lent().and_then(|l| l.take(&weight)) {
             return Self::from_blocks_on(format, data, (n, k), bias.as_ref(), isa);
+        }
+        if let Some(t) = PackedWeight::isa_for(options.isa())
+            .map(|isa| TrainedWeight::new(&weight, bias.as_ref(), isa))
+            .transpose()?
+            .flatten()
+        {
+            return Ok(Self {
+                inner: Inner::Trained(Arc::new(t)),
+            });
         }
         let format = options.format();
         let packable = packable_weight(&weight)
@@ -382,7 +404,7 @@ impl PackedLinear {
     /// The instruction set the weight is packed for, where it is.
     fn isa(&self) -> Option<Isa> {
         match &self.inner {
-            Inner::Candle(_) => None,
+            Inner::Candle(_) | Inner::Trained(_) => None,
             Inner::Packed(p) => Some(p.isa),
             Inner::Q8(q) => Some(q.isa()),
             Inner::Blocks(b) => Some(b.isa()),
@@ -427,6 +449,7 @@ impl PackedLinear {
             Inner::Packed(p) => Ok(p.dims()),
             Inner::Q8(q) => Ok(q.dims()),
             Inner::Blocks(b) => Ok(b.dims()),
+            Inner::Trained(t) => Ok(t.dims()),
         }
     }
 
@@ -438,6 +461,7 @@ impl PackedLinear {
             Inner::Candle(l) => l.weight().dtype(),
             Inner::Packed(p) => p.dtype(),
             Inner::Q8(_) | Inner::Blocks(_) => DType::F32,
+            Inner::Trained(t) => t.weight().dtype(),
         }
     }
 
@@ -455,6 +479,7 @@ impl PackedLinear {
         let (n, k) = self.dims()?;
         match &self.inner {
             Inner::Candle(l) => candle_nn::Embedding::new(l.weight().clone(), k).forward(ids),
+            Inner::Trained(t) => candle_nn::Embedding::new(t.weight().clone(), k).forward(ids),
             Inner::Packed(_) | Inner::Q8(_) | Inner::Blocks(_) => {
                 let idx = ids.flatten_all()?.to_vec1::<u32>()?;
                 if let Some(&bad) = idx.iter().find(|&&i| i as usize >= n) {
@@ -466,7 +491,7 @@ impl PackedLinear {
                     Inner::Packed(p) => p.rows(&idx),
                     Inner::Q8(q) => q.rows(&idx),
                     Inner::Blocks(b) => b.rows(&idx),
-                    Inner::Candle(_) => unreachable!("matched above"),
+                    Inner::Candle(_) | Inner::Trained(_) => unreachable!("matched above"),
                 };
                 Tensor::from_vec(rows, dims, &candle::Device::Cpu)
             }
@@ -478,6 +503,7 @@ impl PackedLinear {
     pub fn weight(&self) -> Result<Tensor> {
         match &self.inner {
             Inner::Candle(l) => Ok(l.weight().clone()),
+            Inner::Trained(t) => Ok(t.weight().clone()),
             Inner::Packed(p) => {
                 let (n, k) = p.dims();
                 Tensor::from_vec(p.unpack().0, (n, k), &candle::Device::Cpu)?.to_dtype(p.dtype())
@@ -495,7 +521,7 @@ impl PackedLinear {
     pub fn q8_0_blocks(&self) -> Option<Vec<u8>> {
         match &self.inner {
             Inner::Q8(q) => Some(q.blocks()),
-            Inner::Candle(_) | Inner::Packed(_) | Inner::Blocks(_) => None,
+            Inner::Candle(_) | Inner::Packed(_) | Inner::Blocks(_) | Inner::Trained(_) => None,
         }
     }
 
@@ -503,6 +529,7 @@ impl PackedLinear {
     pub fn bias(&self) -> Result<Option<Tensor>> {
         match &self.inner {
             Inner::Candle(l) => Ok(l.bias().cloned()),
+            Inner::Trained(t) => Ok(t.bias().cloned()),
             Inner::Packed(p) => {
                 let n = p.dims().0;
                 p.unpack()

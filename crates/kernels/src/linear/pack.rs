@@ -96,3 +96,61 @@ impl<E: PanelElem> Panels<E> {
         }
     }
 }
+
+impl Panels<f32> {
+    /// The panels of the weight `aᵀ`, `a` being `r` rows of `c` floats:
+    /// `c` features of `r` inputs, so that the layer's product of rows of
+    /// `r` floats is their product with `a`. Input `e` of a panel is the
+    /// panel's `nr` columns of `a`'s row `e`, so each is one copy of a
+    /// piece of a row.
+    pub(super) fn pack_columns(a: &[f32], r: usize, c: usize, nr: usize) -> Self {
+        let np = c.div_ceil(nr) * nr;
+        let slack = 64 / size_of::<f32>();
+        let mut data = crate::runtime::pages::filled(np * r + slack, 0f32);
+        let start = data.as_ptr().align_offset(64).min(slack);
+        data[start..start + np * r]
+            .par_chunks_mut(r * nr)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let (lo, hi) = (p * nr, ((p + 1) * nr).min(c));
+                for (e, to) in panel.chunks_exact_mut(nr).enumerate() {
+                    to[..hi - lo].copy_from_slice(&a[e * c..][lo..hi]);
+                }
+            });
+        Panels { data, start }
+    }
+
+    /// Whether the panels hold `w`, `n` rows of `k` floats, bit for bit,
+    /// as [`Panels::pack`] packs them unpaired in panels of `nr`. Stops at
+    /// the first difference.
+    pub(super) fn holds_rows(&self, w: &[f32], n: usize, k: usize, nr: usize) -> bool {
+        w.len() == n * k
+            && self.get()[..n.div_ceil(nr) * nr * k]
+                .par_chunks(k * nr)
+                .enumerate()
+                .all(|(p, panel)| {
+                    (0..nr.min(n - p * nr)).all(|c| {
+                        let row = &w[(p * nr + c) * k..][..k];
+                        (0..k).all(|e| panel[e * nr + c].to_bits() == row[e].to_bits())
+                    })
+                })
+    }
+
+    /// Whether the panels hold `aᵀ`, `a` being `r` rows of `c` floats, bit
+    /// for bit, as [`Panels::pack_columns`] packs it. Stops at the first
+    /// difference.
+    pub(super) fn holds_columns(&self, a: &[f32], r: usize, c: usize, nr: usize) -> bool {
+        let bits = |xs: &[f32], ys: &[f32]| xs.iter().zip(ys).all(|(x, y)| x.to_bits() == y.to_bits());
+        a.len() == r * c
+            && self.get()[..c.div_ceil(nr) * nr * r]
+                .par_chunks(r * nr)
+                .enumerate()
+                .all(|(p, panel)| {
+                    let (lo, hi) = (p * nr, ((p + 1) * nr).min(c));
+                    panel
+                        .chunks_exact(nr)
+                        .enumerate()
+                        .all(|(e, from)| bits(&from[..hi - lo], &a[e * c..][lo..hi]))
+                })
+    }
+}

@@ -169,6 +169,48 @@ impl PackedWeight {
         })
     }
 
+    /// The weight `aᵀ` in f32 for `isa` (from [`PackedWeight::isa_for`]),
+    /// without a bias, `a` being `r` rows of `c` floats (`r, c > 0`): a
+    /// layer of `c` output features over `r` inputs whose product of rows
+    /// `x` is `x · a`: the product a linear layer's backward takes with its
+    /// weight (`dY · W`).
+    pub(crate) fn from_columns(a: &[f32], r: usize, c: usize, isa: Isa) -> Self {
+        let nr = panel_width(isa);
+        PackedWeight {
+            panels: PanelData::F32(Panels::pack_columns(a, r, c, nr)),
+            bias: vec![0f32; c.div_ceil(nr) * nr],
+            has_bias: false,
+            n: c,
+            k: r,
+            isa,
+        }
+    }
+
+    /// Whether it holds `w`, `n` rows of `k` floats, and `bias` in f32 bit
+    /// for bit, as [`PackedWeight::new`] packs them in f32: a packed copy
+    /// of a weight that may have changed since (a variable a training step
+    /// writes in place) is current.
+    pub(crate) fn holds(&self, w: &[f32], bias: Option<&[f32]>) -> bool {
+        let bits = |xs: &[f32], ys: &[f32]| xs.iter().zip(ys).all(|(x, y)| x.to_bits() == y.to_bits());
+        let PanelData::F32(panels) = &self.panels else {
+            return false;
+        };
+        let bias_held = match bias {
+            Some(b) => self.has_bias && b.len() == self.n && bits(b, &self.bias),
+            None => !self.has_bias,
+        };
+        bias_held && panels.holds_rows(w, self.n, self.k, self.nr())
+    }
+
+    /// Whether it holds `aᵀ` as [`PackedWeight::from_columns`] packs it,
+    /// bit for bit.
+    pub(crate) fn holds_columns(&self, a: &[f32]) -> bool {
+        match &self.panels {
+            PanelData::F32(panels) => !self.has_bias && panels.holds_columns(a, self.k, self.n, self.nr()),
+            _ => false,
+        }
+    }
+
     /// Its output features, then `other`'s, `other`'s panels copied after
     /// its own as they are (a missing bias as zeros); given back unchanged
     /// unless both are packed for the same instruction set, in the same

@@ -5,6 +5,7 @@ use candle::{bail, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 use crate::elem::plain_cpu_f32;
+use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::simd;
 use crate::runtime::isa::{current, Isa};
 
@@ -64,11 +65,13 @@ fn gated(gate_up: &Tensor, kind: Gate, isa: Isa) -> Result<Tensor> {
     if !plain_cpu_f32(gate_up) {
         let gate = gate_up.narrow(candle::D::Minus1, 0, i)?;
         let up = gate_up.narrow(candle::D::Minus1, i, i)?;
-        return match kind {
-            Gate::Silu => gate.silu()? * up,
-            // candle's `gelu` is the tanh approximation.
-            Gate::GeluTanh => gate.gelu()? * up,
+        // Where gradients flow, the activation's op with a backward of
+        // its own (`activation_grad.rs`); candle's op otherwise.
+        let act = match kind {
+            Gate::Silu => Activation::Silu,
+            Gate::GeluTanh => Activation::GeluTanh,
         };
+        return activate(&gate, act, isa)? * up;
     }
     let x = gate_up.contiguous()?;
     let rows = x.elem_count() / width.max(1);

@@ -6,6 +6,7 @@ use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tens
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
+use super::norm_grad::TrainedLayerNorm;
 use crate::runtime::isa::{current, Isa};
 
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
@@ -13,13 +14,13 @@ use crate::runtime::isa::{current, Isa};
 ///
 /// candle-nn's `LayerNorm` runs its fused kernel on contiguous inputs, and
 /// that kernel has no backward (`apply_op3_no_bwd`), so gradients stop
-/// there. When the input or the weights track gradients this takes
-/// candle-nn's op-by-op `layer_norm_slow`; otherwise, on the CPU in f32,
-/// this crate's kernel (two passes a row for the mean and variance,
-/// vectorised for the processor, rows on rayon's pool, the output never
-/// zeroed first), and elsewhere
-/// candle-nn's fused kernel. Every LayerNorm in this workspace is this
-/// one.
+/// there. On the CPU in f32 this takes this crate's kernel (two passes a
+/// row for the mean and variance, vectorised for the processor, rows on
+/// rayon's pool, the output never zeroed first), and where the input or
+/// the weights track gradients, the same rows as an op with a backward of
+/// its own (`norm_grad.rs`); elsewhere candle-nn's fused kernel, or its
+/// op-by-op `layer_norm_slow` where gradients flow. Every LayerNorm in
+/// this workspace is this one.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Tensor,
@@ -86,7 +87,14 @@ impl LayerNorm {
     pub(crate) fn forward_on(&self, xs: &Tensor, isa: Isa) -> Result<Tensor> {
         let eps = self.eps as f32;
         if xs.track_op() || self.weight.track_op() || self.bias.track_op() {
-            candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps)
+            match FusedLayerNorm::for_training(self, xs, isa)? {
+                Some(op) => xs.contiguous()?.apply_op3(
+                    &self.weight.contiguous()?,
+                    &self.bias.contiguous()?,
+                    TrainedLayerNorm(op),
+                ),
+                None => candle_nn::ops::layer_norm_slow(xs, &self.weight, &self.bias, eps),
+            }
         } else if let Some(op) = FusedLayerNorm::for_input(self, xs, isa)? {
             // On the CPU in f32, the same rows as `forward_add`'s.
             xs.contiguous()?.apply_op1_no_bwd(&op)
@@ -98,10 +106,10 @@ impl LayerNorm {
 
 /// `LayerNorm(a)` or `LayerNorm(a + b)` over the last dim, row by row on
 /// rayon's pool.
-struct FusedLayerNorm {
+pub(super) struct FusedLayerNorm {
     weight: Vec<f32>,
     bias: Vec<f32>,
-    eps: f32,
+    pub(super) eps: f32,
     isa: Isa,
 }
 
@@ -110,8 +118,20 @@ impl FusedLayerNorm {
     /// (gradients, other devices and dtypes, a width other than `norm`'s).
     fn for_input(norm: &LayerNorm, x: &Tensor, isa: Isa) -> Result<Option<Self>> {
         let plain = crate::elem::plain_cpu_f32;
+        match plain(x) && plain(&norm.weight) && plain(&norm.bias) {
+            true => Self::for_training(norm, x, isa),
+            false => Ok(None),
+        }
+    }
+
+    /// The op over `x`'s last dim, whether or not the tensors track
+    /// gradients (its forward's, over the weights' values now), or `None`
+    /// where it does not apply (other devices and dtypes, a width other
+    /// than `norm`'s).
+    fn for_training(norm: &LayerNorm, x: &Tensor, isa: Isa) -> Result<Option<Self>> {
+        let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle::DType::F32;
         let dim = norm.weight.dim(0)?;
-        if !(plain(x) && plain(&norm.weight) && plain(&norm.bias)) || x.dims().last() != Some(&dim) {
+        if !(f32_cpu(x) && f32_cpu(&norm.weight) && f32_cpu(&norm.bias)) || x.dims().last() != Some(&dim) {
             return Ok(None);
         }
         Ok(Some(FusedLayerNorm {
@@ -123,7 +143,7 @@ impl FusedLayerNorm {
     }
 
     /// The normalised rows of `a` (plus `b`, of `a`'s length).
-    fn rows(&self, a: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
+    pub(super) fn rows(&self, a: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
         let d = self.weight.len();
         if b.is_some_and(|b| b.len() != a.len()) || d == 0 || !a.len().is_multiple_of(d) {
             bail!(
@@ -163,7 +183,7 @@ impl FusedLayerNorm {
 }
 
 /// The contiguous f32 data of an input.
-fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+pub(super) fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
         (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
         (CpuStorage::F32(_), None) => bail!("layer-norm: inputs must be contiguous"),

@@ -1,8 +1,8 @@
 //! Vectorised row operations: the online softmax of a row and its
 //! soft-capping (`softmax.rs` on the instruction set's lanes), the mask
 //! application, the exact and
-//! tanh GELUs, SiLU times a gate's other half, a finiteness check,
-//! LayerNorm's rows. Each is written once as plain
+//! tanh GELUs and SiLU with their derivatives, SiLU times a gate's other
+//! half, a finiteness check, LayerNorm's rows. Each is written once as plain
 //! Rust and compiled for AVX-512, AVX2+FMA and the baseline; each call
 //! takes the instruction set it runs with (at most what the processor
 //! has: `runtime/isa.rs`).
@@ -71,16 +71,37 @@ fn relu_impl(xs: &mut [f32]) {
 /// vectorises; NaN stays NaN.
 #[inline(always)]
 fn gelu_erf_impl(xs: &mut [f32]) {
+    for x in xs.iter_mut() {
+        *x = 0.5 * *x * one_plus_erf(*x);
+    }
+}
+
+/// `1 + erf(x / √2)`, `2 · Φ(x)`, for [`gelu_erf_impl`] and its
+/// derivative.
+#[inline(always)]
+fn one_plus_erf(x: f32) -> f32 {
     const P: f32 = 0.327_591_1;
     const A: [f32; 5] = [0.254_829_6, -0.284_496_74, 1.421_413_8, -1.453_152, 1.061_405_4];
-    for x in xs.iter_mut() {
-        let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
-        let t = 1. / (1. + P * z);
-        let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
-        // erfc(z) for z >= 0.
-        let erfc = poly * exp(-z * z);
-        let one_plus_erf = if *x < 0. { erfc } else { 2. - erfc };
-        *x = 0.5 * *x * one_plus_erf;
+    let z = x.abs() * std::f32::consts::FRAC_1_SQRT_2;
+    let t = 1. / (1. + P * z);
+    let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
+    // erfc(z) for z >= 0.
+    let erfc = poly * exp(-z * z);
+    if x < 0. {
+        erfc
+    } else {
+        2. - erfc
+    }
+}
+
+/// `dx = dy · gelu_erf'(x)`, `gelu_erf'(x) = Φ(x) + x · φ(x)` (`φ` the
+/// standard normal density). Branch-free, so it vectorises.
+#[inline(always)]
+fn gelu_erf_grad_impl(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    // 1 / √(2π)
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
+        *d = g * (0.5 * one_plus_erf(x) + x * INV_SQRT_2PI * exp(-0.5 * x * x));
     }
 }
 
@@ -91,12 +112,50 @@ fn gelu_erf_impl(xs: &mut [f32]) {
 /// the loops over it vectorise; NaN stays NaN.
 #[inline(always)]
 fn gelu_tanh_one(x: f32) -> f32 {
-    // 2 · √(2/π)
-    const TWO_C: f32 = 1.595_769;
-    let t = TWO_C * x * (1. + 0.044_715 * x * x);
+    let t = GELU_TWO_C * x * (1. + GELU_A * x * x);
     let z = exp(-t.abs());
     let num = if t < 0. { z } else { 1. };
     x * num / (1. + z)
+}
+
+/// `2 · √(2/π)` and the cubic's coefficient of the tanh GELU.
+const GELU_TWO_C: f32 = 1.595_769;
+const GELU_A: f32 = 0.044_715;
+
+/// `σ(t) = 1 / (1 + e^-t)` from `z = e^-|t|`, so that `exp` only sees
+/// non-positive arguments. Branch-free.
+#[inline(always)]
+fn sigmoid(t: f32) -> f32 {
+    let z = exp(-t.abs());
+    let num = if t < 0. { z } else { 1. };
+    num / (1. + z)
+}
+
+/// `dx = dy · gelu_tanh'(x)`: with `s = σ(2u)` ([`gelu_tanh_one`]),
+/// `s + x · s · (1 - s) · 2√(2/π) · (1 + 3 · 0.044715 · x²)`.
+#[inline(always)]
+fn gelu_tanh_grad_impl(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
+        let s = sigmoid(GELU_TWO_C * x * (1. + GELU_A * x * x));
+        *d = g * (s + x * s * (1. - s) * GELU_TWO_C * (1. + 3. * GELU_A * x * x));
+    }
+}
+
+/// `x · σ(x)` in place, SiLU ([`sigmoid`]). Branch-free.
+#[inline(always)]
+fn silu_impl(xs: &mut [f32]) {
+    for x in xs.iter_mut() {
+        *x *= sigmoid(*x);
+    }
+}
+
+/// `dx = dy · silu'(x)`, `silu'(x) = σ(x) · (1 + x · (1 - σ(x)))`.
+#[inline(always)]
+fn silu_grad_impl(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
+        let s = sigmoid(x);
+        *d = g * s * (1. + x * (1. - s));
+    }
 }
 
 /// [`gelu_tanh_one`] in place.
@@ -299,6 +358,10 @@ dispatch!(all_finite, all_finite_impl, (xs: &[f32]) -> bool);
 dispatch!(layer_norm_row, layer_norm_row_impl, (a: &[f32], b: Option<&[f32]>, w: &[f32], bias: &[f32], eps: f32, out: &mut [std::mem::MaybeUninit<f32>]));
 dispatch!(gelu_erf, gelu_erf_impl, (xs: &mut [f32]));
 dispatch!(gelu_tanh, gelu_tanh_impl, (xs: &mut [f32]));
+dispatch!(silu, silu_impl, (xs: &mut [f32]));
+dispatch!(gelu_erf_grad, gelu_erf_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f32]));
+dispatch!(gelu_tanh_grad, gelu_tanh_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f32]));
+dispatch!(silu_grad, silu_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f32]));
 dispatch!(relu, relu_impl, (xs: &mut [f32]));
 dispatch!(silu_mul, silu_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 dispatch!(gelu_tanh_mul, gelu_tanh_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));

@@ -1,0 +1,457 @@
+//! A linear layer whose weight trains (a `VarMap`'s variables): `x · wᵀ + b`
+//! as a candle custom op whose forward and input gradient run on the
+//! packed micro-kernels (`tiles.rs`), so that gradients flow.
+//!
+//! For `y = x · Wᵀ + b`, `x` `m` rows of `k`, `W` `(n, k)`:
+//! - forward: `W` packed as an inference layer packs it, its bias fused;
+//! - `dX = dY · W`: `Wᵀ` packed as a layer of `k` features over `n` inputs
+//!   (`PackedWeight::from_columns`: each panel row a piece of one of `W`'s
+//!   rows, so packing it is a copy), `dY`'s rows through it;
+//! - `dW = dYᵀ · X`: candle's matmul (the `gemm` crate), which reads `dYᵀ`
+//!   in place; over a reduction of all `m` rows it runs faster than the
+//!   tiles, which would also need `Xᵀ` packed and `dYᵀ` copied each call;
+//! - `db = Σ dY` over the rows.
+//!
+//! Each is computed only for the arguments that track gradients (not `dX`
+//! of a batch of data).
+//!
+//! An optimizer writes a variable's storage in place (`Var::set`), so
+//! neither the storage nor the tensor's id says that the weight changed: a
+//! packed copy of `W` (or of `Wᵀ`) is reused only where it holds the
+//! weight's values now, bit for bit. The comparison stops at the first
+//! difference, so after a step it costs next to nothing before the weight
+//! is packed anew; where nothing changed (evaluation, gradients summed over
+//! several batches) it reads the weight once instead of packing it.
+
+use std::sync::{Arc, Mutex};
+
+use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::weight::{Epilogue, PackedWeight};
+use crate::runtime::isa::Isa;
+
+/// A packed copy of a weight, held while it is current.
+type Cache = Mutex<Option<Arc<PackedWeight>>>;
+
+/// A weight `(n, k)` and bias `(n)` that track gradients, f32 on the CPU,
+/// and their packed copies for the instruction set the layer was built
+/// for.
+pub(crate) struct TrainedWeight {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    isa: Isa,
+    /// `W` and its bias, for the forward.
+    forward: Cache,
+    /// `Wᵀ`, for `dX`.
+    transposed: Cache,
+}
+
+impl std::fmt::Debug for TrainedWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainedWeight")
+            .field("weight", &self.weight.shape())
+            .field("bias", &self.bias.is_some())
+            .field("isa", &self.isa)
+            .finish()
+    }
+}
+
+impl TrainedWeight {
+    /// The layer over `weight` `(n, k)` and `bias` `(n)` for `isa` (one
+    /// [`PackedWeight::isa_for`] serves), where the packed path takes
+    /// them: f32 CPU tensors, the weight not a broadcast, `n, k > 0`, and
+    /// at least one tracking gradients (else the layer is packed once, as
+    /// for inference). `None` otherwise.
+    pub(crate) fn new(weight: &Tensor, bias: Option<&Tensor>, isa: Isa) -> Result<Option<Self>> {
+        let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+        let (n, k) = weight.dims2()?;
+        let takes = f32_cpu(weight)
+            && bias.is_none_or(f32_cpu)
+            && (weight.track_op() || bias.is_some_and(Tensor::track_op))
+            && !super::is_broadcast(weight)
+            && n > 0
+            && k > 0;
+        Ok(takes.then(|| TrainedWeight {
+            weight: weight.clone(),
+            bias: bias.cloned(),
+            isa,
+            forward: Mutex::new(None),
+            transposed: Mutex::new(None),
+        }))
+    }
+
+    /// The instruction set the layer runs with.
+    pub(crate) fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// The weight `(n, k)` itself.
+    pub(crate) fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias `(n)` itself, if any.
+    pub(crate) fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// `(out_features, in_features)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        let d = self.weight.dims();
+        (d[0], d[1])
+    }
+
+    /// `x · wᵀ + b` through the packed kernels, gradients flowing to `x`,
+    /// the weight and the bias; `None` where `x` is not an f32 CPU tensor.
+    ///
+    /// # Shapes
+    /// - `x`: `(..., k)`
+    /// - returns `(..., n)`
+    pub(crate) fn forward(self: &Arc<Self>, x: &Tensor) -> Result<Option<Tensor>> {
+        if !(x.device().is_cpu() && x.dtype() == DType::F32) {
+            return Ok(None);
+        }
+        let op = TrainedLinear(Arc::clone(self));
+        let (x, w) = (x.contiguous()?, self.weight.contiguous()?);
+        let y = match &self.bias {
+            Some(b) => x.apply_op3(&w, &b.contiguous()?, op)?,
+            None => x.apply_op2(&w, op)?,
+        };
+        Ok(Some(y))
+    }
+
+    /// The copy in `cache` where `holds` says it is current, else `pack`'s,
+    /// which the cache then keeps.
+    fn current(
+        cache: &Cache,
+        holds: impl FnOnce(&PackedWeight) -> bool,
+        pack: impl FnOnce() -> Result<PackedWeight>,
+    ) -> Result<Arc<PackedWeight>> {
+        let Ok(mut cache) = cache.lock() else {
+            bail!("PackedLinear: a thread panicked while it packed this layer's weight")
+        };
+        if let Some(p) = cache.as_ref().filter(|p| holds(p)) {
+            return Ok(Arc::clone(p));
+        }
+        // Dropped first, so that the layer never holds two copies.
+        *cache = None;
+        let p = Arc::new(pack()?);
+        *cache = Some(Arc::clone(&p));
+        Ok(p)
+    }
+
+    /// `x · wᵀ + b` over plain slices: `x` `m` rows of `k`, `w` and `b` the
+    /// weight's and bias's data now.
+    fn forward_slices(&self, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
+        let (n, k) = self.dims();
+        let packed = Self::current(
+            &self.forward,
+            |p| p.holds(w, b),
+            || PackedWeight::new(w, n, k, b, self.isa, DType::F32),
+        )?;
+        Ok(packed.forward(x, x.len() / k, (0, n), Epilogue::Identity, None))
+    }
+
+    /// The gradients of `x`, the weight and the bias (each where it tracks
+    /// gradients) given `dy`, the output's.
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, k) = self.dims();
+        let m = x.elem_count() / k;
+        let dy = dy.to_dtype(DType::F32)?.reshape((m, n))?.contiguous()?;
+        let dx = if x.track_op() && m == 0 {
+            Some(x.zeros_like()?)
+        } else if x.track_op() {
+            // dX = dY · W: dY's rows through Wᵀ.
+            let wt = with_f32(w, |w| {
+                Self::current(
+                    &self.transposed,
+                    |p| p.holds_columns(w),
+                    || Ok(PackedWeight::from_columns(w, n, k, self.isa)),
+                )
+            })?;
+            let dx = with_f32(&dy, |dy| Ok(wt.forward(dy, m, (0, k), Epilogue::Identity, None)))?;
+            Some(Tensor::from_vec(dx, x.shape(), x.device())?)
+        } else {
+            None
+        };
+        // dW = dYᵀ · X on candle's matmul (`gemm`), which reads dYᵀ in
+        // place and measures faster than the tiles over this reduction of
+        // all the rows.
+        let dw = if w.track_op() {
+            Some(match m {
+                0 => w.zeros_like()?,
+                _ => dy.t()?.matmul(&x.reshape((m, k))?)?,
+            })
+        } else {
+            None
+        };
+        let db = match b {
+            Some(b) if b.track_op() => Some(dy.sum(0)?),
+            _ => None,
+        };
+        Ok((dx, dw, db))
+    }
+}
+
+/// `f` over the data of a contiguous f32 CPU tensor, borrowed in place.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("PackedLinear: a training tensor is not on the CPU")
+    };
+    f(f32_data(cpu, layout)?)
+}
+
+/// The data of a contiguous f32 CPU storage.
+fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
+        (CpuStorage::F32(_), None) => bail!("PackedLinear: training tensors must be contiguous"),
+        _ => bail!("PackedLinear: training tensors must be f32"),
+    }
+}
+
+/// The op `x · wᵀ (+ b)` of one [`TrainedWeight`]: its arguments are `x`,
+/// the weight and (as a third) the bias, all contiguous.
+struct TrainedLinear(Arc<TrainedWeight>);
+
+impl TrainedLinear {
+    fn cpu(
+        &self,
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, k) = self.0.dims();
+        if x.1.dims().last() != Some(&k) || w.1.dims() != [n, k] {
+            bail!(
+                "PackedLinear: input {:?} and weight {:?} for a layer of ({n}, {k})",
+                x.1.dims(),
+                w.1.dims()
+            )
+        }
+        let b = b.map(|(s, l)| f32_data(s, l)).transpose()?;
+        let y = self
+            .0
+            .forward_slices(f32_data(x.0, x.1)?, f32_data(w.0, w.1)?, b)?;
+        let mut shape = x.1.dims().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = n;
+        }
+        Ok((CpuStorage::F32(y), Shape::from(shape)))
+    }
+}
+
+impl CustomOp2 for TrainedLinear {
+    fn name(&self) -> &'static str {
+        "packed-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.0.backward(x, w, None, dy)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for TrainedLinear {
+    fn name(&self) -> &'static str {
+        "packed-linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.0.backward(x, w, Some(b), dy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Module, Result, Tensor, Var};
+    use candle_nn::{Optimizer, SGD};
+
+    use super::super::{Inner, PackOptions, PackedLinear};
+    use crate::runtime::isa::{supported, Isa};
+    use crate::testing::{randn, rel_err};
+
+    /// The loss `Σ y ∘ r`, whose gradient at `y` is `r`, and its gradients
+    /// at `ts`.
+    fn grads_of(y: &Tensor, r: &Tensor, ts: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let grads = (y * r)?.sum_all()?.backward()?;
+        Ok(ts.iter().map(|t| grads.get(t).cloned()).collect())
+    }
+
+    /// Layers over variables, packed for every instruction set the
+    /// processor runs, give candle's `Linear`'s output and its autograd's
+    /// `dX`, `dW` and `db`, on shapes off the panels, row groups and
+    /// reduction slices, with batch dims and without, with a bias and
+    /// without, on 3 threads, alone and with the fused GELU after it; an
+    /// input that tracks no gradient gets none.
+    #[test]
+    fn gradients_equal_candle_autograd_on_every_isa() -> Result<()> {
+        let shapes: [(&[usize], usize, bool); 6] = [
+            (&[2, 7], 33, true),
+            (&[97], 37, false),
+            (&[3, 5, 13], 70, true),
+            (&[1], 300, true),
+            (&[400], 129, false),
+            (&[2, 150], 1100, true),
+        ];
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        pool.install(|| -> Result<()> {
+            for isa in supported() {
+                for &(rows, n, bias) in &shapes {
+                    let k = [37, 64, 300, 1030][n % 4];
+                    let mut xs = rows.to_vec();
+                    xs.push(k);
+                    let x = Var::from_tensor(&randn(&xs)?)?;
+                    let w = Var::from_tensor(&randn(&[n, k])?)?;
+                    let b = bias.then(|| Var::from_tensor(&randn(&[n])?)).transpose()?;
+                    let bt = b.as_ref().map(|b| b.as_tensor().clone());
+                    let ours = PackedLinear::with_options(
+                        w.as_tensor().clone(),
+                        bt.clone(),
+                        &PackOptions::new().with_isa(isa),
+                    )?;
+                    assert_eq!(
+                        matches!(ours.inner, Inner::Trained(_)),
+                        isa != Isa::Portable,
+                        "{isa:?}"
+                    );
+                    let reference = candle_nn::Linear::new(w.as_tensor().clone(), bt.clone());
+                    let what = format!("{isa:?} {xs:?} x ({n}, {k}) bias {bias}");
+                    let y = ours.forward(x.as_tensor())?;
+                    let expected = reference.forward(x.as_tensor())?;
+                    assert!(rel_err(&y, &expected)? < 1e-5, "{what}: forward");
+                    let r = randn(y.dims())?;
+                    let mut ts = vec![x.as_tensor(), w.as_tensor()];
+                    ts.extend(bt.as_ref());
+                    let got = grads_of(&y, &r, &ts)?;
+                    let want = grads_of(&expected, &r, &ts)?;
+                    for ((g, e), name) in got.iter().zip(&want).zip(["dX", "dW", "db"]) {
+                        let (Some(g), Some(e)) = (g, e) else {
+                            panic!("{what}: no {name}")
+                        };
+                        assert_eq!(g.dims(), e.dims(), "{what}: {name}");
+                        assert!(rel_err(g, e)? < 1e-5, "{what}: {name} {:e}", rel_err(g, e)?);
+                    }
+                    // The fused GELU's layer: its op's backward.
+                    let got = grads_of(&ours.forward_gelu(x.as_tensor())?, &r, &ts)?;
+                    let want_gelu = grads_of(&expected.gelu_erf()?, &r, &ts)?;
+                    for (g, e) in got.iter().zip(&want_gelu) {
+                        let (g, e) = (g.as_ref().unwrap(), e.as_ref().unwrap());
+                        assert!(rel_err(g, e)? < 1e-5, "{what}: gelu {:e}", rel_err(g, e)?);
+                    }
+                    // Data, not a variable: the weight's gradient only
+                    // (candle's autograd computes the other too).
+                    let data = x.as_tensor().detach();
+                    let got = grads_of(&ours.forward(&data)?, &r, &[&data, w.as_tensor()])?;
+                    assert!(got[0].is_none() || isa == Isa::Portable, "{what}: dX of data");
+                    let e = want[1].as_ref().unwrap();
+                    assert!(rel_err(got[1].as_ref().unwrap(), e)? < 1e-5, "{what}: dW of data");
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// A weight an optimizer step (or `Var::set`) changes in place gives
+    /// the new weight's outputs and gradients, never the packed copy's of
+    /// the old one; an unchanged one keeps its packed copy.
+    #[test]
+    fn a_changed_weight_is_packed_again() -> Result<()> {
+        for isa in supported().into_iter().filter(|&i| i != Isa::Portable) {
+            let (n, k) = (40, 50);
+            let x = randn(&[6, k])?;
+            let w = Var::from_tensor(&randn(&[n, k])?)?;
+            let b = Var::from_tensor(&randn(&[n])?)?;
+            let ours = PackedLinear::with_options(
+                w.as_tensor().clone(),
+                Some(b.as_tensor().clone()),
+                &PackOptions::new().with_isa(isa),
+            )?;
+            let Inner::Trained(t) = &ours.inner else {
+                panic!("{isa:?}: not a training layer")
+            };
+            let reference = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
+            let mut sgd = SGD::new(vec![w.clone(), b.clone()], 0.5)?;
+            let packed = |t: &super::TrainedWeight| t.forward.lock().unwrap().clone().unwrap();
+            for step in 0..3 {
+                let y = ours.forward(&x)?;
+                let first = packed(t);
+                // Unchanged: the same copy.
+                let again = ours.forward(&x)?;
+                assert!(std::sync::Arc::ptr_eq(&first, &packed(t)), "{isa:?} step {step}");
+                assert_eq!(again.to_vec2::<f32>()?, y.to_vec2::<f32>()?);
+                let expected = reference.forward(&x)?;
+                assert!(rel_err(&y, &expected)? < 1e-5, "{isa:?} step {step}: forward");
+                let loss = y.sqr()?.sum_all()?;
+                let grads = loss.backward()?;
+                let want = expected.sqr()?.sum_all()?.backward()?;
+                for v in [&w, &b] {
+                    let (g, e) = (
+                        grads.get(v.as_tensor()).unwrap(),
+                        want.get(v.as_tensor()).unwrap(),
+                    );
+                    assert!(rel_err(g, e)? < 1e-5, "{isa:?} step {step}: gradient");
+                }
+                sgd.step(&grads)?;
+                // Only the bias changed: the weight and bias are packed again.
+                if step == 1 {
+                    b.set(&b.as_tensor().affine(1., 0.25)?)?;
+                }
+            }
+            // A new value of the same storage, and one equal to the old.
+            w.set(&randn(&[n, k])?)?;
+            let y = ours.forward(&x)?;
+            assert!(rel_err(&y, &reference.forward(&x)?)? < 1e-5, "{isa:?}: after set");
+            let first = packed(t);
+            w.set(&w.as_tensor().copy()?)?;
+            ours.forward(&x)?;
+            assert!(
+                std::sync::Arc::ptr_eq(&first, &packed(t)),
+                "{isa:?}: an equal value"
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,162 @@
+//! The activations where gradients flow: the exact and tanh GELUs and
+//! SiLU as candle ops whose forward is the inference path's vectorised
+//! pass (`simd.rs`) and whose backward is one more, `dx = dy · f'(x)`,
+//! where candle's own backward of each takes a tensor op per term of the
+//! derivative.
+
+use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::rows::simd;
+use crate::runtime::isa::Isa;
+
+/// Elements a task of the passes takes, on rayon's pool past one.
+const CHUNK: usize = 1 << 14;
+
+/// An activation with a derivative.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Activation {
+    /// `x · Φ(x)`, PyTorch's `gelu` (`approximate='none'`).
+    GeluErf,
+    /// PyTorch's `gelu(approximate='tanh')`.
+    GeluTanh,
+    /// `x · σ(x)`.
+    Silu,
+}
+
+impl Activation {
+    /// candle's op: any device and dtype, gradients through candle's
+    /// backward of it.
+    fn candle(self, xs: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::GeluErf => xs.gelu_erf(),
+            // candle's `gelu` is the tanh approximation.
+            Self::GeluTanh => xs.gelu(),
+            Self::Silu => xs.silu(),
+        }
+    }
+
+    /// The activation of `xs` in place, on `isa`.
+    fn apply(self, isa: Isa, xs: &mut [f32]) {
+        match self {
+            Self::GeluErf => simd::gelu_erf(isa, xs),
+            Self::GeluTanh => simd::gelu_tanh(isa, xs),
+            Self::Silu => simd::silu(isa, xs),
+        }
+    }
+
+    /// `dx = dy · f'(x)`, on `isa`.
+    fn grad(self, isa: Isa, x: &[f32], dy: &[f32], dx: &mut [f32]) {
+        match self {
+            Self::GeluErf => simd::gelu_erf_grad(isa, x, dy, dx),
+            Self::GeluTanh => simd::gelu_tanh_grad(isa, x, dy, dx),
+            Self::Silu => simd::silu_grad(isa, x, dy, dx),
+        }
+    }
+}
+
+/// `act(xs)`: where `xs` tracks gradients and is an f32 CPU tensor, the
+/// op of this file on `isa`; candle's op otherwise (so an input that
+/// tracks none is computed as candle computes it).
+pub(crate) fn activate(xs: &Tensor, act: Activation, isa: Isa) -> Result<Tensor> {
+    if xs.track_op() && xs.device().is_cpu() && xs.dtype() == DType::F32 {
+        xs.contiguous()?.apply_op1(Trained { act, isa })
+    } else {
+        act.candle(xs)
+    }
+}
+
+/// The op of one activation on one instruction set.
+struct Trained {
+    act: Activation,
+    isa: Isa,
+}
+
+/// The contiguous f32 data of an argument.
+fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
+        _ => bail!("activation: the input must be a contiguous f32 tensor"),
+    }
+}
+
+impl CustomOp1 for Trained {
+    fn name(&self) -> &'static str {
+        match self.act {
+            Activation::GeluErf => "gelu-erf-trained",
+            Activation::GeluTanh => "gelu-tanh-trained",
+            Activation::Silu => "silu-trained",
+        }
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let mut out = f32_data(s, l)?.to_vec();
+        let (act, isa) = (self.act, self.isa);
+        if out.len() > CHUNK {
+            out.par_chunks_mut(CHUNK).for_each(|c| act.apply(isa, c));
+        } else {
+            act.apply(isa, &mut out);
+        }
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let dy = dy.to_dtype(DType::F32)?.contiguous()?;
+        let (xs, xl) = x.storage_and_layout();
+        let (gs, gl) = dy.storage_and_layout();
+        let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
+            bail!("activation: the backward's tensors are not on the CPU")
+        };
+        let (x_data, g) = (f32_data(xs, xl)?, f32_data(gs, gl)?);
+        if g.len() != x_data.len() {
+            bail!(
+                "activation: a gradient of {} for {} inputs",
+                g.len(),
+                x_data.len()
+            )
+        }
+        let mut dx = vec![0f32; x_data.len()];
+        let (act, isa) = (self.act, self.isa);
+        if dx.len() > CHUNK {
+            dx.par_chunks_mut(CHUNK)
+                .zip(x_data.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))
+                .for_each(|(d, (x, g))| act.grad(isa, x, g, d));
+        } else {
+            act.grad(isa, x_data, g, &mut dx);
+        }
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{Result, Var};
+
+    use super::{activate, Activation};
+    use crate::runtime::isa::supported;
+    use crate::testing::{randn, rel_err};
+
+    /// On every instruction set the processor runs, each activation of a
+    /// variable gives candle's value and its autograd's gradient, on sizes
+    /// in one pass and in parallel chunks, over inputs of scale 3 (into
+    /// the tails, where `Φ` and `σ` saturate).
+    #[test]
+    fn gradients_equal_candle_autograd_on_every_isa() -> Result<()> {
+        for isa in supported() {
+            for shape in [vec![3, 37], vec![5, 70, 130]] {
+                let x = Var::from_tensor(&(randn(&shape)? * 3.)?)?;
+                let r = randn(&shape)?;
+                for act in [Activation::GeluErf, Activation::GeluTanh, Activation::Silu] {
+                    let what = format!("{isa:?} {act:?} {shape:?}");
+                    let (y, expected) = (activate(x.as_tensor(), act, isa)?, act.candle(x.as_tensor())?);
+                    assert!(rel_err(&y, &expected)? < 1e-5, "{what}: value");
+                    let g = (&y * &r)?.sum_all()?.backward()?;
+                    let e = (&expected * &r)?.sum_all()?.backward()?;
+                    let (g, e) = (g.get(x.as_tensor()).unwrap(), e.get(x.as_tensor()).unwrap());
+                    assert!(rel_err(g, e)? < 1e-5, "{what}: gradient {:e}", rel_err(g, e)?);
+                }
+            }
+        }
+        Ok(())
+    }
+}
