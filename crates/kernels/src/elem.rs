@@ -8,7 +8,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use candle::{DType, Tensor};
+use candle::{bail, CpuStorage, DType, Layout, Result, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -160,5 +160,23 @@ impl PanelElem for f16 {
     unsafe fn load_ymm(p: *const Self) -> __m256 {
         // SAFETY: as the trait says.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+/// Whether `t` repeats its data along some dimension (a zero stride over
+/// more than one element): a broadcast, such as the zeros a checkpoint's
+/// pre-flight recorder answers with. Packing or copying one would
+/// allocate the full size for no information, so it is left as it is.
+pub fn is_broadcast(t: &Tensor) -> bool {
+    t.stride().iter().zip(t.dims()).any(|(&s, &d)| s == 0 && d > 1)
+}
+
+/// The contiguous f32 data of a custom op's argument; `op` names the op in
+/// the error.
+pub(crate) fn f32_data<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
+        (CpuStorage::F32(_), None) => bail!("{op}: the inputs must be contiguous"),
+        _ => bail!("{op}: the inputs must be f32"),
     }
 }

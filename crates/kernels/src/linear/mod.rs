@@ -99,13 +99,7 @@ fn packable_weight(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) && !t.track_op()
 }
 
-/// Whether `t` repeats its data along some dimension (a zero stride over
-/// more than one element): a broadcast, such as the zeros a checkpoint's
-/// pre-flight recorder answers with. Packing or copying one would
-/// allocate the full size for no information, so it is left as it is.
-pub fn is_broadcast(t: &Tensor) -> bool {
-    t.stride().iter().zip(t.dims()).any(|(&s, &d)| s == 0 && d > 1)
-}
+pub use crate::elem::is_broadcast;
 
 /// `f` over the data of a contiguous CPU tensor of element type `S`,
 /// borrowed in place.

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::weight::{Epilogue, PackedWeight};
+use crate::elem::{f32_data, is_broadcast};
 use crate::runtime::isa::Isa;
 
 /// A packed copy of a weight, held while it is current.
@@ -44,6 +45,14 @@ pub(crate) struct TrainedWeight {
     forward: Cache,
     /// `Wᵀ`, for `dX`.
     transposed: Cache,
+}
+
+impl TrainedWeight {
+    /// The packed copy the forward holds now, if any.
+    #[cfg(test)]
+    pub(super) fn packed_forward(&self) -> Option<Arc<PackedWeight>> {
+        self.forward.lock().ok()?.clone()
+    }
 }
 
 impl std::fmt::Debug for TrainedWeight {
@@ -68,7 +77,7 @@ impl TrainedWeight {
         let takes = f32_cpu(weight)
             && bias.is_none_or(f32_cpu)
             && (weight.track_op() || bias.is_some_and(Tensor::track_op))
-            && !super::is_broadcast(weight)
+            && !is_broadcast(weight)
             && n > 0
             && k > 0;
         Ok(takes.then(|| TrainedWeight {
@@ -205,16 +214,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let Storage::Cpu(cpu) = &*storage else {
         bail!("PackedLinear: a training tensor is not on the CPU")
     };
-    f(f32_data(cpu, layout)?)
-}
-
-/// The data of a contiguous f32 CPU storage.
-fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
-        (CpuStorage::F32(_), None) => bail!("PackedLinear: training tensors must be contiguous"),
-        _ => bail!("PackedLinear: training tensors must be f32"),
-    }
+    f(f32_data(cpu, layout, "PackedLinear")?)
 }
 
 /// The op `x · wᵀ (+ b)` of one [`TrainedWeight`]: its arguments are `x`,
@@ -236,10 +236,12 @@ impl TrainedLinear {
                 w.1.dims()
             )
         }
-        let b = b.map(|(s, l)| f32_data(s, l)).transpose()?;
-        let y = self
-            .0
-            .forward_slices(f32_data(x.0, x.1)?, f32_data(w.0, w.1)?, b)?;
+        let b = b.map(|(s, l)| f32_data(s, l, "PackedLinear")).transpose()?;
+        let y = self.0.forward_slices(
+            f32_data(x.0, x.1, "PackedLinear")?,
+            f32_data(w.0, w.1, "PackedLinear")?,
+            b,
+        )?;
         let mut shape = x.1.dims().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = n;
@@ -301,157 +303,5 @@ impl CustomOp3 for TrainedLinear {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         self.0.backward(x, w, Some(b), dy)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use candle::{Module, Result, Tensor, Var};
-    use candle_nn::{Optimizer, SGD};
-
-    use super::super::{Inner, PackOptions, PackedLinear};
-    use crate::runtime::isa::{supported, Isa};
-    use crate::testing::{randn, rel_err};
-
-    /// The loss `Σ y ∘ r`, whose gradient at `y` is `r`, and its gradients
-    /// at `ts`.
-    fn grads_of(y: &Tensor, r: &Tensor, ts: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let grads = (y * r)?.sum_all()?.backward()?;
-        Ok(ts.iter().map(|t| grads.get(t).cloned()).collect())
-    }
-
-    /// Layers over variables, packed for every instruction set the
-    /// processor runs, give candle's `Linear`'s output and its autograd's
-    /// `dX`, `dW` and `db`, on shapes off the panels, row groups and
-    /// reduction slices, with batch dims and without, with a bias and
-    /// without, on 3 threads, alone and with the fused GELU after it; an
-    /// input that tracks no gradient gets none.
-    #[test]
-    fn gradients_equal_candle_autograd_on_every_isa() -> Result<()> {
-        let shapes: [(&[usize], usize, bool); 6] = [
-            (&[2, 7], 33, true),
-            (&[97], 37, false),
-            (&[3, 5, 13], 70, true),
-            (&[1], 300, true),
-            (&[400], 129, false),
-            (&[2, 150], 1100, true),
-        ];
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        pool.install(|| -> Result<()> {
-            for isa in supported() {
-                for &(rows, n, bias) in &shapes {
-                    let k = [37, 64, 300, 1030][n % 4];
-                    let mut xs = rows.to_vec();
-                    xs.push(k);
-                    let x = Var::from_tensor(&randn(&xs)?)?;
-                    let w = Var::from_tensor(&randn(&[n, k])?)?;
-                    let b = bias.then(|| Var::from_tensor(&randn(&[n])?)).transpose()?;
-                    let bt = b.as_ref().map(|b| b.as_tensor().clone());
-                    let ours = PackedLinear::with_options(
-                        w.as_tensor().clone(),
-                        bt.clone(),
-                        &PackOptions::new().with_isa(isa),
-                    )?;
-                    assert_eq!(
-                        matches!(ours.inner, Inner::Trained(_)),
-                        isa != Isa::Portable,
-                        "{isa:?}"
-                    );
-                    let reference = candle_nn::Linear::new(w.as_tensor().clone(), bt.clone());
-                    let what = format!("{isa:?} {xs:?} x ({n}, {k}) bias {bias}");
-                    let y = ours.forward(x.as_tensor())?;
-                    let expected = reference.forward(x.as_tensor())?;
-                    assert!(rel_err(&y, &expected)? < 1e-5, "{what}: forward");
-                    let r = randn(y.dims())?;
-                    let mut ts = vec![x.as_tensor(), w.as_tensor()];
-                    ts.extend(bt.as_ref());
-                    let got = grads_of(&y, &r, &ts)?;
-                    let want = grads_of(&expected, &r, &ts)?;
-                    for ((g, e), name) in got.iter().zip(&want).zip(["dX", "dW", "db"]) {
-                        let (Some(g), Some(e)) = (g, e) else {
-                            panic!("{what}: no {name}")
-                        };
-                        assert_eq!(g.dims(), e.dims(), "{what}: {name}");
-                        assert!(rel_err(g, e)? < 1e-5, "{what}: {name} {:e}", rel_err(g, e)?);
-                    }
-                    // The fused GELU's layer: its op's backward.
-                    let got = grads_of(&ours.forward_gelu(x.as_tensor())?, &r, &ts)?;
-                    let want_gelu = grads_of(&expected.gelu_erf()?, &r, &ts)?;
-                    for (g, e) in got.iter().zip(&want_gelu) {
-                        let (g, e) = (g.as_ref().unwrap(), e.as_ref().unwrap());
-                        assert!(rel_err(g, e)? < 1e-5, "{what}: gelu {:e}", rel_err(g, e)?);
-                    }
-                    // Data, not a variable: the weight's gradient only
-                    // (candle's autograd computes the other too).
-                    let data = x.as_tensor().detach();
-                    let got = grads_of(&ours.forward(&data)?, &r, &[&data, w.as_tensor()])?;
-                    assert!(got[0].is_none() || isa == Isa::Portable, "{what}: dX of data");
-                    let e = want[1].as_ref().unwrap();
-                    assert!(rel_err(got[1].as_ref().unwrap(), e)? < 1e-5, "{what}: dW of data");
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// A weight an optimizer step (or `Var::set`) changes in place gives
-    /// the new weight's outputs and gradients, never the packed copy's of
-    /// the old one; an unchanged one keeps its packed copy.
-    #[test]
-    fn a_changed_weight_is_packed_again() -> Result<()> {
-        for isa in supported().into_iter().filter(|&i| i != Isa::Portable) {
-            let (n, k) = (40, 50);
-            let x = randn(&[6, k])?;
-            let w = Var::from_tensor(&randn(&[n, k])?)?;
-            let b = Var::from_tensor(&randn(&[n])?)?;
-            let ours = PackedLinear::with_options(
-                w.as_tensor().clone(),
-                Some(b.as_tensor().clone()),
-                &PackOptions::new().with_isa(isa),
-            )?;
-            let Inner::Trained(t) = &ours.inner else {
-                panic!("{isa:?}: not a training layer")
-            };
-            let reference = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
-            let mut sgd = SGD::new(vec![w.clone(), b.clone()], 0.5)?;
-            let packed = |t: &super::TrainedWeight| t.forward.lock().unwrap().clone().unwrap();
-            for step in 0..3 {
-                let y = ours.forward(&x)?;
-                let first = packed(t);
-                // Unchanged: the same copy.
-                let again = ours.forward(&x)?;
-                assert!(std::sync::Arc::ptr_eq(&first, &packed(t)), "{isa:?} step {step}");
-                assert_eq!(again.to_vec2::<f32>()?, y.to_vec2::<f32>()?);
-                let expected = reference.forward(&x)?;
-                assert!(rel_err(&y, &expected)? < 1e-5, "{isa:?} step {step}: forward");
-                let loss = y.sqr()?.sum_all()?;
-                let grads = loss.backward()?;
-                let want = expected.sqr()?.sum_all()?.backward()?;
-                for v in [&w, &b] {
-                    let (g, e) = (
-                        grads.get(v.as_tensor()).unwrap(),
-                        want.get(v.as_tensor()).unwrap(),
-                    );
-                    assert!(rel_err(g, e)? < 1e-5, "{isa:?} step {step}: gradient");
-                }
-                sgd.step(&grads)?;
-                // Only the bias changed: the weight and bias are packed again.
-                if step == 1 {
-                    b.set(&b.as_tensor().affine(1., 0.25)?)?;
-                }
-            }
-            // A new value of the same storage, and one equal to the old.
-            w.set(&randn(&[n, k])?)?;
-            let y = ours.forward(&x)?;
-            assert!(rel_err(&y, &reference.forward(&x)?)? < 1e-5, "{isa:?}: after set");
-            let first = packed(t);
-            w.set(&w.as_tensor().copy()?)?;
-            ours.forward(&x)?;
-            assert!(
-                std::sync::Arc::ptr_eq(&first, &packed(t)),
-                "{isa:?}: an equal value"
-            );
-        }
-        Ok(())
     }
 }

@@ -7,6 +7,7 @@
 use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::elem::f32_data;
 use crate::rows::simd;
 use crate::runtime::isa::Isa;
 
@@ -72,14 +73,6 @@ struct Trained {
     isa: Isa,
 }
 
-/// The contiguous f32 data of an argument.
-fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
-        _ => bail!("activation: the input must be a contiguous f32 tensor"),
-    }
-}
-
 impl CustomOp1 for Trained {
     fn name(&self) -> &'static str {
         match self.act {
@@ -90,7 +83,7 @@ impl CustomOp1 for Trained {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let mut out = f32_data(s, l)?.to_vec();
+        let mut out = f32_data(s, l, "activation")?.to_vec();
         let (act, isa) = (self.act, self.isa);
         if out.len() > CHUNK {
             out.par_chunks_mut(CHUNK).for_each(|c| act.apply(isa, c));
@@ -107,7 +100,7 @@ impl CustomOp1 for Trained {
         let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
             bail!("activation: the backward's tensors are not on the CPU")
         };
-        let (x_data, g) = (f32_data(xs, xl)?, f32_data(gs, gl)?);
+        let (x_data, g) = (f32_data(xs, xl, "activation")?, f32_data(gs, gl, "activation")?);
         if g.len() != x_data.len() {
             bail!(
                 "activation: a gradient of {} for {} inputs",

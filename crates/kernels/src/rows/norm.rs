@@ -2,11 +2,12 @@
 
 use std::mem::MaybeUninit;
 
-use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
-use super::norm_grad::TrainedLayerNorm;
+use super::norm_grad::grads;
+use crate::elem::f32_data;
 use crate::runtime::isa::{current, Isa};
 
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
@@ -182,22 +183,13 @@ impl FusedLayerNorm {
     }
 }
 
-/// The contiguous f32 data of an input.
-pub(super) fn f32_data<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F32(x), Some((start, end))) => Ok(&x[start..end]),
-        (CpuStorage::F32(_), None) => bail!("layer-norm: inputs must be contiguous"),
-        _ => bail!("layer-norm: inputs must be f32"),
-    }
-}
-
 impl CustomOp1 for FusedLayerNorm {
     fn name(&self) -> &'static str {
         "layer-norm"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = self.rows(f32_data(s, l)?, None)?;
+        let out = self.rows(f32_data(s, l, "layer-norm")?, None)?;
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 }
@@ -214,7 +206,10 @@ impl CustomOp2 for FusedLayerNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = self.rows(f32_data(s1, l1)?, Some(f32_data(s2, l2)?))?;
+        let out = self.rows(
+            f32_data(s1, l1, "layer-norm")?,
+            Some(f32_data(s2, l2, "layer-norm")?),
+        )?;
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -223,6 +218,70 @@ impl Module for LayerNorm {
     /// `(..., dim)` → same.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         self.forward_on(xs, current())
+    }
+}
+
+/// `LayerNorm(x)` over the arguments `x`, `γ` and `β` (contiguous f32 CPU
+/// tensors), gradients flowing to each that tracks them.
+struct TrainedLayerNorm(FusedLayerNorm);
+
+impl CustomOp3 for TrainedLayerNorm {
+    fn name(&self) -> &'static str {
+        "layer-norm-trained"
+    }
+
+    /// The rows of `x` normalised with the `γ` and `β` the op was built
+    /// with, which are the values of the other two arguments.
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = self.0.rows(f32_data(s1, l1, "layer-norm")?, None)?;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        beta: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = gamma.elem_count();
+        let dy = dy.contiguous()?;
+        let gamma_data = gamma.to_vec1::<f32>()?;
+        let (dx, dg, db) = {
+            let (xs, xl) = x.storage_and_layout();
+            let (gs, gl) = dy.storage_and_layout();
+            let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
+                bail!("layer-norm: the backward's tensors are not on the CPU")
+            };
+            grads(
+                f32_data(xs, xl, "layer-norm")?,
+                f32_data(gs, gl, "layer-norm")?,
+                &gamma_data,
+                self.0.eps,
+            )?
+        };
+        let dx = x
+            .track_op()
+            .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
+            .transpose()?;
+        let dg = gamma
+            .track_op()
+            .then(|| Tensor::from_vec(dg, d, gamma.device()))
+            .transpose()?;
+        let db = beta
+            .track_op()
+            .then(|| Tensor::from_vec(db, d, beta.device()))
+            .transpose()?;
+        Ok((dx, dg, db))
     }
 }
 

@@ -1,6 +1,6 @@
-//! LayerNorm's backward: the op a [`LayerNorm`](super::LayerNorm) whose
-//! input or weights track gradients runs, its forward the fused rows of
-//! the inference path, its backward one pass over the rows.
+//! LayerNorm's backward, one pass over the rows: what the op a
+//! [`LayerNorm`](super::LayerNorm) whose input or weights track gradients
+//! runs (`norm.rs`) takes its gradients with.
 //!
 //! With `x̂ = (x - μ) · rstd` and `y = x̂ · γ + β` over a row of `d`, and
 //! `g = dy · γ`:
@@ -12,76 +12,20 @@
 //! pool, each block summing its own `dγ` and `dβ`, added up in block order
 //! afterwards, so the result does not depend on the threads.
 
-use candle::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle::{bail, Result};
 use rayon::prelude::*;
-
-use super::norm::{f32_data, FusedLayerNorm};
 
 /// Rows a block of the backward sums its `dγ` and `dβ` over.
 const BLOCK_ROWS: usize = 32;
 
-/// `LayerNorm(x)` over the arguments `x`, `γ` and `β` (contiguous f32 CPU
-/// tensors), gradients flowing to each that tracks them.
-pub(super) struct TrainedLayerNorm(pub(super) FusedLayerNorm);
-
-impl CustomOp3 for TrainedLayerNorm {
-    fn name(&self) -> &'static str {
-        "layer-norm-trained"
-    }
-
-    /// The rows of `x` normalised with the `γ` and `β` the op was built
-    /// with, which are the values of the other two arguments.
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = self.0.rows(f32_data(s1, l1)?, None)?;
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        gamma: &Tensor,
-        beta: &Tensor,
-        _res: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = gamma.elem_count();
-        let dy = dy.contiguous()?;
-        let gamma_data = gamma.to_vec1::<f32>()?;
-        let (dx, dg, db) = {
-            let (xs, xl) = x.storage_and_layout();
-            let (gs, gl) = dy.storage_and_layout();
-            let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
-                bail!("layer-norm: the backward's tensors are not on the CPU")
-            };
-            grads(f32_data(xs, xl)?, f32_data(gs, gl)?, &gamma_data, self.0.eps)?
-        };
-        let dx = x
-            .track_op()
-            .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
-            .transpose()?;
-        let dg = gamma
-            .track_op()
-            .then(|| Tensor::from_vec(dg, d, gamma.device()))
-            .transpose()?;
-        let db = beta
-            .track_op()
-            .then(|| Tensor::from_vec(db, d, beta.device()))
-            .transpose()?;
-        Ok((dx, dg, db))
-    }
-}
-
 /// `(dx, dγ, dβ)` of LayerNorm over the rows of `x` (of `γ`'s width), given
 /// `dy`, the output's gradient.
-fn grads(x: &[f32], dy: &[f32], gamma: &[f32], eps: f32) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+pub(super) fn grads(
+    x: &[f32],
+    dy: &[f32],
+    gamma: &[f32],
+    eps: f32,
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
     let d = gamma.len();
     if d == 0 || !x.len().is_multiple_of(d) || dy.len() != x.len() {
         bail!(
