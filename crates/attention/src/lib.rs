@@ -66,7 +66,7 @@ mod sdpa;
 /// `multihead-kernels`.
 pub use multihead_kernels::{
     cpu_isa, dequantize_row, gelu_tanh_and_mul, is_broadcast, relu, silu_and_mul, BlockFormat, LayerNorm,
-    LentBlocks, PackFormat, PackOptions, PackedLinear,
+    LentBlocks, PackFormat, PackOptions, PackedLinear, RmsNorm,
 };
 
 pub use cache::{DecoderCache, KvCache};

@@ -313,9 +313,9 @@ impl MultiheadAttention {
 #[derive(Debug, Clone)]
 pub(crate) enum HeadNorm {
     Layer(LayerNorm),
-    Rms(candle_nn::RmsNorm),
+    Rms(multihead_kernels::RmsNorm),
     /// Over all heads of a token at once ([`crate::NormKind::RmsNormAllHeads`]).
-    RmsAllHeads(candle_nn::RmsNorm),
+    RmsAllHeads(multihead_kernels::RmsNorm),
 }
 
 impl Module for HeadNorm {

@@ -3,7 +3,8 @@
 //!
 //! - [`PackedLinear`]: `torch.nn.Linear` with its weight packed once into
 //!   the micro-kernels' panels, fused bias, GELU, ReLU or residual;
-//! - [`LayerNorm`] (fused with a residual add), [`relu`] and
+//! - [`LayerNorm`] (fused with a residual add) and [`RmsNorm`], both
+//!   backpropagating where they train, [`relu`] and
 //!   [`silu_and_mul`] as PyTorch computes them;
 //! - [`attention::sdpa`]: a memory-efficient (FlashAttention-style)
 //!   attention kernel over strided inputs, masks read in their own shapes;
@@ -108,7 +109,7 @@ mod testing;
 
 pub use linear::{is_broadcast, LentBlocks, PackFormat, PackOptions, PackedLinear};
 pub use quant::{dequantize_row, BlockFormat};
-pub use rows::{gelu_tanh_and_mul, relu, silu_and_mul, LayerNorm};
+pub use rows::{gelu_tanh_and_mul, relu, silu_and_mul, LayerNorm, RmsNorm};
 pub use runtime::isa;
 
 /// The instruction set the CPU kernels run with now: `"avx512bf16"`

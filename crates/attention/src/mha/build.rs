@@ -195,9 +195,9 @@ impl MultiheadAttention {
                 let (hd, eps, vb) = (cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
                 Ok(match cfg.qk_norm_kind {
                     NormKind::LayerNorm => HeadNorm::Layer(LayerNorm::new(hd, eps, vb)?),
-                    NormKind::RmsNorm => HeadNorm::Rms(candle_nn::rms_norm(hd, eps, vb)?),
+                    NormKind::RmsNorm => HeadNorm::Rms(multihead_kernels::RmsNorm::new(hd, eps, vb)?),
                     NormKind::RmsNormAllHeads => {
-                        HeadNorm::RmsAllHeads(candle_nn::rms_norm(heads * hd, eps, vb)?)
+                        HeadNorm::RmsAllHeads(multihead_kernels::RmsNorm::new(heads * hd, eps, vb)?)
                     }
                 })
             };

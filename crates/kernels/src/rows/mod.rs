@@ -15,4 +15,4 @@ pub(crate) mod simd;
 pub(crate) mod softmax;
 
 pub use activation::{gelu_tanh_and_mul, relu, silu_and_mul};
-pub use norm::LayerNorm;
+pub use norm::{LayerNorm, RmsNorm};

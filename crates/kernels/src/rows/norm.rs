@@ -285,13 +285,92 @@ impl CustomOp3 for TrainedLayerNorm {
     }
 }
 
+/// RMSNorm over the last dim, `x / sqrt(mean(x²) + eps) · weight` (HF's
+/// `LlamaRMSNorm`): candle-nn's fused kernel where no gradient flows, its
+/// op-by-op `rms_norm_slow` where the input or the weight tracks
+/// gradients. candle-nn's own `RmsNorm` runs its fused op there too, which
+/// has no backward: the gradients would stop at the norm, silently.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Loads `weight` of width `dim` (initialised to 1 in a `VarMap`).
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
+        Ok(Self { weight, eps })
+    }
+
+    /// The norm over a weight already loaded.
+    pub fn from_weight(weight: Tensor, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+
+    /// The weight, `(dim,)`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+impl Module for RmsNorm {
+    /// `(..., dim)` → `(..., dim)`.
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        let eps = self.eps as f32;
+        if xs.track_op() || self.weight.track_op() || !xs.is_contiguous() {
+            candle_nn::ops::rms_norm_slow(xs, &self.weight, eps)
+        } else {
+            candle_nn::ops::rms_norm(xs, &self.weight, eps)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle::{DType, Device, Module, Result, Tensor};
     use candle_nn::{VarBuilder, VarMap};
 
-    use super::LayerNorm;
+    use super::{LayerNorm, RmsNorm};
     use crate::testing::{randn, rel_err};
+
+    /// RMSNorm's output equals candle-nn's fused kernel's where nothing
+    /// trains, and where the input and weight are variables, its gradients
+    /// reach both and equal those of the formula written op by op here
+    /// (candle-nn's `RmsNorm` gives the input none: its fused op has no
+    /// backward).
+    #[test]
+    fn rms_norm_trains_through_its_input() -> Result<()> {
+        let (x, w, g) = (randn(&[3, 5, 40])?, randn(&[40])?, randn(&[3, 5, 40])?);
+        let eps = 1e-6;
+        let ours = RmsNorm::from_weight(w.clone(), eps).forward(&x)?;
+        let fused = candle_nn::RmsNorm::new(w.clone(), eps).forward(&x)?;
+        assert!(rel_err(&ours, &fused)? < 1e-6);
+
+        let (xv, wv) = (candle::Var::from_tensor(&x)?, candle::Var::from_tensor(&w)?);
+        let y = RmsNorm::from_weight(wv.as_tensor().clone(), eps).forward(xv.as_tensor())?;
+        let grads = (y * &g)?.sum_all()?.backward()?;
+        let (xr, wr) = (candle::Var::from_tensor(&x)?, candle::Var::from_tensor(&w)?);
+        let rms = (xr.as_tensor().sqr()?.mean_keepdim(2)? + eps)?.sqrt()?;
+        let expected = xr
+            .as_tensor()
+            .broadcast_div(&rms)?
+            .broadcast_mul(wr.as_tensor())?;
+        let want = (expected * &g)?.sum_all()?.backward()?;
+        for (ours, theirs, name) in [(&xv, &xr, "x"), (&wv, &wr, "weight")] {
+            let (Some(a), Some(b)) = (grads.get(ours.as_tensor()), want.get(theirs.as_tensor())) else {
+                candle::bail!("no gradient for {name}")
+            };
+            assert!(rel_err(a, b)? < 1e-5, "{name}");
+        }
+        let dropped = candle_nn::RmsNorm::new(wv.as_tensor().clone(), eps).forward(xv.as_tensor())?;
+        let grads = (dropped * &g)?.sum_all()?.backward()?;
+        assert!(
+            grads.get(xv.as_tensor()).is_none(),
+            "candle-nn's RmsNorm backpropagates now: RmsNorm could be it"
+        );
+        Ok(())
+    }
 
     /// The CPU kernel's `norm(x)` and one-pass `norm(x + residual)` equal
     /// candle-nn's op-by-op `layer_norm_slow` (after the add), with and

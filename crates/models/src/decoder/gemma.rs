@@ -14,10 +14,10 @@
 //! base.
 
 use candle::{bail, DType, Device, Module, Result, Shape, Tensor};
-use candle_nn::{linear_b, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, VarBuilder};
 use multihead_attention::{
     KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackOptions, PackedLinear,
-    PositionEncoding, RopeScaling, RotaryConfig, WeightLayout,
+    PositionEncoding, RmsNorm, RopeScaling, RotaryConfig, WeightLayout,
 };
 use serde_json::{Map, Value};
 
@@ -566,7 +566,7 @@ struct Layer {
 
 impl Layer {
     fn new(cfg: &GemmaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
-        let norm = |name: &str| candle_nn::rms_norm(cfg.hidden_size, cfg.rms_norm_eps, vb.pp(name));
+        let norm = |name: &str| RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp(name));
         Ok(Self {
             input_layernorm: norm("input_layernorm")?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
@@ -639,7 +639,7 @@ impl Gemma {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::new(cfg, i, pack, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
+        let norm = RmsNorm::new(e, cfg.rms_norm_eps, m.pp("norm"))?;
         Ok(Self {
             embed_tokens,
             layers,

@@ -18,10 +18,10 @@
 //! tiled kernel of `multihead_kernels::attention`).
 
 use candle::{bail, DType, Device, Module, Result, Tensor};
-use candle_nn::{linear_b, Linear, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, Linear, VarBuilder};
 use multihead_attention::{
     is_broadcast, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackFormat, PackOptions,
-    PackedLinear, PositionEncoding, RotaryConfig, WeightLayout,
+    PackedLinear, PositionEncoding, RmsNorm, RotaryConfig, WeightLayout,
 };
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
@@ -228,7 +228,7 @@ impl Layer {
     /// `pack` asks.
     fn new(cfg: &LlamaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
         let e = cfg.hidden_size;
-        let norm = |name: &str| candle_nn::rms_norm(e, cfg.rms_norm_eps, vb.pp(name));
+        let norm = |name: &str| RmsNorm::new(e, cfg.rms_norm_eps, vb.pp(name));
         let norms = match cfg.norm_placement {
             NormPlacement::Pre => Norms::Pre {
                 input_layernorm: norm("input_layernorm")?,
@@ -435,7 +435,7 @@ impl Llama {
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::new(cfg, i, pack, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let norm = candle_nn::rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?;
+        let norm = RmsNorm::new(e, cfg.rms_norm_eps, m.pp("norm"))?;
         Ok(Self {
             embed_tokens,
             layers,
