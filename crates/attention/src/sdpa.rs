@@ -53,15 +53,19 @@ pub enum AttnPath {
     /// The fastest path that can serve the call: [`AttnPath::CpuTiled`] on
     /// the CPU, [`AttnPath::FlashAttn`] or [`AttnPath::MetalFused`] where
     /// built and applicable, else [`AttnPath::Reference`]. Calls that need
-    /// gradients, attention weights or dropout always take the reference
-    /// path.
+    /// attention weights or dropout always take the reference path, and
+    /// calls that need gradients do unless [`AttnPath::CpuTiled`] can
+    /// backpropagate them.
     #[default]
     Auto,
     /// Materialises the `(q_len, kv_len)` scores: returns weights, applies
     /// dropout, backpropagates, runs on every device.
     Reference,
     /// The memory-efficient tiled CPU kernel (f32, f16, bf16 with f32
-    /// accumulation; every mask kind; grouped-query). Forward only.
+    /// accumulation; every mask kind; grouped-query). Where q, k or v need
+    /// gradients (all f32, the mask's tensors not), `Tensor::backward`
+    /// runs its fused backward, which holds no `(q_len, kv_len)` tensor
+    /// either.
     CpuTiled,
     /// `candle-flash-attn` on CUDA (f16/bf16; no mask but a causal rule),
     /// with the `flash-attn` feature.
@@ -76,10 +80,13 @@ impl AttnPath {
     /// `Reference` always can (the reference path serves every valid call).
     fn refusal(self, call: &Call, mask: &Mask, appended: usize) -> Option<String> {
         let Call { q, k, v, .. } = *call;
-        let grads = q.track_op() || k.track_op() || v.track_op();
+        let grads = train::tracked(q, k, v);
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
-            _ if grads => Some("gradients are tracked and only the reference path backpropagates".into()),
+            AttnPath::CpuTiled if grads => train::refusal(call, mask),
+            _ if grads => {
+                Some("gradients are tracked and only the reference and CPU paths backpropagate".into())
+            }
             AttnPath::CpuTiled => (!tiled::supports(q)).then(|| {
                 format!(
                     "needs a CPU tensor of f32/f16/bf16, found {:?} on {:?}",
@@ -195,6 +202,9 @@ pub(crate) fn sdpa_dispatch(
         _ => kv_in_dtype_of(q, k, v)?,
     };
     match path {
+        AttnPath::CpuTiled if train::tracked(q, k, v) => {
+            train::sdpa_train(q, k, v, mask, appended, scale, isa)
+        }
         AttnPath::CpuTiled => tiled::sdpa_tiled(q, k, v, mask, appended, scale, isa),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
@@ -231,6 +241,9 @@ mod flash;
 
 /// candle's fused Metal kernel; compiled only with the `metal` feature.
 mod metal;
+
+/// The tiled kernel's forward and fused backward as one autograd op.
+mod train;
 
 /// [`scaled_dot_product_attention`] that also returns the attention
 /// weights, `(batch, heads, q_len, kv_len)`, in the input dtype.
