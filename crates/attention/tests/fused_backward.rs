@@ -3,8 +3,8 @@
 //! key lengths apart and across the backward's tiles, grouped-query heads,
 //! odd head dims), every mask kind, every instruction set the processor
 //! runs; and `MultiheadAttention`'s weights get the reference path's
-//! gradients through it. Its agreement with `torch.autograd` is
-//! `softcap.rs`'s `gradients_match_torch_autograd`.
+//! gradients through it; and the gradients equal `torch.autograd`'s
+//! (here, and soft-capped in `softcap.rs`).
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor, Var};
@@ -15,7 +15,11 @@ use multihead_attention::{
 };
 use multihead_kernels::isa::{supported, Isa};
 use multihead_test_support::compare::{assert_close, max_abs_diff};
-use multihead_test_support::{errors::assert_err, random::randn};
+use multihead_test_support::{
+    errors::assert_err,
+    fixtures::{fixture_dir, Fixture},
+    random::randn,
+};
 
 /// Which way a test runs attention.
 #[derive(Clone, Copy, Debug)]
@@ -149,6 +153,51 @@ fn fused_gradients_equal_reference_over_shapes_and_masks() -> Result<()> {
                 for ((x, got), expected) in ["dq", "dk", "dv"].iter().zip(&got).zip(&expected) {
                     gradients_close(&format!("{what}: {x}"), got, expected)?;
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The output and gradients equal `torch.autograd`'s through
+/// `F.scaled_dot_product_attention` (fixture written by
+/// `scripts/make_attention_grad_fixtures.py`): grouped-query heads with
+/// PyTorch's causal rule, an additive mask, a boolean mask over keys past
+/// the backward's tiles, key padding; on every path and instruction set.
+#[test]
+fn gradients_match_torch_autograd() -> Result<()> {
+    let f = Fixture::load(&fixture_dir("attention_grads.safetensors"), &Device::Cpu)?;
+    let cases = f.case["cases"].as_object().context("no cases")?;
+    assert_eq!(cases.len(), 4);
+    for (name, case) in cases {
+        let get = |part: &str| f.get(&format!("{name}.{part}"));
+        let var = |part: &str| -> Result<Var> { Ok(Var::from_tensor(get(part)?)?) };
+        let (q, k, v) = (var("q")?, var("k")?, var("v")?);
+        let mask = match case["mask"].as_str().context("mask")? {
+            "causal_top_left" => Mask::causal(Causal::TopLeft),
+            "additive" => Mask::new().with_attn(AttnMask::Additive(get("mask")?.clone())),
+            "attend_where_true" => Mask::new().with_attn(AttnMask::AttendWhereTrue(get("mask")?.clone())),
+            "key_padding" => {
+                let lengths: Vec<usize> = case["lengths"]
+                    .as_array()
+                    .context("lengths")?
+                    .iter()
+                    .map(|x| x.as_u64().map(|x| x as usize).context("length"))
+                    .collect::<Result<_>>()?;
+                Mask::new().with_key_padding(KeyPaddingMask::from_lengths(&lengths, k.dim(2)?, &Device::Cpu)?)
+            }
+            other => anyhow::bail!("{name}: unknown mask {other}"),
+        };
+        let scale = case["scale"].as_f64();
+        let vias = [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference]
+            .map(Via::Path)
+            .into_iter()
+            .chain(supported().into_iter().map(Via::Isa));
+        for via in vias {
+            let (out, got) = grads((&q, &k, &v), &mask, scale, get("g")?, via)?;
+            assert_close(&format!("{name} {via:?} out"), &out, get("out")?, 1e-5)?;
+            for (x, got) in ["dq", "dk", "dv"].iter().zip(&got) {
+                assert_close(&format!("{name} {via:?} {x}"), got, get(x)?, 1e-5)?;
             }
         }
     }
