@@ -25,8 +25,9 @@
 //!   (`tiles.rs`, `units.rs`) or a single row (`one_row.rs`), and the
 //!   linear micro-kernels (`avx2.rs`, `avx512.rs`; `avx512bf16.rs`, the
 //!   AVX-512 kernels with `vdpbf16ps` for their step);
-//! - `attention/`: [`attention::sdpa`] and its dispatch (`mod.rs`), a call
-//!   as its work units see it (`problem.rs`), the packed tiles' driver
+//! - `attention/`: [`attention::sdpa`] and its dispatch (`mod.rs`), the
+//!   mask as it reads it (`mask.rs`), a call as its work units see it
+//!   (`problem.rs`), the packed tiles' driver
 //!   (`tiles.rs`), decode-sized products read in place (`decode.rs`), the
 //!   attention micro-kernels (`avx2.rs`, `avx512.rs`), and the backward
 //!   (`backward.rs`);

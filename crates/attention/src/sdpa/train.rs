@@ -9,7 +9,7 @@
 use std::sync::Mutex;
 
 use candle::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
-use multihead_kernels::attention::{self as kernel, Masking, TileOptions};
+use multihead_kernels::attention::{self as kernel, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use super::{sdpa_reference, Call};
@@ -62,7 +62,7 @@ pub(super) fn sdpa_train(
 ) -> Result<Tensor> {
     let (batch, heads, q_len, _) = q.dims4()?;
     let masked_keys = k.dim(2)?.saturating_sub(appended);
-    let masking = masking(mask, (batch, heads, q_len, masked_keys))?;
+    let masking = mask.masking((batch, heads, q_len, masked_keys))?;
     let options = TileOptions {
         isa,
         ..TileOptions::default()
@@ -84,25 +84,6 @@ pub(super) fn sdpa_train(
     };
     // (B, L, H, Dv) -> (B, H, L, Dv), the view the kernel gives.
     q.apply_op3(k, v, op)?.transpose(1, 2)
-}
-
-/// `mask` as the kernel reads it over `(batch, heads, q_len,
-/// masked_keys)`: key padding and attention masks in their own shapes,
-/// the causal rule and the window as rules.
-fn masking(
-    mask: &Mask,
-    (batch, heads, q_len, masked_keys): (usize, usize, usize, usize),
-) -> Result<Masking<'_>> {
-    Ok(Masking {
-        parts: mask.tensor_parts((batch, heads, q_len, masked_keys))?,
-        causal: mask.causal.map(|c| c.offset(q_len, masked_keys)),
-        window: mask.window,
-        alibi: mask
-            .alibi
-            .as_ref()
-            .map(|a| (a.slopes(), mask.alibi_offset(q_len, masked_keys))),
-        softcap: mask.softcap,
-    })
 }
 
 /// The op that ties a fused forward to its backward. candle hands a
@@ -158,7 +139,7 @@ impl CustomOp3 for FusedAttention {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (batch, heads, q_len, _) = q.dims4()?;
         let masked_keys = k.dim(2)?.saturating_sub(self.appended);
-        let masking = masking(&self.mask, (batch, heads, q_len, masked_keys))?;
+        let masking = self.mask.masking((batch, heads, q_len, masked_keys))?;
         // `res` and `grad_res` are (B, L, H, Dv); the kernel reads them as
         // (B, H, L, Dv) views.
         let grads = kernel::sdpa_backward(

@@ -31,7 +31,8 @@
 use candle::{bail, DType, Result, Tensor, D};
 use gemm::{gemm, Parallelism};
 
-use super::problem::{last_dim_contiguous, with_view, Masking, PartView, Problem, View};
+use super::mask::{part_storages, part_views, Masking};
+use super::problem::{last_dim_contiguous, with_view, Problem, View};
 use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
 
@@ -125,15 +126,8 @@ pub fn sdpa_backward(
         alibi,
         softcap,
     } = masking;
-    let guards = parts
-        .iter()
-        .map(|p| p.tensor().storage_and_layout())
-        .collect::<Vec<_>>();
-    let part_views = parts
-        .iter()
-        .zip(&guards)
-        .map(|(part, (storage, layout))| PartView::new(part, storage, layout))
-        .collect::<Result<Vec<_>>>()?;
+    let guards = part_storages(parts);
+    let part_views = part_views(parts, &guards)?;
     let mut dq = vec![0f32; b * h * l * d];
     let mut dk = vec![0f32; b * kh * s * d];
     let mut dvs = vec![0f32; b * kh * s * dv];

@@ -34,6 +34,7 @@ mod avx512;
 mod backward;
 #[cfg(target_arch = "x86_64")]
 mod decode;
+mod mask;
 mod problem;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
@@ -47,8 +48,9 @@ use crate::rows::simd;
 use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
 pub use backward::{sdpa_backward, Gradients};
-use problem::{last_dim_contiguous, with_view, KvElem, PartView, Problem, Unit, BLOCK_K, DIRECT_ROWS};
-pub use problem::{window_isize, MaskPart, Masking};
+use mask::{part_storages, part_views};
+pub use mask::{window_isize, MaskPart, Masking};
+use problem::{last_dim_contiguous, with_view, KvElem, Problem, Unit, BLOCK_K, DIRECT_ROWS};
 
 /// Bytes of one (batch, kv-head)'s packed keys and values up to which
 /// threads pack their own ([`Packing::PerThread`]): half of a 2 MiB L2.
@@ -301,15 +303,8 @@ fn sdpa_in<KV: KvElem>(
             })
         })
         .collect();
-    let guards = parts
-        .iter()
-        .map(|p| p.tensor().storage_and_layout())
-        .collect::<Vec<_>>();
-    let part_views = parts
-        .iter()
-        .zip(&guards)
-        .map(|(part, (storage, layout))| PartView::new(part, storage, layout))
-        .collect::<Result<Vec<_>>>()?;
+    let guards = part_storages(parts);
+    let part_views = part_views(parts, &guards)?;
     with_view::<f32, _>(&q, "q", |qv| {
         with_view::<KV, _>(&k, "k", |kv| {
             with_view::<KV, _>(&v, "v", |vv| {

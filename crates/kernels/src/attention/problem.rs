@@ -1,6 +1,5 @@
 //! One [`sdpa`](super::sdpa) call as its work units see it: the problem
-//! ([`Problem`]: the inputs' views, the masks and the rules, given as a
-//! [`Masking`]), a unit's rows
+//! ([`Problem`]: the inputs' views, the masks and the rules), a unit's rows
 //! ([`Unit`]), and a unit's run over its key blocks through `gemm` or the
 //! decode-sized products (`decode.rs`): scores, masks, the online softmax
 //! and the weighted values, then its rows written out. The packed tiles
@@ -12,6 +11,7 @@ use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
 use super::decode;
+use super::mask::{window_isize, PartData, PartView};
 use crate::elem::PanelElem;
 use crate::rows::simd;
 use crate::runtime::isa::Isa;
@@ -66,95 +66,6 @@ pub(super) fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
         Ok(t.clone())
     } else {
         t.contiguous()
-    }
-}
-
-/// One mask tensor as the kernel reads it: in its own broadcast shape
-/// (4-D, broadcastable to `(batch, heads, q_len, kv_len)`, contiguous),
-/// never expanded to the full score shape.
-#[derive(Debug, Clone)]
-pub enum MaskPart {
-    /// `u8`; a non-zero entry hides the pair.
-    HideWhereNonZero(Tensor),
-    /// `u8`; a zero entry hides the pair.
-    HideWhereZero(Tensor),
-    /// `f32`, added to the scores of visible pairs; `-inf` hides the pair.
-    Additive(Tensor),
-}
-
-impl MaskPart {
-    /// The part's tensor.
-    pub fn tensor(&self) -> &Tensor {
-        match self {
-            Self::HideWhereNonZero(t) | Self::HideWhereZero(t) | Self::Additive(t) => t,
-        }
-    }
-}
-
-/// A window's length as a signed key distance, saturating: a window longer
-/// than any sequence hides nothing rather than wrapping negative.
-pub fn window_isize(w: usize) -> isize {
-    isize::try_from(w).unwrap_or(isize::MAX)
-}
-
-/// What hides or biases the scores of the keys before the `appended` ones
-/// of [`sdpa`](super::sdpa) (those are never masked: PyTorch's `add_bias_kv` and
-/// `add_zero_attn`). A query sees key `j` iff every part, the causal rule
-/// and the window let it.
-#[derive(Debug, Clone, Default)]
-pub struct Masking<'a> {
-    /// Tensor masks, each in its own broadcast shape.
-    pub parts: Vec<MaskPart>,
-    /// The causal rule: key `j` is visible to query `i` iff `j <= i +
-    /// offset`.
-    pub causal: Option<isize>,
-    /// With `causal`: and iff `j > i + offset - window`.
-    pub window: Option<usize>,
-    /// ALiBi: per-head slopes, and the offset of the diagonal distances
-    /// are measured from (`slope · (j - i - offset)` is added).
-    pub alibi: Option<(&'a [f32], isize)>,
-    /// Logit soft-capping (Gemma 2): every scaled score `s` becomes `cap ·
-    /// tanh(s / cap)` before the mask and ALiBi apply to it, the appended
-    /// keys' too. Finite and > 0 (checked by the caller).
-    pub softcap: Option<f32>,
-}
-
-/// A mask part's data as the kernel reads it, with its element strides
-/// over (batch, head, query, key); a broadcast dim has stride 0.
-pub(super) struct PartView<'a> {
-    data: PartData<'a>,
-    stride: [usize; 4],
-}
-
-#[derive(Clone, Copy)]
-enum PartData<'a> {
-    HideWhereNonZero(&'a [u8]),
-    HideWhereZero(&'a [u8]),
-    Additive(&'a [f32]),
-}
-
-impl<'a> PartView<'a> {
-    pub(super) fn new(part: &MaskPart, storage: &'a Storage, layout: &Layout) -> Result<Self> {
-        let Storage::Cpu(cpu) = storage else {
-            bail!("cpu attention kernel: mask is not on the CPU")
-        };
-        let dims = layout.dims();
-        let [_, d1, d2, d3] = *dims else {
-            bail!("cpu attention kernel: mask part must be 4-D, found {dims:?}")
-        };
-        // Parts are contiguous in their own shape ([`MaskPart`]).
-        let dense = [d1 * d2 * d3, d2 * d3, d3, 1];
-        let mut stride = [0; 4];
-        for i in 0..4 {
-            stride[i] = if dims[i] > 1 { dense[i] } else { 0 };
-        }
-        let start = layout.start_offset();
-        let data = match part {
-            MaskPart::HideWhereNonZero(_) => PartData::HideWhereNonZero(&cpu.as_slice::<u8>()?[start..]),
-            MaskPart::HideWhereZero(_) => PartData::HideWhereZero(&cpu.as_slice::<u8>()?[start..]),
-            MaskPart::Additive(_) => PartData::Additive(&cpu.as_slice::<f32>()?[start..]),
-        };
-        Ok(Self { data, stride })
     }
 }
 
