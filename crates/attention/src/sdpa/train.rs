@@ -33,16 +33,12 @@ pub(super) fn refusal(call: &Call, mask: &Mask) -> Option<String> {
             q.device()
         ));
     }
-    let key_padding = mask.key_padding.as_ref().map(|m| match m {
-        KeyPaddingMask::PadWhereTrue(t) | KeyPaddingMask::Additive(t) => t,
-    });
-    let attn = mask.attn.as_ref().map(|m| match m {
-        AttnMask::IgnoreWhereTrue(t) | AttnMask::AttendWhereTrue(t) | AttnMask::Additive(t) => t,
-    });
+    let key_padding = mask.key_padding.as_ref().map(KeyPaddingMask::tensor);
+    let attn = mask.attn.as_ref().map(AttnMask::tensor);
     key_padding
         .into_iter()
         .chain(attn)
-        .any(|t| t.track_op())
+        .any(Tensor::track_op)
         .then(|| "the mask needs gradients, which only the reference path gives it".into())
 }
 
