@@ -1,8 +1,9 @@
-//! The backward pass of [`sdpa`](super::sdpa), and the forward that keeps
-//! what it needs: FlashAttention-2's backward (Dao, 2023, Algorithm 2).
+//! The backward pass of [`sdpa`](super::sdpa): FlashAttention-2's backward
+//! (Dao, 2023, Algorithm 2).
 //!
-//! The forward ([`sdpa_saving_lse`]) is `sdpa` keeping, beside the output
-//! `O`, each query row's log-sum-exp `lse` of its scores. The backward
+//! The forward that keeps what it needs,
+//! [`sdpa_saving_lse`](super::sdpa_saving_lse), is `sdpa` keeping, beside
+//! the output `O`, each query row's log-sum-exp `lse` of its scores. The backward
 //! ([`sdpa_backward`]) never holds the `(q_len, kv_len)` probabilities: it
 //! recomputes them a tile at a time, `P = exp(S − lse)`, from the queries,
 //! the keys and the mask as the forward reads it ([`Problem::mask_row`]),
@@ -54,8 +55,9 @@ pub struct Gradients {
 
 /// The gradients of `O = sdpa(q, k, v)` with respect to q, k and v, given
 /// `d_out`, the gradient of a loss with respect to `O`, and what
-/// [`sdpa_saving_lse`](super::sdpa_saving_lse) returned for the same inputs, mask, `appended` and
-/// `scale` (`out` and `lse`). f32 CPU tensors; `out` and `d_out` are
+/// [`sdpa_saving_lse`](super::sdpa_saving_lse) returned for the same
+/// inputs, mask, `appended` and `scale` (`out` and `lse`). f32 CPU
+/// tensors; `out` and `d_out` are
 /// `(batch, heads, q_len, v_head_dim)`, any strides with a contiguous last
 /// dim. The work runs on `isa` (`None`: [`current`]) for the mask's row
 /// operations, on `gemm` for the products.
