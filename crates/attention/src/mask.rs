@@ -98,7 +98,8 @@ impl KeyPaddingMask {
         Ok(Self::PadWhereTrue(t))
     }
 
-    fn tensor(&self) -> &Tensor {
+    /// The mask's tensor, as given.
+    pub(crate) fn tensor(&self) -> &Tensor {
         match self {
             Self::PadWhereTrue(t) | Self::Additive(t) => t,
         }
@@ -138,7 +139,8 @@ pub enum AttnMask {
 }
 
 impl AttnMask {
-    fn tensor(&self) -> &Tensor {
+    /// The mask's tensor, as given.
+    pub(crate) fn tensor(&self) -> &Tensor {
         match self {
             Self::IgnoreWhereTrue(t) | Self::AttendWhereTrue(t) | Self::Additive(t) => t,
         }

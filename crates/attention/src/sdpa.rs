@@ -9,7 +9,7 @@
 //! masked returns zeros where PyTorch returns NaN.
 
 use candle::{bail, DType, Result, Tensor, D};
-use multihead_kernels::attention::{self as kernel, Masking, TileOptions};
+use multihead_kernels::attention::{self as kernel, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use crate::mask::Mask;
@@ -54,15 +54,19 @@ pub enum AttnPath {
     /// The fastest path that can serve the call: [`AttnPath::CpuTiled`] on
     /// the CPU, [`AttnPath::FlashAttn`] or [`AttnPath::MetalFused`] where
     /// built and applicable, else [`AttnPath::Reference`]. Calls that need
-    /// gradients, attention weights or dropout always take the reference
-    /// path.
+    /// attention weights or dropout always take the reference path, and
+    /// calls that need gradients do unless [`AttnPath::CpuTiled`] can
+    /// backpropagate them.
     #[default]
     Auto,
     /// Materialises the `(q_len, kv_len)` scores: returns weights, applies
     /// dropout, backpropagates, runs on every device.
     Reference,
     /// The memory-efficient tiled CPU kernel (f32, f16, bf16 with f32
-    /// accumulation; every mask kind; grouped-query). Forward only.
+    /// accumulation; every mask kind; grouped-query). Where q, k or v need
+    /// gradients (all f32, the mask's tensors not), `Tensor::backward`
+    /// runs its fused backward, which holds no `(q_len, kv_len)` tensor
+    /// either.
     CpuTiled,
     /// `candle-flash-attn` on CUDA (f16/bf16; no mask but a causal rule),
     /// with the `flash-attn` feature.
@@ -77,10 +81,13 @@ impl AttnPath {
     /// `Reference` always can (the reference path serves every valid call).
     fn refusal(self, call: &Call, mask: &Mask, appended: usize) -> Option<String> {
         let Call { q, k, v, .. } = *call;
-        let grads = q.track_op() || k.track_op() || v.track_op();
+        let grads = train::tracked(q, k, v);
         match self {
             AttnPath::Auto | AttnPath::Reference => None,
-            _ if grads => Some("gradients are tracked and only the reference path backpropagates".into()),
+            AttnPath::CpuTiled if grads => train::refusal(call, mask),
+            _ if grads => {
+                Some("gradients are tracked and only the reference and CPU paths backpropagate".into())
+            }
             AttnPath::CpuTiled => (!kernel::supports(q)).then(|| {
                 format!(
                     "needs a CPU tensor of f32/f16/bf16, found {:?} on {:?}",
@@ -196,6 +203,9 @@ pub(crate) fn sdpa_dispatch(
         _ => kv_in_dtype_of(q, k, v)?,
     };
     match path {
+        AttnPath::CpuTiled if train::tracked(q, k, v) => {
+            train::sdpa_train(q, k, v, mask, appended, scale, isa)
+        }
         AttnPath::CpuTiled => sdpa_tiled(q, k, v, mask, appended, scale, isa),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
@@ -239,19 +249,7 @@ fn sdpa_tiled_with(
 ) -> Result<Tensor> {
     let (batch, heads, q_len, _) = q.dims4()?;
     let masked_keys = k.dim(2)?.saturating_sub(appended);
-    // Key padding and attention masks are read in their own shapes (bytes
-    // stay bytes); the causal rule stays a rule, so tiles above the
-    // diagonal are skipped instead of computed and masked.
-    let masking = Masking {
-        parts: mask.tensor_parts((batch, heads, q_len, masked_keys))?,
-        causal: mask.causal.map(|c| c.offset(q_len, masked_keys)),
-        window: mask.window,
-        alibi: mask
-            .alibi
-            .as_ref()
-            .map(|a| (a.slopes(), mask.alibi_offset(q_len, masked_keys))),
-        softcap: mask.softcap,
-    };
+    let masking = mask.masking((batch, heads, q_len, masked_keys))?;
     match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
         Some(out) => Ok(out),
         // A non-finite value met a hidden key: the reference path, which
@@ -287,6 +285,9 @@ mod flash;
 
 /// candle's fused Metal kernel; compiled only with the `metal` feature.
 mod metal;
+
+/// The tiled kernel's forward and fused backward as one autograd op.
+mod train;
 
 #[cfg(test)]
 mod tiled_tests;

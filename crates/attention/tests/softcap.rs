@@ -72,8 +72,10 @@ fn matches_hf_gemma2_eager_attention() -> Result<()> {
     Ok(())
 }
 
-/// The reference path's gradients through the soft-cap equal
-/// `torch.autograd`'s through HF's eager attention.
+/// The gradients through the soft-cap equal `torch.autograd`'s through
+/// HF's eager attention (grouped-query, causal, sliding window, left
+/// padding), on the reference path and through the fused backward (the
+/// path `Auto` takes for tracked f32 inputs) under every instruction set.
 #[test]
 fn gradients_match_torch_autograd() -> Result<()> {
     let f = Fixture::load(&fixture_dir("softcap.safetensors"), &Device::Cpu)?;
@@ -85,15 +87,30 @@ fn gradients_match_torch_autograd() -> Result<()> {
     );
     let mask = case_mask(case, q.dim(0)?, k.dim(2)?)?;
     let scale = case["scaling"].as_f64().context("scaling")?;
-    // Tracked inputs take the reference path.
-    let out = scaled_dot_product_attention_via(&q, &k, &v, &mask, Some(scale), AttnPath::Auto)?;
-    assert_close("grad out", &out, f.get("grad.out")?, 1e-5)?;
-    let grads = (out * f.get("grad.g")?)?.sum_all()?.backward()?;
-    for (name, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
-        let g = grads
-            .get(var)
-            .with_context(|| format!("no gradient for {name}"))?;
-        assert_close(name, g, f.get(&format!("grad.{name}"))?, 1e-5)?;
+    let paths = [AttnPath::Auto, AttnPath::CpuTiled, AttnPath::Reference]
+        .into_iter()
+        .map(|path| {
+            (
+                format!("{path:?}"),
+                scaled_dot_product_attention_via(&q, &k, &v, &mask, Some(scale), path),
+            )
+        });
+    let isas = supported().into_iter().map(|isa| {
+        (
+            format!("{isa:?}"),
+            scaled_dot_product_attention_tiled_on(&q, &k, &v, &mask, Some(scale), isa),
+        )
+    });
+    for (via, out) in paths.chain(isas) {
+        let out = out?;
+        assert_close(&format!("{via} grad out"), &out, f.get("grad.out")?, 1e-5)?;
+        let grads = (out * f.get("grad.g")?)?.sum_all()?.backward()?;
+        for (name, var) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            let g = grads
+                .get(var)
+                .with_context(|| format!("{via}: no gradient for {name}"))?;
+            assert_close(&format!("{via} {name}"), g, f.get(&format!("grad.{name}"))?, 1e-5)?;
+        }
     }
     Ok(())
 }
@@ -192,7 +209,8 @@ fn multihead_attention_takes_the_cap_from_its_config() -> Result<()> {
         &cfg,
         candle_nn::VarBuilder::from_varmap(&varmap, candle::DType::F32, &Device::Cpu),
     )?;
-    // Plain copies: variables would send every call to the reference path.
+    // Plain copies: the kernel's forward alone, without the op that ties
+    // it to its backward.
     let mha = MultiheadAttention::new(&cfg, plain_copy(&varmap)?)?;
     let uncapped = MultiheadAttention::new(
         &MhaConfig {

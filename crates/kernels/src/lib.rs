@@ -7,7 +7,8 @@
 //!   backpropagating where they train, [`relu`] and
 //!   [`silu_and_mul`] as PyTorch computes them;
 //! - [`attention::sdpa`]: a memory-efficient (FlashAttention-style)
-//!   attention kernel over strided inputs, masks read in their own shapes;
+//!   attention kernel over strided inputs, masks read in their own shapes,
+//!   and its fused backward ([`attention::sdpa_backward`]);
 //! - [`isa`]: the one place that detects the instruction set.
 //!
 //! # Layout
@@ -27,10 +28,11 @@
 //!   (`trained.rs`), and the linear micro-kernels (`avx2.rs`,
 //!   `avx512.rs`; `avx512bf16.rs`, the AVX-512 kernels with `vdpbf16ps`
 //!   for their step);
-//! - `attention/`: [`attention::sdpa`] and its dispatch (`mod.rs`), a call
-//!   as its work units see it (`problem.rs`), the packed tiles' driver
-//!   (`tiles.rs`), decode-sized products read in place (`decode.rs`), and
-//!   the attention micro-kernels (`avx2.rs`, `avx512.rs`);
+//! - `attention/`: [`attention::sdpa`] and its dispatch (`mod.rs`), the
+//!   mask as it reads it (`mask.rs`), a call as its work units see it
+//!   (`problem.rs`), the packed tiles' driver (`tiles.rs`), decode-sized
+//!   products read in place (`decode.rs`), the attention micro-kernels
+//!   (`avx2.rs`, `avx512.rs`), and the backward (`backward.rs`);
 //! - `panel/`: the panel layout both share, and the AVX2 micro-kernel of
 //!   rows by panels that both run;
 //! - `quant/`: linear weights in quantized block formats, a folder per

@@ -1,8 +1,9 @@
-//! A [`Mask`]'s tensors as the kernel's [`MaskPart`]s, and as the
-//! `(hidden, added)` pair of a reference path.
+//! A [`Mask`]'s tensors as the kernel's [`MaskPart`]s, the whole mask as
+//! the kernel's [`Masking`], and as the `(hidden, added)` pair of a
+//! reference path.
 
 use candle::{Device, Result, Tensor};
-use multihead_kernels::attention::MaskPart;
+use multihead_kernels::attention::{MaskPart, Masking};
 
 use super::{as_u8, attn_mask_as_4d, float_to_bias, AttnMask, KeyPaddingMask, Mask};
 
@@ -58,6 +59,27 @@ impl Mask {
             });
         }
         Ok(parts)
+    }
+
+    /// The mask as the tiled kernel reads it over `(batch, heads, q_len,
+    /// kv_len)` (the keys before any appended ones), validated: key padding
+    /// and attention masks in their own shapes (bytes stay bytes), the
+    /// causal rule, the window and ALiBi as rules, so that tiles they hide
+    /// whole are skipped instead of computed and masked.
+    pub(crate) fn masking(
+        &self,
+        (batch, heads, q_len, kv_len): (usize, usize, usize, usize),
+    ) -> Result<Masking<'_>> {
+        Ok(Masking {
+            parts: self.tensor_parts((batch, heads, q_len, kv_len))?,
+            causal: self.causal.map(|c| c.offset(q_len, kv_len)),
+            window: self.window,
+            alibi: self
+                .alibi
+                .as_ref()
+                .map(|a| (a.slopes(), self.alibi_offset(q_len, kv_len))),
+            softcap: self.softcap,
+        })
     }
 
     /// The mask as the reference path applies it, over `(batch, heads,

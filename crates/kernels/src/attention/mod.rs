@@ -21,27 +21,36 @@
 //! wants. Masks are read in their own broadcast shapes ([`MaskPart`]); the
 //! causal rule and the sliding window stay rules, so tiles they hide
 //! whole are skipped. A unit's run over its key blocks is `problem.rs`.
+//!
+//! For training, [`sdpa_saving_lse`] also keeps each query row's
+//! log-sum-exp, from which [`sdpa_backward`] (`backward.rs`,
+//! FlashAttention-2's backward) recomputes the probabilities a tile at a
+//! time for dQ, dK and dV.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod backward;
 #[cfg(target_arch = "x86_64")]
 mod decode;
+mod mask;
 mod problem;
 #[cfg(target_arch = "x86_64")]
 mod tiles;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use candle::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
+use candle::{bail, DType, Result, Storage, Tensor};
 use half::{bf16, f16};
 
 use crate::rows::simd;
 use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
-pub use problem::{window_isize, MaskPart};
-use problem::{KvElem, PartView, Problem, Unit, View, BLOCK_K, DIRECT_ROWS};
+pub use backward::{sdpa_backward, Gradients};
+use mask::{part_storages, part_views};
+pub use mask::{window_isize, MaskPart, Masking};
+use problem::{last_dim_contiguous, with_view, KvElem, Problem, Unit, BLOCK_K, DIRECT_ROWS};
 
 /// Bytes of one (batch, kv-head)'s packed keys and values up to which
 /// threads pack their own ([`Packing::PerThread`]): half of a 2 MiB L2.
@@ -69,51 +78,10 @@ const AVX2_BLOCK_Q: usize = 96;
 /// and units of one head share out more evenly between the threads.
 const GROUP_FROM_KEYS: usize = BLOCK_K;
 
-/// Borrows the data of a CPU tensor of `T`s with a contiguous last dim.
-fn with_view<T: WithDType, R>(t: &Tensor, what: &str, f: impl FnOnce(View<T>) -> Result<R>) -> Result<R> {
-    let (storage, layout): (_, &Layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        bail!("cpu attention kernel: {what} is not on the CPU")
-    };
-    let data = cpu.as_slice::<T>()?;
-    let stride = layout.stride();
-    if stride.len() != 4 || (stride[3] != 1 && layout.dims()[3] > 1) {
-        bail!("cpu attention kernel: {what} needs a contiguous last dim, found strides {stride:?}")
-    }
-    // A view of an empty tensor may start past the end of its storage.
-    let data = data.get(layout.start_offset()..).unwrap_or_default();
-    f(View {
-        data,
-        stride: [stride[0], stride[1], stride[2], 1],
-    })
-}
-
 /// Whether the kernel can serve these inputs: CPU tensors of f32, f16 or
 /// bf16.
 pub fn supports(q: &Tensor) -> bool {
     q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
-}
-
-/// What hides or biases the scores of the keys before the `appended` ones
-/// of [`sdpa`] (those are never masked: PyTorch's `add_bias_kv` and
-/// `add_zero_attn`). A query sees key `j` iff every part, the causal rule
-/// and the window let it.
-#[derive(Debug, Clone, Default)]
-pub struct Masking<'a> {
-    /// Tensor masks, each in its own broadcast shape.
-    pub parts: Vec<MaskPart>,
-    /// The causal rule: key `j` is visible to query `i` iff `j <= i +
-    /// offset`.
-    pub causal: Option<isize>,
-    /// With `causal`: and iff `j > i + offset - window`.
-    pub window: Option<usize>,
-    /// ALiBi: per-head slopes, and the offset of the diagonal distances
-    /// are measured from (`slope · (j - i - offset)` is added).
-    pub alibi: Option<(&'a [f32], isize)>,
-    /// Logit soft-capping (Gemma 2): every scaled score `s` becomes `cap ·
-    /// tanh(s / cap)` before the mask and ALiBi apply to it, the appended
-    /// keys' too. Finite and > 0 (checked by the caller).
-    pub softcap: Option<f32>,
 }
 
 /// How a tile's two products are computed.
@@ -170,16 +138,6 @@ impl Packing {
     }
 }
 
-/// `t` with a contiguous last dim: the tensor itself where it has one.
-fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
-    let (stride, dims) = (t.stride(), t.dims());
-    if stride.last() == Some(&1) || dims.last().is_some_and(|&d| d <= 1) {
-        Ok(t.clone())
-    } else {
-        t.contiguous()
-    }
-}
-
 /// The instruction set, the tile products and the packing, where a
 /// caller forces them (tests and benchmarks); `None` takes the best for
 /// the call and the processor. A choice the processor cannot run falls
@@ -228,17 +186,46 @@ pub fn sdpa(
     let q32 = q.to_dtype(DType::F32)?;
     let in_place = k.dtype() == v.dtype();
     let out = match k.dtype() {
-        DType::BF16 if in_place => sdpa_in::<bf16>(&q32, k, v, masking, appended, scale, options)?,
-        DType::F16 if in_place => sdpa_in::<f16>(&q32, k, v, masking, appended, scale, options)?,
+        DType::BF16 if in_place => sdpa_in::<bf16>(&q32, k, v, masking, appended, scale, options, false)?,
+        DType::F16 if in_place => sdpa_in::<f16>(&q32, k, v, masking, appended, scale, options, false)?,
         _ => {
             let f = |t: &Tensor| t.to_dtype(DType::F32);
-            sdpa_in::<f32>(&q32, &f(k)?, &f(v)?, masking, appended, scale, options)?
+            sdpa_in::<f32>(&q32, &f(k)?, &f(v)?, masking, appended, scale, options, false)?
         }
     };
-    out.map(|t| t.to_dtype(dtype)).transpose()
+    out.map(|(t, _)| t.to_dtype(dtype)).transpose()
 }
 
-/// [`sdpa`] on f32 queries and keys and values of `KV`.
+/// [`sdpa`] on f32 queries, keys and values that also returns each query
+/// row's log-sum-exp of its (scaled, soft-capped, masked) scores,
+/// `(batch, heads, q_len)`, `-inf` for a row that sees no key: what
+/// [`sdpa_backward`] needs besides the output. `None` where `sdpa` gives
+/// `None` (a non-finite value the mask may hide).
+pub fn sdpa_saving_lse(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    masking: &Masking,
+    appended: usize,
+    scale: f64,
+    options: TileOptions,
+) -> Result<Option<(Tensor, Tensor)>> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.dtype() != DType::F32 {
+            bail!(
+                "attention forward saving lse: {name} must be f32, found {:?}",
+                t.dtype()
+            )
+        }
+    }
+    let out = sdpa_in::<f32>(q, k, v, masking, appended, scale, options, true)?;
+    Ok(out.and_then(|(out, lse)| Some((out, lse?))))
+}
+
+/// [`sdpa`] on f32 queries and keys and values of `KV`; with `save_lse`,
+/// also each query row's log-sum-exp of its scores, `(batch, heads,
+/// q_len)` (`-inf` for a row that sees no key).
+#[allow(clippy::too_many_arguments)]
 fn sdpa_in<KV: KvElem>(
     q: &Tensor,
     k: &Tensor,
@@ -247,7 +234,8 @@ fn sdpa_in<KV: KvElem>(
     appended: usize,
     scale: f64,
     options: TileOptions,
-) -> Result<Option<Tensor>> {
+    save_lse: bool,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
     let TileOptions { tiles, packing, isa } = options;
     // The kernel reads rows in place; any other layout is copied once.
     let (q, k, v) = (
@@ -270,6 +258,8 @@ fn sdpa_in<KV: KvElem>(
     let non_finite = AtomicBool::new(false);
     // Every (batch, row, head) slot is written by exactly one work unit.
     let mut out: Vec<f32> = Vec::with_capacity(b * l * h * dv);
+    // Every (batch, head, row) slot likewise, where it is kept.
+    let mut lse: Vec<f32> = Vec::with_capacity(if save_lse { b * h * l } else { 0 });
     // A forced choice the processor cannot run, or that the packed layout
     // has no room for (a zero head dim), falls back to what it can.
     let isa = isa.map_or_else(current, runnable);
@@ -313,15 +303,8 @@ fn sdpa_in<KV: KvElem>(
             })
         })
         .collect();
-    let guards = parts
-        .iter()
-        .map(|p| p.tensor().storage_and_layout())
-        .collect::<Vec<_>>();
-    let part_views = parts
-        .iter()
-        .zip(&guards)
-        .map(|(part, (storage, layout))| PartView::new(part, storage, layout))
-        .collect::<Result<Vec<_>>>()?;
+    let guards = part_storages(parts);
+    let part_views = part_views(parts, &guards)?;
     with_view::<f32, _>(&q, "q", |qv| {
         with_view::<KV, _>(&k, "k", |kv| {
             with_view::<KV, _>(&v, "v", |vv| {
@@ -341,6 +324,7 @@ fn sdpa_in<KV: KvElem>(
                     isa,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());
+                let lse_ptr = save_lse.then_some(SyncPtr(lse.as_mut_ptr()));
                 // Rows (bi, i0..i0+rows, hi, ..) of the (B, L, H, Dv) output;
                 // every unit writes a disjoint set of rows.
                 let unit = |bi: usize, hi: usize, i0: usize| Unit {
@@ -352,6 +336,8 @@ fn sdpa_in<KV: KvElem>(
                     out: out_ptr,
                     base: (bi * l + i0) * h * dv + hi * dv,
                     out_rs: h * dv,
+                    lse: lse_ptr,
+                    lse_base: (bi * h + hi) * l + i0,
                 };
                 #[cfg(target_arch = "x86_64")]
                 if let Some(kernels) = match tiles {
@@ -422,6 +408,10 @@ fn sdpa_in<KV: KvElem>(
     drop(guards);
     // SAFETY: the units wrote all `b * l * h * dv` floats (`write_rows`).
     unsafe { out.set_len(b * l * h * dv) };
+    if save_lse {
+        // SAFETY: and every unit wrote its rows' `b * h * l` log-sum-exps.
+        unsafe { lse.set_len(b * h * l) };
+    }
     // A non-finite output comes from a query whose row is NaN (a NaN or
     // +inf score: right as it is) or from a non-finite value; the latter
     // may sit in a hidden key that a tile still multiplied by its zero
@@ -429,9 +419,11 @@ fn sdpa_in<KV: KvElem>(
     if non_finite.into_inner() && !all_finite_tensor(isa, &v.to_dtype(DType::F32)?)? {
         return Ok(None);
     }
-    Ok(Some(
-        Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)?,
-    ))
+    let out = Tensor::from_vec(out, (b, l, h, dv), q.device())?.transpose(1, 2)?;
+    let lse = save_lse
+        .then(|| Tensor::from_vec(lse, (b, h, l), q.device()))
+        .transpose()?;
+    Ok(Some((out, lse)))
 }
 
 /// Whether every element of a CPU f32 tensor is finite.

@@ -1,5 +1,5 @@
 //! One [`sdpa`](super::sdpa) call as its work units see it: the problem
-//! ([`Problem`]: the views, the masks and the rules), a unit's rows
+//! ([`Problem`]: the inputs' views, the masks and the rules), a unit's rows
 //! ([`Unit`]), and a unit's run over its key blocks through `gemm` or the
 //! decode-sized products (`decode.rs`): scores, masks, the online softmax
 //! and the weighted values, then its rows written out. The packed tiles
@@ -11,6 +11,7 @@ use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
 use super::decode;
+use super::mask::{window_isize, PartData, PartView};
 use crate::elem::PanelElem;
 use crate::rows::simd;
 use crate::runtime::isa::Isa;
@@ -35,77 +36,44 @@ impl<T> View<'_, T> {
     }
 }
 
-/// One mask tensor as the kernel reads it: in its own broadcast shape
-/// (4-D, broadcastable to `(batch, heads, q_len, kv_len)`, contiguous),
-/// never expanded to the full score shape.
-#[derive(Debug, Clone)]
-pub enum MaskPart {
-    /// `u8`; a non-zero entry hides the pair.
-    HideWhereNonZero(Tensor),
-    /// `u8`; a zero entry hides the pair.
-    HideWhereZero(Tensor),
-    /// `f32`, added to the scores of visible pairs; `-inf` hides the pair.
-    Additive(Tensor),
-}
-
-impl MaskPart {
-    /// The part's tensor.
-    pub fn tensor(&self) -> &Tensor {
-        match self {
-            Self::HideWhereNonZero(t) | Self::HideWhereZero(t) | Self::Additive(t) => t,
-        }
+/// Borrows the data of a CPU tensor of `T`s with a contiguous last dim.
+pub(super) fn with_view<T: WithDType, R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(View<T>) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout): (_, &Layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("cpu attention kernel: {what} is not on the CPU")
+    };
+    let data = cpu.as_slice::<T>()?;
+    let stride = layout.stride();
+    if stride.len() != 4 || (stride[3] != 1 && layout.dims()[3] > 1) {
+        bail!("cpu attention kernel: {what} needs a contiguous last dim, found strides {stride:?}")
     }
+    // A view of an empty tensor may start past the end of its storage.
+    let data = data.get(layout.start_offset()..).unwrap_or_default();
+    f(View {
+        data,
+        stride: [stride[0], stride[1], stride[2], 1],
+    })
 }
 
-/// A window's length as a signed key distance, saturating: a window longer
-/// than any sequence hides nothing rather than wrapping negative.
-pub fn window_isize(w: usize) -> isize {
-    isize::try_from(w).unwrap_or(isize::MAX)
-}
-
-/// A mask part's data as the kernel reads it, with its element strides
-/// over (batch, head, query, key); a broadcast dim has stride 0.
-pub(super) struct PartView<'a> {
-    data: PartData<'a>,
-    stride: [usize; 4],
-}
-
-#[derive(Clone, Copy)]
-enum PartData<'a> {
-    HideWhereNonZero(&'a [u8]),
-    HideWhereZero(&'a [u8]),
-    Additive(&'a [f32]),
-}
-
-impl<'a> PartView<'a> {
-    pub(super) fn new(part: &MaskPart, storage: &'a Storage, layout: &Layout) -> Result<Self> {
-        let Storage::Cpu(cpu) = storage else {
-            bail!("cpu attention kernel: mask is not on the CPU")
-        };
-        let dims = layout.dims();
-        let [_, d1, d2, d3] = *dims else {
-            bail!("cpu attention kernel: mask part must be 4-D, found {dims:?}")
-        };
-        // Parts are contiguous in their own shape ([`MaskPart`]).
-        let dense = [d1 * d2 * d3, d2 * d3, d3, 1];
-        let mut stride = [0; 4];
-        for i in 0..4 {
-            stride[i] = if dims[i] > 1 { dense[i] } else { 0 };
-        }
-        let start = layout.start_offset();
-        let data = match part {
-            MaskPart::HideWhereNonZero(_) => PartData::HideWhereNonZero(&cpu.as_slice::<u8>()?[start..]),
-            MaskPart::HideWhereZero(_) => PartData::HideWhereZero(&cpu.as_slice::<u8>()?[start..]),
-            MaskPart::Additive(_) => PartData::Additive(&cpu.as_slice::<f32>()?[start..]),
-        };
-        Ok(Self { data, stride })
+/// `t` with a contiguous last dim: the tensor itself where it has one.
+pub(super) fn last_dim_contiguous(t: &Tensor) -> Result<Tensor> {
+    let (stride, dims) = (t.stride(), t.dims());
+    if stride.last() == Some(&1) || dims.last().is_some_and(|&d| d <= 1) {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
     }
 }
 
 /// One work unit: query rows `i0..i0 + rows` of heads `hi..hi + heads`
 /// (of one kv-head; one head in the packed tiles' units) in batch `bi`,
 /// head `hi + t`'s row `r` written to `out[base + t * v_head_dim + r *
-/// out_rs ..][..v_head_dim]`. Units write disjoint rows.
+/// out_rs ..][..v_head_dim]`, and its log-sum-exp, where `lse` is given,
+/// to `lse[lse_base + t * q_len + r]`. Units write disjoint rows.
 #[derive(Clone, Copy)]
 pub(crate) struct Unit {
     pub(crate) bi: usize,
@@ -116,6 +84,10 @@ pub(crate) struct Unit {
     pub(crate) out: SyncPtr,
     pub(crate) base: usize,
     pub(crate) out_rs: usize,
+    /// The rows' log-sum-exp of their scores, `(batch, heads, q_len)`,
+    /// kept for a backward pass ([`super::backward`]).
+    pub(crate) lse: Option<SyncPtr>,
+    pub(crate) lse_base: usize,
 }
 
 /// One [`sdpa`](super::sdpa) call as its work units read it: queries in f32, keys and
@@ -267,7 +239,7 @@ impl<KV: KvElem> Problem<'_, KV> {
             rows,
             ..
         } = unit;
-        let (_, _, d, dv) = self.dims;
+        let (l, _, d, dv) = self.dims;
         let kvh = hi / self.heads_per_kv;
         debug_assert!((hi + heads - 1) / self.heads_per_kv == kvh);
         let n = heads * rows;
@@ -390,10 +362,18 @@ impl<KV: KvElem> Problem<'_, KV> {
         (0..heads).fold(true, |finite, t| {
             let head = Unit {
                 base: unit.base + t * dv,
+                lse_base: unit.lse_base + t * l,
                 ..unit
             };
             let rows = t * rows..(t + 1) * rows;
-            write_rows(&acc[rows.start * dv..], dv, dv, &row_sum[rows], head) && finite
+            write_rows(
+                &acc[rows.start * dv..],
+                dv,
+                dv,
+                &row_max[rows.clone()],
+                &row_sum[rows],
+                head,
+            ) && finite
         })
     }
 }
@@ -422,11 +402,31 @@ unsafe fn f32_rows<E: PanelElem>(
 }
 
 /// Writes the unit's normalised rows: row `r`'s first `dv` accumulators
-/// (of `acc_rs`) over its sum to the unit's output row `r`; whether every
+/// (of `acc_rs`) over its sum to the unit's output row `r`, and `max +
+/// ln(sum)` to its log-sum-exp where the unit keeps them; whether every
 /// output is finite.
-pub(crate) fn write_rows(acc: &[f32], acc_rs: usize, dv: usize, row_sum: &[f32], unit: Unit) -> bool {
+pub(crate) fn write_rows(
+    acc: &[f32],
+    acc_rs: usize,
+    dv: usize,
+    row_max: &[f32],
+    row_sum: &[f32],
+    unit: Unit,
+) -> bool {
     let mut finite = true;
-    for (r, &sum) in row_sum.iter().enumerate() {
+    for (r, (&max, &sum)) in row_max.iter().zip(row_sum).enumerate() {
+        if let Some(lse) = unit.lse {
+            // A row that saw no key gets -inf (its weights are all 0); a NaN
+            // row keeps NaN.
+            let y = if sum > 0. || sum.is_nan() {
+                max + sum.ln()
+            } else {
+                f32::NEG_INFINITY
+            };
+            // SAFETY: the unit's rows of `lse` are its own (the callers'
+            // contract), in bounds as `out`'s are.
+            unsafe { lse.get().add(unit.lse_base + r).write(y) };
+        }
         // A row that saw no key keeps sum 0 and an all-zero accumulator; a
         // NaN row (`softmax::poison`) keeps sum NaN and NaN accumulators.
         let inv = if sum > 0. || sum.is_nan() { 1. / sum } else { 0. };

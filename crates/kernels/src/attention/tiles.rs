@@ -386,7 +386,7 @@ pub(crate) unsafe fn run_block<KV: KvElem>(
             }
         }
     }
-    let finite = write_rows(acc, dvp, dv, row_sum, unit);
+    let finite = write_rows(acc, dvp, dv, row_max, row_sum, unit);
     SCRATCH.set(buf);
     finite
 }

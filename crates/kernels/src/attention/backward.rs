@@ -1,0 +1,439 @@
+//! The backward pass of [`sdpa`](super::sdpa): FlashAttention-2's backward
+//! (Dao, 2023, Algorithm 2).
+//!
+//! The forward that keeps what it needs,
+//! [`sdpa_saving_lse`](super::sdpa_saving_lse), is `sdpa` keeping, beside
+//! the output `O`, each query row's log-sum-exp `lse` of its scores. The backward
+//! ([`sdpa_backward`]) never holds the `(q_len, kv_len)` probabilities: it
+//! recomputes them a tile at a time, `P = exp(S − lse)`, from the queries,
+//! the keys and the mask as the forward reads it ([`Problem::mask_row`]),
+//! and with `Dᵢ = rowsum(dOᵢ ∘ Oᵢ)`:
+//!
+//! ```text
+//! dV += Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − D) ∘ (1 − tanh²)
+//! dQ += scale · dS K               dK += scale · dSᵀ Q
+//! ```
+//!
+//! (`1 − tanh²` only where the scores are soft-capped: the derivative of
+//! `cap · tanh(s / cap)`).
+//!
+//! Two passes, so that no two threads write the same rows and none waits
+//! on another: a unit of the first takes one (batch, kv-head, key block)
+//! and accumulates the block's dK and dV over every query head of the
+//! group (grouped-query heads sum there) and every query block that sees
+//! one of its keys; a unit of the second takes one (batch, head, query
+//! block) and accumulates its dQ over the key blocks it sees. Each pass
+//! recomputes a tile's scores and `dO Vᵀ` rather than sharing dQ between
+//! threads. A tile is [`BLOCK`] × [`BLOCK`] f32 (three of them, 64 KiB
+//! each, stay in L2); the products go through `gemm`, as the forward's
+//! [`Tiles::Gemm`](super::Tiles::Gemm) do. Tiles the causal rule or the
+//! window hide whole are skipped.
+
+use candle::{bail, DType, Result, Tensor, D};
+use gemm::{gemm, Parallelism};
+
+use super::mask::{part_storages, part_views, Masking};
+use super::problem::{last_dim_contiguous, with_view, Problem, View};
+use crate::runtime::isa::{current, runnable, Isa};
+use crate::runtime::pool::{par_for, SyncPtr};
+
+/// Query rows and keys of a backward tile.
+const BLOCK: usize = 128;
+
+/// The gradients [`sdpa_backward`] returns, each in the shape of its
+/// input, contiguous.
+#[derive(Debug, Clone)]
+pub struct Gradients {
+    /// `(batch, heads, q_len, head_dim)`
+    pub q: Tensor,
+    /// `(batch, kv_heads, kv_len, head_dim)`: summed over the query heads
+    /// of each kv-head.
+    pub k: Tensor,
+    /// `(batch, kv_heads, kv_len, v_head_dim)`: the same.
+    pub v: Tensor,
+}
+
+/// The gradients of `O = sdpa(q, k, v)` with respect to q, k and v, given
+/// `d_out`, the gradient of a loss with respect to `O`, and what
+/// [`sdpa_saving_lse`](super::sdpa_saving_lse) returned for the same
+/// inputs, mask, `appended` and `scale` (`out` and `lse`). f32 CPU
+/// tensors; `out` and `d_out` are
+/// `(batch, heads, q_len, v_head_dim)`, any strides with a contiguous last
+/// dim. The work runs on `isa` (`None`: [`current`]) for the mask's row
+/// operations, on `gemm` for the products.
+///
+/// A pair the mask hides takes no part: its gradient is 0 even where its
+/// value is not finite. A row that sees no key (`lse = -inf`, a zero
+/// output) has zero gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn sdpa_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+    masking: &Masking,
+    appended: usize,
+    scale: f64,
+    isa: Option<Isa>,
+) -> Result<Gradients> {
+    let inputs = [
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("out", out),
+        ("lse", lse),
+        ("d_out", d_out),
+    ];
+    for (name, t) in inputs {
+        if t.dtype() != DType::F32 || !t.device().is_cpu() {
+            bail!(
+                "attention backward: {name} must be an f32 CPU tensor, found {:?} on {:?}",
+                t.dtype(),
+                t.device()
+            )
+        }
+    }
+    let (b, h, l, d) = q.dims4()?;
+    let (_, kh, s, _) = k.dims4()?;
+    let dv = v.dim(3)?;
+    if out.dims() != [b, h, l, dv] || d_out.dims() != [b, h, l, dv] || lse.dims() != [b, h, l] {
+        bail!(
+            "attention backward: out {:?}, d_out {:?} and lse {:?} must be {:?}, {:?} and {:?}",
+            out.dims(),
+            d_out.dims(),
+            lse.dims(),
+            [b, h, l, dv],
+            [b, h, l, dv],
+            [b, h, l]
+        )
+    }
+    if kh == 0 || h % kh != 0 {
+        bail!("attention backward: q heads ({h}) must be a multiple of k/v heads ({kh})")
+    }
+    // Dᵢ = rowsum(dOᵢ ∘ Oᵢ), (B, H, L).
+    let delta = (d_out * out)?.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?;
+    let lse = lse.flatten_all()?.to_vec1::<f32>()?;
+    let (q, k, v, d_out) = (
+        last_dim_contiguous(q)?,
+        last_dim_contiguous(k)?,
+        last_dim_contiguous(v)?,
+        last_dim_contiguous(d_out)?,
+    );
+    let Masking {
+        parts,
+        causal,
+        window,
+        alibi,
+        softcap,
+    } = masking;
+    let guards = part_storages(parts);
+    let part_views = part_views(parts, &guards)?;
+    let mut dq = vec![0f32; b * h * l * d];
+    let mut dk = vec![0f32; b * kh * s * d];
+    let mut dvs = vec![0f32; b * kh * s * dv];
+    let (dq_ptr, dk_ptr, dv_ptr) = (
+        SyncPtr(dq.as_mut_ptr()),
+        SyncPtr(dk.as_mut_ptr()),
+        SyncPtr(dvs.as_mut_ptr()),
+    );
+    // Each pass computes both products of every tile, and one or two more.
+    let work = 2 * b * h * l * s * (d + dv);
+    with_view::<f32, _>(&q, "q", |qv| {
+        with_view::<f32, _>(&k, "k", |kv| {
+            with_view::<f32, _>(&v, "v", |vv| {
+                with_view::<f32, _>(&d_out, "d_out", |dov| {
+                    let problem = Problem {
+                        q: &qv,
+                        k: &kv,
+                        v: &vv,
+                        parts: &part_views,
+                        heads_per_kv: h / kh,
+                        dims: (l, s, d, dv),
+                        scale: scale as f32,
+                        causal: *causal,
+                        window: *window,
+                        alibi: *alibi,
+                        softcap: *softcap,
+                        masked_keys: s.saturating_sub(appended),
+                        isa: isa.map_or_else(current, runnable),
+                    };
+                    let pass = Backward {
+                        p: &problem,
+                        d_out: &dov,
+                        lse: &lse,
+                        delta: &delta,
+                        heads: h,
+                    };
+                    let key_units: Vec<(usize, usize, usize)> = (0..b)
+                        .flat_map(|bi| {
+                            (0..kh).flat_map(move |kvh| (0..s).step_by(BLOCK).map(move |j0| (bi, kvh, j0)))
+                        })
+                        .collect();
+                    par_for(key_units.len(), work, |u| {
+                        let (bi, kvh, j0) = key_units[u];
+                        pass.keys_block(bi, kvh, j0, BLOCK.min(s - j0), dk_ptr, dv_ptr);
+                    });
+                    let query_units: Vec<(usize, usize, usize)> = (0..b)
+                        .flat_map(|bi| {
+                            (0..h).flat_map(move |hi| (0..l).step_by(BLOCK).map(move |i0| (bi, hi, i0)))
+                        })
+                        .collect();
+                    par_for(query_units.len(), work, |u| {
+                        let (bi, hi, i0) = query_units[u];
+                        pass.queries_block(bi, hi, i0, BLOCK.min(l - i0), dq_ptr);
+                    });
+                    Ok(())
+                })
+            })
+        })
+    })?;
+    drop(part_views);
+    drop(guards);
+    let dev = q.device();
+    Ok(Gradients {
+        q: Tensor::from_vec(dq, (b, h, l, d), dev)?,
+        k: Tensor::from_vec(dk, (b, kh, s, d), dev)?,
+        v: Tensor::from_vec(dvs, (b, kh, s, dv), dev)?,
+    })
+}
+
+/// One backward call as its units read it: the forward's problem, `dO`,
+/// and each query row's `lse` and `D`, `(batch, heads, q_len)`.
+struct Backward<'a> {
+    p: &'a Problem<'a>,
+    d_out: &'a View<'a>,
+    lse: &'a [f32],
+    delta: &'a [f32],
+    heads: usize,
+}
+
+/// A tile's buffers, `rows × cols` each: the probabilities, `dS`, and the
+/// soft-capping's derivative where the scores are capped.
+struct TileBufs {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    capped: Vec<f32>,
+}
+
+impl TileBufs {
+    fn new(len: usize, softcap: bool) -> Self {
+        Self {
+            p: vec![0.; len],
+            ds: vec![0.; len],
+            capped: if softcap { vec![0.; len] } else { Vec::new() },
+        }
+    }
+}
+
+impl Backward<'_> {
+    /// The tile of query rows `i0..i0 + rows` of head `hi` (batch `bi`)
+    /// and keys `j0..j0 + cols`: `P` into `t.p` and `dS` (without the
+    /// `scale` the products apply) into `t.ds`, `cols` apart.
+    #[allow(clippy::too_many_arguments)]
+    fn tile(&self, bi: usize, hi: usize, i0: usize, rows: usize, j0: usize, cols: usize, t: &mut TileBufs) {
+        let p = self.p;
+        let (l, _, d, dv) = p.dims;
+        let kvh = hi / p.heads_per_kv;
+        let n = rows * cols;
+        // SAFETY: the offsets and strides come from the tensors' own
+        // layouts and stay inside their data for these row and key counts;
+        // the tile buffers hold at least `rows × cols`.
+        unsafe {
+            // P (rows, cols) ← scale · Q (rows, d) · Kᵀ (d, cols)
+            gemm(
+                rows,
+                cols,
+                d,
+                t.p.as_mut_ptr(),
+                1,
+                cols as isize,
+                false,
+                p.q.data.as_ptr().add(p.q.offset(bi, hi, i0)),
+                1,
+                p.q.stride[2] as isize,
+                p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
+                p.k.stride[2] as isize,
+                1,
+                0.,
+                p.scale,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+            // dP (rows, cols) ← dO (rows, dv) · Vᵀ (dv, cols)
+            gemm(
+                rows,
+                cols,
+                dv,
+                t.ds.as_mut_ptr(),
+                1,
+                cols as isize,
+                false,
+                self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0)),
+                1,
+                self.d_out.stride[2] as isize,
+                p.v.data.as_ptr().add(p.v.offset(bi, kvh, j0)),
+                p.v.stride[2] as isize,
+                1,
+                0.,
+                1.,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+        if let Some(cap) = p.softcap {
+            // The forward's scores are `cap · tanh(s / cap)`; their
+            // derivative `1 − tanh²` is kept for dS.
+            for (x, g) in t.p[..n].iter_mut().zip(&mut t.capped[..n]) {
+                let th = (*x / cap).tanh();
+                *x = cap * th;
+                *g = 1. - th * th;
+            }
+        }
+        let row0 = (bi * self.heads + hi) * l + i0;
+        for r in 0..rows {
+            let (p_row, ds_row) = (&mut t.p[r * cols..][..cols], &mut t.ds[r * cols..][..cols]);
+            p.mask_row(p_row, bi, hi, i0 + r, j0);
+            let (lse, delta) = (self.lse[row0 + r], self.delta[row0 + r]);
+            for (x, g) in p_row.iter_mut().zip(ds_row.iter_mut()) {
+                // A hidden key (`-inf`) has weight 0 and takes no part,
+                // whatever its value: its dP is not read.
+                let w = if *x == f32::NEG_INFINITY {
+                    0.
+                } else {
+                    (*x - lse).exp()
+                };
+                *x = w;
+                *g = if w == 0. { 0. } else { w * (*g - delta) };
+            }
+            if p.softcap.is_some() {
+                for (g, c) in ds_row.iter_mut().zip(&t.capped[r * cols..][..cols]) {
+                    *g *= c;
+                }
+            }
+        }
+    }
+
+    /// dK and dV of keys `j0..j0 + cols` of kv-head `kvh` (batch `bi`),
+    /// over every query head of the kv-head and every query block that
+    /// sees one of them, written to those rows of `dk` and `dv` (`(batch,
+    /// kv_heads, kv_len, ·)`, contiguous), which no other unit writes.
+    fn keys_block(&self, bi: usize, kvh: usize, j0: usize, cols: usize, dk: SyncPtr, dv_out: SyncPtr) {
+        let p = self.p;
+        let (l, s, d, dv) = p.dims;
+        let kv_heads = self.heads / p.heads_per_kv;
+        let first = (bi * kv_heads + kvh) * s + j0;
+        let mut t = TileBufs::new(BLOCK.min(l) * cols, p.softcap.is_some());
+        for hi in kvh * p.heads_per_kv..(kvh + 1) * p.heads_per_kv {
+            for i0 in (0..l).step_by(BLOCK) {
+                let rows = BLOCK.min(l - i0);
+                // The block's rows see keys `keys_start(i0)..keys_end(last)`
+                // at most (both grow with the row).
+                if p.keys_end(i0 + rows - 1) <= j0 || p.keys_start(i0) >= j0 + cols {
+                    continue;
+                }
+                self.tile(bi, hi, i0, rows, j0, cols, &mut t);
+                // SAFETY: rows `first..first + cols` of dK and dV are this
+                // unit's alone and lie inside them; the other operands as
+                // in `tile`.
+                unsafe {
+                    let q = p.q.data.as_ptr().add(p.q.offset(bi, hi, i0));
+                    let d_out = self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0));
+                    // dV (cols, dv) += Pᵀ (cols, rows) · dO (rows, dv)
+                    gemm(
+                        cols,
+                        dv,
+                        rows,
+                        dv_out.get().add(first * dv),
+                        1,
+                        dv as isize,
+                        true,
+                        t.p.as_ptr(),
+                        cols as isize,
+                        1,
+                        d_out,
+                        1,
+                        self.d_out.stride[2] as isize,
+                        1.,
+                        1.,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    );
+                    // dK (cols, d) += scale · dSᵀ (cols, rows) · Q (rows, d)
+                    gemm(
+                        cols,
+                        d,
+                        rows,
+                        dk.get().add(first * d),
+                        1,
+                        d as isize,
+                        true,
+                        t.ds.as_ptr(),
+                        cols as isize,
+                        1,
+                        q,
+                        1,
+                        p.q.stride[2] as isize,
+                        1.,
+                        p.scale,
+                        false,
+                        false,
+                        false,
+                        Parallelism::None,
+                    );
+                }
+            }
+        }
+    }
+
+    /// dQ of query rows `i0..i0 + rows` of head `hi` (batch `bi`), over the
+    /// key blocks they see, written to those rows of `dq` (`(batch, heads,
+    /// q_len, head_dim)`, contiguous), which no other unit writes.
+    fn queries_block(&self, bi: usize, hi: usize, i0: usize, rows: usize, dq: SyncPtr) {
+        let p = self.p;
+        let (l, _, d, _) = p.dims;
+        let kvh = hi / p.heads_per_kv;
+        let first = (bi * self.heads + hi) * l + i0;
+        let end = p.keys_end(i0 + rows - 1);
+        let mut t = TileBufs::new(rows * BLOCK.min(end.max(1)), p.softcap.is_some());
+        let mut j0 = p.keys_start(i0);
+        while j0 < end {
+            let cols = BLOCK.min(end - j0);
+            self.tile(bi, hi, i0, rows, j0, cols, &mut t);
+            // SAFETY: rows `first..first + rows` of dQ are this unit's alone
+            // and lie inside it; the other operands as in `tile`.
+            unsafe {
+                // dQ (rows, d) += scale · dS (rows, cols) · K (cols, d)
+                gemm(
+                    rows,
+                    d,
+                    cols,
+                    dq.get().add(first * d),
+                    1,
+                    d as isize,
+                    true,
+                    t.ds.as_ptr(),
+                    1,
+                    cols as isize,
+                    p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
+                    1,
+                    p.k.stride[2] as isize,
+                    1.,
+                    p.scale,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+            j0 += cols;
+        }
+    }
+}
