@@ -242,48 +242,38 @@ impl Backward<'_> {
         // the tile buffers hold at least `rows × cols`.
         unsafe {
             // P (rows, cols) ← scale · Q (rows, d) · Kᵀ (d, cols)
-            gemm(
-                rows,
-                cols,
-                d,
-                t.p.as_mut_ptr(),
-                1,
-                cols as isize,
+            product(
+                (rows, cols, d),
+                (t.p.as_mut_ptr(), cols as isize),
                 false,
-                p.q.data.as_ptr().add(p.q.offset(bi, hi, i0)),
-                1,
-                p.q.stride[2] as isize,
-                p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
-                p.k.stride[2] as isize,
-                1,
-                0.,
+                Mat {
+                    ptr: p.q.data.as_ptr().add(p.q.offset(bi, hi, i0)),
+                    rs: p.q.stride[2] as isize,
+                    cs: 1,
+                },
+                Mat {
+                    ptr: p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
+                    rs: 1,
+                    cs: p.k.stride[2] as isize,
+                },
                 p.scale,
-                false,
-                false,
-                false,
-                Parallelism::None,
             );
             // dP (rows, cols) ← dO (rows, dv) · Vᵀ (dv, cols)
-            gemm(
-                rows,
-                cols,
-                dv,
-                t.ds.as_mut_ptr(),
-                1,
-                cols as isize,
+            product(
+                (rows, cols, dv),
+                (t.ds.as_mut_ptr(), cols as isize),
                 false,
-                self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0)),
-                1,
-                self.d_out.stride[2] as isize,
-                p.v.data.as_ptr().add(p.v.offset(bi, kvh, j0)),
-                p.v.stride[2] as isize,
-                1,
-                0.,
+                Mat {
+                    ptr: self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0)),
+                    rs: self.d_out.stride[2] as isize,
+                    cs: 1,
+                },
+                Mat {
+                    ptr: p.v.data.as_ptr().add(p.v.offset(bi, kvh, j0)),
+                    rs: 1,
+                    cs: p.v.stride[2] as isize,
+                },
                 1.,
-                false,
-                false,
-                false,
-                Parallelism::None,
             );
         }
         if let Some(cap) = p.softcap {
@@ -345,48 +335,38 @@ impl Backward<'_> {
                     let q = p.q.data.as_ptr().add(p.q.offset(bi, hi, i0));
                     let d_out = self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0));
                     // dV (cols, dv) += Pᵀ (cols, rows) · dO (rows, dv)
-                    gemm(
-                        cols,
-                        dv,
-                        rows,
-                        dv_out.get().add(first * dv),
-                        1,
-                        dv as isize,
+                    product(
+                        (cols, dv, rows),
+                        (dv_out.get().add(first * dv), dv as isize),
                         true,
-                        t.p.as_ptr(),
-                        cols as isize,
-                        1,
-                        d_out,
-                        1,
-                        self.d_out.stride[2] as isize,
+                        Mat {
+                            ptr: t.p.as_ptr(),
+                            rs: 1,
+                            cs: cols as isize,
+                        },
+                        Mat {
+                            ptr: d_out,
+                            rs: self.d_out.stride[2] as isize,
+                            cs: 1,
+                        },
                         1.,
-                        1.,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
                     );
                     // dK (cols, d) += scale · dSᵀ (cols, rows) · Q (rows, d)
-                    gemm(
-                        cols,
-                        d,
-                        rows,
-                        dk.get().add(first * d),
-                        1,
-                        d as isize,
+                    product(
+                        (cols, d, rows),
+                        (dk.get().add(first * d), d as isize),
                         true,
-                        t.ds.as_ptr(),
-                        cols as isize,
-                        1,
-                        q,
-                        1,
-                        p.q.stride[2] as isize,
-                        1.,
+                        Mat {
+                            ptr: t.ds.as_ptr(),
+                            rs: 1,
+                            cs: cols as isize,
+                        },
+                        Mat {
+                            ptr: q,
+                            rs: p.q.stride[2] as isize,
+                            cs: 1,
+                        },
                         p.scale,
-                        false,
-                        false,
-                        false,
-                        Parallelism::None,
                     );
                 }
             }
@@ -411,29 +391,71 @@ impl Backward<'_> {
             // and lie inside it; the other operands as in `tile`.
             unsafe {
                 // dQ (rows, d) += scale · dS (rows, cols) · K (cols, d)
-                gemm(
-                    rows,
-                    d,
-                    cols,
-                    dq.get().add(first * d),
-                    1,
-                    d as isize,
+                product(
+                    (rows, d, cols),
+                    (dq.get().add(first * d), d as isize),
                     true,
-                    t.ds.as_ptr(),
-                    1,
-                    cols as isize,
-                    p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
-                    1,
-                    p.k.stride[2] as isize,
-                    1.,
+                    Mat {
+                        ptr: t.ds.as_ptr(),
+                        rs: cols as isize,
+                        cs: 1,
+                    },
+                    Mat {
+                        ptr: p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
+                        rs: p.k.stride[2] as isize,
+                        cs: 1,
+                    },
                     p.scale,
-                    false,
-                    false,
-                    false,
-                    Parallelism::None,
                 );
             }
             j0 += cols;
         }
+    }
+}
+
+/// A matrix at `ptr`, its row and column strides in elements.
+struct Mat {
+    ptr: *const f32,
+    rs: isize,
+    cs: isize,
+}
+
+/// `dst (m, n) = [dst +] beta · a (m, k) · b (k, n)` on this thread, `dst`
+/// row-major with rows `dst_rs` apart; `add` keeps what `dst` holds.
+///
+/// # Safety
+/// Every element the shapes and strides reach lies inside its buffer, and
+/// no other thread touches `dst`'s.
+unsafe fn product(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut f32, isize),
+    add: bool,
+    a: Mat,
+    b: Mat,
+    beta: f32,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs,
+            add,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            if add { 1. } else { 0. },
+            beta,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        )
     }
 }
