@@ -283,7 +283,9 @@ impl PackedLinear {
 
     /// A layer over a weight stored `(in, out)`, as GPT-2's `Conv1D` stores
     /// it: transposed once here (a broadcast placeholder is left as a view,
-    /// see [`is_broadcast`]), then [`PackedLinear::new`].
+    /// see [`is_broadcast`], and so is a weight that trains, which a copy
+    /// made here would leave behind at the first optimizer step), then
+    /// [`PackedLinear::new`].
     pub fn from_in_out(weight: Tensor, bias: Option<Tensor>) -> Result<Self> {
         Self::from_in_out_with(weight, bias, &PackOptions::default())
     }
@@ -292,7 +294,11 @@ impl PackedLinear {
     /// ([`PackedLinear::with_options`]).
     pub fn from_in_out_with(weight: Tensor, bias: Option<Tensor>, options: &PackOptions) -> Result<Self> {
         let w = weight.t()?;
-        let w = if is_broadcast(&w) { w } else { w.contiguous()? };
+        let w = if is_broadcast(&w) || w.track_op() {
+            w
+        } else {
+            w.contiguous()?
+        };
         Self::with_options(w, bias, options)
     }
 

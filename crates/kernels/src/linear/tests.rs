@@ -491,6 +491,27 @@ mod trained {
     use crate::runtime::isa::{supported, Isa};
     use crate::testing::{randn, rel_err};
 
+    /// A weight stored `(in, out)` that trains (GPT-2's `Conv1D`) follows
+    /// its variable across a step, as candle's `Linear` over its transpose
+    /// does, and its gradient reaches the variable.
+    #[test]
+    fn an_in_out_weight_trains_in_place() -> Result<()> {
+        let (k, n) = (24, 40);
+        let x = randn(&[3, k])?;
+        let w = Var::from_tensor(&randn(&[k, n])?)?;
+        let ours = PackedLinear::from_in_out(w.as_tensor().clone(), None)?;
+        let mut sgd = SGD::new(vec![w.clone()], 0.5)?;
+        for step in 0..2 {
+            let y = ours.forward(&x)?;
+            let expected = x.matmul(w.as_tensor())?;
+            assert!(rel_err(&y, &expected)? < 1e-5, "step {step}");
+            let grads = y.sqr()?.sum_all()?.backward()?;
+            assert!(grads.get(w.as_tensor()).is_some(), "step {step}: no gradient");
+            sgd.step(&grads)?;
+        }
+        Ok(())
+    }
+
     /// The loss `Σ y ∘ r`, whose gradient at `y` is `r`, and its gradients
     /// at `ts`.
     fn grads_of(y: &Tensor, r: &Tensor, ts: &[&Tensor]) -> Result<Vec<Option<Tensor>>> {
