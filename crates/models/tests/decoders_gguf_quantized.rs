@@ -176,3 +176,51 @@ fn ggml_is_refused_for_a_folder() {
         .to_string();
     assert!(err.contains("ggml") && err.contains("GGUF"), "{err}");
 }
+
+/// A file mostly in Q8_0 with other matrices in another block format (as
+/// `llama-quantize`'s Q6_K writes a model whose widths are not multiples
+/// of 256) keeps each matrix in its own blocks by default, none quantized
+/// a second time: its logits equal those of the same file read in its
+/// blocks explicitly.
+#[test]
+fn a_mostly_q8_0_file_keeps_its_other_blocks() -> Result<()> {
+    use candle::quantized::{gguf_file, GgmlDType, QTensor};
+
+    let src = file("q6_k");
+    let mut reader = std::fs::File::open(&src)?;
+    let content = gguf_file::Content::read(&mut reader)?;
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut tensors = Vec::new();
+    for name in names {
+        let t = content.tensor(&mut reader, name, &Device::Cpu)?;
+        // Every matrix but the first layer's ffn_down in Q8_0.
+        let t = if t.shape().rank() == 2 && name != "blk.0.ffn_down.weight" {
+            QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
+        } else {
+            t
+        };
+        tensors.push((name.clone(), t));
+    }
+    let path = std::env::temp_dir().join(format!("multihead-gguf-{}-mostly-q8_0.gguf", std::process::id()));
+    let meta: Vec<(&str, &gguf_file::Value)> =
+        content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path)?, &meta, &t)?;
+
+    let gguf = GgufFile::read(&path)?;
+    let kept = gguf.info("blk.0.ffn_down.weight").context("ffn_down")?;
+    assert_eq!(block_format(kept.ggml_type), Some(BlockFormat::Q6_K));
+    assert_eq!(gguf.weight_dtype(), Some(WeightDtype::Ggml));
+    let input = expected()?.get("llama256.input_ids")?.to_dtype(DType::U32)?;
+    let by_default =
+        DecoderModel::from_gguf_file(&gguf, &Device::Cpu, &opts(gguf.weight_dtype().context("dtype")?))?;
+    let in_blocks = DecoderModel::from_gguf_file(&gguf, &Device::Cpu, &opts(WeightDtype::Ggml))?;
+    let as_q8_0 = DecoderModel::from_gguf_file(&gguf, &Device::Cpu, &opts(WeightDtype::Q8_0))?;
+    let got = logits(&by_default, &input)?;
+    assert_close("by default", &got, &logits(&in_blocks, &input)?, 1e-6)?;
+    // Requantized, the Q6_K matrix's logits move: the comparison can fail.
+    assert!(max_abs_diff(&got, &logits(&as_q8_0, &input)?)? > 0.);
+    std::fs::remove_file(&path)?;
+    Ok(())
+}

@@ -276,7 +276,11 @@ impl GgufFile {
     /// The type its weight matrices are stored in, as the
     /// [`WeightDtype`] that keeps them so: that of the 2-D tensors holding
     /// the most elements (llama.cpp's converter writes every matrix in its
-    /// `--outtype`, norms in F32). `None` without a matrix of a type this
+    /// `--outtype`, norms in F32). A file mostly in Q8_0 whose other
+    /// matrices are in other block formats (`llama-quantize`'s Q6_K keeps
+    /// most matrices of a model whose widths are not multiples of 256 in
+    /// Q8_0) is [`WeightDtype::Ggml`]: each matrix kept in its own format,
+    /// none quantized a second time. `None` without a matrix of a type this
     /// reader returns.
     pub fn weight_dtype(&self) -> Option<WeightDtype> {
         let keeping = |t: &GgufTensorInfo| match t.ggml_type {
@@ -287,7 +291,17 @@ impl GgufFile {
             t if block_format(t).is_some() => Some(WeightDtype::Ggml),
             _ => None,
         };
-        WeightDtype::of_most_matrix_elements(self.tensors.iter().map(|t| (&t.shape[..], keeping(t))))
+        let most =
+            WeightDtype::of_most_matrix_elements(self.tensors.iter().map(|t| (&t.shape[..], keeping(t))));
+        let other_blocks = || {
+            self.tensors
+                .iter()
+                .any(|t| t.shape.len() == 2 && keeping(t) == Some(WeightDtype::Ggml))
+        };
+        match most {
+            Some(WeightDtype::Q8_0) if other_blocks() => Some(WeightDtype::Ggml),
+            most => most,
+        }
     }
 
     /// Tensor `name`'s description, if the file has it.
