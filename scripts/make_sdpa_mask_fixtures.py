@@ -21,11 +21,11 @@ case ran. Regenerate (the venv of scripts/requirements.txt):
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from staging import staged_file
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "sdpa_masks.safetensors")
 
@@ -49,16 +49,9 @@ def main():
         cases[f"bool_{name}"] = {"shape": list(allowed.shape), "dtype": "bool", "convention": "True = may attend"}
         cases[f"float_{name}"] = {"shape": list(shape), "dtype": "float32"}
     meta = {"case": json.dumps({"torch": torch.__version__, "q": [b, h, l, d], "kv_len": s, "cases": cases})}
-    out = os.path.abspath(OUT)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), suffix=".tmp")
-    os.close(fd)
-    try:
+    with staged_file(OUT) as tmp:
         save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata=meta)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    print(f"wrote {out}: {len(cases)} cases")
+    print(f"wrote {os.path.abspath(OUT)}: {len(cases)} cases")
 
 
 if __name__ == "__main__":

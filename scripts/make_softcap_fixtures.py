@@ -26,12 +26,12 @@ case ran. Regenerate (the venv of scripts/requirements.txt):
 
 import json
 import os
-import tempfile
 import types
 
 import torch
 import transformers
 from safetensors.torch import save_file
+from staging import staged_file
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "softcap.safetensors")
@@ -101,16 +101,9 @@ def main():
             {"torch": torch.__version__, "transformers": transformers.__version__, "cases": cases}
         )
     }
-    out = os.path.abspath(OUT)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), suffix=".tmp")
-    os.close(fd)
-    try:
+    with staged_file(OUT) as tmp:
         save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    print(f"wrote {out}: {len(cases)} cases")
+    print(f"wrote {os.path.abspath(OUT)}: {len(cases)} cases")
 
 
 if __name__ == "__main__":

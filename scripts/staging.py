@@ -5,6 +5,10 @@ package, an assertion, Ctrl-C) leaves the committed files as they were.
     with staged(OUT, replace_all=True) as tmp:
         ...write every file under tmp...
     # here OUT holds exactly this run's files (plus any non-matching ones)
+
+    with staged_file(OUT) as tmp:
+        ...write one file at tmp...
+    # here OUT is that file
 """
 
 import os
@@ -43,3 +47,20 @@ def staged(final_dir, *, replace_all=False, suffix=".safetensors"):
             shutil.rmtree(dest)
         os.replace(os.path.join(tmp, name), dest)
     os.rmdir(tmp)
+
+
+@contextmanager
+def staged_file(final_path):
+    """Yields a temporary path beside `final_path` (same file system). When
+    the block finishes, the file written there replaces `final_path` (a
+    rename); when it raises, the temporary file is removed and
+    `final_path` is not touched."""
+    final_path = os.path.abspath(final_path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(final_path), suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, final_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
