@@ -247,9 +247,7 @@ fn sdpa_tiled_with(
     scale: f64,
     options: TileOptions,
 ) -> Result<Tensor> {
-    let (batch, heads, q_len, _) = q.dims4()?;
-    let masked_keys = k.dim(2)?.saturating_sub(appended);
-    let masking = mask.masking((batch, heads, q_len, masked_keys))?;
+    let masking = mask.masking(q, k, appended)?;
     match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
         Some(out) => Ok(out),
         // A non-finite value met a hidden key: the reference path, which

@@ -61,15 +61,15 @@ impl Mask {
         Ok(parts)
     }
 
-    /// The mask as the tiled kernel reads it over `(batch, heads, q_len,
-    /// kv_len)` (the keys before any appended ones), validated: key padding
-    /// and attention masks in their own shapes (bytes stay bytes), the
-    /// causal rule, the window and ALiBi as rules, so that tiles they hide
-    /// whole are skipped instead of computed and masked.
-    pub(crate) fn masking(
-        &self,
-        (batch, heads, q_len, kv_len): (usize, usize, usize, usize),
-    ) -> Result<Masking<'_>> {
+    /// The mask as the tiled kernel reads it for queries `q` `(batch,
+    /// heads, q_len, ·)` over keys `k`, whose last `appended` lie outside
+    /// it, validated: key padding and attention masks in their own shapes
+    /// (bytes stay bytes), the causal rule, the window and ALiBi as rules,
+    /// so that tiles they hide whole are skipped instead of computed and
+    /// masked.
+    pub(crate) fn masking(&self, q: &Tensor, k: &Tensor, appended: usize) -> Result<Masking<'_>> {
+        let (batch, heads, q_len, _) = q.dims4()?;
+        let kv_len = k.dim(2)?.saturating_sub(appended);
         Ok(Masking {
             parts: self.tensor_parts((batch, heads, q_len, kv_len))?,
             causal: self.causal.map(|c| c.offset(q_len, kv_len)),

@@ -56,9 +56,7 @@ pub(super) fn sdpa_train(
     scale: f64,
     isa: Option<Isa>,
 ) -> Result<Tensor> {
-    let (batch, heads, q_len, _) = q.dims4()?;
-    let masked_keys = k.dim(2)?.saturating_sub(appended);
-    let masking = mask.masking((batch, heads, q_len, masked_keys))?;
+    let masking = mask.masking(q, k, appended)?;
     let options = TileOptions {
         isa,
         ..TileOptions::default()
@@ -133,9 +131,7 @@ impl CustomOp3 for FusedAttention {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (batch, heads, q_len, _) = q.dims4()?;
-        let masked_keys = k.dim(2)?.saturating_sub(self.appended);
-        let masking = self.mask.masking((batch, heads, q_len, masked_keys))?;
+        let masking = self.mask.masking(q, k, self.appended)?;
         // `res` and `grad_res` are (B, L, H, Dv); the kernel reads them as
         // (B, H, L, Dv) views.
         let grads = kernel::sdpa_backward(
