@@ -61,10 +61,13 @@ fn main() -> Result<()> {
 
     let tokenizer = TextTokenizer::from_folder(dir.as_ref())?;
     let mut ids = Vec::new();
-    while ids.len() < tokens * chunks.unwrap_or(1) {
+    let total = tokens
+        .checked_mul(chunks.unwrap_or(1))
+        .context("TOKENS x CHUNKS overflows")?;
+    while ids.len() < total {
         ids.extend(tokenizer.encode_plain(TEXT)?);
     }
-    ids.truncate(tokens * chunks.unwrap_or(1));
+    ids.truncate(total);
     // The prompts, and the first position of each that is compared.
     let (prompts, from): (Vec<&[u32]>, usize) = match chunks {
         Some(_) => (ids.chunks(tokens).collect(), tokens / 2),
