@@ -132,6 +132,7 @@ fn fused_gradients_equal_reference_over_shapes_and_masks() -> Result<()> {
         (2, 4, 2, 130, 70, 64, 64),
         (1, 3, 1, 40, 260, 37, 21),
         (2, 2, 1, 1, 30, 16, 16),
+        (1, 8, 4, 140, 300, 16, 16),
     ];
     for (b, h, kh, l, s, d, dv) in shapes {
         let (q, k, v) = (
@@ -146,9 +147,15 @@ fn fused_gradients_equal_reference_over_shapes_and_masks() -> Result<()> {
             let vias = [Via::Path(AttnPath::Auto), Via::Path(AttnPath::CpuTiled)]
                 .into_iter()
                 .chain(supported().into_iter().map(Via::Isa));
-            for via in vias {
-                let what = format!("{via:?} {:?} mask {name}", (b, h, kh, l, s, d, dv));
-                let (ours, got) = grads((&q, &k, &v), &mask, scale, &g, via)?;
+            // One thread: a pass over (batch, kv-head) units where there
+            // are at least 4 of them; 64: the two passes over tiles.
+            for (via, threads) in vias.flat_map(|via| [(via, 1), (via, 64)]) {
+                let what = format!(
+                    "{via:?} {threads} threads {:?} mask {name}",
+                    (b, h, kh, l, s, d, dv)
+                );
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+                let (ours, got) = pool.install(|| grads((&q, &k, &v), &mask, scale, &g, via))?;
                 assert_close(&format!("{what}: out"), &ours, &out, 1e-5)?;
                 for ((x, got), expected) in ["dq", "dk", "dv"].iter().zip(&got).zip(&expected) {
                     gradients_close(&format!("{what}: {x}"), got, expected)?;

@@ -17,16 +17,21 @@
 //! (`1 − tanh²` only where the scores are soft-capped: the derivative of
 //! `cap · tanh(s / cap)`).
 //!
-//! Two passes, so that no two threads write the same rows and none waits
-//! on another: a unit of the first takes one (batch, kv-head, key block)
-//! and accumulates the block's dK and dV over every query head of the
-//! group (grouped-query heads sum there) and every query block that sees
-//! one of its keys; a unit of the second takes one (batch, head, query
-//! block) and accumulates its dQ over the key blocks it sees. Each pass
-//! recomputes a tile's scores and `dO Vᵀ` rather than sharing dQ between
-//! threads. A tile is [`BLOCK`] × [`BLOCK`] f32 (three of them, 64 KiB
-//! each, stay in L2); the products go through `gemm`, as the forward's
-//! [`Tiles::Gemm`](super::Tiles::Gemm) do. Tiles the causal rule or the
+//! No two threads write the same rows, and none waits on another. Where
+//! there are enough (batch, kv-head) pairs to keep every thread busy
+//! ([`UNITS_PER_THREAD`]), a unit takes one and computes all its
+//! gradients in one pass: key block by key block, each tile that sees the
+//! block adds to its dK and dV and to its query rows' dQ, all of them the
+//! unit's own (grouped-query heads sum there). With fewer pairs the work
+//! splits finer, in two passes that each recompute a tile's scores and
+//! `dO Vᵀ`: a unit of the first takes one (batch, kv-head, key block) and
+//! accumulates the block's dK and dV over every query head of the group
+//! and every query block that sees one of its keys; a unit of the second
+//! takes one (batch, head, query block) and accumulates its dQ over the
+//! key blocks it sees. A tile is [`BLOCK`] × [`BLOCK`] f32 (three of
+//! them, 64 KiB each, stay in L2); the products go through `gemm`, as the
+//! forward's [`Tiles::Gemm`](super::Tiles::Gemm) do, the probabilities
+//! and `dS` through the rows' vector `exp`. Tiles the causal rule or the
 //! window hide whole are skipped.
 
 use candle::{bail, DType, Result, Tensor, D};
@@ -34,11 +39,17 @@ use gemm::{gemm, Parallelism};
 
 use super::mask::{part_storages, part_views, Masking};
 use super::problem::{last_dim_contiguous, with_view, Problem, View};
+use crate::rows::simd;
+use crate::rows::softmax::prob_grads_exact;
 use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
 
 /// Query rows and keys of a backward tile.
 const BLOCK: usize = 128;
+
+/// (batch, kv-head) units a thread takes at least for the one-pass
+/// backward; with fewer, the two passes split the work finer.
+const UNITS_PER_THREAD: usize = 4;
 
 /// The gradients [`sdpa_backward`] returns, each in the shape of its
 /// input, contiguous.
@@ -166,6 +177,16 @@ pub fn sdpa_backward(
                         delta: &delta,
                         heads: h,
                     };
+                    let threads = rayon::current_num_threads();
+                    if b * kh >= UNITS_PER_THREAD * threads {
+                        // One pass: a unit per (batch, kv-head) owns all
+                        // its rows of dQ, dK and dV.
+                        let work = b * h * l * s * (3 * d + 2 * dv);
+                        par_for(b * kh, work, |u| {
+                            pass.kv_group(u / kh, u % kh, [dq_ptr, dk_ptr, dv_ptr]);
+                        });
+                        return Ok(());
+                    }
                     let key_units: Vec<(usize, usize, usize)> = (0..b)
                         .flat_map(|bi| {
                             (0..kh).flat_map(move |kvh| (0..s).step_by(BLOCK).map(move |j0| (bi, kvh, j0)))
@@ -234,7 +255,76 @@ impl Backward<'_> {
     #[allow(clippy::too_many_arguments)]
     fn tile(&self, bi: usize, hi: usize, i0: usize, rows: usize, j0: usize, cols: usize, t: &mut TileBufs) {
         let p = self.p;
-        let (l, _, d, dv) = p.dims;
+        self.products(bi, hi, i0, rows, j0, cols, t);
+        let exact = self.grad_rows(bi, hi, i0, rows, j0, cols, t, |p_row, ds_row, lse, delta| {
+            if lse == f32::NEG_INFINITY {
+                // The row sees no key: no weight, no gradient.
+                p_row.fill(0.);
+                ds_row.fill(0.);
+                return true;
+            }
+            simd::prob_grads_row(p.isa, p_row, ds_row, lse, delta)
+        });
+        if !exact {
+            // A gradient came out not finite: the tile again, one score
+            // at a time, so that a hidden key takes no part even where its
+            // value is not finite.
+            self.products(bi, hi, i0, rows, j0, cols, t);
+            self.grad_rows(bi, hi, i0, rows, j0, cols, t, |p_row, ds_row, lse, delta| {
+                prob_grads_exact(p_row, ds_row, lse, delta);
+                true
+            });
+        }
+    }
+
+    /// The tile's rows after [`Self::products`]: each masked as the
+    /// forward masks it, then `grads(p_row, ds_row, lse, delta)` makes the
+    /// probabilities and `dS`, times the soft-capping's derivative where
+    /// the scores are capped. Whether every call returned true.
+    #[allow(clippy::too_many_arguments)]
+    fn grad_rows(
+        &self,
+        bi: usize,
+        hi: usize,
+        i0: usize,
+        rows: usize,
+        j0: usize,
+        cols: usize,
+        t: &mut TileBufs,
+        grads: impl Fn(&mut [f32], &mut [f32], f32, f32) -> bool,
+    ) -> bool {
+        let p = self.p;
+        let row0 = (bi * self.heads + hi) * p.dims.0 + i0;
+        let mut all = true;
+        for r in 0..rows {
+            let (p_row, ds_row) = (&mut t.p[r * cols..][..cols], &mut t.ds[r * cols..][..cols]);
+            p.mask_row(p_row, bi, hi, i0 + r, j0);
+            all &= grads(p_row, ds_row, self.lse[row0 + r], self.delta[row0 + r]);
+            if p.softcap.is_some() {
+                for (g, c) in ds_row.iter_mut().zip(&t.capped[r * cols..][..cols]) {
+                    *g *= c;
+                }
+            }
+        }
+        all
+    }
+
+    /// The tile's two products: the scores (soft-capped where the problem
+    /// asks, their derivative kept in `t.capped`) into `t.p` and `dO · Vᵀ`
+    /// into `t.ds`, `cols` apart.
+    #[allow(clippy::too_many_arguments)]
+    fn products(
+        &self,
+        bi: usize,
+        hi: usize,
+        i0: usize,
+        rows: usize,
+        j0: usize,
+        cols: usize,
+        t: &mut TileBufs,
+    ) {
+        let p = self.p;
+        let (_, _, d, dv) = p.dims;
         let kvh = hi / p.heads_per_kv;
         let n = rows * cols;
         // SAFETY: the offsets and strides come from the tensors' own
@@ -285,90 +375,62 @@ impl Backward<'_> {
                 *g = 1. - th * th;
             }
         }
-        let row0 = (bi * self.heads + hi) * l + i0;
-        for r in 0..rows {
-            let (p_row, ds_row) = (&mut t.p[r * cols..][..cols], &mut t.ds[r * cols..][..cols]);
-            p.mask_row(p_row, bi, hi, i0 + r, j0);
-            let (lse, delta) = (self.lse[row0 + r], self.delta[row0 + r]);
-            for (x, g) in p_row.iter_mut().zip(ds_row.iter_mut()) {
-                // A hidden key (`-inf`) has weight 0 and takes no part,
-                // whatever its value: its dP is not read.
-                let w = if *x == f32::NEG_INFINITY {
-                    0.
-                } else {
-                    (*x - lse).exp()
-                };
-                *x = w;
-                *g = if w == 0. { 0. } else { w * (*g - delta) };
-            }
-            if p.softcap.is_some() {
-                for (g, c) in ds_row.iter_mut().zip(&t.capped[r * cols..][..cols]) {
-                    *g *= c;
+    }
+
+    /// Every gradient of kv-head `kvh` (batch `bi`): dK and dV of its keys
+    /// and dQ of its query heads' rows, written to those rows of `dq`, `dk`
+    /// and `dv` (contiguous), which no other unit writes. Key block by key
+    /// block, so that the block's rows of dK and dV stay in cache while
+    /// every tile that sees them adds to them.
+    fn kv_group(&self, bi: usize, kvh: usize, [dq, dk, dv]: [SyncPtr; 3]) {
+        let p = self.p;
+        let (l, s, _, _) = p.dims;
+        let mut t = TileBufs::new(BLOCK.min(l) * BLOCK.min(s), p.softcap.is_some());
+        for j0 in (0..s).step_by(BLOCK) {
+            let cols = BLOCK.min(s - j0);
+            for hi in kvh * p.heads_per_kv..(kvh + 1) * p.heads_per_kv {
+                for i0 in (0..l).step_by(BLOCK) {
+                    let rows = BLOCK.min(l - i0);
+                    if !self.sees(i0, rows, j0, cols) {
+                        continue;
+                    }
+                    self.tile(bi, hi, i0, rows, j0, cols, &mut t);
+                    // SAFETY: as in `keys_block` and `queries_block`: the
+                    // rows written are this unit's.
+                    unsafe {
+                        self.add_key_grads(bi, hi, i0, rows, j0, cols, &t, dk, dv);
+                        self.add_query_grads(bi, hi, i0, rows, j0, cols, &t, dq);
+                    }
                 }
             }
         }
+    }
+
+    /// Whether any of query rows `i0..i0 + rows` sees one of keys `j0..j0 +
+    /// cols`: the rows see keys `keys_start(i0)..keys_end(last)` at most
+    /// (both grow with the row).
+    fn sees(&self, i0: usize, rows: usize, j0: usize, cols: usize) -> bool {
+        self.p.keys_end(i0 + rows - 1) > j0 && self.p.keys_start(i0) < j0 + cols
     }
 
     /// dK and dV of keys `j0..j0 + cols` of kv-head `kvh` (batch `bi`),
     /// over every query head of the kv-head and every query block that
     /// sees one of them, written to those rows of `dk` and `dv` (`(batch,
     /// kv_heads, kv_len, ·)`, contiguous), which no other unit writes.
-    fn keys_block(&self, bi: usize, kvh: usize, j0: usize, cols: usize, dk: SyncPtr, dv_out: SyncPtr) {
+    fn keys_block(&self, bi: usize, kvh: usize, j0: usize, cols: usize, dk: SyncPtr, dv: SyncPtr) {
         let p = self.p;
-        let (l, s, d, dv) = p.dims;
-        let kv_heads = self.heads / p.heads_per_kv;
-        let first = (bi * kv_heads + kvh) * s + j0;
+        let l = p.dims.0;
         let mut t = TileBufs::new(BLOCK.min(l) * cols, p.softcap.is_some());
         for hi in kvh * p.heads_per_kv..(kvh + 1) * p.heads_per_kv {
             for i0 in (0..l).step_by(BLOCK) {
                 let rows = BLOCK.min(l - i0);
-                // The block's rows see keys `keys_start(i0)..keys_end(last)`
-                // at most (both grow with the row).
-                if p.keys_end(i0 + rows - 1) <= j0 || p.keys_start(i0) >= j0 + cols {
+                if !self.sees(i0, rows, j0, cols) {
                     continue;
                 }
                 self.tile(bi, hi, i0, rows, j0, cols, &mut t);
-                // SAFETY: rows `first..first + cols` of dK and dV are this
-                // unit's alone and lie inside them; the other operands as
-                // in `tile`.
-                unsafe {
-                    let q = p.q.data.as_ptr().add(p.q.offset(bi, hi, i0));
-                    let d_out = self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0));
-                    // dV (cols, dv) += Pᵀ (cols, rows) · dO (rows, dv)
-                    product(
-                        (cols, dv, rows),
-                        (dv_out.get().add(first * dv), dv as isize),
-                        true,
-                        Mat {
-                            ptr: t.p.as_ptr(),
-                            rs: 1,
-                            cs: cols as isize,
-                        },
-                        Mat {
-                            ptr: d_out,
-                            rs: self.d_out.stride[2] as isize,
-                            cs: 1,
-                        },
-                        1.,
-                    );
-                    // dK (cols, d) += scale · dSᵀ (cols, rows) · Q (rows, d)
-                    product(
-                        (cols, d, rows),
-                        (dk.get().add(first * d), d as isize),
-                        true,
-                        Mat {
-                            ptr: t.ds.as_ptr(),
-                            rs: 1,
-                            cs: cols as isize,
-                        },
-                        Mat {
-                            ptr: q,
-                            rs: p.q.stride[2] as isize,
-                            cs: 1,
-                        },
-                        p.scale,
-                    );
-                }
+                // SAFETY: rows `j0..j0 + cols` of the kv-head's dK and dV
+                // are this unit's alone.
+                unsafe { self.add_key_grads(bi, hi, i0, rows, j0, cols, &t, dk, dv) };
             }
         }
     }
@@ -378,37 +440,128 @@ impl Backward<'_> {
     /// q_len, head_dim)`, contiguous), which no other unit writes.
     fn queries_block(&self, bi: usize, hi: usize, i0: usize, rows: usize, dq: SyncPtr) {
         let p = self.p;
-        let (l, _, d, _) = p.dims;
-        let kvh = hi / p.heads_per_kv;
-        let first = (bi * self.heads + hi) * l + i0;
         let end = p.keys_end(i0 + rows - 1);
         let mut t = TileBufs::new(rows * BLOCK.min(end.max(1)), p.softcap.is_some());
         let mut j0 = p.keys_start(i0);
         while j0 < end {
             let cols = BLOCK.min(end - j0);
             self.tile(bi, hi, i0, rows, j0, cols, &mut t);
-            // SAFETY: rows `first..first + rows` of dQ are this unit's alone
-            // and lie inside it; the other operands as in `tile`.
-            unsafe {
-                // dQ (rows, d) += scale · dS (rows, cols) · K (cols, d)
-                product(
-                    (rows, d, cols),
-                    (dq.get().add(first * d), d as isize),
-                    true,
-                    Mat {
-                        ptr: t.ds.as_ptr(),
-                        rs: cols as isize,
-                        cs: 1,
-                    },
-                    Mat {
-                        ptr: p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
-                        rs: p.k.stride[2] as isize,
-                        cs: 1,
-                    },
-                    p.scale,
-                );
-            }
+            // SAFETY: rows `i0..i0 + rows` of the head's dQ are this unit's
+            // alone.
+            unsafe { self.add_query_grads(bi, hi, i0, rows, j0, cols, &t, dq) };
             j0 += cols;
+        }
+    }
+
+    /// A tile's share of dK and dV: `dV += Pᵀ dO` and `dK += scale · dSᵀ
+    /// Q` into rows `j0..j0 + cols` of head `hi`'s kv-head.
+    ///
+    /// # Safety
+    /// Those rows of `dk` and `dv` (`(batch, kv_heads, kv_len, ·)`,
+    /// contiguous) are the caller's alone; `t` holds the tile of query
+    /// rows `i0..i0 + rows` and keys `j0..j0 + cols`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_key_grads(
+        &self,
+        bi: usize,
+        hi: usize,
+        i0: usize,
+        rows: usize,
+        j0: usize,
+        cols: usize,
+        t: &TileBufs,
+        dk: SyncPtr,
+        dv_out: SyncPtr,
+    ) {
+        let p = self.p;
+        let (_, s, d, dv) = p.dims;
+        let kvh = hi / p.heads_per_kv;
+        let first = (bi * (self.heads / p.heads_per_kv) + kvh) * s + j0;
+        // SAFETY: the caller's rows of dK and dV; the other operands as in
+        // `products`.
+        unsafe {
+            let q = p.q.data.as_ptr().add(p.q.offset(bi, hi, i0));
+            let d_out = self.d_out.data.as_ptr().add(self.d_out.offset(bi, hi, i0));
+            // dV (cols, dv) += Pᵀ (cols, rows) · dO (rows, dv)
+            product(
+                (cols, dv, rows),
+                (dv_out.get().add(first * dv), dv as isize),
+                true,
+                Mat {
+                    ptr: t.p.as_ptr(),
+                    rs: 1,
+                    cs: cols as isize,
+                },
+                Mat {
+                    ptr: d_out,
+                    rs: self.d_out.stride[2] as isize,
+                    cs: 1,
+                },
+                1.,
+            );
+            // dK (cols, d) += scale · dSᵀ (cols, rows) · Q (rows, d)
+            product(
+                (cols, d, rows),
+                (dk.get().add(first * d), d as isize),
+                true,
+                Mat {
+                    ptr: t.ds.as_ptr(),
+                    rs: 1,
+                    cs: cols as isize,
+                },
+                Mat {
+                    ptr: q,
+                    rs: p.q.stride[2] as isize,
+                    cs: 1,
+                },
+                p.scale,
+            );
+        }
+    }
+
+    /// A tile's share of dQ: `dQ += scale · dS K` into rows `i0..i0 + rows`
+    /// of head `hi`.
+    ///
+    /// # Safety
+    /// Those rows of `dq` (`(batch, heads, q_len, head_dim)`, contiguous)
+    /// are the caller's alone; `t` holds the tile of query rows `i0..i0 +
+    /// rows` and keys `j0..j0 + cols`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_query_grads(
+        &self,
+        bi: usize,
+        hi: usize,
+        i0: usize,
+        rows: usize,
+        j0: usize,
+        cols: usize,
+        t: &TileBufs,
+        dq: SyncPtr,
+    ) {
+        let p = self.p;
+        let (l, _, d, _) = p.dims;
+        let kvh = hi / p.heads_per_kv;
+        let first = (bi * self.heads + hi) * l + i0;
+        // SAFETY: the caller's rows of dQ; the other operands as in
+        // `products`.
+        unsafe {
+            // dQ (rows, d) += scale · dS (rows, cols) · K (cols, d)
+            product(
+                (rows, d, cols),
+                (dq.get().add(first * d), d as isize),
+                true,
+                Mat {
+                    ptr: t.ds.as_ptr(),
+                    rs: cols as isize,
+                    cs: 1,
+                },
+                Mat {
+                    ptr: p.k.data.as_ptr().add(p.k.offset(bi, kvh, j0)),
+                    rs: p.k.stride[2] as isize,
+                    cs: 1,
+                },
+                p.scale,
+            );
         }
     }
 }

@@ -1,13 +1,13 @@
-//! Vectorised row operations: the online softmax of a row and its
-//! soft-capping (`softmax.rs` on the instruction set's lanes), the mask
-//! application, the exact and
-//! tanh GELUs and SiLU with their derivatives, SiLU times a gate's other
+//! Vectorised row operations: the online softmax of a row, its
+//! soft-capping and an attention backward's probabilities and their
+//! gradients (`softmax.rs` on the instruction set's lanes), the mask
+//! application, the exact and tanh GELUs and SiLU with their derivatives, SiLU times a gate's other
 //! half, a finiteness check, LayerNorm's rows. Each is written once as plain
 //! Rust and compiled for AVX-512, AVX2+FMA and the baseline; each call
 //! takes the instruction set it runs with (at most what the processor
 //! has: `runtime/isa.rs`).
 
-use crate::rows::softmax::{exp, online_softmax_block, softcap_row as softcap_lanes};
+use crate::rows::softmax::{exp, online_softmax_block, prob_grads, softcap_row as softcap_lanes};
 use crate::runtime::isa::Isa;
 
 /// Lanes of the explicit reductions: float sums and maxes only
@@ -318,6 +318,37 @@ pub(crate) fn softcap_row(isa: Isa, row: &mut [f32], cap: f32) {
     let _ = isa;
     // SAFETY: one-lane f32 needs no instruction set.
     unsafe { softcap_lanes::<f32>(row, cap) }
+}
+
+/// One row of an attention backward's tile ([`prob_grads`]) on the
+/// widest lanes `isa` has: whether every gradient came out finite.
+pub(crate) fn prob_grads_row(isa: Isa, p: &mut [f32], ds: &mut [f32], lse: f32, delta: f32) -> bool {
+    assert!(ds.len() >= p.len(), "prob_grads_row: ds shorter than p");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::rows::lanes::{Ymm, Zmm};
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(p: &mut [f32], ds: &mut [f32], lse: f32, delta: f32) -> bool {
+            // SAFETY: this function's set; the lengths checked above.
+            unsafe { prob_grads::<Zmm>(p, ds, lse, delta) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(p: &mut [f32], ds: &mut [f32], lse: f32, delta: f32) -> bool {
+            // SAFETY: as above.
+            unsafe { prob_grads::<Ymm>(p, ds, lse, delta) }
+        }
+        match isa {
+            // SAFETY: `isa` never exceeds what was detected.
+            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { avx512(p, ds, lse, delta) },
+            // SAFETY: as above.
+            Isa::Avx2 => return unsafe { avx2(p, ds, lse, delta) },
+            Isa::Portable => {}
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    // SAFETY: one-lane f32 needs no instruction set; the lengths as above.
+    unsafe { prob_grads::<f32>(p, ds, lse, delta) }
 }
 
 /// `$name(isa, args)`: `$impl(args)` compiled for the widest lanes `isa`

@@ -175,6 +175,71 @@ pub(crate) unsafe fn exp_sub_sum<V: Lanes>(row: &mut [f32], max: f32) -> f32 {
     }
 }
 
+/// One row of an attention backward's tile, in place: the scores become
+/// the probabilities `p[j] = e^(p[j] − lse)` and the products `dO · Vᵀ`
+/// in `ds` become `ds[j] = p[j] · (ds[j] − delta)`, two vectors a step,
+/// then one, then the tail. Whether every `ds[j]` came out finite (by
+/// their sum): where one did not — a hidden key (`-inf` score, weight 0)
+/// whose value is not finite gives `0 · inf` here — the caller
+/// recomputes the row with [`prob_grads_exact`].
+///
+/// # Safety
+/// The instruction set of `V` is enabled; `ds` is at least as long as `p`.
+#[inline(always)]
+pub(crate) unsafe fn prob_grads<V: Lanes>(p: &mut [f32], ds: &mut [f32], lse: f32, delta: f32) -> bool {
+    let (n, x, g) = (p.len(), p.as_mut_ptr(), ds.as_mut_ptr());
+    debug_assert!(ds.len() >= n);
+    // SAFETY: (the block) whole vectors inside both rows; the caller's set.
+    unsafe {
+        let (lv, dv) = (V::splat(lse), V::splat(delta));
+        let (mut s0, mut s1) = (V::zero(), V::zero());
+        let mut j = 0;
+        while j + 2 * V::N <= n {
+            let w0 = exp_nonpositive(V::load(x.add(j)).sub(lv));
+            let w1 = exp_nonpositive(V::load(x.add(j + V::N)).sub(lv));
+            let g0 = w0.mul(V::load(g.add(j)).sub(dv));
+            let g1 = w1.mul(V::load(g.add(j + V::N)).sub(dv));
+            w0.store(x.add(j));
+            w1.store(x.add(j + V::N));
+            g0.store(g.add(j));
+            g1.store(g.add(j + V::N));
+            s0 = s0.add(g0);
+            s1 = s1.add(g1);
+            j += 2 * V::N;
+        }
+        if j + V::N <= n {
+            let w = exp_nonpositive(V::load(x.add(j)).sub(lv));
+            let gj = w.mul(V::load(g.add(j)).sub(dv));
+            w.store(x.add(j));
+            gj.store(g.add(j));
+            s0 = s0.add(gj);
+            j += V::N;
+        }
+        let mut sum = s0.add(s1).sum();
+        for (y, gy) in p[j..].iter_mut().zip(&mut ds[j..n]) {
+            *y = exp(*y - lse);
+            *gy = *y * (*gy - delta);
+            sum += *gy;
+        }
+        sum.is_finite()
+    }
+}
+
+/// [`prob_grads`] one score at a time, exact where it gives up: a hidden
+/// key (`-inf` score) has weight 0 and gradient 0, whatever its `dO · Vᵀ`
+/// or the row's `lse` (`-inf` where the row sees no key).
+pub(crate) fn prob_grads_exact(p: &mut [f32], ds: &mut [f32], lse: f32, delta: f32) {
+    for (x, g) in p.iter_mut().zip(ds.iter_mut()) {
+        let w = if *x == f32::NEG_INFINITY {
+            0.
+        } else {
+            (*x - lse).exp()
+        };
+        *x = w;
+        *g = if w == 0. { 0. } else { w * (*g - delta) };
+    }
+}
+
 /// Marks a row NaN for good (a NaN or `+inf` score, as PyTorch's
 /// softmax gives): NaN max, sum and accumulator; the tile row becomes 0
 /// so that the `P · V` product adds nothing to it.
