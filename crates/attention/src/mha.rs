@@ -138,7 +138,7 @@ impl MultiheadAttention {
         }
         let mask = self.mask_for(&opts.mask, b, l, s)?;
         // (B, H, L, hd), (B, Hkv, S, hd), (B, Hkv, S, hd)
-        let (q, mut k, mut v) = match &self.bias_kv {
+        let (q, mut k, mut v, mut packed) = match &self.bias_kv {
             None => self.project_heads(&query, &key, &value)?,
             Some((bk, bv)) => {
                 // `bias_k`, `bias_v` join the keys and values before the
@@ -149,11 +149,17 @@ impl MultiheadAttention {
                 let v = Tensor::cat(&[&v, &bv.broadcast_as((b, 1, e))?], 1)?;
                 let (h, kvh) = (cfg.num_heads, cfg.kv_heads());
                 let (q, k) = (self.split_heads(&q, h)?, self.split_heads(&k, kvh)?);
-                (self.norm_q(&q)?, self.norm_k(&k)?, self.split_heads(&v, kvh)?)
+                (
+                    self.norm_q(&q)?,
+                    self.norm_k(&k)?,
+                    self.split_heads(&v, kvh)?,
+                    None,
+                )
             }
         };
         let mut q = q;
         if let Some(rotary) = &self.rotary {
+            packed = None;
             // Positions 0.. for the queries and for the keys.
             if l == s {
                 (q, k) = rotary.apply_qk(&q, &k, &positions(b, 0, l, q.device())?)?;
@@ -168,10 +174,11 @@ impl MultiheadAttention {
             k = Tensor::cat(&[&k, &zeros], 2)?;
             v = Tensor::cat(&[&v, &zeros], 2)?;
             extra_keys += 1;
+            packed = None;
         }
         // The appended keys are visible to every query (PyTorch pads its
         // masks with zeros): the mask covers the keys before them.
-        call.output(self.attend(&q, &k, &v, &mask, extra_keys, opts)?)
+        call.output(self.attend(&q, &k, &v, packed.as_ref(), &mask, extra_keys, opts)?)
     }
 
     /// Self-attention in eval mode: `(batch, seq, embed_dim)` → same.
@@ -305,7 +312,7 @@ impl MultiheadAttention {
         let mask = self.mask_for(&opts.mask, b, l, k.dim(2)?)?;
         let q = self.in_proj.forward_q(&query)?;
         let q = self.norm_q(&self.split_heads(&q, self.cfg.num_heads)?)?;
-        call.output(self.attend(&q, &k, &v, &mask, 0, opts)?)
+        call.output(self.attend(&q, &k, &v, None, &mask, 0, opts)?)
     }
 }
 

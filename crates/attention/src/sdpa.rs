@@ -13,6 +13,7 @@ use multihead_kernels::attention::{self as kernel, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use crate::mask::Mask;
+use train::Merge;
 
 /// `softmax(q kᵀ · scale + mask) v` on `(batch, heads, seq, head_dim)`
 /// tensors; with [`Mask::softcap`], `softmax(cap · tanh(q kᵀ · scale /
@@ -125,8 +126,6 @@ pub(crate) struct Call<'a> {
     pub(crate) v: &'a Tensor,
     pub(crate) batch: usize,
     pub(crate) heads: usize,
-    /// Read only by the Metal refusal.
-    #[cfg_attr(not(feature = "metal"), allow(dead_code))]
     pub(crate) kv_heads: usize,
     pub(crate) q_len: usize,
     pub(crate) kv_len: usize,
@@ -178,12 +177,8 @@ pub(crate) fn sdpa_dispatch(
     path: AttnPath,
     isa: Option<Isa>,
 ) -> Result<Tensor> {
-    let call = check_qkv(q, k, v)?;
-    let scale = check_scale(scale, call.head_dim)?;
-    let mask = &*mask.without_inert_window(call.q_len, call.kv_len);
-    if let Some(why) = path.refusal(&call, mask, appended) {
-        bail!("sdpa: the {path:?} path cannot serve this call: {why}")
-    }
+    let (call, scale, mask, path) = plan(q, k, v, mask, appended, scale, path)?;
+    let mask = &*mask;
     if call.batch * call.heads == 0 {
         // An empty batch gives an empty output, whichever path was asked.
         return Tensor::zeros(
@@ -192,10 +187,6 @@ pub(crate) fn sdpa_dispatch(
             q.device(),
         );
     }
-    let path = match path {
-        AttnPath::Auto => AttnPath::resolve(&call, mask, appended),
-        p => p,
-    };
     // Half-precision keys and values beside f32 queries: the CPU kernel
     // reads them as they are, every other path in the queries' dtype.
     let (k, v) = &match path {
@@ -204,7 +195,7 @@ pub(crate) fn sdpa_dispatch(
     };
     match path {
         AttnPath::CpuTiled if train::tracked(q, k, v) => {
-            train::sdpa_train(q, k, v, mask, appended, scale, isa)
+            train::sdpa_train(q, k, v, mask, appended, scale, isa, Merge::Heads)?.transpose(1, 2)
         }
         AttnPath::CpuTiled => sdpa_tiled(q, k, v, mask, appended, scale, isa),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
@@ -213,6 +204,66 @@ pub(crate) fn sdpa_dispatch(
             Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0)
         }
     }
+}
+
+/// What a call resolves before it runs: its checked shapes and scale, the
+/// mask without a window that hides nothing, and the path that serves it
+/// (an error where `path` was forced and cannot).
+#[allow(clippy::type_complexity)]
+fn plan<'a>(
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    mask: &'a Mask,
+    appended: usize,
+    scale: Option<f64>,
+    path: AttnPath,
+) -> Result<(Call<'a>, f64, std::borrow::Cow<'a, Mask>, AttnPath)> {
+    let call = check_qkv(q, k, v)?;
+    let scale = check_scale(scale, call.head_dim)?;
+    let mask = mask.without_inert_window(call.q_len, call.kv_len);
+    if let Some(why) = path.refusal(&call, &mask, appended) {
+        bail!("sdpa: the {path:?} path cannot serve this call: {why}")
+    }
+    let path = match path {
+        AttnPath::Auto => AttnPath::resolve(&call, &mask, appended),
+        p => p,
+    };
+    Ok((call, scale, mask, path))
+}
+
+/// [`sdpa_dispatch`] where the fused training path serves the call (f32
+/// CPU tensors that track gradients on [`AttnPath::CpuTiled`], chosen or
+/// resolved): the heads merged, `(B, L, H · Dv)`, the output projection's
+/// input with no view between them — in candle's backward each view
+/// costs a zeroed buffer and a sum of its gradient. `packed`, where
+/// given, is the self-attention projection `(B, L, (H + 2 Hkv) · hd)`
+/// whose heads q, k and v are, views as they came out of it: the
+/// backward then gives its gradient in one piece. `None` where another
+/// path serves the call.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sdpa_train_merged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    packed: Option<&Tensor>,
+    mask: &Mask,
+    appended: usize,
+    scale: Option<f64>,
+    path: AttnPath,
+) -> Result<Option<Tensor>> {
+    if !train::tracked(q, k, v) {
+        return Ok(None);
+    }
+    let (call, scale, mask, path) = plan(q, k, v, mask, appended, scale, path)?;
+    if path != AttnPath::CpuTiled || call.batch * call.heads == 0 {
+        return Ok(None);
+    }
+    let merged = match packed {
+        Some(qkv) => train::sdpa_train_packed(qkv, call.heads, call.kv_heads, &mask, appended, scale),
+        None => train::sdpa_train(q, k, v, &mask, appended, scale, None, Merge::Features),
+    };
+    merged.map(Some)
 }
 
 /// `softmax(q kᵀ · scale + mask) v` (soft-capped where the mask asks)

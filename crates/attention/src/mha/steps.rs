@@ -19,7 +19,11 @@ use crate::config::PositionEncoding;
 use crate::mask::{Alibi, Causal, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 use crate::projection::InKind;
-use crate::sdpa::{sdpa_dispatch, sdpa_reference, AttnPath};
+use crate::sdpa::{sdpa_dispatch, sdpa_reference, sdpa_train_merged, AttnPath};
+
+/// q `(B, H, L, hd)`, k and v `(B, Hkv, S, hd)`, and the self-attention
+/// projection `(B, L, (H + 2 Hkv) · hd)` they are views of, where they are.
+pub(super) type Heads = (Tensor, Tensor, Tensor, Option<Tensor>);
 
 impl MultiheadAttention {
     /// One decoder step of causal self-attention over `cache`: projects
@@ -48,7 +52,7 @@ impl MultiheadAttention {
 
         // 1. q, k and v in one projection, as heads: (B, H, T, hd),
         //    (B, Hkv, T, hd), (B, Hkv, T, hd).
-        let (q, k, v) = self.self_attention_heads(x)?;
+        let (q, k, v, _) = self.self_attention_heads(x)?;
 
         // 2. qk-norm where configured, then the rotary embedding at the
         //    positions the cache gives (after its left padding).
@@ -62,9 +66,8 @@ impl MultiheadAttention {
         let offset = cache.len();
         let (k, v) = cache.append(&k, &v)?;
 
-        // 4. Attention, causal from `offset` on, the cache's left padding
-        //    as key padding, the config's window, ALiBi and cap joined:
-        //    (B, H, T, hd).
+        // 4. The mask: causal from `offset` on, the cache's left padding
+        //    as key padding, the config's window, ALiBi and cap joined.
         let mut mask = Mask {
             causal: Some(Causal::Offset(offset)),
             ..opts.mask.clone()
@@ -79,31 +82,34 @@ impl MultiheadAttention {
             mask.key_padding = Some(pad);
         }
         let mask = self.mask_for(&mask, b, t, cache.len())?;
-        let (heads, weights) = self.attention(&q, &k, &v, &mask, 0, opts)?;
 
-        // 5. Heads merged and projected out, the residual added in the
-        //    projection's tiles: (B, T, E).
-        let output = self.project_out(&heads, opts.residual.as_ref())?;
+        // 5. Attention under it, its heads (B, H, T, hd) merged and
+        //    projected out, the residual added in the projection's tiles:
+        //    (B, T, E).
+        let (output, weights) = self.attend(&q, &k, &v, None, &mask, 0, opts)?;
         Ok(MhaOutput { output, weights })
     }
 
     /// Self-attention's heads of `x` `(B, T, E)`: q `(B, H, T, hd)` and
     /// k, v `(B, Hkv, T, hd)`. Through the fused weight, one matmul whose
-    /// output the heads view without copies.
-    fn self_attention_heads(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// output `(B, T, (H + 2 Hkv) · hd)` the heads view without copies, and
+    /// which comes back beside them.
+    fn self_attention_heads(&self, x: &Tensor) -> Result<Heads> {
         let (b, t, _) = x.dims3()?;
         let (h, kvh, hd) = (self.cfg.num_heads, self.cfg.kv_heads(), self.cfg.head_dim());
         match &self.in_proj.kind {
             InKind::Fused(fused) => {
-                // (B, T, H + 2 Hkv, hd)
-                let qkv = fused.forward(x)?.reshape((b, t, h + 2 * kvh, hd))?;
+                // (B, T, (H + 2 Hkv) · hd), viewed as (B, T, H + 2 Hkv, hd)
+                let packed = fused.forward(x)?;
+                let qkv = packed.reshape((b, t, h + 2 * kvh, hd))?;
                 let heads = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
-                Ok((heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?))
+                let (q, k, v) = (heads(0, h)?, heads(h, kvh)?, heads(h + kvh, kvh)?);
+                Ok((q, k, v, Some(packed)))
             }
             InKind::Separate { q, k, v } => {
                 let heads =
                     |p: &PackedLinear, n: usize| p.forward(x)?.reshape((b, t, n, hd))?.transpose(1, 2);
-                Ok((heads(q, h)?, heads(k, kvh)?, heads(v, kvh)?))
+                Ok((heads(q, h)?, heads(k, kvh)?, heads(v, kvh)?, None))
             }
         }
     }
@@ -184,15 +190,11 @@ impl MultiheadAttention {
 
     /// The heads of `(B, L, E)`, `(B, S, kdim)`, `(B, S, vdim)`:
     /// `(B, H, L, hd)`, `(B, Hkv, S, hd)`, `(B, Hkv, S, hd)`, qk-normed
-    /// where configured; self-attention in one fused projection.
-    pub(super) fn project_heads(
-        &self,
-        query: &Tensor,
-        key: &Tensor,
-        value: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    /// where configured; self-attention in one fused projection, which
+    /// comes back beside them where they are its views as they stand.
+    pub(super) fn project_heads(&self, query: &Tensor, key: &Tensor, value: &Tensor) -> Result<Heads> {
         let (h, kvh) = (self.cfg.num_heads, self.cfg.kv_heads());
-        let (q, k, v) = if query.id() == key.id() && key.id() == value.id() {
+        let (q, k, v, packed) = if query.id() == key.id() && key.id() == value.id() {
             self.self_attention_heads(query)?
         } else {
             let (q, k, v) = self.in_proj.forward(query, key, value)?;
@@ -200,9 +202,11 @@ impl MultiheadAttention {
                 self.split_heads(&q, h)?,
                 self.split_heads(&k, kvh)?,
                 self.split_heads(&v, kvh)?,
+                None,
             )
         };
-        Ok((self.norm_q(&q)?, self.norm_k(&k)?, v))
+        let packed = packed.filter(|_| self.qk_norm.is_none());
+        Ok((self.norm_q(&q)?, self.norm_k(&k)?, v, packed))
     }
 
     /// `(B, L)` of a `(B, L, E)` query, or an error naming the wrong size.
@@ -261,7 +265,7 @@ impl MultiheadAttention {
         appended: usize,
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let dropout = (opts.train && self.cfg.dropout > 0.).then_some(self.cfg.dropout);
+        let dropout = self.dropout(opts);
         if opts.need_weights == NeedWeights::No && dropout.is_none() {
             let out = sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path, None)?;
             return Ok((out, None));
@@ -283,29 +287,51 @@ impl MultiheadAttention {
         Ok((out, weights))
     }
 
+    /// The dropout rate on the attention weights a call applies, if any.
+    fn dropout(&self, opts: &MhaOptions) -> Option<f32> {
+        (opts.train && self.cfg.dropout > 0.).then_some(self.cfg.dropout)
+    }
+
     /// Heads `(B, H, L, hd)` merged and projected out: `(B, L, E)`, plus
     /// `residual` (batch-first) where given, added in the projection's
     /// tiles.
     pub(super) fn project_out(&self, heads: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         let (b, _, l, _) = heads.dims4()?;
-        let out = heads.transpose(1, 2)?.reshape((b, l, self.cfg.q_dim()))?;
+        self.project_merged(
+            &heads.transpose(1, 2)?.reshape((b, l, self.cfg.q_dim()))?,
+            residual,
+        )
+    }
+
+    /// [`Self::project_out`] of heads already merged, `(B, L, H · hd)`.
+    fn project_merged(&self, merged: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         match residual {
-            Some(residual) => self.out_proj.forward_add(&out, residual),
-            None => self.out_proj.forward(&out),
+            Some(residual) => self.out_proj.forward_add(merged, residual),
+            None => self.out_proj.forward(merged),
         }
     }
 
     /// [`Self::attention`], then [`Self::project_out`]: what the PyTorch
     /// entry points return.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn attend(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        packed: Option<&Tensor>,
         mask: &Mask,
         appended: usize,
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if opts.need_weights == NeedWeights::No && self.dropout(opts).is_none() {
+            // Training on the fused path: the heads come merged, with no
+            // view for candle's backward to pad and sum.
+            let merged = sdpa_train_merged(q, k, v, packed, mask, appended, self.cfg.scale, opts.path)?;
+            if let Some(merged) = merged {
+                return Ok((self.project_merged(&merged, opts.residual.as_ref())?, None));
+            }
+        }
         let (heads, weights) = self.attention(q, k, v, mask, appended, opts)?;
         Ok((self.project_out(&heads, opts.residual.as_ref())?, weights))
     }

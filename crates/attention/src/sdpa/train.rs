@@ -8,7 +8,7 @@
 
 use std::sync::Mutex;
 
-use candle::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use multihead_kernels::attention::{self as kernel, TileOptions};
 use multihead_kernels::isa::Isa;
 
@@ -42,11 +42,35 @@ pub(super) fn refusal(call: &Call, mask: &Mask) -> Option<String> {
         .then(|| "the mask needs gradients, which only the reference path gives it".into())
 }
 
+/// The shape a training call's output takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Merge {
+    /// `(B, L, H, Dv)`: the heads, a transpose away from `(B, H, L, Dv)`.
+    Heads,
+    /// `(B, L, H · Dv)`: the heads merged, an output projection's input.
+    Features,
+}
+
+impl Merge {
+    /// The reference path's heads `(B, H, L, Dv)` in this shape.
+    fn of_heads(self, heads: &Tensor) -> Result<Tensor> {
+        let t = heads.transpose(1, 2)?;
+        match self {
+            Merge::Heads => Ok(t),
+            Merge::Features => {
+                let (b, l, h, dv) = t.dims4()?;
+                t.reshape((b, l, h * dv))
+            }
+        }
+    }
+}
+
 /// `softmax(q kᵀ · scale + mask) v` through the tiled kernel, its result
-/// tracked so that its backward is the fused one; shapes as
-/// [`crate::scaled_dot_product_attention`] (validated by the caller, and
-/// by [`refusal`]: f32 on the CPU), the last `appended` keys outside the
-/// mask, on `isa` (`None`: the kernel's default).
+/// tracked so that its backward is the fused one, in `merge`'s shape;
+/// shapes as [`crate::scaled_dot_product_attention`] (validated by the
+/// caller, and by [`refusal`]: f32 on the CPU), the last `appended` keys
+/// outside the mask, on `isa` (`None`: the kernel's default).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn sdpa_train(
     q: &Tensor,
     k: &Tensor,
@@ -55,29 +79,110 @@ pub(super) fn sdpa_train(
     appended: usize,
     scale: f64,
     isa: Option<Isa>,
+    merge: Merge,
 ) -> Result<Tensor> {
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    match fused(&qd, &kd, &vd, mask, appended, scale, isa, merge)? {
+        Some(op) => q.apply_op3(k, v, op),
+        // A non-finite value met a hidden key: the reference path, which
+        // reads no hidden value, decides, and backpropagates.
+        None => merge.of_heads(&sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0),
+    }
+}
+
+/// [`sdpa_train`] of self-attention whose q, k and v are the heads of one
+/// projection `qkv` `(B, L, (H + 2 Hkv) · hd)` (q's `heads`, then k's and
+/// v's `kv_heads` each), tracked through `qkv` itself: the backward
+/// writes the three gradients into one tensor of its shape, where the
+/// heads' own views would each have their gradient padded to its shape
+/// and summed. The heads merged, `(B, L, H · hd)`.
+pub(super) fn sdpa_train_packed(
+    qkv: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let (q, k, v) = packed_heads(&qkv.detach(), heads, kv_heads)?;
+    match fused(&q, &k, &v, mask, appended, scale, None, Merge::Features)? {
+        Some(fused) => qkv.apply_op1(FusedSelfAttention {
+            heads,
+            kv_heads,
+            fused,
+        }),
+        None => {
+            // As in `sdpa_train`.
+            let (q, k, v) = packed_heads(qkv, heads, kv_heads)?;
+            Merge::Features.of_heads(&sdpa_reference(&q, &k, &v, mask, appended, Some(scale), None)?.0)
+        }
+    }
+}
+
+/// The tiled forward of `q`, `k`, `v` (detached), as the op that hands its
+/// output over in `merge`'s shape and keeps what the backward needs;
+/// `None` where a non-finite value met a hidden key.
+#[allow(clippy::too_many_arguments)]
+fn fused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    appended: usize,
+    scale: f64,
+    isa: Option<Isa>,
+    merge: Merge,
+) -> Result<Option<FusedAttention>> {
     let masking = mask.masking(q, k, appended)?;
     let options = TileOptions {
         isa,
         ..TileOptions::default()
     };
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let Some((out, lse)) = kernel::sdpa_saving_lse(&qd, &kd, &vd, &masking, appended, scale, options)? else {
-        // A non-finite value met a hidden key: the reference path, which
-        // reads no hidden value, decides, and backpropagates.
-        return Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0);
+    let Some((out, lse)) = kernel::sdpa_saving_lse(q, k, v, &masking, appended, scale, options)? else {
+        return Ok(None);
     };
-    let op = FusedAttention {
+    // (B, L, H, Dv), the kernel's own buffer.
+    let out = out.transpose(1, 2)?;
+    let out = match merge {
+        Merge::Heads => out,
+        Merge::Features => {
+            let (b, l, h, dv) = out.dims4()?;
+            out.reshape((b, l, h * dv))?
+        }
+    };
+    Ok(Some(FusedAttention {
         mask: mask.clone(),
         appended,
         scale,
         isa,
         lse,
-        // (B, L, H, Dv), the kernel's own buffer.
-        out: Mutex::new(Some(out.transpose(1, 2)?)),
-    };
-    // (B, L, H, Dv) -> (B, H, L, Dv), the view the kernel gives.
-    q.apply_op3(k, v, op)?.transpose(1, 2)
+        out: Mutex::new(Some(out)),
+    }))
+}
+
+/// The q, k and v heads of a packed projection `(B, L, (H + 2 Hkv) · hd)`:
+/// `(B, H, L, hd)` and `(B, Hkv, L, hd)` twice, views.
+fn packed_heads(qkv: &Tensor, heads: usize, kv_heads: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, l, width) = qkv.dims3()?;
+    let all = heads + 2 * kv_heads;
+    if all == 0 || width % all != 0 {
+        bail!("fused attention: a projection of {width} features holds no {all} heads of one size")
+    }
+    let qkv = qkv.reshape((b, l, all, width / all))?;
+    let part = |from: usize, n: usize| qkv.narrow(2, from, n)?.transpose(1, 2);
+    Ok((
+        part(0, heads)?,
+        part(heads, kv_heads)?,
+        part(heads + kv_heads, kv_heads)?,
+    ))
+}
+
+/// `t`, the output or its gradient in either [`Merge`] shape, as the
+/// kernel reads it: `(B, H, L, Dv)`, a view of `(B, L, H, Dv)`.
+fn as_heads(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, l) = (t.dim(0)?, t.dim(1)?);
+    t.reshape((b, l, heads, t.elem_count() / (b * l * heads).max(1)))?
+        .transpose(1, 2)
 }
 
 /// The op that ties a fused forward to its backward. candle hands a
@@ -91,8 +196,28 @@ struct FusedAttention {
     scale: f64,
     isa: Option<Isa>,
     lse: Tensor,
-    /// The output, `(B, L, H, Dv)` contiguous, until `cpu_fwd` takes it.
+    /// The output, contiguous in its [`Merge`] shape, until `cpu_fwd`
+    /// takes it.
     out: Mutex<Option<Tensor>>,
+}
+
+impl FusedAttention {
+    /// The forward's output, as the op's result: candle calls `cpu_fwd`
+    /// once.
+    fn take_output(&self) -> Result<(CpuStorage, Shape)> {
+        let Some(out) = self.out.lock().ok().and_then(|mut o| o.take()) else {
+            bail!("fused attention: the forward's output was already taken")
+        };
+        let (storage, layout) = out.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            bail!("fused attention: the output is not on the CPU")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("fused attention: the output is not contiguous")
+        };
+        let data = cpu.as_slice::<f32>()?[start..end].to_vec();
+        Ok((CpuStorage::F32(data), out.shape().clone()))
+    }
 }
 
 impl CustomOp3 for FusedAttention {
@@ -109,18 +234,7 @@ impl CustomOp3 for FusedAttention {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let Some(out) = self.out.lock().ok().and_then(|mut o| o.take()) else {
-            bail!("fused attention: the forward's output was already taken")
-        };
-        let (storage, layout) = out.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            bail!("fused attention: the output is not on the CPU")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("fused attention: the output is not contiguous")
-        };
-        let data = cpu.as_slice::<f32>()?[start..end].to_vec();
-        Ok((CpuStorage::F32(data), out.shape().clone()))
+        self.take_output()
     }
 
     fn bwd(
@@ -132,15 +246,14 @@ impl CustomOp3 for FusedAttention {
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let masking = self.mask.masking(q, k, self.appended)?;
-        // `res` and `grad_res` are (B, L, H, Dv); the kernel reads them as
-        // (B, H, L, Dv) views.
+        let h = q.dim(1)?;
         let grads = kernel::sdpa_backward(
             q,
             k,
             v,
-            &res.transpose(1, 2)?,
+            &as_heads(res, h)?,
             &self.lse,
-            &grad_res.transpose(1, 2)?,
+            &as_heads(grad_res, h)?,
             &masking,
             self.appended,
             self.scale,
@@ -148,5 +261,43 @@ impl CustomOp3 for FusedAttention {
         )?;
         let wanted = |t: &Tensor, g: Tensor| t.track_op().then_some(g);
         Ok((wanted(q, grads.q), wanted(k, grads.k), wanted(v, grads.v)))
+    }
+}
+
+/// [`FusedAttention`] over the packed projection whose heads it attends
+/// ([`sdpa_train_packed`]).
+struct FusedSelfAttention {
+    heads: usize,
+    kv_heads: usize,
+    fused: FusedAttention,
+}
+
+impl CustomOp1 for FusedSelfAttention {
+    fn name(&self) -> &'static str {
+        "fused-self-attention"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.fused.take_output()
+    }
+
+    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (q, k, v) = packed_heads(qkv, self.heads, self.kv_heads)?;
+        let f = &self.fused;
+        let masking = f.mask.masking(&q, &k, f.appended)?;
+        let grad = kernel::sdpa_backward_packed(
+            &q,
+            &k,
+            &v,
+            &as_heads(res, self.heads)?,
+            &f.lse,
+            &as_heads(grad_res, self.heads)?,
+            &masking,
+            f.appended,
+            f.scale,
+            f.isa,
+        )?;
+        // (B, L, H + 2 Hkv, hd) -> the projection's (B, L, (H + 2 Hkv) · hd)
+        Ok(Some(grad.reshape(qkv.shape())?))
     }
 }

@@ -34,7 +34,7 @@
 //! and `dS` through the rows' vector `exp`. Tiles the causal rule or the
 //! window hide whole are skipped.
 
-use candle::{bail, DType, Result, Tensor, D};
+use candle::{bail, DType, Result, Tensor};
 use gemm::{gemm, Parallelism};
 
 use super::mask::{part_storages, part_views, Masking};
@@ -89,6 +89,74 @@ pub fn sdpa_backward(
     scale: f64,
     isa: Option<Isa>,
 ) -> Result<Gradients> {
+    let (b, h, kh, l, s, d, dv) = check(q, k, v, out, lse, d_out)?;
+    let mut dq = vec![0f32; b * h * l * d];
+    let mut dk = vec![0f32; b * kh * s * d];
+    let mut dvs = vec![0f32; b * kh * s * dv];
+    let dsts = [
+        Dst::contiguous(&mut dq, h, l, d),
+        Dst::contiguous(&mut dk, kh, s, d),
+        Dst::contiguous(&mut dvs, kh, s, dv),
+    ];
+    backward_into(q, k, v, out, lse, d_out, masking, appended, scale, isa, dsts)?;
+    let dev = q.device();
+    Ok(Gradients {
+        q: Tensor::from_vec(dq, (b, h, l, d), dev)?,
+        k: Tensor::from_vec(dk, (b, kh, s, d), dev)?,
+        v: Tensor::from_vec(dvs, (b, kh, s, dv), dev)?,
+    })
+}
+
+/// [`sdpa_backward`] of self-attention whose q, k and v are the heads of
+/// one projection `(batch, len, heads + 2 · kv_heads, head_dim)` (q's
+/// heads, then k's, then v's): the three gradients in one tensor of that
+/// shape, as the projection's gradient. q, k and v have one length and
+/// one head dim.
+#[allow(clippy::too_many_arguments)]
+pub fn sdpa_backward_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+    masking: &Masking,
+    appended: usize,
+    scale: f64,
+    isa: Option<Isa>,
+) -> Result<Tensor> {
+    let (b, h, kh, l, s, d, dv) = check(q, k, v, out, lse, d_out)?;
+    if s != l || dv != d {
+        bail!(
+            "attention backward: packed gradients need one length and one head dim, found q_len {l}, kv_len {s}, \
+             head dims {d} and {dv}"
+        )
+    }
+    let width = h + 2 * kh;
+    let mut grads = vec![0f32; b * l * width * d];
+    let ptr = grads.as_mut_ptr();
+    // Element (b, head, row, ·) of each at b·(l·width·d) + row·(width·d) +
+    // head·d past its first head.
+    let stride = [l * width * d, d, width * d];
+    let dsts = [0, h, h + kh].map(|first| Dst {
+        ptr: SyncPtr(ptr.wrapping_add(first * d)),
+        stride,
+    });
+    backward_into(q, k, v, out, lse, d_out, masking, appended, scale, isa, dsts)?;
+    Tensor::from_vec(grads, (b, l, width, d), q.device())
+}
+
+/// The dims of a backward's arguments, `(batch, heads, kv_heads, q_len,
+/// kv_len, head_dim, v_head_dim)`, or an error naming the one that does
+/// not fit.
+fn check(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+) -> Result<(usize, usize, usize, usize, usize, usize, usize)> {
     let inputs = [
         ("q", q),
         ("k", k),
@@ -107,8 +175,16 @@ pub fn sdpa_backward(
         }
     }
     let (b, h, l, d) = q.dims4()?;
-    let (_, kh, s, _) = k.dims4()?;
-    let dv = v.dim(3)?;
+    let (kb, kh, s, kd) = k.dims4()?;
+    let (vb, vh, vs, dv) = v.dims4()?;
+    if (kb, kd) != (b, d) || (vb, vh, vs) != (b, kh, s) {
+        bail!(
+            "attention backward: q {:?}, k {:?} and v {:?} do not fit together",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
     if out.dims() != [b, h, l, dv] || d_out.dims() != [b, h, l, dv] || lse.dims() != [b, h, l] {
         bail!(
             "attention backward: out {:?}, d_out {:?} and lse {:?} must be {:?}, {:?} and {:?}",
@@ -123,13 +199,67 @@ pub fn sdpa_backward(
     if kh == 0 || h % kh != 0 {
         bail!("attention backward: q heads ({h}) must be a multiple of k/v heads ({kh})")
     }
-    // Dᵢ = rowsum(dOᵢ ∘ Oᵢ), (B, H, L).
-    let delta = (d_out * out)?.sum(D::Minus1)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok((b, h, kh, l, s, d, dv))
+}
+
+/// Where one gradient goes: element `(batch, head, row, 0)` at `ptr +
+/// batch · stride[0] + head · stride[1] + row · stride[2]`, the rest of the
+/// row after it.
+#[derive(Clone, Copy)]
+struct Dst {
+    ptr: SyncPtr,
+    stride: [usize; 3],
+}
+
+impl Dst {
+    /// `buf` as `(batch, heads, rows, width)`, contiguous.
+    fn contiguous(buf: &mut [f32], heads: usize, rows: usize, width: usize) -> Dst {
+        Dst {
+            ptr: SyncPtr(buf.as_mut_ptr()),
+            stride: [heads * rows * width, rows * width, width],
+        }
+    }
+
+    /// The first element of row `row` of head `head` (batch `b`).
+    ///
+    /// # Safety
+    /// The element lies inside the buffer.
+    unsafe fn at(self, b: usize, head: usize, row: usize) -> *mut f32 {
+        // SAFETY: as the caller promises.
+        unsafe {
+            self.ptr
+                .get()
+                .add(b * self.stride[0] + head * self.stride[1] + row * self.stride[2])
+        }
+    }
+}
+
+/// The backward of checked arguments (`check`) into `dsts` (dQ, dK, dV),
+/// zeroed buffers that outlive the call and that nothing else touches
+/// meanwhile.
+#[allow(clippy::too_many_arguments)]
+fn backward_into(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    d_out: &Tensor,
+    masking: &Masking,
+    appended: usize,
+    scale: f64,
+    isa: Option<Isa>,
+    [dq, dk, dv_dst]: [Dst; 3],
+) -> Result<()> {
+    let (b, h, l, d) = q.dims4()?;
+    let (_, kh, s, _) = k.dims4()?;
+    let dv = v.dim(3)?;
     let lse = lse.flatten_all()?.to_vec1::<f32>()?;
-    let (q, k, v, d_out) = (
+    let (q, k, v, out, d_out) = (
         last_dim_contiguous(q)?,
         last_dim_contiguous(k)?,
         last_dim_contiguous(v)?,
+        last_dim_contiguous(out)?,
         last_dim_contiguous(d_out)?,
     );
     let Masking {
@@ -141,83 +271,64 @@ pub fn sdpa_backward(
     } = masking;
     let guards = part_storages(parts);
     let part_views = part_views(parts, &guards)?;
-    let mut dq = vec![0f32; b * h * l * d];
-    let mut dk = vec![0f32; b * kh * s * d];
-    let mut dvs = vec![0f32; b * kh * s * dv];
-    let (dq_ptr, dk_ptr, dv_ptr) = (
-        SyncPtr(dq.as_mut_ptr()),
-        SyncPtr(dk.as_mut_ptr()),
-        SyncPtr(dvs.as_mut_ptr()),
-    );
-    // Each pass computes both products of every tile, and one or two more.
-    let work = 2 * b * h * l * s * (d + dv);
     with_view::<f32, _>(&q, "q", |qv| {
         with_view::<f32, _>(&k, "k", |kv| {
             with_view::<f32, _>(&v, "v", |vv| {
                 with_view::<f32, _>(&d_out, "d_out", |dov| {
-                    let problem = Problem {
-                        q: &qv,
-                        k: &kv,
-                        v: &vv,
-                        parts: &part_views,
-                        heads_per_kv: h / kh,
-                        dims: (l, s, d, dv),
-                        scale: scale as f32,
-                        causal: *causal,
-                        window: *window,
-                        alibi: *alibi,
-                        softcap: *softcap,
-                        masked_keys: s.saturating_sub(appended),
-                        isa: isa.map_or_else(current, runnable),
-                    };
-                    let pass = Backward {
-                        p: &problem,
-                        d_out: &dov,
-                        lse: &lse,
-                        delta: &delta,
-                        heads: h,
-                    };
-                    let threads = rayon::current_num_threads();
-                    if b * kh >= UNITS_PER_THREAD * threads {
-                        // One pass: a unit per (batch, kv-head) owns all
-                        // its rows of dQ, dK and dV.
-                        let work = b * h * l * s * (3 * d + 2 * dv);
-                        par_for(b * kh, work, |u| {
-                            pass.kv_group(u / kh, u % kh, [dq_ptr, dk_ptr, dv_ptr]);
-                        });
-                        return Ok(());
-                    }
-                    let key_units: Vec<(usize, usize, usize)> = (0..b)
-                        .flat_map(|bi| {
-                            (0..kh).flat_map(move |kvh| (0..s).step_by(BLOCK).map(move |j0| (bi, kvh, j0)))
-                        })
-                        .collect();
-                    par_for(key_units.len(), work, |u| {
-                        let (bi, kvh, j0) = key_units[u];
-                        pass.keys_block(bi, kvh, j0, BLOCK.min(s - j0), dk_ptr, dv_ptr);
-                    });
-                    let query_units: Vec<(usize, usize, usize)> = (0..b)
-                        .flat_map(|bi| {
-                            (0..h).flat_map(move |hi| (0..l).step_by(BLOCK).map(move |i0| (bi, hi, i0)))
-                        })
-                        .collect();
-                    par_for(query_units.len(), work, |u| {
-                        let (bi, hi, i0) = query_units[u];
-                        pass.queries_block(bi, hi, i0, BLOCK.min(l - i0), dq_ptr);
-                    });
-                    Ok(())
+                    with_view::<f32, _>(&out, "out", |ov| {
+                        let delta = deltas(&ov, &dov, (b, h, l, dv));
+                        let problem = Problem {
+                            q: &qv,
+                            k: &kv,
+                            v: &vv,
+                            parts: &part_views,
+                            heads_per_kv: h / kh,
+                            dims: (l, s, d, dv),
+                            scale: scale as f32,
+                            causal: *causal,
+                            window: *window,
+                            alibi: *alibi,
+                            softcap: *softcap,
+                            masked_keys: s.saturating_sub(appended),
+                            isa: isa.map_or_else(current, runnable),
+                        };
+                        let pass = Backward {
+                            p: &problem,
+                            d_out: &dov,
+                            lse: &lse,
+                            delta: &delta,
+                            heads: h,
+                        };
+                        pass.run(b, [dq, dk, dv_dst]);
+                        Ok(())
+                    })
                 })
             })
         })
     })?;
     drop(part_views);
     drop(guards);
-    let dev = q.device();
-    Ok(Gradients {
-        q: Tensor::from_vec(dq, (b, h, l, d), dev)?,
-        k: Tensor::from_vec(dk, (b, kh, s, d), dev)?,
-        v: Tensor::from_vec(dvs, (b, kh, s, dv), dev)?,
-    })
+    Ok(())
+}
+
+/// `Dᵢ = rowsum(dOᵢ ∘ Oᵢ)` of every query row, `(batch, heads, q_len)`.
+fn deltas(out: &View, d_out: &View, (b, h, l, dv): (usize, usize, usize, usize)) -> Vec<f32> {
+    let mut delta = vec![0f32; b * h * l];
+    let dst = SyncPtr(delta.as_mut_ptr());
+    par_for(b * h, b * h * l * dv, |u| {
+        let (bi, hi) = (u / h, u % h);
+        for i in 0..l {
+            let (o, g) = (
+                &out.data[out.offset(bi, hi, i)..][..dv],
+                &d_out.data[d_out.offset(bi, hi, i)..][..dv],
+            );
+            let dot = o.iter().zip(g).map(|(o, g)| o * g).sum::<f32>();
+            // SAFETY: rows `u · l..(u + 1) · l` of `delta` are this
+            // unit's alone, and `delta` outlives the loop.
+            unsafe { *dst.get().add(u * l + i) = dot };
+        }
+    });
+    delta
 }
 
 /// One backward call as its units read it: the forward's problem, `dO`,
@@ -249,6 +360,37 @@ impl TileBufs {
 }
 
 impl Backward<'_> {
+    /// Every gradient of the call's `b` batches into `dq`, `dk`, `dv`: in
+    /// one pass over (batch, kv-head) units where there are enough of
+    /// them, else in two over tiles.
+    fn run(&self, b: usize, [dq, dk, dv]: [Dst; 3]) {
+        let p = self.p;
+        let (l, s, d, dvd) = p.dims;
+        let (h, kh) = (self.heads, self.heads / p.heads_per_kv);
+        if b * kh >= UNITS_PER_THREAD * rayon::current_num_threads() {
+            // Each tile's two products and its three gradients' products.
+            let work = b * h * l * s * (3 * d + 2 * dvd);
+            par_for(b * kh, work, |u| self.kv_group(u / kh, u % kh, [dq, dk, dv]));
+            return;
+        }
+        // Each pass computes both products of every tile, and one or two more.
+        let work = 2 * b * h * l * s * (d + dvd);
+        let key_units: Vec<(usize, usize, usize)> = (0..b)
+            .flat_map(|bi| (0..kh).flat_map(move |kvh| (0..s).step_by(BLOCK).map(move |j0| (bi, kvh, j0))))
+            .collect();
+        par_for(key_units.len(), work, |u| {
+            let (bi, kvh, j0) = key_units[u];
+            self.keys_block(bi, kvh, j0, BLOCK.min(s - j0), dk, dv);
+        });
+        let query_units: Vec<(usize, usize, usize)> = (0..b)
+            .flat_map(|bi| (0..h).flat_map(move |hi| (0..l).step_by(BLOCK).map(move |i0| (bi, hi, i0))))
+            .collect();
+        par_for(query_units.len(), work, |u| {
+            let (bi, hi, i0) = query_units[u];
+            self.queries_block(bi, hi, i0, BLOCK.min(l - i0), dq);
+        });
+    }
+
     /// The tile of query rows `i0..i0 + rows` of head `hi` (batch `bi`)
     /// and keys `j0..j0 + cols`: `P` into `t.p` and `dS` (without the
     /// `scale` the products apply) into `t.ds`, `cols` apart.
@@ -379,10 +521,10 @@ impl Backward<'_> {
 
     /// Every gradient of kv-head `kvh` (batch `bi`): dK and dV of its keys
     /// and dQ of its query heads' rows, written to those rows of `dq`, `dk`
-    /// and `dv` (contiguous), which no other unit writes. Key block by key
+    /// and `dv`, which no other unit writes. Key block by key
     /// block, so that the block's rows of dK and dV stay in cache while
     /// every tile that sees them adds to them.
-    fn kv_group(&self, bi: usize, kvh: usize, [dq, dk, dv]: [SyncPtr; 3]) {
+    fn kv_group(&self, bi: usize, kvh: usize, [dq, dk, dv]: [Dst; 3]) {
         let p = self.p;
         let (l, s, _, _) = p.dims;
         let mut t = TileBufs::new(BLOCK.min(l) * BLOCK.min(s), p.softcap.is_some());
@@ -415,9 +557,9 @@ impl Backward<'_> {
 
     /// dK and dV of keys `j0..j0 + cols` of kv-head `kvh` (batch `bi`),
     /// over every query head of the kv-head and every query block that
-    /// sees one of them, written to those rows of `dk` and `dv` (`(batch,
-    /// kv_heads, kv_len, ·)`, contiguous), which no other unit writes.
-    fn keys_block(&self, bi: usize, kvh: usize, j0: usize, cols: usize, dk: SyncPtr, dv: SyncPtr) {
+    /// sees one of them, written to those rows of `dk` and `dv`, which no
+    /// other unit writes.
+    fn keys_block(&self, bi: usize, kvh: usize, j0: usize, cols: usize, dk: Dst, dv: Dst) {
         let p = self.p;
         let l = p.dims.0;
         let mut t = TileBufs::new(BLOCK.min(l) * cols, p.softcap.is_some());
@@ -436,9 +578,9 @@ impl Backward<'_> {
     }
 
     /// dQ of query rows `i0..i0 + rows` of head `hi` (batch `bi`), over the
-    /// key blocks they see, written to those rows of `dq` (`(batch, heads,
-    /// q_len, head_dim)`, contiguous), which no other unit writes.
-    fn queries_block(&self, bi: usize, hi: usize, i0: usize, rows: usize, dq: SyncPtr) {
+    /// key blocks they see, written to those rows of `dq`, which no other
+    /// unit writes.
+    fn queries_block(&self, bi: usize, hi: usize, i0: usize, rows: usize, dq: Dst) {
         let p = self.p;
         let end = p.keys_end(i0 + rows - 1);
         let mut t = TileBufs::new(rows * BLOCK.min(end.max(1)), p.softcap.is_some());
@@ -457,9 +599,8 @@ impl Backward<'_> {
     /// Q` into rows `j0..j0 + cols` of head `hi`'s kv-head.
     ///
     /// # Safety
-    /// Those rows of `dk` and `dv` (`(batch, kv_heads, kv_len, ·)`,
-    /// contiguous) are the caller's alone; `t` holds the tile of query
-    /// rows `i0..i0 + rows` and keys `j0..j0 + cols`.
+    /// Those rows of `dk` and `dv` are the caller's alone; `t` holds the
+    /// tile of query rows `i0..i0 + rows` and keys `j0..j0 + cols`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn add_key_grads(
         &self,
@@ -470,13 +611,12 @@ impl Backward<'_> {
         j0: usize,
         cols: usize,
         t: &TileBufs,
-        dk: SyncPtr,
-        dv_out: SyncPtr,
+        dk: Dst,
+        dv_out: Dst,
     ) {
         let p = self.p;
-        let (_, s, d, dv) = p.dims;
+        let (_, _, d, dv) = p.dims;
         let kvh = hi / p.heads_per_kv;
-        let first = (bi * (self.heads / p.heads_per_kv) + kvh) * s + j0;
         // SAFETY: the caller's rows of dK and dV; the other operands as in
         // `products`.
         unsafe {
@@ -485,7 +625,7 @@ impl Backward<'_> {
             // dV (cols, dv) += Pᵀ (cols, rows) · dO (rows, dv)
             product(
                 (cols, dv, rows),
-                (dv_out.get().add(first * dv), dv as isize),
+                (dv_out.at(bi, kvh, j0), dv_out.stride[2] as isize),
                 true,
                 Mat {
                     ptr: t.p.as_ptr(),
@@ -502,7 +642,7 @@ impl Backward<'_> {
             // dK (cols, d) += scale · dSᵀ (cols, rows) · Q (rows, d)
             product(
                 (cols, d, rows),
-                (dk.get().add(first * d), d as isize),
+                (dk.at(bi, kvh, j0), dk.stride[2] as isize),
                 true,
                 Mat {
                     ptr: t.ds.as_ptr(),
@@ -523,9 +663,8 @@ impl Backward<'_> {
     /// of head `hi`.
     ///
     /// # Safety
-    /// Those rows of `dq` (`(batch, heads, q_len, head_dim)`, contiguous)
-    /// are the caller's alone; `t` holds the tile of query rows `i0..i0 +
-    /// rows` and keys `j0..j0 + cols`.
+    /// Those rows of `dq` are the caller's alone; `t` holds the tile of
+    /// query rows `i0..i0 + rows` and keys `j0..j0 + cols`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn add_query_grads(
         &self,
@@ -536,19 +675,18 @@ impl Backward<'_> {
         j0: usize,
         cols: usize,
         t: &TileBufs,
-        dq: SyncPtr,
+        dq: Dst,
     ) {
         let p = self.p;
-        let (l, _, d, _) = p.dims;
+        let d = p.dims.2;
         let kvh = hi / p.heads_per_kv;
-        let first = (bi * self.heads + hi) * l + i0;
         // SAFETY: the caller's rows of dQ; the other operands as in
         // `products`.
         unsafe {
             // dQ (rows, d) += scale · dS (rows, cols) · K (cols, d)
             product(
                 (rows, d, cols),
-                (dq.get().add(first * d), d as isize),
+                (dq.at(bi, hi, i0), dq.stride[2] as isize),
                 true,
                 Mat {
                     ptr: t.ds.as_ptr(),

@@ -47,7 +47,7 @@ use half::{bf16, f16};
 use crate::rows::simd;
 use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
-pub use backward::{sdpa_backward, Gradients};
+pub use backward::{sdpa_backward, sdpa_backward_packed, Gradients};
 use mask::{part_storages, part_views};
 pub use mask::{window_isize, MaskPart, Masking};
 use problem::{last_dim_contiguous, with_view, KvElem, Problem, Unit, BLOCK_K, DIRECT_ROWS};
