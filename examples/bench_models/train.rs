@@ -11,6 +11,7 @@ use multihead::attention::{
     Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, PositionEncoding, RotaryConfig,
     WeightLayout,
 };
+use multihead::kernels::RmsNorm;
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
@@ -116,10 +117,7 @@ fn llama_layer(e: usize, inter: usize, t: usize) -> Result<Work<'static>> {
         linear(e, inter, "up_proj")?,
         linear(inter, e, "down_proj")?,
     );
-    let norm = |name: &str| {
-        vb.pp(name)
-            .get_with_hints(e, "weight", candle_nn::Init::Const(1.))
-    };
+    let norm = |name: &str| RmsNorm::new(e, eps, vb.pp(name));
     let (norm1, norm2) = (norm("input_layernorm")?, norm("post_attention_layernorm")?);
     let x = randn(&[4, t, e])?;
     let opts = MhaOptions::new()
@@ -127,10 +125,10 @@ fn llama_layer(e: usize, inter: usize, t: usize) -> Result<Work<'static>> {
         .with_train(true);
     let name = format!("train Llama decoder layer B4 T{t} D{e} H8/2 SwiGLU {inter}");
     step_work(name, varmap, move || {
-        // candle-nn's fused RMSNorm has no backward: the op-by-op one.
-        let h = candle_nn::ops::rms_norm_slow(&x, &norm1, eps)?;
+        // The decoders' RMSNorm, which trains as one op.
+        let h = norm1.forward(&x)?;
         let x = (&x + attn.forward_attn(&h, &h, &h, &opts)?.output)?;
-        let h = candle_nn::ops::rms_norm_slow(&x, &norm2, eps)?;
+        let h = norm2.forward(&x)?;
         let mlp = down.forward(&(gate.forward(&h)?.silu()? * up.forward(&h)?)?)?;
         &x + mlp
     })

@@ -6,7 +6,7 @@ use candle::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, 
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
-use super::norm_grad::grads;
+use super::norm_grad::{grads, rms_grads, rms_rows};
 use crate::elem::f32_data;
 use crate::runtime::isa::{current, Isa};
 
@@ -286,10 +286,11 @@ impl CustomOp3 for TrainedLayerNorm {
 }
 
 /// RMSNorm over the last dim, `x / sqrt(mean(x²) + eps) · weight` (HF's
-/// `LlamaRMSNorm`): candle-nn's fused kernel where no gradient flows, its
-/// op-by-op `rms_norm_slow` where the input or the weight tracks
-/// gradients. candle-nn's own `RmsNorm` runs its fused op there too, which
-/// has no backward: the gradients would stop at the norm, silently.
+/// `LlamaRMSNorm`): candle-nn's fused kernel where no gradient flows; where
+/// the input or the weight tracks gradients, on f32 CPU tensors an op with
+/// a backward of its own (`norm_grad.rs`), elsewhere candle-nn's op-by-op
+/// `rms_norm_slow`. candle-nn's own `RmsNorm` runs its fused op there too,
+/// which has no backward: the gradients would stop at the norm, silently.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -318,11 +319,80 @@ impl Module for RmsNorm {
     /// `(..., dim)` → `(..., dim)`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
         let eps = self.eps as f32;
-        if xs.track_op() || self.weight.track_op() || !xs.is_contiguous() {
+        let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle::DType::F32;
+        let trains = xs.track_op() || self.weight.track_op();
+        if trains
+            && f32_cpu(xs)
+            && f32_cpu(&self.weight)
+            && xs.dims().last() == Some(&self.weight.elem_count())
+        {
+            xs.contiguous()?
+                .apply_op2(&self.weight.contiguous()?, TrainedRmsNorm { eps })
+        } else if trains || !xs.is_contiguous() {
             candle_nn::ops::rms_norm_slow(xs, &self.weight, eps)
         } else {
             candle_nn::ops::rms_norm(xs, &self.weight, eps)
         }
+    }
+}
+
+/// `RmsNorm(x)` over the arguments `x` and `w` (contiguous f32 CPU
+/// tensors), gradients flowing to each that tracks them.
+struct TrainedRmsNorm {
+    eps: f32,
+}
+
+impl CustomOp2 for TrainedRmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm-trained"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = rms_rows(
+            f32_data(s1, l1, "rms-norm")?,
+            f32_data(s2, l2, "rms-norm")?,
+            self.eps,
+        )?;
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let w_data = w.to_vec1::<f32>()?;
+        let (dx, dw) = {
+            let (xs, xl) = x.storage_and_layout();
+            let (gs, gl) = dy.storage_and_layout();
+            let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
+                bail!("rms-norm: the backward's tensors are not on the CPU")
+            };
+            rms_grads(
+                f32_data(xs, xl, "rms-norm")?,
+                f32_data(gs, gl, "rms-norm")?,
+                &w_data,
+                self.eps,
+            )?
+        };
+        let dx = x
+            .track_op()
+            .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
+            .transpose()?;
+        let dw = w
+            .track_op()
+            .then(|| Tensor::from_vec(dw, w.shape(), w.device()))
+            .transpose()?;
+        Ok((dx, dw))
     }
 }
 
@@ -341,34 +411,39 @@ mod tests {
     /// backward).
     #[test]
     fn rms_norm_trains_through_its_input() -> Result<()> {
-        let (x, w, g) = (randn(&[3, 5, 40])?, randn(&[40])?, randn(&[3, 5, 40])?);
-        let eps = 1e-6;
-        let ours = RmsNorm::from_weight(w.clone(), eps).forward(&x)?;
-        let fused = candle_nn::RmsNorm::new(w.clone(), eps).forward(&x)?;
-        assert!(rel_err(&ours, &fused)? < 1e-6);
+        // One block of rows of the backward, and several with a partial one.
+        for dims in [[3, 5, 40], [2, 40, 33]] {
+            let d = dims[2];
+            let (x, w, g) = (randn(&dims)?, randn(&[d])?, randn(&dims)?);
+            let eps = 1e-6;
+            let ours = RmsNorm::from_weight(w.clone(), eps).forward(&x)?;
+            let fused = candle_nn::RmsNorm::new(w.clone(), eps).forward(&x)?;
+            assert!(rel_err(&ours, &fused)? < 1e-6);
 
-        let (xv, wv) = (candle::Var::from_tensor(&x)?, candle::Var::from_tensor(&w)?);
-        let y = RmsNorm::from_weight(wv.as_tensor().clone(), eps).forward(xv.as_tensor())?;
-        let grads = (y * &g)?.sum_all()?.backward()?;
-        let (xr, wr) = (candle::Var::from_tensor(&x)?, candle::Var::from_tensor(&w)?);
-        let rms = (xr.as_tensor().sqr()?.mean_keepdim(2)? + eps)?.sqrt()?;
-        let expected = xr
-            .as_tensor()
-            .broadcast_div(&rms)?
-            .broadcast_mul(wr.as_tensor())?;
-        let want = (expected * &g)?.sum_all()?.backward()?;
-        for (ours, theirs, name) in [(&xv, &xr, "x"), (&wv, &wr, "weight")] {
-            let (Some(a), Some(b)) = (grads.get(ours.as_tensor()), want.get(theirs.as_tensor())) else {
-                candle::bail!("no gradient for {name}")
-            };
-            assert!(rel_err(a, b)? < 1e-5, "{name}");
+            let (xv, wv) = (candle::Var::from_tensor(&x)?, candle::Var::from_tensor(&w)?);
+            let y = RmsNorm::from_weight(wv.as_tensor().clone(), eps).forward(xv.as_tensor())?;
+            assert!(rel_err(&y, &fused)? < 1e-6, "{dims:?}: the training forward");
+            let grads = (y * &g)?.sum_all()?.backward()?;
+            let (xr, wr) = (candle::Var::from_tensor(&x)?, candle::Var::from_tensor(&w)?);
+            let rms = (xr.as_tensor().sqr()?.mean_keepdim(2)? + eps)?.sqrt()?;
+            let expected = xr
+                .as_tensor()
+                .broadcast_div(&rms)?
+                .broadcast_mul(wr.as_tensor())?;
+            let want = (expected * &g)?.sum_all()?.backward()?;
+            for (ours, theirs, name) in [(&xv, &xr, "x"), (&wv, &wr, "weight")] {
+                let (Some(a), Some(b)) = (grads.get(ours.as_tensor()), want.get(theirs.as_tensor())) else {
+                    candle::bail!("no gradient for {name}")
+                };
+                assert!(rel_err(a, b)? < 1e-5, "{dims:?}: {name}");
+            }
+            let dropped = candle_nn::RmsNorm::new(wv.as_tensor().clone(), eps).forward(xv.as_tensor())?;
+            let grads = (dropped * &g)?.sum_all()?.backward()?;
+            assert!(
+                grads.get(xv.as_tensor()).is_none(),
+                "candle-nn's RmsNorm backpropagates now: RmsNorm could be it"
+            );
         }
-        let dropped = candle_nn::RmsNorm::new(wv.as_tensor().clone(), eps).forward(xv.as_tensor())?;
-        let grads = (dropped * &g)?.sum_all()?.backward()?;
-        assert!(
-            grads.get(xv.as_tensor()).is_none(),
-            "candle-nn's RmsNorm backpropagates now: RmsNorm could be it"
-        );
         Ok(())
     }
 

@@ -1,11 +1,16 @@
-//! LayerNorm's backward, one pass over the rows: what the op a
-//! [`LayerNorm`](super::LayerNorm) whose input or weights track gradients
-//! runs (`norm.rs`) takes its gradients with.
+//! LayerNorm's and RMSNorm's backward, one pass over the rows: what the op
+//! a [`LayerNorm`](super::LayerNorm) or [`RmsNorm`](super::RmsNorm) whose
+//! input or weights track gradients runs (`norm.rs`) takes its gradients
+//! with, and that RMSNorm op's forward.
 //!
 //! With `x̂ = (x - μ) · rstd` and `y = x̂ · γ + β` over a row of `d`, and
 //! `g = dy · γ`:
 //! - `dx = rstd · (g - mean(g) - x̂ · mean(g · x̂))`,
 //! - `dγ = Σ dy · x̂` and `dβ = Σ dy` over the rows.
+//!
+//! RMSNorm's is LayerNorm's without the mean and the bias: with `x̂ = x ·
+//! rstd`, `rstd = 1 / sqrt(mean(x²) + eps)`, `y = x̂ · w` and `g = dy · w`,
+//! `dx = rstd · (g - x̂ · mean(g · x̂))` and `dw = Σ dy · x̂`.
 //!
 //! The backward takes `μ` and `rstd` again from `x` (a row is in cache for
 //! its `dx` anyway), each row's sums in f64. Rows go in blocks on rayon's
@@ -75,6 +80,78 @@ pub(super) fn grads(
         db.iter_mut().zip(b).for_each(|(a, b)| *a += b);
     }
     Ok((dx, dg, db))
+}
+
+/// `1 / sqrt(mean(x²) + eps)` of a row, summed in f64.
+fn rms_rstd(x: &[f32], eps: f32) -> f64 {
+    let ms = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / x.len() as f64;
+    1. / (ms + f64::from(eps)).sqrt()
+}
+
+/// RMSNorm of the rows of `x` (of `w`'s width): `x · rstd · w`.
+pub(super) fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
+    let d = w.len();
+    if d == 0 || !x.len().is_multiple_of(d) {
+        bail!("rms-norm: {} inputs for rows of {d}", x.len())
+    }
+    let mut y = vec![0f32; x.len()];
+    y.par_chunks_mut(BLOCK_ROWS * d)
+        .zip(x.par_chunks(BLOCK_ROWS * d))
+        .for_each(|(y, x)| {
+            for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                let rstd = rms_rstd(x, eps) as f32;
+                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                    *y = x * rstd * w;
+                }
+            }
+        });
+    Ok(y)
+}
+
+/// `(dx, dw)` of RMSNorm over the rows of `x` (of `w`'s width), given
+/// `dy`, the output's gradient.
+pub(super) fn rms_grads(x: &[f32], dy: &[f32], w: &[f32], eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
+    let d = w.len();
+    if d == 0 || !x.len().is_multiple_of(d) || dy.len() != x.len() {
+        bail!(
+            "rms-norm backward: {} inputs and {} gradients for rows of {d}",
+            x.len(),
+            dy.len()
+        )
+    }
+    let mut dx = vec![0f32; x.len()];
+    let block = BLOCK_ROWS * d;
+    let partial: Vec<Vec<f32>> = dx
+        .par_chunks_mut(block)
+        .zip(x.par_chunks(block))
+        .zip(dy.par_chunks(block))
+        .map(|((dx, x), dy)| {
+            let mut dw = vec![0f32; d];
+            for ((dx, x), dy) in dx
+                .chunks_exact_mut(d)
+                .zip(x.chunks_exact(d))
+                .zip(dy.chunks_exact(d))
+            {
+                let rstd = rms_rstd(x, eps) as f32;
+                let mut sum_gx = 0f64;
+                for i in 0..d {
+                    let xh = x[i] * rstd;
+                    sum_gx += f64::from(dy[i] * w[i] * xh);
+                    dw[i] += dy[i] * xh;
+                }
+                let mean_gx = (sum_gx / d as f64) as f32;
+                for i in 0..d {
+                    dx[i] = rstd * (dy[i] * w[i] - x[i] * rstd * mean_gx);
+                }
+            }
+            dw
+        })
+        .collect();
+    let mut dw = vec![0f32; d];
+    for p in &partial {
+        dw.iter_mut().zip(p).for_each(|(a, g)| *a += g);
+    }
+    Ok((dx, dw))
 }
 
 #[cfg(test)]
