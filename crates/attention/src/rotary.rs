@@ -6,7 +6,9 @@
 //! (interleaved, `rotate_every_two`, partial `rotary_dim`), with the
 //! frequency scalings of `modeling_rope_utils.py` ([`RopeScaling`]).
 
-use candle::{bail, DType, Result, Tensor, D};
+use std::sync::Mutex;
+
+use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, D};
 
 use crate::config::{RopeScaling, RotaryConfig, RotaryStyle};
 
@@ -155,7 +157,7 @@ impl Rotary {
 
     /// Rotates `x` by the angles `cos`, `sin` from [`Rotary::cos_sin`].
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let (b, h, t, hd) = x.dims4()?;
+        let (b, _, t, hd) = x.dims4()?;
         if hd != self.head_dim {
             bail!("Rotary: x has head_dim {hd}, expected {}", self.head_dim)
         }
@@ -163,10 +165,32 @@ impl Rotary {
         if (cb, ct) != (b, t) {
             bail!("Rotary: positions must be (batch, seq) = ({b}, {t}), found ({cb}, {ct})")
         }
-        let half = self.dims / 2;
-        if !x.track_op() && x.dtype() == DType::F32 {
-            return self.apply_fused(x, cos, sin);
+        if x.dtype() == DType::F32 {
+            if !x.track_op() {
+                return self.apply_fused(x, cos, sin);
+            }
+            if x.device().is_cpu() {
+                // One op whose backward rotates the gradient back: the
+                // tensor ops below would each give candle's backward a
+                // zeroed buffer and a sum.
+                let out = self.apply_fused(&x.detach(), cos, sin)?;
+                let op = TrainedRotation {
+                    rotary: self.clone(),
+                    cos: cos.clone(),
+                    sin: sin.clone(),
+                    out: Mutex::new(Some(out)),
+                };
+                return x.apply_op1(op);
+            }
         }
+        self.rotate_by_ops(x, cos, sin)
+    }
+
+    /// [`Rotary::rotate`] in candle's tensor ops, which backpropagate on
+    /// every device and dtype.
+    fn rotate_by_ops(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (b, h, t, hd) = x.dims4()?;
+        let half = self.dims / 2;
         let dtype = x.dtype();
         let xf = x.to_dtype(DType::F32)?;
         let rot = xf.narrow(D::Minus1, 0, self.dims)?;
@@ -222,6 +246,46 @@ impl Rotary {
     }
 }
 
+/// A rotation by the angles `cos`, `sin` (`(B, 1, T, rot/2)`) whose
+/// gradient is the rotation by the opposite angles: the forward, computed
+/// before the op is applied, is handed over by `cpu_fwd`.
+struct TrainedRotation {
+    rotary: Rotary,
+    cos: Tensor,
+    sin: Tensor,
+    /// The rotated input, until `cpu_fwd` takes it.
+    out: Mutex<Option<Tensor>>,
+}
+
+impl CustomOp1 for TrainedRotation {
+    fn name(&self) -> &'static str {
+        "rotary"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let Some(out) = self.out.lock().ok().and_then(|mut o| o.take()) else {
+            bail!("rotary: the forward's output was already taken")
+        };
+        let out = out.contiguous()?;
+        let (storage, layout) = out.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            bail!("rotary: the output is not on the CPU")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("rotary: the output is not contiguous")
+        };
+        let data = cpu.as_slice::<f32>()?[start..end].to_vec();
+        Ok((CpuStorage::F32(data), out.shape().clone()))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // The rotation is orthogonal: its transpose turns by -θ, which
+        // keeps cos and negates sin. Features past the rotated ones pass.
+        let back = self.rotary.apply_fused(grad, &self.cos, &self.sin.neg()?)?;
+        Ok(Some(back))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle::{Device, Result, Tensor, Var};
@@ -229,22 +293,37 @@ mod tests {
     use super::Rotary;
     use crate::config::{RotaryConfig, RotaryStyle};
 
-    /// The fused kernels (plain inputs) equal the tensor-op path (inputs
-    /// that track gradients), in both pairings, whole and partial, with
-    /// per-row positions.
+    /// The fused kernels (plain inputs) and the trained op (inputs that
+    /// track gradients) equal the tensor-op path, outputs and gradients,
+    /// in both pairings, whole and partial, with per-row positions.
     #[test]
     fn fused_equals_differentiable_path() -> Result<()> {
         let dev = Device::Cpu;
         let x = Tensor::randn(0f32, 1., (2, 3, 5, 16), &dev)?;
         let tracked = Var::from_tensor(&x)?;
         let positions = Tensor::new(&[[0u32, 1, 2, 3, 4], [7, 8, 9, 10, 11]], &dev)?;
+        let max_diff =
+            |a: &Tensor, b: &Tensor| -> Result<f32> { (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar() };
         for style in [RotaryStyle::HalfSplit, RotaryStyle::Interleaved] {
             for dims in [16, 8] {
                 let rotary = Rotary::new(&RotaryConfig::new(10_000.).with_dims(dims).with_style(style), 16)?;
+                let (cos, sin) = rotary.cos_sin(&positions, &dev)?;
+                let by_ops = rotary.rotate_by_ops(tracked.as_tensor(), &cos, &sin)?;
                 let fused = rotary.apply(&x, &positions)?;
-                let slow = rotary.apply(tracked.as_tensor(), &positions)?;
-                let err = (fused - slow)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-                assert!(err < 1e-6, "{style:?} dims {dims}: {err}");
+                let trained = rotary.apply(tracked.as_tensor(), &positions)?;
+                for (what, out) in [("fused", &fused), ("trained", &trained)] {
+                    let err = max_diff(out, &by_ops)?;
+                    assert!(err < 1e-6, "{style:?} dims {dims}: {what} {err}");
+                }
+                let g = Tensor::randn(0f32, 1., by_ops.shape(), &dev)?;
+                let ours = (trained * &g)?.sum_all()?.backward()?;
+                let theirs = (by_ops * &g)?.sum_all()?.backward()?;
+                let (Some(a), Some(b)) = (ours.get(tracked.as_tensor()), theirs.get(tracked.as_tensor()))
+                else {
+                    candle::bail!("no gradient")
+                };
+                let err = max_diff(a, b)?;
+                assert!(err < 1e-6, "{style:?} dims {dims}: gradient {err}");
             }
         }
         Ok(())
