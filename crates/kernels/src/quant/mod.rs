@@ -19,3 +19,14 @@ pub(crate) mod blocks;
 pub(crate) mod q8_0;
 
 pub use blocks::{dequantize_row, BlockFormat};
+
+/// `y` rounded half away from zero (C's `roundf`) into an `i8`, for `|y|
+/// <= 127` up to rounding: `trunc(y + copysign(0.5 - 2⁻²⁵, y))`, exact
+/// for every float, the truncation in the conversion. No call to
+/// `roundf`, which the baseline target does not inline (nor vectorise).
+#[inline(always)]
+pub(crate) fn round_to_i8(y: f32) -> i8 {
+    /// The largest float below 0.5.
+    const ROUND_HALF: f32 = 0.5 - f32::EPSILON / 4.;
+    (y + ROUND_HALF.copysign(y)) as i32 as i8
+}

@@ -8,6 +8,8 @@
 //! keeps the f32 scale of the largest magnitude; the products then differ
 //! from llama.cpp's within the inputs' rounding.
 
+use crate::quant::round_to_i8;
+
 /// `(first, count)` of the groups a kernel takes `rows` input rows in:
 /// `most` at a time while they last, then 4, 2 and 1 (each count a
 /// kernel holding that many rows' sums in registers).
@@ -70,11 +72,13 @@ pub(crate) struct InputRow<'a> {
 /// holding NaN or infinity gets that scale (NaN) and zeros, so the
 /// outputs it reaches are NaN, as in ggml; an all-zero block scale 0.
 fn quantize_block(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let amax = if x.iter().any(|v| !v.is_finite()) {
+    // The largest magnitude by its bits, in one pass: above infinity's
+    // bits, a NaN; infinity itself gives an infinite scale, made NaN below.
+    let top = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    let amax = if top > f32::INFINITY.to_bits() {
         f32::NAN
     } else {
-        amax
+        f32::from_bits(top)
     };
     let d = amax / 127.;
     let id = if d != 0. { 1. / d } else { 0. };
@@ -84,7 +88,7 @@ fn quantize_block(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
         return if d.is_finite() { 0. } else { f32::NAN };
     }
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = (v * id).round() as i8;
+        *q = round_to_i8(v * id);
     }
     for (s, q) in sums.iter_mut().zip(q.chunks_exact(16)) {
         *s = q.iter().map(|&v| i16::from(v)).sum();
@@ -133,4 +137,41 @@ pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> Qu
         rows.for_each(one_row);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantize_inputs;
+
+    /// Each block's scale is its largest magnitude over 127 and its values
+    /// `round(x / d)` with ties away from zero (C's `roundf`, as ggml
+    /// quantizes), ties included; a block holding infinity or NaN gets a
+    /// NaN scale and zeros, an all-zero block scale 0.
+    #[test]
+    fn blocks_quantize_as_roundf_and_mark_non_finite_blocks() {
+        let k = 64;
+        let mut x: Vec<f32> = (0..4 * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.) * 0.173)
+            .collect();
+        // Block 0: ties at ±0.5, ±1.5 and ±126.5 steps of a scale of 1.
+        x[..8].copy_from_slice(&[127., 0.5, -0.5, 1.5, -1.5, 126.5, -126.5, 2.5]);
+        x[2 * k + 3] = f32::INFINITY;
+        x[3 * k + 9] = f32::NAN;
+        x[k..2 * k].fill(0.);
+        let qi = quantize_inputs(&x, 4, k, 32);
+        for (b, block) in x.chunks_exact(32).enumerate() {
+            let (d, q) = (qi.d[b], &qi.q[b * 32..][..32]);
+            if block.iter().any(|v| !v.is_finite()) {
+                assert!(d.is_nan(), "block {b}: scale {d}");
+                assert!(q.iter().all(|&v| v == 0), "block {b}: {q:?}");
+                continue;
+            }
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(d, amax / 127., "block {b}");
+            let id = if d != 0. { 1. / d } else { 0. };
+            let want: Vec<i8> = block.iter().map(|&v| (v * id).round() as i8).collect();
+            assert_eq!(q, &want[..], "block {b}");
+        }
+        assert_eq!(&qi.q[..8], &[127, 1, -1, 2, -2, 127, -127, 3]);
+    }
 }

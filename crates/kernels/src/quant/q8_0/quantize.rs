@@ -3,6 +3,8 @@
 //! for bit (`mod.rs` picks the code that quantizes a weight's rows and a
 //! call's inputs), and the quantized inputs' layout.
 
+use crate::quant::round_to_i8;
+
 /// Inputs per block (Q8_0's `QK8_0`), each block with its own scale.
 pub(super) const QK: usize = 32;
 
@@ -32,20 +34,12 @@ pub(super) fn quantize_block(x: &[f32; QK], q: &mut [i8; QK]) -> (f32, i32) {
     }
     let mut sum = 0;
     for (q, &v) in q.iter_mut().zip(x) {
-        // |v · id| <= 127 (up to rounding). Half away from zero (C's
-        // `roundf`) as `trunc(y + copysign(0.5 - 2⁻²⁵, y))`, exact for
-        // every float, with the truncation in the conversion: no call to
-        // `roundf`, which the baseline target does not inline.
-        let y = v * id;
-        *q = (y + ROUND_HALF.copysign(y)) as i32 as i8;
+        // |v · id| <= 127 (up to rounding).
+        *q = round_to_i8(v * id);
         sum += i32::from(*q);
     }
     (d, sum)
 }
-
-/// The largest float below 0.5: added before a truncation, it rounds half
-/// away from zero ([`quantize_block`]).
-const ROUND_HALF: f32 = 0.5 - f32::EPSILON / 4.;
 
 /// Rows of inputs quantized for the kernels: `q` `m` rows of `k` values,
 /// and per row and block (`m` rows of `nb`) the scale, rounded to f16 and
