@@ -11,7 +11,7 @@ use multihead::attention::{
     Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, PositionEncoding, RotaryConfig,
     WeightLayout,
 };
-use multihead::kernels::RmsNorm;
+use multihead::kernels::{silu_mul, RmsNorm};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
 
@@ -129,7 +129,7 @@ fn llama_layer(e: usize, inter: usize, t: usize) -> Result<Work<'static>> {
         let h = norm1.forward(&x)?;
         let x = (&x + attn.forward_attn(&h, &h, &h, &opts)?.output)?;
         let h = norm2.forward(&x)?;
-        let mlp = down.forward(&(gate.forward(&h)?.silu()? * up.forward(&h)?)?)?;
+        let mlp = down.forward(&silu_mul(&gate.forward(&h)?, &up.forward(&h)?)?)?;
         &x + mlp
     })
 }

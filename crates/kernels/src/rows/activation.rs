@@ -1,10 +1,10 @@
 //! Activations as PyTorch computes them, with one-pass CPU forms where
 //! candle's composed ones cost a tensor each.
 
-use candle::{bail, Result, Storage, Tensor};
+use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::elem::plain_cpu_f32;
+use crate::elem::{f32_data, plain_cpu_f32};
 use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::simd;
 use crate::runtime::isa::{current, Isa};
@@ -19,19 +19,34 @@ pub fn relu(xs: &Tensor) -> Result<Tensor> {
 /// `silu(gate) · up` for `gate_up = [gate | up]` along the last dim (two
 /// halves of equal width, as one projection to both gives them): the
 /// SwiGLU of Llama's MLP (`act_fn(gate_proj(x)) * up_proj(x)`), one pass
-/// over plain f32 CPU tensors (vectorised, no intermediate tensor), candle's
-/// `silu` and multiply otherwise (any device; gradients flow). NaN stays
-/// NaN.
+/// over plain f32 CPU tensors (vectorised, no intermediate tensor); where
+/// gradients flow on f32 CPU tensors, one op whose backward gives
+/// `[d_gate | d_up]` in one pass; candle's `silu` and multiply otherwise
+/// (any device; gradients flow). NaN stays NaN.
 pub fn silu_and_mul(gate_up: &Tensor) -> Result<Tensor> {
     gated(gate_up, Gate::Silu, current())
 }
 
 /// `gelu_tanh(gate) · up` for `gate_up = [gate | up]` along the last dim,
 /// the GeGLU of Gemma's MLP (`gelu_pytorch_tanh`), as [`silu_and_mul`]
-/// computes its SwiGLU: one pass over plain f32 CPU tensors, candle's
-/// (tanh) `gelu` and multiply otherwise.
+/// computes its SwiGLU: one pass over plain f32 CPU tensors, one op each
+/// way where they train, candle's (tanh) `gelu` and multiply otherwise.
 pub fn gelu_tanh_and_mul(gate_up: &Tensor) -> Result<Tensor> {
     gated(gate_up, Gate::GeluTanh, current())
+}
+
+/// `silu(gate) · up` of two tensors of one shape (a gated MLP whose gate
+/// and up projections are kept apart: variables that train): on f32 CPU
+/// tensors one pass, and where gradients flow one op whose backward gives
+/// both gradients in one pass; candle's `silu` and multiply otherwise.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gated_pair(gate, up, Gate::Silu, current())
+}
+
+/// `gelu_tanh(gate) · up` of two tensors of one shape, as [`silu_mul`]
+/// computes the SwiGLU.
+pub fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gated_pair(gate, up, Gate::GeluTanh, current())
 }
 
 /// The activation on a gated MLP's gate half.
@@ -42,6 +57,35 @@ enum Gate {
 }
 
 impl Gate {
+    /// The activation alone.
+    fn activation(self) -> Activation {
+        match self {
+            Self::Silu => Activation::Silu,
+            Self::GeluTanh => Activation::GeluTanh,
+        }
+    }
+
+    /// `out = act(gate) · up` over slices of one length.
+    fn forward(self, isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        match self {
+            Self::Silu => simd::silu_mul(isa, gate, up, out),
+            Self::GeluTanh => simd::gelu_tanh_mul(isa, gate, up, out),
+        }
+    }
+
+    /// The gradients of `act(gate) · up` given the output's, `dout`:
+    /// `d_up = act(gate) · dout` and `d_gate = act'(gate) · dout · up`.
+    fn backward(self, isa: Isa, [gate, up, dout]: [&[f32]; 3], d_gate: &mut [f32], d_up: &mut [f32]) {
+        self.forward(isa, gate, dout, d_up);
+        match self {
+            Self::Silu => simd::silu_grad(isa, gate, dout, d_gate),
+            Self::GeluTanh => simd::gelu_tanh_grad(isa, gate, dout, d_gate),
+        }
+        for (g, &u) in d_gate.iter_mut().zip(up) {
+            *g *= u;
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Self::Silu => "silu_and_mul",
@@ -62,16 +106,16 @@ fn gated(gate_up: &Tensor, kind: Gate, isa: Isa) -> Result<Tensor> {
         bail!("{name}: last dim is {width}, expected an even width (gate and up halves)")
     }
     let i = width / 2;
+    if f32_cpu(gate_up) && gate_up.track_op() {
+        // One op over both halves, its gradient `[d_gate | d_up]`.
+        return gate_up.contiguous()?.apply_op1(TrainedGate { kind, isa });
+    }
     if !plain_cpu_f32(gate_up) {
         let gate = gate_up.narrow(candle::D::Minus1, 0, i)?;
         let up = gate_up.narrow(candle::D::Minus1, i, i)?;
         // Where gradients flow, the activation's op with a backward of
         // its own (`activation_grad.rs`); candle's op otherwise.
-        let act = match kind {
-            Gate::Silu => Activation::Silu,
-            Gate::GeluTanh => Activation::GeluTanh,
-        };
-        return activate(&gate, act, isa)? * up;
+        return activate(&gate, kind.activation(), isa)? * up;
     }
     let x = gate_up.contiguous()?;
     let rows = x.elem_count() / width.max(1);
@@ -119,11 +163,171 @@ fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate, isa: Isa) -> V
     out
 }
 
+/// Whether `t` is an f32 CPU tensor.
+fn f32_cpu(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == candle::DType::F32
+}
+
+/// `act(gate) · up` of two tensors of one shape ([`silu_mul`]).
+fn gated_pair(gate: &Tensor, up: &Tensor, kind: Gate, isa: Isa) -> Result<Tensor> {
+    if gate.dims() != up.dims() {
+        bail!(
+            "{}: gate {:?} and up {:?} differ in shape",
+            kind.name(),
+            gate.dims(),
+            up.dims()
+        )
+    }
+    if !(f32_cpu(gate) && f32_cpu(up)) {
+        return activate(gate, kind.activation(), isa)? * up;
+    }
+    let op = TrainedGate { kind, isa };
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    match gate.track_op() || up.track_op() {
+        true => gate.apply_op2(&up, op),
+        false => gate.apply_op2_no_bwd(&up, &op),
+    }
+}
+
+/// Floats a task of the gated ops takes, about what candle's elementwise
+/// ops take.
+const PER_TASK: usize = 16 * 1024;
+
+/// `act(gate) · up` as an op with a backward: over two arguments of one
+/// shape (`CustomOp2`), or over one whose rows are `[gate | up]`
+/// (`CustomOp1`), its gradient then `[d_gate | d_up]` in one tensor.
+struct TrainedGate {
+    kind: Gate,
+    isa: Isa,
+}
+
+impl TrainedGate {
+    /// The output of `gate`, `up` (`n` floats each, or `None` and the
+    /// rows `[gate | up]` of `x` of width `2i`).
+    fn forward(&self, x: &[f32], up: Option<&[f32]>, i: usize) -> Vec<f32> {
+        let n = if up.is_some() { x.len() } else { x.len() / 2 };
+        let mut out = vec![0f32; n];
+        match up {
+            Some(up) => out
+                .par_chunks_mut(PER_TASK)
+                .zip(x.par_chunks(PER_TASK).zip(up.par_chunks(PER_TASK)))
+                .for_each(|(o, (g, u))| self.kind.forward(self.isa, g, u, o)),
+            None => {
+                let rows = (PER_TASK / i.max(1)).max(1);
+                out.par_chunks_mut(rows * i)
+                    .zip(x.par_chunks(rows * 2 * i))
+                    .for_each(|(o, x)| {
+                        for (o, x) in o.chunks_mut(i).zip(x.chunks(2 * i)) {
+                            self.kind.forward(self.isa, &x[..i], &x[i..], o);
+                        }
+                    });
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for TrainedGate {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_data(s, l, self.kind.name())?;
+        let mut dims = l.dims().to_vec();
+        let i = dims.last().copied().unwrap_or(0) / 2;
+        if let Some(last) = dims.last_mut() {
+            *last = i;
+        }
+        Ok((CpuStorage::F32(self.forward(x, None, i)), Shape::from(dims)))
+    }
+
+    fn bwd(&self, gate_up: &Tensor, _: &Tensor, dout: &Tensor) -> Result<Option<Tensor>> {
+        let i = gate_up.dim(candle::D::Minus1)? / 2;
+        let dout = dout.contiguous()?;
+        let mut grad = vec![0f32; gate_up.elem_count()];
+        {
+            let (xs, xl) = gate_up.storage_and_layout();
+            let (ds, dl) = dout.storage_and_layout();
+            let (Storage::Cpu(xs), Storage::Cpu(ds)) = (&*xs, &*ds) else {
+                bail!("{}: the backward's tensors are not on the CPU", self.kind.name())
+            };
+            let (x, d) = (f32_data(xs, xl, "gate")?, f32_data(ds, dl, "gate")?);
+            let rows = (PER_TASK / i.max(1)).max(1);
+            grad.par_chunks_mut(rows * 2 * i)
+                .zip(x.par_chunks(rows * 2 * i).zip(d.par_chunks(rows * i)))
+                .for_each(|(g, (x, d))| {
+                    for ((g, x), d) in g.chunks_mut(2 * i).zip(x.chunks(2 * i)).zip(d.chunks(i)) {
+                        let (dg, du) = g.split_at_mut(i);
+                        self.kind.backward(self.isa, [&x[..i], &x[i..], d], dg, du);
+                    }
+                });
+        }
+        Ok(Some(Tensor::from_vec(grad, gate_up.shape(), gate_up.device())?))
+    }
+}
+
+impl CustomOp2 for TrainedGate {
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (g, u) = (f32_data(s1, l1, "gate")?, f32_data(s2, l2, "up")?);
+        Ok((CpuStorage::F32(self.forward(g, Some(u), 0)), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _: &Tensor,
+        dout: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dout = dout.contiguous()?;
+        let n = gate.elem_count();
+        let (mut dg, mut du) = (vec![0f32; n], vec![0f32; n]);
+        {
+            let (gs, gl) = gate.storage_and_layout();
+            let (us, ul) = up.storage_and_layout();
+            let (ds, dl) = dout.storage_and_layout();
+            let (Storage::Cpu(gs), Storage::Cpu(us), Storage::Cpu(ds)) = (&*gs, &*us, &*ds) else {
+                bail!("{}: the backward's tensors are not on the CPU", self.kind.name())
+            };
+            let (g, u, d) = (
+                f32_data(gs, gl, "gate")?,
+                f32_data(us, ul, "up")?,
+                f32_data(ds, dl, "gate")?,
+            );
+            dg.par_chunks_mut(PER_TASK)
+                .zip(du.par_chunks_mut(PER_TASK))
+                .zip(
+                    g.par_chunks(PER_TASK)
+                        .zip(u.par_chunks(PER_TASK))
+                        .zip(d.par_chunks(PER_TASK)),
+                )
+                .for_each(|((dg, du), ((g, u), d))| self.kind.backward(self.isa, [g, u, d], dg, du));
+        }
+        let grad = |t: &Tensor, g: Vec<f32>| {
+            t.track_op()
+                .then(|| Tensor::from_vec(g, t.shape(), t.device()))
+                .transpose()
+        };
+        Ok((grad(gate, dg)?, grad(up, du)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use candle::Result;
 
-    use super::{gated, gelu_tanh_and_mul, silu_and_mul, Gate};
+    use super::{gated, gated_pair, gelu_tanh_and_mul, silu_and_mul, Gate};
     use crate::runtime::isa::supported;
     use crate::testing::{randn, rel_err};
 
@@ -141,6 +345,65 @@ mod tests {
     #[test]
     fn gelu_tanh_and_mul_equals_gelu_times_up() -> Result<()> {
         gated_equals_candle(gelu_tanh_and_mul, Gate::GeluTanh, |g| g.gelu())
+    }
+
+    /// Where gradients flow, the gated ops over two tensors
+    /// (`silu_mul`, `gelu_tanh_mul`) and over one `[gate | up]`
+    /// (`silu_and_mul`, `gelu_tanh_and_mul`) give candle's ops' outputs
+    /// and gradients, on every ISA, in one of the pool's tasks and in
+    /// several; an input that tracks nothing gets no gradient.
+    #[test]
+    fn gated_ops_train_as_candle_ops() -> Result<()> {
+        use candle::{Tensor, Var, D};
+
+        let grads_of = |y: &Tensor, w: &Tensor, xs: &[&Tensor]| -> Result<Vec<Option<Tensor>>> {
+            let g = (y * w)?.sum_all()?.backward()?;
+            Ok(xs.iter().map(|x| g.get(x).cloned()).collect())
+        };
+        let acts: [(Gate, fn(&Tensor) -> Result<Tensor>); 2] =
+            [(Gate::Silu, |g| g.silu()), (Gate::GeluTanh, |g| g.gelu())];
+        for isa in supported() {
+            for (kind, act) in acts {
+                for shape in [[3, 7], [40, 1000]] {
+                    let what = format!("{isa:?} {kind:?} {shape:?}");
+                    let (g, u) = (
+                        Var::from_tensor(&(randn(&shape)? * 3.)?)?,
+                        Var::from_tensor(&randn(&shape)?)?,
+                    );
+                    let w = randn(&shape)?;
+                    let (g, u) = (g.as_tensor(), u.as_tensor());
+                    let ours = gated_pair(g, u, kind, isa)?;
+                    let theirs = (act(g)? * u)?;
+                    assert!(rel_err(&ours, &theirs)? < 1e-5, "{what}: pair output");
+                    let (a, b) = (grads_of(&ours, &w, &[g, u])?, grads_of(&theirs, &w, &[g, u])?);
+                    for ((a, b), name) in a.iter().zip(&b).zip(["gate", "up"]) {
+                        let (Some(a), Some(b)) = (a, b) else {
+                            candle::bail!("{what}: no gradient for {name}")
+                        };
+                        assert!(rel_err(a, b)? < 1e-5, "{what}: pair d{name}");
+                    }
+                    // Only the gate trains: the up half gets none.
+                    let plain_up = u.detach();
+                    let y = gated_pair(g, &plain_up, kind, isa)?;
+                    assert!(grads_of(&y, &w, &[&plain_up])?[0].is_none(), "{what}");
+
+                    let gu = Var::from_tensor(&Tensor::cat(&[g, u], D::Minus1)?)?;
+                    let gu = gu.as_tensor();
+                    let i = shape[1];
+                    let ours = gated(gu, kind, isa)?;
+                    let theirs = (act(&gu.narrow(D::Minus1, 0, i)?)? * gu.narrow(D::Minus1, i, i)?)?;
+                    assert!(rel_err(&ours, &theirs)? < 1e-5, "{what}: joined output");
+                    let (Some(a), Some(b)) = (
+                        grads_of(&ours, &w, &[gu])?.remove(0),
+                        grads_of(&theirs, &w, &[gu])?.remove(0),
+                    ) else {
+                        candle::bail!("{what}: no gradient for [gate | up]")
+                    };
+                    assert!(rel_err(&a, &b)? < 1e-5, "{what}: joined d[gate | up]");
+                }
+            }
+        }
+        Ok(())
     }
 
     fn gated_equals_candle(

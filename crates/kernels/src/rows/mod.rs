@@ -14,5 +14,5 @@ mod norm_grad;
 pub(crate) mod simd;
 pub(crate) mod softmax;
 
-pub use activation::{gelu_tanh_and_mul, relu, silu_and_mul};
+pub use activation::{gelu_tanh_and_mul, gelu_tanh_mul, relu, silu_and_mul, silu_mul};
 pub use norm::{LayerNorm, RmsNorm};

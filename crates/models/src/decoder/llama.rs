@@ -20,8 +20,8 @@
 use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use multihead_attention::{
-    is_broadcast, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackFormat, PackOptions,
-    PackedLinear, PositionEncoding, RmsNorm, RotaryConfig, WeightLayout,
+    gelu_tanh_mul, is_broadcast, silu_mul, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind,
+    PackFormat, PackOptions, PackedLinear, PositionEncoding, RmsNorm, RotaryConfig, WeightLayout,
 };
 
 use super::config::{ties_in, LlamaConfig, NormPlacement, Projections, QkNorm};
@@ -71,8 +71,9 @@ impl GatedMlp {
             // One projection to `[gate | up]`, then the gated activation
             // over its halves.
             (None, act) => act.apply(&self.up.forward(xs)?),
-            (Some(gate), Activation::GeGlu) => gate.forward(xs)?.gelu()? * self.up.forward(xs)?,
-            (Some(gate), _) => gate.forward(xs)?.silu()? * self.up.forward(xs)?,
+            // Kept apart (variables): one op each way over both.
+            (Some(gate), Activation::GeGlu) => gelu_tanh_mul(&gate.forward(xs)?, &self.up.forward(xs)?),
+            (Some(gate), _) => silu_mul(&gate.forward(xs)?, &self.up.forward(xs)?),
         }
     }
 
