@@ -360,8 +360,8 @@ mod tests {
             let g = (y * w)?.sum_all()?.backward()?;
             Ok(xs.iter().map(|x| g.get(x).cloned()).collect())
         };
-        let acts: [(Gate, fn(&Tensor) -> Result<Tensor>); 2] =
-            [(Gate::Silu, |g| g.silu()), (Gate::GeluTanh, |g| g.gelu())];
+        type Act = fn(&Tensor) -> Result<Tensor>;
+        let acts: [(Gate, Act); 2] = [(Gate::Silu, |g| g.silu()), (Gate::GeluTanh, |g| g.gelu())];
         for isa in supported() {
             for (kind, act) in acts {
                 for shape in [[3, 7], [40, 1000]] {
