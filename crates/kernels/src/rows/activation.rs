@@ -11,9 +11,10 @@ use crate::runtime::isa::{current, Isa};
 
 /// `max(xs, 0)` elementwise as PyTorch's `relu` computes it: NaN stays NaN
 /// (candle's `Tensor::relu` turns it into 0). Any device and dtype;
-/// gradients flow where `xs >= 0`.
+/// gradients flow where `xs > 0` (one op each way on f32 CPU tensors that
+/// train; where `xs >= 0` through candle's select elsewhere).
 pub fn relu(xs: &Tensor) -> Result<Tensor> {
-    xs.lt(0f32)?.where_cond(&xs.zeros_like()?, xs)
+    activate(xs, Activation::Relu, current())
 }
 
 /// `silu(gate) · up` for `gate_up = [gate | up]` along the last dim (two

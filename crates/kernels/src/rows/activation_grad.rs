@@ -1,5 +1,5 @@
-//! The activations where gradients flow: the exact and tanh GELUs and
-//! SiLU as candle ops whose forward is the inference path's vectorised
+//! The activations where gradients flow: the exact and tanh GELUs, SiLU
+//! and ReLU as candle ops whose forward is the inference path's vectorised
 //! pass (`simd.rs`) and whose backward is one more, `dx = dy · f'(x)`,
 //! where candle's own backward of each takes a tensor op per term of the
 //! derivative.
@@ -23,6 +23,9 @@ pub(crate) enum Activation {
     GeluTanh,
     /// `x · σ(x)`.
     Silu,
+    /// `max(x, 0)`, NaN kept; its gradient `dy` where `x > 0`, else 0
+    /// (PyTorch's `threshold_backward`).
+    Relu,
 }
 
 impl Activation {
@@ -34,6 +37,8 @@ impl Activation {
             // candle's `gelu` is the tanh approximation.
             Self::GeluTanh => xs.gelu(),
             Self::Silu => xs.silu(),
+            // candle's `relu` turns NaN into 0.
+            Self::Relu => xs.lt(0f32)?.where_cond(&xs.zeros_like()?, xs),
         }
     }
 
@@ -43,6 +48,7 @@ impl Activation {
             Self::GeluErf => simd::gelu_erf(isa, xs),
             Self::GeluTanh => simd::gelu_tanh(isa, xs),
             Self::Silu => simd::silu(isa, xs),
+            Self::Relu => simd::relu(isa, xs),
         }
     }
 
@@ -52,6 +58,7 @@ impl Activation {
             Self::GeluErf => simd::gelu_erf_grad(isa, x, dy, dx),
             Self::GeluTanh => simd::gelu_tanh_grad(isa, x, dy, dx),
             Self::Silu => simd::silu_grad(isa, x, dy, dx),
+            Self::Relu => simd::relu_grad(isa, x, dy, dx),
         }
     }
 }
@@ -79,6 +86,7 @@ impl CustomOp1 for Trained {
             Activation::GeluErf => "gelu-erf-trained",
             Activation::GeluTanh => "gelu-tanh-trained",
             Activation::Silu => "silu-trained",
+            Activation::Relu => "relu-trained",
         }
     }
 
@@ -139,7 +147,12 @@ mod tests {
             for shape in [vec![3, 37], vec![5, 70, 130]] {
                 let x = Var::from_tensor(&(randn(&shape)? * 3.)?)?;
                 let r = randn(&shape)?;
-                for act in [Activation::GeluErf, Activation::GeluTanh, Activation::Silu] {
+                for act in [
+                    Activation::GeluErf,
+                    Activation::GeluTanh,
+                    Activation::Silu,
+                    Activation::Relu,
+                ] {
                     let what = format!("{isa:?} {act:?} {shape:?}");
                     let (y, expected) = (activate(x.as_tensor(), act, isa)?, act.candle(x.as_tensor())?);
                     assert!(rel_err(&y, &expected)? < 1e-5, "{what}: value");
@@ -149,6 +162,27 @@ mod tests {
                     assert!(rel_err(g, e)? < 1e-5, "{what}: gradient {:e}", rel_err(g, e)?);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// ReLU of a variable as PyTorch's: NaN stays NaN, and the gradient
+    /// passes where `x > 0` only (0 at 0 and at NaN, `threshold_backward`).
+    #[test]
+    fn relu_keeps_nan_and_passes_gradients_where_positive() -> Result<()> {
+        use candle::{Device, Tensor};
+
+        let xs = [-1f32, 0., 2., f32::NAN, 3.5];
+        let x = Var::from_tensor(&Tensor::new(&xs[..], &Device::Cpu)?)?;
+        for isa in supported() {
+            let y = activate(x.as_tensor(), Activation::Relu, isa)?;
+            let ys = y.to_vec1::<f32>()?;
+            assert_eq!(&ys[..3], &[0., 0., 2.], "{isa:?}");
+            assert!(ys[3].is_nan() && ys[4] == 3.5, "{isa:?}: {ys:?}");
+            let dy = Tensor::new(&[10f32, 20., 30., 40., 50.], &Device::Cpu)?;
+            let g = (y * dy)?.sum_all()?.backward()?;
+            let dx = g.get(x.as_tensor()).expect("a gradient").to_vec1::<f32>()?;
+            assert_eq!(dx, vec![0., 0., 30., 0., 50.], "{isa:?}");
         }
         Ok(())
     }

@@ -64,6 +64,15 @@ fn relu_impl(xs: &mut [f32]) {
     }
 }
 
+/// `dx = dy` where `x > 0`, else 0 (NaN included), ReLU's gradient as
+/// PyTorch's `threshold_backward` gives it. A select, not a branch.
+#[inline(always)]
+fn relu_grad_impl(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    for ((d, &x), &g) in dx.iter_mut().zip(x).zip(dy) {
+        *d = if x > 0. { g } else { 0. };
+    }
+}
+
 /// `x · Φ(x)` in place, the exact GELU: `Φ(x) = (1 + erf(x / √2)) / 2`
 /// with Abramowitz and Stegun's 7.1.26 for `erf` (absolute error below
 /// 1.5e-7), written so that `1 + erf` for negative `x` is computed as
@@ -394,6 +403,7 @@ dispatch!(gelu_erf_grad, gelu_erf_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f
 dispatch!(gelu_tanh_grad, gelu_tanh_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f32]));
 dispatch!(silu_grad, silu_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f32]));
 dispatch!(relu, relu_impl, (xs: &mut [f32]));
+dispatch!(relu_grad, relu_grad_impl, (x: &[f32], dy: &[f32], dx: &mut [f32]));
 dispatch!(silu_mul, silu_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 dispatch!(gelu_tanh_mul, gelu_tanh_mul_impl, (gate: &[f32], up: &[f32], out: &mut [f32]));
 
