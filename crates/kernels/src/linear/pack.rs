@@ -43,9 +43,27 @@ impl<E: PanelElem> Panels<E> {
         let np = n.div_ceil(nr) * nr;
         // 64 bytes of slack to align the start.
         let slack = 64 / size_of::<E>();
-        let mut data = crate::runtime::pages::filled(np * k + slack, E::default());
+        let data = crate::runtime::pages::filled(np * k + slack, E::default());
         let start = data.as_ptr().align_offset(64).min(slack);
-        data[start..start + np * k]
+        let mut panels = Panels { data, start };
+        panels.fill(w, n, k, nr, paired);
+        panels
+    }
+
+    /// [`Panels::pack`] again into these panels, packed before from a
+    /// weight of the same `n`, `k`, `nr` and pairing: a weight that
+    /// changed (a training step) takes no new buffer, whose pages would
+    /// each be faulted in and cleared again.
+    pub(super) fn repack<S: PanelElem>(&mut self, w: &[S], n: usize, k: usize, nr: usize, paired: bool) {
+        self.fill(w, n, k, nr, paired);
+    }
+
+    /// Writes `w`'s features into their panel places; the panels' tail
+    /// past `n` features keeps what it holds (zeros).
+    fn fill<S: PanelElem>(&mut self, w: &[S], n: usize, k: usize, nr: usize, paired: bool) {
+        let np = n.div_ceil(nr) * nr;
+        let start = self.start;
+        self.data[start..start + np * k]
             .par_chunks_mut(k * nr)
             .enumerate()
             .for_each(|(p, panel)| {
@@ -62,7 +80,6 @@ impl<E: PanelElem> Panels<E> {
                     }
                 }
             });
-        Panels { data, start }
     }
 
     pub(super) fn get(&self) -> &[E] {
@@ -106,9 +123,19 @@ impl Panels<f32> {
     pub(super) fn pack_columns(a: &[f32], r: usize, c: usize, nr: usize) -> Self {
         let np = c.div_ceil(nr) * nr;
         let slack = 64 / size_of::<f32>();
-        let mut data = crate::runtime::pages::filled(np * r + slack, 0f32);
+        let data = crate::runtime::pages::filled(np * r + slack, 0f32);
         let start = data.as_ptr().align_offset(64).min(slack);
-        data[start..start + np * r]
+        let mut panels = Panels { data, start };
+        panels.repack_columns(a, r, c, nr);
+        panels
+    }
+
+    /// [`Panels::pack_columns`] again into these panels, packed before
+    /// from an `a` of the same `r`, `c` and `nr` ([`Panels::repack`]).
+    pub(super) fn repack_columns(&mut self, a: &[f32], r: usize, c: usize, nr: usize) {
+        let np = c.div_ceil(nr) * nr;
+        let start = self.start;
+        self.data[start..start + np * r]
             .par_chunks_mut(r * nr)
             .enumerate()
             .for_each(|(p, panel)| {
@@ -117,7 +144,6 @@ impl Panels<f32> {
                     to[..hi - lo].copy_from_slice(&a[e * c..][lo..hi]);
                 }
             });
-        Panels { data, start }
     }
 
     /// Whether the panels hold `w`, `n` rows of `k` floats, bit for bit,

@@ -595,12 +595,15 @@ mod trained {
 
     /// A weight an optimizer step (or `Var::set`) changes in place gives
     /// the new weight's outputs and gradients, never the packed copy's of
-    /// the old one; an unchanged one keeps its packed copy.
+    /// the old one, packed again into the copy's own buffers; an unchanged
+    /// one keeps its packed copy.
     #[test]
     fn a_changed_weight_is_packed_again() -> Result<()> {
         for isa in supported().into_iter().filter(|&i| i != Isa::Portable) {
             let (n, k) = (40, 50);
-            let x = randn(&[6, k])?;
+            // An input that trains too, so that the backward packs Wᵀ.
+            let xv = Var::from_tensor(&randn(&[6, k])?)?;
+            let x = xv.as_tensor().clone();
             let w = Var::from_tensor(&randn(&[n, k])?)?;
             let b = Var::from_tensor(&randn(&[n])?)?;
             let ours = PackedLinear::with_options(
@@ -617,6 +620,14 @@ mod trained {
             for step in 0..3 {
                 let y = ours.forward(&x)?;
                 let first = packed(t);
+                // Changed by the step before (nothing else holding the
+                // copies): packed again in the same buffers, the first
+                // step's copies of W and Wᵀ the only new ones.
+                assert_eq!(
+                    t.fresh_packs(),
+                    1.min(step) + 1,
+                    "{isa:?} step {step}: new copies"
+                );
                 // Unchanged: the same copy.
                 let again = ours.forward(&x)?;
                 assert!(std::sync::Arc::ptr_eq(&first, &packed(t)), "{isa:?} step {step}");
@@ -626,7 +637,7 @@ mod trained {
                 let loss = y.sqr()?.sum_all()?;
                 let grads = loss.backward()?;
                 let want = expected.sqr()?.sum_all()?.backward()?;
-                for v in [&w, &b] {
+                for v in [&w, &b, &xv] {
                     let (g, e) = (
                         grads.get(v.as_tensor()).unwrap(),
                         want.get(v.as_tensor()).unwrap(),

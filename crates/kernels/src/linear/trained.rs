@@ -46,6 +46,9 @@ pub(crate) struct TrainedWeight {
     forward: Cache,
     /// `Wᵀ`, for `dX`.
     transposed: Cache,
+    /// Copies packed into new buffers, either cache.
+    #[cfg(test)]
+    fresh: std::sync::atomic::AtomicUsize,
 }
 
 impl TrainedWeight {
@@ -53,6 +56,12 @@ impl TrainedWeight {
     #[cfg(test)]
     pub(super) fn packed_forward(&self) -> Option<Arc<PackedWeight>> {
         self.forward.lock().ok()?.clone()
+    }
+
+    /// How many copies were packed into new buffers so far.
+    #[cfg(test)]
+    pub(super) fn fresh_packs(&self) -> usize {
+        self.fresh.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -87,6 +96,8 @@ impl TrainedWeight {
             isa,
             forward: Mutex::new(None),
             transposed: Mutex::new(None),
+            #[cfg(test)]
+            fresh: Default::default(),
         }))
     }
 
@@ -130,11 +141,16 @@ impl TrainedWeight {
         Ok(Some(y))
     }
 
-    /// The copy in `cache` where `holds` says it is current, else `pack`'s,
-    /// which the cache then keeps.
+    /// The copy in `cache` where `holds` says it is current; else the
+    /// cached copy packed anew in place by `repack` where nothing else
+    /// holds it and `repack` can (a step changed the weight's values, not
+    /// its shape: no new buffer to fault in); else `pack`'s, which the
+    /// cache then keeps.
     fn current(
+        &self,
         cache: &Cache,
         holds: impl FnOnce(&PackedWeight) -> bool,
+        repack: impl FnOnce(&mut PackedWeight) -> bool,
         pack: impl FnOnce() -> Result<PackedWeight>,
     ) -> Result<Arc<PackedWeight>> {
         let Ok(mut cache) = cache.lock() else {
@@ -143,8 +159,15 @@ impl TrainedWeight {
         if let Some(p) = cache.as_ref().filter(|p| holds(p)) {
             return Ok(Arc::clone(p));
         }
+        if let Some(p) = cache.as_mut() {
+            if Arc::get_mut(p).is_some_and(repack) {
+                return Ok(Arc::clone(p));
+            }
+        }
         // Dropped first, so that the layer never holds two copies.
         *cache = None;
+        #[cfg(test)]
+        self.fresh.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let p = Arc::new(pack()?);
         *cache = Some(Arc::clone(&p));
         Ok(p)
@@ -154,9 +177,10 @@ impl TrainedWeight {
     /// weight's and bias's data now.
     fn forward_slices(&self, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
         let (n, k) = self.dims();
-        let packed = Self::current(
+        let packed = self.current(
             &self.forward,
             |p| p.holds(w, b),
+            |p| p.repack(w, b),
             || PackedWeight::new(w, n, k, b, self.isa, DType::F32),
         )?;
         Ok(packed.forward(x, x.len() / k, (0, n), Epilogue::Identity, None))
@@ -179,9 +203,10 @@ impl TrainedWeight {
         } else if x.track_op() {
             // dX = dY · W: dY's rows through Wᵀ.
             let wt = with_f32(w, |w| {
-                Self::current(
+                self.current(
                     &self.transposed,
                     |p| p.holds_columns(w),
+                    |p| p.repack_columns(w),
                     || Ok(PackedWeight::from_columns(w, n, k, self.isa)),
                 )
             })?;

@@ -186,6 +186,38 @@ impl PackedWeight {
         }
     }
 
+    /// Packs `w`, `n` rows of `k` floats, and `bias` into this weight's own
+    /// buffers, as [`PackedWeight::new`] packs them in f32, where it was
+    /// packed so from a weight of the same shape and bias or none (a
+    /// trained weight after a step); whether it did.
+    pub(crate) fn repack(&mut self, w: &[f32], bias: Option<&[f32]>) -> bool {
+        let (n, k, nr) = (self.n, self.k, self.nr());
+        let PanelData::F32(panels) = &mut self.panels else {
+            return false;
+        };
+        if w.len() != n * k || bias.is_some() != self.has_bias || bias.is_some_and(|b| b.len() != n) {
+            return false;
+        }
+        panels.repack(w, n, k, nr, false);
+        if let Some(b) = bias {
+            self.bias[..n].copy_from_slice(b);
+        }
+        true
+    }
+
+    /// [`PackedWeight::repack`] of a weight packed by
+    /// [`PackedWeight::from_columns`] from an `a` of the same shape.
+    pub(crate) fn repack_columns(&mut self, a: &[f32]) -> bool {
+        let (c, r, nr) = (self.n, self.k, self.nr());
+        match &mut self.panels {
+            PanelData::F32(panels) if !self.has_bias && a.len() == r * c => {
+                panels.repack_columns(a, r, c, nr);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Whether it holds `w`, `n` rows of `k` floats, and `bias` in f32 bit
     /// for bit, as [`PackedWeight::new`] packs them in f32: a packed copy
     /// of a weight that may have changed since (a variable a training step
