@@ -8,7 +8,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use candle::{bail, CpuStorage, DType, Layout, Result, Tensor};
+use candle::{bail, CpuStorage, DType, Layout, Result, Storage, Tensor};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -169,6 +169,28 @@ impl PanelElem for f16 {
 /// allocate the full size for no information, so it is left as it is.
 pub fn is_broadcast(t: &Tensor) -> bool {
     t.stride().iter().zip(t.dims()).any(|(&s, &d)| s == 0 && d > 1)
+}
+
+/// `f` over the data of contiguous f32 CPU tensors, borrowed in place: what
+/// a custom op's backward reads its arguments and gradient with; `op`
+/// names the op in the error.
+pub(crate) fn with_f32_data<R, const N: usize>(
+    ts: [&Tensor; N],
+    op: &str,
+    f: impl FnOnce([&[f32]; N]) -> Result<R>,
+) -> Result<R> {
+    let guards = ts.map(Tensor::storage_and_layout);
+    let mut data = Vec::with_capacity(N);
+    for (storage, layout) in &guards {
+        let Storage::Cpu(cpu) = &**storage else {
+            bail!("{op}: a tensor is not on the CPU")
+        };
+        data.push(f32_data(cpu, layout, op)?);
+    }
+    match data.try_into() {
+        Ok(data) => f(data),
+        Err(_) => bail!("{op}: {N} tensors expected"),
+    }
 }
 
 /// The contiguous f32 data of a custom op's argument; `op` names the op in

@@ -25,10 +25,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::weight::{Epilogue, PackedWeight};
-use crate::elem::{f32_data, is_broadcast};
+use crate::elem::{f32_data, is_broadcast, with_f32_data};
 use crate::runtime::isa::Isa;
 use crate::runtime::pool::{par_for, SyncPtr};
 
@@ -264,11 +264,7 @@ fn column_sums(dy: &[f32], m: usize, n: usize) -> Vec<f32> {
 
 /// `f` over the data of a contiguous f32 CPU tensor, borrowed in place.
 fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        bail!("PackedLinear: a training tensor is not on the CPU")
-    };
-    f(f32_data(cpu, layout, "PackedLinear")?)
+    with_f32_data([t], "PackedLinear", |[data]| f(data))
 }
 
 /// The op `x · wᵀ (+ b)` of one [`TrainedWeight`]: its arguments are `x`,

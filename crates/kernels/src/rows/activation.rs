@@ -4,7 +4,7 @@
 use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::elem::{f32_data, plain_cpu_f32};
+use crate::elem::{f32_data, plain_cpu_f32, with_f32_data};
 use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::simd;
 use crate::runtime::isa::{current, Isa};
@@ -247,13 +247,7 @@ impl CustomOp1 for TrainedGate {
         let i = gate_up.dim(candle::D::Minus1)? / 2;
         let dout = dout.contiguous()?;
         let mut grad = vec![0f32; gate_up.elem_count()];
-        {
-            let (xs, xl) = gate_up.storage_and_layout();
-            let (ds, dl) = dout.storage_and_layout();
-            let (Storage::Cpu(xs), Storage::Cpu(ds)) = (&*xs, &*ds) else {
-                bail!("{}: the backward's tensors are not on the CPU", self.kind.name())
-            };
-            let (x, d) = (f32_data(xs, xl, "gate")?, f32_data(ds, dl, "gate")?);
+        with_f32_data([gate_up, &dout], self.kind.name(), |[x, d]| {
             let rows = (PER_TASK / i.max(1)).max(1);
             grad.par_chunks_mut(rows * 2 * i)
                 .zip(x.par_chunks(rows * 2 * i).zip(d.par_chunks(rows * i)))
@@ -263,7 +257,8 @@ impl CustomOp1 for TrainedGate {
                         self.kind.backward(self.isa, [&x[..i], &x[i..], d], dg, du);
                     }
                 });
-        }
+            Ok(())
+        })?;
         Ok(Some(Tensor::from_vec(grad, gate_up.shape(), gate_up.device())?))
     }
 }
@@ -294,18 +289,7 @@ impl CustomOp2 for TrainedGate {
         let dout = dout.contiguous()?;
         let n = gate.elem_count();
         let (mut dg, mut du) = (vec![0f32; n], vec![0f32; n]);
-        {
-            let (gs, gl) = gate.storage_and_layout();
-            let (us, ul) = up.storage_and_layout();
-            let (ds, dl) = dout.storage_and_layout();
-            let (Storage::Cpu(gs), Storage::Cpu(us), Storage::Cpu(ds)) = (&*gs, &*us, &*ds) else {
-                bail!("{}: the backward's tensors are not on the CPU", self.kind.name())
-            };
-            let (g, u, d) = (
-                f32_data(gs, gl, "gate")?,
-                f32_data(us, ul, "up")?,
-                f32_data(ds, dl, "gate")?,
-            );
+        with_f32_data([gate, up, &dout], self.kind.name(), |[g, u, d]| {
             dg.par_chunks_mut(PER_TASK)
                 .zip(du.par_chunks_mut(PER_TASK))
                 .zip(
@@ -314,7 +298,8 @@ impl CustomOp2 for TrainedGate {
                         .zip(d.par_chunks(PER_TASK)),
                 )
                 .for_each(|((dg, du), ((g, u), d))| self.kind.backward(self.isa, [g, u, d], dg, du));
-        }
+            Ok(())
+        })?;
         let grad = |t: &Tensor, g: Vec<f32>| {
             t.track_op()
                 .then(|| Tensor::from_vec(g, t.shape(), t.device()))

@@ -4,10 +4,10 @@
 //! where candle's own backward of each takes a tensor op per term of the
 //! derivative.
 
-use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
+use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::elem::f32_data;
+use crate::elem::{f32_data, with_f32_data};
 use crate::rows::simd;
 use crate::runtime::isa::Isa;
 
@@ -103,28 +103,25 @@ impl CustomOp1 for Trained {
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         let dy = dy.to_dtype(DType::F32)?.contiguous()?;
-        let (xs, xl) = x.storage_and_layout();
-        let (gs, gl) = dy.storage_and_layout();
-        let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
-            bail!("activation: the backward's tensors are not on the CPU")
-        };
-        let (x_data, g) = (f32_data(xs, xl, "activation")?, f32_data(gs, gl, "activation")?);
-        if g.len() != x_data.len() {
-            bail!(
-                "activation: a gradient of {} for {} inputs",
-                g.len(),
-                x_data.len()
-            )
-        }
-        let mut dx = vec![0f32; x_data.len()];
-        let (act, isa) = (self.act, self.isa);
-        if dx.len() > CHUNK {
-            dx.par_chunks_mut(CHUNK)
-                .zip(x_data.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))
-                .for_each(|(d, (x, g))| act.grad(isa, x, g, d));
-        } else {
-            act.grad(isa, x_data, g, &mut dx);
-        }
+        let dx = with_f32_data([x, &dy], "activation", |[x_data, g]| {
+            if g.len() != x_data.len() {
+                bail!(
+                    "activation: a gradient of {} for {} inputs",
+                    g.len(),
+                    x_data.len()
+                )
+            }
+            let mut dx = vec![0f32; x_data.len()];
+            let (act, isa) = (self.act, self.isa);
+            if dx.len() > CHUNK {
+                dx.par_chunks_mut(CHUNK)
+                    .zip(x_data.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))
+                    .for_each(|(d, (x, g))| act.grad(isa, x, g, d));
+            } else {
+                act.grad(isa, x_data, g, &mut dx);
+            }
+            Ok(dx)
+        })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
 }

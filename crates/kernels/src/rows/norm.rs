@@ -2,12 +2,12 @@
 
 use std::mem::MaybeUninit;
 
-use candle::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
 use super::norm_grad::{grads, rms_grads, rms_rows};
-use crate::elem::f32_data;
+use crate::elem::{f32_data, with_f32_data};
 use crate::runtime::isa::{current, Isa};
 
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
@@ -256,19 +256,9 @@ impl CustomOp3 for TrainedLayerNorm {
         let d = gamma.elem_count();
         let dy = dy.contiguous()?;
         let gamma_data = gamma.to_vec1::<f32>()?;
-        let (dx, dg, db) = {
-            let (xs, xl) = x.storage_and_layout();
-            let (gs, gl) = dy.storage_and_layout();
-            let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
-                bail!("layer-norm: the backward's tensors are not on the CPU")
-            };
-            grads(
-                f32_data(xs, xl, "layer-norm")?,
-                f32_data(gs, gl, "layer-norm")?,
-                &gamma_data,
-                self.0.eps,
-            )?
-        };
+        let (dx, dg, db) = with_f32_data([x, &dy], "layer-norm", |[x, dy]| {
+            grads(x, dy, &gamma_data, self.0.eps)
+        })?;
         let dx = x
             .track_op()
             .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
@@ -371,19 +361,9 @@ impl CustomOp2 for TrainedRmsNorm {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
         let w_data = w.to_vec1::<f32>()?;
-        let (dx, dw) = {
-            let (xs, xl) = x.storage_and_layout();
-            let (gs, gl) = dy.storage_and_layout();
-            let (Storage::Cpu(xs), Storage::Cpu(gs)) = (&*xs, &*gs) else {
-                bail!("rms-norm: the backward's tensors are not on the CPU")
-            };
-            rms_grads(
-                f32_data(xs, xl, "rms-norm")?,
-                f32_data(gs, gl, "rms-norm")?,
-                &w_data,
-                self.eps,
-            )?
-        };
+        let (dx, dw) = with_f32_data([x, &dy], "rms-norm", |[x, dy]| {
+            rms_grads(x, dy, &w_data, self.eps)
+        })?;
         let dx = x
             .track_op()
             .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
