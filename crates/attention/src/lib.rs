@@ -53,6 +53,7 @@
 mod alibi;
 mod cache;
 mod config;
+mod handover;
 mod hydra;
 mod layout;
 mod mask;

@@ -6,11 +6,10 @@
 //! (interleaved, `rotate_every_two`, partial `rotary_dim`), with the
 //! frequency scalings of `modeling_rope_utils.py` ([`RopeScaling`]).
 
-use std::sync::Mutex;
-
-use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, D};
+use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 
 use crate::config::{RopeScaling, RotaryConfig, RotaryStyle};
+use crate::handover::Handover;
 
 /// A rotary embedding for heads of `head_dim` features.
 #[derive(Debug, Clone)]
@@ -178,7 +177,7 @@ impl Rotary {
                     rotary: self.clone(),
                     cos: cos.clone(),
                     sin: sin.clone(),
-                    out: Mutex::new(Some(out)),
+                    out: Handover::new(out),
                 };
                 return x.apply_op1(op);
             }
@@ -254,7 +253,7 @@ struct TrainedRotation {
     cos: Tensor,
     sin: Tensor,
     /// The rotated input, until `cpu_fwd` takes it.
-    out: Mutex<Option<Tensor>>,
+    out: Handover,
 }
 
 impl CustomOp1 for TrainedRotation {
@@ -263,19 +262,7 @@ impl CustomOp1 for TrainedRotation {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let Some(out) = self.out.lock().ok().and_then(|mut o| o.take()) else {
-            bail!("rotary: the forward's output was already taken")
-        };
-        let out = out.contiguous()?;
-        let (storage, layout) = out.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            bail!("rotary: the output is not on the CPU")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("rotary: the output is not contiguous")
-        };
-        let data = cpu.as_slice::<f32>()?[start..end].to_vec();
-        Ok((CpuStorage::F32(data), out.shape().clone()))
+        self.out.take("rotary")
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -6,13 +6,12 @@
 //! [`AttnPath::CpuTiled`](crate::AttnPath::CpuTiled) runs for tracked
 //! tensors.
 
-use std::sync::Mutex;
-
-use candle::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
 use multihead_kernels::attention::{self as kernel, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use super::{sdpa_reference, Call};
+use crate::handover::Handover;
 use crate::mask::{AttnMask, KeyPaddingMask, Mask};
 
 /// Whether any of q, k and v needs gradients.
@@ -156,7 +155,7 @@ fn fused(
         scale,
         isa,
         lse,
-        out: Mutex::new(Some(out)),
+        out: Handover::new(out),
     }))
 }
 
@@ -198,26 +197,7 @@ struct FusedAttention {
     lse: Tensor,
     /// The output, contiguous in its [`Merge`] shape, until `cpu_fwd`
     /// takes it.
-    out: Mutex<Option<Tensor>>,
-}
-
-impl FusedAttention {
-    /// The forward's output, as the op's result: candle calls `cpu_fwd`
-    /// once.
-    fn take_output(&self) -> Result<(CpuStorage, Shape)> {
-        let Some(out) = self.out.lock().ok().and_then(|mut o| o.take()) else {
-            bail!("fused attention: the forward's output was already taken")
-        };
-        let (storage, layout) = out.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            bail!("fused attention: the output is not on the CPU")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("fused attention: the output is not contiguous")
-        };
-        let data = cpu.as_slice::<f32>()?[start..end].to_vec();
-        Ok((CpuStorage::F32(data), out.shape().clone()))
-    }
+    out: Handover,
 }
 
 impl CustomOp3 for FusedAttention {
@@ -234,7 +214,7 @@ impl CustomOp3 for FusedAttention {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.take_output()
+        self.out.take("fused attention")
     }
 
     fn bwd(
@@ -278,7 +258,7 @@ impl CustomOp1 for FusedSelfAttention {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.fused.take_output()
+        self.fused.out.take("fused self-attention")
     }
 
     fn bwd(&self, qkv: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
