@@ -3,9 +3,9 @@
 //!
 //! - [`PackedLinear`]: `torch.nn.Linear` with its weight packed once into
 //!   the micro-kernels' panels, fused bias, GELU, ReLU or residual;
-//! - [`LayerNorm`] (fused with a residual add) and [`RmsNorm`], both
-//!   backpropagating where they train, [`relu`] and
-//!   [`silu_and_mul`] as PyTorch computes them;
+//! - [`LayerNorm`] (fused with a residual add) and [`RmsNorm`], [`relu`],
+//!   [`silu_and_mul`] and [`silu_mul`] as PyTorch computes them, each one
+//!   op with a backward of its own where it trains;
 //! - [`attention::sdpa`]: a memory-efficient (FlashAttention-style)
 //!   attention kernel over strided inputs, masks read in their own shapes,
 //!   and its fused backward ([`attention::sdpa_backward`]);
