@@ -256,7 +256,10 @@ impl KvCache {
 
     /// Appends `k` and `v` after the positions held (in the cache's dtype
     /// where it has one) and returns every position's keys and values
-    /// (views of the buffers).
+    /// (views of the buffers). Where `k` or `v` tracks gradients, the new
+    /// positions come back as `k` and `v` themselves, so that gradients
+    /// reach the projections that made them; the positions held before take
+    /// none from this call.
     ///
     /// # Shapes
     /// - `k`, `v`: `(batch, num_kv_heads, new, head_dim)` each
@@ -327,7 +330,20 @@ impl KvCache {
             bk.slice_set(&k.contiguous()?, 2, self.len)?;
             bv.slice_set(&v.contiguous()?, 2, self.len)?;
         }
+        let held = self.len;
         self.len = need;
+        if k.track_op() || v.track_op() {
+            // Training: the buffers' copy takes no gradient, so the new
+            // keys and values go out as the tensors themselves, after the
+            // positions held before (which take none from this call).
+            if held == 0 {
+                return Ok((k.clone(), v.clone()));
+            }
+            return Ok((
+                Tensor::cat(&[&bk.narrow(2, 0, held)?, k], 2)?,
+                Tensor::cat(&[&bv.narrow(2, 0, held)?, v], 2)?,
+            ));
+        }
         Ok((bk.narrow(2, 0, need)?, bv.narrow(2, 0, need)?))
     }
 
