@@ -47,6 +47,10 @@ pub struct MhaConfig {
     /// Epsilon of the qk-norm LayerNorms (timm ViT: 1e-6).
     #[serde(default = "default_qk_norm_eps")]
     pub qk_norm_eps: f64,
+    /// Added to an RMSNorm qk-norm's weight (Gemma 3's norms scale by `1 +
+    /// w`; 0 for the others): `RmsNorm::new_with_offset`.
+    #[serde(default)]
+    pub qk_norm_offset: f64,
     /// Width of each head (default `embed_dim / num_heads`); another value
     /// makes the query projection `num_heads * head_dim` wide and the
     /// output projection read that width back to `embed_dim` (Qwen3,
@@ -347,6 +351,7 @@ impl MhaConfig {
             scale: None,
             qk_norm: false,
             qk_norm_eps: default_qk_norm_eps(),
+            qk_norm_offset: 0.,
             head_dim: None,
             qk_norm_kind: NormKind::LayerNorm,
             num_kv_heads: None,

@@ -3,8 +3,8 @@
 //! blocks, `nn.Transformer`'s stacks and the `Seq2Seq` model around them)
 //! gets a non-zero gradient, a short training run of the encoder–decoder
 //! lowers its loss, a model built over a `VarMap` answers each training
-//! step as one built anew from the trained weights (packed) does, a Llama
-//! decoder's gradients agree with finite differences of its loss, and
+//! step as one built anew from the trained weights (packed) does, each
+//! decoder family's gradients agree with finite differences of its loss, and
 //! dropout acts only in training, generic callers included.
 
 use anyhow::{bail, Context, Result};
@@ -365,29 +365,58 @@ fn a_generic_modulet_caller_gets_attention_dropout() -> Result<()> {
     Ok(())
 }
 
-/// A Llama over a `VarMap` (grouped-query heads, rotary, the gated MLP
-/// kept apart as variables are, RMSNorm, untied head) trains in f32
-/// through the CPU's fused ops — the attention's fused backward into its
-/// packed projection, the trained rotation, RMSNorm, SiLU·up, the packed
-/// linears — and every parameter's gradient agrees with central finite
-/// differences of the loss (two coordinates each), an oracle that shares
-/// no code with any backward.
+/// Each decoder family over a `VarMap` trains in f32 through the CPU's
+/// fused ops — the attention's fused backward (into its packed projection
+/// where it can), the trained rotation, the norms, the gated and plain
+/// activations, the packed linears, soft-capping — and every parameter's
+/// gradient agrees with central finite differences of its loss (two
+/// coordinates each), an oracle that shares no code with any backward:
+/// a Llama (grouped-query heads, rotary, the gated MLP kept apart as
+/// variables are, RMSNorm), GPT-2 (LayerNorm, biases, learned positions,
+/// tanh GELU) and Gemma 2 (GeGLU, sandwich norms, soft-capped attention
+/// and logits, alternating sliding windows).
 #[test]
-fn a_llama_trains_through_the_fused_ops_as_its_loss_moves() -> Result<()> {
-    use multihead_models::decoder::{CausalLm, DecoderCache, HfDecoderConfig, Llama};
+fn decoders_train_through_the_fused_ops_as_their_loss_moves() -> Result<()> {
+    use multihead_models::decoder::{CausalLm, Gemma, Gpt2, HfDecoderConfig, Llama};
 
-    let dev = Device::Cpu;
-    let cfg = HfDecoderConfig::from_json(
+    let configs = [
         r#"{"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
-        "test config",
-    )?;
-    let HfDecoderConfig::Llama(cfg) = cfg else {
-        bail!("not a Llama config: {cfg:?}")
-    };
-    let varmap = VarMap::new();
-    let model = Llama::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+        r#"{"model_type": "gpt2", "vocab_size": 50, "n_embd": 32, "n_layer": 2, "n_head": 4,
+            "n_positions": 32}"#,
+        r#"{"model_type": "gemma2", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "query_pre_attn_scalar": 8,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4}"#,
+    ];
+    for text in configs {
+        let dev = Device::Cpu;
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+        let (model, layers): (Box<dyn CausalLm>, usize) =
+            match HfDecoderConfig::from_json(text, "test config")? {
+                HfDecoderConfig::Llama(cfg) => (Box::new(Llama::new(&cfg, vb)?), cfg.num_hidden_layers),
+                HfDecoderConfig::Gpt2(cfg) => (Box::new(Gpt2::new(&cfg, vb, None)?), cfg.n_layer),
+                HfDecoderConfig::Gemma(cfg) => (Box::new(Gemma::new(&cfg, vb)?), cfg.num_hidden_layers),
+            };
+        finite_differences_agree(model.as_ref(), layers, &varmap)
+            .with_context(|| format!("config {text}"))?;
+    }
+    Ok(())
+}
+
+/// The gradient of `Σ logits ∘ g` (fixed `g`) over two sequences of 11
+/// tokens with respect to each variable of `varmap` against central
+/// finite differences, at two coordinates of each.
+fn finite_differences_agree(
+    model: &dyn multihead_models::decoder::CausalLm,
+    layers: usize,
+    varmap: &VarMap,
+) -> Result<()> {
+    use multihead_models::decoder::DecoderCache;
+
+    let dev = Device::Cpu;
     let mut vars: Vec<_> = varmap
         .data()
         .lock()
@@ -396,7 +425,7 @@ fn a_llama_trains_through_the_fused_ops_as_its_loss_moves() -> Result<()> {
         .into_iter()
         .collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(vars.len() >= 2 * 9 + 2, "{} variables", vars.len());
+    assert!(vars.len() >= 2 * layers + 2, "{} variables", vars.len());
     // Values everywhere (the builder's zeros and ones would leave most
     // gradients 0): norms near 1, the rest large enough that the attention
     // is far from uniform, small enough that the loss stays smooth over
@@ -423,7 +452,7 @@ fn a_llama_trains_through_the_fused_ops_as_its_loss_moves() -> Result<()> {
     let ids = Tensor::from_vec((0..2 * 11u32).map(|i| (i * 7 + 3) % 50).collect(), (2, 11), &dev)?;
     let g = Tensor::from_vec(pattern(2 * 11 * 50, 999), (2, 11, 50), &dev)?;
     let loss = || -> Result<Tensor> {
-        let logits = model.forward(&ids, &mut DecoderCache::new(cfg.num_hidden_layers, vec![0, 0]))?;
+        let logits = model.forward(&ids, &mut DecoderCache::new(layers, vec![0, 0]))?;
         Ok((logits * &g)?.sum_all()?)
     };
     let grads = loss()?.backward()?;

@@ -193,12 +193,13 @@ impl MultiheadAttention {
         let qk_norm = if cfg.qk_norm {
             let norm = |name: &str, heads: usize| -> Result<HeadNorm> {
                 let (hd, eps, vb) = (cfg.head_dim(), cfg.qk_norm_eps, vb.pp(name));
+                let rms = |dim: usize, vb| {
+                    multihead_kernels::RmsNorm::new_with_offset(dim, eps, cfg.qk_norm_offset, vb)
+                };
                 Ok(match cfg.qk_norm_kind {
                     NormKind::LayerNorm => HeadNorm::Layer(LayerNorm::new(hd, eps, vb)?),
-                    NormKind::RmsNorm => HeadNorm::Rms(multihead_kernels::RmsNorm::new(hd, eps, vb)?),
-                    NormKind::RmsNormAllHeads => {
-                        HeadNorm::RmsAllHeads(multihead_kernels::RmsNorm::new(heads * hd, eps, vb)?)
-                    }
+                    NormKind::RmsNorm => HeadNorm::Rms(rms(hd, vb)?),
+                    NormKind::RmsNormAllHeads => HeadNorm::RmsAllHeads(rms(heads * hd, vb)?),
                 })
             };
             Some((norm("q_norm", cfg.num_heads)?, norm("k_norm", cfg.kv_heads())?))

@@ -285,29 +285,71 @@ impl CustomOp3 for TrainedLayerNorm {
 pub struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    /// Added to a weight that trains at each forward ([`RmsNorm::with_offset`]).
+    offset: f64,
 }
 
 impl RmsNorm {
     /// Loads `weight` of width `dim` (initialised to 1 in a `VarMap`).
     pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
         let weight = vb.get_with_hints(dim, "weight", Init::Const(1.))?;
-        Ok(Self { weight, eps })
+        Ok(Self::from_weight(weight, eps))
+    }
+
+    /// HF's Gemma norms (`Gemma2RMSNorm`), which scale by `offset + w`
+    /// (`1.0 + weight.float()`): `weight` loaded as [`RmsNorm::new`] loads
+    /// it, initialised to `1 - offset` in a `VarMap` (a scale of 1), then
+    /// [`RmsNorm::with_offset`].
+    pub fn new_with_offset(dim: usize, eps: f64, offset: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(dim, "weight", Init::Const(1. - offset))?;
+        Self::from_weight(weight, eps).with_offset(offset)
     }
 
     /// The norm over a weight already loaded.
     pub fn from_weight(weight: Tensor, eps: f64) -> Self {
-        Self { weight, eps }
+        Self {
+            weight,
+            eps,
+            offset: 0.,
+        }
     }
 
-    /// The weight, `(dim,)`.
+    /// The norm scaling by `offset + weight`, the sum taken in f32: once
+    /// here for a plain weight; at each forward for one that trains, so
+    /// that a step writing the weight moves the norm and its gradient
+    /// reaches the weight.
+    pub fn with_offset(self, offset: f64) -> Result<Self> {
+        if offset == 0. || self.weight.track_op() {
+            return Ok(Self { offset, ..self });
+        }
+        Ok(Self {
+            weight: plus(&self.weight, offset)?,
+            offset: 0.,
+            ..self
+        })
+    }
+
+    /// The weight, `(dim,)`: as loaded, the offset added unless it trains.
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
 }
 
+/// `offset + w`, in f32 (as HF computes Gemma's `1.0 + weight.float()`),
+/// in `w`'s dtype.
+fn plus(w: &Tensor, offset: f64) -> Result<Tensor> {
+    w.to_dtype(candle::DType::F32)?
+        .affine(1., offset)?
+        .to_dtype(w.dtype())
+}
+
 impl Module for RmsNorm {
     /// `(..., dim)` → `(..., dim)`.
     fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        if self.offset != 0. {
+            let scale = Self::from_weight(plus(&self.weight, self.offset)?, self.eps);
+            return scale.forward(xs);
+        }
         let eps = self.eps as f32;
         let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle::DType::F32;
         let trains = xs.track_op() || self.weight.track_op();

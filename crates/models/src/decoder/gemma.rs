@@ -13,7 +13,7 @@
 //! head of q and k, and gives its sliding and full layers their own rope
 //! base.
 
-use candle::{bail, DType, Device, Module, Result, Shape, Tensor};
+use candle::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{linear_b, VarBuilder};
 use multihead_attention::{
     KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind, PackOptions, PackedLinear,
@@ -471,38 +471,6 @@ fn rope_from(p: &Value, theta: f64, key: &str, label: &str) -> Result<Rope> {
     })
 }
 
-/// A [`VarBuilder`] whose RMSNorm weights (names ending in `norm.weight`)
-/// come back plus one: HF's Gemma norms scale by `1 + w`
-/// (`Gemma2RMSNorm`), computed once at load so that the norms are plain
-/// RMSNorms (`1.0 + weight.float()`, in f32 as HF computes it). Variables
-/// of such names come back as plain tensors.
-struct NormsPlusOne<'a> {
-    inner: VarBuilder<'a>,
-}
-
-impl NormsPlusOne<'_> {
-    fn adjust(name: &str, t: Tensor) -> Result<Tensor> {
-        match name.ends_with("norm.weight") {
-            true => t.to_dtype(DType::F32)?.affine(1., 1.)?.to_dtype(t.dtype()),
-            false => Ok(t),
-        }
-    }
-}
-
-impl candle_nn::var_builder::SimpleBackend for NormsPlusOne<'_> {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, _dev: &Device) -> Result<Tensor> {
-        Self::adjust(name, self.inner.get_with_hints_dtype(s, name, h, dtype)?)
-    }
-
-    fn get_unchecked(&self, name: &str, dtype: DType, _dev: &Device) -> Result<Tensor> {
-        Self::adjust(name, self.inner.get_unchecked_dtype(name, dtype)?)
-    }
-
-    fn contains_tensor(&self, name: &str) -> bool {
-        self.inner.contains_tensor(name)
-    }
-}
-
 /// `vb` under `prefix` (ending in a dot), or `vb` for none.
 pub(super) fn at<'a>(vb: VarBuilder<'a>, prefix: &str) -> VarBuilder<'a> {
     match prefix.strip_suffix('.') {
@@ -524,7 +492,13 @@ fn mlp(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<GatedMlp
 /// `Gemma2Attention` / `Gemma3Attention` on [`MultiheadAttention`] for
 /// layer `index`, under `vb` = `self_attn`, its projections packed as
 /// `pack` asks.
-fn mha(cfg: &GemmaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<MultiheadAttention> {
+fn mha(
+    cfg: &GemmaConfig,
+    index: usize,
+    pack: &PackOptions,
+    norm_offset: f64,
+    vb: VarBuilder,
+) -> Result<MultiheadAttention> {
     let kind = cfg.layer_kind(index);
     let rope = match kind {
         LayerKind::Sliding => &cfg.rope_sliding,
@@ -548,6 +522,7 @@ fn mha(cfg: &GemmaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> R
         mha = mha.with_qk_norm(true);
         mha.qk_norm_kind = NormKind::RmsNorm;
         mha.qk_norm_eps = cfg.rms_norm_eps;
+        mha.qk_norm_offset = norm_offset;
     }
     MultiheadAttention::new_with_pack(&mha, &WeightLayout::llama(), pack, vb)
 }
@@ -565,14 +540,22 @@ struct Layer {
 }
 
 impl Layer {
-    fn new(cfg: &GemmaConfig, index: usize, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
-        let norm = |name: &str| RmsNorm::new(cfg.hidden_size, cfg.rms_norm_eps, vb.pp(name));
+    fn new(
+        cfg: &GemmaConfig,
+        index: usize,
+        pack: &PackOptions,
+        norm_offset: f64,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let norm = |name: &str| {
+            RmsNorm::new_with_offset(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, vb.pp(name))
+        };
         Ok(Self {
             input_layernorm: norm("input_layernorm")?,
             post_attention_layernorm: norm("post_attention_layernorm")?,
             pre_feedforward_layernorm: norm("pre_feedforward_layernorm")?,
             post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
-            self_attn: mha(cfg, index, pack, vb.pp("self_attn"))?,
+            self_attn: mha(cfg, index, pack, norm_offset, vb.pp("self_attn"))?,
             mlp: mlp(cfg, pack, vb.pp("mlp"))?,
         })
     }
@@ -614,9 +597,7 @@ impl Gemma {
     /// [`Gemma::new`], every linear layer packed as `pack` asks (the
     /// format, the instruction set, a GGUF file's lent blocks).
     pub fn new_with(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
-        let (dtype, device, prefix) = (vb.dtype(), vb.device().clone(), vb.prefix());
-        let root = VarBuilder::from_backend(Box::new(NormsPlusOne { inner: vb.root() }), dtype, device);
-        Self::with_unit_norms_with(cfg, pack, if prefix.is_empty() { root } else { root.pp(prefix) })
+        Self::build(cfg, pack, vb, 1.)
     }
 
     /// [`Gemma::new`] from a checkpoint whose RMSNorm weights already hold
@@ -628,6 +609,13 @@ impl Gemma {
     /// [`Gemma::with_unit_norms`], every linear layer packed as `pack`
     /// asks.
     pub fn with_unit_norms_with(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder) -> Result<Self> {
+        Self::build(cfg, pack, vb, 0.)
+    }
+
+    /// The model, its RMSNorms scaling by `norm_offset + w` (HF's
+    /// checkpoints: 1; llama.cpp's, which hold `1 + w`: 0), the sum taken
+    /// once at load for plain weights and at each forward for variables.
+    fn build(cfg: &GemmaConfig, pack: &PackOptions, vb: VarBuilder, norm_offset: f64) -> Result<Self> {
         let e = cfg.hidden_size;
         let m = vb.pp("model");
         let embed_tokens = candle_nn::embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?;
@@ -637,9 +625,9 @@ impl Gemma {
             .filter(|_| !cfg.tie_word_embeddings);
         let (embed_tokens, lm_head) = TokenEmbedding::with_head(embed_tokens, head, pack)?;
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| Layer::new(cfg, i, pack, m.pp(format!("layers.{i}"))))
+            .map(|i| Layer::new(cfg, i, pack, norm_offset, m.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::new(e, cfg.rms_norm_eps, m.pp("norm"))?;
+        let norm = RmsNorm::new_with_offset(e, cfg.rms_norm_eps, norm_offset, m.pp("norm"))?;
         Ok(Self {
             embed_tokens,
             layers,
