@@ -373,8 +373,9 @@ fn a_generic_modulet_caller_gets_attention_dropout() -> Result<()> {
 /// coordinates each), an oracle that shares no code with any backward:
 /// a Llama (grouped-query heads, rotary, the gated MLP kept apart as
 /// variables are, RMSNorm), GPT-2 (LayerNorm, biases, learned positions,
-/// tanh GELU) and Gemma 2 (GeGLU, sandwich norms, soft-capped attention
-/// and logits, alternating sliding windows).
+/// tanh GELU), Gemma 2 (GeGLU, sandwich norms, soft-capped attention
+/// and logits, alternating sliding windows) and Gemma 3 (qk-norms, two
+/// rotary bases).
 #[test]
 fn decoders_train_through_the_fused_ops_as_their_loss_moves() -> Result<()> {
     use multihead_models::decoder::{CausalLm, Gemma, Gpt2, HfDecoderConfig, Llama};
@@ -389,6 +390,10 @@ fn decoders_train_through_the_fused_ops_as_their_loss_moves() -> Result<()> {
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "query_pre_attn_scalar": 8,
             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "sliding_window": 4}"#,
+        r#"{"model_type": "gemma3_text", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": 8, "sliding_window": 4, "sliding_window_pattern": 2}"#,
     ];
     for text in configs {
         let dev = Device::Cpu;
