@@ -405,16 +405,15 @@ fn decoders_train_through_the_fused_ops_as_their_loss_moves() -> Result<()> {
                 HfDecoderConfig::Gpt2(cfg) => (Box::new(Gpt2::new(&cfg, vb, None)?), cfg.n_layer),
                 HfDecoderConfig::Gemma(cfg) => (Box::new(Gemma::new(&cfg, vb)?), cfg.num_hidden_layers),
             };
-        finite_differences_agree(model.as_ref(), layers, &varmap)
-            .with_context(|| format!("config {text}"))?;
+        decoder_agrees(model.as_ref(), layers, &varmap).with_context(|| format!("config {text}"))?;
     }
     Ok(())
 }
 
-/// The gradient of `Σ logits ∘ g` (fixed `g`) over two sequences of 11
-/// tokens with respect to each variable of `varmap` against central
-/// finite differences, at two coordinates of each.
-fn finite_differences_agree(
+/// `Σ logits ∘ g` (a fixed `g`) of `model` over two sequences of 11
+/// tokens, with `varmap` given the values [`set_test_values`] gives, its
+/// gradients against finite differences ([`finite_differences_agree`]).
+fn decoder_agrees(
     model: &dyn multihead_models::decoder::CausalLm,
     layers: usize,
     varmap: &VarMap,
@@ -422,6 +421,45 @@ fn finite_differences_agree(
     use multihead_models::decoder::DecoderCache;
 
     let dev = Device::Cpu;
+    set_test_values(varmap, 2 * layers + 2)?;
+    let ids = Tensor::from_vec((0..2 * 11u32).map(|i| (i * 7 + 3) % 50).collect(), (2, 11), &dev)?;
+    let g = Tensor::from_vec(pattern(2 * 11 * 50, 999), (2, 11, 50), &dev)?;
+    finite_differences_agree(varmap, || {
+        let logits = model.forward(&ids, &mut DecoderCache::new(layers, vec![0, 0]))?;
+        Ok((logits * &g)?.sum_all()?)
+    })
+}
+
+/// A smooth pseudo-random pattern of `n` values in [-1, 1], one per `seed`:
+/// deterministic, so that a test passes or fails every time.
+fn pattern(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 + seed * 104_729) as f32 * 0.618_034).sin())
+        .collect()
+}
+
+/// Every variable of `varmap` (at least `least` of them) set from
+/// [`pattern`] (the builders' zeros and ones would leave most gradients
+/// 0): norms near 1, the rest large enough that attention is far from
+/// uniform, small enough that a loss stays smooth over the differences'
+/// steps.
+fn set_test_values(varmap: &VarMap, least: usize) -> Result<()> {
+    let vars = sorted_vars(varmap)?;
+    assert!(vars.len() >= least, "{} variables", vars.len());
+    for (j, (name, var)) in vars.iter().enumerate() {
+        let t = var.as_tensor();
+        let noise = Tensor::from_vec(pattern(t.elem_count(), j), t.shape(), t.device())?;
+        let value = match name.contains("norm") {
+            true => (noise * 0.1)? + 1.,
+            false => noise * 0.2,
+        }?;
+        var.set(&value)?;
+    }
+    Ok(())
+}
+
+/// `varmap`'s variables by name.
+fn sorted_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
     let mut vars: Vec<_> = varmap
         .data()
         .lock()
@@ -430,36 +468,15 @@ fn finite_differences_agree(
         .into_iter()
         .collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
-    assert!(vars.len() >= 2 * layers + 2, "{} variables", vars.len());
-    // Values everywhere (the builder's zeros and ones would leave most
-    // gradients 0): norms near 1, the rest large enough that the attention
-    // is far from uniform, small enough that the loss stays smooth over
-    // the differences' steps.
-    // Deterministic (a test that passes or fails every time): a smooth
-    // pseudo-random pattern per variable.
-    let pattern = |n: usize, seed: usize| -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i * 7919 + seed * 104_729) as f32 * 0.618_034).sin())
-            .collect()
-    };
-    for (j, (name, var)) in vars.iter().enumerate() {
-        let noise = Tensor::from_vec(
-            pattern(var.as_tensor().elem_count(), j),
-            var.as_tensor().shape(),
-            &dev,
-        )?;
-        let value = match name.contains("norm") {
-            true => (noise * 0.1)? + 1.,
-            false => noise * 0.2,
-        }?;
-        var.set(&value)?;
-    }
-    let ids = Tensor::from_vec((0..2 * 11u32).map(|i| (i * 7 + 3) % 50).collect(), (2, 11), &dev)?;
-    let g = Tensor::from_vec(pattern(2 * 11 * 50, 999), (2, 11, 50), &dev)?;
-    let loss = || -> Result<Tensor> {
-        let logits = model.forward(&ids, &mut DecoderCache::new(layers, vec![0, 0]))?;
-        Ok((logits * &g)?.sum_all()?)
-    };
+    Ok(vars)
+}
+
+/// The gradient of the scalar `loss()` with respect to each variable of
+/// `varmap` against central finite differences of it, at two coordinates
+/// of each (the largest gradient's and one in the middle).
+fn finite_differences_agree(varmap: &VarMap, loss: impl Fn() -> Result<Tensor>) -> Result<()> {
+    let dev = Device::Cpu;
+    let vars = sorted_vars(varmap)?;
     let grads = loss()?.backward()?;
     let eps = 4e-3f32;
     for (name, var) in vars {
@@ -493,6 +510,44 @@ fn finite_differences_agree(
                 grad[at]
             );
         }
+    }
+    Ok(())
+}
+
+/// The ViT (LayerScale, class token, learned positions, exact GELU) and
+/// `nn.Transformer` (post-norm with ReLU and pre-norm with GELU, causal
+/// target mask, cross-attention) over a `VarMap` train through the CPU's
+/// fused ops with gradients that agree with finite differences of their
+/// loss, as the decoders' do.
+#[test]
+fn vit_and_transformer_train_through_the_fused_ops_as_their_loss_moves() -> Result<()> {
+    use candle::Module;
+
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let cfg = small_vit(8, 16, 2, 2, 3);
+    let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+    set_test_values(&varmap, 2 * 8)?;
+    let images = Tensor::from_vec(pattern(2 * 64, 7), (2, 1, 8, 8), &dev)?;
+    let g = Tensor::from_vec(pattern(2 * 3, 8), (2, 3), &dev)?;
+    finite_differences_agree(&varmap, || Ok((vit.forward(&images)? * &g)?.sum_all()?)).context("ViT")?;
+
+    for norm_first in [false, true] {
+        let varmap = VarMap::new();
+        let cfg = small_transformer(norm_first, true);
+        let model = Transformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+        set_test_values(&varmap, 2 * 8)?;
+        let src = Tensor::from_vec(pattern(2 * 5 * 16, 11), (2, 5, 16), &dev)?;
+        let tgt = Tensor::from_vec(pattern(2 * 4 * 16, 12), (2, 4, 16), &dev)?;
+        let g = Tensor::from_vec(pattern(2 * 4 * 16, 13), (2, 4, 16), &dev)?;
+        let masks = TransformerMasks {
+            tgt: Mask::causal(multihead_attention::Causal::TopLeft),
+            ..Default::default()
+        };
+        finite_differences_agree(&varmap, || {
+            Ok((model.forward(&src, &tgt, &masks)? * &g)?.sum_all()?)
+        })
+        .with_context(|| format!("nn.Transformer, norm_first {norm_first}"))?;
     }
     Ok(())
 }
