@@ -3,8 +3,8 @@
 //! blocks, `nn.Transformer`'s stacks and the `Seq2Seq` model around them)
 //! gets a non-zero gradient, a short training run of the encoder–decoder
 //! lowers its loss, a model built over a `VarMap` answers each training
-//! step as one built anew from the trained weights (packed) does, each
-//! decoder family's gradients agree with finite differences of its loss, and
+//! step as one built anew from the trained weights (packed) does, every
+//! model's gradients agree with finite differences of its loss, and
 //! dropout acts only in training, generic callers included.
 
 use anyhow::{bail, Context, Result};
@@ -514,7 +514,8 @@ fn finite_differences_agree(varmap: &VarMap, loss: impl Fn() -> Result<Tensor>) 
     Ok(())
 }
 
-/// The ViT (LayerScale, class token, learned positions, exact GELU) and
+/// The ViT (LayerScale, class token, learned positions, exact GELU; with
+/// a Hydra block and without) and
 /// `nn.Transformer` (post-norm with ReLU and pre-norm with GELU, causal
 /// target mask, cross-attention) over a `VarMap` train through the CPU's
 /// fused ops with gradients that agree with finite differences of their
@@ -524,13 +525,18 @@ fn vit_and_transformer_train_through_the_fused_ops_as_their_loss_moves() -> Resu
     use candle::Module;
 
     let dev = Device::Cpu;
-    let varmap = VarMap::new();
-    let cfg = small_vit(8, 16, 2, 2, 3);
-    let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
-    set_test_values(&varmap, 2 * 8)?;
-    let images = Tensor::from_vec(pattern(2 * 64, 7), (2, 1, 8, 8), &dev)?;
-    let g = Tensor::from_vec(pattern(2 * 3, 8), (2, 3), &dev)?;
-    finite_differences_agree(&varmap, || Ok((vit.forward(&images)? * &g)?.sum_all()?)).context("ViT")?;
+    // Softmax blocks alone, and a Hydra block between two.
+    for hydra_layers in [vec![], vec![1]] {
+        let varmap = VarMap::new();
+        let mut cfg = small_vit(8, 16, 3, 2, 3);
+        cfg.hydra_layers = hydra_layers.clone();
+        let vit = VisionTransformer::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
+        set_test_values(&varmap, 2 * 8)?;
+        let images = Tensor::from_vec(pattern(2 * 64, 7), (2, 1, 8, 8), &dev)?;
+        let g = Tensor::from_vec(pattern(2 * 3, 8), (2, 3), &dev)?;
+        finite_differences_agree(&varmap, || Ok((vit.forward(&images)? * &g)?.sum_all()?))
+            .with_context(|| format!("ViT, Hydra blocks {hydra_layers:?}"))?;
+    }
 
     for norm_first in [false, true] {
         let varmap = VarMap::new();
