@@ -372,7 +372,8 @@ fn a_generic_modulet_caller_gets_attention_dropout() -> Result<()> {
 /// gradient agrees with central finite differences of its loss (two
 /// coordinates each), an oracle that shares no code with any backward:
 /// a Llama (grouped-query heads, rotary, the gated MLP kept apart as
-/// variables are, RMSNorm), GPT-2 (LayerNorm, biases, learned positions,
+/// variables are, RMSNorm), Qwen3 (per-head qk-norms, tied embeddings),
+/// Phi-3 (one `gate_up_proj`, partial rotary), GPT-2 (LayerNorm, biases, learned positions,
 /// tanh GELU), Gemma 2 (GeGLU, sandwich norms, soft-capped attention
 /// and logits, alternating sliding windows) and Gemma 3 (qk-norms, two
 /// rotary bases).
@@ -384,6 +385,12 @@ fn decoders_train_through_the_fused_ops_as_their_loss_moves() -> Result<()> {
         r#"{"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}"#,
+        r#"{"model_type": "qwen3", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true}"#,
+        r#"{"model_type": "phi3", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}"#,
         r#"{"model_type": "gpt2", "vocab_size": 50, "n_embd": 32, "n_layer": 2, "n_head": 4,
             "n_positions": 32}"#,
         r#"{"model_type": "gemma2", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 48,
