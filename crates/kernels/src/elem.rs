@@ -193,6 +193,14 @@ pub(crate) fn with_f32_data<R, const N: usize>(
     }
 }
 
+/// A custom op's gradient `data` for its argument `t`, in `t`'s shape:
+/// `None` where `t` tracks no gradient.
+pub(crate) fn grad_for(t: &Tensor, data: Vec<f32>) -> Result<Option<Tensor>> {
+    t.track_op()
+        .then(|| Tensor::from_vec(data, t.shape(), t.device()))
+        .transpose()
+}
+
 /// The contiguous f32 data of a custom op's argument; `op` names the op in
 /// the error.
 pub(crate) fn f32_data<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {

@@ -71,7 +71,7 @@ use weight::PackedWeight;
 /// call of an f32 input is a candle op whose forward packs the weight
 /// (again only where its values changed since the last call) and whose
 /// backward takes `dX = dY · W` on the same kernels (`dW = dYᵀ · X` on
-/// candle's matmul, faster for that shape), so that gradients reach the
+/// candle's matmul, which reads `dYᵀ` in place), so that gradients reach the
 /// input, the weight and the bias.
 ///
 /// Anything else keeps candle's `Linear`: other devices and dtypes, a

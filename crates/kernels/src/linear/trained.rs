@@ -8,8 +8,8 @@
 //!   (`PackedWeight::from_columns`: each panel row a piece of one of `W`'s
 //!   rows, so packing it is a copy), `dY`'s rows through it;
 //! - `dW = dYᵀ · X`: candle's matmul (the `gemm` crate), which reads `dYᵀ`
-//!   in place; over a reduction of all `m` rows it runs faster than the
-//!   tiles, which would also need `Xᵀ` packed and `dYᵀ` copied each call;
+//!   in place, where the tiles would need `Xᵀ` packed and `dYᵀ` copied
+//!   each call for a reduction over all `m` rows;
 //! - `db = Σ dY` over the rows.
 //!
 //! Each is computed only for the arguments that track gradients (not `dX`
@@ -216,8 +216,7 @@ impl TrainedWeight {
             None
         };
         // dW = dYᵀ · X on candle's matmul (`gemm`), which reads dYᵀ in
-        // place and measures faster than the tiles over this reduction of
-        // all the rows.
+        // place (see the module doc).
         let dw = if w.track_op() {
             Some(match m {
                 0 => w.zeros_like()?,

@@ -4,7 +4,7 @@
 use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::elem::{f32_data, plain_cpu_f32, with_f32_data};
+use crate::elem::{f32_data, grad_for, plain_cpu_f32, with_f32_data};
 use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::simd;
 use crate::runtime::isa::{current, Isa};
@@ -300,12 +300,7 @@ impl CustomOp2 for TrainedGate {
                 .for_each(|((dg, du), ((g, u), d))| self.kind.backward(self.isa, [g, u, d], dg, du));
             Ok(())
         })?;
-        let grad = |t: &Tensor, g: Vec<f32>| {
-            t.track_op()
-                .then(|| Tensor::from_vec(g, t.shape(), t.device()))
-                .transpose()
-        };
-        Ok((grad(gate, dg)?, grad(up, du)?))
+        Ok((grad_for(gate, dg)?, grad_for(up, du)?))
     }
 }
 

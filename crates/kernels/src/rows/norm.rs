@@ -7,7 +7,7 @@ use candle_nn::{Init, Module, VarBuilder};
 use rayon::prelude::*;
 
 use super::norm_grad::{grads, rms_grads, rms_rows};
-use crate::elem::{f32_data, with_f32_data};
+use crate::elem::{f32_data, grad_for, with_f32_data};
 use crate::runtime::isa::{current, Isa};
 
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
@@ -253,25 +253,12 @@ impl CustomOp3 for TrainedLayerNorm {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = gamma.elem_count();
         let dy = dy.contiguous()?;
         let gamma_data = gamma.to_vec1::<f32>()?;
         let (dx, dg, db) = with_f32_data([x, &dy], "layer-norm", |[x, dy]| {
             grads(x, dy, &gamma_data, self.0.eps)
         })?;
-        let dx = x
-            .track_op()
-            .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
-            .transpose()?;
-        let dg = gamma
-            .track_op()
-            .then(|| Tensor::from_vec(dg, d, gamma.device()))
-            .transpose()?;
-        let db = beta
-            .track_op()
-            .then(|| Tensor::from_vec(db, d, beta.device()))
-            .transpose()?;
-        Ok((dx, dg, db))
+        Ok((grad_for(x, dx)?, grad_for(gamma, dg)?, grad_for(beta, db)?))
     }
 }
 
@@ -406,15 +393,7 @@ impl CustomOp2 for TrainedRmsNorm {
         let (dx, dw) = with_f32_data([x, &dy], "rms-norm", |[x, dy]| {
             rms_grads(x, dy, &w_data, self.eps)
         })?;
-        let dx = x
-            .track_op()
-            .then(|| Tensor::from_vec(dx, x.shape(), x.device()))
-            .transpose()?;
-        let dw = w
-            .track_op()
-            .then(|| Tensor::from_vec(dw, w.shape(), w.device()))
-            .transpose()?;
-        Ok((dx, dw))
+        Ok((grad_for(x, dx)?, grad_for(w, dw)?))
     }
 }
 

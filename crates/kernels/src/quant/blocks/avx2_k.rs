@@ -192,8 +192,8 @@ avx2_and_vnni!(panel_k4, panel_k4, panel_k4_vnni);
 /// Q6_K panels times `R` rows, into `out` (8 a row): `w = d·sc·(u −
 /// 32)` per 16 elements, `u` six bits from `ql` and `qh`; `$step` and
 /// `$widen` as [`panel_k4!`]'s. Its sums are widened every two steps
-/// with either step, as `i16` sums need (`$i16` unused): with VNNI a
-/// longer run in `i32` is slower here.
+/// with either step, as `i16` sums need (`$i16` unused): the VNNI
+/// instance keeps the same two-step runs, its widening the identity.
 macro_rules! panel_q6k {
     ($name:ident, $features:literal, $step:expr, $widen:expr, $i16:expr) => {
         #[target_feature(enable = $features)]
