@@ -6,6 +6,7 @@
 //! cargo run --release --example bench_attention            # the table's shapes
 //! cargo run --release --example bench_attention -- --peak-rss 16384
 //! cargo run --release --example bench_attention -- --mask-memory
+//! cargo run --release --example bench_attention -- --backward-memory
 //! cargo run --release --example bench_attention -- --softcap
 //! cargo run --release --example bench_attention -- --serve
 //! ```
@@ -17,6 +18,10 @@
 //! resident set, reset before the call, less the resident set before it:
 //! inputs and the mask tensor itself are not counted), beside the
 //! unmasked call's.
+//! `--backward-memory` runs a forward and `Tensor::backward` of B1 H8 N4096
+//! hd64 causal self-attention with q, k and v as variables, on the fused
+//! path and on the reference path, each in a process of its own, and
+//! reports the memory each adds at its peak and its time.
 //! `--softcap` times B1 N4096 H8 hd64 self-attention soft-capped at 50
 //! (Gemma 2's `attn_logit_softcapping`) beside the same uncapped, without a
 //! mask and causal, in alternating rounds, and prints the ratio.
@@ -268,6 +273,54 @@ fn mask_memory() -> Result<()> {
     Ok(())
 }
 
+/// One `--backward-memory` case, in a process of its own: a forward and
+/// backward of causal self-attention with q, k and v as variables on
+/// `path`, the memory it adds at its peak (as `mask_memory_case` counts it:
+/// the gradients are kept until the peak is read) and its wall time.
+fn backward_memory_case(path: AttnPath) -> Result<()> {
+    let (b, h, n, d) = (1, 8, 4096, 64);
+    let var = || Ok::<_, anyhow::Error>(candle::Var::from_tensor(&randn(&[b, h, n, d])?)?);
+    let (q, k, v) = (var()?, var()?, var()?);
+    let weights = randn(&[b, h, n, d])?;
+    std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
+    let before = status_mib("VmRSS:")?;
+    let start = Instant::now();
+    let out = scaled_dot_product_attention_via(
+        q.as_tensor(),
+        k.as_tensor(),
+        v.as_tensor(),
+        &Mask::causal(Causal::TopLeft),
+        None,
+        path,
+    )?;
+    let grads = (out * &weights)?.sum_all()?.backward()?;
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    let peak = status_mib("VmHWM:")?;
+    for var in [&q, &k, &v] {
+        grads.get(var).context("a variable without a gradient")?;
+    }
+    println!(
+        r#"{{"work": "forward + backward B{b} H{h} N{n} hd{d} causal", "path": "{path:?}", "call_peak_mib": {:.1}, "ms": {ms:.0}}}"#,
+        peak - before
+    );
+    Ok(())
+}
+
+/// The fused and the reference backward, each in a fresh process.
+fn backward_memory() -> Result<()> {
+    let exe = std::env::current_exe().context("finding this executable")?;
+    for path in ["tiled", "reference"] {
+        let status = std::process::Command::new(&exe)
+            .args(["--backward-memory-case", path])
+            .status()
+            .context("running a backward case")?;
+        if !status.success() {
+            bail!("backward case {path} failed: {status}")
+        }
+    }
+    Ok(())
+}
+
 /// The table's SDPA cases: label, `(b, h, l, s, d)`, causal.
 type SdpaCase = (&'static str, (usize, usize, usize, usize, usize), bool);
 const SDPA_CASES: [SdpaCase; 5] = [
@@ -335,11 +388,19 @@ fn main() -> Result<()> {
         [flag, case] if flag == "--mask-memory-case" => {
             return mask_memory_case(case.parse().context("--mask-memory-case takes an index")?)
         }
+        [flag] if flag == "--backward-memory" => return backward_memory(),
+        [flag, path] if flag == "--backward-memory-case" => {
+            return backward_memory_case(match path.as_str() {
+                "tiled" => AttnPath::CpuTiled,
+                "reference" => AttnPath::Reference,
+                _ => bail!("--backward-memory-case takes tiled or reference"),
+            })
+        }
         [flag] if flag == "--serve" => return serve_works(),
         [flag] if flag == "--softcap" => return softcap_ratio(),
         [flag, text] if flag == "--only" => Some(text.as_str()),
         _ => {
-            bail!("usage: bench_attention [--peak-rss N | --mask-memory | --softcap | --only TEXT | --serve]")
+            bail!("usage: bench_attention [--peak-rss N | --mask-memory | --backward-memory | --softcap | --only TEXT | --serve]")
         }
     };
     let run = |work: &str| only.is_none_or(|text| work.contains(text));
