@@ -39,7 +39,9 @@ side's median, and as the ratio the median of the runs' own ratios (each
 run's two sides minutes apart at most, so that a host whose speed drifts
 over the runs moves both). A dtype our binary refuses is shown as n/a.
 llama-bench's tgN decodes from an empty cache, ours after the prompt; at
-these lengths the KV cache is under 1% of the bytes read per token.
+these lengths the KV cache is under 1% of the bytes read per token. The
+last column is our run's peak resident set (its own ru_maxrss, the median
+over the runs) over the GGUF file's size.
 
 The bandwidth is a C loop summing a 2 GiB buffer on 2 OpenMP threads
 (compiled here with cc, best of 5 passes), probed before the runs and after
@@ -240,9 +242,9 @@ def ours(binary, folder, dtype, prompt, new_tokens, refused, gguf=None):
             "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens), "--greedy"]
     env = {**os.environ, "RAYON_NUM_THREADS": str(THREADS)}
     dtype_arg = "ggml" if dtype in QUANTIZED else dtype
-    out = subprocess.run(base + ["--dtype", dtype_arg, prompt], capture_output=True, text=True, env=env)
+    out = run_measured(base + ["--dtype", dtype_arg, prompt], env)
     if out.returncode != 0 and dtype == "f32" and "--dtype" in out.stderr:
-        out = subprocess.run(base + [prompt], capture_output=True, text=True, env=env)  # before --dtype existed
+        out = run_measured(base + [prompt], env)  # before --dtype existed
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
         refused[dtype] = next((line for line in lines if line.lower().startswith("error")), lines[-1])
@@ -250,7 +252,21 @@ def ours(binary, folder, dtype, prompt, new_tokens, refused, gguf=None):
     (r,) = json.loads(out.stdout)
     if r["new_tokens"] != new_tokens:
         sys.exit(f"ours at {dtype}: {r['new_tokens']} new tokens, expected {new_tokens}")
-    return r["prompt_tokens"] / (r["prefill_ms"] / 1e3), r["decode_tokens_per_s"], r["prompt_tokens"]
+    return r["prompt_tokens"] / (r["prefill_ms"] / 1e3), r["decode_tokens_per_s"], r["prompt_tokens"], out.peak_rss
+
+
+def run_measured(cmd, env):
+    """`cmd` run to its end: returncode, stdout, stderr and peak_rss, its peak resident set in bytes
+    (wait4's ru_maxrss, the child's own)."""
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        stdout = p.stdout.read()
+        p.stdout.close()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        return argparse.Namespace(returncode=p.returncode, stdout=stdout, stderr=err.read().decode(errors="replace"),
+                                  peak_rss=usage.ru_maxrss * 1024)
 
 
 def agreement(llama_cpp, ggufs, folder, dtypes, tmp):
@@ -423,15 +439,15 @@ def main():
           "ratios: the median of each run's, ours over the llama.cpp run beside it; shares: the median of each "
           "run's decode over the bandwidth probed beside it\n")
     print("| weights | GGUF (MB) | prefill tok/s llama.cpp | ours | ours / llama.cpp | decode tok/s llama.cpp "
-          "| ours | ours / llama.cpp | decode share of bandwidth llama.cpp | ours |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| ours | ours / llama.cpp | decode share of bandwidth llama.cpp | ours | ours: peak RSS / GGUF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
         size = sizes[dtype]
         tpp, ttg = median(theirs_runs[dtype], 0), median(theirs_runs[dtype], 1)
-        opp, otg = median(ours_runs[dtype], 0), median(ours_runs[dtype], 1)
+        opp, otg, rss = median(ours_runs[dtype], 0), median(ours_runs[dtype], 1), median(ours_runs[dtype], 3)
         print(f"| {dtype} | {size / 1e6:.0f} | {fmt(tpp)} | {fmt(opp)} | {ratio(dtype, 0)} | {fmt(ttg, '.2f')} "
               f"| {fmt(otg, '.2f')} | {ratio(dtype, 1)} | {share(dtype, 'theirs', theirs_runs[dtype])} "
-              f"| {share(dtype, 'ours', ours_runs[dtype])} |")
+              f"| {share(dtype, 'ours', ours_runs[dtype])} | {fmt(rss and rss / size, '.2f')} |")
     print("\nEach run (prefill/decode tok/s), to judge the spread:\n")
     for dtype in dtypes:
         runs = [" ".join(f"{pp:.0f}/{tg:.1f}" for pp, tg, *_ in side) or "n/a"

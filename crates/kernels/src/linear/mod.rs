@@ -130,33 +130,31 @@ fn candle_linear(w: &Tensor, b: Option<&Tensor>, x: &Tensor) -> Result<Tensor> {
     candle_nn::Linear::new(w, b).forward(x)
 }
 
-/// `a`'s output features then `b`'s, `a`'s buffers grown to take `b`'s
-/// panels, where both are packed alike and `a` is held by no other layer;
-/// `a` given back otherwise.
-fn join(a: Inner, b: &Inner) -> std::result::Result<Inner, Inner> {
+/// `a`'s output features then `b`'s, where both are packed alike and `a`
+/// is held by no other layer: `a`'s buffers grown to take `b`'s panels, or
+/// for ggml blocks `b`'s buffers taken as they are (copied where another
+/// layer holds `b`); both given back otherwise.
+fn join(a: Inner, b: Inner) -> std::result::Result<Inner, (Inner, Inner)> {
     match (a, b) {
         (Inner::Packed(a), Inner::Packed(b)) => match Arc::try_unwrap(a) {
             Ok(a) => a
-                .join(b)
+                .join(&b)
                 .map(|w| Inner::Packed(Arc::new(w)))
-                .map_err(|a| Inner::Packed(Arc::new(a))),
-            Err(a) => Err(Inner::Packed(a)),
+                .map_err(|a| (Inner::Packed(Arc::new(a)), Inner::Packed(b))),
+            Err(a) => Err((Inner::Packed(a), Inner::Packed(b))),
         },
         (Inner::Q8(a), Inner::Q8(b)) => match Arc::try_unwrap(a) {
             Ok(a) => a
-                .join(b)
+                .join(&b)
                 .map(|w| Inner::Q8(Arc::new(w)))
-                .map_err(|a| Inner::Q8(Arc::new(a))),
-            Err(a) => Err(Inner::Q8(a)),
+                .map_err(|a| (Inner::Q8(Arc::new(a)), Inner::Q8(b))),
+            Err(a) => Err((Inner::Q8(a), Inner::Q8(b))),
         },
-        (Inner::Blocks(a), Inner::Blocks(b)) => match Arc::try_unwrap(a) {
-            Ok(a) => a
-                .join(b)
-                .map(|w| Inner::Blocks(Arc::new(w)))
-                .map_err(|a| Inner::Blocks(Arc::new(a))),
-            Err(a) => Err(Inner::Blocks(a)),
+        (Inner::Blocks(a), Inner::Blocks(b)) if a.joins(&b) => match Arc::try_unwrap(a) {
+            Ok(a) => Ok(Inner::Blocks(Arc::new(a.join(Arc::unwrap_or_clone(b))))),
+            Err(a) => Err((Inner::Blocks(a), Inner::Blocks(b))),
         },
-        (a, _) => Err(a),
+        (a, b) => Err((a, b)),
     }
 }
 
@@ -347,9 +345,14 @@ impl PackedLinear {
             let Some(part) = parts.next() else {
                 return Ok(Self { inner: acc });
             };
-            match join(acc, &part.inner) {
+            match join(acc, part.inner) {
                 Ok(inner) => acc = inner,
-                Err(inner) => break [Self { inner }, part].into_iter().chain(parts).collect(),
+                Err((a, b)) => {
+                    break [Self { inner: a }, Self { inner: b }]
+                        .into_iter()
+                        .chain(parts)
+                        .collect()
+                }
             }
         };
         let dims = parts.iter().map(PackedLinear::dims).collect::<Result<Vec<_>>>()?;

@@ -186,7 +186,7 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
 
 /// `cat` of layers packed one at a time equals the layer packed from
 /// the concatenated weights and biases (a missing bias as zeros), bit
-/// for bit, on every instruction set and in f32, bf16 and Q8_0: parts
+/// for bit, on every instruction set and in f32, bf16, Q8_0, Q4_0 and Q4_K: parts
 /// filling whole panels are joined without unpacking, others (a first
 /// part cut short of a panel, mixed formats) unpacked and packed again.
 #[test]
@@ -222,6 +222,36 @@ fn cat_equals_the_layer_over_the_concatenated_weights() -> Result<()> {
                         "{what} {rows} rows"
                     );
                 }
+            }
+        }
+        // ggml blocks in three parts, as q, k and v join (Q4_0, and Q4_K
+        // on its 256 inputs), each part's buffer kept by the joined layer.
+        for (format, k) in [(PackFormat::Q4_0, 96), (PackFormat::Q4_K, 256)] {
+            let what = format!("{isa:?} {format:?} (64 + 16 + 24, {k})");
+            let ws = [randn(&[64, k])?, randn(&[16, k])?, randn(&[24, k])?];
+            let parts = ws
+                .iter()
+                .map(|w| packed(w, None, format, isa))
+                .collect::<Result<Vec<_>>>()?;
+            let ours = PackedLinear::cat_with(parts, &on(isa))?;
+            let want = packed(&Tensor::cat(&ws, 0)?, None, format, isa)?;
+            assert_eq!(ours.dims()?, (104, k), "{what}");
+            let flat = |t: Tensor| t.flatten_all()?.to_vec1::<f32>();
+            assert_eq!(flat(ours.weight()?)?, flat(want.weight()?)?, "{what} weight");
+            for rows in [1, 5, 9] {
+                let x = randn(&[rows, k])?;
+                assert_eq!(
+                    flat(ours.forward(&x)?)?,
+                    flat(want.forward(&x)?)?,
+                    "{what} {rows} rows"
+                );
+                let x = randn(&[rows, k])?;
+                let range = ours.forward_features(&x, 56, 88)?;
+                assert_eq!(
+                    flat(range)?,
+                    flat(want.forward(&x)?.narrow(1, 56, 32)?)?,
+                    "{what} {rows} rows, 56..88"
+                );
             }
         }
         // Mixed formats: Q8_0 with a plain part, quantized together.

@@ -105,9 +105,13 @@ impl Kernel {
 /// A weight `(n, k)` in one block format: `n` rows of `k / block`
 /// blocks, the bytes a GGUF file holds for it (the formats of 32
 /// reordered into panels of 8 features, `repack.rs`), and its bias in f32.
+#[derive(Clone)]
 pub(crate) struct BlockWeight {
     format: BlockFormat,
-    data: Vec<u8>,
+    /// The blocks in parts of whole rows or panels, each with its first
+    /// feature, in order: a joined weight keeps its parts' buffers, so
+    /// that joining copies no weight and leaves no freed buffer behind.
+    parts: Vec<(usize, Vec<u8>)>,
     /// Where the blocks are in panels, their layout.
     panels: Option<Layout>,
     bias: Option<Vec<f32>>,
@@ -160,12 +164,12 @@ impl BlockWeight {
         }
         let panels = Layout::of(format);
         let data = match panels {
-            Some(l) => repack::repack(l, &data, n, k / format.block_elems()),
+            Some(l) => repack::repack(l, data, n, k / format.block_elems()),
             None => data,
         };
         Ok(BlockWeight {
             format,
-            data,
+            parts: vec![(0, data)],
             panels,
             bias,
             n,
@@ -233,27 +237,47 @@ impl BlockWeight {
         self.k / self.format.block_elems()
     }
 
+    /// The part holding feature `j`, and `j` within it.
+    fn part_of(&self, j: usize) -> (&[u8], usize) {
+        let (first, data) = self
+            .parts
+            .iter()
+            .rev()
+            .find(|(first, _)| *first <= j)
+            .expect("the first part starts at feature 0");
+        (data, j - first)
+    }
+
     /// Feature `j`'s blocks, where they are kept in rows.
     fn row(&self, j: usize) -> &[u8] {
         let rb = self.format.row_bytes(self.k);
-        &self.data[j * rb..][..rb]
+        let (data, j) = self.part_of(j);
+        &data[j * rb..][..rb]
     }
 
-    /// Panel `p`'s blocks, where they are kept in panels.
+    /// Panel `p`'s blocks, where they are kept in panels (a part holds
+    /// whole panels).
     fn panel(&self, l: Layout, p: usize) -> &[u8] {
         let pb = self.nb() * l.bytes();
-        &self.data[p * pb..][..pb]
+        let (data, j) = self.part_of(p * PANEL);
+        &data[j / PANEL * pb..][..pb]
     }
 
-    /// Its output features, then `other`'s (rows appended, a missing
-    /// bias as zeros); given back where the two differ in format, input
-    /// size or kernel, or its features do not fill whole panels.
-    pub(crate) fn join(mut self, other: &Self) -> std::result::Result<Self, Self> {
+    /// Whether [`BlockWeight::join`] takes `other`: the same format, input
+    /// size and kernel, and its features fill whole panels.
+    pub(crate) fn joins(&self, other: &Self) -> bool {
         let whole_panels = self.panels.is_none() || self.n.is_multiple_of(PANEL);
-        if self.format != other.format || self.k != other.k || self.kernel != other.kernel || !whole_panels {
-            return Err(self);
-        }
-        self.data.extend_from_slice(&other.data);
+        self.format == other.format && self.k == other.k && self.kernel == other.kernel && whole_panels
+    }
+
+    /// Its output features, then `other`'s (`other`'s parts taken as they
+    /// are, a missing bias as zeros). Panics unless it
+    /// [`joins`](BlockWeight::joins) `other`.
+    pub(crate) fn join(mut self, other: Self) -> Self {
+        assert!(self.joins(&other), "BlockWeight::join: {self:?} and {other:?}");
+        let n = self.n;
+        self.parts
+            .extend(other.parts.into_iter().map(|(first, data)| (n + first, data)));
         self.bias = match (self.bias.take(), &other.bias) {
             (None, None) => None,
             (a, b) => {
@@ -263,7 +287,7 @@ impl BlockWeight {
             }
         };
         self.n += other.n;
-        Ok(self)
+        self
     }
 
     /// Rows `ids` (each `< n`) dequantized, one after another: an
@@ -277,7 +301,8 @@ impl BlockWeight {
                 Some(l) => {
                     let mut block = [0u8; 256];
                     for (b, o) in o.chunks_exact_mut(be).enumerate() {
-                        repack::block_of(l, &self.data, nb, j as usize, b, &mut block[..l.block]);
+                        let (data, j) = self.part_of(j as usize);
+                        repack::block_of(l, data, nb, j, b, &mut block[..l.block]);
                         format::dequantize_block(format, &block[..l.block], o);
                     }
                 }

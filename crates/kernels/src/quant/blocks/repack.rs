@@ -79,30 +79,44 @@ impl Layout {
 }
 
 /// `data`, `n` rows of `nb` ggml blocks, as panels (in parallel over
-/// panels, a unit at a time).
-pub(crate) fn repack(l: Layout, data: &[u8], n: usize, nb: usize) -> Vec<u8> {
+/// panels): in place where the features fill whole panels (a panel takes
+/// the bytes of its 8 rows), else into a new buffer, the last panel's
+/// missing features zeros.
+pub(crate) fn repack(l: Layout, mut data: Vec<u8>, n: usize, nb: usize) -> Vec<u8> {
     use rayon::prelude::*;
+    let panel_bytes = nb * l.bytes();
+    if n.is_multiple_of(PANEL) {
+        data.par_chunks_mut(panel_bytes)
+            .for_each_init(Vec::new, |rows: &mut Vec<u8>, panel| {
+                rows.clear();
+                rows.extend_from_slice(panel);
+                fill_panel(l, rows, nb, panel);
+            });
+        return data;
+    }
     let panels = n.div_ceil(PANEL);
-    let mut out = crate::runtime::pages::filled(panels * nb * l.bytes(), 0u8);
-    out.par_chunks_mut(nb * l.bytes())
+    let mut out = crate::runtime::pages::filled(panels * panel_bytes, 0u8);
+    out.par_chunks_mut(panel_bytes)
         .enumerate()
         .for_each(|(p, panel)| {
-            for c in 0..PANEL.min(n - p * PANEL) {
-                let j = p * PANEL + c;
-                for (src, dst) in data[j * nb * l.block..][..nb * l.block]
-                    .chunks_exact(l.block)
-                    .zip(panel.chunks_exact_mut(l.bytes()))
-                {
-                    for ((o, len, unit), start) in l.placed() {
-                        for (i, from) in src[o..o + len].chunks_exact(unit).enumerate() {
-                            let to = start + PANEL * unit * i + unit * c;
-                            dst[to..to + unit].copy_from_slice(from);
-                        }
-                    }
-                }
-            }
+            let rows = &data[p * panel_bytes..][..(n - p * PANEL).min(PANEL) * nb * l.block];
+            fill_panel(l, rows, nb, panel);
         });
     out
+}
+
+/// Panel `panel` from `rows`, up to 8 features' rows of `nb` ggml blocks.
+fn fill_panel(l: Layout, rows: &[u8], nb: usize, panel: &mut [u8]) {
+    for (c, row) in rows.chunks_exact(nb * l.block).enumerate() {
+        for (src, dst) in row.chunks_exact(l.block).zip(panel.chunks_exact_mut(l.bytes())) {
+            for ((o, len, unit), start) in l.placed() {
+                for (i, from) in src[o..o + len].chunks_exact(unit).enumerate() {
+                    let to = start + PANEL * unit * i + unit * c;
+                    dst[to..to + unit].copy_from_slice(from);
+                }
+            }
+        }
+    }
 }
 
 /// Feature `j`'s block `b` as ggml stores it, from the panels (of `nb`

@@ -187,8 +187,9 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
 }
 
 /// Joined layers hold both weights' rows (the formats of 32 in panels
-/// only from whole panels); shapes and sizes that do not match are
-/// refused.
+/// only from whole panels) in the parts' own buffers, repacked in the
+/// buffers given where the features fill whole panels; shapes and sizes
+/// that do not match are refused.
 #[test]
 fn rows_join_and_bad_shapes() -> candle::Result<()> {
     let mut rng = Rng(3);
@@ -197,9 +198,18 @@ fn rows_join_and_bad_shapes() -> candle::Result<()> {
         let row = nb * format.block_bytes();
         let a = random_blocks(format, 8 * nb, &mut rng);
         let b = random_blocks(format, 2 * nb, &mut rng);
-        let wa = BlockWeight::new(format, a.clone(), 8, 512, None, Isa::Portable)?;
+        let given_a = a.clone();
+        let at_given = given_a.as_ptr();
+        let wa = BlockWeight::new(format, given_a, 8, 512, None, Isa::Portable)?;
         let wb = BlockWeight::new(format, b.clone(), 2, 512, Some(vec![1.; 2]), Isa::Portable)?;
-        let joined = wa.join(&wb).map_err(|_| candle::Error::Msg("no join".into()))?;
+        let parts = |w: &BlockWeight| w.parts.iter().map(|(_, d)| d.as_ptr()).collect::<Vec<_>>();
+        let (at_a, at_b) = (parts(&wa), parts(&wb));
+        // 8 features fill a panel: repacked in the buffer given.
+        assert_eq!(at_a, [at_given], "{}", format.name());
+        assert!(wa.joins(&wb), "{}", format.name());
+        let joined = wa.join(wb);
+        // The parts' buffers kept, not copied.
+        assert_eq!(parts(&joined), [at_a, at_b].concat(), "{}", format.name());
         assert_eq!(joined.dims(), (10, 512));
         let rows = joined.rows(&[9, 0]);
         let (mut want_b, mut want_a) = (vec![0f32; 512], vec![0f32; 512]);
@@ -223,14 +233,14 @@ fn rows_join_and_bad_shapes() -> candle::Result<()> {
             None,
             Isa::Portable,
         )?;
-        assert!(joined.join(&other).is_err());
+        assert!(!joined.joins(&other));
         assert!(BlockWeight::new(format, vec![0; 10], 1, 512, None, Isa::Portable).is_err());
         assert!(BlockWeight::new(format, vec![0; row], 1, 200, None, Isa::Portable).is_err());
     }
     // Four features of a format in panels fill no panel: not joined.
     let four = BlockWeight::new(BlockFormat::Q4_0, vec![0; 4 * 18], 4, 32, None, Isa::Portable)?;
     let more = BlockWeight::new(BlockFormat::Q4_0, vec![0; 18], 1, 32, None, Isa::Portable)?;
-    assert!(four.join(&more).is_err());
+    assert!(!four.joins(&more));
     Ok(())
 }
 

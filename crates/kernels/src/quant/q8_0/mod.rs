@@ -303,11 +303,16 @@ impl Q8Weight {
         let (la, lb) = (pa * nb * BLOCK_BYTES, pb * nb * BLOCK_BYTES);
         let old = self.start;
         self.qs.truncate(old + la);
+        // Exactly the joined size (a growing `Vec` would double a first
+        // part larger than the second, q's before k's).
+        self.qs
+            .reserve_exact((63 + la + lb).saturating_sub(self.qs.len()));
         self.qs.resize(63 + la + lb, 0);
         let start = self.qs.as_ptr().align_offset(64).min(63);
         self.qs.copy_within(old..old + la, start);
         self.qs[start + la..][..lb].copy_from_slice(&other.panels()[..lb]);
         self.d.truncate(pa * nb * NR);
+        self.d.reserve_exact(pb * nb * NR);
         self.d.extend_from_slice(&other.d[..pb * nb * NR]);
         let bias = match (self.bias, &other.bias) {
             (None, None) => None,

@@ -97,12 +97,15 @@ impl GgufReader<'_> {
             }
         });
         if let Some((format, (n, k), bytes)) = self.file.blocks(&g).filter(|_| self.keep_blocks) {
-            let data = match permuted_heads {
-                Some(h) => unpermute_block_rows(bytes, n, format.row_bytes(k), h).map_err(|e| {
-                    candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
-                })?,
-                None => bytes.to_vec(),
-            };
+            let mut data = LentBlocks::buffer(bytes.len());
+            match permuted_heads {
+                Some(h) => {
+                    unpermute_block_rows(bytes, n, format.row_bytes(k), h, &mut data).map_err(|e| {
+                        candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
+                    })?
+                }
+                None => data.copy_from_slice(bytes),
+            }
             self.file.release(&g);
             self.progress(&g);
             return self.lent.lend(format, data, (n, k), dev);
@@ -136,13 +139,19 @@ impl GgufReader<'_> {
 }
 
 /// [`unpermute_rows`] over a matrix of `n` rows of `row_bytes` bytes each
-/// (a block format's rows, which move whole).
-fn unpermute_block_rows(bytes: &[u8], n: usize, row_bytes: usize, heads: usize) -> Result<Vec<u8>> {
-    if heads == 0 || !n.is_multiple_of(2 * heads) || bytes.len() != n * row_bytes {
+/// (a block format's rows, which move whole), into `out`, as long.
+fn unpermute_block_rows(
+    bytes: &[u8],
+    n: usize,
+    row_bytes: usize,
+    heads: usize,
+    out: &mut [u8],
+) -> Result<()> {
+    if heads == 0 || !n.is_multiple_of(2 * heads) || bytes.len() != n * row_bytes || out.len() != bytes.len()
+    {
         bail!("cannot undo the rotary permutation: {n} rows in {heads} heads of even width")
     }
     let half = n / heads / 2;
-    let mut out = vec![0u8; bytes.len()];
     // HF's row (h, s, i) is the file's (h, i, s).
     for h in 0..heads {
         for s in 0..2 {
@@ -152,7 +161,7 @@ fn unpermute_block_rows(bytes: &[u8], n: usize, row_bytes: usize, heads: usize) 
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 impl GgufReader<'_> {
