@@ -4,7 +4,8 @@
 //!
 //! - `options.rs`: [`PackOptions`], what a loader passes to every layer
 //!   it builds (format, instruction set, lent blocks: `lent.rs`);
-//!   `calibrate.rs` decides once whether bf16 weights take `vdpbf16ps`;
+//!   `calibrate.rs` decides once whether bf16 weights take `vdpbf16ps`, and
+//!   whether half-precision panels are widened once a work unit or as loaded;
 //! - `weight.rs`: the packed weight and its epilogues; `pack.rs` its
 //!   panels in one element type (packing, joining, reading a feature
 //!   back);

@@ -129,6 +129,8 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
         (13, 4100, 40, false),
         (3, 41, 70, true),
         (1, 41, 40, false),
+        // Units of several row groups.
+        (100, 300, 70, true),
     ];
     for isa in supported() {
         for dtype in [DType::BF16, DType::F16] {
@@ -178,6 +180,42 @@ fn half_precision_weights_equal_the_f32_layer_over_them() -> Result<()> {
                     .to_dtype(dtype)?;
                 let err = rel_err(&yh.to_dtype(DType::F32)?, &want.to_dtype(DType::F32)?)?;
                 assert!(err < 1e-2, "{what} half input: {err:e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Half-precision panels widened once a work unit and widened by the
+/// tiles as they load them give the f32 layer's products over the widened
+/// weights exactly, on AVX-512 and AVX2: calls of several row groups, in
+/// one slice of the reduction and in several, the last panel cut short.
+#[test]
+fn both_widenings_equal_the_f32_layer() -> Result<()> {
+    use super::weight::{Epilogue, PackedWeight};
+    use candle::DType;
+    for isa in supported()
+        .into_iter()
+        .filter(|&i| i == Isa::Avx512 || i == Isa::Avx2)
+    {
+        for (m, k, n) in [(13, 300, 70), (100, 2100, 40), (40, 96, 200)] {
+            let x = randn(&[m, k])?.flatten_all()?.to_vec1::<f32>()?;
+            for dtype in [DType::BF16, DType::F16] {
+                let what = format!("{isa:?} {dtype:?} ({m}, {k}) x ({n}, {k})");
+                let w = randn(&[n, k])?.to_dtype(dtype)?.to_dtype(DType::F32)?;
+                let wide = w.flatten_all()?.to_vec1::<f32>()?;
+                let want = PackedWeight::new(&wide, n, k, None, isa, DType::F32)?.forward(
+                    &x,
+                    m,
+                    (0, n),
+                    Epilogue::Identity,
+                    None,
+                );
+                for once in [false, true] {
+                    let half = PackedWeight::new(&wide, n, k, None, isa, dtype)?.widening_once(once);
+                    let got = half.forward(&x, m, (0, n), Epilogue::Identity, None);
+                    assert_eq!(got, want, "{what}, widened once a unit: {once}");
+                }
             }
         }
     }

@@ -23,6 +23,12 @@ use crate::elem::PanelElem;
 use crate::runtime::isa::Isa;
 use crate::runtime::pool::{SyncPtr, PARALLEL_FROM};
 
+thread_local! {
+    /// A thread's f32 copy of a unit's half-precision panel slices
+    /// ([`PackedWeight::tiles`]), kept between units and calls.
+    static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// Steps (inputs) ahead of itself that a tile of a unit's first row group
 /// prefetches its panels: 4 KiB a panel on AVX-512, into the next page,
 /// where the hardware's stream prefetch stops (weights cold in memory, as
@@ -134,9 +140,26 @@ impl PackedWeight {
             Isa::Avx2 => (crate::panel::MR, 1),
             _ => unreachable!("weights are only packed for a SIMD instruction set"),
         };
-        // Slices of the reduction of at most `slice_len` inputs, of equal
-        // length, even where the inputs go in pairs.
-        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa, std::mem::size_of::<E>())));
+        // Half-precision panels that the tiles would widen as they load
+        // them are widened once a slice into f32 panels where a unit has
+        // several row groups, which then all run f32 tiles over them, on
+        // processors where that measures faster (`calibrate.rs`): a tile
+        // widening its panels does so again for every row group, which
+        // costs more than one pass where FMAs are the limit, and less
+        // where the panels' half size in the caches counts for more. A
+        // call of one row group (a decode step) widens as it loads: its
+        // weights are read once, and their bytes are its limit.
+        let widens = std::mem::size_of::<E>() < 4
+            && xb.is_none()
+            && m > mr
+            && self
+                .widen_once
+                .unwrap_or_else(|| super::calibrate::widening_once_pays(self.isa));
+        // Slices of the reduction of at most `slice_len` inputs (of the
+        // element the tiles read), of equal length, even where the inputs
+        // go in pairs.
+        let elem_bytes = if widens { 4 } else { std::mem::size_of::<E>() };
+        let kc_max = k.div_ceil(k.div_ceil(slice_len(self.isa, elem_bytes)));
         let kc_max = if xb.is_some() {
             kc_max.next_multiple_of(2)
         } else {
@@ -196,11 +219,29 @@ impl PackedWeight {
                     None => ([std::ptr::null(); 2], 0),
                 }
             };
+            // The unit's panel slices widened to f32, 64-byte aligned, where
+            // it widens them.
+            let mut widened = WIDENED.take();
+            let widen_unit = widens && g1 - g0 > 1;
+            if widen_unit {
+                widened.resize((p1 - p0) * kc_max * nr + 16, 0.);
+            }
+            let w_at = widened.as_ptr().align_offset(64).min(16);
             // Slice-major, then row groups, then tiles: a row group's slice
             // of inputs stays in L1 while the unit's panel slices (at most
             // `slice_len · UNIT_FEATURES` elements) stream past it from L2.
             for k0 in (0..k).step_by(kc_max) {
                 let kc = kc_max.min(k - k0);
+                if widen_unit {
+                    for p in p0..p1 {
+                        E::widen(
+                            &panels[p * k * nr + k0 * nr..][..kc * nr],
+                            &mut widened[w_at + (p - p0) * kc * nr..][..kc * nr],
+                        );
+                    }
+                }
+                // Panel p's slice in f32, where the unit widened them.
+                let wide = |p: usize| widen_unit.then(|| widened[w_at + (p - p0) * kc * nr..].as_ptr());
                 for g in g0..g1 {
                     let rows = mr.min(m - g * mr);
                     for p in (p0..p1).step_by(tp) {
@@ -233,35 +274,49 @@ impl PackedWeight {
                                     use super::avx512::{linear_tile, Tile, Widen};
                                     let (pf, pf_steps) = prefetch(k0, kc, g, p);
                                     macro_rules! tile {
-                                        ($x:expr) => {
+                                        ($x:expr, $w:expr, $w_next:expr, $pf:expr) => {
                                             Tile {
                                                 cols,
                                                 kc,
                                                 x: $x,
                                                 x_rs: k,
-                                                w: w.cast(),
-                                                w_next: k * nr,
+                                                w: $w.cast(),
+                                                w_next: $w_next,
                                                 init: bias,
                                                 res: res.0,
                                                 res_rs: res.1,
                                                 out: dst,
                                                 out_rs: width,
-                                                pf: pf.map(|pf| pf.cast()),
+                                                pf: $pf.map(|pf| pf.cast()),
                                                 pf_steps,
                                             }
                                         };
                                     }
-                                    match &xb {
+                                    match (&xb, wide(p)) {
                                         // Paired panels are bf16.
-                                        Some(xb) => linear_tile::<super::avx512bf16::Pairs>(
+                                        (Some(xb), _) => linear_tile::<super::avx512bf16::Pairs>(
                                             tile,
                                             rows,
-                                            &tile!(xb[g * mr * k + k0..].as_ptr()),
+                                            &tile!(xb[g * mr * k + k0..].as_ptr(), w, k * nr, pf),
                                         ),
-                                        None => linear_tile::<Widen<E>>(tile, rows, &tile!(xg)),
+                                        // The unit's slices are in L2: nothing
+                                        // to prefetch.
+                                        (None, Some(wf)) => linear_tile::<Widen<f32>>(
+                                            tile,
+                                            rows,
+                                            &tile!(xg, wf, kc * nr, [std::ptr::null::<f32>(); 2]),
+                                        ),
+                                        (None, None) => {
+                                            linear_tile::<Widen<E>>(tile, rows, &tile!(xg, w, k * nr, pf))
+                                        }
                                     }
                                 }
-                                _ => self.avx2_tile(rows, cols, xg, kc, w, (bias, res), dst, width),
+                                _ => match wide(p) {
+                                    Some(wf) => {
+                                        self.avx2_tile(rows, cols, xg, kc, wf, (bias, res), dst, width)
+                                    }
+                                    None => self.avx2_tile(rows, cols, xg, kc, w, (bias, res), dst, width),
+                                },
                             }
                             if k0 + kc == k && epilogue != Epilogue::Identity {
                                 for r in 0..rows {
@@ -275,6 +330,7 @@ impl PackedWeight {
                     }
                 }
             }
+            WIDENED.set(widened);
         };
         if threads > 1 {
             (0..units.len()).into_par_iter().for_each(run);

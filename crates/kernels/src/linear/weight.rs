@@ -106,6 +106,10 @@ pub(crate) struct PackedWeight {
     n: usize,
     pub(super) k: usize,
     pub(super) isa: Isa,
+    /// Whether half-precision panels are widened to f32 once a unit (see
+    /// [`PackedWeight::tiles`]) rather than as the tiles load them; `None`:
+    /// as `calibrate.rs` measured for the instruction set.
+    pub(super) widen_once: Option<bool>,
 }
 
 impl std::fmt::Debug for PackedWeight {
@@ -166,7 +170,18 @@ impl PackedWeight {
             n,
             k,
             isa,
+            widen_once: None,
         })
+    }
+
+    /// The weight with its half-precision panels widened once a unit
+    /// (`once`) or as the tiles load them, whatever `calibrate.rs`
+    /// measured: what the calibration times, and the tests check.
+    pub(super) fn widening_once(self, once: bool) -> Self {
+        PackedWeight {
+            widen_once: Some(once),
+            ..self
+        }
     }
 
     /// The weight `aᵀ` in f32 for `isa` (from [`PackedWeight::isa_for`]),
@@ -183,6 +198,7 @@ impl PackedWeight {
             n: c,
             k: r,
             isa,
+            widen_once: None,
         }
     }
 
@@ -269,6 +285,7 @@ impl PackedWeight {
             n: self.n + other.n,
             k,
             isa: self.isa,
+            widen_once: self.widen_once,
         })
     }
 
