@@ -17,7 +17,7 @@
 //! (the keys and values kept) and `sdpa.rs` (the attention, on the CPU the
 //! tiled kernel of `multihead_kernels::attention`).
 
-use candle::{bail, DType, Device, Module, Result, Tensor};
+use candle::{bail, DType, Device, Module, Result, Tensor, D};
 use candle_nn::{linear_b, Linear, VarBuilder};
 use multihead_attention::{
     gelu_tanh_mul, is_broadcast, silu_mul, KvCache, MhaConfig, MhaOptions, MultiheadAttention, NormKind,
@@ -30,13 +30,22 @@ use crate::formats::gguf::{GgufNames, NamePair};
 use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{check_widths, Activation};
 
-/// `LlamaMLP`: `down_proj(silu(gate_proj(x)) * up_proj(x))`, under `vb`
-/// = `mlp`; `Phi3MLP` stores gate and up as one `gate_up_proj`, the gate's
-/// rows first; its linears packed as `pack` asks.
-/// Llama's MLP, `down(silu(gate(x)) * up(x))` (SwiGLU; Gemma's is the
-/// same with the tanh GELU, GeGLU): gate and up projected at once to
-/// `[gate | up]` where their weights can be joined, the residual add fused
-/// into `down`'s write-out.
+/// Rows an inference call runs through a [`GatedMlp`] at a time: `(f32,
+/// bf16 or f16 weights, quantized weights)`. Its hidden activations
+/// (`[gate | up]` and their product: three times the hidden width a row)
+/// are a prefill's largest buffers; in blocks of rows they take a few MB
+/// whatever the prompt's length, as llama.cpp's micro-batches bound them,
+/// where a 4096-token prompt's would take hundreds. Each block streams the
+/// weights again: the packed float tiles reuse a panel over up to 96 rows
+/// and take the longer blocks; the quantized kernels reuse unpacked
+/// blocks over 8, and their blocks' activations stay in the caches.
+const MLP_ROWS: (usize, usize) = (256, 128);
+
+/// Llama's MLP (`LlamaMLP`), `down(silu(gate(x)) * up(x))` (SwiGLU;
+/// Gemma's is the same with the tanh GELU, GeGLU; `Phi3MLP` stores gate
+/// and up as one `gate_up_proj`, the gate's rows first): gate and up
+/// projected at once to `[gate | up]` where their weights can be joined,
+/// the residual add fused into `down`'s write-out.
 #[derive(Debug, Clone)]
 pub(crate) struct GatedMlp {
     /// `(2 * hidden, in)`, the gate's rows first; `(hidden, in)` where
@@ -57,12 +66,45 @@ impl GatedMlp {
     /// - `xs`: `(..., in)`, `residual`: `(..., out)`
     /// - returns `(..., out)`
     pub(crate) fn forward_add(&self, xs: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        self.down.forward_add(&self.hidden(xs)?, residual)
+        self.by_rows(xs, Some(residual))
     }
 
     /// `down(act(gate(x)) * up(x))`.
     pub(crate) fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        self.down.forward(&self.hidden(xs)?)
+        self.by_rows(xs, None)
+    }
+
+    /// The MLP (plus `residual`) over `xs`, in blocks of [`MLP_ROWS`] rows
+    /// where the call does not track gradients (a block's narrows and the
+    /// join would be nodes of the graph).
+    fn by_rows(&self, xs: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+        let block = |x: &Tensor, residual: Option<&Tensor>| match residual {
+            Some(r) => self.down.forward_add(&self.hidden(x)?, r),
+            None => self.down.forward(&self.hidden(x)?),
+        };
+        let width = xs.dim(D::Minus1)?;
+        let rows = xs.elem_count() / width.max(1);
+        let mlp_rows = match self.down.is_quantized() {
+            false => MLP_ROWS.0,
+            true => MLP_ROWS.1,
+        };
+        if xs.track_op() || residual.is_some_and(Tensor::track_op) || rows <= mlp_rows {
+            return block(xs, residual);
+        }
+        let x = xs.reshape((rows, width))?;
+        let residual = residual.map(|r| r.reshape((rows, ()))).transpose()?;
+        let parts = (0..rows)
+            .step_by(mlp_rows)
+            .map(|r0| {
+                let n = mlp_rows.min(rows - r0);
+                let r = residual.as_ref().map(|r| r.narrow(0, r0, n)).transpose()?;
+                block(&x.narrow(0, r0, n)?, r.as_ref())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = Tensor::cat(&parts, 0)?;
+        let mut dims = xs.dims().to_vec();
+        *dims.last_mut().expect("xs has a last dimension") = out.dim(1)?;
+        out.reshape(dims)
     }
 
     /// `act(gate(x)) * up(x)`: `(..., hidden)`.
@@ -661,6 +703,64 @@ mod tests {
 
     const SIZES: &str = r#""vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2"#;
+
+    /// A prompt longer than a block of rows runs through the MLP in
+    /// blocks, each row's output (and the residual's add) equal to the
+    /// whole call's bit for bit, in f32 and in Q8_0; a call that tracks
+    /// gradients runs whole and backpropagates.
+    #[test]
+    fn the_mlp_in_blocks_of_rows_equals_it_whole() -> Result<()> {
+        use multihead_attention::PackFormat;
+        let dev = Device::Cpu;
+        let (d, hidden) = (64, 96);
+        let linear = |o: usize, i: usize| {
+            Ok::<_, candle::Error>(Linear::new(Tensor::randn(0f32, 0.1, (o, i), &dev)?, None))
+        };
+        for format in [PackFormat::AsStored, PackFormat::Q8_0] {
+            let pack = PackOptions::new().with_format(format);
+            let mlp = GatedMlp::new(
+                linear(hidden, d)?,
+                linear(hidden, d)?,
+                PackedLinear::from_linear_with(linear(d, hidden)?, &pack)?,
+                Activation::SwiGlu,
+                &pack,
+            )?;
+            let rows = if mlp.down.is_quantized() {
+                MLP_ROWS.1
+            } else {
+                MLP_ROWS.0
+            };
+            let x = Tensor::randn(0f32, 1., (2, rows + 3, d), &dev)?;
+            let residual = Tensor::randn(0f32, 1., (2, rows + 3, d), &dev)?;
+            let whole = mlp.down.forward_add(&mlp.hidden(&x)?, &residual)?;
+            let blocks = mlp.forward_add(&x, &residual)?;
+            assert_eq!(blocks.dims(), whole.dims(), "{format:?}");
+            let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+            assert_eq!(flat(&blocks)?, flat(&whole)?, "{format:?}");
+            assert_eq!(
+                flat(&mlp.forward(&x)?)?,
+                flat(&mlp.down.forward(&mlp.hidden(&x)?)?)?,
+                "{format:?}"
+            );
+        }
+        let var = |o: usize, i: usize| -> Result<Linear> {
+            Ok(Linear::new(
+                candle::Var::randn(0f32, 0.1, (o, i), &dev)?.as_tensor().clone(),
+                None,
+            ))
+        };
+        let mlp = GatedMlp::new(
+            var(hidden, d)?,
+            var(hidden, d)?,
+            PackedLinear::from_linear(var(d, hidden)?)?,
+            Activation::SwiGlu,
+            &PackOptions::new(),
+        )?;
+        let x = candle::Var::randn(0f32, 1., (1, MLP_ROWS.0 + 3, d), &dev)?;
+        let grads = mlp.forward(x.as_tensor())?.sum_all()?.backward()?;
+        assert!(grads.get(x.as_tensor()).is_some());
+        Ok(())
+    }
 
     /// Every tensor each family's constructor asks for has a GGUF name in
     /// its table, which maps back to it: the table and the constructor
