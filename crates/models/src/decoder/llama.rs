@@ -74,8 +74,8 @@ impl GatedMlp {
         self.by_rows(xs, None)
     }
 
-    /// The MLP (plus `residual`) over `xs`, in blocks of [`MLP_ROWS`] rows
-    /// where the call does not track gradients (a block's narrows and the
+    /// The MLP (plus `residual`) over `xs`, in blocks of at most
+    /// [`MLP_ROWS`] rows where the call does not track gradients (a block's narrows and the
     /// join would be nodes of the graph).
     fn by_rows(&self, xs: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         let block = |x: &Tensor, residual: Option<&Tensor>| match residual {
@@ -93,10 +93,12 @@ impl GatedMlp {
         }
         let x = xs.reshape((rows, width))?;
         let residual = residual.map(|r| r.reshape((rows, ()))).transpose()?;
+        // Blocks of equal length, not a short last one.
+        let len = rows.div_ceil(rows.div_ceil(mlp_rows));
         let parts = (0..rows)
-            .step_by(mlp_rows)
+            .step_by(len)
             .map(|r0| {
-                let n = mlp_rows.min(rows - r0);
+                let n = len.min(rows - r0);
                 let r = residual.as_ref().map(|r| r.narrow(0, r0, n)).transpose()?;
                 block(&x.narrow(0, r0, n)?, r.as_ref())
             })
