@@ -300,8 +300,8 @@ impl BlockWeight {
             .for_each(|(o, &j)| match self.panels {
                 Some(l) => {
                     let mut block = [0u8; 256];
+                    let (data, j) = self.part_of(j as usize);
                     for (b, o) in o.chunks_exact_mut(be).enumerate() {
-                        let (data, j) = self.part_of(j as usize);
                         repack::block_of(l, data, nb, j, b, &mut block[..l.block]);
                         format::dequantize_block(format, &block[..l.block], o);
                     }
