@@ -75,8 +75,8 @@ impl GatedMlp {
     }
 
     /// The MLP (plus `residual`) over `xs`, in blocks of at most
-    /// [`MLP_ROWS`] rows where the call does not track gradients (a block's narrows and the
-    /// join would be nodes of the graph).
+    /// [`MLP_ROWS`] rows where the call does not track gradients (a
+    /// block's narrows and the join would be nodes of the graph).
     fn by_rows(&self, xs: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
         let block = |x: &Tensor, residual: Option<&Tensor>| match residual {
             Some(r) => self.down.forward_add(&self.hidden(x)?, r),
