@@ -142,8 +142,9 @@ impl<E: PanelElem> Dot for Widen<E> {
 /// One tile of a packed linear layer: for `rows` rows (1..= the tile's)
 /// and the first `cols` (1..= `LINEAR_NR` times the tile's panels)
 /// features of the panel slice at `w` and, past `LINEAR_NR`, of the one at
-/// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[r·x_rs + e] ·
-/// w[e·LINEAR_NR + c]` over `kc` inputs (a multiple of `D::STEP`; the
+/// `w + w_next`, `out[r·out_rs + c] = init[c] + Σₑ x[r·x_rs + e·x_cs] ·
+/// w[e·LINEAR_NR + c]` over `kc` inputs (`x_cs` 1 but for a transposed
+/// input, which only `D::STEP` = 1 reads) (a multiple of `D::STEP`; the
 /// panel rows in `D`'s layout); `init` is the bias, or, when null, the
 /// output itself (a later slice of the reduction adds to it).
 /// With a bias, a non-null `res` adds a residual to it, `res[r·res_rs +
@@ -157,6 +158,7 @@ pub(crate) struct Tile<D: Dot> {
     pub(crate) kc: usize,
     pub(crate) x: *const D::X,
     pub(crate) x_rs: usize,
+    pub(crate) x_cs: usize,
     pub(crate) w: *const D::W,
     pub(crate) w_next: usize,
     pub(crate) init: *const f32,
@@ -207,6 +209,7 @@ pub(crate) unsafe fn tile_rows<const R: usize, const V: usize, D: Dot>(t: &Tile<
         kc,
         x,
         x_rs,
+        x_cs,
         w,
         w_next,
         init,
@@ -250,7 +253,7 @@ pub(crate) unsafe fn tile_rows<const R: usize, const V: usize, D: Dot>(t: &Tile<
                 let e = $e;
                 let wv: [D::Wv; V] = std::array::from_fn(|v| D::load(wp[v].add(e * LINEAR_NR)));
                 for (r, c) in c.iter_mut().enumerate() {
-                    let a = D::broadcast(x.add(r * x_rs + e));
+                    let a = D::broadcast(x.add(r * x_rs + e * x_cs));
                     for (c, &wv) in c.iter_mut().zip(&wv) {
                         *c = D::madd(a, wv, *c);
                     }

@@ -216,6 +216,7 @@ mod tests {
                 kc: k,
                 x: x.as_ptr(),
                 x_rs: k,
+                x_cs: 1,
                 w: p.as_ptr(),
                 w_next: k * LINEAR_NR,
                 init: bias.as_ptr(),

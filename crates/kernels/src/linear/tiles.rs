@@ -81,7 +81,40 @@ impl PackedWeight {
             }
             return out;
         }
-        self.tiles(panels, x, xb.as_deref(), m, (lo, hi), epilogue, residual)
+        self.tiles(
+            panels,
+            (x, (self.k, 1)),
+            xb.as_deref(),
+            m,
+            (lo, hi),
+            epilogue,
+            residual,
+        )
+    }
+
+    /// `xᵀ · wᵀ` over f32 panels on AVX-512 (or AVX512-BF16): the call's
+    /// `m` rows are the columns of `x`, `k` rows of `m` floats, read in
+    /// place (no transposed copy). `None` where the panels or the
+    /// instruction set do not serve it.
+    pub(crate) fn forward_transposed(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
+        let PanelData::F32(panels) = &self.panels else {
+            return None;
+        };
+        #[cfg(target_arch = "x86_64")]
+        if m > 0 && x.len() >= m * self.k && matches!(self.isa, Isa::Avx512 | Isa::Avx512Bf16) {
+            let out = self.tiles(
+                panels.get(),
+                (x, (1, m)),
+                None,
+                m,
+                (0, self.dims().0),
+                Epilogue::Identity,
+                None,
+            );
+            return Some(out);
+        }
+        let _ = (panels, x, m);
+        None
     }
 
     /// `x` rounded to bf16 where the panels are bf16 in input pairs, for
@@ -115,12 +148,14 @@ impl PackedWeight {
     }
 
     /// [`PackedWeight::forward`] of `m` rows (`m > 0`) over `panels`, the
-    /// tiles reading `xb`, `x` rounded to bf16, where the panels are paired.
+    /// tiles reading `xb`, `x` rounded to bf16, where the panels are paired;
+    /// row `r`'s input `e` at `x[r·x_rs + e·x_cs]` (`x_cs` 1 but for
+    /// [`PackedWeight::forward_transposed`], on AVX-512 only).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn tiles<E: PanelElem>(
         &self,
         panels: &[E],
-        x: &[f32],
+        (x, (x_rs, x_cs)): (&[f32], (usize, usize)),
         xb: Option<&[bf16]>,
         m: usize,
         (lo, hi): (usize, usize),
@@ -247,7 +282,7 @@ impl PackedWeight {
                     for p in (p0..p1).step_by(tp) {
                         let (c0, cols) = ((p - p_lo) * nr, (tp * nr).min(hi - p * nr));
                         let w = panels[p * k * nr + k0 * nr..].as_ptr();
-                        let xg = x[g * mr * k + k0..].as_ptr();
+                        let xg = x[g * mr * x_rs + k0 * x_cs..].as_ptr();
                         // SAFETY: rows g·mr.. (`rows` of them) and columns
                         // c0..c0 + cols of the m × width output are this
                         // unit's alone and in bounds; the first slice
@@ -279,7 +314,8 @@ impl PackedWeight {
                                                 cols,
                                                 kc,
                                                 x: $x,
-                                                x_rs: k,
+                                                x_rs,
+                                                x_cs,
                                                 w: $w.cast(),
                                                 w_next: $w_next,
                                                 init: bias,
@@ -312,6 +348,7 @@ impl PackedWeight {
                                     }
                                 }
                                 _ => match wide(p) {
+                                    _ if x_cs != 1 => unreachable!("a transposed input runs on AVX-512"),
                                     Some(wf) => {
                                         self.avx2_tile(rows, cols, xg, kc, wf, (bias, res), dst, width)
                                     }

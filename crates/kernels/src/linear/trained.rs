@@ -7,9 +7,12 @@
 //! - `dX = dY · W`: `Wᵀ` packed as a layer of `k` features over `n` inputs
 //!   (`PackedWeight::from_columns`: each panel row a piece of one of `W`'s
 //!   rows, so packing it is a copy), `dY`'s rows through it;
-//! - `dW = dYᵀ · X`: candle's matmul (the `gemm` crate), which reads `dYᵀ`
-//!   in place, where the tiles would need `Xᵀ` packed and `dYᵀ` copied
-//!   each call for a reduction over all `m` rows;
+//! - `dW = dYᵀ · X`: `X` packed as the columns of a layer of `k` features
+//!   over the `m` rows (a copy, as for `Wᵀ`, into one of a few buffers the
+//!   calls share), `dY`'s `n` columns through it, which the AVX-512 tiles
+//!   read in place (a transposed copy of `dY` would cost more than the
+//!   tiles gain over `gemm`); on AVX2, candle's matmul (the `gemm` crate),
+//!   which reads `dYᵀ` in place;
 //! - `db = Σ dY` over the rows.
 //!
 //! Each is computed only for the arguments that track gradients (not `dX`
@@ -215,12 +218,21 @@ impl TrainedWeight {
         } else {
             None
         };
-        // dW = dYᵀ · X on candle's matmul (`gemm`), which reads dYᵀ in
-        // place (see the module doc).
+        // dW = dYᵀ · X: on the tiles where they read dYᵀ in place (see the
+        // module doc), else on candle's matmul (`gemm`).
         let dw = if w.track_op() {
             Some(match m {
                 0 => w.zeros_like()?,
-                _ => dy.t()?.matmul(&x.reshape((m, k))?)?,
+                _ => {
+                    let x = x.to_dtype(DType::F32)?.reshape((m, k))?.contiguous()?;
+                    let dw = with_f32(&x, |xs| {
+                        with_f32(&dy, |dys| Ok(weight_grad(xs, dys, (m, n, k), self.isa)))
+                    })?;
+                    match dw {
+                        Some(dw) => Tensor::from_vec(dw, (n, k), w.device())?,
+                        None => dy.t()?.matmul(&x)?,
+                    }
+                }
             })
         } else {
             None
@@ -234,6 +246,44 @@ impl TrainedWeight {
         };
         Ok((dx, dw, db))
     }
+}
+
+/// Packed inputs that [`weight_grad`] calls lend one another, the last
+/// few, so that a step's backward packs each layer's input in place
+/// rather than into fresh pages faulted in for every layer.
+static INPUTS: Mutex<Vec<PackedWeight>> = Mutex::new(Vec::new());
+
+/// How many packed inputs [`INPUTS`] keeps.
+const KEPT_INPUTS: usize = 4;
+
+/// `dW = dYᵀ · X`, `(n, k)`, for `x` `m` rows of `k` and `dy` `m` rows of
+/// `n`, on the tiles: `X` packed as the columns of a layer of `k` features
+/// over `m` inputs ([`PackedWeight::from_columns`], into a kept buffer of
+/// its shape where there is one), `dY`'s columns through it in place.
+/// `None` where the tiles do not read a transposed input (AVX2).
+fn weight_grad(x: &[f32], dy: &[f32], (m, n, k): (usize, usize, usize), isa: Isa) -> Option<Vec<f32>> {
+    if !matches!(isa, Isa::Avx512 | Isa::Avx512Bf16) {
+        return None;
+    }
+    let kept = {
+        let mut kept = INPUTS.lock().unwrap_or_else(|e| e.into_inner());
+        let at = kept.iter().position(|p| p.dims() == (k, m) && p.isa == isa);
+        at.map(|at| kept.swap_remove(at))
+    };
+    let layer = match kept {
+        Some(mut p) => match p.repack_columns(x) {
+            true => p,
+            false => PackedWeight::from_columns(x, m, k, isa),
+        },
+        None => PackedWeight::from_columns(x, m, k, isa),
+    };
+    let dw = layer.forward_transposed(dy, n);
+    let mut kept = INPUTS.lock().unwrap_or_else(|e| e.into_inner());
+    if kept.len() == KEPT_INPUTS {
+        kept.remove(0);
+    }
+    kept.push(layer);
+    dw
 }
 
 /// Columns a unit of [`column_sums`] takes: four cache lines of a row.
