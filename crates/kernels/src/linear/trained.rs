@@ -10,9 +10,8 @@
 //! - `dW = dYᵀ · X`: `X` packed as the columns of a layer of `k` features
 //!   over the `m` rows (a copy, as for `Wᵀ`, into one of a few buffers the
 //!   calls share), `dY`'s `n` columns through it, which the AVX-512 tiles
-//!   read in place (a transposed copy of `dY` would cost more than the
-//!   tiles gain over `gemm`); on AVX2, candle's matmul (the `gemm` crate),
-//!   which reads `dYᵀ` in place;
+//!   read in place, a step a row of `dY`, so that `dY` is never copied; on
+//!   AVX2, candle's matmul (the `gemm` crate), which reads `dYᵀ` in place;
 //! - `db = Σ dY` over the rows.
 //!
 //! Each is computed only for the arguments that track gradients (not `dX`
