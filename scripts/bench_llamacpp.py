@@ -85,6 +85,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import types
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 THREADS = 2
@@ -265,8 +266,8 @@ def run_measured(cmd, env):
         _, status, usage = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
-        return argparse.Namespace(returncode=p.returncode, stdout=stdout, stderr=err.read().decode(errors="replace"),
-                                  peak_rss=usage.ru_maxrss * 1024)
+        return types.SimpleNamespace(returncode=p.returncode, stdout=stdout,
+                                     stderr=err.read().decode(errors="replace"), peak_rss=usage.ru_maxrss * 1024)
 
 
 def agreement(llama_cpp, ggufs, folder, dtypes, tmp):

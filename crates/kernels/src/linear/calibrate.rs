@@ -34,7 +34,7 @@ pub(crate) fn bf16_dot_pays() -> bool {
     static PAYS: OnceLock<bool> = OnceLock::new();
     *PAYS.get_or_init(|| {
         let (_, k, n) = SHAPE;
-        let (w, _) = inputs();
+        let w = weights();
         let pack = |isa| PackedWeight::new(&w, n, k, None, isa, DType::BF16);
         let (Ok(dot), Ok(widen)) = (pack(Isa::Avx512Bf16), pack(Isa::Avx512)) else {
             return true;
@@ -55,7 +55,7 @@ pub(crate) fn widening_once_pays(isa: Isa) -> bool {
     };
     *PAYS[slot].get_or_init(|| {
         let (_, k, n) = SHAPE;
-        let (w, _) = inputs();
+        let w = weights();
         let pack = |once| PackedWeight::new(&w, n, k, None, isa, DType::BF16).map(|l| l.widening_once(once));
         let (Ok(as_loaded), Ok(once)) = (pack(false), pack(true)) else {
             return false;
@@ -64,23 +64,26 @@ pub(crate) fn widening_once_pays(isa: Isa) -> bool {
     })
 }
 
-/// The weights and inputs of the timed product. Any values will do: the
-/// time of a product does not depend on them. A fixed pattern keeps the
-/// runs alike.
-fn inputs() -> (Vec<bf16>, Vec<f32>) {
-    let (m, k, n) = SHAPE;
-    let w = (0..n * k)
+/// The weights of the timed product. Any values will do: the time of a
+/// product does not depend on them. A fixed pattern keeps the runs alike.
+fn weights() -> Vec<bf16> {
+    let (_, k, n) = SHAPE;
+    (0..n * k)
         .map(|i| bf16::from_f32(((i % 97) as f32 - 48.) / 64.))
-        .collect();
-    let x = (0..m * k).map(|i| ((i % 89) as f32 - 44.) / 32.).collect();
-    (w, x)
+        .collect()
+}
+
+/// The inputs of the timed product, as [`weights`].
+fn inputs() -> Vec<f32> {
+    let (m, k, _) = SHAPE;
+    (0..m * k).map(|i| ((i % 89) as f32 - 44.) / 32.).collect()
 }
 
 /// Whether `a`'s median time over [`ROUNDS`] products of [`SHAPE`],
 /// taking turns with `b`, is no more than `b`'s.
 fn first_no_slower(a: &PackedWeight, b: &PackedWeight) -> bool {
     let (m, _, n) = SHAPE;
-    let (_, x) = inputs();
+    let x = inputs();
     let time = |layer: &PackedWeight| {
         let start = Instant::now();
         std::hint::black_box(layer.forward(&x, m, (0, n), Epilogue::Identity, None));

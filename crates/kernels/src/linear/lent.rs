@@ -69,12 +69,12 @@ impl LentBlocks {
         Ok(t)
     }
 
-    /// `len` zero bytes to copy a weight's blocks into before lending
-    /// them, in memory asked to be backed by huge pages: the layer keeps
-    /// the buffer as it is (repacked in place where its format goes into
-    /// panels), and a decode step streams it.
+    /// An empty buffer with room for `len` bytes, to copy a weight's
+    /// blocks into before lending them, in memory asked to be backed by
+    /// huge pages: the layer keeps the buffer as it is (repacked in place
+    /// where its format goes into panels), and a decode step streams it.
     pub fn buffer(len: usize) -> Vec<u8> {
-        crate::runtime::pages::filled(len, 0)
+        crate::runtime::pages::reserved(len)
     }
 
     /// Whether `t` is a placeholder [`LentBlocks::lend`] gave out and no

@@ -8,9 +8,17 @@
 /// `len` copies of `value` in memory the kernel was asked to back with
 /// huge pages before any of it was written ([`advise_huge`]).
 pub(crate) fn filled<T: Clone>(len: usize, value: T) -> Vec<T> {
-    let mut v = Vec::with_capacity(len);
-    advise_huge(v.as_ptr() as usize, len * size_of::<T>());
+    let mut v = reserved(len);
     v.resize(len, value);
+    v
+}
+
+/// An empty vector with room for `len` elements, in memory the kernel was
+/// asked to back with huge pages ([`advise_huge`]): for a caller that
+/// writes it once by pushing.
+pub(crate) fn reserved<T>(len: usize) -> Vec<T> {
+    let v = Vec::with_capacity(len);
+    advise_huge(v.as_ptr() as usize, len * size_of::<T>());
     v
 }
 

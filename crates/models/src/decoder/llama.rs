@@ -709,7 +709,7 @@ mod tests {
     /// A prompt longer than a block of rows runs through the MLP in
     /// blocks, each row's output (and the residual's add) equal to the
     /// whole call's bit for bit, in f32 and in Q8_0; a call that tracks
-    /// gradients runs whole and backpropagates.
+    /// gradients backpropagates to its input.
     #[test]
     fn the_mlp_in_blocks_of_rows_equals_it_whole() -> Result<()> {
         use multihead_attention::PackFormat;

@@ -104,7 +104,7 @@ impl GgufReader<'_> {
                         candle::Error::Msg(format!("GGUF file '{}': tensor '{g}': {e}", self.file.label()))
                     })?
                 }
-                None => data.copy_from_slice(bytes),
+                None => data.extend_from_slice(bytes),
             }
             self.file.release(&g);
             self.progress(&g);
@@ -139,25 +139,24 @@ impl GgufReader<'_> {
 }
 
 /// [`unpermute_rows`] over a matrix of `n` rows of `row_bytes` bytes each
-/// (a block format's rows, which move whole), into `out`, as long.
+/// (a block format's rows, which move whole), appended to `out` in order.
 fn unpermute_block_rows(
     bytes: &[u8],
     n: usize,
     row_bytes: usize,
     heads: usize,
-    out: &mut [u8],
+    out: &mut Vec<u8>,
 ) -> Result<()> {
-    if heads == 0 || !n.is_multiple_of(2 * heads) || bytes.len() != n * row_bytes || out.len() != bytes.len()
-    {
+    if heads == 0 || !n.is_multiple_of(2 * heads) || bytes.len() != n * row_bytes {
         bail!("cannot undo the rotary permutation: {n} rows in {heads} heads of even width")
     }
     let half = n / heads / 2;
-    // HF's row (h, s, i) is the file's (h, i, s).
+    // HF's row (h, s, i), the next one out, is the file's (h, i, s).
     for h in 0..heads {
         for s in 0..2 {
             for i in 0..half {
-                let (to, from) = (h * 2 * half + s * half + i, h * 2 * half + i * 2 + s);
-                out[to * row_bytes..][..row_bytes].copy_from_slice(&bytes[from * row_bytes..][..row_bytes]);
+                let from = h * 2 * half + i * 2 + s;
+                out.extend_from_slice(&bytes[from * row_bytes..][..row_bytes]);
             }
         }
     }
