@@ -46,11 +46,13 @@ bf16 to f32 before the FMAs; with it, both multiply bf16 pairs with
 `--train` times a training step of five models on both sides, each
 side's parameters trainable (ours a `VarMap`'s variables, `bench_models
 serve --train full`): `nn.MultiheadAttention(768, 12)` self-attention B8
-N197; the same at D512 H8 with a causal mask, B4 N512;
+N197, and the same with attention dropout 0.1; the same at D512 H8 with a
+causal mask, B4 N512;
 `nn.Transformer(512, 8, 6, 6, 2048)` B8 S64 T64 with a causal target mask;
 timm's `vit_base_patch16_224` B8; and HF's `LlamaDecoderLayer` (hidden 512,
 8 heads over 2 key/value heads, rotary, SwiGLU 1408, SDPA attention),
-causal, B4 T512. A step is the forward (train mode, dropout 0), the
+causal, B4 T512. A step is the forward (train mode, dropout 0 but in the
+row that names it), the
 backward of `(y * g).sum()` for a fixed random `g` of the output's shape,
 and an SGD step (lr 1e-4), so that every step sees new weights, as
 training does; inputs take no gradient.
@@ -463,6 +465,7 @@ def train(args, env):
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(768, 12, batch_first=True)
     x_mha = torch.randn(8, 197, 768)
+    mha_dropout = torch.nn.MultiheadAttention(768, 12, dropout=0.1, batch_first=True)
     causal_mha = torch.nn.MultiheadAttention(512, 8, batch_first=True)
     x_causal = torch.randn(4, 512, 512)
     mask_causal = torch.nn.Transformer.generate_square_subsequent_mask(512)
@@ -482,6 +485,8 @@ def train(args, env):
     # work (as `bench_models serve --train full` names it) -> one step of theirs
     theirs = {
         "train MHA B8 N197 D768 H12": step_of(mha, lambda: mha(x_mha, x_mha, x_mha, need_weights=False)[0]),
+        "train MHA B8 N197 D768 H12 dropout 0.1": step_of(mha_dropout, lambda: mha_dropout(
+            x_mha, x_mha, x_mha, need_weights=False)[0]),
         "train MHA causal B4 N512 D512 H8": step_of(causal_mha, lambda: causal_mha(
             x_causal, x_causal, x_causal, attn_mask=mask_causal, is_causal=True, need_weights=False)[0]),
         "train nn.Transformer B8 S64 T64": step_of(tr, lambda: tr(src, tgt, tgt_mask=mask_tgt,
@@ -490,6 +495,7 @@ def train(args, env):
         "train Llama decoder layer B4 T512 D512 H8/2 SwiGLU 1408": step_of(layer, lambda: layer(
             x_llama, position_embeddings=rope)),
     }
+    theirs = {work: fn for work, fn in theirs.items() if args.only is None or args.only in work}
     server = Server([example("bench_models"), "serve", "--train", "full"], env)
     rows = {work: summary(paired(lambda n: server.ms(work, n), fn, args.pairs)) for work, fn in theirs.items()}
     server.close()
@@ -629,12 +635,15 @@ def main():
                     help="time one linear layer at the models' shapes against torch.nn.Linear, one thread and --threads")
     ap.add_argument("--train", action="store_true",
                     help="time a training step (forward, backward, SGD) of five models against PyTorch")
+    ap.add_argument("--only", metavar="TEXT", help="with --train: only the works whose name holds TEXT")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native",
                     help="avx2: cap both sides at AVX2+FMA, as on an AVX2-only server")
     ap.add_argument("--write", metavar="FILE",
                     help="also put the table into FILE (docs/benchmarks.md), in place of the "
                          "one this mode wrote there before, with the date, machine and command")
     args = ap.parse_args()
+    if args.write and args.only:
+        ap.error("--only times part of a table; --write replaces the whole one")
     if args.write:
         tee = sys.stdout = Tee(sys.stdout)
         mode = ("decoders" if args.decoders else "models" if args.models

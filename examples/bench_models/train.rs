@@ -51,11 +51,11 @@ fn randn(shape: &[usize]) -> candle::Result<Tensor> {
     Tensor::randn(0f32, 1., shape, &Device::Cpu)
 }
 
-/// `nn.MultiheadAttention(E, H)` self-attention over `(B, N, E)`, causal or
-/// not.
-fn mha(b: usize, n: usize, e: usize, h: usize, causal: bool) -> Result<Work<'static>> {
+/// `nn.MultiheadAttention(E, H, dropout)` self-attention over `(B, N, E)`,
+/// causal or not.
+fn mha(b: usize, n: usize, e: usize, h: usize, causal: bool, dropout: f32) -> Result<Work<'static>> {
     let (varmap, vb) = vars();
-    let mha = MultiheadAttention::new(&MhaConfig::new(e, h), vb)?;
+    let mha = MultiheadAttention::new(&MhaConfig::new(e, h).with_dropout(dropout), vb)?;
     // Data: no gradient of its own, as PyTorch's input has none.
     let x = randn(&[b, n, e])?;
     let mut opts = MhaOptions::new().with_train(true);
@@ -65,6 +65,10 @@ fn mha(b: usize, n: usize, e: usize, h: usize, causal: bool) -> Result<Work<'sta
             format!("train MHA causal B{b} N{n} D{e} H{h}")
         }
         false => format!("train MHA B{b} N{n} D{e} H{h}"),
+    };
+    let name = match dropout {
+        0. => name,
+        p => format!("{name} dropout {p}"),
     };
     step_work(name, varmap, move || {
         Ok(mha.forward_attn(&x, &x, &x, &opts)?.output)
@@ -148,16 +152,18 @@ pub fn works(tiny: bool) -> Result<Vec<Work<'static>>> {
             cfg.num_classes,
         ) = (32, 32, 2, 2, 10);
         return Ok(vec![
-            mha(8, 9, 32, 4, false)?,
-            mha(4, 16, 32, 4, true)?,
+            mha(8, 9, 32, 4, false, 0.)?,
+            mha(8, 9, 32, 4, false, 0.1)?,
+            mha(4, 16, 32, 4, true, 0.)?,
             transformer(32, 4, 8)?,
             vit("vit tiny", cfg)?,
             llama_layer(64, 96, 16)?,
         ]);
     }
     Ok(vec![
-        mha(8, 197, 768, 12, false)?,
-        mha(4, 512, 512, 8, true)?,
+        mha(8, 197, 768, 12, false, 0.)?,
+        mha(8, 197, 768, 12, false, 0.1)?,
+        mha(4, 512, 512, 8, true, 0.)?,
         transformer(512, 8, 64)?,
         vit("vit_base_patch16_224", VitConfig::base_patch16_224())?,
         llama_layer(512, 1408, 512)?,

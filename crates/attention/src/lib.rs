@@ -79,8 +79,9 @@ pub use mha::MultiheadAttention;
 pub use options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 pub use rotary::Rotary;
 pub use sdpa::{
-    scaled_dot_product_attention, scaled_dot_product_attention_tiled_on, scaled_dot_product_attention_via,
-    scaled_dot_product_attention_with_weights, AttnPath,
+    scaled_dot_product_attention, scaled_dot_product_attention_dropout,
+    scaled_dot_product_attention_tiled_on, scaled_dot_product_attention_via,
+    scaled_dot_product_attention_with_weights, set_dropout_seed, AttnPath,
 };
 
 /// The crate README's Rust snippets, compiled and run as doctests.

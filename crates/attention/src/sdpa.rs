@@ -9,7 +9,7 @@
 //! masked returns zeros where PyTorch returns NaN.
 
 use candle::{bail, DType, Result, Tensor, D};
-use multihead_kernels::attention::{self as kernel, TileOptions};
+use multihead_kernels::attention::{self as kernel, Dropout, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use crate::mask::Mask;
@@ -55,9 +55,9 @@ pub enum AttnPath {
     /// The fastest path that can serve the call: [`AttnPath::CpuTiled`] on
     /// the CPU, [`AttnPath::FlashAttn`] or [`AttnPath::MetalFused`] where
     /// built and applicable, else [`AttnPath::Reference`]. Calls that need
-    /// attention weights or dropout always take the reference path, and
-    /// calls that need gradients do unless [`AttnPath::CpuTiled`] can
-    /// backpropagate them.
+    /// attention weights always take the reference path, and calls that
+    /// need gradients or dropout do unless [`AttnPath::CpuTiled`] can
+    /// serve them.
     #[default]
     Auto,
     /// Materialises the `(q_len, kv_len)` scores: returns weights, applies
@@ -67,7 +67,8 @@ pub enum AttnPath {
     /// accumulation; every mask kind; grouped-query). Where q, k or v need
     /// gradients (all f32, the mask's tensors not), `Tensor::backward`
     /// runs its fused backward, which holds no `(q_len, kv_len)` tensor
-    /// either.
+    /// either. Dropout draws its mask a tile at a time from a seed, and
+    /// the backward draws the same one again.
     CpuTiled,
     /// `candle-flash-attn` on CUDA (f16/bf16; no mask but a causal rule),
     /// with the `flash-attn` feature.
@@ -80,7 +81,7 @@ pub enum AttnPath {
 impl AttnPath {
     /// Why `self` cannot serve this call, if it cannot. `Auto` and
     /// `Reference` always can (the reference path serves every valid call).
-    fn refusal(self, call: &Call, mask: &Mask, appended: usize) -> Option<String> {
+    fn refusal(self, call: &Call, mask: &Mask, appended: usize, dropout: bool) -> Option<String> {
         let Call { q, k, v, .. } = *call;
         let grads = train::tracked(q, k, v);
         match self {
@@ -96,6 +97,7 @@ impl AttnPath {
                     q.device()
                 )
             }),
+            _ if dropout => Some("dropout needs the reference or CPU path".into()),
             _ if appended > 0 => Some(
                 "keys appended past the mask (add_bias_kv, add_zero_attn) need the reference or CPU path"
                     .into(),
@@ -109,10 +111,10 @@ impl AttnPath {
     }
 
     /// The path `Auto` takes for this call.
-    fn resolve(call: &Call, mask: &Mask, appended: usize) -> AttnPath {
+    fn resolve(call: &Call, mask: &Mask, appended: usize, dropout: bool) -> AttnPath {
         [AttnPath::FlashAttn, AttnPath::MetalFused, AttnPath::CpuTiled]
             .into_iter()
-            .find(|p| p.refusal(call, mask, appended).is_none())
+            .find(|p| p.refusal(call, mask, appended, dropout).is_none())
             .unwrap_or(AttnPath::Reference)
     }
 }
@@ -143,7 +145,28 @@ pub fn scaled_dot_product_attention_via(
     scale: Option<f64>,
     path: AttnPath,
 ) -> Result<Tensor> {
-    sdpa_dispatch(q, k, v, mask, 0, scale, path, None)
+    sdpa_dispatch(q, k, v, mask, 0, scale, path, None, None)
+}
+
+/// [`scaled_dot_product_attention_via`] with dropout of probability
+/// `dropout_p` on the attention weights (PyTorch's
+/// `F.scaled_dot_product_attention(..., dropout_p=p)`): each weight is
+/// dropped with probability `p` and the others scaled by `1 / (1 − p)`.
+/// On [`AttnPath::CpuTiled`] (which `Auto` takes where it can) the mask
+/// is drawn a tile at a time from a seed ([`set_dropout_seed`]) and the
+/// fused backward draws it again; the reference path uses candle's
+/// dropout. `dropout_p` must be in `[0, 1)`; 0 is no dropout.
+pub fn scaled_dot_product_attention_dropout(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: Option<f64>,
+    dropout_p: f32,
+    path: AttnPath,
+) -> Result<Tensor> {
+    let dropout = dropout::next(Some(dropout_p))?;
+    sdpa_dispatch(q, k, v, mask, 0, scale, path, None, dropout)
 }
 
 /// [`scaled_dot_product_attention_via`] on [`AttnPath::CpuTiled`], the
@@ -159,13 +182,15 @@ pub fn scaled_dot_product_attention_tiled_on(
     scale: Option<f64>,
     isa: Isa,
 ) -> Result<Tensor> {
-    sdpa_dispatch(q, k, v, mask, 0, scale, AttnPath::CpuTiled, Some(isa))
+    sdpa_dispatch(q, k, v, mask, 0, scale, AttnPath::CpuTiled, Some(isa), None)
 }
 
 /// The dispatch behind every attention call. The last `appended` keys
 /// (`add_bias_kv`, `add_zero_attn`) lie outside the mask: every query sees
 /// them, and `mask` covers the keys before them. The CPU kernel runs on
-/// `isa` (`None`: the default, `multihead_kernels::isa::current`).
+/// `isa` (`None`: the default, `multihead_kernels::isa::current`), with
+/// `dropout` on the weights where given (the reference path draws its own
+/// mask of the same probability).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sdpa_dispatch(
     q: &Tensor,
@@ -176,8 +201,9 @@ pub(crate) fn sdpa_dispatch(
     scale: Option<f64>,
     path: AttnPath,
     isa: Option<Isa>,
+    dropout: Option<Dropout>,
 ) -> Result<Tensor> {
-    let (call, scale, mask, path) = plan(q, k, v, mask, appended, scale, path)?;
+    let (call, scale, mask, path) = plan(q, k, v, mask, appended, scale, path, dropout.is_some())?;
     let mask = &*mask;
     if call.batch * call.heads == 0 {
         // An empty batch gives an empty output, whichever path was asked.
@@ -195,21 +221,21 @@ pub(crate) fn sdpa_dispatch(
     };
     match path {
         AttnPath::CpuTiled if train::tracked(q, k, v) => {
-            train::sdpa_train(q, k, v, mask, appended, scale, isa, Merge::Heads)?.transpose(1, 2)
+            train::sdpa_train(q, k, v, mask, appended, scale, isa, dropout, Merge::Heads)?.transpose(1, 2)
         }
-        AttnPath::CpuTiled => sdpa_tiled(q, k, v, mask, appended, scale, isa),
+        AttnPath::CpuTiled => sdpa_tiled(q, k, v, mask, appended, scale, isa, dropout),
         AttnPath::FlashAttn => flash::sdpa(q, k, v, mask, scale),
         AttnPath::MetalFused => metal::sdpa(q, k, v, mask, scale),
         AttnPath::Auto | AttnPath::Reference => {
-            Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0)
+            Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), dropout.map(|d| d.p()))?.0)
         }
     }
 }
 
 /// What a call resolves before it runs: its checked shapes and scale, the
 /// mask without a window that hides nothing, and the path that serves it
-/// (an error where `path` was forced and cannot).
-#[allow(clippy::type_complexity)]
+/// (an error where `path` was forced and cannot), with `dropout` or not.
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn plan<'a>(
     q: &'a Tensor,
     k: &'a Tensor,
@@ -218,15 +244,16 @@ fn plan<'a>(
     appended: usize,
     scale: Option<f64>,
     path: AttnPath,
+    dropout: bool,
 ) -> Result<(Call<'a>, f64, std::borrow::Cow<'a, Mask>, AttnPath)> {
     let call = check_qkv(q, k, v)?;
     let scale = check_scale(scale, call.head_dim)?;
     let mask = mask.without_inert_window(call.q_len, call.kv_len);
-    if let Some(why) = path.refusal(&call, &mask, appended) {
+    if let Some(why) = path.refusal(&call, &mask, appended, dropout) {
         bail!("sdpa: the {path:?} path cannot serve this call: {why}")
     }
     let path = match path {
-        AttnPath::Auto => AttnPath::resolve(&call, &mask, appended),
+        AttnPath::Auto => AttnPath::resolve(&call, &mask, appended, dropout),
         p => p,
     };
     Ok((call, scale, mask, path))
@@ -239,8 +266,8 @@ fn plan<'a>(
 /// costs a zeroed buffer and a sum of its gradient. `packed`, where
 /// given, is the self-attention projection `(B, L, (H + 2 Hkv) · hd)`
 /// whose heads q, k and v are, views as they came out of it: the
-/// backward then gives its gradient in one piece. `None` where another
-/// path serves the call.
+/// backward then gives its gradient in one piece. `dropout` as
+/// [`sdpa_dispatch`]'s. `None` where another path serves the call.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sdpa_train_merged(
     q: &Tensor,
@@ -251,17 +278,20 @@ pub(crate) fn sdpa_train_merged(
     appended: usize,
     scale: Option<f64>,
     path: AttnPath,
+    dropout: Option<Dropout>,
 ) -> Result<Option<Tensor>> {
     if !train::tracked(q, k, v) {
         return Ok(None);
     }
-    let (call, scale, mask, path) = plan(q, k, v, mask, appended, scale, path)?;
+    let (call, scale, mask, path) = plan(q, k, v, mask, appended, scale, path, dropout.is_some())?;
     if path != AttnPath::CpuTiled || call.batch * call.heads == 0 {
         return Ok(None);
     }
     let merged = match packed {
-        Some(qkv) => train::sdpa_train_packed(qkv, call.heads, call.kv_heads, &mask, appended, scale),
-        None => train::sdpa_train(q, k, v, &mask, appended, scale, None, Merge::Features),
+        Some(qkv) => {
+            train::sdpa_train_packed(qkv, call.heads, call.kv_heads, &mask, appended, scale, dropout)
+        }
+        None => train::sdpa_train(q, k, v, &mask, appended, scale, None, dropout, Merge::Features),
     };
     merged.map(Some)
 }
@@ -270,7 +300,8 @@ pub(crate) fn sdpa_train_merged(
 /// through the tiled kernel; shapes as
 /// [`crate::scaled_dot_product_attention`] (validated by the caller), the
 /// last `appended` keys outside the mask, on `isa` (`None`: the
-/// kernel's default).
+/// kernel's default), with `dropout` on the weights where given.
+#[allow(clippy::too_many_arguments)]
 fn sdpa_tiled(
     q: &Tensor,
     k: &Tensor,
@@ -279,16 +310,18 @@ fn sdpa_tiled(
     appended: usize,
     scale: f64,
     isa: Option<Isa>,
+    dropout: Option<Dropout>,
 ) -> Result<Tensor> {
     let options = TileOptions {
         isa,
         ..TileOptions::default()
     };
-    sdpa_tiled_with(q, k, v, mask, appended, scale, options)
+    sdpa_tiled_with(q, k, v, mask, appended, scale, options, dropout)
 }
 
 /// [`sdpa_tiled`] with the kernel's instruction set, tiles and packing as
 /// `options` asks.
+#[allow(clippy::too_many_arguments)]
 fn sdpa_tiled_with(
     q: &Tensor,
     k: &Tensor,
@@ -297,13 +330,15 @@ fn sdpa_tiled_with(
     appended: usize,
     scale: f64,
     options: TileOptions,
+    dropout: Option<Dropout>,
 ) -> Result<Tensor> {
-    let masking = mask.masking(q, k, appended)?;
+    let mut masking = mask.masking(q, k, appended)?;
+    masking.dropout = dropout;
     match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
         Some(out) => Ok(out),
         // A non-finite value met a hidden key: the reference path, which
         // reads no hidden value, decides.
-        None => Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0),
+        None => Ok(sdpa_reference(q, k, v, mask, appended, Some(scale), dropout.map(|d| d.p()))?.0),
     }
 }
 
@@ -338,8 +373,15 @@ mod metal;
 /// The tiled kernel's forward and fused backward as one autograd op.
 mod train;
 
+/// The seeds of the fused paths' dropout masks.
+pub(crate) mod dropout;
+pub use dropout::set_dropout_seed;
+
 #[cfg(test)]
 mod tiled_tests;
+
+#[cfg(test)]
+mod dropout_tests;
 
 /// [`scaled_dot_product_attention`] that also returns the attention
 /// weights, `(batch, heads, q_len, kv_len)`, in the input dtype.

@@ -10,8 +10,9 @@ use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use multihead_attention::{
-    scaled_dot_product_attention_tiled_on, scaled_dot_product_attention_via, Alibi, AttnMask, AttnPath,
-    Causal, KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention,
+    scaled_dot_product_attention_dropout, scaled_dot_product_attention_tiled_on,
+    scaled_dot_product_attention_via, set_dropout_seed, Alibi, AttnMask, AttnPath, Causal, KeyPaddingMask,
+    Mask, MhaConfig, MhaOptions, MultiheadAttention,
 };
 use multihead_kernels::isa::{supported, Isa};
 use multihead_test_support::compare::{assert_close, max_abs_diff};
@@ -334,5 +335,52 @@ fn multihead_attention_weights_get_the_reference_gradients() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// `scaled_dot_product_attention_dropout`: probability 0 is the call
+/// without dropout; otherwise the CPU path drops (the output moves, each
+/// weight's expectation kept: the mean over many masks comes back to the
+/// plain output), the seed stream restarted gives the same output and
+/// gradients, and the fused backward serves it.
+#[test]
+fn dropout_through_the_public_call() -> Result<()> {
+    let q = Var::from_tensor(&randn(&[1, 2, 20, 8])?)?;
+    let (k, v) = (randn(&[1, 2, 24, 8])?, randn(&[1, 2, 24, 8])?);
+    let mask = Mask::causal(Causal::BottomRight);
+    let call = |p: f32| scaled_dot_product_attention_dropout(&q, &k, &v, &mask, None, p, AttnPath::Auto);
+    let plain = scaled_dot_product_attention_via(&q, &k, &v, &mask, None, AttnPath::Auto)?;
+    assert_eq!(max_abs_diff(&call(0.)?, &plain)?, 0.);
+    set_dropout_seed(3);
+    let first = call(0.25)?;
+    let grad = first
+        .sum_all()?
+        .backward()?
+        .get(&q)
+        .cloned()
+        .context("no gradient for q")?;
+    assert!(max_abs_diff(&first, &plain)? > 0.1);
+    set_dropout_seed(3);
+    let again = call(0.25)?;
+    assert_eq!(max_abs_diff(&first, &again)?, 0.);
+    let grad_again = again
+        .sum_all()?
+        .backward()?
+        .get(&q)
+        .cloned()
+        .context("no gradient for q")?;
+    assert_eq!(max_abs_diff(&grad, &grad_again)?, 0.);
+    let n = 400;
+    let mut mean = plain.zeros_like()?;
+    for _ in 0..n {
+        mean = (mean + call(0.25)?.detach())?;
+    }
+    let mean = (mean / n as f64)?;
+    let err = max_abs_diff(&mean, &plain)?;
+    anyhow::ensure!(
+        err < 0.15,
+        "the mean of {n} dropped outputs is {err} from the plain one"
+    );
+    assert_err(call(1.), &["dropout", "[0, 1)"]);
     Ok(())
 }

@@ -8,8 +8,8 @@ use anyhow::Result;
 use candle::{DType, Device, IndexOp, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use multihead_attention::{
-    scaled_dot_product_attention, scaled_dot_product_attention_with_weights, Causal, KeyPaddingMask, Mask,
-    MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
+    scaled_dot_product_attention, scaled_dot_product_attention_with_weights, set_dropout_seed, Causal,
+    KeyPaddingMask, Mask, MhaConfig, MhaOptions, MultiheadAttention, SeparateNames, WeightLayout,
 };
 use multihead_test_support::{
     compare::{assert_close, max_abs_diff},
@@ -263,6 +263,13 @@ fn dropout_applies_in_training_only() -> Result<()> {
     let eval = mha.forward(&x)?;
     assert_eq!(max_abs_diff(&eval, &mha.forward_t(&x, false)?)?, 0.);
     assert!(max_abs_diff(&eval, &mha.forward_t(&x, true)?)? > 1e-3);
+    // The CPU path's masks come from the seed stream: restarted, the same
+    // calls drop the same weights; the next call draws another mask.
+    set_dropout_seed(5);
+    let first = mha.forward_t(&x, true)?;
+    set_dropout_seed(5);
+    assert_eq!(max_abs_diff(&first, &mha.forward_t(&x, true)?)?, 0.);
+    assert!(max_abs_diff(&first, &mha.forward_t(&x, true)?)? > 1e-3);
     let (no_drop, _) = random_mha(&MhaConfig::new(E, H))?;
     assert_eq!(
         max_abs_diff(&no_drop.forward(&x)?, &no_drop.forward_t(&x, true)?)?,

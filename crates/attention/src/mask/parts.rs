@@ -79,6 +79,7 @@ impl Mask {
                 .as_ref()
                 .map(|a| (a.slopes(), self.alibi_offset(q_len, kv_len))),
             softcap: self.softcap,
+            dropout: None,
         })
     }
 

@@ -19,7 +19,7 @@ use crate::config::PositionEncoding;
 use crate::mask::{Alibi, Causal, Mask};
 use crate::options::{MhaOptions, MhaOutput, NeedWeights, SeqLayout};
 use crate::projection::InKind;
-use crate::sdpa::{sdpa_dispatch, sdpa_reference, sdpa_train_merged, AttnPath};
+use crate::sdpa::{dropout, sdpa_dispatch, sdpa_reference, sdpa_train_merged, AttnPath};
 
 /// q `(B, H, L, hd)`, k and v `(B, Hkv, S, hd)`, and the self-attention
 /// projection `(B, L, (H + 2 Hkv) · hd)` they are views of, where they are.
@@ -254,8 +254,9 @@ impl MultiheadAttention {
 
     /// Attention of heads `(B, H, L, hd)` over `(B, Hkv, S, hd)`: the
     /// output heads `(B, H, L, hd)` and the weights `opts` asks for.
-    /// Weights and dropout need the reference path; otherwise `opts.path`
-    /// decides. The last `appended` keys lie outside `mask`.
+    /// Weights need the reference path; otherwise `opts.path` decides
+    /// (dropout on the reference or CPU path). The last `appended` keys lie
+    /// outside `mask`.
     pub(super) fn attention(
         &self,
         q: &Tensor,
@@ -266,14 +267,15 @@ impl MultiheadAttention {
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dropout = self.dropout(opts);
-        if opts.need_weights == NeedWeights::No && dropout.is_none() {
-            let out = sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path, None)?;
+        if opts.need_weights == NeedWeights::No {
+            let drawn = dropout::next(dropout)?;
+            let out = sdpa_dispatch(q, k, v, mask, appended, self.cfg.scale, opts.path, None, drawn)?;
             return Ok((out, None));
         }
         if !matches!(opts.path, AttnPath::Auto | AttnPath::Reference) {
             bail!(
-                "MultiheadAttention: the {:?} path returns no attention weights and applies no dropout; \
-                 use AttnPath::Auto or AttnPath::Reference",
+                "MultiheadAttention: the {:?} path returns no attention weights; use AttnPath::Auto or \
+                 AttnPath::Reference",
                 opts.path
             )
         }
@@ -324,10 +326,12 @@ impl MultiheadAttention {
         appended: usize,
         opts: &MhaOptions,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        if opts.need_weights == NeedWeights::No && self.dropout(opts).is_none() {
+        if opts.need_weights == NeedWeights::No {
             // Training on the fused path: the heads come merged, with no
             // view for candle's backward to pad and sum.
-            let merged = sdpa_train_merged(q, k, v, packed, mask, appended, self.cfg.scale, opts.path)?;
+            let drawn = dropout::next(self.dropout(opts))?;
+            let merged =
+                sdpa_train_merged(q, k, v, packed, mask, appended, self.cfg.scale, opts.path, drawn)?;
             if let Some(merged) = merged {
                 return Ok((self.project_merged(&merged, opts.residual.as_ref())?, None));
             }

@@ -30,7 +30,7 @@ fn forced(
         packing: Some(packing),
         isa: Some(isa),
     };
-    sdpa_tiled_with(q, k, v, mask, 0, scale, options)
+    sdpa_tiled_with(q, k, v, mask, 0, scale, options, None)
 }
 
 /// Every tile implementation `isa` runs, the packed ones with each
@@ -226,8 +226,8 @@ fn half_precision_keys_and_values_equal_the_f32_path_over_them() -> Result<()> {
                 for options in forced.chain([best]) {
                     for mask in &masks {
                         let scale = 1. / (d as f64).sqrt();
-                        let half = sdpa_tiled_with(&q, &k, &v, mask, 0, scale, options)?;
-                        let full = sdpa_tiled_with(&q, &k32, &v32, mask, 0, scale, options)?;
+                        let half = sdpa_tiled_with(&q, &k, &v, mask, 0, scale, options, None)?;
+                        let full = sdpa_tiled_with(&q, &k32, &v32, mask, 0, scale, options, None)?;
                         assert_eq!(half.dtype(), DType::F32);
                         let diff = (half - full)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
                         let what = format!(
@@ -368,7 +368,7 @@ fn zero_width_heads_equal_reference() -> Result<()> {
         );
         let mask = Mask::causal(Causal::TopLeft);
         let reference = sdpa_reference(&q, &k, &v, &mask, 0, Some(1.), None)?.0;
-        let ours = sdpa_tiled_with(&q, &k, &v, &mask, 0, 1., TileOptions::default())?;
+        let ours = sdpa_tiled_with(&q, &k, &v, &mask, 0, 1., TileOptions::default(), None)?;
         assert_eq!(ours.dims(), reference.dims());
         if dv > 0 {
             assert!(rel_err(&ours, &reference)? < 1e-6, "head dims ({d}, {dv})");

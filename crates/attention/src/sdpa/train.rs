@@ -7,7 +7,7 @@
 //! tensors.
 
 use candle::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
-use multihead_kernels::attention::{self as kernel, TileOptions};
+use multihead_kernels::attention::{self as kernel, Dropout, TileOptions};
 use multihead_kernels::isa::Isa;
 
 use super::{sdpa_reference, Call};
@@ -68,7 +68,8 @@ impl Merge {
 /// tracked so that its backward is the fused one, in `merge`'s shape;
 /// shapes as [`crate::scaled_dot_product_attention`] (validated by the
 /// caller, and by [`refusal`]: f32 on the CPU), the last `appended` keys
-/// outside the mask, on `isa` (`None`: the kernel's default).
+/// outside the mask, on `isa` (`None`: the kernel's default), with
+/// `dropout` on the weights where given.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn sdpa_train(
     q: &Tensor,
@@ -78,15 +79,22 @@ pub(super) fn sdpa_train(
     appended: usize,
     scale: f64,
     isa: Option<Isa>,
+    dropout: Option<Dropout>,
     merge: Merge,
 ) -> Result<Tensor> {
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    match fused(&qd, &kd, &vd, mask, appended, scale, isa, merge)? {
+    match fused(&qd, &kd, &vd, mask, appended, scale, isa, dropout, merge)? {
         Some(op) => q.apply_op3(k, v, op),
         // A non-finite value met a hidden key: the reference path, which
-        // reads no hidden value, decides, and backpropagates.
-        None => merge.of_heads(&sdpa_reference(q, k, v, mask, appended, Some(scale), None)?.0),
+        // reads no hidden value, decides, and backpropagates (with
+        // candle's dropout of the same probability).
+        None => merge.of_heads(&sdpa_reference(q, k, v, mask, appended, Some(scale), p_of(dropout))?.0),
     }
+}
+
+/// The probability of `dropout`, as the reference path takes it.
+fn p_of(dropout: Option<Dropout>) -> Option<f32> {
+    dropout.map(|d| d.p())
 }
 
 /// [`sdpa_train`] of self-attention whose q, k and v are the heads of one
@@ -102,9 +110,10 @@ pub(super) fn sdpa_train_packed(
     mask: &Mask,
     appended: usize,
     scale: f64,
+    dropout: Option<Dropout>,
 ) -> Result<Tensor> {
     let (q, k, v) = packed_heads(&qkv.detach(), heads, kv_heads)?;
-    match fused(&q, &k, &v, mask, appended, scale, None, Merge::Features)? {
+    match fused(&q, &k, &v, mask, appended, scale, None, dropout, Merge::Features)? {
         Some(fused) => qkv.apply_op1(FusedSelfAttention {
             heads,
             kv_heads,
@@ -113,7 +122,8 @@ pub(super) fn sdpa_train_packed(
         None => {
             // As in `sdpa_train`.
             let (q, k, v) = packed_heads(qkv, heads, kv_heads)?;
-            Merge::Features.of_heads(&sdpa_reference(&q, &k, &v, mask, appended, Some(scale), None)?.0)
+            Merge::Features
+                .of_heads(&sdpa_reference(&q, &k, &v, mask, appended, Some(scale), p_of(dropout))?.0)
         }
     }
 }
@@ -130,9 +140,11 @@ fn fused(
     appended: usize,
     scale: f64,
     isa: Option<Isa>,
+    dropout: Option<Dropout>,
     merge: Merge,
 ) -> Result<Option<FusedAttention>> {
-    let masking = mask.masking(q, k, appended)?;
+    let mut masking = mask.masking(q, k, appended)?;
+    masking.dropout = dropout;
     let options = TileOptions {
         isa,
         ..TileOptions::default()
@@ -154,6 +166,7 @@ fn fused(
         appended,
         scale,
         isa,
+        dropout,
         lse,
         out: Handover::new(out),
     }))
@@ -188,16 +201,27 @@ fn as_heads(t: &Tensor, heads: usize) -> Result<Tensor> {
 /// custom op's forward storages where the kernel reads tensors, so the
 /// forward runs before the op is applied and [`CustomOp3::cpu_fwd`]
 /// hands its output over; the op keeps what the backward needs besides
-/// q, k, v and the output: the log-sum-exps, `(B, H, L)`.
+/// q, k, v and the output: the log-sum-exps, `(B, H, L)`, and the dropout
+/// whose mask the backward draws again.
 struct FusedAttention {
     mask: Mask,
     appended: usize,
     scale: f64,
     isa: Option<Isa>,
+    dropout: Option<Dropout>,
     lse: Tensor,
     /// The output, contiguous in its [`Merge`] shape, until `cpu_fwd`
     /// takes it.
     out: Handover,
+}
+
+impl FusedAttention {
+    /// The mask and dropout as the forward read them, for `q` and `k`.
+    fn masking(&self, q: &Tensor, k: &Tensor) -> Result<kernel::Masking<'_>> {
+        let mut masking = self.mask.masking(q, k, self.appended)?;
+        masking.dropout = self.dropout;
+        Ok(masking)
+    }
 }
 
 impl CustomOp3 for FusedAttention {
@@ -225,7 +249,7 @@ impl CustomOp3 for FusedAttention {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let masking = self.mask.masking(q, k, self.appended)?;
+        let masking = self.masking(q, k)?;
         let h = q.dim(1)?;
         let grads = kernel::sdpa_backward(
             q,
@@ -264,7 +288,7 @@ impl CustomOp1 for FusedSelfAttention {
     fn bwd(&self, qkv: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let (q, k, v) = packed_heads(qkv, self.heads, self.kv_heads)?;
         let f = &self.fused;
-        let masking = f.mask.masking(&q, &k, f.appended)?;
+        let masking = f.masking(&q, &k)?;
         let grad = kernel::sdpa_backward_packed(
             &q,
             &k,

@@ -268,6 +268,7 @@ fn backward_into(
         window,
         alibi,
         softcap,
+        dropout,
     } = masking;
     let guards = part_storages(parts);
     let part_views = part_views(parts, &guards)?;
@@ -283,6 +284,7 @@ fn backward_into(
                             v: &vv,
                             parts: &part_views,
                             heads_per_kv: h / kh,
+                            heads: h,
                             dims: (l, s, d, dv),
                             scale: scale as f32,
                             causal: *causal,
@@ -290,6 +292,7 @@ fn backward_into(
                             alibi: *alibi,
                             softcap: *softcap,
                             masked_keys: s.saturating_sub(appended),
+                            dropout: *dropout,
                             isa: isa.map_or_else(current, runnable),
                         };
                         let pass = Backward {
@@ -341,20 +344,31 @@ struct Backward<'a> {
     heads: usize,
 }
 
-/// A tile's buffers, `rows × cols` each: the probabilities, `dS`, and the
-/// soft-capping's derivative where the scores are capped.
+/// A tile's buffers, `rows × cols` each: the probabilities, `dS`, the
+/// soft-capping's derivative where the scores are capped, and a row's
+/// dropout factors where the weights are dropped out.
 struct TileBufs {
     p: Vec<f32>,
     ds: Vec<f32>,
     capped: Vec<f32>,
+    kept: Vec<f32>,
 }
 
 impl TileBufs {
-    fn new(len: usize, softcap: bool) -> Self {
+    fn new(p: &Problem, len: usize) -> Self {
         Self {
             p: vec![0.; len],
             ds: vec![0.; len],
-            capped: if softcap { vec![0.; len] } else { Vec::new() },
+            capped: if p.softcap.is_some() {
+                vec![0.; len]
+            } else {
+                Vec::new()
+            },
+            kept: if p.dropout.is_some() {
+                vec![0.; len]
+            } else {
+                Vec::new()
+            },
         }
     }
 }
@@ -441,7 +455,20 @@ impl Backward<'_> {
         for r in 0..rows {
             let (p_row, ds_row) = (&mut t.p[r * cols..][..cols], &mut t.ds[r * cols..][..cols]);
             p.mask_row(p_row, bi, hi, i0 + r, j0);
+            // Dropout: the forward's output is `(P ∘ Z) V` with `Z` the
+            // mask's factors, so `dP` is `Z ∘ dO Vᵀ`, and `dV` reads
+            // `P ∘ Z`.
+            let kept = p.dropout.is_some().then(|| {
+                let kept = &mut t.kept[..cols];
+                kept.fill(1.);
+                p.drop_row(kept, bi, hi, i0 + r, j0);
+                scale_by(ds_row, kept);
+                &*kept
+            });
             all &= grads(p_row, ds_row, self.lse[row0 + r], self.delta[row0 + r]);
+            if let Some(kept) = kept {
+                scale_by(p_row, kept);
+            }
             if p.softcap.is_some() {
                 for (g, c) in ds_row.iter_mut().zip(&t.capped[r * cols..][..cols]) {
                     *g *= c;
@@ -527,7 +554,7 @@ impl Backward<'_> {
     fn kv_group(&self, bi: usize, kvh: usize, [dq, dk, dv]: [Dst; 3]) {
         let p = self.p;
         let (l, s, _, _) = p.dims;
-        let mut t = TileBufs::new(BLOCK.min(l) * BLOCK.min(s), p.softcap.is_some());
+        let mut t = TileBufs::new(p, BLOCK.min(l) * BLOCK.min(s));
         for j0 in (0..s).step_by(BLOCK) {
             let cols = BLOCK.min(s - j0);
             for hi in kvh * p.heads_per_kv..(kvh + 1) * p.heads_per_kv {
@@ -562,7 +589,7 @@ impl Backward<'_> {
     fn keys_block(&self, bi: usize, kvh: usize, j0: usize, cols: usize, dk: Dst, dv: Dst) {
         let p = self.p;
         let l = p.dims.0;
-        let mut t = TileBufs::new(BLOCK.min(l) * cols, p.softcap.is_some());
+        let mut t = TileBufs::new(p, BLOCK.min(l) * cols);
         for hi in kvh * p.heads_per_kv..(kvh + 1) * p.heads_per_kv {
             for i0 in (0..l).step_by(BLOCK) {
                 let rows = BLOCK.min(l - i0);
@@ -583,7 +610,7 @@ impl Backward<'_> {
     fn queries_block(&self, bi: usize, hi: usize, i0: usize, rows: usize, dq: Dst) {
         let p = self.p;
         let end = p.keys_end(i0 + rows - 1);
-        let mut t = TileBufs::new(rows * BLOCK.min(end.max(1)), p.softcap.is_some());
+        let mut t = TileBufs::new(p, rows * BLOCK.min(end.max(1)));
         let mut j0 = p.keys_start(i0);
         while j0 < end {
             let cols = BLOCK.min(end - j0);
@@ -701,6 +728,13 @@ impl Backward<'_> {
                 p.scale,
             );
         }
+    }
+}
+
+/// `x ∘ factors`, a zero factor giving 0 whatever `x` is.
+fn scale_by(x: &mut [f32], factors: &[f32]) {
+    for (x, &f) in x.iter_mut().zip(factors) {
+        *x = if f == 0. { 0. } else { *x * f };
     }
 }
 

@@ -8,6 +8,8 @@ use std::ops::Deref;
 
 use candle::{bail, Layout, Result, Storage, Tensor};
 
+use super::dropout::Dropout;
+
 /// One mask tensor as the kernel reads it: in its own broadcast shape
 /// (4-D, broadcastable to `(batch, heads, q_len, kv_len)`, contiguous),
 /// never expanded to the full score shape.
@@ -56,6 +58,10 @@ pub struct Masking<'a> {
     /// tanh(s / cap)` before the mask and ALiBi apply to it, the appended
     /// keys' too. Finite and > 0 (checked by the caller).
     pub softcap: Option<f32>,
+    /// Dropout on the weights after the softmax (training): a dropped
+    /// pair's weight is 0, a kept one's scaled by `1 / (1 − p)`; the
+    /// backward draws the same mask from the seed.
+    pub dropout: Option<Dropout>,
 }
 
 /// A mask part's data as the kernel reads it, with its element strides

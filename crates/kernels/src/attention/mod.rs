@@ -34,6 +34,7 @@ mod avx512;
 mod backward;
 #[cfg(target_arch = "x86_64")]
 mod decode;
+mod dropout;
 mod mask;
 mod problem;
 #[cfg(target_arch = "x86_64")]
@@ -48,6 +49,7 @@ use crate::rows::simd;
 use crate::runtime::isa::{current, runnable, Isa};
 use crate::runtime::pool::{par_for, SyncPtr};
 pub use backward::{sdpa_backward, sdpa_backward_packed, Gradients};
+pub use dropout::Dropout;
 use mask::{part_storages, part_views};
 pub use mask::{window_isize, MaskPart, Masking};
 use problem::{last_dim_contiguous, with_view, KvElem, Problem, Unit, BLOCK_K, DIRECT_ROWS};
@@ -253,6 +255,7 @@ fn sdpa_in<KV: KvElem>(
         window,
         alibi,
         softcap,
+        dropout,
     } = masking;
     // Set by a unit that wrote a non-finite output.
     let non_finite = AtomicBool::new(false);
@@ -314,6 +317,7 @@ fn sdpa_in<KV: KvElem>(
                     v: &vv,
                     parts: &part_views,
                     heads_per_kv: h / kh,
+                    heads: h,
                     dims: (l, s, d, dv),
                     scale: scale as f32,
                     causal: *causal,
@@ -321,6 +325,7 @@ fn sdpa_in<KV: KvElem>(
                     alibi: *alibi,
                     softcap: *softcap,
                     masked_keys,
+                    dropout: *dropout,
                     isa,
                 };
                 let out_ptr = SyncPtr(out.as_mut_ptr());

@@ -11,6 +11,7 @@ use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
 use super::decode;
+use super::dropout::Dropout;
 use super::mask::{window_isize, PartData, PartView};
 use crate::elem::PanelElem;
 use crate::rows::simd;
@@ -99,6 +100,8 @@ pub(crate) struct Problem<'a, KV = f32> {
     /// Key padding and attention masks, over the first `masked_keys` keys.
     pub(super) parts: &'a [PartView<'a>],
     pub(crate) heads_per_kv: usize,
+    /// Query heads.
+    pub(crate) heads: usize,
     /// (q_len, kv_len, head_dim, v_head_dim)
     pub(crate) dims: (usize, usize, usize, usize),
     pub(crate) scale: f32,
@@ -113,6 +116,8 @@ pub(crate) struct Problem<'a, KV = f32> {
     pub(crate) softcap: Option<f32>,
     /// Keys past this (`add_bias_kv`, `add_zero_attn`) are never masked.
     pub(crate) masked_keys: usize,
+    /// Dropout on the weights after the softmax.
+    pub(crate) dropout: Option<Dropout>,
     /// The instruction set the row operations and the decode-sized
     /// products run with (at most what the processor runs).
     pub(crate) isa: Isa,
@@ -226,6 +231,16 @@ impl<KV: KvElem> Problem<'_, KV> {
         row[..before].fill(f32::NEG_INFINITY);
     }
 
+    /// Dropout on `row`, the weights of query `i` (head `hi`, batch `bi`)
+    /// for keys `j0..j0 + row.len()`, where the problem has it.
+    #[inline]
+    pub(crate) fn drop_row(&self, row: &mut [f32], bi: usize, hi: usize, i: usize, j0: usize) {
+        if let Some(dropout) = &self.dropout {
+            let l = self.dims.0;
+            dropout.apply(self.isa, ((bi * self.heads + hi) * l + i) as u64, j0, row);
+        }
+    }
+
     /// Attention for one unit's query rows, written to its output rows;
     /// whether every output is finite. Its heads' rows go together, head
     /// by head (`t·rows + r` for head `hi + t`'s row `r`), through each
@@ -318,6 +333,7 @@ impl<KV: KvElem> Problem<'_, KV> {
                 self.mask_row(row, bi, hi + r / rows, i0 + r % rows, j0);
                 let acc_row = &mut acc[r * dv..(r + 1) * dv];
                 simd::online_softmax_row(self.isa, row, &mut row_max[r], &mut row_sum[r], acc_row);
+                self.drop_row(row, bi, hi + r / rows, i0 + r % rows, j0);
             }
             let v_off = self.v.offset(bi, kvh, j0);
             // SAFETY: as above.

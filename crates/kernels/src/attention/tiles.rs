@@ -412,7 +412,8 @@ pub(crate) struct Group<'a> {
 /// soft-capped where the problem asks (`softcap(row, cap)`), masked where
 /// the mask touches them (the scores kernel's row max serves the others,
 /// capped as the scores are), keys past a row's last and the vector's tail
-/// hidden, then `online(row, m, l, acc, known_max)`; `lanes_max(m)`
+/// hidden, then `online(row, m, l, acc, known_max)` and dropout on the
+/// weights it leaves in the row (after their sum); `lanes_max(m)`
 /// reduces a row's lane maxima. Inlined into each instruction set's
 /// caller, so that its vector helpers inline too.
 #[inline(always)]
@@ -447,6 +448,7 @@ pub(crate) fn softmax_group_with<KV: KvElem>(
         let end = p.keys_end(i).saturating_sub(g.j0).min(g.cols);
         row[end..].fill(f32::NEG_INFINITY);
         online(row, m, l, &mut g.acc[r * dvp..][..dvp], known_max);
+        p.drop_row(&mut row[..end], bi, hi, i, g.j0);
     }
 }
 
