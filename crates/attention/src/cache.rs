@@ -34,6 +34,9 @@ pub struct KvCache {
     dtype: Option<DType>,
     len: usize,
     chunk: usize,
+    /// The positions the cache is expected to hold at most
+    /// ([`KvCache::expect_at_most`]); 0: unknown.
+    bound: usize,
     /// Per row, how many leading positions are padding (left padding of
     /// batched prompts); empty when no row is padded.
     starts: Vec<usize>,
@@ -55,6 +58,7 @@ impl KvCache {
             dtype: None,
             len: 0,
             chunk: chunk.max(1),
+            bound: 0,
             starts: Vec::new(),
         }
     }
@@ -77,6 +81,15 @@ impl KvCache {
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = Some(dtype);
         self
+    }
+
+    /// Tells the cache it will hold at most `positions` positions (a
+    /// generation that knows its prompt and its most new tokens): growth
+    /// stops there instead of rounding up to whole chunks or doubling, so
+    /// the buffers are no larger than the run needs. A later append past
+    /// it grows as without it. 0 forgets the bound.
+    pub fn expect_at_most(&mut self, positions: usize) {
+        self.bound = positions;
     }
 
     /// The dtype keys and values are stored in, where one was named.
@@ -307,6 +320,11 @@ impl KvCache {
         }
         if need > self.capacity() {
             let cap = need.next_multiple_of(self.chunk).max(2 * self.capacity());
+            let cap = if need <= self.bound {
+                cap.min(self.bound)
+            } else {
+                cap
+            };
             self.k = Some(grow(
                 self.k.as_ref(),
                 self.len,
@@ -412,6 +430,13 @@ impl DecoderCache {
     /// Positions held.
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, KvCache::len)
+    }
+
+    /// [`KvCache::expect_at_most`] for every layer.
+    pub fn expect_at_most(&mut self, positions: usize) {
+        for layer in &mut self.layers {
+            layer.expect_at_most(positions);
+        }
     }
 
     /// Whether no position is held.

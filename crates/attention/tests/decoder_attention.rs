@@ -267,6 +267,26 @@ fn the_cache_grows_in_chunks_without_losing_positions() -> Result<()> {
     Ok(())
 }
 
+/// A cache told the most positions it will hold grows to them, not to
+/// whole chunks, and past them grows as before, keeping what it holds.
+#[test]
+fn a_bounded_cache_grows_to_its_bound() -> Result<()> {
+    let mha = random_mha(&MhaConfig::new(E, H), &WeightLayout::PyTorch)?;
+    let x = randn(&[1, 40, E])?;
+    let mut cache = KvCache::new(16);
+    cache.expect_at_most(21);
+    mha.forward_cached(&x.i((.., ..3))?, &mut cache, &MhaOptions::new())?;
+    assert_eq!(cache.capacity(), 16);
+    mha.forward_cached(&x.i((.., 3..21))?, &mut cache, &MhaOptions::new())?;
+    assert_eq!(cache.capacity(), 21);
+    mha.forward_cached(&x.i((.., 21..23))?, &mut cache, &MhaOptions::new())?;
+    assert_eq!(cache.capacity(), 42);
+    let keys = cache.keys()?.ok_or_else(|| anyhow::anyhow!("empty"))?;
+    let (k, _) = mha.project_kv(&x.i((.., ..23))?, &x.i((.., ..23))?)?;
+    assert_close("held keys", &keys, &k, 1e-6)?;
+    Ok(())
+}
+
 #[test]
 fn misuse_gets_a_clear_error() -> Result<()> {
     let mha = random_mha(&MhaConfig::new(E, H), &WeightLayout::PyTorch)?;

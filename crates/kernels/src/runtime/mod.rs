@@ -5,4 +5,5 @@
 
 pub mod isa;
 pub(crate) mod pages;
+pub use pages::release_free_memory;
 pub(crate) mod pool;

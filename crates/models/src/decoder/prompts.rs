@@ -126,6 +126,9 @@ fn prefill<'a, M: CausalLm>(
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let cfg = within_context(model, longest, cfg)?;
     let mut cache = model.new_cache(pads);
+    // The prompt and at most `max_len` new tokens (the last never fed):
+    // the cache need not round up past them.
+    cache.expect_at_most(len.saturating_add(cfg.max_len));
     let logits = model.prefill_last(&ids, &mut cache)?;
     let last: Vec<u32> = ids.narrow(1, len - 1, 1)?.flatten_all()?.to_vec1()?;
     let model = Primed {

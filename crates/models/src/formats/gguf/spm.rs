@@ -15,7 +15,9 @@
 //! space the encoder prepends removed, as HF's Llama tokenizer decodes.
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::hash_map::RandomState;
+use std::collections::BinaryHeap;
+use std::hash::BuildHasher;
 
 use candle::{bail, Result};
 use serde_json::{json, Map, Value};
@@ -51,10 +53,10 @@ struct Special {
 #[derive(Debug, Clone)]
 pub(crate) struct SpmVocab {
     label: String,
-    tokens: Vec<String>,
     types: Vec<i64>,
     scores: Vec<f32>,
-    ids: HashMap<String, u32>,
+    /// The tokens' texts and each one's id.
+    ids: Texts,
     /// The id of each byte's `<0xNN>` token (else of the byte as a
     /// one-character token), if the vocabulary has one.
     bytes: Vec<Option<u32>>,
@@ -66,6 +68,64 @@ pub(crate) struct SpmVocab {
     add_space_prefix: bool,
     /// Longest first, then by id.
     specials: Vec<Special>,
+}
+
+/// The tokens' texts, one after another in one buffer, and a hash table of
+/// their ids: a vocabulary of tens of thousands of tokens in about a
+/// tenth of the memory of a `HashMap<String, u32>` (a `String` and a
+/// padded bucket a token, at most half the buckets used).
+#[derive(Debug, Clone)]
+struct Texts {
+    text: String,
+    /// Token `id`'s text is `text[ends[id - 1]..ends[id]]` (from 0 for
+    /// the first).
+    ends: Vec<usize>,
+    /// The ids, found by their texts' hashes.
+    table: hashbrown::HashTable<u32>,
+    hasher: RandomState,
+}
+
+impl Texts {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            text: String::new(),
+            ends: Vec::with_capacity(n),
+            table: hashbrown::HashTable::with_capacity(n),
+            hasher: RandomState::new(),
+        }
+    }
+
+    /// Token `id`'s text.
+    fn text(&self, id: u32) -> &str {
+        text_in(&self.text, &self.ends, id)
+    }
+
+    /// The id of the token whose text is `piece`.
+    fn get(&self, piece: &str) -> Option<u32> {
+        let hash = self.hasher.hash_one(piece);
+        self.table.find(hash, |&id| self.text(id) == piece).copied()
+    }
+
+    /// Gives `piece` the next id; the id it has already, if it has one.
+    fn push(&mut self, piece: &str) -> std::result::Result<(), u32> {
+        if let Some(first) = self.get(piece) {
+            return Err(first);
+        }
+        let id = self.ends.len() as u32;
+        self.text.push_str(piece);
+        self.ends.push(self.text.len());
+        let (text, ends, hasher) = (&self.text, &self.ends, &self.hasher);
+        self.table.insert_unique(hasher.hash_one(piece), id, |&i| {
+            hasher.hash_one(text_in(text, ends, i))
+        });
+        Ok(())
+    }
+}
+
+/// Token `id`'s text in [`Texts`]' `text` and `ends`.
+fn text_in<'a>(text: &'a str, ends: &[usize], id: u32) -> &'a str {
+    let id = id as usize;
+    &text[id.checked_sub(1).map_or(0, |i| ends[i])..ends[id]]
 }
 
 /// A piece of the text between special tokens, or a special token.
@@ -111,20 +171,17 @@ impl SpmVocab {
         };
         // llama.cpp names an empty token by its id, so that every token
         // has a text of its own.
-        let tokens: Vec<String> = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                if t.is_empty() {
-                    format!("[EMPTY_{i}]")
-                } else {
-                    t.to_string()
-                }
-            })
-            .collect();
-        let mut ids = HashMap::with_capacity(n);
+        let text_of = |id: usize, t: &str| {
+            if t.is_empty() {
+                format!("[EMPTY_{id}]")
+            } else {
+                t.to_string()
+            }
+        };
+        let mut ids = Texts::with_capacity(n);
         for (id, t) in tokens.iter().enumerate() {
-            if let Some(first) = ids.insert(t.clone(), id as u32) {
+            let t = text_of(id, t);
+            if let Err(first) = ids.push(&t) {
                 bail!(
                     "GGUF file '{label}': tokenizer.ggml.tokens has '{}' twice (ids {first} and {id}); llama.cpp refuses such a vocabulary",
                     t.escape_debug()
@@ -132,13 +189,11 @@ impl SpmVocab {
             }
         }
         let byte_token = |b: u8| {
-            ids.get(&format!("<0x{b:02X}>"))
-                .or_else(|| {
-                    b.is_ascii()
-                        .then(|| ids.get(&char::from(b).to_string()))
-                        .flatten()
-                })
-                .copied()
+            ids.get(&format!("<0x{b:02X}>")).or_else(|| {
+                b.is_ascii()
+                    .then(|| ids.get(&char::from(b).to_string()))
+                    .flatten()
+            })
         };
         let bytes = (0..=255u8).map(byte_token).collect();
         let id = |key: &str, default: Option<u32>| -> Result<Option<u32>> {
@@ -179,17 +234,16 @@ impl SpmVocab {
                 )
             })
             .map(|(id, (text, &t))| Special {
-                text: text.clone(),
+                text: text_of(id, text),
                 id: id as u32,
                 control: t != token_type::USER_DEFINED,
                 // llama.cpp's attributes for Phi-3 (`load` in llama-vocab.cpp).
-                rstrip: phi3 && !matches!(text.as_str(), "<unk>" | "<s>" | "<|endoftext|>"),
+                rstrip: phi3 && !matches!(*text, "<unk>" | "<s>" | "<|endoftext|>"),
             })
             .collect();
         specials.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
         Ok(Self {
             label: label.to_string(),
-            tokens,
             types,
             scores,
             ids,
@@ -302,7 +356,7 @@ impl SpmVocab {
         let bigram = |symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
             let (l, r) = (symbols[left?], symbols[right?]);
             let size = l.len + r.len;
-            let id = *self.ids.get(&text[l.start..l.start + size])?;
+            let id = self.ids.get(&text[l.start..l.start + size])?;
             Some(Bigram {
                 score: self.scores[id as usize],
                 left: left?,
@@ -336,7 +390,7 @@ impl SpmVocab {
             let s = symbols[i];
             let piece = &text[s.start..s.start + s.len];
             match self.ids.get(piece) {
-                Some(&id) => out.push(id),
+                Some(id) => out.push(id),
                 None => {
                     for &b in piece.as_bytes() {
                         match self.bytes[b as usize].or(self.unk) {
@@ -364,8 +418,9 @@ impl SpmVocab {
     pub(crate) fn tokenizer_json(&self) -> Value {
         let mut vocab = Map::new();
         let mut added = Vec::new();
-        for (id, (token, &kind)) in self.tokens.iter().zip(&self.types).enumerate() {
-            vocab.insert(token.clone(), json!(id));
+        for (id, &kind) in self.types.iter().enumerate() {
+            let token = self.ids.text(id as u32);
+            vocab.insert(token.to_string(), json!(id));
             if matches!(
                 kind,
                 token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED
@@ -376,6 +431,7 @@ impl SpmVocab {
                 }));
             }
         }
+        let unk = self.unk.map(|id| self.ids.text(id));
         let mut decoders = vec![
             json!({"type": "Replace", "pattern": {"String": SPACE}, "content": " "}),
             json!({"type": "ByteFallback"}),
@@ -384,7 +440,6 @@ impl SpmVocab {
         if self.add_space_prefix {
             decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
         }
-        let unk = self.unk.map(|id| self.tokens[id as usize].clone());
         json!({
             "version": "1.0",
             "truncation": null,
