@@ -23,6 +23,11 @@ fn reference(
 ) -> Result<(Tensor, [Tensor; 3])> {
     let (_, weights) = sdpa_reference(q, k, v, mask, 0, None, None)?;
     let out = (weights * factors)?.matmul(&repeat_kv(v, q.dim(1)?)?.contiguous()?)?;
+    with_grads(out, (q, k, v), g)
+}
+
+/// `out` and the gradients of `sum(out · g)` with respect to q, k, v.
+fn with_grads(out: Tensor, (q, k, v): (&Var, &Var, &Var), g: &Tensor) -> Result<(Tensor, [Tensor; 3])> {
     let store = (&out * g)?.sum_all()?.backward()?;
     let grad = |x: &Var| store.get(x).cloned().expect("a gradient");
     Ok((out, [grad(q), grad(k), grad(v)]))
@@ -47,9 +52,7 @@ fn fused(
         Some(isa),
         Some(dropout),
     )?;
-    let store = (&out * g)?.sum_all()?.backward()?;
-    let grad = |x: &Var| store.get(x).cloned().expect("a gradient");
-    Ok((out, [grad(q), grad(k), grad(v)]))
+    with_grads(out, (q, k, v), g)
 }
 
 /// The fused forward and backward with dropout equal the reference path
