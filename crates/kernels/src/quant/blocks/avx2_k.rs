@@ -1,6 +1,6 @@
 //! The k-quants' panels (`repack.rs`: Q4_K, Q5_K, Q6_K, 8 features a
 //! panel) with AVX2, and with AVX512-VNNI on 256-bit vectors (the same
-//! code, its step `vpdpbusd`, its 32 registers holding 4 rows' sums), as
+//! code, its step `vpdpbusd`, its 32 registers holding 8 rows' sums), as
 //! ggml-cpu's repacked `gemv_q4_K_8x8`: a step of 4 values for each of the
 //! 8 features, its `vpmaddubsw` products summed in `i16` over a
 //! sub-block, widened, then multiplied by the 8 features'
@@ -109,21 +109,45 @@ macro_rules! panel_k4 {
                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bw, 6), k3), 4),
                     ),
                 ];
+                // The mins' part, from the inputs' sums, taken from the
+                // accumulators before the products: no register holds it
+                // during them.
+                for r in 0..R {
+                    let mut msum = _mm256_setzero_si256();
+                    for g in 0..4 {
+                        let (ma, mb) = (
+                            lane_byte(mn[g / 2], 2 * (g % 2) as i32),
+                            lane_byte(mn[g / 2], 2 * (g % 2) as i32 + 1),
+                        );
+                        // The two sub-blocks' input sums (each of 32: two of 16).
+                        let sums = &rows[r].sums[16 * b + 4 * g..16 * b + 4 * g + 4];
+                        let (s0, s1) = (i32::from(sums[0] + sums[1]), i32::from(sums[2] + sums[3]));
+                        let mins = _mm256_add_epi32(
+                            _mm256_mullo_epi32(ma, _mm256_set1_epi32(s0)),
+                            _mm256_mullo_epi32(mb, _mm256_set1_epi32(s1)),
+                        );
+                        msum = _mm256_add_epi32(msum, mins);
+                    }
+                    let dx = _mm256_set1_ps(rows[r].d[b]);
+                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r]);
+                }
+                // The rows' inputs of the block as whole arrays: the steps'
+                // loads need no bound checks.
+                let qs: [&[i8; 256]; R] = std::array::from_fn(|r| {
+                    rows[r].q[256 * b..256 * b + 256]
+                        .try_into()
+                        .expect("256 inputs")
+                });
                 let mut isum = [_mm256_setzero_si256(); R];
-                let mut msum = [_mm256_setzero_si256(); R];
                 for g in 0..4 {
                     // Sub-blocks 2g (the low nibbles) and 2g + 1 (the high ones).
                     let (sa, sb) = (
                         lane_byte(sc[g / 2], 2 * (g % 2) as i32),
                         lane_byte(sc[g / 2], 2 * (g % 2) as i32 + 1),
                     );
-                    let (ma, mb) = (
-                        lane_byte(mn[g / 2], 2 * (g % 2) as i32),
-                        lane_byte(mn[g / 2], 2 * (g % 2) as i32 + 1),
-                    );
                     // In `i16` (AVX2), Q4's 8 steps' products fit
                     // (8·2·15·127), Q5's 4; in `i32` (VNNI), any, and one
-                    // run of 8 leaves Q5's 4 rows' sums in registers.
+                    // run of 8 leaves Q5's 8 rows' sums in registers.
                     let halves = if Q5 && $i16 { 2 } else { 1 };
                     let mut wide_lo = [_mm256_setzero_si256(); R];
                     let mut wide_hi = [_mm256_setzero_si256(); R];
@@ -146,7 +170,7 @@ macro_rules! panel_k4 {
                                 hi = _mm256_or_si256(hi, fifth(2 * g + 1));
                             }
                             for r in 0..R {
-                                let q = &rows[r].q[256 * b..256 * b + 256];
+                                let q = qs[r];
                                 let (xl, xh) = (x4(q, 64 * g + 4 * st), x4(q, 64 * g + 32 + 4 * st));
                                 s_lo[r] = step(s_lo[r], lo, _mm256_set1_epi32(xl));
                                 s_hi[r] = step(s_hi[r], hi, _mm256_set1_epi32(xh));
@@ -163,20 +187,11 @@ macro_rules! panel_k4 {
                             _mm256_mullo_epi32(wide_hi[r], sb),
                         );
                         isum[r] = _mm256_add_epi32(isum[r], scaled);
-                        // The two sub-blocks' input sums (each of 32: two of 16).
-                        let sums = &rows[r].sums[16 * b + 4 * g..16 * b + 4 * g + 4];
-                        let (s0, s1) = (i32::from(sums[0] + sums[1]), i32::from(sums[2] + sums[3]));
-                        let mins = _mm256_add_epi32(
-                            _mm256_mullo_epi32(ma, _mm256_set1_epi32(s0)),
-                            _mm256_mullo_epi32(mb, _mm256_set1_epi32(s1)),
-                        );
-                        msum[r] = _mm256_add_epi32(msum[r], mins);
                     }
                 }
                 for r in 0..R {
                     let dx = _mm256_set1_ps(rows[r].d[b]);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, dx), acc[r]);
-                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), acc[r]);
                 }
             }
             for (acc, out) in acc.iter().zip(out.chunks_exact_mut(8)) {
@@ -191,9 +206,9 @@ avx2_and_vnni!(panel_k4, panel_k4, panel_k4_vnni);
 
 /// Q6_K panels times `R` rows, into `out` (8 a row): `w = d·sc·(u −
 /// 32)` per 16 elements, `u` six bits from `ql` and `qh`; `$step` and
-/// `$widen` as [`panel_k4!`]'s. Its sums are widened every two steps
-/// with either step, as `i16` sums need (`$i16` unused): the VNNI
-/// instance keeps the same two-step runs, its widening the identity.
+/// `$widen` as [`panel_k4!`]'s. With `i16` sums (`$i16`) they are widened
+/// every two steps; in `i32` (VNNI) the steps add to the group's sums
+/// themselves, which leaves registers for 8 rows.
 macro_rules! panel_q6k {
     ($name:ident, $features:literal, $step:expr, $widen:expr, $i16:expr) => {
         #[target_feature(enable = $features)]
@@ -223,6 +238,12 @@ macro_rules! panel_q6k {
                     let v = _mm256_sll_epi32(scales[h / 4], _mm_cvtsi32_si128(24 - 8 * (h % 4) as i32));
                     _mm256_srai_epi32(v, 24)
                 };
+                // As in `panel_k4!`.
+                let qs: [&[i8; 256]; R] = std::array::from_fn(|r| {
+                    rows[r].q[256 * b..256 * b + 256]
+                        .try_into()
+                        .expect("256 inputs")
+                });
                 let mut isum = [_mm256_setzero_si256(); R];
                 for n in 0..2 {
                     for j1 in 0..2 {
@@ -233,8 +254,10 @@ macro_rules! panel_q6k {
                             let mut w_hi = [_mm256_setzero_si256(); R];
                             for pair in 0..2 {
                                 // Two steps' products fit `i16` (2·2·63·127).
-                                let mut s_lo = [_mm256_setzero_si256(); R];
-                                let mut s_hi = [_mm256_setzero_si256(); R];
+                                let (mut s_lo, mut s_hi) = match $i16 {
+                                    true => ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]),
+                                    false => (w_lo, w_hi),
+                                };
                                 for st in 4 * hh + 2 * pair..4 * hh + 2 * pair + 2 {
                                     prefetch_ahead(blk, PB, 16 * n + 8 * j1 + st);
                                     let v = load32(blk, QL + 32 * (16 * n + 8 * j1 + st));
@@ -250,16 +273,20 @@ macro_rules! panel_q6k {
                                         _mm256_and_si256(hh_bits, two),
                                     );
                                     for r in 0..R {
-                                        let q = &rows[r].q[256 * b..256 * b + 256];
+                                        let q = qs[r];
                                         let at = 128 * n + 32 * j1 + 4 * st;
                                         let (xl, xh) = (x4(q, at), x4(q, at + 64));
                                         s_lo[r] = step(s_lo[r], lo, _mm256_set1_epi32(xl));
                                         s_hi[r] = step(s_hi[r], hi, _mm256_set1_epi32(xh));
                                     }
                                 }
-                                for r in 0..R {
-                                    w_lo[r] = _mm256_add_epi32(w_lo[r], widen(s_lo[r]));
-                                    w_hi[r] = _mm256_add_epi32(w_hi[r], widen(s_hi[r]));
+                                if $i16 {
+                                    for r in 0..R {
+                                        w_lo[r] = _mm256_add_epi32(w_lo[r], widen(s_lo[r]));
+                                        w_hi[r] = _mm256_add_epi32(w_hi[r], widen(s_hi[r]));
+                                    }
+                                } else {
+                                    (w_lo, w_hi) = (s_lo, s_hi);
                                 }
                             }
                             let (h_lo, h_hi) = (8 * n + 2 * j1 + hh, 8 * n + 2 * (2 + j1) + hh);

@@ -2,7 +2,7 @@
 //! (AVX512-VL): `vpdpbusd` multiplies a step's `u8` values by 4 inputs
 //! and adds them to the feature's `i32` lane in one instruction (AVX2's
 //! `vpmaddubsw`, `vpmaddwd` and add), and AVX-512's 32 registers hold 8
-//! input rows' sums at once (4 for the k-quants). The kernels' bodies are
+//! input rows' sums at once. The kernels' bodies are
 //! AVX2's (`avx2.rs`, `avx2_k.rs`), instantiated with this step; here
 //! the dispatch by format and rows.
 
@@ -38,13 +38,16 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
     }
 }
 
-/// A k-quant's panel times input rows, 4 at a time (then 2, 1).
+/// A k-quant's panel times input rows, 8 at a time (then 4, 2, 1).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn k_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
     use super::avx2_k::{panel_k4_vnni, panel_q6k_vnni};
-    for (at, n) in row_groups(rows.len(), 4) {
+    for (at, n) in row_groups(rows.len(), 8) {
         let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
         match (format, n) {
+            (BlockFormat::Q4_K, 8) => panel_k4_vnni::<false, 8>(panel, nb, rows, out),
+            (BlockFormat::Q5_K, 8) => panel_k4_vnni::<true, 8>(panel, nb, rows, out),
+            (BlockFormat::Q6_K, 8) => panel_q6k_vnni::<8>(panel, nb, rows, out),
             (BlockFormat::Q4_K, 4) => panel_k4_vnni::<false, 4>(panel, nb, rows, out),
             (BlockFormat::Q4_K, 2) => panel_k4_vnni::<false, 2>(panel, nb, rows, out),
             (BlockFormat::Q4_K, _) => panel_k4_vnni::<false, 1>(panel, nb, rows, out),
