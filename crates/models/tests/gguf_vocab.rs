@@ -284,3 +284,120 @@ fn an_unknown_pre_tokenizer_is_named() -> Result<()> {
     }
     Ok(())
 }
+
+/// HF's Llama `tokenizer.json` of a SentencePiece vocabulary, as its fast
+/// tokenizer (`LlamaTokenizerFast`) holds one: a BPE model of the tokens
+/// with byte fallback, control and unknown tokens as special added
+/// tokens, user-defined ones as plain added tokens, and the decoders
+/// `Replace("▁", " ")`, `ByteFallback`, `Fuse` and, where the encoder
+/// prefixes a space, `Strip(" ", 1, 0)`.
+fn hf_llama_tokenizer(tokens: &[String], types: &[i32], space_prefix: bool) -> Result<tokenizers::Tokenizer> {
+    use serde_json::json;
+    let mut vocab = serde_json::Map::new();
+    let mut added = Vec::new();
+    for (id, (token, &kind)) in tokens.iter().zip(types).enumerate() {
+        vocab.insert(token.clone(), json!(id));
+        // llama.cpp's token types: 2 unknown, 3 control, 4 user-defined.
+        if matches!(kind, 2..=4) {
+            added.push(json!({
+                "id": id, "content": token, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": kind != 4,
+            }));
+        }
+    }
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if space_prefix {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let file = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
+            "ignore_merges": false, "vocab": vocab, "merges": [],
+        },
+    });
+    tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&file)?).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// A SentencePiece vocabulary decodes as the `tokenizers` crate decodes
+/// HF's Llama tokenizer of it ([`hf_llama_tokenizer`]), whole and
+/// streamed: random runs of ids mixing special tokens, byte tokens that
+/// are and are not UTF-8 and ids past the vocabulary, with and without
+/// `add_space_prefix`.
+#[test]
+fn spm_decodes_as_hf_s_llama_tokenizer() -> Result<()> {
+    let content = gguf_file::Content::read(&mut std::fs::File::open(vocab("llama-spm"))?)?;
+    let array = |key: &str| match content.metadata.get(key) {
+        Some(GgufValue::Array(a)) => Ok(a.clone()),
+        _ => anyhow::bail!("{key} is not an array"),
+    };
+    let tokens: Vec<String> = array("tokenizer.ggml.tokens")?
+        .iter()
+        .map(|v| Ok(v.to_string()?.clone()))
+        .collect::<Result<_>>()?;
+    let types: Vec<i32> = array("tokenizer.ggml.token_type")?
+        .iter()
+        .map(|v| Ok(v.to_i32()?))
+        .collect::<Result<_>>()?;
+    let n = tokens.len() as u32;
+    let byte0 = tokens.iter().position(|t| t == "<0x00>").context("no <0x00>")? as u32;
+    let mut seed = 7u64;
+    let mut next = |below: u32| {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) % u64::from(below)) as u32
+    };
+    let runs: Vec<Vec<u32>> = (0..3000)
+        .map(|_| {
+            let len = 1 + next(10);
+            (0..len)
+                .map(|_| match next(8) {
+                    // Control and unknown tokens, bytes (UTF-8 lead and
+                    // continuation bytes among them), ids past the end.
+                    0 => next(3),
+                    1..=3 => byte0 + next(256),
+                    4 => n + next(4),
+                    _ => next(n),
+                })
+                .collect()
+        })
+        .collect();
+    for space_prefix in [true, false] {
+        let file = edited_spm(&format!("space-prefix-{space_prefix}"), |m| {
+            set(
+                m,
+                "tokenizer.ggml.add_space_prefix",
+                GgufValue::Bool(space_prefix),
+            )
+        })?;
+        let ours = TextTokenizer::from_gguf(&file)?;
+        let hf = hf_llama_tokenizer(&tokens, &types, space_prefix)?;
+        for ids in &runs {
+            let want = hf.decode(ids, true).map_err(|e| anyhow::anyhow!("{e}"))?;
+            assert_eq!(
+                ours.decode(ids)?,
+                want,
+                "ids {ids:?}, add_space_prefix {space_prefix}"
+            );
+            let mut stream = ours.stream();
+            let mut streamed = String::new();
+            for &id in ids {
+                streamed.extend(stream.push(id)?);
+            }
+            streamed.push_str(&stream.finish()?);
+            assert_eq!(
+                streamed, want,
+                "streamed ids {ids:?}, add_space_prefix {space_prefix}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::tokenizer_bounds::{guard, normalizer_growth, MAX_NORMALIZED_BYTES};
 use crate::formats::files::{read_bytes, read_text, MAX_CONFIG_BYTES};
-use crate::formats::gguf::SpmVocab;
+use crate::formats::gguf::{byte_of, SpmVocab};
 use crate::vit::folder::json::parse_object;
 
 /// Largest `tokenizer.json` read, in bytes (Llama 3's is 9 MB, Qwen2's
@@ -23,7 +23,7 @@ pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
 /// `tokenizer.decode(ids, skip_special_tokens=True)` does.
 #[derive(Clone)]
 pub struct TextTokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     label: String,
     /// `clean_up_tokenization_spaces`: " ." → ".", " n't" → "n't", ...
     clean_up: bool,
@@ -40,9 +40,16 @@ pub struct TextTokenizer {
     /// ones' (an id with no token, past the vocabulary or in a hand-edited
     /// one's holes, is skipped too).
     decoded: Vec<u32>,
-    /// A GGUF file's SentencePiece vocabulary, which encodes in its place
-    /// of the `tokenizers` crate (`inner` still decodes).
-    spm: Option<std::sync::Arc<SpmVocab>>,
+}
+
+/// What encodes and decodes.
+#[derive(Clone)]
+enum Inner {
+    /// HF's fast tokenizer, from a `tokenizer.json`.
+    Hf(tokenizers::Tokenizer),
+    /// A GGUF file's SentencePiece vocabulary: encoded as llama.cpp
+    /// encodes it, decoded as HF's Llama tokenizer decodes ([`SpmVocab`]).
+    Spm(std::sync::Arc<SpmVocab>),
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -121,18 +128,12 @@ impl TextTokenizer {
                 ),
             };
         }
-        let is_byte_token = |t: &str| {
-            t.len() == 6
-                && t.starts_with("<0x")
-                && t.ends_with('>')
-                && t[3..5].chars().all(|c| c.is_ascii_hexdigit())
-        };
         // By id, as the decoder sees them: a file may give two tokens one
         // id, and the decoder then reads only one of them.
         let mut byte_tokens: Vec<u32> = inner
             .get_vocab(true)
             .into_values()
-            .filter(|&id| inner.id_to_token(id).is_some_and(|t| is_byte_token(&t)))
+            .filter(|&id| inner.id_to_token(id).is_some_and(|t| byte_of(&t).is_some()))
             .collect();
         byte_tokens.sort_unstable();
         byte_tokens.dedup();
@@ -149,24 +150,37 @@ impl TextTokenizer {
             .and_then(|d| serde_json::to_string(d).ok())
             .is_some_and(|json| json.contains("\"ByteLevel\""));
         Ok(Self {
-            inner,
+            inner: Inner::Hf(inner),
             label: label.to_string(),
             clean_up,
             byte_tokens,
             byte_level,
             growth,
             decoded,
-            spm: None,
         })
     }
 
-    /// This tokenizer (the vocabulary of `spm` as read by
-    /// [`SpmVocab::tokenizer_json`]) encoding through `spm`.
-    pub(crate) fn with_spm(mut self, spm: SpmVocab) -> Self {
-        // The encoder writes each space as `▁` (3 bytes) and may prefix one.
-        self.growth = self.growth.max(3.);
-        self.spm = Some(std::sync::Arc::new(spm));
-        self
+    /// The tokenizer of a GGUF file's SentencePiece vocabulary (`label`
+    /// names it in errors).
+    pub(crate) fn from_spm(spm: SpmVocab, label: &str) -> Self {
+        let ids = || 0..spm.len() as u32;
+        let byte_tokens = ids()
+            .filter(|&id| spm.token(id).is_some_and(|(t, _)| byte_of(t).is_some()))
+            .collect();
+        let decoded = ids()
+            .filter(|&id| spm.token(id).is_some_and(|(_, added)| added != Some(true)))
+            .collect();
+        Self {
+            inner: Inner::Spm(std::sync::Arc::new(spm)),
+            label: label.to_string(),
+            clean_up: false,
+            byte_tokens,
+            byte_level: false,
+            // The encoder writes each space as `▁` (3 bytes) and may
+            // prefix one.
+            growth: 3.,
+            decoded,
+        }
     }
 
     /// The file it was read from.
@@ -176,12 +190,18 @@ impl TextTokenizer {
 
     /// Tokens the tokenizer knows, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Inner::Hf(t) => t.get_vocab_size(true),
+            Inner::Spm(spm) => spm.len(),
+        }
     }
 
     /// The id of `token` (a special token's text, say), if it has one.
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.inner {
+            Inner::Hf(t) => t.token_to_id(token),
+            Inner::Spm(spm) => spm.token_id(token),
+        }
     }
 
     /// The ids of `text`, with the special tokens the tokenizer adds.
@@ -204,15 +224,17 @@ impl TextTokenizer {
                 text.len()
             )
         }
-        if let Some(spm) = &self.spm {
+        match &self.inner {
             // Written special tokens are read as tokens, as the `tokenizers`
             // crate reads added tokens.
-            return spm.encode(text, add_special_tokens, true);
+            Inner::Spm(spm) => spm.encode(text, add_special_tokens, true),
+            Inner::Hf(t) => {
+                let enc = guard(&self.label, "cannot encode the text", || {
+                    t.encode(text, add_special_tokens)
+                })?;
+                Ok(enc.get_ids().to_vec())
+            }
         }
-        let enc = guard(&self.label, "cannot encode the text", || {
-            self.inner.encode(text, add_special_tokens)
-        })?;
-        Ok(enc.get_ids().to_vec())
     }
 
     /// The text of `ids` without special tokens; ids the tokenizer does
@@ -225,7 +247,26 @@ impl TextTokenizer {
 
     /// [`TextTokenizer::decode`] before the clean-up.
     fn decode_raw(&self, ids: &[u32]) -> Result<String> {
-        guard(&self.label, "cannot decode", || self.inner.decode(ids, true))
+        match &self.inner {
+            Inner::Hf(t) => guard(&self.label, "cannot decode", || t.decode(ids, true)),
+            Inner::Spm(spm) => Ok(spm.decode(ids)),
+        }
+    }
+
+    /// A lookup of each id's token: its text and, for an added token,
+    /// whether it is special (`None` for a token of the model's own
+    /// vocabulary); `None` for an id with no token.
+    fn tokens(&self) -> Box<dyn Fn(u32) -> Option<(String, Option<bool>)> + '_> {
+        match &self.inner {
+            Inner::Hf(t) => {
+                let added = t.get_added_tokens_decoder();
+                Box::new(move |id| match added.get(&id) {
+                    Some(a) => Some((a.content.clone(), Some(a.special))),
+                    None => t.id_to_token(id).map(|token| (token, None)),
+                })
+            }
+            Inner::Spm(spm) => Box::new(|id| spm.token(id).map(|(text, added)| (text.to_string(), added))),
+        }
     }
 
     /// The bytes each of the first `n` ids stands for in decoded text,
@@ -238,13 +279,13 @@ impl TextTokenizer {
     /// embedding's), which a constraint never allows.
     pub fn token_bytes(&self, n: usize) -> Vec<Option<Vec<u8>>> {
         let unicode_to_byte = gpt2_unicode_to_byte();
-        let added = self.inner.get_added_tokens_decoder();
+        let tokens = self.tokens();
         (0..n as u32)
             .map(|id| {
-                if let Some(t) = added.get(&id) {
-                    return (!t.special).then(|| t.content.as_bytes().to_vec());
+                let (token, added) = tokens(id)?;
+                if let Some(special) = added {
+                    return (!special).then(|| token.into_bytes());
                 }
-                let token = self.inner.id_to_token(id)?;
                 if self.is_byte_token(id) {
                     return u8::from_str_radix(&token[3..5], 16).ok().map(|b| vec![b]);
                 }
@@ -264,13 +305,13 @@ impl TextTokenizer {
     /// SentencePiece's `▁` as a space; `None` for an id with no token.
     pub fn pieces(&self, ids: &[u32]) -> Vec<Option<String>> {
         let unicode_to_byte = gpt2_unicode_to_byte();
-        let added = self.inner.get_added_tokens_decoder();
+        let tokens = self.tokens();
         ids.iter()
             .map(|&id| {
-                if let Some(t) = added.get(&id) {
-                    return Some(t.content.clone());
+                let (token, added) = tokens(id)?;
+                if added.is_some() {
+                    return Some(token);
                 }
-                let token = self.inner.id_to_token(id)?;
                 if self.is_byte_token(id) {
                     return Some(token);
                 }

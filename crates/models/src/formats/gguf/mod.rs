@@ -26,5 +26,5 @@ pub use file::{
 };
 pub use load::GGUF_ARCHITECTURES;
 pub(crate) use names::{GgufNames, NamePair};
-pub(crate) use spm::SpmVocab;
+pub(crate) use spm::{byte_of, SpmVocab};
 pub use text::GGUF_PRE_TOKENIZERS;

@@ -9,10 +9,11 @@
 //! leftmost on a tie). The crate's BPE applies merges by rank; a merge list
 //! derived from the scores (as HF's GGUF converter derives it) ranks two
 //! splits of one token (`▁a`+`b`, `▁`+`ab`) apart where llama.cpp ties
-//! them, and Gemma's scores do not follow its merge order at all. The
-//! `tokenizers` crate still holds the vocabulary and decodes
-//! ([`SpmVocab::tokenizer_json`]): `▁` as a space, byte tokens joined, the
-//! space the encoder prepends removed, as HF's Llama tokenizer decodes.
+//! them, and Gemma's scores do not follow its merge order at all. Decoding
+//! ([`SpmVocab::decode`]) is HF's Llama tokenizer's (`▁` as a space, byte
+//! tokens joined, the space the encoder prepends removed), written here
+//! too, so that the vocabulary is held once: a `tokenizers` model of it
+//! would keep two hash maps of every token besides.
 
 use std::cmp::Ordering;
 use std::collections::hash_map::RandomState;
@@ -20,7 +21,6 @@ use std::collections::BinaryHeap;
 use std::hash::BuildHasher;
 
 use candle::{bail, Result};
-use serde_json::{json, Map, Value};
 
 use super::GgufFile;
 
@@ -409,53 +409,72 @@ impl SpmVocab {
         Ok(())
     }
 
-    /// The vocabulary as a `tokenizer.json` the `tokenizers` crate reads,
-    /// for decoding: the tokens in a BPE model without merges (with byte
-    /// fallback), control and unknown tokens as special added tokens (so
-    /// decoding skips them), user-defined ones as plain added tokens, and
-    /// HF's Llama decoder (`▁` to a space, byte tokens joined, the prefixed
-    /// space stripped where the encoder adds one).
-    pub(crate) fn tokenizer_json(&self) -> Value {
-        let mut vocab = Map::new();
-        let mut added = Vec::new();
-        for (id, &kind) in self.types.iter().enumerate() {
-            let token = self.ids.text(id as u32);
-            vocab.insert(token.to_string(), json!(id));
-            if matches!(
-                kind,
-                token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED
-            ) {
-                added.push(json!({
-                    "id": id, "content": token, "single_word": false, "lstrip": false, "rstrip": false,
-                    "normalized": false, "special": kind != token_type::USER_DEFINED,
-                }));
+    /// Tokens in the vocabulary.
+    pub(crate) fn len(&self) -> usize {
+        self.types.len()
+    }
+
+    /// Token `id`'s text and, for the tokens the `tokenizers` crate would
+    /// hold as added ones, whether it is special: `Some(true)` for control
+    /// and unknown tokens, `Some(false)` for user-defined ones, `None` for
+    /// the others; `None` past the vocabulary.
+    pub(crate) fn token(&self, id: u32) -> Option<(&str, Option<bool>)> {
+        let added = match *self.types.get(id as usize)? {
+            token_type::CONTROL | token_type::UNKNOWN => Some(true),
+            token_type::USER_DEFINED => Some(false),
+            _ => None,
+        };
+        Some((self.ids.text(id), added))
+    }
+
+    /// The id of the token whose text is `piece`.
+    pub(crate) fn token_id(&self, piece: &str) -> Option<u32> {
+        self.ids.get(piece)
+    }
+
+    /// The text of `ids` as HF's Llama tokenizer decodes them with
+    /// `skip_special_tokens=True` (its `tokenizer.json`'s decoders
+    /// `Replace("▁", " ")`, `ByteFallback`, `Fuse` and, where the encoder
+    /// prefixes a space, `Strip(" ", 1, 0)`): special tokens and ids past
+    /// the vocabulary skipped, `▁` a space, a run of byte tokens
+    /// (`<0xE6>`) its bytes where they are UTF-8, else a U+FFFD for each,
+    /// and one leading space removed.
+    pub(crate) fn decode(&self, ids: &[u32]) -> String {
+        let mut out = String::new();
+        let mut bytes = Vec::new();
+        let flush = |out: &mut String, bytes: &mut Vec<u8>| match String::from_utf8(std::mem::take(bytes)) {
+            Ok(text) => out.push_str(&text),
+            Err(e) => out.extend(std::iter::repeat_n('\u{FFFD}', e.as_bytes().len())),
+        };
+        for &id in ids {
+            let Some((text, added)) = self.token(id) else {
+                continue;
+            };
+            if added == Some(true) {
+                continue;
+            }
+            match byte_of(text) {
+                Some(b) => bytes.push(b),
+                None => {
+                    flush(&mut out, &mut bytes);
+                    out.push_str(&text.replace(SPACE, " "));
+                }
             }
         }
-        let unk = self.unk.map(|id| self.ids.text(id));
-        let mut decoders = vec![
-            json!({"type": "Replace", "pattern": {"String": SPACE}, "content": " "}),
-            json!({"type": "ByteFallback"}),
-            json!({"type": "Fuse"}),
-        ];
-        if self.add_space_prefix {
-            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        flush(&mut out, &mut bytes);
+        if self.add_space_prefix && out.starts_with(' ') {
+            out.remove(0);
         }
-        json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": null,
-            "pre_tokenizer": null,
-            "post_processor": null,
-            "decoder": {"type": "Sequence", "decoders": decoders},
-            "model": {
-                "type": "BPE", "dropout": null, "unk_token": unk, "continuing_subword_prefix": null,
-                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true,
-                "ignore_merges": false, "vocab": vocab, "merges": [],
-            },
-        })
+        out
     }
+}
+
+/// The byte a byte token's text (`<0xE6>`) stands for, as HF's
+/// `ByteFallback` reads it.
+pub(crate) fn byte_of(text: &str) -> Option<u8> {
+    (text.len() == 6 && text.starts_with("<0x") && text.ends_with('>'))
+        .then(|| u8::from_str_radix(&text[3..5], 16).ok())
+        .flatten()
 }
 
 /// A pair of adjacent symbols whose joined text is a token.

@@ -323,25 +323,15 @@ impl TextTokenizer {
         })
     }
 
-    /// [`TextTokenizer::from_gguf`] for a SentencePiece vocabulary: the
-    /// `tokenizers` crate holds it for decoding, [`SpmVocab`] encodes.
+    /// [`TextTokenizer::from_gguf`] for a SentencePiece vocabulary
+    /// ([`SpmVocab`] encodes and decodes).
     fn from_gguf_spm(file: &GgufFile) -> Result<Self> {
         let label = file.label();
         let Some(tokens) = file.strings("tokenizer.ggml.tokens")? else {
             return Err(needs_tokenizer(label, "it has no tokenizer.ggml.tokens"));
         };
         let spm = SpmVocab::from_gguf(file, &tokens)?;
-        let bytes = serde_json::to_vec(&spm.tokenizer_json())
-            .map_err(|e| candle::Error::Msg(format!("GGUF file '{label}': tokenizer: {e}")))?;
-        let tokenizer =
-            Self::from_json(&bytes, &format!("{label} (tokenizer.ggml.*)"), None).map_err(|e| {
-                let e = e.to_string();
-                needs_tokenizer(
-                    label,
-                    &format!("its tokenizer could not be built: {}", e.escape_debug()),
-                )
-            })?;
-        Ok(tokenizer.with_spm(spm))
+        Ok(Self::from_spm(spm, &format!("{label} (tokenizer.ggml.*)")))
     }
 }
 
