@@ -42,11 +42,15 @@ pub struct TextTokenizer {
     decoded: Vec<u32>,
 }
 
+/// An id's token: its text and, for an added token, whether it is
+/// special ([`TextTokenizer::tokens`]).
+type TokenLookup<'a> = Box<dyn Fn(u32) -> Option<(String, Option<bool>)> + 'a>;
+
 /// What encodes and decodes.
 #[derive(Clone)]
 enum Inner {
     /// HF's fast tokenizer, from a `tokenizer.json`.
-    Hf(tokenizers::Tokenizer),
+    Hf(Box<tokenizers::Tokenizer>),
     /// A GGUF file's SentencePiece vocabulary: encoded as llama.cpp
     /// encodes it, decoded as HF's Llama tokenizer decodes ([`SpmVocab`]).
     Spm(std::sync::Arc<SpmVocab>),
@@ -150,7 +154,7 @@ impl TextTokenizer {
             .and_then(|d| serde_json::to_string(d).ok())
             .is_some_and(|json| json.contains("\"ByteLevel\""));
         Ok(Self {
-            inner: Inner::Hf(inner),
+            inner: Inner::Hf(Box::new(inner)),
             label: label.to_string(),
             clean_up,
             byte_tokens,
@@ -256,7 +260,7 @@ impl TextTokenizer {
     /// A lookup of each id's token: its text and, for an added token,
     /// whether it is special (`None` for a token of the model's own
     /// vocabulary); `None` for an id with no token.
-    fn tokens(&self) -> Box<dyn Fn(u32) -> Option<(String, Option<bool>)> + '_> {
+    fn tokens(&self) -> TokenLookup<'_> {
         match &self.inner {
             Inner::Hf(t) => {
                 let added = t.get_added_tokens_decoder();
