@@ -332,8 +332,7 @@ fn sdpa_tiled_with(
     options: TileOptions,
     dropout: Option<Dropout>,
 ) -> Result<Tensor> {
-    let mut masking = mask.masking(q, k, appended)?;
-    masking.dropout = dropout;
+    let masking = mask.masking(q, k, appended, dropout)?;
     match kernel::sdpa(q, k, v, &masking, appended, scale, options)? {
         Some(out) => Ok(out),
         // A non-finite value met a hidden key: the reference path, which

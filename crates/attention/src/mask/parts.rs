@@ -3,7 +3,7 @@
 //! reference path.
 
 use candle::{Device, Result, Tensor};
-use multihead_kernels::attention::{MaskPart, Masking};
+use multihead_kernels::attention::{Dropout, MaskPart, Masking};
 
 use super::{as_u8, attn_mask_as_4d, float_to_bias, AttnMask, KeyPaddingMask, Mask};
 
@@ -66,8 +66,14 @@ impl Mask {
     /// it, validated: key padding and attention masks in their own shapes
     /// (bytes stay bytes), the causal rule, the window and ALiBi as rules,
     /// so that tiles they hide whole are skipped instead of computed and
-    /// masked.
-    pub(crate) fn masking(&self, q: &Tensor, k: &Tensor, appended: usize) -> Result<Masking<'_>> {
+    /// masked; with `dropout` on the weights where given.
+    pub(crate) fn masking(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        appended: usize,
+        dropout: Option<Dropout>,
+    ) -> Result<Masking<'_>> {
         let (batch, heads, q_len, _) = q.dims4()?;
         let kv_len = k.dim(2)?.saturating_sub(appended);
         Ok(Masking {
@@ -79,7 +85,7 @@ impl Mask {
                 .as_ref()
                 .map(|a| (a.slopes(), self.alibi_offset(q_len, kv_len))),
             softcap: self.softcap,
-            dropout: None,
+            dropout,
         })
     }
 

@@ -143,8 +143,7 @@ fn fused(
     dropout: Option<Dropout>,
     merge: Merge,
 ) -> Result<Option<FusedAttention>> {
-    let mut masking = mask.masking(q, k, appended)?;
-    masking.dropout = dropout;
+    let masking = mask.masking(q, k, appended, dropout)?;
     let options = TileOptions {
         isa,
         ..TileOptions::default()
@@ -218,9 +217,7 @@ struct FusedAttention {
 impl FusedAttention {
     /// The mask and dropout as the forward read them, for `q` and `k`.
     fn masking(&self, q: &Tensor, k: &Tensor) -> Result<kernel::Masking<'_>> {
-        let mut masking = self.mask.masking(q, k, self.appended)?;
-        masking.dropout = self.dropout;
-        Ok(masking)
+        self.mask.masking(q, k, self.appended, self.dropout)
     }
 }
 
