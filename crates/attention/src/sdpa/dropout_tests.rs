@@ -66,12 +66,15 @@ fn dropout_equals_the_reference_with_the_same_mask() -> Result<()> {
     let dev = Device::Cpu;
     for isa in supported() {
         // The backward's two passes, its one pass over (batch, kv-head)
-        // units (8 of them), decode-sized, and across the tiles and blocks.
+        // units (8 of them), decode-sized, across the tiles and blocks.
         for (b, h, kh, l, s, d) in [
             (2, 4, 2, 37, 45, 16),
             (4, 4, 2, 20, 33, 8),
             (1, 2, 1, 3, 40, 8),
             (1, 2, 2, 140, 530, 32),
+            // Decode-sized over 512 keys or more: a unit takes the query
+            // heads of a kv-head together.
+            (1, 4, 1, 2, 600, 8),
         ] {
             let masks = [
                 ("none", Mask::new()),
