@@ -66,9 +66,8 @@ mod sdpa;
 /// The CPU building blocks the attention and the models run on, from
 /// `multihead-kernels`.
 pub use multihead_kernels::{
-    cpu_isa, dequantize_row, gelu_tanh_and_mul, gelu_tanh_mul, is_broadcast, release_free_memory, relu,
-    silu_and_mul, silu_mul, BlockFormat, LayerNorm, LentBlocks, PackFormat, PackOptions, PackedLinear,
-    RmsNorm,
+    cpu_isa, dequantize_row, gelu_tanh_and_mul, gelu_tanh_mul, is_broadcast, relu, silu_and_mul, silu_mul,
+    BlockFormat, LayerNorm, LentBlocks, PackFormat, PackOptions, PackedLinear, RmsNorm,
 };
 
 pub use cache::{DecoderCache, KvCache};

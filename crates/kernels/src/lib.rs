@@ -112,7 +112,7 @@ mod testing;
 pub use linear::{is_broadcast, LentBlocks, PackFormat, PackOptions, PackedLinear};
 pub use quant::{dequantize_row, BlockFormat};
 pub use rows::{gelu_tanh_and_mul, gelu_tanh_mul, relu, silu_and_mul, silu_mul, LayerNorm, RmsNorm};
-pub use runtime::{isa, release_free_memory};
+pub use runtime::isa;
 
 /// The instruction set the CPU kernels run with now: `"avx512bf16"`
 /// (AVX-512F with AVX512-BF16: bf16 weights multiply inputs rounded to

@@ -347,13 +347,17 @@ impl PackedWeight {
                                         }
                                     }
                                 }
-                                _ => match wide(p) {
-                                    _ if x_cs != 1 => unreachable!("a transposed input runs on AVX-512"),
-                                    Some(wf) => {
-                                        self.avx2_tile(rows, cols, xg, kc, wf, (bias, res), dst, width)
+                                _ => {
+                                    debug_assert_eq!(x_cs, 1, "a transposed input runs on AVX-512");
+                                    match wide(p) {
+                                        Some(wf) => {
+                                            self.avx2_tile(rows, cols, xg, kc, wf, (bias, res), dst, width)
+                                        }
+                                        None => {
+                                            self.avx2_tile(rows, cols, xg, kc, w, (bias, res), dst, width)
+                                        }
                                     }
-                                    None => self.avx2_tile(rows, cols, xg, kc, w, (bias, res), dst, width),
-                                },
+                                }
                             }
                             if k0 + kc == k && epilogue != Epilogue::Identity {
                                 for r in 0..rows {

@@ -5,5 +5,4 @@
 
 pub mod isa;
 pub(crate) mod pages;
-pub use pages::release_free_memory;
 pub(crate) mod pool;

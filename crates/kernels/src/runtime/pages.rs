@@ -49,17 +49,3 @@ fn advise_huge(ptr: usize, len: usize) {
     #[cfg(not(target_os = "linux"))]
     let _ = (ptr, len);
 }
-
-/// Hands the memory the allocator holds free back to the system: where a
-/// load freed its transient buffers among the weights it keeps, those
-/// pages stay resident until something reuses them. glibc's
-/// `malloc_trim(0)` (every arena, the holes inside them too); nothing
-/// elsewhere.
-pub fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free pages; it moves no live
-    // allocation.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}

@@ -30,8 +30,8 @@ use crate::formats::gguf::{GgufNames, NamePair};
 use crate::formats::safetensors::{Checkpoint, MinWeights};
 use crate::mlp::{check_widths, Activation};
 
-/// Rows an inference call runs through a [`GatedMlp`] at a time: `(f32,
-/// bf16 or f16 weights, quantized weights)`. Its hidden activations
+/// Rows an inference call runs through a [`GatedMlp`] at a time: `(float
+/// weights, quantized weights)`. Its hidden activations
 /// (`[gate | up]` and their product: three times the hidden width a row)
 /// are a prefill's largest buffers; in blocks of rows they take a few MB
 /// whatever the prompt's length, as llama.cpp's micro-batches bound them,
@@ -84,10 +84,7 @@ impl GatedMlp {
         };
         let width = xs.dim(D::Minus1)?;
         let rows = xs.elem_count() / width.max(1);
-        let mlp_rows = match self.down.is_quantized() {
-            false => MLP_ROWS.0,
-            true => MLP_ROWS.1,
-        };
+        let mlp_rows = self.block_rows();
         if xs.track_op() || residual.is_some_and(Tensor::track_op) || rows <= mlp_rows {
             return block(xs, residual);
         }
@@ -107,6 +104,15 @@ impl GatedMlp {
         let mut dims = xs.dims().to_vec();
         *dims.last_mut().expect("xs has a last dimension") = out.dim(1)?;
         out.reshape(dims)
+    }
+
+    /// The rows of an inference call's block ([`MLP_ROWS`] for its
+    /// weights).
+    fn block_rows(&self) -> usize {
+        match self.down.is_quantized() {
+            false => MLP_ROWS.0,
+            true => MLP_ROWS.1,
+        }
     }
 
     /// `act(gate(x)) * up(x)`: `(..., hidden)`.
@@ -727,11 +733,7 @@ mod tests {
                 Activation::SwiGlu,
                 &pack,
             )?;
-            let rows = if mlp.down.is_quantized() {
-                MLP_ROWS.1
-            } else {
-                MLP_ROWS.0
-            };
+            let rows = mlp.block_rows();
             let x = Tensor::randn(0f32, 1., (2, rows + 3, d), &dev)?;
             let residual = Tensor::randn(0f32, 1., (2, rows + 3, d), &dev)?;
             let whole = mlp.down.forward_add(&mlp.hidden(&x)?, &residual)?;

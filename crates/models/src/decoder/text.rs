@@ -291,7 +291,7 @@ impl TextTokenizer {
                     return (!special).then(|| token.into_bytes());
                 }
                 if self.is_byte_token(id) {
-                    return u8::from_str_radix(&token[3..5], 16).ok().map(|b| vec![b]);
+                    return byte_of(&token).map(|b| vec![b]);
                 }
                 if self.byte_level {
                     token.chars().map(|c| unicode_to_byte.get(&c).copied()).collect()

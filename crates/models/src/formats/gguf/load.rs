@@ -410,9 +410,6 @@ impl DecoderModel {
         // A placeholder that reached anything but a layer that keeps its
         // blocks would compute with zeros.
         lent.all_taken()?;
-        // The file's tensors were read into buffers the load freed among
-        // the weights it keeps.
-        multihead_attention::release_free_memory();
         Ok(model.with_kv_dtype(opts.kv_dtype))
     }
 }

@@ -71,9 +71,9 @@ pub(crate) struct SpmVocab {
 }
 
 /// The tokens' texts, one after another in one buffer, and a hash table of
-/// their ids: a vocabulary of tens of thousands of tokens in about a
-/// tenth of the memory of a `HashMap<String, u32>` (a `String` and a
-/// padded bucket a token, at most half the buckets used).
+/// their ids: beside its text, a token takes an end offset and a table
+/// slot of a `u32`, where a `HashMap<String, u32>` would hold a `String`
+/// of its own and a bucket for both.
 #[derive(Debug, Clone)]
 struct Texts {
     text: String,
@@ -119,6 +119,16 @@ impl Texts {
             hasher.hash_one(text_in(text, ends, i))
         });
         Ok(())
+    }
+}
+
+/// The text of token `id`, `t` in the file: llama.cpp names an empty
+/// token by its id, so that every token has a text of its own.
+fn token_text(id: usize, t: &str) -> std::borrow::Cow<'_, str> {
+    if t.is_empty() {
+        format!("[EMPTY_{id}]").into()
+    } else {
+        t.into()
     }
 }
 
@@ -169,18 +179,9 @@ impl SpmVocab {
             }
             None => vec![0.; n],
         };
-        // llama.cpp names an empty token by its id, so that every token
-        // has a text of its own.
-        let text_of = |id: usize, t: &str| {
-            if t.is_empty() {
-                format!("[EMPTY_{id}]")
-            } else {
-                t.to_string()
-            }
-        };
         let mut ids = Texts::with_capacity(n);
         for (id, t) in tokens.iter().enumerate() {
-            let t = text_of(id, t);
+            let t = token_text(id, t);
             if let Err(first) = ids.push(&t) {
                 bail!(
                     "GGUF file '{label}': tokenizer.ggml.tokens has '{}' twice (ids {first} and {id}); llama.cpp refuses such a vocabulary",
@@ -234,7 +235,7 @@ impl SpmVocab {
                 )
             })
             .map(|(id, (text, &t))| Special {
-                text: text_of(id, text),
+                text: token_text(id, text).into_owned(),
                 id: id as u32,
                 control: t != token_type::USER_DEFINED,
                 // llama.cpp's attributes for Phi-3 (`load` in llama-vocab.cpp).
