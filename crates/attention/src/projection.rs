@@ -44,11 +44,8 @@ impl InProjection {
                         qkv.narrow(D::Minus1, e + kvd, kvd)?,
                     ))
                 } else {
-                    Ok((
-                        qkv.forward_features(q, 0, e)?,
-                        qkv.forward_features(k, e, e + kvd)?,
-                        qkv.forward_features(v, e + kvd, e + 2 * kvd)?,
-                    ))
+                    let (k, v) = self.forward_kv(k, v)?;
+                    Ok((qkv.forward_features(q, 0, e)?, k, v))
                 }
             }
             InKind::Separate { q: pq, k: pk, v: pv } => Ok((pq.forward(q)?, pk.forward(k)?, pv.forward(v)?)),
@@ -65,6 +62,12 @@ impl InProjection {
     pub(crate) fn forward_kv(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (e, kvd) = (self.q_dim, self.kv_dim);
         match &self.kind {
+            // Keys and values of one tensor (cross-attention over a
+            // memory): one call over both parts of the weight.
+            InKind::Fused(qkv) if k.id() == v.id() => {
+                let kv = qkv.forward_features(k, e, e + 2 * kvd)?;
+                Ok((kv.narrow(D::Minus1, 0, kvd)?, kv.narrow(D::Minus1, kvd, kvd)?))
+            }
             InKind::Fused(qkv) => Ok((
                 qkv.forward_features(k, e, e + kvd)?,
                 qkv.forward_features(v, e + kvd, e + 2 * kvd)?,

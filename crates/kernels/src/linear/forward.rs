@@ -102,13 +102,11 @@ impl PackedLinear {
                 None => Ok(y),
             }
         };
-        // A training layer's whole output: the op that packs the weight
-        // as it is now and whose backward runs on the packed kernels.
+        // A training layer: the op that packs the weight as it is now and
+        // whose backward runs on the packed kernels.
         if let Inner::Trained(t) = &self.inner {
-            if (lo, hi) == (0, n) {
-                if let Some(y) = t.forward(x)? {
-                    return epilogue_of(y);
-                }
+            if let Some(y) = t.forward(x, (lo, hi))? {
+                return epilogue_of(y);
             }
         }
         // Whether the packed (or quantized) weight computes these features.

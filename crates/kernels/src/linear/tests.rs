@@ -661,6 +661,66 @@ mod trained {
         })
     }
 
+    /// A fused projection's parts (`forward_features`, as cross-attention
+    /// projects the query and the memory's keys and values apart) train on
+    /// the packed op: outputs and every gradient equal candle's autograd
+    /// over the narrowed weight, the weight's and bias's gradients summed
+    /// over both calls, zero nowhere but where no call reaches; the parts'
+    /// `Wᵀ` packed for each range of its own (fails where a range takes the
+    /// whole weight's copy, or its gradient lands on other rows).
+    #[test]
+    fn a_fused_projection_s_parts_train_on_the_packed_op() -> Result<()> {
+        let (e, k) = (64, 48);
+        for isa in supported().into_iter().filter(|&i| i != Isa::Portable) {
+            let w = Var::from_tensor(&randn(&[3 * e, k])?)?;
+            let b = Var::from_tensor(&randn(&[3 * e])?)?;
+            let ours = PackedLinear::with_options(
+                w.as_tensor().clone(),
+                Some(b.as_tensor().clone()),
+                &PackOptions::new().with_isa(isa),
+            )?;
+            let Inner::Trained(t) = &ours.inner else {
+                panic!("{isa:?}: not a training layer")
+            };
+            let (q, mem) = (
+                Var::from_tensor(&randn(&[2, 5, k])?)?,
+                Var::from_tensor(&randn(&[2, 9, k])?)?,
+            );
+            let ts = [q.as_tensor(), mem.as_tensor(), w.as_tensor(), b.as_tensor()];
+            let (rq, rkv) = (randn(&[2, 5, e])?, randn(&[2, 9, 2 * e])?);
+            let loss = |yq: &Tensor, ykv: &Tensor| -> Result<Vec<Option<Tensor>>> {
+                let grads = ((yq * &rq)?.sum_all()? + (ykv * &rkv)?.sum_all()?)?.backward()?;
+                Ok(ts.iter().map(|t| grads.get(t).cloned()).collect())
+            };
+            let (yq, ykv) = (
+                ours.forward_features(q.as_tensor(), 0, e)?,
+                ours.forward_features(mem.as_tensor(), e, 3 * e)?,
+            );
+            let part = |lo: usize, len: usize| -> Result<candle_nn::Linear> {
+                Ok(candle_nn::Linear::new(
+                    w.as_tensor().narrow(0, lo, len)?,
+                    Some(b.as_tensor().narrow(0, lo, len)?),
+                ))
+            };
+            let (wq, wkv) = (
+                part(0, e)?.forward(q.as_tensor())?,
+                part(e, 2 * e)?.forward(mem.as_tensor())?,
+            );
+            assert!(rel_err(&yq, &wq)? < 1e-5, "{isa:?}: q");
+            assert!(rel_err(&ykv, &wkv)? < 1e-5, "{isa:?}: kv");
+            let (got, want) = (loss(&yq, &ykv)?, loss(&wq, &wkv)?);
+            for ((g, w), name) in got.iter().zip(&want).zip(["dq", "dmemory", "dW", "db"]) {
+                let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+                assert!(rel_err(g, w)? < 1e-5, "{isa:?}: {name} {:e}", rel_err(g, w)?);
+            }
+            // The packed op, not candle's matmul over a narrowed weight:
+            // one forward copy and one `Wᵀ` a range.
+            assert!(t.packed_forward().is_some(), "{isa:?}");
+            assert_eq!(t.fresh_packs(), 3, "{isa:?}");
+        }
+        Ok(())
+    }
+
     /// A weight an optimizer step (or `Var::set`) changes in place gives
     /// the new weight's outputs and gradients, never the packed copy's of
     /// the old one, packed again into the copy's own buffers; an unchanged

@@ -37,6 +37,10 @@ use crate::runtime::pool::{par_for, SyncPtr};
 /// A packed copy of a weight, held while it is current.
 type Cache = Mutex<Option<Arc<PackedWeight>>>;
 
+/// Caches by the range of output features `lo..hi` whose weight rows
+/// they pack.
+type RangeCaches = Mutex<Vec<((usize, usize), Arc<Cache>)>>;
+
 /// A weight `(n, k)` and bias `(n)` that track gradients, f32 on the CPU,
 /// and their packed copies for the instruction set the layer was built
 /// for.
@@ -46,8 +50,9 @@ pub(crate) struct TrainedWeight {
     isa: Isa,
     /// `W` and its bias, for the forward.
     forward: Cache,
-    /// `Wᵀ`, for `dX`.
-    transposed: Cache,
+    /// `W[lo..hi]ᵀ` by the range of output features `lo..hi` it is of,
+    /// for `dX` (the whole weight's, or a fused projection's parts).
+    transposed: RangeCaches,
     /// Copies packed into new buffers, either cache.
     #[cfg(test)]
     fresh: std::sync::atomic::AtomicUsize,
@@ -97,7 +102,7 @@ impl TrainedWeight {
             bias: bias.cloned(),
             isa,
             forward: Mutex::new(None),
-            transposed: Mutex::new(None),
+            transposed: Mutex::new(Vec::new()),
             #[cfg(test)]
             fresh: Default::default(),
         }))
@@ -124,17 +129,26 @@ impl TrainedWeight {
         (d[0], d[1])
     }
 
-    /// `x · wᵀ + b` through the packed kernels, gradients flowing to `x`,
-    /// the weight and the bias; `None` where `x` is not an f32 CPU tensor.
+    /// `x · w[lo..hi]ᵀ + b[lo..hi]` (output features `lo..hi`; all of
+    /// them for a plain layer, a part of a fused projection's) through the
+    /// packed kernels, gradients flowing to `x`, the weight and the bias;
+    /// `None` where `x` is not an f32 CPU tensor or the packed weight does
+    /// not serve the range ([`PackedWeight::serves_range`]).
     ///
     /// # Shapes
     /// - `x`: `(..., k)`
-    /// - returns `(..., n)`
-    pub(crate) fn forward(self: &Arc<Self>, x: &Tensor) -> Result<Option<Tensor>> {
-        if !(x.device().is_cpu() && x.dtype() == DType::F32) {
+    /// - returns `(..., hi - lo)`
+    pub(crate) fn forward(self: &Arc<Self>, x: &Tensor, (lo, hi): (usize, usize)) -> Result<Option<Tensor>> {
+        let (n, _) = self.dims();
+        let nr = super::weight::panel_width(self.isa);
+        let served = lo < hi && hi <= n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == n);
+        if !(x.device().is_cpu() && x.dtype() == DType::F32 && served) {
             return Ok(None);
         }
-        let op = TrainedLinear(Arc::clone(self));
+        let op = TrainedLinear {
+            weight: Arc::clone(self),
+            range: (lo, hi),
+        };
         let (x, w) = (x.contiguous()?, self.weight.contiguous()?);
         let y = match &self.bias {
             Some(b) => x.apply_op3(&w, &b.contiguous()?, op)?,
@@ -175,9 +189,15 @@ impl TrainedWeight {
         Ok(p)
     }
 
-    /// `x · wᵀ + b` over plain slices: `x` `m` rows of `k`, `w` and `b` the
-    /// weight's and bias's data now.
-    fn forward_slices(&self, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Result<Vec<f32>> {
+    /// `x · w[lo..hi]ᵀ + b[lo..hi]` over plain slices: `x` `m` rows of `k`,
+    /// `w` and `b` the weight's and bias's data now.
+    fn forward_slices(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        b: Option<&[f32]>,
+        range: (usize, usize),
+    ) -> Result<Vec<f32>> {
         let (n, k) = self.dims();
         let packed = self.current(
             &self.forward,
@@ -185,37 +205,65 @@ impl TrainedWeight {
             |p| p.repack(w, b),
             || PackedWeight::new(w, n, k, b, self.isa, DType::F32),
         )?;
-        Ok(packed.forward(x, x.len() / k, (0, n), Epilogue::Identity, None))
+        Ok(packed.forward(x, x.len() / k, range, Epilogue::Identity, None))
+    }
+
+    /// The cache of `W[lo..hi]ᵀ`, made empty where there is none yet.
+    fn transposed_cache(&self, range: (usize, usize)) -> Result<Arc<Cache>> {
+        let Ok(mut caches) = self.transposed.lock() else {
+            bail!("PackedLinear: a thread panicked while it packed this layer's weight")
+        };
+        if let Some((_, c)) = caches.iter().find(|(r, _)| *r == range) {
+            return Ok(Arc::clone(c));
+        }
+        let c = Arc::new(Mutex::new(None));
+        caches.push((range, Arc::clone(&c)));
+        Ok(c)
     }
 
     /// The gradients of `x`, the weight and the bias (each where it tracks
-    /// gradients) given `dy`, the output's.
+    /// gradients) given `dy`, the gradient of output features `lo..hi`:
+    /// the weight's and the bias's are zero outside those features.
     fn backward(
         &self,
         x: &Tensor,
         w: &Tensor,
         b: Option<&Tensor>,
         dy: &Tensor,
+        (lo, hi): (usize, usize),
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, k) = self.dims();
+        let r = hi - lo;
         let m = x.elem_count() / k;
-        let dy = dy.to_dtype(DType::F32)?.reshape((m, n))?.contiguous()?;
+        let dy = dy.to_dtype(DType::F32)?.reshape((m, r))?.contiguous()?;
         let dx = if x.track_op() && m == 0 {
             Some(x.zeros_like()?)
         } else if x.track_op() {
-            // dX = dY · W: dY's rows through Wᵀ.
+            // dX = dY · W[lo..hi]: dY's rows through W[lo..hi]ᵀ.
+            let cache = self.transposed_cache((lo, hi))?;
             let wt = with_f32(w, |w| {
+                let w = &w[lo * k..hi * k];
                 self.current(
-                    &self.transposed,
+                    &cache,
                     |p| p.holds_columns(w),
                     |p| p.repack_columns(w),
-                    || Ok(PackedWeight::from_columns(w, n, k, self.isa)),
+                    || Ok(PackedWeight::from_columns(w, r, k, self.isa)),
                 )
             })?;
             let dx = with_f32(&dy, |dy| Ok(wt.forward(dy, m, (0, k), Epilogue::Identity, None)))?;
             Some(Tensor::from_vec(dx, x.shape(), x.device())?)
         } else {
             None
+        };
+        // The whole weight's (or bias's) gradient from that of its rows
+        // `lo..hi`, zeros around them.
+        let widen = |part: Vec<f32>, row: usize| -> Vec<f32> {
+            if (lo, hi) == (0, n) {
+                return part;
+            }
+            let mut full = vec![0f32; n * row];
+            full[lo * row..hi * row].copy_from_slice(&part);
+            full
         };
         // dW = dYᵀ · X: on the tiles where they read dYᵀ in place (see the
         // module doc), else on candle's matmul (`gemm`).
@@ -225,12 +273,13 @@ impl TrainedWeight {
                 _ => {
                     let x = x.to_dtype(DType::F32)?.reshape((m, k))?.contiguous()?;
                     let dw = with_f32(&x, |xs| {
-                        with_f32(&dy, |dys| Ok(weight_grad(xs, dys, (m, n, k), self.isa)))
+                        with_f32(&dy, |dys| Ok(weight_grad(xs, dys, (m, r, k), self.isa)))
                     })?;
-                    match dw {
-                        Some(dw) => Tensor::from_vec(dw, (n, k), w.device())?,
-                        None => dy.t()?.matmul(&x)?,
-                    }
+                    let dw = match dw {
+                        Some(dw) => dw,
+                        None => dy.t()?.matmul(&x)?.flatten_all()?.to_vec1()?,
+                    };
+                    Tensor::from_vec(widen(dw, k), (n, k), w.device())?
                 }
             })
         } else {
@@ -238,8 +287,8 @@ impl TrainedWeight {
         };
         let db = match b {
             Some(b) if b.track_op() => {
-                let db = with_f32(&dy, |dy| Ok(column_sums(dy, m, n)))?;
-                Some(Tensor::from_vec(db, n, dy.device())?)
+                let db = with_f32(&dy, |dy| Ok(column_sums(dy, m, r)))?;
+                Some(Tensor::from_vec(widen(db, 1), n, dy.device())?)
             }
             _ => None,
         };
@@ -315,9 +364,13 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     with_f32_data([t], "PackedLinear", |[data]| f(data))
 }
 
-/// The op `x · wᵀ (+ b)` of one [`TrainedWeight`]: its arguments are `x`,
-/// the weight and (as a third) the bias, all contiguous.
-struct TrainedLinear(Arc<TrainedWeight>);
+/// The op `x · w[lo..hi]ᵀ (+ b[lo..hi])` of one [`TrainedWeight`]: its
+/// arguments are `x`, the whole weight and (as a third) the whole bias,
+/// all contiguous.
+struct TrainedLinear {
+    weight: Arc<TrainedWeight>,
+    range: (usize, usize),
+}
 
 impl TrainedLinear {
     fn cpu(
@@ -326,7 +379,7 @@ impl TrainedLinear {
         w: (&CpuStorage, &Layout),
         b: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, k) = self.0.dims();
+        let (n, k) = self.weight.dims();
         if x.1.dims().last() != Some(&k) || w.1.dims() != [n, k] {
             bail!(
                 "PackedLinear: input {:?} and weight {:?} for a layer of ({n}, {k})",
@@ -335,14 +388,15 @@ impl TrainedLinear {
             )
         }
         let b = b.map(|(s, l)| f32_data(s, l, "PackedLinear")).transpose()?;
-        let y = self.0.forward_slices(
+        let y = self.weight.forward_slices(
             f32_data(x.0, x.1, "PackedLinear")?,
             f32_data(w.0, w.1, "PackedLinear")?,
             b,
+            self.range,
         )?;
         let mut shape = x.1.dims().to_vec();
         if let Some(last) = shape.last_mut() {
-            *last = n;
+            *last = self.range.1 - self.range.0;
         }
         Ok((CpuStorage::F32(y), Shape::from(shape)))
     }
@@ -370,7 +424,7 @@ impl CustomOp2 for TrainedLinear {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.0.backward(x, w, None, dy)?;
+        let (dx, dw, _) = self.weight.backward(x, w, None, dy, self.range)?;
         Ok((dx, dw))
     }
 }
@@ -400,6 +454,6 @@ impl CustomOp3 for TrainedLinear {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.0.backward(x, w, Some(b), dy)
+        self.weight.backward(x, w, Some(b), dy, self.range)
     }
 }

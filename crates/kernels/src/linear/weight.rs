@@ -34,7 +34,7 @@ use crate::rows::simd;
 use crate::runtime::isa::Isa;
 
 /// Output features per panel for `isa`.
-fn panel_width(isa: Isa) -> usize {
+pub(super) fn panel_width(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => super::avx512::LINEAR_NR,
