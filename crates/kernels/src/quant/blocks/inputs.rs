@@ -9,6 +9,7 @@
 //! from llama.cpp's within the inputs' rounding.
 
 use crate::quant::round_to_i8;
+use crate::runtime::isa::Isa;
 
 /// `(first, count)` of the groups a kernel takes `rows` input rows in:
 /// `most` at a time while they last, then 4, 2 and 1 (each count a
@@ -96,9 +97,111 @@ fn quantize_block(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
     d
 }
 
+/// One row of `x` quantized block by block into `q`, `d`, `sums` and
+/// `dsums` ([`quantize_block`]), with AVX-512 where `isa` has it.
+fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [i16], dsums: &mut [f32]) {
+    let block = x.len() / d.len();
+    assert!(
+        q.len() == x.len()
+            && sums.len() * 16 == x.len()
+            && dsums.len() == d.len()
+            && block.is_multiple_of(16)
+    );
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx512 {
+        // SAFETY: `isa` was capped at what the processor runs, and the
+        // slices hold one row's extents (asserted above).
+        unsafe { avx512::quantize_row(x, q, d, sums, dsums) };
+        return;
+    }
+    let _ = isa;
+    for ((((q, d), dsum), sums), x) in q
+        .chunks_exact_mut(block)
+        .zip(d.iter_mut())
+        .zip(dsums.iter_mut())
+        .zip(sums.chunks_exact_mut(block / 16))
+        .zip(x.chunks_exact(block))
+    {
+        *d = quantize_block(x, q, sums);
+        *dsum = block_dsum(*d, sums);
+    }
+}
+
+/// `d · Σ sums`, a block's `dx · Σ q`.
+fn block_dsum(d: f32, sums: &[i16]) -> f32 {
+    d * sums.iter().map(|&s| f32::from(s)).sum::<f32>()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{block_dsum, quantize_block};
+
+    /// [`quantize_block`] of every block of a row, 16 values a step: the
+    /// same operations lane by lane (the largest magnitude by its bits,
+    /// `v · (1 / d)`, ROUND_HALF with the value's sign added, truncated),
+    /// so the same values. A block whose scale or its inverse is not
+    /// finite (NaN, infinity, magnitudes too small to invert) goes through
+    /// [`quantize_block`] itself.
+    ///
+    /// # Safety
+    /// AVX-512F; the slices hold one row: `q` as long as `x`, `sums` a
+    /// sixteenth of it, `dsums` as long as `d`, `x.len() / d.len()` a
+    /// multiple of 16.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn quantize_row(
+        x: &[f32],
+        q: &mut [i8],
+        d: &mut [f32],
+        sums: &mut [i16],
+        dsums: &mut [f32],
+    ) {
+        const ROUND_HALF: f32 = 0.5 - f32::EPSILON / 4.;
+        let block = x.len() / d.len();
+        let steps = block / 16;
+        for b in 0..d.len() {
+            let (xb, qb) = (&x[b * block..][..block], &mut q[b * block..][..block]);
+            let sb = &mut sums[b * steps..][..steps];
+            // SAFETY: (the block) every load and store is one of the
+            // block's 16-value steps, inside the slices.
+            unsafe {
+                let abs = _mm512_set1_epi32(0x7fff_ffff);
+                let mut top = _mm512_setzero_si512();
+                for s in 0..steps {
+                    let v = _mm512_loadu_si512(xb.as_ptr().add(16 * s).cast());
+                    top = _mm512_max_epu32(top, _mm512_and_si512(v, abs));
+                }
+                let db = f32::from_bits(_mm512_reduce_max_epu32(top)) / 127.;
+                let id = if db != 0. { 1. / db } else { 0. };
+                if !(db.is_finite() && id.is_finite()) {
+                    d[b] = quantize_block(xb, qb, sb);
+                    dsums[b] = block_dsum(d[b], sb);
+                    continue;
+                }
+                let (idv, half) = (_mm512_set1_ps(id), _mm512_set1_ps(ROUND_HALF));
+                let sign = _mm512_set1_epi32(i32::MIN);
+                for (s, sum) in sb.iter_mut().enumerate() {
+                    let y = _mm512_mul_ps(_mm512_loadu_ps(xb.as_ptr().add(16 * s)), idv);
+                    let signed_half = _mm512_or_si512(
+                        _mm512_castps_si512(half),
+                        _mm512_and_si512(_mm512_castps_si512(y), sign),
+                    );
+                    let t = _mm512_cvttps_epi32(_mm512_add_ps(y, _mm512_castsi512_ps(signed_half)));
+                    _mm_storeu_si128(qb.as_mut_ptr().add(16 * s).cast(), _mm512_cvtepi32_epi8(t));
+                    *sum = _mm512_reduce_add_epi32(t) as i16;
+                }
+                d[b] = db;
+                dsums[b] = block_dsum(db, sb);
+            }
+        }
+    }
+}
+
 /// `x`'s `m` rows of `k` values (`k` a multiple of `block`, itself of 16)
-/// quantized, in parallel over rows where they are many.
-pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> QuantizedInputs {
+/// quantized, in parallel over rows where they are many, with the
+/// instruction set `isa` (capped at what the processor runs).
+pub(crate) fn quantize_inputs(isa: Isa, x: &[f32], m: usize, k: usize, block: usize) -> QuantizedInputs {
     use rayon::prelude::*;
     let nb = k / block;
     let mut out = QuantizedInputs {
@@ -113,18 +216,7 @@ pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> Qu
         ((&'a mut [i8], &'a mut [f32]), &'a mut [f32]),
         (&'a mut [i16], &'a [f32]),
     );
-    let one_row = |(((q, d), dsums), (sums, x)): Row| {
-        for ((((q, d), dsum), sums), x) in q
-            .chunks_exact_mut(block)
-            .zip(d.iter_mut())
-            .zip(dsums.iter_mut())
-            .zip(sums.chunks_exact_mut(block / 16))
-            .zip(x.chunks_exact(block))
-        {
-            *d = quantize_block(x, q, sums);
-            *dsum = *d * sums.iter().map(|&s| f32::from(s)).sum::<f32>();
-        }
-    };
+    let one_row = |(((q, d), dsums), (sums, x)): Row| quantize_row(isa, x, q, d, sums, dsums);
     let rows = out
         .q
         .chunks_exact_mut(k)
@@ -142,6 +234,7 @@ pub(crate) fn quantize_inputs(x: &[f32], m: usize, k: usize, block: usize) -> Qu
 #[cfg(test)]
 mod tests {
     use super::quantize_inputs;
+    use crate::runtime::isa::{supported, Isa};
 
     /// Each block's scale is its largest magnitude over 127 and its values
     /// `round(x / d)` with ties away from zero (C's `roundf`, as ggml
@@ -158,7 +251,7 @@ mod tests {
         x[2 * k + 3] = f32::INFINITY;
         x[3 * k + 9] = f32::NAN;
         x[k..2 * k].fill(0.);
-        let qi = quantize_inputs(&x, 4, k, 32);
+        let qi = quantize_inputs(Isa::Portable, &x, 4, k, 32);
         for (b, block) in x.chunks_exact(32).enumerate() {
             let (d, q) = (qi.d[b], &qi.q[b * 32..][..32]);
             if block.iter().any(|v| !v.is_finite()) {
@@ -173,5 +266,36 @@ mod tests {
             assert_eq!(q, &want[..], "block {b}");
         }
         assert_eq!(&qi.q[..8], &[127, 1, -1, 2, -2, 127, -127, 3]);
+    }
+
+    /// Every instruction set quantizes as the portable code does, bit for
+    /// bit: values, scales, sums of 16 and `dx · Σ q`, in blocks of 32 and
+    /// 256, over ties, zeros, infinities, NaN and magnitudes whose scale
+    /// cannot be inverted (fails where a vector path rounds ties to even,
+    /// or takes a subnormal block's scale).
+    #[test]
+    fn every_isa_quantizes_as_the_portable_code() {
+        for block in [32, 256] {
+            let (m, k) = (5, 2 * 256);
+            let mut x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.) * 0.0137)
+                .collect();
+            x[..6].copy_from_slice(&[127., 0.5, -0.5, 1.5, -126.5, 2.5]);
+            x[k..k + block].fill(0.);
+            x[2 * k + 3] = f32::INFINITY;
+            x[2 * k + block + 1] = f32::NEG_INFINITY;
+            x[3 * k + 9] = f32::NAN;
+            x[4 * k..4 * k + block].fill(1e-38);
+            x[4 * k + block..4 * k + 2 * block].fill(-0.);
+            let want = quantize_inputs(Isa::Portable, &x, m, k, block);
+            for isa in supported() {
+                let got = quantize_inputs(isa, &x, m, k, block);
+                assert_eq!(got.q, want.q, "{isa:?} block {block}");
+                assert_eq!(got.sums, want.sums, "{isa:?} block {block}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} block {block}");
+                assert_eq!(bits(&got.dsums), bits(&want.dsums), "{isa:?} block {block}");
+            }
+        }
     }
 }

@@ -339,7 +339,7 @@ impl BlockWeight {
         if m == 0 {
             return out;
         }
-        let xq = quantize_inputs(&x[..m * k], m, k, self.format.block_elems());
+        let xq = quantize_inputs(self.isa, &x[..m * k], m, k, self.format.block_elems());
         let rows = xq.rows();
         let out_ptr = SyncPtr(out.as_mut_ptr());
         // Writes row r's outputs for features j0.. from `ys`, with the

@@ -144,7 +144,7 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
         for m in [1, 3, 5, 11] {
             let x: Vec<f32> = (0..m * k).map(|_| 2. * rng.unit() - 1.).collect();
             let residual: Vec<f32> = (0..m * n).map(|_| rng.unit()).collect();
-            let xq = quantize_inputs(&x, m, k, format.block_elems());
+            let xq = quantize_inputs(Isa::Portable, &x, m, k, format.block_elems());
             let xrows = xq.rows();
             for isa in isa::supported() {
                 let weight = BlockWeight::new(format, data.clone(), n, k, Some(bias.clone()), isa)?;
