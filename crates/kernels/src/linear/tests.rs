@@ -661,6 +661,27 @@ mod trained {
         })
     }
 
+    /// A layer over new variables, a weight `(n, k)` and a bias `(n)`,
+    /// packed for `isa`.
+    fn trained_layer(n: usize, k: usize, isa: Isa) -> Result<(Var, Var, PackedLinear)> {
+        let w = Var::from_tensor(&randn(&[n, k])?)?;
+        let b = Var::from_tensor(&randn(&[n])?)?;
+        let layer = PackedLinear::with_options(
+            w.as_tensor().clone(),
+            Some(b.as_tensor().clone()),
+            &PackOptions::new().with_isa(isa),
+        )?;
+        Ok((w, b, layer))
+    }
+
+    /// The training weight of `layer`, which must be one.
+    fn trained(layer: &PackedLinear) -> &TrainedWeight {
+        match &layer.inner {
+            Inner::Trained(t) => t,
+            _ => panic!("not a training layer"),
+        }
+    }
+
     /// A fused projection's parts (`forward_features`, as cross-attention
     /// projects the query and the memory's keys and values apart) train on
     /// the packed op: outputs and every gradient equal candle's autograd
@@ -672,16 +693,8 @@ mod trained {
     fn a_fused_projection_s_parts_train_on_the_packed_op() -> Result<()> {
         let (e, k) = (64, 48);
         for isa in supported().into_iter().filter(|&i| i != Isa::Portable) {
-            let w = Var::from_tensor(&randn(&[3 * e, k])?)?;
-            let b = Var::from_tensor(&randn(&[3 * e])?)?;
-            let ours = PackedLinear::with_options(
-                w.as_tensor().clone(),
-                Some(b.as_tensor().clone()),
-                &PackOptions::new().with_isa(isa),
-            )?;
-            let Inner::Trained(t) = &ours.inner else {
-                panic!("{isa:?}: not a training layer")
-            };
+            let (w, b, ours) = trained_layer(3 * e, k, isa)?;
+            let t = trained(&ours);
             let (q, mem) = (
                 Var::from_tensor(&randn(&[2, 5, k])?)?,
                 Var::from_tensor(&randn(&[2, 9, k])?)?,
@@ -732,16 +745,8 @@ mod trained {
             // An input that trains too, so that the backward packs Wᵀ.
             let xv = Var::from_tensor(&randn(&[6, k])?)?;
             let x = xv.as_tensor().clone();
-            let w = Var::from_tensor(&randn(&[n, k])?)?;
-            let b = Var::from_tensor(&randn(&[n])?)?;
-            let ours = PackedLinear::with_options(
-                w.as_tensor().clone(),
-                Some(b.as_tensor().clone()),
-                &PackOptions::new().with_isa(isa),
-            )?;
-            let Inner::Trained(t) = &ours.inner else {
-                panic!("{isa:?}: not a training layer")
-            };
+            let (w, b, ours) = trained_layer(n, k, isa)?;
+            let t = trained(&ours);
             let reference = candle_nn::Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()));
             let mut sgd = SGD::new(vec![w.clone(), b.clone()], 0.5)?;
             let packed = |t: &TrainedWeight| t.packed_forward().unwrap();
