@@ -12,8 +12,9 @@
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, IndexOp, Module, Tensor, D};
-use candle_nn::{embedding, linear, AdamW, Embedding, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{embedding, linear, Embedding, Linear, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use multihead::attention::{MhaConfig, MultiheadAttention};
+use multihead::kernels::optim::AdamW;
 
 const VOCAB: usize = 6;
 const SEQ: usize = 8;

@@ -22,9 +22,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor, D};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use multihead::kernels::optim::AdamW;
 use multihead::models::vit::{preprocess, VisionTransformer, VitConfig};
 
 const DATA_DIR: &str = "weights/vit-digits";

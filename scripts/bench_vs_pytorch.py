@@ -54,7 +54,7 @@ timm's `vit_base_patch16_224` B8; and HF's `LlamaDecoderLayer` (hidden 512,
 causal, B4 T512. A step is the forward (train mode, dropout 0 but in the
 row that names it), the
 backward of `(y * g).sum()` for a fixed random `g` of the output's shape,
-and an SGD step (lr 1e-4), so that every step sees new weights, as
+and an SGD step (lr 1e-4; ours `optim::Sgd`, in place as torch.optim.SGD), so that every step sees new weights, as
 training does; inputs take no gradient.
 
 `--isa avx2` caps both sides at AVX2+FMA, as on an AVX2-only server:

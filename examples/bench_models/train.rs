@@ -1,16 +1,19 @@
 //! Training steps (`serve --train`, `scripts/bench_vs_pytorch.py
 //! --train`): each model's parameters are a `VarMap`'s variables, and a
 //! step is a forward, the backward of `Σ y ∘ g` (a fixed random `g` of the
-//! output's shape) and an SGD step, which writes new weights, so that each
-//! step's linears pack their weights again as in training.
+//! output's shape) and an SGD step (`multihead::kernels::optim::Sgd`,
+//! candle-nn's `SGD` updating each variable in place, as `torch.optim.SGD`
+//! does), which writes new weights, so that each step's linears pack their
+//! weights again as in training.
 
 use anyhow::Result;
 use candle::{DType, Device, Module, Tensor};
-use candle_nn::{Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
 use multihead::attention::{
     Causal, Mask, MhaConfig, MhaOptions, MultiheadAttention, PackedLinear, PositionEncoding, RotaryConfig,
     WeightLayout,
 };
+use multihead::kernels::optim::Sgd;
 use multihead::kernels::{silu_mul, RmsNorm};
 use multihead::models::transformer::{Transformer, TransformerConfig, TransformerMasks};
 use multihead::models::vit::{VisionTransformer, VitConfig};
@@ -29,7 +32,7 @@ fn step_work(
 ) -> Result<Work<'static>> {
     let probe = forward()?;
     let g = Tensor::randn(0f32, 1., probe.shape(), probe.device())?;
-    let mut sgd = SGD::new(varmap.all_vars(), LR)?;
+    let mut sgd = Sgd::new(varmap.all_vars(), LR)?;
     Ok((
         name,
         Box::new(move || {

@@ -101,6 +101,7 @@ macro_rules! by_rows {
 pub mod attention;
 mod elem;
 mod linear;
+pub mod optim;
 #[cfg(target_arch = "x86_64")]
 mod panel;
 mod quant;

@@ -1,0 +1,457 @@
+//! Optimizers that update a variable where it lies: [`Sgd`] and [`AdamW`],
+//! candle-nn's `SGD` and `AdamW` (the same [`Optimizer`] trait, the same
+//! configuration, the same values bit for bit) with each step one pass
+//! over a variable's weights, its gradient and its moments, in parallel,
+//! as `torch.optim`'s `SGD` (`param.add_(grad, alpha=-lr)`) and `AdamW`
+//! update theirs.
+//!
+//! candle-nn's step writes each result into a new tensor: an SGD step
+//! takes three passes and two fresh buffers the size of every variable (an
+//! AdamW step about a dozen), whose pages the allocator clears anew each
+//! step. Here an f32 variable on the CPU is updated in its storage
+//! (candle's in-place op), each element by the same f32 operations, in
+//! the same order, as candle-nn's tensor expression; any other variable
+//! takes that expression itself.
+
+use std::sync::Mutex;
+
+use candle::backprop::GradStore;
+use candle::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
+use candle_nn::{Optimizer, ParamsAdamW};
+use rayon::prelude::*;
+
+/// Elements a parallel task of a step updates.
+const CHUNK: usize = 1 << 15;
+
+/// Whether `t` is an f32 tensor on the CPU: updated in place.
+fn in_place(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// The f32 data of an in-place op's argument, whole and contiguous.
+fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    let CpuStorage::F32(data) = s else {
+        bail!("{what}: expected f32 data")
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => bail!("{what}: expected contiguous data"),
+    }
+}
+
+/// The mutable f32 data of an in-place op's destination.
+fn contiguous_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'a mut [f32]> {
+    let CpuStorage::F32(data) = s else {
+        bail!("{what}: expected f32 data")
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&mut data[a..b]),
+        None => bail!("{what}: expected contiguous data"),
+    }
+}
+
+/// `w ← w − lr · g`, as candle-nn's `var.sub(&(grad * lr))`: the product
+/// plus zero (candle's affine), then the difference.
+struct SgdStep {
+    lr: f32,
+}
+
+impl InplaceOp2 for SgdStep {
+    fn name(&self) -> &'static str {
+        "sgd-step"
+    }
+
+    fn cpu_fwd(&self, w: &mut CpuStorage, lw: &Layout, g: &CpuStorage, lg: &Layout) -> Result<()> {
+        let (w, g) = (contiguous_mut(w, lw, "Sgd")?, contiguous(g, lg, "Sgd")?);
+        if w.len() != g.len() {
+            bail!(
+                "Sgd: a gradient of {} values for a variable of {}",
+                g.len(),
+                w.len()
+            )
+        }
+        let lr = self.lr;
+        w.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .for_each(|(w, g)| {
+                for (w, &g) in w.iter_mut().zip(g) {
+                    *w -= g * lr + 0.;
+                }
+            });
+        Ok(())
+    }
+}
+
+/// Plain stochastic gradient descent, `w ← w − lr · ∇w`: candle-nn's
+/// [`candle_nn::SGD`] (its configuration the learning rate), each f32 CPU
+/// variable updated in one pass over it and its gradient.
+#[derive(Debug)]
+pub struct Sgd {
+    vars: Vec<Var>,
+    learning_rate: f64,
+}
+
+impl Optimizer for Sgd {
+    type Config = f64;
+
+    /// The float variables of `vars`, others left out (as candle-nn's).
+    fn new(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
+        let vars = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
+        Ok(Sgd { vars, learning_rate })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        for var in &self.vars {
+            let Some(g) = grads.get(var) else { continue };
+            if in_place(var) && in_place(g) {
+                var.inplace_op2(
+                    &g.contiguous()?,
+                    &SgdStep {
+                        lr: self.learning_rate as f32,
+                    },
+                )?;
+            } else {
+                var.set(&var.sub(&(g * self.learning_rate)?)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.learning_rate = lr
+    }
+}
+
+impl Sgd {
+    /// Its variables.
+    pub fn into_inner(self) -> Vec<Var> {
+        self.vars
+    }
+
+    /// Adds `var` to those it updates.
+    pub fn push(&mut self, var: &Var) {
+        self.vars.push(var.clone())
+    }
+}
+
+/// One AdamW step's constants, each rounded to f32 as candle's affine ops
+/// round theirs.
+#[derive(Clone, Copy)]
+struct AdamConsts {
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    scale_m: f32,
+    scale_v: f32,
+    decay: f32,
+    eps: f32,
+    lr: f32,
+}
+
+impl AdamConsts {
+    /// Element `theta` with gradient `g` and moments `m`, `v`, as
+    /// candle-nn's `AdamW::step` computes them, op by op.
+    #[inline(always)]
+    fn update(self, theta: &mut f32, g: f32, m: &mut f32, v: &mut f32) {
+        let next_m = (*m * self.beta1 + 0.) + (g * self.one_minus_beta1 + 0.);
+        let next_v = (*v * self.beta2 + 0.) + ((g * g) * self.one_minus_beta2 + 0.);
+        let m_hat = next_m * self.scale_m + 0.;
+        let v_hat = next_v * self.scale_v + 0.;
+        let decayed = *theta * self.decay + 0.;
+        let adjusted = m_hat / (v_hat.sqrt() * 1. + self.eps);
+        *theta = decayed - (adjusted * self.lr + 0.);
+        *m = next_m;
+        *v = next_v;
+    }
+}
+
+/// An AdamW step of one variable, its moments held by the optimizer.
+struct AdamStep<'a> {
+    consts: AdamConsts,
+    moments: Mutex<(&'a mut [f32], &'a mut [f32])>,
+}
+
+impl InplaceOp2 for AdamStep<'_> {
+    fn name(&self) -> &'static str {
+        "adamw-step"
+    }
+
+    fn cpu_fwd(&self, w: &mut CpuStorage, lw: &Layout, g: &CpuStorage, lg: &Layout) -> Result<()> {
+        let (w, g) = (contiguous_mut(w, lw, "AdamW")?, contiguous(g, lg, "AdamW")?);
+        let Ok(mut moments) = self.moments.lock() else {
+            bail!("AdamW: a thread panicked while it held the moments")
+        };
+        let (m, v) = &mut *moments;
+        if w.len() != g.len() || m.len() != w.len() || v.len() != w.len() {
+            bail!(
+                "AdamW: a gradient of {} values for a variable of {}",
+                g.len(),
+                w.len()
+            )
+        }
+        let c = self.consts;
+        w.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+            .for_each(|((w, g), (m, v))| {
+                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    c.update(w, g, m, v);
+                }
+            });
+        Ok(())
+    }
+}
+
+/// A variable and its moments: plain f32 buffers where it is updated in
+/// place, else variables of its shape and dtype (candle-nn's own).
+#[derive(Debug)]
+enum Moments {
+    InPlace(Vec<f32>, Vec<f32>),
+    Tensors(Var, Var),
+}
+
+/// AdamW (Loshchilov and Hutter's decoupled weight decay): candle-nn's
+/// [`candle_nn::AdamW`] with its [`ParamsAdamW`], each f32 CPU variable
+/// updated in one pass over it, its gradient and its two moments.
+#[derive(Debug)]
+pub struct AdamW {
+    vars: Vec<(Var, Moments)>,
+    step_t: usize,
+    params: ParamsAdamW,
+}
+
+impl Optimizer for AdamW {
+    type Config = ParamsAdamW;
+
+    /// The float variables of `vars`, others left out (as candle-nn's),
+    /// with zero moments.
+    fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
+        let vars = vars
+            .into_iter()
+            .filter(|v| v.dtype().is_float())
+            .map(|var| {
+                let moments = if in_place(&var) {
+                    Moments::InPlace(vec![0.; var.elem_count()], vec![0.; var.elem_count()])
+                } else {
+                    let zeros = || Var::zeros(var.shape(), var.dtype(), var.device());
+                    Moments::Tensors(zeros()?, zeros()?)
+                };
+                Ok((var, moments))
+            })
+            .collect::<Result<_>>()?;
+        Ok(AdamW {
+            vars,
+            step_t: 0,
+            params,
+        })
+    }
+
+    fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step_t += 1;
+        let p = &self.params;
+        let (lr, beta1, beta2) = (p.lr, p.beta1, p.beta2);
+        let lr_lambda = lr * p.weight_decay;
+        let scale_m = 1f64 / (1f64 - beta1.powi(self.step_t as i32));
+        let scale_v = 1f64 / (1f64 - beta2.powi(self.step_t as i32));
+        let consts = AdamConsts {
+            beta1: beta1 as f32,
+            one_minus_beta1: (1.0 - beta1) as f32,
+            beta2: beta2 as f32,
+            one_minus_beta2: (1.0 - beta2) as f32,
+            scale_m: scale_m as f32,
+            scale_v: scale_v as f32,
+            decay: (1f64 - lr_lambda) as f32,
+            eps: p.eps as f32,
+            lr: lr as f32,
+        };
+        for (theta, moments) in &mut self.vars {
+            let Some(g) = grads.get(theta) else { continue };
+            match moments {
+                Moments::InPlace(m, v) if in_place(g) => {
+                    let op = AdamStep {
+                        consts,
+                        moments: Mutex::new((m, v)),
+                    };
+                    theta.inplace_op2(&g.contiguous()?, &op)?;
+                }
+                Moments::InPlace(..) => {
+                    bail!(
+                        "AdamW: the gradient of an f32 CPU variable is {:?} on {:?}",
+                        g.dtype(),
+                        g.device()
+                    )
+                }
+                // candle-nn's expression.
+                Moments::Tensors(m, v) => {
+                    let next_m = ((m.as_tensor() * beta1)? + (g * (1.0 - beta1))?)?;
+                    let next_v = ((v.as_tensor() * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                    let m_hat = (&next_m * scale_m)?;
+                    let v_hat = (&next_v * scale_v)?;
+                    let next_theta = (theta.as_tensor() * (1f64 - lr_lambda))?;
+                    let adjusted_grad = (m_hat / (v_hat.sqrt()? + p.eps)?)?;
+                    let next_theta = (next_theta - (adjusted_grad * lr)?)?;
+                    m.set(&next_m)?;
+                    v.set(&next_v)?;
+                    theta.set(&next_theta)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.params.lr = lr
+    }
+}
+
+impl AdamW {
+    /// The default parameters but the learning rate.
+    pub fn new_lr(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
+        let params = ParamsAdamW {
+            lr: learning_rate,
+            ..ParamsAdamW::default()
+        };
+        Self::new(vars, params)
+    }
+
+    /// Its parameters.
+    pub fn params(&self) -> &ParamsAdamW {
+        &self.params
+    }
+
+    /// Replaces its parameters (the moments and the step count stay).
+    pub fn set_params(&mut self, params: ParamsAdamW) {
+        self.params = params;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle::{DType, Device, Tensor, Var};
+    use candle_nn::{Optimizer, ParamsAdamW};
+
+    use super::{AdamW, Sgd};
+    use crate::testing::randn;
+
+    /// Variables of several shapes (one past a task's chunk, one with no
+    /// gradient, one in f64 and one bf16, which take candle-nn's
+    /// expression), a loss over all of them.
+    fn vars() -> candle::Result<Vec<Var>> {
+        let vs = vec![
+            Var::from_tensor(&randn(&[7, 5])?)?,
+            Var::from_tensor(&randn(&[super::CHUNK + 3])?)?,
+            Var::from_tensor(&randn(&[4])?)?,
+            Var::from_tensor(&randn(&[3, 2])?.to_dtype(DType::F64)?)?,
+            Var::from_tensor(&randn(&[6])?.to_dtype(DType::BF16)?)?,
+        ];
+        Ok(vs)
+    }
+
+    /// A step's loss: every variable but the third (which gets no
+    /// gradient), squared and weighed.
+    fn loss(vs: &[Var]) -> candle::Result<candle::backprop::GradStore> {
+        let mut total = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+        for (i, v) in vs.iter().enumerate().filter(|(i, _)| *i != 2) {
+            let t = v.as_tensor().to_dtype(DType::F32)?;
+            total = (total + ((&t * &t)? * (i as f64 + 0.5))?.sum_all()? + t.sin()?.sum_all()?)?;
+        }
+        total.backward()
+    }
+
+    /// The variables' values, bit for bit.
+    fn bits(vs: &[Var]) -> candle::Result<Vec<Vec<u64>>> {
+        vs.iter()
+            .map(|v| {
+                let t = v.as_tensor().flatten_all()?;
+                Ok(match t.dtype() {
+                    DType::F64 => t.to_vec1::<f64>()?.iter().map(|x| x.to_bits()).collect(),
+                    DType::BF16 => t
+                        .to_vec1::<half::bf16>()?
+                        .iter()
+                        .map(|x| u64::from(x.to_bits()))
+                        .collect(),
+                    _ => t
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .map(|x| u64::from(x.to_bits()))
+                        .collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Two copies of the same variables, one stepped by `ours`, one by
+    /// `theirs`, equal bit for bit after each of `steps` steps.
+    fn steps_agree<A: Optimizer, B: Optimizer>(
+        ours: impl Fn(Vec<Var>) -> candle::Result<A>,
+        theirs: impl Fn(Vec<Var>) -> candle::Result<B>,
+        steps: usize,
+    ) -> candle::Result<()> {
+        let a = vars()?;
+        // Copies: `Var::from_tensor` of a variable shares its storage.
+        let b: Vec<Var> = a
+            .iter()
+            .map(|v| Var::from_tensor(&v.as_tensor().copy()?))
+            .collect::<candle::Result<_>>()?;
+        let before = bits(&a)?;
+        let (mut oa, mut ob) = (ours(a.clone())?, theirs(b.clone())?);
+        for step in 0..steps {
+            oa.step(&loss(&a)?)?;
+            ob.step(&loss(&b)?)?;
+            assert_eq!(bits(&a)?, bits(&b)?, "step {step}");
+        }
+        // The variable without a gradient never moved; the others did.
+        let after = bits(&a)?;
+        assert_eq!(after[2], before[2]);
+        assert!((0..a.len()).filter(|&i| i != 2).all(|i| after[i] != before[i]));
+        Ok(())
+    }
+
+    /// [`Sgd`] steps as candle-nn's `SGD`, bit for bit (fails where the
+    /// update rounds otherwise, as a fused multiply-add does).
+    #[test]
+    fn sgd_steps_as_candle_nn_s() -> candle::Result<()> {
+        steps_agree(|v| Sgd::new(v, 0.05), |v| candle_nn::SGD::new(v, 0.05), 4)
+    }
+
+    /// [`AdamW`] steps as candle-nn's `AdamW`, bit for bit, with its
+    /// defaults and with other parameters, a learning rate changed between
+    /// steps.
+    #[test]
+    fn adamw_steps_as_candle_nn_s() -> candle::Result<()> {
+        let params = ParamsAdamW {
+            lr: 0.02,
+            beta1: 0.8,
+            beta2: 0.95,
+            eps: 1e-6,
+            weight_decay: 0.1,
+        };
+        steps_agree(
+            |v| AdamW::new_lr(v, 0.01),
+            |v| candle_nn::AdamW::new_lr(v, 0.01),
+            5,
+        )?;
+        steps_agree(
+            |v| {
+                let mut o = AdamW::new(v, params.clone())?;
+                o.set_learning_rate(0.03);
+                Ok(o)
+            },
+            |v| {
+                let mut o = candle_nn::AdamW::new(v, params.clone())?;
+                o.set_learning_rate(0.03);
+                Ok(o)
+            },
+            5,
+        )
+    }
+}
