@@ -9,6 +9,8 @@
 //! - [`attention::sdpa`]: a memory-efficient (FlashAttention-style)
 //!   attention kernel over strided inputs, masks read in their own shapes,
 //!   and its fused backward ([`attention::sdpa_backward`]);
+//! - [`optim`]: candle-nn's `SGD` and `AdamW` updating each f32 CPU
+//!   variable in place, one pass a step;
 //! - [`isa`]: the one place that detects the instruction set.
 //!
 //! # Layout
@@ -43,7 +45,8 @@
 //! - `runtime/`: the instruction set's detection ([`isa`]), work spread
 //!   over the threads (`pool.rs`) and page-backed buffers (`pages.rs`);
 //! - `elem.rs`: the element types of panels and caches (f32, bf16, f16),
-//!   which the micro-kernels widen to f32 lanes as they load them.
+//!   which the micro-kernels widen to f32 lanes as they load them;
+//! - `optim.rs`: the optimizers' in-place steps.
 //!
 //! The instruction set is an argument, never ambient state: every kernel
 //! that dispatches takes the [`isa::Isa`] it runs with, the public entry
