@@ -139,9 +139,7 @@ impl TrainedWeight {
     /// - `x`: `(..., k)`
     /// - returns `(..., hi - lo)`
     pub(crate) fn forward(self: &Arc<Self>, x: &Tensor, (lo, hi): (usize, usize)) -> Result<Option<Tensor>> {
-        let (n, _) = self.dims();
-        let nr = super::weight::panel_width(self.isa);
-        let served = lo < hi && hi <= n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == n);
+        let served = super::weight::serves_range(self.isa, self.dims().0, (lo, hi));
         if !(x.device().is_cpu() && x.dtype() == DType::F32 && served) {
             return Ok(None);
         }
@@ -275,11 +273,14 @@ impl TrainedWeight {
                     let dw = with_f32(&x, |xs| {
                         with_f32(&dy, |dys| Ok(weight_grad(xs, dys, (m, r, k), self.isa)))
                     })?;
-                    let dw = match dw {
-                        Some(dw) => dw,
-                        None => dy.t()?.matmul(&x)?.flatten_all()?.to_vec1()?,
-                    };
-                    Tensor::from_vec(widen(dw, k), (n, k), w.device())?
+                    match dw {
+                        Some(dw) => Tensor::from_vec(widen(dw, k), (n, k), w.device())?,
+                        None if (lo, hi) == (0, n) => dy.t()?.matmul(&x)?,
+                        None => {
+                            let dw = dy.t()?.matmul(&x)?.flatten_all()?.to_vec1()?;
+                            Tensor::from_vec(widen(dw, k), (n, k), w.device())?
+                        }
+                    }
                 }
             })
         } else {

@@ -34,7 +34,7 @@ use crate::rows::simd;
 use crate::runtime::isa::Isa;
 
 /// Output features per panel for `isa`.
-pub(super) fn panel_width(isa: Isa) -> usize {
+fn panel_width(isa: Isa) -> usize {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => super::avx512::LINEAR_NR,
@@ -345,7 +345,13 @@ impl PackedWeight {
     /// Whether output features `lo..hi` are whole panels (or end at `n`),
     /// so that [`PackedWeight::forward`] can compute them alone.
     pub(crate) fn serves_range(&self, lo: usize, hi: usize) -> bool {
-        let nr = self.nr();
-        lo < hi && hi <= self.n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == self.n)
+        serves_range(self.isa, self.n, (lo, hi))
     }
+}
+
+/// Whether a weight of `n` output features packed for `isa` serves
+/// features `lo..hi` ([`PackedWeight::serves_range`]).
+pub(super) fn serves_range(isa: Isa, n: usize, (lo, hi): (usize, usize)) -> bool {
+    let nr = panel_width(isa);
+    lo < hi && hi <= n && lo.is_multiple_of(nr) && (hi.is_multiple_of(nr) || hi == n)
 }

@@ -108,9 +108,10 @@ fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [i1
             && block.is_multiple_of(16)
     );
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx512 {
-        // SAFETY: `isa` was capped at what the processor runs, and the
-        // slices hold one row's extents (asserted above).
+    if crate::runtime::isa::runnable(isa) >= Isa::Avx512 {
+        // SAFETY: the processor runs AVX-512F (`runnable` caps `isa` at
+        // what it detected), and the slices hold one row's extents
+        // (asserted above).
         unsafe { avx512::quantize_row(x, q, d, sums, dsums) };
         return;
     }
