@@ -446,3 +446,53 @@ fn bad_requests_fail_before_any_decoding_step() -> Result<()> {
     assert!(RepetitionPenalty::new(-1.).is_err());
     Ok(())
 }
+
+/// The same logits at every step, whatever was fed.
+struct Fixed {
+    logits: [f32; 5],
+    device: Device,
+}
+
+impl StepModel for Fixed {
+    type Cache = ();
+
+    fn step(&self, tokens: &Tensor, _: &mut ()) -> candle::Result<Tensor> {
+        let rows = tokens.dim(0)?;
+        Tensor::from_vec(self.logits.repeat(rows), (rows, 5), &self.device)
+    }
+
+    fn select_rows(&self, _: &mut (), _: &Tensor) -> candle::Result<()> {
+        Ok(())
+    }
+
+    fn vocab_size(&self) -> usize {
+        5
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+/// Greedy takes the largest logit, as HF's argmax of the logits does, also
+/// where two logits one ulp apart round to one log-probability (small
+/// logits beside their log-sum-exp, ln 5 here): "b", whose logit is the
+/// larger, not "a", the first of the tied log-probabilities.
+#[test]
+fn greedy_takes_the_largest_logit_where_log_probabilities_tie() -> Result<()> {
+    let a = 1e-3f32;
+    let b = f32::from_bits(a.to_bits() + 1);
+    let logits = [0.9e-3, 0.9e-3, 0.9e-3, a, b];
+    let model = Fixed {
+        logits,
+        device: Device::Cpu,
+    };
+    // The premise: a's and b's log-probabilities are one number.
+    let lp = candle_nn::ops::log_softmax(&Tensor::new(&logits, &Device::Cpu)?, 0)?.to_vec1::<f32>()?;
+    assert_eq!(lp[3].to_bits(), lp[4].to_bits(), "{lp:?}");
+    let out = generate(&model, (), 2, &greedy(1), &[])?;
+    for o in &out {
+        assert_eq!(o[0].tokens, [B]);
+    }
+    Ok(())
+}

@@ -20,7 +20,7 @@ use candle::{bail, Result, Tensor};
 use super::pipeline::{Plan, StopStrings};
 use super::prompts::within_context;
 use super::{CausalLm, DecoderCache, Finish, GenerationSettings, TextGenerator, TextOutput, TextStream};
-use crate::generation::{apply, argmax, draw, log_probs, SplitMix64, StepContext};
+use crate::generation::{apply, draw, greedy_pick, log_probs, SplitMix64, StepContext};
 
 /// Prompt tokens a sequence's prefill reads between two decoding steps of
 /// the others, unless [`Batcher::with_prefill_chunk`] says otherwise.
@@ -411,8 +411,9 @@ fn fail(mut seq: Sequence<'_>, why: &str) {
 /// Chooses `seq`'s next token from its row of logits, `(1, vocab)`, at
 /// decoding step `step`, and tells its listener the text it completes.
 fn choose(seq: &mut Sequence<'_>, logits: &Tensor, step: usize) -> Result<Outcome> {
-    let (mut scores, offsets) = log_probs(logits, step)?;
-    let (Some(mut scores), Some(&offset)) = (scores.pop(), offsets.first()) else {
+    let (mut scores, offsets, mut logits) = log_probs(logits, step)?;
+    let (Some(mut scores), Some(&offset), Some(logits)) = (scores.pop(), offsets.first(), logits.pop())
+    else {
         bail!("step {step}: no logits for the sequence")
     };
     let cfg = &seq.plan.cfg;
@@ -425,7 +426,7 @@ fn choose(seq: &mut Sequence<'_>, logits: &Tensor, step: usize) -> Result<Outcom
     apply(&seq.plan.processors(), &ctx, &mut scores)?;
     let pick = match seq.rng.as_mut() {
         Some(rng) => draw(&scores, rng),
-        None => argmax(&scores),
+        None => greedy_pick(&scores, &logits),
     };
     // Every token forbidden: the sequence ends, unfinished.
     let Some(t) = pick.map(|t| t as u32) else {

@@ -43,7 +43,8 @@ pub(super) fn beam<M: StepModel>(
         .collect();
     let mut fed: Vec<u32> = (0..batch * beams).map(|r| first[r / beams]).collect();
     for step in 0..cfg.max_len {
-        let (mut logp, offsets) = next_log_probs(model, fed, &mut cache, step)?;
+        // Beams rank log-probabilities, as HF's beam search does.
+        let (mut logp, offsets, _) = next_log_probs(model, fed, &mut cache, step)?;
         let mut next = Vec::with_capacity(batch * beams);
         let mut parents = Vec::with_capacity(batch * beams);
         for g in 0..batch {

@@ -34,4 +34,4 @@ pub use step::StepModel;
 // The pieces of a search that a scheduler stepping many sequences at once
 // ([`crate::decoder::Batcher`]) runs row by row.
 pub(crate) use rng::SplitMix64;
-pub(crate) use search::{apply, argmax, draw, log_probs};
+pub(crate) use search::{apply, draw, greedy_pick, log_probs};

@@ -294,13 +294,14 @@ fn checked<M: StepModel>(
 /// the step and the row: no token can be chosen from it, and ending the
 /// row quietly would pass a broken model off as an empty answer (`-inf`
 /// alone forbids a token, as a processor would). Beside them, each row's
-/// log-sum-exp ([`StepContext::logit_offset`]).
+/// log-sum-exp ([`StepContext::logit_offset`]) and the logits themselves
+/// ([`greedy_pick`]).
 pub(super) fn next_log_probs<M: StepModel>(
     model: &M,
     fed: Vec<u32>,
     cache: &mut M::Cache,
     step: usize,
-) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
+) -> Result<StepScores> {
     let n = fed.len();
     let tokens = Tensor::from_vec(fed, (n, 1), model.device())?;
     let logits = model.step(&tokens, cache)?;
@@ -315,8 +316,12 @@ pub(super) fn next_log_probs<M: StepModel>(
     log_probs(&logits, step)
 }
 
+/// A decoding step's log-probabilities, `(rows, vocab)`, each row's
+/// log-sum-exp, and the logits they come from.
+pub(crate) type StepScores = (Vec<Vec<f32>>, Vec<f32>, Vec<Vec<f32>>);
+
 /// [`next_log_probs`] of logits a model gave, `(rows, vocab)`.
-pub(crate) fn log_probs(logits: &Tensor, step: usize) -> Result<(Vec<Vec<f32>>, Vec<f32>)> {
+pub(crate) fn log_probs(logits: &Tensor, step: usize) -> Result<StepScores> {
     let logits = logits.to_dtype(DType::F32)?;
     let host: Vec<Vec<f32>> = logits.to_vec2()?;
     for (r, row) in host.iter().enumerate() {
@@ -335,7 +340,7 @@ pub(crate) fn log_probs(logits: &Tensor, step: usize) -> Result<(Vec<Vec<f32>>, 
         .zip(&log_probs)
         .map(|(l, p)| argmax(l).map_or(0., |i| l[i] - p[i]))
         .collect();
-    Ok((log_probs, offsets))
+    Ok((log_probs, offsets, host))
 }
 
 /// Why no token can be chosen from a row of logits: NaN, `+inf`, or
@@ -369,6 +374,23 @@ pub(crate) fn argmax(scores: &[f32]) -> Option<usize> {
         }
     }
     best.map(|(i, _)| i)
+}
+
+/// Greedy decoding's token: the first index of the largest score, but
+/// where several tokens share it, the one of the largest logit (the first
+/// of those): HF's greedy search takes the argmax of the (processed)
+/// logits, and two logits a few ulps apart can round to one
+/// log-probability, `l − logsumexp` having a coarser ulp than `l` where
+/// the logits are small beside their log-sum-exp. `None` as [`argmax`].
+pub(crate) fn greedy_pick(scores: &[f32], logits: &[f32]) -> Option<usize> {
+    let best = argmax(scores)?;
+    let mut pick = best;
+    for (i, (&s, &l)) in scores.iter().zip(logits).enumerate().skip(best + 1) {
+        if s == scores[best] && l > logits[pick] {
+            pick = i;
+        }
+    }
+    Some(pick)
 }
 
 /// A token drawn from the softmax of `scores`.
@@ -430,7 +452,7 @@ fn rowwise<M: StepModel>(
     let mut done = vec![false; rows];
     let mut fed: Vec<u32> = (0..rows).map(|r| first[r / n]).collect();
     for step in 0..cfg.max_len {
-        let (mut scores, offsets) = next_log_probs(model, fed.clone(), cache, step)?;
+        let (mut scores, offsets, logits) = next_log_probs(model, fed.clone(), cache, step)?;
         for (r, row) in scores.iter_mut().enumerate() {
             if done[r] {
                 fed[r] = cfg.pad_id;
@@ -445,7 +467,7 @@ fn rowwise<M: StepModel>(
             apply(processors, &ctx, row)?;
             let pick = match rngs.get_mut(r) {
                 Some(rng) => draw(row, rng),
-                None => argmax(row),
+                None => greedy_pick(row, &logits[r]),
             };
             let Some(t) = pick else {
                 // Every token forbidden: the row ends, unfinished.
