@@ -381,7 +381,9 @@ pub(crate) fn argmax(scores: &[f32]) -> Option<usize> {
 /// of those): HF's greedy search takes the argmax of the (processed)
 /// logits, and two logits a few ulps apart can round to one
 /// log-probability, `l − logsumexp` having a coarser ulp than `l` where
-/// the logits are small beside their log-sum-exp. `None` as [`argmax`].
+/// the logits are small beside their log-sum-exp. The model's logits break
+/// the tie: HF's choice wherever no processor changed the tied tokens'
+/// scores. `None` as [`argmax`].
 pub(crate) fn greedy_pick(scores: &[f32], logits: &[f32]) -> Option<usize> {
     let best = argmax(scores)?;
     let mut pick = best;
