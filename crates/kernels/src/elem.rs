@@ -210,3 +210,12 @@ pub(crate) fn f32_data<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'
         _ => bail!("{op}: the inputs must be f32"),
     }
 }
+
+/// [`f32_data`] of an in-place op's destination, to write.
+pub(crate) fn f32_data_mut<'a>(s: &'a mut CpuStorage, l: &Layout, op: &str) -> Result<&'a mut [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((start, end))) => Ok(&mut x[start..end]),
+        (CpuStorage::F32(_), None) => bail!("{op}: the inputs must be contiguous"),
+        _ => bail!("{op}: the inputs must be f32"),
+    }
+}

@@ -11,12 +11,14 @@
 //! step. Here an f32 variable on the CPU is updated in its storage
 //! (candle's in-place op), each element by the same f32 operations, in
 //! the same order, as candle-nn's tensor expression; any other variable
-//! takes that expression itself.
+//! is left to a candle-nn optimizer of the same configuration.
 
 use std::sync::Mutex;
 
 use candle::backprop::GradStore;
 use candle::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
+
+use crate::elem::{f32_data, f32_data_mut};
 use candle_nn::{Optimizer, ParamsAdamW};
 use rayon::prelude::*;
 
@@ -26,28 +28,6 @@ const CHUNK: usize = 1 << 15;
 /// Whether `t` is an f32 tensor on the CPU: updated in place.
 fn in_place(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
-}
-
-/// The f32 data of an in-place op's argument, whole and contiguous.
-fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
-    let CpuStorage::F32(data) = s else {
-        bail!("{what}: expected f32 data")
-    };
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => bail!("{what}: expected contiguous data"),
-    }
-}
-
-/// The mutable f32 data of an in-place op's destination.
-fn contiguous_mut<'a>(s: &'a mut CpuStorage, l: &Layout, what: &str) -> Result<&'a mut [f32]> {
-    let CpuStorage::F32(data) = s else {
-        bail!("{what}: expected f32 data")
-    };
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&mut data[a..b]),
-        None => bail!("{what}: expected contiguous data"),
-    }
 }
 
 /// `w ← w − lr · g`, as candle-nn's `var.sub(&(grad * lr))`: the product
@@ -62,7 +42,7 @@ impl InplaceOp2 for SgdStep {
     }
 
     fn cpu_fwd(&self, w: &mut CpuStorage, lw: &Layout, g: &CpuStorage, lg: &Layout) -> Result<()> {
-        let (w, g) = (contiguous_mut(w, lw, "Sgd")?, contiguous(g, lg, "Sgd")?);
+        let (w, g) = (f32_data_mut(w, lw, "Sgd")?, f32_data(g, lg, "Sgd")?);
         if w.len() != g.len() {
             bail!(
                 "Sgd: a gradient of {} values for a variable of {}",
@@ -87,7 +67,10 @@ impl InplaceOp2 for SgdStep {
 /// variable updated in one pass over it and its gradient.
 #[derive(Debug)]
 pub struct Sgd {
+    /// The f32 CPU variables, updated in place.
     vars: Vec<Var>,
+    /// The others', candle-nn's own.
+    others: candle_nn::SGD,
     learning_rate: f64,
 }
 
@@ -96,25 +79,24 @@ impl Optimizer for Sgd {
 
     /// The float variables of `vars`, others left out (as candle-nn's).
     fn new(vars: Vec<Var>, learning_rate: f64) -> Result<Self> {
-        let vars = vars.into_iter().filter(|v| v.dtype().is_float()).collect();
-        Ok(Sgd { vars, learning_rate })
+        let (vars, others) = vars.into_iter().partition(|v| in_place(v));
+        Ok(Sgd {
+            vars,
+            others: candle_nn::SGD::new(others, learning_rate)?,
+            learning_rate,
+        })
     }
 
     fn step(&mut self, grads: &GradStore) -> Result<()> {
+        let op = SgdStep {
+            lr: self.learning_rate as f32,
+        };
         for var in &self.vars {
-            let Some(g) = grads.get(var) else { continue };
-            if in_place(var) && in_place(g) {
-                var.inplace_op2(
-                    &g.contiguous()?,
-                    &SgdStep {
-                        lr: self.learning_rate as f32,
-                    },
-                )?;
-            } else {
-                var.set(&var.sub(&(g * self.learning_rate)?)?)?;
+            if let Some(g) = grads.get(var) {
+                var.inplace_op2(&g.contiguous()?, &op)?;
             }
         }
-        Ok(())
+        self.others.step(grads)
     }
 
     fn learning_rate(&self) -> f64 {
@@ -122,19 +104,25 @@ impl Optimizer for Sgd {
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.learning_rate = lr
+        self.learning_rate = lr;
+        self.others.set_learning_rate(lr);
     }
 }
 
 impl Sgd {
     /// Its variables.
     pub fn into_inner(self) -> Vec<Var> {
-        self.vars
+        let mut vars = self.vars;
+        vars.extend(self.others.into_inner());
+        vars
     }
 
     /// Adds `var` to those it updates.
     pub fn push(&mut self, var: &Var) {
-        self.vars.push(var.clone())
+        match in_place(var) {
+            true => self.vars.push(var.clone()),
+            false => self.others.push(var),
+        }
     }
 }
 
@@ -182,7 +170,7 @@ impl InplaceOp2 for AdamStep<'_> {
     }
 
     fn cpu_fwd(&self, w: &mut CpuStorage, lw: &Layout, g: &CpuStorage, lg: &Layout) -> Result<()> {
-        let (w, g) = (contiguous_mut(w, lw, "AdamW")?, contiguous(g, lg, "AdamW")?);
+        let (w, g) = (f32_data_mut(w, lw, "AdamW")?, f32_data(g, lg, "AdamW")?);
         let Ok(mut moments) = self.moments.lock() else {
             bail!("AdamW: a thread panicked while it held the moments")
         };
@@ -207,20 +195,15 @@ impl InplaceOp2 for AdamStep<'_> {
     }
 }
 
-/// A variable and its moments: plain f32 buffers where it is updated in
-/// place, else variables of its shape and dtype (candle-nn's own).
-#[derive(Debug)]
-enum Moments {
-    InPlace(Vec<f32>, Vec<f32>),
-    Tensors(Var, Var),
-}
-
 /// AdamW (Loshchilov and Hutter's decoupled weight decay): candle-nn's
 /// [`candle_nn::AdamW`] with its [`ParamsAdamW`], each f32 CPU variable
 /// updated in one pass over it, its gradient and its two moments.
 #[derive(Debug)]
 pub struct AdamW {
-    vars: Vec<(Var, Moments)>,
+    /// The f32 CPU variables and their two moments, updated in place.
+    vars: Vec<(Var, Vec<f32>, Vec<f32>)>,
+    /// The others', candle-nn's own (which counts the same steps).
+    others: candle_nn::AdamW,
     step_t: usize,
     params: ParamsAdamW,
 }
@@ -231,21 +214,17 @@ impl Optimizer for AdamW {
     /// The float variables of `vars`, others left out (as candle-nn's),
     /// with zero moments.
     fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
+        let (vars, others): (Vec<Var>, _) = vars.into_iter().partition(|v| in_place(v));
         let vars = vars
             .into_iter()
-            .filter(|v| v.dtype().is_float())
-            .map(|var| {
-                let moments = if in_place(&var) {
-                    Moments::InPlace(vec![0.; var.elem_count()], vec![0.; var.elem_count()])
-                } else {
-                    let zeros = || Var::zeros(var.shape(), var.dtype(), var.device());
-                    Moments::Tensors(zeros()?, zeros()?)
-                };
-                Ok((var, moments))
+            .map(|v| {
+                let n = v.elem_count();
+                (v, vec![0.; n], vec![0.; n])
             })
-            .collect::<Result<_>>()?;
+            .collect();
         Ok(AdamW {
             vars,
+            others: candle_nn::AdamW::new(others, params.clone())?,
             step_t: 0,
             params,
         })
@@ -255,53 +234,27 @@ impl Optimizer for AdamW {
         self.step_t += 1;
         let p = &self.params;
         let (lr, beta1, beta2) = (p.lr, p.beta1, p.beta2);
-        let lr_lambda = lr * p.weight_decay;
-        let scale_m = 1f64 / (1f64 - beta1.powi(self.step_t as i32));
-        let scale_v = 1f64 / (1f64 - beta2.powi(self.step_t as i32));
         let consts = AdamConsts {
             beta1: beta1 as f32,
             one_minus_beta1: (1.0 - beta1) as f32,
             beta2: beta2 as f32,
             one_minus_beta2: (1.0 - beta2) as f32,
-            scale_m: scale_m as f32,
-            scale_v: scale_v as f32,
-            decay: (1f64 - lr_lambda) as f32,
+            scale_m: (1f64 / (1f64 - beta1.powi(self.step_t as i32))) as f32,
+            scale_v: (1f64 / (1f64 - beta2.powi(self.step_t as i32))) as f32,
+            decay: (1f64 - lr * p.weight_decay) as f32,
             eps: p.eps as f32,
             lr: lr as f32,
         };
-        for (theta, moments) in &mut self.vars {
-            let Some(g) = grads.get(theta) else { continue };
-            match moments {
-                Moments::InPlace(m, v) if in_place(g) => {
-                    let op = AdamStep {
-                        consts,
-                        moments: Mutex::new((m, v)),
-                    };
-                    theta.inplace_op2(&g.contiguous()?, &op)?;
-                }
-                Moments::InPlace(..) => {
-                    bail!(
-                        "AdamW: the gradient of an f32 CPU variable is {:?} on {:?}",
-                        g.dtype(),
-                        g.device()
-                    )
-                }
-                // candle-nn's expression.
-                Moments::Tensors(m, v) => {
-                    let next_m = ((m.as_tensor() * beta1)? + (g * (1.0 - beta1))?)?;
-                    let next_v = ((v.as_tensor() * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-                    let m_hat = (&next_m * scale_m)?;
-                    let v_hat = (&next_v * scale_v)?;
-                    let next_theta = (theta.as_tensor() * (1f64 - lr_lambda))?;
-                    let adjusted_grad = (m_hat / (v_hat.sqrt()? + p.eps)?)?;
-                    let next_theta = (next_theta - (adjusted_grad * lr)?)?;
-                    m.set(&next_m)?;
-                    v.set(&next_v)?;
-                    theta.set(&next_theta)?;
-                }
+        for (theta, m, v) in &mut self.vars {
+            if let Some(g) = grads.get(theta) {
+                let op = AdamStep {
+                    consts,
+                    moments: Mutex::new((m, v)),
+                };
+                theta.inplace_op2(&g.contiguous()?, &op)?;
             }
         }
-        Ok(())
+        self.others.step(grads)
     }
 
     fn learning_rate(&self) -> f64 {
@@ -309,7 +262,8 @@ impl Optimizer for AdamW {
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr
+        self.params.lr = lr;
+        self.others.set_learning_rate(lr);
     }
 }
 
@@ -330,6 +284,7 @@ impl AdamW {
 
     /// Replaces its parameters (the moments and the step count stay).
     pub fn set_params(&mut self, params: ParamsAdamW) {
+        self.others.set_params(params.clone());
         self.params = params;
     }
 }
@@ -343,8 +298,8 @@ mod tests {
     use crate::testing::randn;
 
     /// Variables of several shapes (one past a task's chunk, one with no
-    /// gradient, one in f64 and one bf16, which take candle-nn's
-    /// expression), a loss over all of them.
+    /// gradient, one in f64 and one bf16, which candle-nn's optimizer
+    /// steps), a loss over all of them.
     fn vars() -> candle::Result<Vec<Var>> {
         let vs = vec![
             Var::from_tensor(&randn(&[7, 5])?)?,

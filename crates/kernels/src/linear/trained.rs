@@ -275,11 +275,7 @@ impl TrainedWeight {
                     })?;
                     match dw {
                         Some(dw) => Tensor::from_vec(widen(dw, k), (n, k), w.device())?,
-                        None if (lo, hi) == (0, n) => dy.t()?.matmul(&x)?,
-                        None => {
-                            let dw = dy.t()?.matmul(&x)?.flatten_all()?.to_vec1()?;
-                            Tensor::from_vec(widen(dw, k), (n, k), w.device())?
-                        }
+                        None => dy.t()?.matmul(&x)?.pad_with_zeros(0, lo, n - hi)?,
                     }
                 }
             })

@@ -20,8 +20,8 @@
 //! Q6_K its own (`avx2_k.rs`), each written over its step and compiled
 //! for AVX2 (`vpmaddubsw`) and for AVX512-VNNI on 256-bit vectors
 //! (`vpdpbusd`, `vnni.rs` runs those instances, 8 rows at a time where
-//! AVX2 takes 4, 2 for the k-quants); Q2_K and Q3_K stay in rows (`avx2.rs`); `portable.rs`
-//! computes every format. `vnni.rs` imports the AVX2 files' VNNI
+//! AVX2 takes 4, 2 for the k-quants); Q2_K and Q3_K stay in rows
+//! (`avx2.rs`); `portable.rs` computes every format. `vnni.rs` imports the AVX2 files' VNNI
 //! instances, the only import between ISA files here; none imports a
 //! driver.
 
