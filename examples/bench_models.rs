@@ -71,8 +71,8 @@
 //! so there its share can pass 1.
 //!
 //! `split M K N [LAYERS]`: the `linear` mode's packed layers as one call
-//! over rayon's pool, against a copy of them per thread, each on a
-//! one-thread pool of its own, all running at once, and one copy alone,
+//! over the kernels' threads, against a copy of them per thread, each
+//! copy's calls on its own thread alone (`with_threads(1, ..)`), all running at once, and one copy alone,
 //! round after round: what splitting one call over the threads loses,
 //! next to what the cores lose when all are busy. Prints the medians'
 //! rates and, over the rounds, the median and quartiles of a copy's rate

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device, Module, Tensor};
 use multihead::attention::PackedLinear;
-use multihead::kernels::{PackFormat, PackOptions};
+use multihead::kernels::{with_threads, PackFormat, PackOptions};
 
 use crate::machine::fma_peak;
 use crate::{alternating_ms, dtype_name, median, median_ms, quantile, share_fields, timed};
@@ -182,18 +182,15 @@ pub fn share(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
 /// of the layers per thread, all at once, and one copy alone.
 pub fn split(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     // One call on every core against a copy of the layers per core,
-    // each copy on a one-thread pool of its own, all at once, and
-    // one copy alone, round after round.
-    let cores = rayon::current_num_threads();
+    // each copy's calls on its own thread alone, all at once, and one
+    // copy alone, round after round.
+    let cores = multihead::kernels::threads();
     if cores < 2 {
         bail!("split compares one call over the pool's threads with a copy per thread: it needs two or more");
     }
     let copies = (0..cores)
         .map(|_| LinearLayers::new(m, k, n, rest))
         .collect::<Result<Vec<_>>>()?;
-    let pools = (0..cores)
-        .map(|_| rayon::ThreadPoolBuilder::new().num_threads(1).build())
-        .collect::<Result<Vec<_>, _>>()?;
     // GFLOP/s of one pass over a copy's packed layers.
     let rate = |c: &LinearLayers| -> Result<f64> {
         Ok(c.gflop / timed(|| c.packed.iter().try_for_each(|l| Ok(l.forward(&c.x).map(drop)?)))?)
@@ -202,12 +199,11 @@ pub fn split(m: &str, k: &str, n: &str, rest: &[&str]) -> Result<()> {
     let (mut at_once_over_alone, mut call_over_sum) = (vec![], vec![]);
     let start = Instant::now();
     while alone.len() < 10 || (start.elapsed().as_secs_f64() < 6. && alone.len() < 200) {
-        let one = pools[0].install(|| rate(&copies[0]))?;
+        let one = with_threads(1, || rate(&copies[0]))?;
         let each = std::thread::scope(|s| {
             let runs: Vec<_> = copies
                 .iter()
-                .zip(&pools)
-                .map(|(c, pool)| s.spawn(move || pool.install(|| rate(c))))
+                .map(|c| s.spawn(move || with_threads(1, || rate(c))))
                 .collect();
             runs.into_iter()
                 .map(|r| r.join().expect("a copy's thread panicked"))

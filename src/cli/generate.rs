@@ -253,8 +253,8 @@ pub(super) fn prepare(args: &Args) -> Result<Prepared> {
         if !(1..=MAX_THREADS).contains(&n) {
             bail!("--threads must be in 1..={MAX_THREADS}, found {n}")
         }
-        // Before any thread pool exists: rayon's (which the kernels run
-        // on) and candle's read it when they start.
+        // Before any thread pool exists: candle's (which the kernels run
+        // on) and rayon's read it when they start.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     let template_args = template_args(&args.template_arg)?;

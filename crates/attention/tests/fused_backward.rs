@@ -155,8 +155,8 @@ fn fused_gradients_equal_reference_over_shapes_and_masks() -> Result<()> {
                     "{via:?} {threads} threads {:?} mask {name}",
                     (b, h, kh, l, s, d, dv)
                 );
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-                let (ours, got) = pool.install(|| grads((&q, &k, &v), &mask, scale, &g, via))?;
+                let (ours, got) =
+                    multihead_kernels::with_threads(threads, || grads((&q, &k, &v), &mask, scale, &g, via))?;
                 assert_close(&format!("{what}: out"), &ours, &out, 1e-5)?;
                 for ((x, got), expected) in ["dq", "dk", "dv"].iter().zip(&got).zip(&expected) {
                     gradients_close(&format!("{what}: {x}"), got, expected)?;
@@ -323,8 +323,10 @@ fn multihead_attention_weights_get_the_reference_gradients() -> Result<()> {
         // piece; one thread and 64 as in the shapes test.
         for path in [AttnPath::Auto, AttnPath::CpuTiled] {
             for threads in [1, 64] {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
-                for ((name, ours), (_, expected)) in pool.install(|| run(path))?.iter().zip(&reference) {
+                for ((name, ours), (_, expected)) in multihead_kernels::with_threads(threads, || run(path))?
+                    .iter()
+                    .zip(&reference)
+                {
                     assert_close(
                         &format!("{path:?} {threads} threads {name}"),
                         ours,

@@ -11,7 +11,11 @@
 //!   and its fused backward ([`attention::sdpa_backward`]);
 //! - [`optim`]: candle-nn's `SGD` and `AdamW` updating each f32 CPU
 //!   variable in place, one pass a step;
-//! - [`isa`]: the one place that detects the instruction set.
+//! - [`isa`]: the one place that detects the instruction set;
+//! - [`threads`]: the kernels run their calls' work on candle's own CPU
+//!   pool (the threads its element-wise ops use), so that a model mixing
+//!   candle's ops and these has one set of workers; [`with_threads`] cuts
+//!   a thread's calls for fewer or more.
 //!
 //! # Layout
 //! By operation first, the instruction sets underneath (as ggml-cpu), and
@@ -117,6 +121,7 @@ pub use linear::{is_broadcast, LentBlocks, PackFormat, PackOptions, PackedLinear
 pub use quant::{dequantize_row, BlockFormat};
 pub use rows::{gelu_tanh_and_mul, gelu_tanh_mul, relu, silu_and_mul, silu_mul, LayerNorm, RmsNorm};
 pub use runtime::isa;
+pub use runtime::pool::{threads, with_threads};
 
 /// The instruction set the CPU kernels run with now: `"avx512bf16"`
 /// (AVX-512F with AVX512-BF16: bf16 weights multiply inputs rounded to

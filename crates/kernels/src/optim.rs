@@ -19,8 +19,8 @@ use candle::backprop::GradStore;
 use candle::{bail, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
 
 use crate::elem::{f32_data, f32_data_mut};
+use crate::runtime::pool::{par_chunks_mut, piece, SyncPtr};
 use candle_nn::{Optimizer, ParamsAdamW};
-use rayon::prelude::*;
 
 /// Elements a parallel task of a step updates.
 const CHUNK: usize = 1 << 15;
@@ -51,13 +51,12 @@ impl InplaceOp2 for SgdStep {
             )
         }
         let lr = self.lr;
-        w.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .for_each(|(w, g)| {
-                for (w, &g) in w.iter_mut().zip(g) {
-                    *w -= g * lr + 0.;
-                }
-            });
+        let n = w.len();
+        par_chunks_mut(w, CHUNK, n, |i, w| {
+            for (w, &g) in w.iter_mut().zip(piece(g, CHUNK, i)) {
+                *w -= g * lr + 0.;
+            }
+        });
         Ok(())
     }
 }
@@ -183,14 +182,17 @@ impl InplaceOp2 for AdamStep<'_> {
             )
         }
         let c = self.consts;
-        w.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-            .for_each(|((w, g), (m, v))| {
-                for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                    c.update(w, g, m, v);
-                }
-            });
+        let (n, m, v) = (w.len(), SyncPtr(m.as_mut_ptr()), SyncPtr(v.as_mut_ptr()));
+        par_chunks_mut(w, CHUNK, n, |i, w| {
+            // SAFETY: piece `i` of the moments, as `w`'s: disjoint from the
+            // other items' and in bounds (each as long as `w`), borrowed
+            // (the lock held) until every item is done.
+            let [m, v] =
+                [m, v].map(|at| unsafe { std::slice::from_raw_parts_mut(at.get().add(i * CHUNK), w.len()) });
+            for (((w, &g), m), v) in w.iter_mut().zip(piece(g, CHUNK, i)).zip(m).zip(v) {
+                c.update(w, g, m, v);
+            }
+        });
         Ok(())
     }
 }

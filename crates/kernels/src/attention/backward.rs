@@ -42,7 +42,7 @@ use super::problem::{last_dim_contiguous, with_view, Problem, View};
 use crate::rows::simd;
 use crate::rows::softmax::prob_grads_exact;
 use crate::runtime::isa::{current, runnable, Isa};
-use crate::runtime::pool::{par_for, SyncPtr};
+use crate::runtime::pool::{par_for, threads, SyncPtr};
 
 /// Query rows and keys of a backward tile.
 const BLOCK: usize = 128;
@@ -381,7 +381,7 @@ impl Backward<'_> {
         let p = self.p;
         let (l, s, d, dvd) = p.dims;
         let (h, kh) = (self.heads, self.heads / p.heads_per_kv);
-        if b * kh >= UNITS_PER_THREAD * rayon::current_num_threads() {
+        if b * kh >= UNITS_PER_THREAD * threads() {
             // Each tile's two products and its three gradients' products.
             let work = b * h * l * s * (3 * d + 2 * dvd);
             par_for(b * kh, work, |u| self.kv_group(u / kh, u % kh, [dq, dk, dv]));

@@ -47,7 +47,7 @@ use half::{bf16, f16};
 
 use crate::rows::simd;
 use crate::runtime::isa::{current, runnable, Isa};
-use crate::runtime::pool::{par_for, SyncPtr};
+use crate::runtime::pool::{par_for, threads, SyncPtr};
 pub use backward::{sdpa_backward, sdpa_backward_packed, Gradients};
 pub use dropout::Dropout;
 use mask::{part_storages, part_views};
@@ -132,7 +132,7 @@ impl Packing {
     /// are enough of them (`packs`) that threads seldom pack the same one.
     #[cfg(target_arch = "x86_64")]
     fn best<KV: KvElem>(p: &Problem<KV>, packs: usize) -> Packing {
-        if packs >= 2 * rayon::current_num_threads() && tiles::Packed::bytes_per_head(p) <= HEAD_PACK_MAX {
+        if packs >= 2 * threads() && tiles::Packed::bytes_per_head(p) <= HEAD_PACK_MAX {
             Packing::PerThread
         } else {
             Packing::Shared
@@ -289,11 +289,7 @@ fn sdpa_in<KV: KvElem>(
     // threads need.
     let hpk = h / kh;
     let group = if tiles == Tiles::Gemm && hpk > 1 && l * hpk < DIRECT_ROWS && s >= GROUP_FROM_KEYS {
-        hpk.div_ceil(
-            rayon::current_num_threads()
-                .div_ceil((b * kh).max(1))
-                .clamp(1, hpk),
-        )
+        hpk.div_ceil(threads().div_ceil((b * kh).max(1)).clamp(1, hpk))
     } else {
         1
     };

@@ -17,15 +17,13 @@
 //! accumulators. A thread's unit buffers (queries, accumulators, the score
 //! strip) are kept from unit to unit.
 
-use rayon::prelude::*;
-
 use super::problem::{write_rows, KvElem, Problem, Unit};
 use super::{avx2, avx512};
 use crate::panel::avx2::product;
 use crate::panel::{BLOCK_K, MR as AVX2_MR, NR, STRIP_RS};
 use crate::rows::lanes::{Ymm, Zmm};
 use crate::rows::softmax;
-use crate::runtime::pool::KV_PACKS;
+use crate::runtime::pool::{par_chunks_mut, KV_PACKS, PARALLEL_FROM};
 
 /// Fewer query rows than this and packing the keys costs about as much as
 /// the products it speeds up (a decode step): `gemm` serves those.
@@ -156,8 +154,8 @@ impl Packed {
             }
         };
         if parallel {
-            kt.par_chunks_mut(kt_len).enumerate().for_each(pack_k);
-            v.par_chunks_mut(v_len).enumerate().for_each(pack_v);
+            par_chunks_mut(&mut kt, kt_len, PARALLEL_FROM, |i, kt| pack_k((i, kt)));
+            par_chunks_mut(&mut v, v_len, PARALLEL_FROM, |i, v| pack_v((i, v)));
         } else {
             kt.chunks_mut(kt_len).enumerate().for_each(pack_k);
             v.chunks_mut(v_len).enumerate().for_each(pack_v);

@@ -9,7 +9,7 @@ use half::bf16;
 use super::weight::PackedWeight;
 use crate::elem::PanelElem;
 use crate::runtime::isa::Isa;
-use crate::runtime::pool::{par_for, SyncPtr, PARALLEL_FROM};
+use crate::runtime::pool::{par_for, threads, SyncPtr, PARALLEL_FROM};
 
 impl PackedWeight {
     /// `x · wᵀ + b` for one row and output features `lo..hi` over
@@ -26,7 +26,7 @@ impl PackedWeight {
         let mut out: Vec<f32> = Vec::with_capacity(width);
         let n_panels = width.div_ceil(nr);
         let tasks = if width * k > PARALLEL_FROM {
-            rayon::current_num_threads().min(n_panels)
+            threads().min(n_panels)
         } else {
             1
         };

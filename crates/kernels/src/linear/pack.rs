@@ -1,9 +1,10 @@
 //! A packed weight's panels in one element type: the packing (plain, or
 //! in input pairs for AVX512-BF16), joining, and reading a feature back.
 
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::elem::PanelElem;
+use crate::runtime::pool::{par_chunks_mut, par_for};
 
 /// `x` as an `E`: rounded, or, where `S` is `E`, itself (a bf16 weight
 /// packed as bf16 is copied, not widened and rounded back).
@@ -63,12 +64,13 @@ impl<E: PanelElem> Panels<E> {
     fn fill<S: PanelElem>(&mut self, w: &[S], n: usize, k: usize, nr: usize, paired: bool) {
         let np = n.div_ceil(nr) * nr;
         let start = self.start;
-        self.data[start..start + np * k]
-            .par_chunks_mut(k * nr)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                // In blocks of inputs whose panel rows stay in L1 while
-                // every feature's inputs are written into them.
+        par_chunks_mut(
+            &mut self.data[start..start + np * k],
+            k * nr,
+            np * k,
+            |p, panel| {
+                // In blocks of inputs whose panel rows stay in L1 while every
+                // feature's inputs are written into them.
                 const BLOCK: usize = 64;
                 for e0 in (0..k).step_by(BLOCK) {
                     let e1 = (e0 + BLOCK).min(k);
@@ -79,7 +81,8 @@ impl<E: PanelElem> Panels<E> {
                         }
                     }
                 }
-            });
+            },
+        );
     }
 
     pub(super) fn get(&self) -> &[E] {
@@ -135,15 +138,17 @@ impl Panels<f32> {
     pub(super) fn repack_columns(&mut self, a: &[f32], r: usize, c: usize, nr: usize) {
         let np = c.div_ceil(nr) * nr;
         let start = self.start;
-        self.data[start..start + np * r]
-            .par_chunks_mut(r * nr)
-            .enumerate()
-            .for_each(|(p, panel)| {
+        par_chunks_mut(
+            &mut self.data[start..start + np * r],
+            r * nr,
+            np * r,
+            |p, panel| {
                 let (lo, hi) = (p * nr, ((p + 1) * nr).min(c));
                 for (e, to) in panel.chunks_exact_mut(nr).enumerate() {
                     to[..hi - lo].copy_from_slice(&a[e * c..][lo..hi]);
                 }
-            });
+            },
+        );
     }
 
     /// Whether the panels hold `w`, `n` rows of `k` floats, bit for bit,
@@ -151,15 +156,12 @@ impl Panels<f32> {
     /// the first difference.
     pub(super) fn holds_rows(&self, w: &[f32], n: usize, k: usize, nr: usize) -> bool {
         w.len() == n * k
-            && self.get()[..n.div_ceil(nr) * nr * k]
-                .par_chunks(k * nr)
-                .enumerate()
-                .all(|(p, panel)| {
-                    (0..nr.min(n - p * nr)).all(|c| {
-                        let row = &w[(p * nr + c) * k..][..k];
-                        (0..k).all(|e| panel[e * nr + c].to_bits() == row[e].to_bits())
-                    })
+            && all_panels(&self.get()[..n.div_ceil(nr) * nr * k], k * nr, |p, panel| {
+                (0..nr.min(n - p * nr)).all(|c| {
+                    let row = &w[(p * nr + c) * k..][..k];
+                    (0..k).all(|e| panel[e * nr + c].to_bits() == row[e].to_bits())
                 })
+            })
     }
 
     /// Whether the panels hold `aᵀ`, `a` being `r` rows of `c` floats, bit
@@ -168,15 +170,24 @@ impl Panels<f32> {
     pub(super) fn holds_columns(&self, a: &[f32], r: usize, c: usize, nr: usize) -> bool {
         let bits = |xs: &[f32], ys: &[f32]| xs.iter().zip(ys).all(|(x, y)| x.to_bits() == y.to_bits());
         a.len() == r * c
-            && self.get()[..c.div_ceil(nr) * nr * r]
-                .par_chunks(r * nr)
-                .enumerate()
-                .all(|(p, panel)| {
-                    let (lo, hi) = (p * nr, ((p + 1) * nr).min(c));
-                    panel
-                        .chunks_exact(nr)
-                        .enumerate()
-                        .all(|(e, from)| bits(&from[..hi - lo], &a[e * c..][lo..hi]))
-                })
+            && all_panels(&self.get()[..c.div_ceil(nr) * nr * r], r * nr, |p, panel| {
+                let (lo, hi) = (p * nr, ((p + 1) * nr).min(c));
+                panel
+                    .chunks_exact(nr)
+                    .enumerate()
+                    .all(|(e, from)| bits(&from[..hi - lo], &a[e * c..][lo..hi]))
+            })
     }
+}
+
+/// Whether `holds(p, panel)` for every `len`-long panel `p` of `panels`,
+/// over the threads; a panel that does not stops the panels not yet begun.
+fn all_panels(panels: &[f32], len: usize, holds: impl Fn(usize, &[f32]) -> bool + Sync) -> bool {
+    let differs = AtomicBool::new(false);
+    par_for(panels.len().div_ceil(len), panels.len(), |p| {
+        if !differs.load(Ordering::Relaxed) && !holds(p, &panels[p * len..][..len]) {
+            differs.store(true, Ordering::Relaxed);
+        }
+    });
+    !differs.into_inner()
 }

@@ -22,7 +22,7 @@ fn on(isa: Isa) -> PackOptions {
 /// residual's add after it) on shapes off the
 /// row group, panel, unit and reduction-slice sizes, with and without
 /// bias, for the whole output and for panel-aligned feature ranges,
-/// single rows included; on 3 threads, so that units split the row
+/// single rows included; cut for 3 threads, so that units split the row
 /// groups as well as the panels.
 #[test]
 fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
@@ -47,8 +47,7 @@ fn packed_equals_candle_linear_on_every_isa() -> Result<()> {
         (1, 1, 300, 7, true),
         (1, 1, 7, 21, true),
     ];
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-    pool.install(|| -> Result<()> {
+    crate::with_threads(3, || -> Result<()> {
         for isa in supported() {
             for (batch, rows, k, n, bias) in shapes {
                 let x = randn(&[batch, rows, k])?;
@@ -591,7 +590,7 @@ mod trained {
     /// processor runs, give candle's `Linear`'s output and its autograd's
     /// `dX`, `dW` and `db`, on shapes off the panels, row groups and
     /// reduction slices, with batch dims and without, with a bias and
-    /// without, on 3 threads, alone and with the fused GELU after it; an
+    /// without, cut for 3 threads, alone and with the fused GELU after it; an
     /// input that tracks no gradient gets none.
     #[test]
     fn gradients_equal_candle_autograd_on_every_isa() -> Result<()> {
@@ -603,8 +602,7 @@ mod trained {
             (&[400], 129, false),
             (&[2, 150], 1100, true),
         ];
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-        pool.install(|| -> Result<()> {
+        crate::with_threads(3, || -> Result<()> {
             for isa in supported() {
                 for &(rows, n, bias) in &shapes {
                     let k = [37, 64, 300, 1030][n % 4];

@@ -10,18 +10,17 @@
 //! groups. On AVX-512 the tiles prefetch weights into L2 as they run: in a
 //! unit of one row group (a decoder's step at batch ≤ 12) the next tile's,
 //! in the first row group of a unit of more their own, `AHEAD` steps on.
-//! Units run on rayon's pool. The bias (or the residual) starts the
+//! Units run on the threads of `runtime::pool`. The bias (or the residual) starts the
 //! accumulators, and the epilogue (GELU or ReLU) runs on each tile as its
 //! last slice is written, while it is in L1.
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::units::{slice_len, unit_shape};
 use super::weight::{on_panels, Epilogue, PackedWeight, PanelData};
 use crate::elem::PanelElem;
 use crate::runtime::isa::Isa;
-use crate::runtime::pool::{SyncPtr, PARALLEL_FROM};
+use crate::runtime::pool::{par_chunks_mut, par_for, piece, threads, SyncPtr, PARALLEL_FROM};
 
 thread_local! {
     /// A thread's f32 copy of a unit's half-precision panel slices
@@ -131,16 +130,11 @@ impl PackedWeight {
             // take a sizeable share of the layer's time.
             const CHUNK: usize = 1 << 14;
             let mut xb = vec![bf16::ZERO; x.len()];
-            let round = |(x, xb): (&[f32], &mut [bf16])| {
+            par_chunks_mut(&mut xb, CHUNK, x.len(), |i, xb| {
                 // SAFETY: the panels are paired only for `Isa::Avx512Bf16`,
                 // which was current, so detected, when they were packed.
-                unsafe { super::avx512bf16::round(x, xb) }
-            };
-            if x.len() > CHUNK {
-                x.par_chunks(CHUNK).zip(xb.par_chunks_mut(CHUNK)).for_each(round);
-            } else {
-                round((x, &mut xb));
-            }
+                unsafe { super::avx512bf16::round(piece(x, CHUNK, i), xb) }
+            });
             Some(xb)
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -203,7 +197,7 @@ impl PackedWeight {
         let groups = m.div_ceil(mr);
         let (p_lo, p_hi) = (lo / nr, hi.div_ceil(nr));
         let threads = if m * width * k > PARALLEL_FROM {
-            rayon::current_num_threads()
+            threads()
         } else {
             1
         };
@@ -233,7 +227,7 @@ impl PackedWeight {
             // of one row group, which reads each panel slice once and is
             // bound by fetching them: the unit's next tile, else the next
             // slice's first, else the next unit's (the next a thread runs,
-            // but where rayon splits the range). In a unit of more: the
+            // but where the thread takes its next items elsewhere). In a unit of more: the
             // first row group, which reads the slice from memory, its own
             // panels `AHEAD` steps on; the later ones reuse the slice from
             // L2, where the hardware's prefetch serves them.
@@ -374,7 +368,7 @@ impl PackedWeight {
             WIDENED.set(widened);
         };
         if threads > 1 {
-            (0..units.len()).into_par_iter().for_each(run);
+            par_for(units.len(), m * width * k, run);
         } else {
             (0..units.len()).for_each(run);
         }

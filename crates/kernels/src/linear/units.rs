@@ -32,8 +32,8 @@ const UNIT_FEATURES: usize = 256;
 
 /// Row groups per work unit, at most, where the threads share a call whose
 /// reduction is one slice: a unit's panels stay in L2 from one unit of
-/// rows to the next, and rayon hands the later ones of a thread's share to
-/// the thread that finishes first. On a shared host one core can run a
+/// rows to the next, and the threads take units from one counter, so the
+/// one that finishes first takes the later ones. On a shared host one core can run a
 /// third slower than the other for seconds at a time, and a call split
 /// into equal halves waits for the slow one.
 const CHUNK_GROUPS: usize = 8;

@@ -26,12 +26,12 @@
 
 use candle::{DType, Result};
 use half::{bf16, f16};
-use rayon::prelude::*;
 
 use super::pack::Panels;
 use crate::elem::PanelElem;
 use crate::rows::simd;
 use crate::runtime::isa::Isa;
+use crate::runtime::pool::par_chunks_mut;
 
 /// Output features per panel for `isa`.
 fn panel_width(isa: Isa) -> usize {
@@ -323,10 +323,9 @@ impl PackedWeight {
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
         let (nr, k, paired) = (self.nr(), self.k, self.rounds_inputs());
         let mut out = vec![0f32; ids.len() * k];
-        on_panels!(&self.panels, p => out
-            .par_chunks_mut(k)
-            .zip(ids)
-            .for_each(|(row, &j)| p.row_into(j as usize, nr, paired, row)));
+        on_panels!(&self.panels, p => par_chunks_mut(&mut out, k, ids.len() * k, |i, row| {
+            p.row_into(ids[i] as usize, nr, paired, row)
+        }));
         out
     }
 

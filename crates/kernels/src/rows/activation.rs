@@ -2,12 +2,12 @@
 //! candle's composed ones cost a tensor each.
 
 use candle::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Storage, Tensor};
-use rayon::prelude::*;
 
 use crate::elem::{f32_data, grad_for, plain_cpu_f32, with_f32_data};
 use crate::rows::activation_grad::{activate, Activation};
 use crate::rows::simd;
 use crate::runtime::isa::{current, Isa};
+use crate::runtime::pool::{par_chunks_mut, piece, SyncPtr};
 
 /// `max(xs, 0)` elementwise as PyTorch's `relu` computes it: NaN stays NaN
 /// (candle's `Tensor::relu` turns it into 0). Any device and dtype;
@@ -141,7 +141,7 @@ fn gated(gate_up: &Tensor, kind: Gate, isa: Isa) -> Result<Tensor> {
 }
 
 /// `act(gate_up[.., :i]) · gate_up[.., i:]` for `rows` rows of `2i`
-/// floats, into `rows` rows of `i`; rows split over rayon's pool where
+/// floats, into `rows` rows of `i`; rows split over the threads where
 /// there are enough of them.
 fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate, isa: Isa) -> Vec<f32> {
     let mut out = vec![0f32; rows * i];
@@ -154,13 +154,11 @@ fn gated_rows(gate_up: &[f32], rows: usize, i: usize, kind: Gate, isa: Isa) -> V
     };
     // About 16 K outputs a task, as candle's elementwise ops take.
     let per_task = (16 * 1024 / i).max(1);
-    if rows * i >= 64 * 1024 {
-        out.par_chunks_mut(per_task * i)
-            .zip(gate_up.par_chunks(per_task * 2 * i))
-            .for_each(|(o, x)| o.chunks_mut(i).zip(x.chunks(2 * i)).for_each(row));
-    } else {
-        out.chunks_mut(i).zip(gate_up.chunks(2 * i)).for_each(row);
-    }
+    par_chunks_mut(&mut out, per_task * i, rows * i, |t, o| {
+        o.chunks_mut(i)
+            .zip(piece(gate_up, per_task * 2 * i, t).chunks(2 * i))
+            .for_each(row)
+    });
     out
 }
 
@@ -209,19 +207,17 @@ impl TrainedGate {
         let n = if up.is_some() { x.len() } else { x.len() / 2 };
         let mut out = vec![0f32; n];
         match up {
-            Some(up) => out
-                .par_chunks_mut(PER_TASK)
-                .zip(x.par_chunks(PER_TASK).zip(up.par_chunks(PER_TASK)))
-                .for_each(|(o, (g, u))| self.kind.forward(self.isa, g, u, o)),
+            Some(up) => par_chunks_mut(&mut out, PER_TASK, n, |t, o| {
+                let (g, u) = (piece(x, PER_TASK, t), piece(up, PER_TASK, t));
+                self.kind.forward(self.isa, g, u, o)
+            }),
             None => {
                 let rows = (PER_TASK / i.max(1)).max(1);
-                out.par_chunks_mut(rows * i)
-                    .zip(x.par_chunks(rows * 2 * i))
-                    .for_each(|(o, x)| {
-                        for (o, x) in o.chunks_mut(i).zip(x.chunks(2 * i)) {
-                            self.kind.forward(self.isa, &x[..i], &x[i..], o);
-                        }
-                    });
+                par_chunks_mut(&mut out, rows * i, n, |t, o| {
+                    for (o, x) in o.chunks_mut(i).zip(piece(x, rows * 2 * i, t).chunks(2 * i)) {
+                        self.kind.forward(self.isa, &x[..i], &x[i..], o);
+                    }
+                });
             }
         }
         out
@@ -249,14 +245,13 @@ impl CustomOp1 for TrainedGate {
         let mut grad = vec![0f32; gate_up.elem_count()];
         with_f32_data([gate_up, &dout], self.kind.name(), |[x, d]| {
             let rows = (PER_TASK / i.max(1)).max(1);
-            grad.par_chunks_mut(rows * 2 * i)
-                .zip(x.par_chunks(rows * 2 * i).zip(d.par_chunks(rows * i)))
-                .for_each(|(g, (x, d))| {
-                    for ((g, x), d) in g.chunks_mut(2 * i).zip(x.chunks(2 * i)).zip(d.chunks(i)) {
-                        let (dg, du) = g.split_at_mut(i);
-                        self.kind.backward(self.isa, [&x[..i], &x[i..], d], dg, du);
-                    }
-                });
+            par_chunks_mut(&mut grad, rows * 2 * i, x.len(), |t, g| {
+                let (x, d) = (piece(x, rows * 2 * i, t), piece(d, rows * i, t));
+                for ((g, x), d) in g.chunks_mut(2 * i).zip(x.chunks(2 * i)).zip(d.chunks(i)) {
+                    let (dg, du) = g.split_at_mut(i);
+                    self.kind.backward(self.isa, [&x[..i], &x[i..], d], dg, du);
+                }
+            });
             Ok(())
         })?;
         Ok(Some(Tensor::from_vec(grad, gate_up.shape(), gate_up.device())?))
@@ -290,14 +285,15 @@ impl CustomOp2 for TrainedGate {
         let n = gate.elem_count();
         let (mut dg, mut du) = (vec![0f32; n], vec![0f32; n]);
         with_f32_data([gate, up, &dout], self.kind.name(), |[g, u, d]| {
-            dg.par_chunks_mut(PER_TASK)
-                .zip(du.par_chunks_mut(PER_TASK))
-                .zip(
-                    g.par_chunks(PER_TASK)
-                        .zip(u.par_chunks(PER_TASK))
-                        .zip(d.par_chunks(PER_TASK)),
-                )
-                .for_each(|((dg, du), ((g, u), d))| self.kind.backward(self.isa, [g, u, d], dg, du));
+            let du_at = SyncPtr(du.as_mut_ptr());
+            par_chunks_mut(&mut dg, PER_TASK, n, |t, dg| {
+                // SAFETY: piece `t` of `du`, as `dg`'s: disjoint from the
+                // other items' and in bounds (`du` is as long as `dg`),
+                // borrowed until every item is done.
+                let du = unsafe { std::slice::from_raw_parts_mut(du_at.get().add(t * PER_TASK), dg.len()) };
+                let [g, u, d] = [g, u, d].map(|xs| piece(xs, PER_TASK, t));
+                self.kind.backward(self.isa, [g, u, d], dg, du)
+            });
             Ok(())
         })?;
         Ok((grad_for(gate, dg)?, grad_for(up, du)?))

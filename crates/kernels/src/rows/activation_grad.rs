@@ -5,13 +5,13 @@
 //! derivative.
 
 use candle::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 use crate::elem::{f32_data, with_f32_data};
 use crate::rows::simd;
 use crate::runtime::isa::Isa;
+use crate::runtime::pool::{par_chunks_mut, piece};
 
-/// Elements a task of the passes takes, on rayon's pool past one.
+/// Elements a task of the passes takes, over the threads past one.
 const CHUNK: usize = 1 << 14;
 
 /// An activation with a derivative.
@@ -93,11 +93,8 @@ impl CustomOp1 for Trained {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let mut out = f32_data(s, l, "activation")?.to_vec();
         let (act, isa) = (self.act, self.isa);
-        if out.len() > CHUNK {
-            out.par_chunks_mut(CHUNK).for_each(|c| act.apply(isa, c));
-        } else {
-            act.apply(isa, &mut out);
-        }
+        let n = out.len();
+        par_chunks_mut(&mut out, CHUNK, n, |_, c| act.apply(isa, c));
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -113,13 +110,9 @@ impl CustomOp1 for Trained {
             }
             let mut dx = vec![0f32; x_data.len()];
             let (act, isa) = (self.act, self.isa);
-            if dx.len() > CHUNK {
-                dx.par_chunks_mut(CHUNK)
-                    .zip(x_data.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)))
-                    .for_each(|(d, (x, g))| act.grad(isa, x, g, d));
-            } else {
-                act.grad(isa, x_data, g, &mut dx);
-            }
+            par_chunks_mut(&mut dx, CHUNK, x_data.len(), |i, d| {
+                act.grad(isa, piece(x_data, CHUNK, i), piece(g, CHUNK, i), d)
+            });
             Ok(dx)
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))

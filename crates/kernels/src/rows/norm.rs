@@ -4,11 +4,11 @@ use std::mem::MaybeUninit;
 
 use candle::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, Module, VarBuilder};
-use rayon::prelude::*;
 
 use super::norm_grad::{grads, rms_grads, rms_rows};
 use crate::elem::{f32_data, grad_for, with_f32_data};
 use crate::runtime::isa::{current, Isa};
+use crate::runtime::pool::par_chunks_mut;
 
 /// LayerNorm over the last dim, `torch.nn.LayerNorm` with an affine weight
 /// and, unless built with [`LayerNorm::new_no_bias`], a bias.
@@ -16,8 +16,8 @@ use crate::runtime::isa::{current, Isa};
 /// candle-nn's `LayerNorm` runs its fused kernel on contiguous inputs, and
 /// that kernel has no backward (`apply_op3_no_bwd`), so gradients stop
 /// there. On the CPU in f32 this takes this crate's kernel (two passes a
-/// row for the mean and variance, vectorised for the processor, rows on
-/// rayon's pool, the output never zeroed first), and where the input or
+/// row for the mean and variance, vectorised for the processor, rows over
+/// the threads, the output never zeroed first), and where the input or
 /// the weights track gradients, the same rows as an op with a backward of
 /// its own (`norm_grad.rs`); elsewhere candle-nn's fused kernel, or its
 /// op-by-op `layer_norm_slow` where gradients flow. Every LayerNorm in
@@ -105,8 +105,8 @@ impl LayerNorm {
     }
 }
 
-/// `LayerNorm(a)` or `LayerNorm(a + b)` over the last dim, row by row on
-/// rayon's pool.
+/// `LayerNorm(a)` or `LayerNorm(a + b)` over the last dim, row by row over
+/// the threads.
 pub(super) struct FusedLayerNorm {
     weight: Vec<f32>,
     bias: Vec<f32>,
@@ -172,11 +172,7 @@ impl FusedLayerNorm {
             );
         };
         let spare = &mut out.spare_capacity_mut()[..a.len()];
-        if a.len() > 1 << 14 {
-            spare.par_chunks_mut(d).enumerate().for_each(norm_row);
-        } else {
-            spare.chunks_mut(d).enumerate().for_each(norm_row);
-        }
+        par_chunks_mut(spare, d, a.len() * 4, |i, row| norm_row((i, row)));
         // SAFETY: every row was written.
         unsafe { out.set_len(a.len()) };
         Ok(out)

@@ -13,12 +13,13 @@
 //! `dx = rstd · (g - x̂ · mean(g · x̂))` and `dw = Σ dy · x̂`.
 //!
 //! The backward takes `μ` and `rstd` again from `x` (a row is in cache for
-//! its `dx` anyway), each row's sums in f64. Rows go in blocks on rayon's
-//! pool, each block summing its own `dγ` and `dβ`, added up in block order
+//! its `dx` anyway), each row's sums in f64. Rows go in blocks over the
+//! threads, each block summing its own `dγ` and `dβ`, added up in block order
 //! afterwards, so the result does not depend on the threads.
 
 use candle::{bail, Result};
-use rayon::prelude::*;
+
+use crate::runtime::pool::{par_chunks_mut, par_chunks_mut_map, piece};
 
 /// Rows a block of the backward sums its `dγ` and `dβ` over.
 const BLOCK_ROWS: usize = 32;
@@ -41,39 +42,35 @@ pub(super) fn grads(
     }
     let mut dx = vec![0f32; x.len()];
     let block = BLOCK_ROWS * d;
-    let partial: Vec<(Vec<f32>, Vec<f32>)> = dx
-        .par_chunks_mut(block)
-        .zip(x.par_chunks(block))
-        .zip(dy.par_chunks(block))
-        .map(|((dx, x), dy)| {
-            let (mut dg, mut db, mut xhat) = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
-            for ((dx, x), dy) in dx
-                .chunks_exact_mut(d)
-                .zip(x.chunks_exact(d))
-                .zip(dy.chunks_exact(d))
-            {
-                let mean = x.iter().map(|&v| f64::from(v)).sum::<f64>() / d as f64;
-                let var = x.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / d as f64;
-                let rstd = 1. / (var + f64::from(eps)).sqrt();
-                let (mut sum_g, mut sum_gx) = (0f64, 0f64);
-                for i in 0..d {
-                    let xh = ((f64::from(x[i]) - mean) * rstd) as f32;
-                    let g = dy[i] * gamma[i];
-                    xhat[i] = xh;
-                    sum_g += f64::from(g);
-                    sum_gx += f64::from(g * xh);
-                    dg[i] += dy[i] * xh;
-                    db[i] += dy[i];
-                }
-                let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
-                let rstd = rstd as f32;
-                for i in 0..d {
-                    dx[i] = rstd * (dy[i] * gamma[i] - mean_g - xhat[i] * mean_gx);
-                }
+    let partial: Vec<(Vec<f32>, Vec<f32>)> = par_chunks_mut_map(&mut dx, block, x.len(), |b, dx| {
+        let (x, dy) = (piece(x, block, b), piece(dy, block, b));
+        let (mut dg, mut db, mut xhat) = (vec![0f32; d], vec![0f32; d], vec![0f32; d]);
+        for ((dx, x), dy) in dx
+            .chunks_exact_mut(d)
+            .zip(x.chunks_exact(d))
+            .zip(dy.chunks_exact(d))
+        {
+            let mean = x.iter().map(|&v| f64::from(v)).sum::<f64>() / d as f64;
+            let var = x.iter().map(|&v| (f64::from(v) - mean).powi(2)).sum::<f64>() / d as f64;
+            let rstd = 1. / (var + f64::from(eps)).sqrt();
+            let (mut sum_g, mut sum_gx) = (0f64, 0f64);
+            for i in 0..d {
+                let xh = ((f64::from(x[i]) - mean) * rstd) as f32;
+                let g = dy[i] * gamma[i];
+                xhat[i] = xh;
+                sum_g += f64::from(g);
+                sum_gx += f64::from(g * xh);
+                dg[i] += dy[i] * xh;
+                db[i] += dy[i];
             }
-            (dg, db)
-        })
-        .collect();
+            let (mean_g, mean_gx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
+            let rstd = rstd as f32;
+            for i in 0..d {
+                dx[i] = rstd * (dy[i] * gamma[i] - mean_g - xhat[i] * mean_gx);
+            }
+        }
+        (dg, db)
+    });
     let (mut dg, mut db) = (vec![0f32; d], vec![0f32; d]);
     for (g, b) in &partial {
         dg.iter_mut().zip(g).for_each(|(a, g)| *a += g);
@@ -95,16 +92,15 @@ pub(super) fn rms_rows(x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
         bail!("rms-norm: {} inputs for rows of {d}", x.len())
     }
     let mut y = vec![0f32; x.len()];
-    y.par_chunks_mut(BLOCK_ROWS * d)
-        .zip(x.par_chunks(BLOCK_ROWS * d))
-        .for_each(|(y, x)| {
-            for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                let rstd = rms_rstd(x, eps) as f32;
-                for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-                    *y = x * rstd * w;
-                }
+    par_chunks_mut(&mut y, BLOCK_ROWS * d, x.len(), |b, y| {
+        let x = piece(x, BLOCK_ROWS * d, b);
+        for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            let rstd = rms_rstd(x, eps) as f32;
+            for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                *y = x * rstd * w;
             }
-        });
+        }
+    });
     Ok(y)
 }
 
@@ -121,32 +117,28 @@ pub(super) fn rms_grads(x: &[f32], dy: &[f32], w: &[f32], eps: f32) -> Result<(V
     }
     let mut dx = vec![0f32; x.len()];
     let block = BLOCK_ROWS * d;
-    let partial: Vec<Vec<f32>> = dx
-        .par_chunks_mut(block)
-        .zip(x.par_chunks(block))
-        .zip(dy.par_chunks(block))
-        .map(|((dx, x), dy)| {
-            let mut dw = vec![0f32; d];
-            for ((dx, x), dy) in dx
-                .chunks_exact_mut(d)
-                .zip(x.chunks_exact(d))
-                .zip(dy.chunks_exact(d))
-            {
-                let rstd = rms_rstd(x, eps) as f32;
-                let mut sum_gx = 0f64;
-                for i in 0..d {
-                    let xh = x[i] * rstd;
-                    sum_gx += f64::from(dy[i] * w[i] * xh);
-                    dw[i] += dy[i] * xh;
-                }
-                let mean_gx = (sum_gx / d as f64) as f32;
-                for i in 0..d {
-                    dx[i] = rstd * (dy[i] * w[i] - x[i] * rstd * mean_gx);
-                }
+    let partial: Vec<Vec<f32>> = par_chunks_mut_map(&mut dx, block, x.len(), |b, dx| {
+        let (x, dy) = (piece(x, block, b), piece(dy, block, b));
+        let mut dw = vec![0f32; d];
+        for ((dx, x), dy) in dx
+            .chunks_exact_mut(d)
+            .zip(x.chunks_exact(d))
+            .zip(dy.chunks_exact(d))
+        {
+            let rstd = rms_rstd(x, eps) as f32;
+            let mut sum_gx = 0f64;
+            for i in 0..d {
+                let xh = x[i] * rstd;
+                sum_gx += f64::from(dy[i] * w[i] * xh);
+                dw[i] += dy[i] * xh;
             }
-            dw
-        })
-        .collect();
+            let mean_gx = (sum_gx / d as f64) as f32;
+            for i in 0..d {
+                dx[i] = rstd * (dy[i] * w[i] - x[i] * rstd * mean_gx);
+            }
+        }
+        dw
+    });
     let mut dw = vec![0f32; d];
     for p in &partial {
         dw.iter_mut().zip(p).for_each(|(a, g)| *a += g);

@@ -1,213 +1,163 @@
-//! The threads: [`par_for`], on the caller and the [`Helpers`] or on
-//! rayon's pool, and [`Pool`], buffers kept from call to call.
+//! The threads: [`par_for`] and [`par_chunks_mut`], on candle's own CPU
+//! pool, and [`Pool`], buffers kept from call to call.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Multiply-adds (or floats packed) from which a call's work is spread
 /// over the threads ([`par_for`]).
 pub(crate) const PARALLEL_FROM: usize = 1 << 16;
 
-/// Multiply-adds per item from which the caller works beside the helpers
-/// even while they sleep: a helper that comes late still finds items to
-/// take. Smaller items go to the helpers only while one is polling (a
-/// decoder step's attention between its linears, whose wake-ups through
-/// rayon's pool cost more than the attention); with the helpers asleep (a
-/// B8 transformer's decoder step, 64 heads of up to 64 keys, whose
-/// linears run on rayon's pool) rayon's awake workers take them sooner
-/// than a sleeping helper, and the caller alone is slower still.
-const MIN_ITEM: usize = 1 << 16;
+/// The threads the kernels spread a call's work over: the calling thread
+/// and the workers of candle's CPU pool (`CANDLE_NUM_THREADS`, else
+/// `RAYON_NUM_THREADS`, else the physical cores, as candle counts them),
+/// or what [`with_threads`] sets on this thread.
+pub fn threads() -> usize {
+    match CUT_FOR.get() {
+        Some(n) => n,
+        None => candle::utils::barrier_pool().n_workers() + 1,
+    }
+}
 
-/// How long a helper keeps polling for the next job after its last before
-/// it sleeps: longer than the gap between two parallel jobs of a decode
-/// step (a norm, the rotary embedding), so that a decoder's jobs find the
-/// helpers awake.
-const SPIN: Duration = Duration::from_micros(300);
+thread_local! {
+    /// Whether this thread runs a [`par_for`] job's items now.
+    static IN_JOB: Cell<bool> = const { Cell::new(false) };
+    /// What [`threads`] says on this thread, in [`with_threads`].
+    static CUT_FOR: Cell<Option<usize>> = const { Cell::new(None) };
+}
 
-/// Runs `f(i)` for every `i` in `0..n`, on as many threads as rayon's
-/// pool has; `work` is the job's multiply-adds.
+/// `f()` with the kernels' calls from this thread cut into work for `n`
+/// threads ([`threads`]): with `n = 1` each runs on this thread alone
+/// (one model per core, say); with more, the work splits as it would on
+/// a processor of `n` cores, and runs on candle's pool as it is.
+pub fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CUT_FOR.set(self.0);
+        }
+    }
+    let _restore = Restore(CUT_FOR.replace(Some(n.max(1))));
+    f()
+}
+
+/// Runs `f(i)` for every `i` in `0..n`, spread over [`threads`]; `work`
+/// is the job's multiply-adds (or floats moved), below [`PARALLEL_FROM`]
+/// of which (or with one thread) it runs on the calling thread alone.
 ///
-/// Called from outside the pool (the model's thread), with items of at
-/// least [`MIN_ITEM`] or while a helper polls, the job is not handed over: the calling thread
-/// takes items from a counter, and the [`Helpers`] (one thread fewer than
-/// the pool) take from the same counter. The caller never sleeps; it waits
-/// only for items a helper has already taken, and a helper that comes
-/// after the last item was taken does nothing. A decode step's hundred-odd
-/// jobs, each a few hundred microseconds, then neither wake a sleeping
-/// worker nor sleep until one is done (on rayon's pool, which does both,
-/// the handing-over is a large share of a Q8_0 decode step). Smaller
-/// items while the helpers sleep, and calls from inside the pool, take
-/// rayon's own splitting.
+/// The jobs run on candle's own pool (`candle::utils::barrier_pool`, which
+/// candle's element-wise ops use): a model mixing candle's ops and ours
+/// then has one set of worker threads. On a pool of its own (rayon's, or
+/// threads of ours), each of candle's ops left candle's worker polling for
+/// the next while ours ran the following kernel, on the same cores.
+///
+/// Each thread takes the items of a contiguous share of `0..n` in order
+/// (a unit's neighbours share its panels or rows, and a kernel prefetches
+/// the next unit's), then the items left in the others' shares, so that
+/// one that finishes first takes the later ones of a slow one's.
+///
+/// A job started from one of its items runs on that thread, item by
+/// item. An item that panics does so on the caller, once the job is done;
+/// candle's pool never sees the panic (which would poison the lock that
+/// its every later job takes).
 pub(crate) fn par_for(n: usize, work: usize, f: impl Fn(usize) + Sync) {
-    let threads = rayon::current_num_threads().min(n);
-    if threads <= 1 {
+    if n <= 1 || work < PARALLEL_FROM || IN_JOB.get() || threads() == 1 {
         (0..n).for_each(f);
         return;
     }
-    let helpers = Helpers::get();
-    if rayon::current_thread_index().is_some() || (work / n < MIN_ITEM && !helpers.polling()) {
-        use rayon::prelude::*;
-        (0..n).into_par_iter().for_each(&f);
-        return;
-    }
-    let f: &(dyn Fn(usize) + Sync) = &f;
-    // SAFETY: the lifetime is erased so that helpers may outlive this call;
-    // they call `f` only for items taken below `n`, and this call returns
-    // only once every taken item is done (`Items::work`, the wait below).
-    let f: *const (dyn Fn(usize) + Sync + 'static) = unsafe { std::mem::transmute(f) };
-    let items = Arc::new(Items {
-        next: AtomicUsize::new(0),
-        done: AtomicUsize::new(0),
-        panicked: AtomicBool::new(false),
-        n,
-        // About 8 takes a thread: each take and each count is a cache line
-        // passed between cores.
-        take: n.div_ceil(8 * threads),
-        f,
+    /// The next item of a share, on a cache line of its own.
+    #[repr(align(64))]
+    struct Next(AtomicUsize);
+    let pool = candle::utils::barrier_pool();
+    let t = pool.n_workers() + 1;
+    let end = |share: usize| n * (share + 1) / t;
+    let next: Vec<Next> = (0..t).map(|s| Next(AtomicUsize::new(n * s / t))).collect();
+    let panic = Mutex::new(None);
+    // Each thread, its own share first (the caller's is the last).
+    pool.execute(|me| {
+        let was = IN_JOB.replace(true);
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for share in (0..t).map(|k| (me + k) % t) {
+                loop {
+                    let i = next[share].0.fetch_add(1, Ordering::Relaxed);
+                    if i >= end(share) {
+                        break;
+                    }
+                    f(i);
+                }
+            }
+        }));
+        IN_JOB.set(was);
+        if let Err(payload) = run {
+            if let Ok(mut first) = panic.lock() {
+                first.get_or_insert(payload);
+            }
+        }
     });
-    helpers.submit(&items);
-    items.work();
-    let mut spins = 0u32;
-    while items.done.load(Ordering::Acquire) < n {
-        spins += 1;
-        if spins < 64 {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
-    }
-    assert!(
-        !items.panicked.load(Ordering::Relaxed),
-        "a parallel work item panicked"
-    );
-}
-
-/// Threads that take the items of [`par_for`]'s jobs beside their caller:
-/// each polls for the next job for [`SPIN`] after its last, then sleeps
-/// until one comes. One job is offered at a time; a caller whose job was
-/// replaced by another caller's before a helper took it runs its items
-/// itself.
-struct Helpers {
-    /// The job on offer.
-    job: Mutex<Option<Arc<Items>>>,
-    /// Bumped for every job offered.
-    offered: AtomicUsize,
-    wake: Condvar,
-    /// Helpers awake: polling for a job or running one.
-    awake: AtomicUsize,
-}
-
-impl Helpers {
-    /// The helpers: one thread fewer than rayon's pool has at the first
-    /// call, started then.
-    fn get() -> &'static Helpers {
-        static HELPERS: OnceLock<&'static Helpers> = OnceLock::new();
-        HELPERS.get_or_init(|| {
-            let helpers: &'static Helpers = Box::leak(Box::new(Helpers {
-                job: Mutex::new(None),
-                offered: AtomicUsize::new(0),
-                wake: Condvar::new(),
-                awake: AtomicUsize::new(0),
-            }));
-            for i in 1..rayon::current_num_threads() {
-                // One that cannot start leaves its share to the callers.
-                let _ = std::thread::Builder::new()
-                    .name(format!("multihead-helper-{i}"))
-                    .spawn(move || helpers.run());
-            }
-            helpers
-        })
-    }
-
-    /// Whether a helper is awake, and so takes a job's items without being
-    /// woken.
-    fn polling(&self) -> bool {
-        self.awake.load(Ordering::Relaxed) > 0
-    }
-
-    /// Offers `items` to the helpers.
-    fn submit(&self, items: &Arc<Items>) {
-        if let Ok(mut job) = self.job.lock() {
-            *job = Some(Arc::clone(items));
-            self.offered.fetch_add(1, Ordering::Release);
-            self.wake.notify_all();
-        }
-    }
-
-    /// A helper's loop: wait for a job newer than the last one seen
-    /// (polling, then asleep), take its items.
-    fn run(&self) {
-        let mut seen = self.offered.load(Ordering::Acquire);
-        self.awake.fetch_add(1, Ordering::Relaxed);
-        loop {
-            let since = Instant::now();
-            while self.offered.load(Ordering::Acquire) == seen {
-                if since.elapsed() < SPIN {
-                    std::hint::spin_loop();
-                    continue;
-                }
-                self.awake.fetch_sub(1, Ordering::Relaxed);
-                let Ok(mut job) = self.job.lock() else { return };
-                while self.offered.load(Ordering::Acquire) == seen {
-                    job = match self.wake.wait(job) {
-                        Ok(job) => job,
-                        Err(_) => return,
-                    };
-                }
-                self.awake.fetch_add(1, Ordering::Relaxed);
-            }
-            let Ok(job) = self.job.lock() else {
-                self.awake.fetch_sub(1, Ordering::Relaxed);
-                return;
-            };
-            seen = self.offered.load(Ordering::Acquire);
-            let items = job.clone();
-            drop(job);
-            if let Some(items) = items {
-                items.work();
-            }
-        }
+    if let Some(payload) = panic.into_inner().ok().flatten() {
+        std::panic::resume_unwind(payload);
     }
 }
 
-/// The items of a [`par_for`] job, shared with the helpers.
-struct Items {
-    next: AtomicUsize,
-    done: AtomicUsize,
-    panicked: AtomicBool,
-    n: usize,
-    /// Items taken at a time.
-    take: usize,
-    /// Valid while `done < n` (the caller waits for that).
-    f: *const (dyn Fn(usize) + Sync),
+/// Runs `f(i, chunk)` for every `chunk`-long piece `i` of `out` (the last
+/// one shorter), as [`par_for`] does.
+pub(crate) fn par_chunks_mut<T: Send>(
+    out: &mut [T],
+    chunk: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let (len, chunk) = (out.len(), chunk.max(1));
+    let at = SyncPtr(out.as_mut_ptr());
+    par_for(len.div_ceil(chunk), work, |i| {
+        let lo = i * chunk;
+        // SAFETY: pieces `lo..lo + chunk` of distinct `i` are disjoint and
+        // in bounds, and `out` is borrowed until every item is done.
+        let piece = unsafe { std::slice::from_raw_parts_mut(at.get().add(lo), chunk.min(len - lo)) };
+        f(i, piece)
+    });
 }
 
-// SAFETY: `f` is `Sync` and only called while it is alive (see `par_for`);
-// the rest are atomics.
-unsafe impl Send for Items {}
-unsafe impl Sync for Items {}
-
-impl Items {
-    /// Takes and runs items until none are left.
-    fn work(&self) {
-        loop {
-            let lo = self.next.fetch_add(self.take, Ordering::Relaxed);
-            if lo >= self.n {
-                return;
-            }
-            let hi = (lo + self.take).min(self.n);
-            // SAFETY: items lo..hi < n are not done, so the caller still
-            // waits and `f` is alive.
-            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                (lo..hi).for_each(|i| unsafe { (*self.f)(i) })
-            }));
-            if run.is_err() {
-                self.panicked.store(true, Ordering::Relaxed);
-            }
-            self.done.fetch_add(hi - lo, Ordering::Release);
+/// Runs `f(item)` for every one of `items` (each handed over once, by
+/// value: pieces of several outputs, say), as [`par_for`] does.
+pub(crate) fn par_each<T: Send>(items: Vec<T>, work: usize, f: impl Fn(T) + Sync) {
+    let items: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
+    par_for(items.len(), work, |i| {
+        if let Some(item) = items[i].lock().ok().and_then(|mut t| t.take()) {
+            f(item)
         }
-    }
+    });
+}
+
+/// [`par_chunks_mut`] where each piece also gives a value: the values in
+/// the pieces' order.
+pub(crate) fn par_chunks_mut_map<T: Send, R: Send>(
+    out: &mut [T],
+    chunk: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync,
+) -> Vec<R> {
+    let results: Vec<Mutex<Option<R>>> = (0..out.len().div_ceil(chunk.max(1)))
+        .map(|_| Mutex::new(None))
+        .collect();
+    par_chunks_mut(out, chunk, work, |i, piece| {
+        let r = f(i, piece);
+        if let Ok(mut slot) = results[i].lock() {
+            *slot = Some(r);
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.into_inner().ok().flatten().expect("every piece ran"))
+        .collect()
+}
+
+/// Piece `i` of `xs` cut into `chunk`-long pieces (the last one shorter):
+/// the input that goes with [`par_chunks_mut`]'s piece `i`.
+pub(crate) fn piece<T>(xs: &[T], chunk: usize, i: usize) -> &[T] {
+    let lo = (i * chunk).min(xs.len());
+    &xs[lo..(lo + chunk).min(xs.len())]
 }
 
 /// Buffers kept for the next call: fresh pages cost a page fault each
@@ -269,17 +219,23 @@ impl Pool {
 }
 
 /// A raw output pointer shared by the work units, which write disjoint rows.
-#[derive(Clone, Copy)]
-pub(crate) struct SyncPtr(pub(crate) *mut f32);
+pub(crate) struct SyncPtr<T = f32>(pub(crate) *mut T);
 // SAFETY: the units that share one write disjoint parts; the pointer outlives
 // the parallel loop, which joins before the buffer is used.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
+unsafe impl<T: Send> Send for SyncPtr<T> {}
+unsafe impl<T: Send> Sync for SyncPtr<T> {}
 
-impl SyncPtr {
+impl<T> Clone for SyncPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
     /// The pointer; a method, so that closures capture the `SyncPtr`
     /// (`Send + Sync`), not its raw field.
-    pub(crate) fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }
@@ -288,7 +244,7 @@ impl SyncPtr {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use super::{par_for, Pool, MIN_ITEM};
+    use super::{par_chunks_mut, par_for, piece, Pool, PARALLEL_FROM};
 
     /// A pool of two hands each length the kept buffer already that long
     /// (no zeroing, the wide one never cut down to a narrow call's
@@ -330,10 +286,9 @@ mod tests {
     fn par_for_runs_every_item_once() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
         for n in [0, 1, 2, 7, 60, 1000] {
-            // Items the caller and the helpers take, and smaller ones
-            // (rayon's splitting).
-            for work in [n * MIN_ITEM, n * MIN_ITEM / 2] {
-                // From outside the pool and from one of its workers.
+            // Spread over the threads, and on the caller alone.
+            for work in [n * PARALLEL_FROM, PARALLEL_FROM - 1] {
+                // From the model's thread and from another pool's worker.
                 assert_eq!(counts(n, work), vec![1; n], "n {n}, work {work}");
                 let inside = pool.install(|| counts(n, work));
                 assert_eq!(inside, vec![1; n], "n {n}, work {work}, inside a pool");
@@ -341,8 +296,42 @@ mod tests {
         }
     }
 
-    /// Callers on several threads at once, whose jobs replace each other
-    /// on offer to the helpers: each still runs every item of its own once.
+    /// A job started from an item of another, on whichever thread runs
+    /// it, runs every item of its own once (and does not wait on the
+    /// pool that its caller holds).
+    #[test]
+    fn a_job_inside_a_job_runs_every_item_once() {
+        let (n, inner) = (16, 9);
+        let runs: Vec<AtomicUsize> = (0..n * inner).map(|_| AtomicUsize::new(0)).collect();
+        par_for(n, n * PARALLEL_FROM, |i| {
+            par_for(inner, inner * PARALLEL_FROM, |j| {
+                runs[i * inner + j].fetch_add(1, Ordering::Relaxed);
+            })
+        });
+        assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1));
+    }
+
+    /// Each piece once, with its index, the last one shorter; `piece`
+    /// cuts an input as the output is cut.
+    #[test]
+    fn par_chunks_mut_hands_each_piece_with_its_index() {
+        for (len, chunk) in [(0, 4), (1, 4), (16, 4), (17, 4), (1000, 7)] {
+            let input: Vec<usize> = (0..len).collect();
+            let mut out = vec![usize::MAX; len];
+            par_chunks_mut(&mut out, chunk, len * PARALLEL_FROM, |i, o| {
+                let x = piece(&input, chunk, i);
+                assert_eq!(x.len(), o.len());
+                for (o, &x) in o.iter_mut().zip(x) {
+                    *o = x + i * len;
+                }
+            });
+            let want: Vec<usize> = (0..len).map(|e| e + (e / chunk) * len).collect();
+            assert_eq!(out, want, "len {len}, chunk {chunk}");
+        }
+    }
+
+    /// Callers on several threads at once each run every item of their
+    /// own once.
     #[test]
     fn concurrent_callers_each_run_every_item_once() {
         std::thread::scope(|s| {
@@ -350,7 +339,11 @@ mod tests {
                 s.spawn(move || {
                     for round in 0..50 {
                         let n = 2 + (t * 7 + round) % 40;
-                        assert_eq!(counts(n, n * MIN_ITEM), vec![1; n], "thread {t}, round {round}");
+                        assert_eq!(
+                            counts(n, n * PARALLEL_FROM),
+                            vec![1; n],
+                            "thread {t}, round {round}"
+                        );
                     }
                 });
             }
@@ -359,7 +352,7 @@ mod tests {
 
     #[test]
     fn par_for_reports_a_panicking_item() {
-        for (n, work) in [(60, 60 * MIN_ITEM), (1000, 1000 * MIN_ITEM / 2)] {
+        for (n, work) in [(60, 60 * PARALLEL_FROM), (1000, 1000 * PARALLEL_FROM)] {
             for bad in [0, n / 2, n - 1] {
                 let run = std::panic::catch_unwind(|| {
                     par_for(n, work, |i| {
@@ -371,5 +364,10 @@ mod tests {
                 assert!(run.is_err(), "n {n}: item {bad}'s panic was lost");
             }
         }
+        // candle's pool still serves its own ops and ours.
+        let x = candle::Tensor::ones(4 * PARALLEL_FROM, candle::DType::F32, &candle::Device::Cpu).unwrap();
+        let sum = (&x + &x).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert_eq!(sum, 8. * PARALLEL_FROM as f32);
+        assert_eq!(counts(60, 60 * PARALLEL_FROM), vec![1; 60]);
     }
 }

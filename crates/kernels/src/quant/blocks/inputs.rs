@@ -10,6 +10,7 @@
 
 use crate::quant::round_to_i8;
 use crate::runtime::isa::Isa;
+use crate::runtime::pool::{par_each, PARALLEL_FROM};
 
 /// `(first, count)` of the groups a kernel takes `rows` input rows in:
 /// `most` at a time while they last, then 4, 2 and 1 (each count a
@@ -203,7 +204,6 @@ mod avx512 {
 /// quantized, in parallel over rows where they are many, with the
 /// instruction set `isa` (capped at what the processor runs).
 pub(crate) fn quantize_inputs(isa: Isa, x: &[f32], m: usize, k: usize, block: usize) -> QuantizedInputs {
-    use rayon::prelude::*;
     let nb = k / block;
     let mut out = QuantizedInputs {
         q: vec![0; m * k],
@@ -225,7 +225,7 @@ pub(crate) fn quantize_inputs(isa: Isa, x: &[f32], m: usize, k: usize, block: us
         .zip(out.dsums.chunks_exact_mut(nb))
         .zip(out.sums.chunks_exact_mut(k / 16).zip(x.chunks_exact(k)));
     if m * k >= 1 << 15 {
-        rows.collect::<Vec<_>>().into_par_iter().for_each(one_row);
+        par_each(rows.collect(), PARALLEL_FROM.max(m * k), one_row);
     } else {
         rows.for_each(one_row);
     }

@@ -71,7 +71,7 @@ use inputs::{quantize_inputs, InputRow};
 use repack::{Layout, PANEL};
 
 use crate::runtime::isa::{has_vnni_vl, runnable, Isa};
-use crate::runtime::pool::{par_for, SyncPtr};
+use crate::runtime::pool::{par_chunks_mut, par_for, threads, SyncPtr};
 
 /// Output features a task takes (of a call of more than [`FEW_ROWS`]).
 const TASK_FEATURES: usize = 16;
@@ -295,9 +295,9 @@ impl BlockWeight {
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = vec![0f32; ids.len() * self.k];
         let (format, nb, be) = (self.format, self.nb(), self.format.block_elems());
-        out.par_chunks_mut(self.k)
-            .zip(ids)
-            .for_each(|(o, &j)| match self.panels {
+        par_chunks_mut(&mut out, self.k, ids.len() * self.k, |i, o| {
+            let j = ids[i];
+            match self.panels {
                 Some(l) => {
                     let mut block = [0u8; 256];
                     let (data, j) = self.part_of(j as usize);
@@ -307,7 +307,8 @@ impl BlockWeight {
                     }
                 }
                 None => dequantize_row(format, self.row(j as usize), o),
-            });
+            }
+        });
         out
     }
 
@@ -363,7 +364,7 @@ impl BlockWeight {
             None => (lo, hi, 1),
         };
         let per_task = match m {
-            ..=FEW_ROWS => (u_hi - u_lo).div_ceil(rayon::current_num_threads()).max(1),
+            ..=FEW_ROWS => (u_hi - u_lo).div_ceil(threads()).max(1),
             _ => TASK_FEATURES.div_ceil(unit),
         };
         let tasks = (u_hi - u_lo).div_ceil(per_task);

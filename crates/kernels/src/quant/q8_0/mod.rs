@@ -351,8 +351,8 @@ impl Q8Weight {
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
         let (k, nb) = (self.k, self.k / QK);
         let mut out = vec![0f32; ids.len() * k];
-        out.par_chunks_mut(k).zip(ids).for_each(|(row, &j)| {
-            let (p, c) = (j as usize / NR, j as usize % NR);
+        crate::runtime::pool::par_chunks_mut(&mut out, k, ids.len() * k, |i, row| {
+            let (p, c) = (ids[i] as usize / NR, ids[i] as usize % NR);
             for (b, row) in row.chunks_exact_mut(QK).enumerate() {
                 let block = &self.panels()[(p * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
                 let d = self.d[(p * nb + b) * NR + c].to_f32();

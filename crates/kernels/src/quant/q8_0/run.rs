@@ -2,8 +2,6 @@
 //! units over the pool, each unit's tiles, and its outputs written with
 //! the bias and the residual (the module docs of `mod.rs` say how).
 
-use rayon::prelude::*;
-
 use super::quantize::{Quantized, QK};
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, vnni};
@@ -11,7 +9,7 @@ use super::{
     portable, quantize_rows, Kernel, Q8Weight, BLOCK_BYTES, NR, QUANTIZE_TASK, SLICE_BLOCKS, UNIT_PANELS,
     UNIT_ROWS,
 };
-use crate::runtime::pool::{par_for, SyncPtr, PARALLEL_FROM};
+use crate::runtime::pool::{par_each, par_for, threads, SyncPtr, PARALLEL_FROM};
 
 impl Q8Weight {
     /// `x`'s `m` rows of `k` floats quantized, in parallel over rows where
@@ -31,9 +29,9 @@ impl Q8Weight {
         let kernel = self.kernel;
         if m > rows {
             let tasks: Vec<_> = tasks.zip(x.chunks(rows * k)).collect();
-            tasks
-                .into_par_iter()
-                .for_each(|(((q, d), off), x)| quantize_rows(kernel, x, q, d, off));
+            par_each(tasks, PARALLEL_FROM.max(m * k), |(((q, d), off), x)| {
+                quantize_rows(kernel, x, q, d, off)
+            });
         } else {
             for (((q, d), off), x) in tasks.zip(x.chunks(rows * k)) {
                 quantize_rows(kernel, x, q, d, off);
@@ -70,11 +68,7 @@ impl Q8Weight {
         let (p_lo, p_hi) = (lo / NR, hi.div_ceil(NR));
         let groups = m.div_ceil(mr);
         let work = m * width * k;
-        let threads = if work > PARALLEL_FROM {
-            rayon::current_num_threads()
-        } else {
-            1
-        };
+        let threads = if work > PARALLEL_FROM { threads() } else { 1 };
         // A single row: one run of whole tiles a thread. More: units of
         // UNIT_PANELS panels by UNIT_ROWS rows.
         let (ppu, gpu) = if m == 1 {

@@ -176,10 +176,9 @@ fn inputs_quantize_as_llama_cpp_on_every_kernel() {
 /// 896, 4864 inputs and n = 1, 17, 100, 896 features (off the tiles'
 /// rows and panels, one unit and several, serial and parallel), with
 /// and without a bias, with a residual, and for a range of features
-/// off the panels; on 3 threads, so that units share out unevenly.
+/// off the panels; cut for 3 threads, so that units share out unevenly.
 #[test]
 fn every_kernel_equals_the_reference() {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
     let mut case = 0;
     for k in [32, 96, 896, 4864] {
         for n in [1, 17, 100, 896] {
@@ -199,7 +198,7 @@ fn every_kernel_equals_the_reference() {
                     let layer = Q8Weight::quantize(&w, n, k, bias, isa).unwrap();
                     assert_eq!(layer.kernel, Kernel::for_isa(isa), "{what}");
                     assert_eq!(layer.dims(), (n, k));
-                    pool.install(|| {
+                    crate::with_threads(3, || {
                         assert_same(&layer.forward(&x, m, (0, n), None), &want, &what);
                         let y = layer.forward(&x, m, (lo, hi), Some(&residual));
                         assert_same(
