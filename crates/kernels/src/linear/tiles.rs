@@ -10,9 +10,9 @@
 //! groups. On AVX-512 the tiles prefetch weights into L2 as they run: in a
 //! unit of one row group (a decoder's step at batch ≤ 12) the next tile's,
 //! in the first row group of a unit of more their own, `AHEAD` steps on.
-//! Units run on the threads of `runtime::pool`. The bias (or the residual) starts the
-//! accumulators, and the epilogue (GELU or ReLU) runs on each tile as its
-//! last slice is written, while it is in L1.
+//! Units run on the threads of `runtime::pool`. The bias (or the
+//! residual) starts the accumulators, and the epilogue (GELU or ReLU) runs
+//! on each tile as its last slice is written, while it is in L1.
 
 use half::bf16;
 
@@ -227,10 +227,10 @@ impl PackedWeight {
             // of one row group, which reads each panel slice once and is
             // bound by fetching them: the unit's next tile, else the next
             // slice's first, else the next unit's (the next a thread runs,
-            // but where the thread takes its next items elsewhere). In a unit of more: the
-            // first row group, which reads the slice from memory, its own
-            // panels `AHEAD` steps on; the later ones reuse the slice from
-            // L2, where the hardware's prefetch serves them.
+            // but at the end of its share). In a unit of more: the first
+            // row group, which reads the slice from memory, its own panels
+            // `AHEAD` steps on; the later ones reuse the slice from L2,
+            // where the hardware's prefetch serves them.
             #[cfg(target_arch = "x86_64")]
             let prefetch = |k0: usize, kc: usize, g: usize, p: usize| {
                 let next = if g1 - g0 > 1 {

@@ -32,10 +32,10 @@ const UNIT_FEATURES: usize = 256;
 
 /// Row groups per work unit, at most, where the threads share a call whose
 /// reduction is one slice: a unit's panels stay in L2 from one unit of
-/// rows to the next, and the threads take units from one counter, so the
-/// one that finishes first takes the later ones. On a shared host one core can run a
-/// third slower than the other for seconds at a time, and a call split
-/// into equal halves waits for the slow one.
+/// rows to the next, and the thread that finishes its share first takes
+/// the later units of the other's (`runtime::pool::par_for`). On a shared
+/// host one core can run a third slower than the other for seconds at a
+/// time, and a call split into equal halves waits for the slow one.
 const CHUNK_GROUPS: usize = 8;
 
 /// Work units per thread, at least, where the reduction is in slices:

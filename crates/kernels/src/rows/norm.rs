@@ -172,7 +172,8 @@ impl FusedLayerNorm {
             );
         };
         let spare = &mut out.spare_capacity_mut()[..a.len()];
-        par_chunks_mut(spare, d, a.len() * 4, |i, row| norm_row((i, row)));
+        // About four operations a value (two passes, the scale and shift).
+        par_chunks_mut(spare, d, 4 * a.len(), |i, row| norm_row((i, row)));
         // SAFETY: every row was written.
         unsafe { out.set_len(a.len()) };
         Ok(out)

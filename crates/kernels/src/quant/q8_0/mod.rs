@@ -78,6 +78,7 @@ use rayon::prelude::*;
 
 use crate::elem::PanelElem;
 use crate::runtime::isa::{has_vnni, runnable, Isa};
+use crate::runtime::pool::par_chunks_mut;
 use quantize::{quantize_block, QK};
 
 /// Output features per panel.
@@ -351,7 +352,7 @@ impl Q8Weight {
     pub(crate) fn rows(&self, ids: &[u32]) -> Vec<f32> {
         let (k, nb) = (self.k, self.k / QK);
         let mut out = vec![0f32; ids.len() * k];
-        crate::runtime::pool::par_chunks_mut(&mut out, k, ids.len() * k, |i, row| {
+        par_chunks_mut(&mut out, k, ids.len() * k, |i, row| {
             let (p, c) = (ids[i] as usize / NR, ids[i] as usize % NR);
             for (b, row) in row.chunks_exact_mut(QK).enumerate() {
                 let block = &self.panels()[(p * nb + b) * BLOCK_BYTES..][..BLOCK_BYTES];
