@@ -19,7 +19,7 @@
 
 use super::problem::{write_rows, KvElem, Problem, Unit};
 use super::{avx2, avx512};
-use crate::panel::avx2::product;
+use crate::panel::avx2::{product, transpose_into};
 use crate::panel::{BLOCK_K, MR as AVX2_MR, NR, STRIP_RS};
 use crate::rows::lanes::{Ymm, Zmm};
 use crate::rows::softmax;
@@ -206,7 +206,7 @@ unsafe fn pack_panels<'a, E: KvElem>(dst: &mut [f32], rows: usize, d: usize, row
             };
             // SAFETY: `n` rows of `d` floats; `d` rows of `NR` floats from
             // column `half · 8` lie in the panel.
-            unsafe { avx2::transpose_into(&srcs[..n], d, 1., panel[half * 8..].as_mut_ptr(), NR, 8) };
+            unsafe { transpose_into(&srcs[..n], d, 1., panel[half * 8..].as_mut_ptr(), NR, 8) };
         }
     }
 }
@@ -300,7 +300,7 @@ pub(crate) unsafe fn run_block<KV: KvElem>(
                     // SAFETY: `n <= lanes` rows of `d`; the group's `d` rows
                     // of `mr` floats lie in `q`.
                     unsafe {
-                        avx2::transpose_into(&srcs[..n], d, p.scale, q[g0 * d + c0..].as_mut_ptr(), mr, lanes)
+                        transpose_into(&srcs[..n], d, p.scale, q[g0 * d + c0..].as_mut_ptr(), mr, lanes)
                     };
                 }
             }

@@ -4,13 +4,23 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::elem::PanelElem;
+#[cfg(target_arch = "x86_64")]
+use crate::panel::avx2::transpose_into;
+#[cfg(target_arch = "x86_64")]
+use crate::runtime::isa::runnable;
+use crate::runtime::isa::Isa;
 use crate::runtime::pool::{par_chunks_mut, par_for};
+
+/// Whether `A` is `B`.
+fn same<A: 'static, B: 'static>() -> bool {
+    std::any::TypeId::of::<A>() == std::any::TypeId::of::<B>()
+}
 
 /// `x` as an `E`: rounded, or, where `S` is `E`, itself (a bf16 weight
 /// packed as bf16 is copied, not widened and rounded back).
 #[inline(always)]
 fn convert<S: PanelElem, E: PanelElem>(x: S) -> E {
-    if std::any::TypeId::of::<S>() == std::any::TypeId::of::<E>() {
+    if same::<S, E>() {
         // SAFETY: S and E are the same type.
         unsafe { std::mem::transmute_copy::<S, E>(&x) }
     } else {
@@ -39,15 +49,16 @@ pub(crate) struct Panels<E> {
 
 impl<E: PanelElem> Panels<E> {
     /// `w`, `n` rows of `k` elements, as panels of `nr` features, each
-    /// element rounded to `E`, its inputs `paired` or not.
-    pub(super) fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize, paired: bool) -> Self {
+    /// element rounded to `E`, its inputs `paired` or not, for a layer of
+    /// `isa`.
+    pub(super) fn pack<S: PanelElem>(w: &[S], n: usize, k: usize, nr: usize, paired: bool, isa: Isa) -> Self {
         let np = n.div_ceil(nr) * nr;
         // 64 bytes of slack to align the start.
         let slack = 64 / size_of::<E>();
         let data = crate::runtime::pages::filled(np * k + slack, E::default());
         let start = data.as_ptr().align_offset(64).min(slack);
         let mut panels = Panels { data, start };
-        panels.fill(w, n, k, nr, paired);
+        panels.fill(w, n, k, nr, paired, isa);
         panels
     }
 
@@ -55,15 +66,34 @@ impl<E: PanelElem> Panels<E> {
     /// weight of the same `n`, `k`, `nr` and pairing: a weight that
     /// changed (a training step) takes no new buffer, whose pages would
     /// each be faulted in and cleared again.
-    pub(super) fn repack<S: PanelElem>(&mut self, w: &[S], n: usize, k: usize, nr: usize, paired: bool) {
-        self.fill(w, n, k, nr, paired);
+    pub(super) fn repack<S: PanelElem>(
+        &mut self,
+        w: &[S],
+        n: usize,
+        k: usize,
+        nr: usize,
+        paired: bool,
+        isa: Isa,
+    ) {
+        self.fill(w, n, k, nr, paired, isa);
     }
 
     /// Writes `w`'s features into their panel places; the panels' tail
-    /// past `n` features keeps what it holds (zeros).
-    fn fill<S: PanelElem>(&mut self, w: &[S], n: usize, k: usize, nr: usize, paired: bool) {
+    /// past `n` features keeps what it holds (zeros). An f32 weight packed
+    /// as f32 for AVX2 or AVX-512 goes 8 × 8 values at a time through a
+    /// register transpose (`panel/avx2.rs`), the values' bits unchanged;
+    /// else value by value.
+    fn fill<S: PanelElem>(&mut self, w: &[S], n: usize, k: usize, nr: usize, paired: bool, isa: Isa) {
         let np = n.div_ceil(nr) * nr;
         let start = self.start;
+        #[cfg(target_arch = "x86_64")]
+        let transposes = !paired
+            && nr.is_multiple_of(8)
+            && same::<S, f32>()
+            && same::<E, f32>()
+            && matches!(runnable(isa), Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = isa;
         par_chunks_mut(
             &mut self.data[start..start + np * k],
             k * nr,
@@ -72,9 +102,38 @@ impl<E: PanelElem> Panels<E> {
                 // In blocks of inputs whose panel rows stay in L1 while every
                 // feature's inputs are written into them.
                 const BLOCK: usize = 64;
+                let features = nr.min(n.saturating_sub(p * nr));
+                #[cfg(target_arch = "x86_64")]
+                if transposes {
+                    // SAFETY: S and E are f32 (`same`).
+                    let (w, panel) = unsafe {
+                        (
+                            std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len()),
+                            panel.as_mut_ptr().cast::<f32>(),
+                        )
+                    };
+                    for e0 in (0..k).step_by(BLOCK) {
+                        let e1 = (e0 + BLOCK).min(k);
+                        for c0 in (0..features).step_by(8) {
+                            let mut rows: [&[f32]; 8] = [&[]; 8];
+                            let c1 = (c0 + 8).min(features);
+                            for (c, row) in (c0..c1).zip(&mut rows) {
+                                *row = &w[(p * nr + c) * k..][e0..e1];
+                            }
+                            // SAFETY: the CPU runs AVX2 (`runnable`); rows
+                            // of `e1 - e0` values; the panel holds inputs
+                            // `e0..e1` of features `c0..c0 + 8` at
+                            // `e·nr + c` (`c0 + 8 <= nr`).
+                            unsafe {
+                                transpose_into(&rows[..c1 - c0], e1 - e0, 1., panel.add(e0 * nr + c0), nr, 8)
+                            };
+                        }
+                    }
+                    return;
+                }
                 for e0 in (0..k).step_by(BLOCK) {
                     let e1 = (e0 + BLOCK).min(k);
-                    for c in 0..nr.min(n.saturating_sub(p * nr)) {
+                    for c in 0..features {
                         let row = &w[(p * nr + c) * k..][e0..e1];
                         for (e, &x) in (e0..).zip(row) {
                             panel[panel_index(paired, e, c, nr)] = convert(x);
@@ -190,4 +249,41 @@ fn all_panels(panels: &[f32], len: usize, holds: impl Fn(usize, &[f32]) -> bool 
         }
     });
     !differs.into_inner()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Panels;
+    use crate::runtime::isa::{supported, Isa};
+
+    /// An f32 weight packs into the same bits on every instruction set
+    /// (the register transposes of AVX2 and AVX-512, value by value on
+    /// the portable code), features and inputs off the 8 × 8 blocks and
+    /// the input blocks, packing anew into used panels included; a NaN's
+    /// payload, a signalling one's, and -0 keep their bits.
+    #[test]
+    fn f32_weights_pack_into_the_same_bits_on_every_isa() {
+        for (n, k) in [(1, 1), (7, 9), (8, 64), (21, 70), (33, 131), (64, 200)] {
+            let mut w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            w[0] = -0.;
+            w[n * k / 2] = f32::from_bits(0x7f80_0001);
+            w[n * k - 1] = f32::from_bits(0xffc0_1234);
+            for nr in [16, 32] {
+                let want = Panels::<f32>::pack(&w, n, k, nr, false, Isa::Portable);
+                for isa in supported() {
+                    let mut got = Panels::<f32>::pack(&w, n, k, nr, false, isa);
+                    let len = n.div_ceil(nr) * nr * k;
+                    let bits = |p: &Panels<f32>| -> Vec<u32> {
+                        p.get()[..len].iter().map(|x| x.to_bits()).collect()
+                    };
+                    assert_eq!(bits(&got), bits(&want), "{isa:?} ({n}, {k}) in panels of {nr}");
+                    // Again into the used panels, from another weight.
+                    let v: Vec<f32> = w.iter().map(|x| x * 2.).collect();
+                    got.repack(&v, n, k, nr, false, isa);
+                    let want_v = Panels::<f32>::pack(&v, n, k, nr, false, Isa::Portable);
+                    assert_eq!(bits(&got), bits(&want_v), "{isa:?} ({n}, {k}) packed anew");
+                }
+            }
+        }
+    }
 }

@@ -158,9 +158,9 @@ impl PackedWeight {
         }
         let paired = pairs_inputs(isa, dtype, k);
         let panels = match dtype {
-            DType::F32 => PanelData::F32(Panels::pack(w, n, k, nr, false)),
-            DType::BF16 => PanelData::Bf16(Panels::pack(w, n, k, nr, paired)),
-            DType::F16 => PanelData::F16(Panels::pack(w, n, k, nr, false)),
+            DType::F32 => PanelData::F32(Panels::pack(w, n, k, nr, false, isa)),
+            DType::BF16 => PanelData::Bf16(Panels::pack(w, n, k, nr, paired, isa)),
+            DType::F16 => PanelData::F16(Panels::pack(w, n, k, nr, false, isa)),
             other => candle::bail!("PackedLinear: weights cannot be packed as {other:?} (f32, bf16 or f16)"),
         };
         Ok(PackedWeight {
@@ -214,7 +214,7 @@ impl PackedWeight {
         if w.len() != n * k || bias.is_some() != self.has_bias || bias.is_some_and(|b| b.len() != n) {
             return false;
         }
-        panels.repack(w, n, k, nr, false);
+        panels.repack(w, n, k, nr, false, self.isa);
         if let Some(b) = bias {
             self.bias[..n].copy_from_slice(b);
         }
