@@ -19,6 +19,8 @@ use half::bf16;
 use super::units::{slice_len, unit_shape};
 use super::weight::{on_panels, Epilogue, PackedWeight, PanelData};
 use crate::elem::PanelElem;
+#[cfg(target_arch = "x86_64")]
+use crate::panel::avx2::transpose_into;
 use crate::runtime::isa::Isa;
 use crate::runtime::pool::{par_chunks_mut, par_for, piece, threads, SyncPtr, PARALLEL_FROM};
 
@@ -91,14 +93,56 @@ impl PackedWeight {
         )
     }
 
-    /// `xᵀ · wᵀ` over f32 panels on AVX-512 (or AVX512-BF16): the call's
-    /// `m` rows are the columns of `x`, `k` rows of `m` floats, read in
-    /// place (no transposed copy). `None` where the panels or the
-    /// instruction set do not serve it.
+    /// `xᵀ · wᵀ` over f32 panels: the call's `m` rows are the columns of
+    /// `x`, `k` rows of `m` floats, read in place on AVX-512 (or
+    /// AVX512-BF16), through a transposed copy on AVX2 (whose tiles read
+    /// rows only). `None` where the panels or the instruction set do not
+    /// serve it.
     pub(crate) fn forward_transposed(&self, x: &[f32], m: usize) -> Option<Vec<f32>> {
         let PanelData::F32(panels) = &self.panels else {
             return None;
         };
+        #[cfg(target_arch = "x86_64")]
+        if m > 0 && x.len() >= m * self.k && self.isa == Isa::Avx2 {
+            let k = self.k;
+            let mut xt = vec![0f32; m * k];
+            // Columns e..e + 8 of the copy (rows e.. of `x`) a transpose,
+            // 64 of them an item.
+            const ITEM: usize = 64;
+            let at = SyncPtr(xt.as_mut_ptr());
+            par_for(k.div_ceil(ITEM), m * k, |i| {
+                for e in (i * ITEM..((i + 1) * ITEM).min(k)).step_by(8) {
+                    let rows: Vec<&[f32]> = (e..(e + 8).min(k)).map(|r| &x[r * m..][..m]).collect();
+                    let lanes = rows.len();
+                    // SAFETY: the layer was packed for AVX2, which the CPU
+                    // runs; rows of `m` floats; the copy holds `m` rows of
+                    // `k`, and this item alone writes its columns `e..e +
+                    // lanes` (8 at once, fewer at the end value by value).
+                    unsafe {
+                        match lanes {
+                            8 => transpose_into(&rows, m, 1., at.get().add(e), k, 8),
+                            _ => {
+                                for (c, row) in rows.iter().enumerate() {
+                                    for (r, &v) in row.iter().enumerate() {
+                                        *at.get().add(r * k + e + c) = v;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            });
+            let out = self.tiles(
+                panels.get(),
+                (&xt, (k, 1)),
+                None,
+                m,
+                (0, self.dims().0),
+                Epilogue::Identity,
+                None,
+            );
+            return Some(out);
+        }
         #[cfg(target_arch = "x86_64")]
         if m > 0 && x.len() >= m * self.k && matches!(self.isa, Isa::Avx512 | Isa::Avx512Bf16) {
             let out = self.tiles(

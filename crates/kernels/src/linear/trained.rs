@@ -11,7 +11,7 @@
 //!   over the `m` rows (a copy, as for `Wᵀ`, into one of a few buffers the
 //!   calls share), `dY`'s `n` columns through it, which the AVX-512 tiles
 //!   read in place, a step a row of `dY`, so that `dY` is never copied; on
-//!   AVX2, candle's matmul (the `gemm` crate), which reads `dYᵀ` in place;
+//!   AVX2, through a transposed copy of `dY` (the AVX2 tiles read rows);
 //! - `db = Σ dY` over the rows.
 //!
 //! Each is computed only for the arguments that track gradients (not `dX`
@@ -263,8 +263,8 @@ impl TrainedWeight {
             full[lo * row..hi * row].copy_from_slice(&part);
             full
         };
-        // dW = dYᵀ · X: on the tiles where they read dYᵀ in place (see the
-        // module doc), else on candle's matmul (`gemm`).
+        // dW = dYᵀ · X: on the tiles (see the module doc), else (no SIMD
+        // tiles) on candle's matmul.
         let dw = if w.track_op() {
             Some(match m {
                 0 => w.zeros_like()?,
@@ -304,10 +304,10 @@ const KEPT_INPUTS: usize = 4;
 /// `dW = dYᵀ · X`, `(n, k)`, for `x` `m` rows of `k` and `dy` `m` rows of
 /// `n`, on the tiles: `X` packed as the columns of a layer of `k` features
 /// over `m` inputs ([`PackedWeight::from_columns`], into a kept buffer of
-/// its shape where there is one), `dY`'s columns through it in place.
-/// `None` where the tiles do not read a transposed input (AVX2).
+/// its shape where there is one), `dY`'s columns through it (in place on
+/// AVX-512, a transposed copy on AVX2). `None` without SIMD tiles.
 fn weight_grad(x: &[f32], dy: &[f32], (m, n, k): (usize, usize, usize), isa: Isa) -> Option<Vec<f32>> {
-    if !matches!(isa, Isa::Avx512 | Isa::Avx512Bf16) {
+    if !matches!(isa, Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16) {
         return None;
     }
     let kept = {
