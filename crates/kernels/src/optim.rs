@@ -187,8 +187,7 @@ impl InplaceOp2 for AdamStep<'_> {
             // SAFETY: piece `i` of the moments, as `w`'s: disjoint from the
             // other items' and in bounds (each as long as `w`), borrowed
             // (the lock held) until every item is done.
-            let [m, v] =
-                [m, v].map(|at| unsafe { std::slice::from_raw_parts_mut(at.get().add(i * CHUNK), w.len()) });
+            let [m, v] = [m, v].map(|at| unsafe { at.slice_mut(i * CHUNK, w.len()) });
             for (((w, &g), m), v) in w.iter_mut().zip(piece(g, CHUNK, i)).zip(m).zip(v) {
                 c.update(w, g, m, v);
             }

@@ -105,29 +105,13 @@ impl<E: PanelElem> Panels<E> {
                 let features = nr.min(n.saturating_sub(p * nr));
                 #[cfg(target_arch = "x86_64")]
                 if transposes {
-                    // SAFETY: S and E are f32 (`same`).
-                    let (w, panel) = unsafe {
-                        (
-                            std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len()),
-                            panel.as_mut_ptr().cast::<f32>(),
-                        )
-                    };
-                    for e0 in (0..k).step_by(BLOCK) {
-                        let e1 = (e0 + BLOCK).min(k);
-                        for c0 in (0..features).step_by(8) {
-                            let mut rows: [&[f32]; 8] = [&[]; 8];
-                            let c1 = (c0 + 8).min(features);
-                            for (c, row) in (c0..c1).zip(&mut rows) {
-                                *row = &w[(p * nr + c) * k..][e0..e1];
-                            }
-                            // SAFETY: the CPU runs AVX2 (`runnable`); rows
-                            // of `e1 - e0` values; the panel holds inputs
-                            // `e0..e1` of features `c0..c0 + 8` at
-                            // `e·nr + c` (`c0 + 8 <= nr`).
-                            unsafe {
-                                transpose_into(&rows[..c1 - c0], e1 - e0, 1., panel.add(e0 * nr + c0), nr, 8)
-                            };
-                        }
+                    // SAFETY: S and E are f32 (`same`); the CPU runs AVX2
+                    // (`runnable`).
+                    unsafe {
+                        let w = std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len());
+                        let panel =
+                            std::slice::from_raw_parts_mut(panel.as_mut_ptr().cast::<f32>(), panel.len());
+                        transpose_panel(&w[p * nr * k..], panel, features, k, nr, BLOCK);
                     }
                     return;
                 }
@@ -236,6 +220,41 @@ impl Panels<f32> {
                     .enumerate()
                     .all(|(e, from)| bits(&from[..hi - lo], &a[e * c..][lo..hi]))
             })
+    }
+}
+
+/// Features `0..features` of a panel of `nr` (a multiple of 8), each `k`
+/// inputs, from `w`'s rows into `panel` (`k` rows of `nr`), 8 features
+/// by 8 inputs a register transpose, in blocks of `block` inputs.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose_panel(w: &[f32], panel: &mut [f32], features: usize, k: usize, nr: usize, block: usize) {
+    assert!(nr.is_multiple_of(8) && features <= nr && w.len() >= features * k && panel.len() >= k * nr);
+    for e0 in (0..k).step_by(block) {
+        let e1 = (e0 + block).min(k);
+        for c0 in (0..features).step_by(8) {
+            let c1 = (c0 + 8).min(features);
+            let mut rows: [&[f32]; 8] = [&[]; 8];
+            for (c, row) in (c0..c1).zip(&mut rows) {
+                *row = &w[c * k..][e0..e1];
+            }
+            // SAFETY: AVX2 (the caller's); rows of `e1 - e0` values; the
+            // panel holds inputs `e0..e1` of features `c0..c0 + 8` at
+            // `e·nr + c` (`c0 + 8 <= nr`, asserted above).
+            unsafe {
+                transpose_into(
+                    &rows[..c1 - c0],
+                    e1 - e0,
+                    1.,
+                    panel[e0 * nr + c0..].as_mut_ptr(),
+                    nr,
+                    8,
+                )
+            };
+        }
     }
 }
 

@@ -112,15 +112,19 @@ impl PackedWeight {
             let at = SyncPtr(xt.as_mut_ptr());
             par_for(k.div_ceil(ITEM), m * k, |i| {
                 for e in (i * ITEM..((i + 1) * ITEM).min(k)).step_by(8) {
-                    let rows: Vec<&[f32]> = (e..(e + 8).min(k)).map(|r| &x[r * m..][..m]).collect();
-                    let lanes = rows.len();
+                    let lanes = (k - e).min(8);
+                    let mut rows: [&[f32]; 8] = [&[]; 8];
+                    for (r, row) in (e..e + lanes).zip(&mut rows) {
+                        *row = &x[r * m..][..m];
+                    }
+                    let rows = &rows[..lanes];
                     // SAFETY: the layer was packed for AVX2, which the CPU
                     // runs; rows of `m` floats; the copy holds `m` rows of
                     // `k`, and this item alone writes its columns `e..e +
                     // lanes` (8 at once, fewer at the end value by value).
                     unsafe {
                         match lanes {
-                            8 => transpose_into(&rows, m, 1., at.get().add(e), k, 8),
+                            8 => transpose_into(rows, m, 1., at.get().add(e), k, 8),
                             _ => {
                                 for (c, row) in rows.iter().enumerate() {
                                     for (r, &v) in row.iter().enumerate() {

@@ -350,7 +350,7 @@ fn column_sums(dy: &[f32], m: usize, n: usize) -> Vec<f32> {
         }
         // SAFETY: columns `c0..c0 + cols` of `out` are this unit's alone,
         // and `out` outlives the loop.
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst.get().add(c0), cols) };
+        let dst = unsafe { dst.slice_mut(c0, cols) };
         dst.copy_from_slice(&acc[..cols]);
     });
     out

@@ -290,7 +290,7 @@ impl CustomOp2 for TrainedGate {
                 // SAFETY: piece `t` of `du`, as `dg`'s: disjoint from the
                 // other items' and in bounds (`du` is as long as `dg`),
                 // borrowed until every item is done.
-                let du = unsafe { std::slice::from_raw_parts_mut(du_at.get().add(t * PER_TASK), dg.len()) };
+                let du = unsafe { du_at.slice_mut(t * PER_TASK, dg.len()) };
                 let [g, u, d] = [g, u, d].map(|xs| piece(xs, PER_TASK, t));
                 self.kind.backward(self.isa, [g, u, d], dg, du)
             });

@@ -48,9 +48,9 @@ pub fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> R {
 ///
 /// The jobs run on candle's own pool (`candle::utils::barrier_pool`, which
 /// candle's element-wise ops use): a model mixing candle's ops and ours
-/// then has one set of worker threads. On a pool of its own (rayon's, or
-/// threads of ours), each of candle's ops left candle's worker polling for
-/// the next while ours ran the following kernel, on the same cores.
+/// then has one set of worker threads. Beside a pool of our own, candle's
+/// worker would poll for its next op (25 000 pauses before it parks) while
+/// ours ran the following kernel, on the same cores.
 ///
 /// Each thread takes the items of a contiguous share of `0..n` in order
 /// (a unit's neighbours share its panels or rows, and a kernel prefetches
@@ -114,8 +114,7 @@ pub(crate) fn par_chunks_mut<T: Send>(
         let lo = i * chunk;
         // SAFETY: pieces `lo..lo + chunk` of distinct `i` are disjoint and
         // in bounds, and `out` is borrowed until every item is done.
-        let piece = unsafe { std::slice::from_raw_parts_mut(at.get().add(lo), chunk.min(len - lo)) };
-        f(i, piece)
+        f(i, unsafe { at.slice_mut(lo, chunk.min(len - lo)) })
     });
 }
 
@@ -237,6 +236,16 @@ impl<T> SyncPtr<T> {
     /// (`Send + Sync`), not its raw field.
     pub(crate) fn get(self) -> *mut T {
         self.0
+    }
+
+    /// The `len` elements from `lo` on.
+    ///
+    /// # Safety
+    /// They are in bounds of the buffer, which outlives `'a`, and no other
+    /// reference reaches them meanwhile (each work item its own part).
+    pub(crate) unsafe fn slice_mut<'a>(self, lo: usize, len: usize) -> &'a mut [T] {
+        // SAFETY: the caller's.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(lo), len) }
     }
 }
 

@@ -121,7 +121,7 @@ impl Q8Weight {
                 // SAFETY: rows r0..r1 and columns c0 - lo..c1 - lo of the
                 // m × width output are this unit's alone (units cover
                 // disjoint panels and row groups).
-                let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(at), c1 - c0) };
+                let dst = unsafe { out_ptr.slice_mut(at, c1 - c0) };
                 dst.copy_from_slice(&sums[c0 - p0 * NR..c1 - p0 * NR]);
                 if let Some(bias) = &self.bias {
                     for (y, b) in dst.iter_mut().zip(&bias[c0..c1]) {
