@@ -8,6 +8,7 @@ use anyhow::{bail, Result};
 use candle::{Device, Tensor};
 use multihead::models::checkpoint::{LoadOptions, ModelFiles, TensorInfo, WeightDtype};
 use multihead::models::decoder::{CausalLm, DecoderModel};
+use multihead::models::formats::gguf::{is_gguf, GgufFile};
 
 use crate::machine::read_rate_every_core;
 use crate::{median, median_ms, share_fields};
@@ -31,7 +32,10 @@ impl DecoderBench {
             dtype,
             ..LoadOptions::default()
         };
-        let model = DecoderModel::from_folder_with(dir.as_ref(), &dev, &opts)?;
+        let model = match is_gguf(dir.as_ref()) {
+            true => DecoderModel::from_gguf(dir.as_ref(), &dev, &opts)?,
+            false => DecoderModel::from_folder_with(dir.as_ref(), &dev, &opts)?,
+        };
         let vocab = model.vocab_size() as u32;
         let ids = |n: usize| -> candle::Result<Tensor> {
             let data: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -136,8 +140,23 @@ pub fn decode_share(dir: &str, rest: &[&str]) -> Result<()> {
 
 /// The bytes a decode step reads of the folder's weights in `dtype`: every
 /// matrix once, the output head too (the token table where it is tied),
-/// but no embedding table, of which a step reads one row.
+/// but no embedding table, of which a step reads one row; of a GGUF file,
+/// its matrices as stored (`dtype` ggml) or in `dtype`.
 fn step_bytes(dir: &str, dtype: WeightDtype) -> Result<f64> {
+    if is_gguf(dir.as_ref()) {
+        let file = GgufFile::read(dir.as_ref())?;
+        let tied = file.info("output.weight").is_none();
+        let read = file
+            .tensors()
+            .iter()
+            .filter(|t| t.shape.len() == 2 && (t.name != "token_embd.weight" || tied));
+        return read
+            .map(|t| match dtype {
+                WeightDtype::Ggml => Ok(t.range.len() as f64),
+                _ => bytes_in(dtype, t.shape[0] * t.shape[1], t.shape[1]),
+            })
+            .sum();
+    }
     let ckpt = ModelFiles::resolve(dir.as_ref())?.read()?;
     let lookup = |t: &&TensorInfo| ["embed_tokens", "wte", "wpe"].iter().any(|l| t.name.contains(l));
     let matrices = ckpt
@@ -148,20 +167,20 @@ fn step_bytes(dir: &str, dtype: WeightDtype) -> Result<f64> {
     let read = matrices.filter(|t| {
         !lookup(t) || (tied && (t.name.ends_with("embed_tokens.weight") || t.name.ends_with("wte.weight")))
     });
-    let mut bytes = 0.;
-    for t in read {
-        let k = t.shape[1];
-        bytes += t.numel() as f64
-            * match dtype {
-                WeightDtype::F32 => 4.,
-                WeightDtype::Bf16 | WeightDtype::F16 => 2.,
-                WeightDtype::Q8_0 => 34. / 32.,
-                WeightDtype::Q4_0 => 18. / 32.,
-                // Q5_0 where 256 does not divide the input size.
-                WeightDtype::Q4_K if k % 256 == 0 => 144. / 256.,
-                WeightDtype::Q4_K => 22. / 32.,
-                WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
-            };
-    }
-    Ok(bytes)
+    read.map(|t| bytes_in(dtype, t.numel(), t.shape[1])).sum()
+}
+
+/// The bytes of `numel` weights of rows of `k` in `dtype`.
+fn bytes_in(dtype: WeightDtype, numel: usize, k: usize) -> Result<f64> {
+    Ok(numel as f64
+        * match dtype {
+            WeightDtype::F32 => 4.,
+            WeightDtype::Bf16 | WeightDtype::F16 => 2.,
+            WeightDtype::Q8_0 => 34. / 32.,
+            WeightDtype::Q4_0 => 18. / 32.,
+            // Q5_0 where 256 does not divide the input size.
+            WeightDtype::Q4_K if k.is_multiple_of(256) => 144. / 256.,
+            WeightDtype::Q4_K => 22. / 32.,
+            WeightDtype::Ggml => bail!("a folder's weights are floats: ggml is for GGUF files"),
+        })
 }

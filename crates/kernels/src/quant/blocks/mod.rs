@@ -22,8 +22,14 @@
 //! (`vpdpbusd`, `vnni.rs` runs those instances, 8 rows at a time where
 //! AVX2 takes 4, 2 for the k-quants); Q2_K and Q3_K stay in rows
 //! (`avx2.rs`); `portable.rs` computes every format. `vnni.rs` imports the AVX2 files' VNNI
-//! instances, the only import between ISA files here; none imports a
-//! driver.
+//! instances and `vnni_lanes.rs` their byte loads, the only imports
+//! between ISA files here; none imports a driver.
+//!
+//! A prefill of 16 rows or more through a k-quant's panels takes another
+//! kernel where the processor has AVX512-VNNI (`vnni_lanes.rs`): a task
+//! unpacks its panels once for all the rows, and the inputs, laid out 16
+//! rows to a 512-bit vector, meet each feature's broadcast codes, with
+//! the same sums, so the same bits, as the panels' kernels.
 
 /// `$kernel!` (a kernel body written over a step and a widening)
 /// instantiated twice: `$avx2` with AVX2's step (`vpmaddubsw` into `i16`
@@ -62,6 +68,8 @@ mod repack;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod vnni;
+#[cfg(target_arch = "x86_64")]
+mod vnni_lanes;
 
 use candle::{bail, Result};
 use rayon::prelude::*;
@@ -77,6 +85,10 @@ use crate::runtime::pool::{par_chunks_mut, par_for, threads, SyncPtr};
 const TASK_FEATURES: usize = 16;
 /// Input rows up to which a call gives each thread one run of features.
 const FEW_ROWS: usize = 4;
+/// Input rows from which the k-quants' panels take AVX512-VNNI's kernel
+/// with rows in lanes (`vnni_lanes.rs`), where the processor has it.
+#[cfg(target_arch = "x86_64")]
+const LANES_FROM: usize = 16;
 
 /// The code a weight's products run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -368,9 +380,21 @@ impl BlockWeight {
             _ => TASK_FEATURES.div_ceil(unit),
         };
         let tasks = (u_hi - u_lo).div_ceil(per_task);
+        #[cfg(target_arch = "x86_64")]
+        let lanes = match (self.kernel, self.panels) {
+            (Kernel::Vnni, Some(l)) if m >= LANES_FROM && vnni_lanes::takes(self.format) => {
+                Some((l, vnni_lanes::LaneInputs::new(self.format, &rows)))
+            }
+            _ => None,
+        };
         par_for(tasks, m * width * k, |t| {
+            let units = u_lo + t * per_task..(u_lo + (t + 1) * per_task).min(u_hi);
+            #[cfg(target_arch = "x86_64")]
+            if let Some((l, x)) = &lanes {
+                return self.panels_in_lanes(*l, units, x, (lo, hi), &write);
+            }
             let mut ys = vec![0f32; m * unit];
-            for u in u_lo + t * per_task..(u_lo + (t + 1) * per_task).min(u_hi) {
+            for u in units {
                 match self.panels {
                     Some(l) => {
                         self.dot_panel(l, u, &rows, &mut ys);
@@ -390,6 +414,46 @@ impl BlockWeight {
             }
         });
         out
+    }
+
+    /// Panels `units` times every input row through AVX512-VNNI's kernel
+    /// with rows in lanes: each panel unpacked once, then each group of 16
+    /// rows through them, its rows' outputs inside `lo..hi` to `write`.
+    #[cfg(target_arch = "x86_64")]
+    fn panels_in_lanes(
+        &self,
+        l: Layout,
+        units: std::ops::Range<usize>,
+        x: &vnni_lanes::LaneInputs,
+        (lo, hi): (usize, usize),
+        write: &(impl Fn(usize, usize, &[f32]) + Sync),
+    ) {
+        use vnni_lanes::{rows_in_lanes, unpack_panel, LANES};
+        let (nb, rows) = (self.nb(), x.rows());
+        let unpacked: Vec<(usize, Vec<vnni_lanes::UnpackedBlock>)> = units
+            .map(|u| {
+                let mut blocks = Vec::new();
+                // SAFETY: `Kernel::Vnni` is chosen only where the processor
+                // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
+                unsafe { unpack_panel(self.format, self.panel(l, u), nb, &mut blocks) };
+                (u, blocks)
+            })
+            .collect();
+        let mut ys = [[0f32; LANES]; PANEL];
+        let mut row = [0f32; PANEL];
+        for g in 0..x.groups() {
+            for (u, blocks) in &unpacked {
+                // SAFETY: as above.
+                unsafe { rows_in_lanes(self.format, blocks, x, g, &mut ys) };
+                let (j0, j1) = ((u * PANEL).max(lo), ((u + 1) * PANEL).min(hi));
+                for r in g * LANES..(g * LANES + LANES).min(rows) {
+                    for (f, y) in row.iter_mut().enumerate() {
+                        *y = ys[f][r - g * LANES];
+                    }
+                    write(r, j0, &row[j0 - u * PANEL..j1 - u * PANEL]);
+                }
+            }
+        }
     }
 
     /// Panel `p`'s products with every input row, into `out` (8 a row).

@@ -141,7 +141,7 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
         let bias: Vec<f32> = (0..n).map(|_| rng.unit() - 0.5).collect();
         let mut w = vec![0f32; n * k];
         dequantize_row(format, &data, &mut w);
-        for m in [1, 3, 5, 11] {
+        for m in [1, 3, 5, 11, 37] {
             let x: Vec<f32> = (0..m * k).map(|_| 2. * rng.unit() - 1.).collect();
             let residual: Vec<f32> = (0..m * n).map(|_| rng.unit()).collect();
             let xq = quantize_inputs(Isa::Portable, &x, m, k, format.block_elems());
@@ -179,6 +179,37 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
                             assert!((p - exact).abs() <= tol, "{} {isa:?}: range", format.name());
                         }
                     }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A row's outputs are the same bits whatever rows share its call: alone
+/// (a decode step's kernel), in groups of 8, 4, 2 and 1, or 16 to a vector
+/// (the k-quants' prefill with AVX512-VNNI), on every kernel the processor
+/// runs.
+#[test]
+fn rows_give_the_same_bits_alone_and_together() -> candle::Result<()> {
+    let mut rng = Rng(13);
+    for format in BlockFormat::ALL {
+        let (n, k) = (24, 3 * 256);
+        let data = random_blocks(format, n * k / format.block_elems(), &mut rng);
+        let m = 37;
+        let x: Vec<f32> = (0..m * k).map(|_| 2. * rng.unit() - 1.).collect();
+        for isa in isa::supported() {
+            let weight = BlockWeight::new(format, data.clone(), n, k, None, isa)?;
+            let together = weight.forward(&x, m, (0, n), None);
+            for r in 0..m {
+                let alone = weight.forward(&x[r * k..(r + 1) * k], 1, (0, n), None);
+                for (j, (a, t)) in alone.iter().zip(&together[r * n..(r + 1) * n]).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        t.to_bits(),
+                        "{} {isa:?} row {r} feature {j}: {a} alone, {t} with {m} rows",
+                        format.name()
+                    );
                 }
             }
         }
@@ -262,7 +293,7 @@ fn speed() -> candle::Result<()> {
         }
         let data = random_blocks(format, n * k / format.block_elems(), &mut rng);
         let w = BlockWeight::new(format, data, n, k, None, isa::current())?;
-        for m in [1, 64] {
+        for m in [1, 64, 128] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.unit() - 0.5).collect();
             let _ = w.forward(&x, m, (0, n), None);
             let reps = if m == 1 { 50 } else { 4 };

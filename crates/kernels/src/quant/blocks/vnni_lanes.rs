@@ -1,0 +1,370 @@
+//! The k-quants' prefill (Q4_K, Q5_K, Q6_K; 16 input rows or more) with
+//! AVX512-VNNI on 512-bit vectors, rows in lanes, as ggml-cpu's tiled
+//! `tiled_run_micro_vnni_8x16`: a call's inputs are laid out once with 16
+//! rows' 4 values in one vector ([`LaneInputs`]), a task's panels are
+//! unpacked once into their 6-bit codes and scales ([`UnpackedBlock`]), and
+//! each step multiplies a feature's 4 codes (broadcast) by the 16 rows'
+//! values in one `vpdpbusd`. The panels' own kernels (`avx2_k.rs`) unpack
+//! every step's codes anew for each 8 rows and hold a feature a lane; here
+//! the unpacking is shared by all the rows and a step is 8 instructions for
+//! 8 features × 16 rows.
+//!
+//! The sums are the integers of `avx2_k.rs`'s VNNI kernels, turned into
+//! floats in the same operations in the same order: each row's outputs are
+//! those kernels' bits, whatever rows share its vector.
+
+use std::arch::x86_64::*;
+
+use super::avx2_k::load32;
+use super::format::BlockFormat;
+use super::inputs::InputRow;
+use super::repack::PANEL;
+use crate::runtime::pool::par_chunks_mut;
+
+/// Rows in a vector's lanes.
+pub(crate) const LANES: usize = 16;
+
+/// Groups of 4 values in a 256-value block.
+const STEPS: usize = 64;
+
+/// Values a scale of `format`'s covers, of the k-quants this file takes.
+fn sub(format: BlockFormat) -> Option<usize> {
+    match format {
+        BlockFormat::Q4_K | BlockFormat::Q5_K => Some(32),
+        BlockFormat::Q6_K => Some(16),
+        _ => None,
+    }
+}
+
+/// Whether [`rows_in_lanes`] takes `format`.
+pub(crate) fn takes(format: BlockFormat) -> bool {
+    sub(format).is_some()
+}
+
+/// A call's inputs, rows in lanes: per group of [`LANES`] rows (the last
+/// one filled out with zero rows), per block, the 64 steps' 16 rows × 4
+/// values, the 16 rows' scales, and per pair of scales the 16 rows' two
+/// sums as `i16`s in an `i32`.
+pub(crate) struct LaneInputs {
+    rows: usize,
+    nb: usize,
+    pairs: usize,
+    groups: Vec<LaneGroup>,
+}
+
+/// A group's part of [`LaneInputs`].
+#[derive(Default)]
+struct LaneGroup {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sums: Vec<i32>,
+}
+
+impl LaneInputs {
+    /// `rows` (quantized in blocks of 256) for a weight in `format`, the
+    /// groups in parallel.
+    pub(crate) fn new(format: BlockFormat, rows: &[InputRow]) -> LaneInputs {
+        let sub = sub(format).expect("a k-quant");
+        let nb = rows.first().map_or(0, |r| r.d.len());
+        // Pairs of scales a block, each a pair of the inputs' sums.
+        let pairs = 256 / sub / 2;
+        let mut groups: Vec<LaneGroup> = (0..rows.len().div_ceil(LANES))
+            .map(|_| LaneGroup::default())
+            .collect();
+        par_chunks_mut(&mut groups, 1, rows.len() * nb * 256, |g, group| {
+            let group = &mut group[0];
+            group.q = vec![0i8; nb * STEPS * LANES * 4];
+            group.d = vec![0f32; nb * LANES];
+            group.sums = vec![0i32; nb * pairs * LANES];
+            for (t, row) in rows[g * LANES..].iter().take(LANES).enumerate() {
+                for b in 0..nb {
+                    let block = &row.q[256 * b..256 * b + 256];
+                    let dst = &mut group.q[b * STEPS * LANES * 4..][..STEPS * LANES * 4];
+                    for (s, four) in block.chunks_exact(4).enumerate() {
+                        dst[(s * LANES + t) * 4..][..4].copy_from_slice(four);
+                    }
+                    group.d[b * LANES + t] = row.d[b];
+                    // The sums of each scale's values, by pairs of scales.
+                    let per = sub / 16;
+                    let sum = |i: usize| -> i16 { row.sums[16 * b + per * i..][..per].iter().sum() };
+                    for p in 0..pairs {
+                        let pair = (i32::from(sum(2 * p + 1)) << 16) | i32::from(sum(2 * p) as u16);
+                        group.sums[(b * pairs + p) * LANES + t] = pair;
+                    }
+                }
+            }
+        });
+        LaneInputs {
+            rows: rows.len(),
+            nb,
+            pairs,
+            groups,
+        }
+    }
+
+    /// Its rows.
+    pub(crate) fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Groups of [`LANES`] rows.
+    pub(crate) fn groups(&self) -> usize {
+        self.groups.len()
+    }
+}
+
+/// One block of a panel's 8 features unpacked: per step the 8 features' 4
+/// codes, per scale (of `sub` values) the 8 features' scales, per pair of
+/// scales their mins as two `i16`s, and the 8 features' `d` and `dmin`.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct UnpackedBlock {
+    codes: [u32; STEPS * PANEL],
+    sc: [i32; 16 * PANEL],
+    mins: [i32; 8 * PANEL],
+    d: [f32; PANEL],
+    dmin: [f32; PANEL],
+}
+
+impl UnpackedBlock {
+    const ZERO: UnpackedBlock = UnpackedBlock {
+        codes: [0; STEPS * PANEL],
+        sc: [0; 16 * PANEL],
+        mins: [0; 8 * PANEL],
+        d: [0.; PANEL],
+        dmin: [0.; PANEL],
+    };
+}
+
+/// A panel's `nb` blocks (`repack.rs`'s layout) unpacked into `out`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize, out: &mut Vec<UnpackedBlock>) {
+    out.clear();
+    out.resize(nb, UnpackedBlock::ZERO);
+    let pb = panel.len() / nb.max(1);
+    for (blk, o) in panel.chunks_exact(pb).zip(out.iter_mut()) {
+        match format {
+            BlockFormat::Q4_K => unpack_k4::<false>(blk, o),
+            BlockFormat::Q5_K => unpack_k4::<true>(blk, o),
+            _ => unpack_q6k(blk, o),
+        }
+    }
+}
+
+/// Stores 8 `i32` lanes at `at` of `dst`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn store8<T: Copy>(dst: &mut [T], at: usize, v: __m256i) {
+    assert!(size_of::<T>() == 4);
+    let dst = &mut dst[at..at + 8];
+    // SAFETY: `dst` holds 8 values of 4 bytes.
+    unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), v) }
+}
+
+/// Byte `i` (0..4) of each `i32` lane, zero-extended.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn lane_byte(v: __m256i, i: i32) -> __m256i {
+    _mm256_and_si256(
+        _mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i)),
+        _mm256_set1_epi32(0xFF),
+    )
+}
+
+/// A Q4_K (`Q5`: Q5_K) panel block, as `avx2_k.rs`'s `panel_k4!` reads it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
+    let qs_at = if Q5 { 384 } else { 128 };
+    assert!(blk.len() >= qs_at + 1024);
+    // SAFETY: `blk` holds the block, past both 16-byte loads.
+    unsafe {
+        _mm256_storeu_ps(
+            o.d.as_mut_ptr(),
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
+        );
+        _mm256_storeu_ps(
+            o.dmin.as_mut_ptr(),
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
+        );
+    }
+    let (k1, k2, k3) = (
+        _mm256_set1_epi32(0x3f3f_3f3f),
+        _mm256_set1_epi32(0x0f0f_0f0f),
+        _mm256_set1_epi32(0x0303_0303),
+    );
+    let (a, bw, c) = (load32(blk, 32), load32(blk, 64), load32(blk, 96));
+    let sc = [
+        _mm256_and_si256(a, k1),
+        _mm256_or_si256(
+            _mm256_and_si256(c, k2),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 6), k3), 4),
+        ),
+    ];
+    let mn = [
+        _mm256_and_si256(bw, k1),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi32(c, 4), k2),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bw, 6), k3), 4),
+        ),
+    ];
+    for s in 0..8 {
+        store8(&mut o.sc, 8 * s, lane_byte(sc[s / 4], (s % 4) as i32));
+    }
+    for p in 0..4 {
+        let (m0, m1) = (
+            lane_byte(mn[p / 2], 2 * (p % 2) as i32),
+            lane_byte(mn[p / 2], 2 * (p % 2) as i32 + 1),
+        );
+        store8(&mut o.mins, 8 * p, _mm256_or_si256(m0, _mm256_slli_epi32(m1, 16)));
+    }
+    let low = _mm256_set1_epi8(0x0F);
+    for g in 0..4 {
+        for st in 0..8 {
+            let v = load32(blk, qs_at + 32 * (8 * g + st));
+            let mut lo = _mm256_and_si256(v, low);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if Q5 {
+                let qh = load32(blk, 128 + 32 * st);
+                let fifth = |bit: usize| {
+                    let mask = _mm256_set1_epi8(1 << bit);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask);
+                    _mm256_and_si256(set, _mm256_set1_epi8(16))
+                };
+                lo = _mm256_or_si256(lo, fifth(2 * g));
+                hi = _mm256_or_si256(hi, fifth(2 * g + 1));
+            }
+            store8(&mut o.codes, 8 * (16 * g + st), lo);
+            store8(&mut o.codes, 8 * (16 * g + 8 + st), hi);
+        }
+    }
+}
+
+/// A Q6_K panel block, as `avx2_k.rs`'s `panel_q6k!` reads it; its mins
+/// are the offset `32·sc`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
+    const QL: usize = 144;
+    const QH: usize = 1168;
+    assert!(blk.len() >= 1680);
+    // SAFETY: `blk` holds the block, past the 16-byte load at 0.
+    let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())) };
+    // SAFETY: `o.d` and `o.dmin` hold 8 floats.
+    unsafe {
+        _mm256_storeu_ps(o.d.as_mut_ptr(), d);
+        _mm256_storeu_ps(o.dmin.as_mut_ptr(), d);
+    }
+    let scales: [__m256i; 4] = std::array::from_fn(|i| load32(blk, 16 + 32 * i));
+    let scale = |h: usize| {
+        let v = _mm256_sll_epi32(scales[h / 4], _mm_cvtsi32_si128(24 - 8 * (h % 4) as i32));
+        _mm256_srai_epi32(v, 24)
+    };
+    for h in 0..16 {
+        store8(&mut o.sc, 8 * h, scale(h));
+    }
+    for p in 0..8 {
+        let lo = _mm256_and_si256(_mm256_slli_epi32(scale(2 * p), 5), _mm256_set1_epi32(0xFFFF));
+        store8(
+            &mut o.mins,
+            8 * p,
+            _mm256_or_si256(lo, _mm256_slli_epi32(scale(2 * p + 1), 21)),
+        );
+    }
+    let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    for n in 0..2 {
+        for j1 in 0..2 {
+            for st in 0..8 {
+                let v = load32(blk, QL + 32 * (16 * n + 8 * j1 + st));
+                let h = load32(blk, QH + 32 * (8 * n + st));
+                let (hl, hh) = match j1 {
+                    0 => (_mm256_slli_epi16(h, 4), h),
+                    _ => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
+                };
+                let lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hl, two));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                    _mm256_and_si256(hh, two),
+                );
+                store8(&mut o.codes, 8 * (32 * n + 8 * j1 + st), lo);
+                store8(&mut o.codes, 8 * (32 * n + 16 + 8 * j1 + st), hi);
+            }
+        }
+    }
+}
+
+/// A panel's unpacked blocks times the 16 rows of group `g` of `x`, into
+/// `out` (feature by feature, 16 rows each).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn rows_in_lanes(
+    format: BlockFormat,
+    blocks: &[UnpackedBlock],
+    x: &LaneInputs,
+    g: usize,
+    out: &mut [[f32; LANES]; PANEL],
+) {
+    match format {
+        BlockFormat::Q6_K => lanes::<16, true>(blocks, x, g, out),
+        _ => lanes::<32, false>(blocks, x, g, out),
+    }
+}
+
+/// [`rows_in_lanes`] for scales of `SUB` values, Q6_K's offset (`OFFSET`)
+/// or mins.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn lanes<const SUB: usize, const OFFSET: bool>(
+    blocks: &[UnpackedBlock],
+    x: &LaneInputs,
+    g: usize,
+    out: &mut [[f32; LANES]; PANEL],
+) {
+    let (nb, pairs) = (x.nb, x.pairs);
+    assert!(blocks.len() == nb && g < x.groups() && pairs == 256 / SUB / 2);
+    let mut acc = [_mm512_setzero_ps(); PANEL];
+    let group = &x.groups[g];
+    for (b, w) in blocks.iter().enumerate() {
+        let q: &[i8; STEPS * LANES * 4] = group.q[b * STEPS * LANES * 4..][..STEPS * LANES * 4]
+            .try_into()
+            .expect("a block's steps");
+        // SAFETY: the group's `d` holds 16 scales from `b · 16`.
+        let dx = unsafe { _mm512_loadu_ps(group.d[b * LANES..][..LANES].as_ptr()) };
+        let mut isum = [_mm512_setzero_si512(); PANEL];
+        for s in 0..256 / SUB {
+            let mut part = [_mm512_setzero_si512(); PANEL];
+            for step in s * SUB / 4..(s + 1) * SUB / 4 {
+                // SAFETY: `q` holds 64 bytes at each step's `64·step`.
+                let values = unsafe { _mm512_loadu_si512(q[64 * step..].as_ptr().cast()) };
+                for (part, &codes) in part.iter_mut().zip(&w.codes[PANEL * step..][..PANEL]) {
+                    *part = _mm512_dpbusd_epi32(*part, _mm512_set1_epi32(codes as i32), values);
+                }
+            }
+            for f in 0..PANEL {
+                let scaled = _mm512_mullo_epi32(part[f], _mm512_set1_epi32(w.sc[PANEL * s + f]));
+                isum[f] = _mm512_add_epi32(isum[f], scaled);
+            }
+        }
+        let sums: [__m512i; 8] = std::array::from_fn(|p| match p < pairs {
+            // SAFETY: the group's `sums` holds 16 pairs from `(b · pairs + p) · 16`.
+            true => unsafe {
+                _mm512_loadu_si512(group.sums[(b * pairs + p) * LANES..][..LANES].as_ptr().cast())
+            },
+            false => _mm512_setzero_si512(),
+        });
+        for f in 0..PANEL {
+            let mut msum = _mm512_setzero_si512();
+            for (p, s) in sums.iter().enumerate().take(pairs) {
+                msum = _mm512_dpwssd_epi32(msum, *s, _mm512_set1_epi32(w.mins[PANEL * p + f]));
+            }
+            let (d, dmin) = (_mm512_set1_ps(w.d[f]), _mm512_set1_ps(w.dmin[f]));
+            if OFFSET {
+                let total = _mm512_sub_epi32(isum[f], msum);
+                acc[f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, dx), acc[f]);
+            } else {
+                acc[f] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, dx), acc[f]);
+                acc[f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[f]), _mm512_mul_ps(d, dx), acc[f]);
+            }
+        }
+    }
+    for (acc, out) in acc.iter().zip(out.iter_mut()) {
+        // SAFETY: `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *acc) };
+    }
+}
