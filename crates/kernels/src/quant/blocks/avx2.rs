@@ -103,7 +103,7 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
 /// features) 16 where bit `shift + t` of feature `c`'s `qh` (lane `c`) is
 /// set.
 #[target_feature(enable = "avx2")]
-fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
+pub(super) fn fifth_bits(qh: __m256i, shift: i32) -> __m256i {
     let shifted = _mm256_srl_epi32(qh, _mm_cvtsi32_si128(shift));
     let spread = _mm256_shuffle_epi8(
         shifted,

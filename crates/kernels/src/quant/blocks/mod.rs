@@ -25,11 +25,11 @@
 //! instances and `vnni_lanes.rs` their byte loads, the only imports
 //! between ISA files here; none imports a driver.
 //!
-//! A prefill of 16 rows or more through a k-quant's panels takes another
-//! kernel where the processor has AVX512-VNNI (`vnni_lanes.rs`): a task
-//! unpacks its panels once for all the rows, and the inputs, laid out 16
-//! rows to a 512-bit vector, meet each feature's broadcast codes, with
-//! the same sums, so the same bits, as the panels' kernels.
+//! A prefill of 16 rows or more through the panels takes another kernel
+//! where the processor has AVX512-VNNI (`vnni_lanes.rs`): a task unpacks
+//! its panels once for all the rows, and the inputs, laid out 16 rows to
+//! a 512-bit vector, meet each feature's broadcast codes, with the same
+//! sums, so the same bits, as the panels' kernels.
 
 /// `$kernel!` (a kernel body written over a step and a widening)
 /// instantiated twice: `$avx2` with AVX2's step (`vpmaddubsw` into `i16`
@@ -85,7 +85,7 @@ use crate::runtime::pool::{par_chunks_mut, par_for, threads, SyncPtr};
 const TASK_FEATURES: usize = 16;
 /// Input rows up to which a call gives each thread one run of features.
 const FEW_ROWS: usize = 4;
-/// Input rows from which the k-quants' panels take AVX512-VNNI's kernel
+/// Input rows from which the panels take AVX512-VNNI's kernel
 /// with rows in lanes (`vnni_lanes.rs`), where the processor has it.
 #[cfg(target_arch = "x86_64")]
 const LANES_FROM: usize = 16;
@@ -430,21 +430,17 @@ impl BlockWeight {
     ) {
         use vnni_lanes::{rows_in_lanes, unpack_panel, LANES};
         let (nb, rows) = (self.nb(), x.rows());
-        let unpacked: Vec<(usize, Vec<vnni_lanes::UnpackedBlock>)> = units
-            .map(|u| {
-                let mut blocks = Vec::new();
-                // SAFETY: `Kernel::Vnni` is chosen only where the processor
-                // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
-                unsafe { unpack_panel(self.format, self.panel(l, u), nb, &mut blocks) };
-                (u, blocks)
-            })
+        let unpacked: Vec<(usize, vnni_lanes::UnpackedPanel)> = units
+            // SAFETY: `Kernel::Vnni` is chosen only where the processor
+            // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
+            .map(|u| (u, unsafe { unpack_panel(self.format, self.panel(l, u), nb) }))
             .collect();
         let mut ys = [[0f32; LANES]; PANEL];
         let mut row = [0f32; PANEL];
         for g in 0..x.groups() {
             for (u, blocks) in &unpacked {
                 // SAFETY: as above.
-                unsafe { rows_in_lanes(self.format, blocks, x, g, &mut ys) };
+                unsafe { rows_in_lanes(blocks, x, g, &mut ys) };
                 let (j0, j1) = ((u * PANEL).max(lo), ((u + 1) * PANEL).min(hi));
                 for r in g * LANES..(g * LANES + LANES).min(rows) {
                     for (f, y) in row.iter_mut().enumerate() {

@@ -1,20 +1,21 @@
-//! The k-quants' prefill (Q4_K, Q5_K, Q6_K; 16 input rows or more) with
-//! AVX512-VNNI on 512-bit vectors, rows in lanes, as ggml-cpu's tiled
-//! `tiled_run_micro_vnni_8x16`: a call's inputs are laid out once with 16
-//! rows' 4 values in one vector ([`LaneInputs`]), a task's panels are
-//! unpacked once into their 6-bit codes and scales ([`UnpackedBlock`]), and
-//! each step multiplies a feature's 4 codes (broadcast) by the 16 rows'
-//! values in one `vpdpbusd`. The panels' own kernels (`avx2_k.rs`) unpack
-//! every step's codes anew for each 8 rows and hold a feature a lane; here
-//! the unpacking is shared by all the rows and a step is 8 instructions for
-//! 8 features × 16 rows.
+//! Block products of 16 input rows or more through the panels (Q4_K,
+//! Q5_K, Q6_K and the formats of 32) with AVX512-VNNI on 512-bit vectors,
+//! rows in lanes, as ggml-cpu's tiled `tiled_run_micro_vnni_8x16`: a
+//! call's inputs are laid out once with 16 rows' 4 values in one vector
+//! ([`LaneInputs`]), a task's panels are unpacked once into their codes and
+//! scales ([`UnpackedPanel`]), and each step multiplies a feature's 4 codes
+//! (broadcast) by the 16 rows' values in one `vpdpbusd`. The panels' own
+//! kernels (`avx2.rs`, `avx2_k.rs`) unpack every step's codes anew for each
+//! 8 rows and hold a feature a lane; here the unpacking is shared by all
+//! the rows and a step is 8 instructions for 8 features × 16 rows.
 //!
-//! The sums are the integers of `avx2_k.rs`'s VNNI kernels, turned into
+//! The sums are the integers of the panels' VNNI kernels, turned into
 //! floats in the same operations in the same order: each row's outputs are
 //! those kernels' bits, whatever rows share its vector.
 
 use std::arch::x86_64::*;
 
+use super::avx2::fifth_bits;
 use super::avx2_k::load32;
 use super::format::BlockFormat;
 use super::inputs::InputRow;
@@ -24,7 +25,7 @@ use crate::runtime::pool::par_chunks_mut;
 /// Rows in a vector's lanes.
 pub(crate) const LANES: usize = 16;
 
-/// Groups of 4 values in a 256-value block.
+/// Groups of 4 values in a 256-value block (a step: 4 values of each row).
 const STEPS: usize = 64;
 
 /// Values a scale of `format`'s covers, of the k-quants this file takes.
@@ -36,15 +37,20 @@ fn sub(format: BlockFormat) -> Option<usize> {
     }
 }
 
-/// Whether [`rows_in_lanes`] takes `format`.
+/// Whether [`rows_in_lanes`] takes `format`: the formats kept in panels.
 pub(crate) fn takes(format: BlockFormat) -> bool {
     sub(format).is_some()
+        || matches!(
+            format,
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q5_0 | BlockFormat::Q5_1
+        )
 }
 
-/// A call's inputs, rows in lanes: per group of [`LANES`] rows (the last
-/// one filled out with zero rows), per block, the 64 steps' 16 rows × 4
-/// values, the 16 rows' scales, and per pair of scales the 16 rows' two
-/// sums as `i16`s in an `i32`.
+/// A call's inputs, rows in lanes, per group of [`LANES`] rows (the last
+/// one filled out with zero rows): each step's 16 rows × 4 values, and per
+/// block the 16 rows' scales; for the k-quants, per pair of scales the 16
+/// rows' two sums as `i16`s in an `i32`, for the formats of 32 the rows'
+/// `dx · Σ q`.
 pub(crate) struct LaneInputs {
     rows: usize,
     nb: usize,
@@ -58,34 +64,41 @@ struct LaneGroup {
     q: Vec<i8>,
     d: Vec<f32>,
     sums: Vec<i32>,
+    dsums: Vec<f32>,
 }
 
 impl LaneInputs {
-    /// `rows` (quantized in blocks of 256) for a weight in `format`, the
-    /// groups in parallel.
+    /// `rows` (quantized in `format`'s blocks) for a weight in `format`,
+    /// the groups in parallel.
     pub(crate) fn new(format: BlockFormat, rows: &[InputRow]) -> LaneInputs {
-        let sub = sub(format).expect("a k-quant");
-        let nb = rows.first().map_or(0, |r| r.d.len());
+        assert!(
+            takes(format),
+            "{} has no kernel with rows in lanes",
+            format.name()
+        );
+        let (nb, k) = rows.first().map_or((0, 0), |r| (r.d.len(), r.q.len()));
         // Pairs of scales a block, each a pair of the inputs' sums.
-        let pairs = 256 / sub / 2;
+        let pairs = sub(format).map_or(0, |sub| 256 / sub / 2);
         let mut groups: Vec<LaneGroup> = (0..rows.len().div_ceil(LANES))
             .map(|_| LaneGroup::default())
             .collect();
-        par_chunks_mut(&mut groups, 1, rows.len() * nb * 256, |g, group| {
+        par_chunks_mut(&mut groups, 1, rows.len() * k, |g, group| {
             let group = &mut group[0];
-            group.q = vec![0i8; nb * STEPS * LANES * 4];
+            group.q = vec![0i8; k * LANES];
             group.d = vec![0f32; nb * LANES];
             group.sums = vec![0i32; nb * pairs * LANES];
+            group.dsums = vec![0f32; if pairs == 0 { nb * LANES } else { 0 }];
             for (t, row) in rows[g * LANES..].iter().take(LANES).enumerate() {
+                for (s, four) in row.q.chunks_exact(4).enumerate() {
+                    group.q[(s * LANES + t) * 4..][..4].copy_from_slice(four);
+                }
                 for b in 0..nb {
-                    let block = &row.q[256 * b..256 * b + 256];
-                    let dst = &mut group.q[b * STEPS * LANES * 4..][..STEPS * LANES * 4];
-                    for (s, four) in block.chunks_exact(4).enumerate() {
-                        dst[(s * LANES + t) * 4..][..4].copy_from_slice(four);
-                    }
                     group.d[b * LANES + t] = row.d[b];
+                    if pairs == 0 {
+                        group.dsums[b * LANES + t] = row.dsums[b];
+                    }
                     // The sums of each scale's values, by pairs of scales.
-                    let per = sub / 16;
+                    let per = 8 / pairs.max(1);
                     let sum = |i: usize| -> i16 { row.sums[16 * b + per * i..][..per].iter().sum() };
                     for p in 0..pairs {
                         let pair = (i32::from(sum(2 * p + 1)) << 16) | i32::from(sum(2 * p) as u16);
@@ -113,9 +126,10 @@ impl LaneInputs {
     }
 }
 
-/// One block of a panel's 8 features unpacked: per step the 8 features' 4
-/// codes, per scale (of `sub` values) the 8 features' scales, per pair of
-/// scales their mins as two `i16`s, and the 8 features' `d` and `dmin`.
+/// One k-quant block of a panel's 8 features unpacked: per step the 8
+/// features' 4 codes, per scale (of 16 or 32 values) the 8 features'
+/// scales, per pair of scales their mins as two `i16`s, and the 8
+/// features' `d` and `dmin`.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 pub(crate) struct UnpackedBlock {
@@ -136,18 +150,32 @@ impl UnpackedBlock {
     };
 }
 
-/// A panel's `nb` blocks (`repack.rs`'s layout) unpacked into `out`.
+/// One block of 32 of a panel's 8 features unpacked: per step the 8
+/// features' 4 codes, and their `d` and `dmin` (`w = d·u − dmin`).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct Unpacked32 {
+    codes: [u32; 8 * PANEL],
+    d: [f32; PANEL],
+    dmin: [f32; PANEL],
+}
+
+/// A panel's blocks unpacked.
+pub(crate) enum UnpackedPanel {
+    K(Vec<UnpackedBlock>),
+    Of32(Vec<Unpacked32>),
+}
+
+/// A panel's `nb` blocks (`repack.rs`'s layout) unpacked.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize, out: &mut Vec<UnpackedBlock>) {
-    out.clear();
-    out.resize(nb, UnpackedBlock::ZERO);
+pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize) -> UnpackedPanel {
     let pb = panel.len() / nb.max(1);
-    for (blk, o) in panel.chunks_exact(pb).zip(out.iter_mut()) {
-        match format {
-            BlockFormat::Q4_K => unpack_k4::<false>(blk, o),
-            BlockFormat::Q5_K => unpack_k4::<true>(blk, o),
-            _ => unpack_q6k(blk, o),
-        }
+    let blocks = panel.chunks_exact(pb);
+    match format {
+        BlockFormat::Q4_K => UnpackedPanel::K(blocks.map(|b| unpack_k4::<false>(b)).collect()),
+        BlockFormat::Q5_K => UnpackedPanel::K(blocks.map(|b| unpack_k4::<true>(b)).collect()),
+        BlockFormat::Q6_K => UnpackedPanel::K(blocks.map(|b| unpack_q6k(b)).collect()),
+        _ => UnpackedPanel::Of32(blocks.map(|b| unpack_32(format, b)).collect()),
     }
 }
 
@@ -173,7 +201,9 @@ fn lane_byte(v: __m256i, i: i32) -> __m256i {
 
 /// A Q4_K (`Q5`: Q5_K) panel block, as `avx2_k.rs`'s `panel_k4!` reads it.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
+fn unpack_k4<const Q5: bool>(blk: &[u8]) -> UnpackedBlock {
+    let mut block = UnpackedBlock::ZERO;
+    let o = &mut block;
     let qs_at = if Q5 { 384 } else { 128 };
     assert!(blk.len() >= qs_at + 1024);
     // SAFETY: `blk` holds the block, past both 16-byte loads.
@@ -237,12 +267,15 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
             store8(&mut o.codes, 8 * (16 * g + 8 + st), hi);
         }
     }
+    block
 }
 
 /// A Q6_K panel block, as `avx2_k.rs`'s `panel_q6k!` reads it; its mins
 /// are the offset `32·sc`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
+fn unpack_q6k(blk: &[u8]) -> UnpackedBlock {
+    let mut block = UnpackedBlock::ZERO;
+    let o = &mut block;
     const QL: usize = 144;
     const QH: usize = 1168;
     assert!(blk.len() >= 1680);
@@ -289,28 +322,119 @@ fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
             }
         }
     }
+    block
+}
+
+/// A panel block of a format of 32, as `avx2.rs`'s `panel_32!` reads it.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn unpack_32(format: BlockFormat, blk: &[u8]) -> Unpacked32 {
+    // Where the mins, fifth bits and nibbles are.
+    let (m_at, qh_at, qs_at) = match format {
+        BlockFormat::Q4_0 => (0, 0, 16),
+        BlockFormat::Q4_1 => (16, 0, 32),
+        BlockFormat::Q5_0 => (0, 16, 48),
+        _ => (16, 32, 64),
+    };
+    assert!(blk.len() >= qs_at + 128);
+    let mut o = Unpacked32 {
+        codes: [0; 8 * PANEL],
+        d: [0.; PANEL],
+        dmin: [0.; PANEL],
+    };
+    // SAFETY: `blk` holds the block, past every 16-byte load below; `o.d`
+    // and `o.dmin` hold 8 floats.
+    unsafe {
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));
+        let dmin = match format {
+            BlockFormat::Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(8.)),
+            BlockFormat::Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(16.)),
+            _ => _mm256_sub_ps(
+                _mm256_setzero_ps(),
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(m_at).cast())),
+            ),
+        };
+        _mm256_storeu_ps(o.d.as_mut_ptr(), d);
+        _mm256_storeu_ps(o.dmin.as_mut_ptr(), dmin);
+    }
+    let five = matches!(format, BlockFormat::Q5_0 | BlockFormat::Q5_1);
+    let qh = if five {
+        load32(blk, qh_at)
+    } else {
+        _mm256_setzero_si256()
+    };
+    let low = _mm256_set1_epi8(0x0F);
+    for g in 0..4 {
+        let v = load32(blk, qs_at + 32 * g);
+        let mut lo = _mm256_and_si256(v, low);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if five {
+            lo = _mm256_or_si256(lo, fifth_bits(qh, 4 * g as i32));
+            hi = _mm256_or_si256(hi, fifth_bits(qh, 16 + 4 * g as i32));
+        }
+        // Values 4g.. and 16 + 4g..: steps g and 4 + g.
+        store8(&mut o.codes, 8 * g, lo);
+        store8(&mut o.codes, 8 * (4 + g), hi);
+    }
+    o
 }
 
 /// A panel's unpacked blocks times the 16 rows of group `g` of `x`, into
 /// `out` (feature by feature, 16 rows each).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) fn rows_in_lanes(
-    format: BlockFormat,
-    blocks: &[UnpackedBlock],
+    panel: &UnpackedPanel,
     x: &LaneInputs,
     g: usize,
     out: &mut [[f32; LANES]; PANEL],
 ) {
-    match format {
-        BlockFormat::Q6_K => lanes::<16, true>(blocks, x, g, out),
-        _ => lanes::<32, false>(blocks, x, g, out),
+    match panel {
+        UnpackedPanel::K(blocks) if x.pairs == 8 => lanes_k::<16, true>(blocks, x, g, out),
+        UnpackedPanel::K(blocks) => lanes_k::<32, false>(blocks, x, g, out),
+        UnpackedPanel::Of32(blocks) => lanes_32(blocks, x, g, out),
     }
 }
 
-/// [`rows_in_lanes`] for scales of `SUB` values, Q6_K's offset (`OFFSET`)
-/// or mins.
+/// The formats of 32: per block, `acc += d·dx·Σ u·q − dmin·(dx·Σ q)`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn lanes<const SUB: usize, const OFFSET: bool>(
+fn lanes_32(blocks: &[Unpacked32], x: &LaneInputs, g: usize, out: &mut [[f32; LANES]; PANEL]) {
+    assert!(blocks.len() == x.nb && g < x.groups() && x.pairs == 0);
+    let group = &x.groups[g];
+    let mut acc = [_mm512_setzero_ps(); PANEL];
+    for (b, w) in blocks.iter().enumerate() {
+        let q: &[i8; 8 * LANES * 4] = group.q[b * 8 * LANES * 4..][..8 * LANES * 4]
+            .try_into()
+            .expect("a block's steps");
+        // SAFETY: the group's `d` and `dsums` hold 16 floats from `b · 16`.
+        let (dx, dsums) = unsafe {
+            (
+                _mm512_loadu_ps(group.d[b * LANES..][..LANES].as_ptr()),
+                _mm512_loadu_ps(group.dsums[b * LANES..][..LANES].as_ptr()),
+            )
+        };
+        let mut isum = [_mm512_setzero_si512(); PANEL];
+        for step in 0..8 {
+            // SAFETY: `q` holds 64 bytes at each step's `64·step`.
+            let values = unsafe { _mm512_loadu_si512(q[64 * step..].as_ptr().cast()) };
+            for (isum, &codes) in isum.iter_mut().zip(&w.codes[PANEL * step..][..PANEL]) {
+                *isum = _mm512_dpbusd_epi32(*isum, _mm512_set1_epi32(codes as i32), values);
+            }
+        }
+        for f in 0..PANEL {
+            let scale = _mm512_mul_ps(_mm512_set1_ps(w.d[f]), dx);
+            acc[f] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[f]), scale, acc[f]);
+            acc[f] = _mm512_fnmadd_ps(_mm512_set1_ps(w.dmin[f]), dsums, acc[f]);
+        }
+    }
+    for (acc, out) in acc.iter().zip(out.iter_mut()) {
+        // SAFETY: `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), *acc) };
+    }
+}
+
+/// The k-quants, scales of `SUB` values, Q6_K's offset (`OFFSET`) or
+/// mins: per block, the mins' part, then `d·dx·Σ sc·Σ u·q`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn lanes_k<const SUB: usize, const OFFSET: bool>(
     blocks: &[UnpackedBlock],
     x: &LaneInputs,
     g: usize,
