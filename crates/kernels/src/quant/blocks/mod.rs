@@ -22,14 +22,16 @@
 //! (`vpdpbusd`, `vnni.rs` runs those instances, 8 rows at a time where
 //! AVX2 takes 4, 2 for the k-quants); Q2_K and Q3_K stay in rows
 //! (`avx2.rs`); `portable.rs` computes every format. `vnni.rs` imports the AVX2 files' VNNI
-//! instances and `vnni_lanes.rs` their byte loads, the only imports
-//! between ISA files here; none imports a driver.
+//! instances, `lanes.rs` their byte loads and fifth bits, and the kernels
+//! with rows in lanes `lanes.rs`' layouts, the only imports between ISA
+//! files here; none imports a driver.
 //!
-//! A prefill of 16 rows or more through the panels takes another kernel
-//! where the processor has AVX512-VNNI (`vnni_lanes.rs`): a task unpacks
-//! its panels once for all the rows, and the inputs, laid out 16 rows to
-//! a 512-bit vector, meet each feature's broadcast codes, with the same
-//! sums, so the same bits, as the panels' kernels.
+//! A prefill of 16 rows or more through the panels takes other kernels
+//! (`lanes.rs`): a task unpacks its panels once for all the rows, and the
+//! inputs, laid out several rows to a vector (16 with AVX512-VNNI,
+//! `vnni_lanes.rs`; 8 with AVX2, `avx2_lanes.rs`), meet each feature's
+//! broadcast codes, with the same sums, so the same bits, as the panels'
+//! kernels of the same instruction set.
 
 /// `$kernel!` (a kernel body written over a step and a widening)
 /// instantiated twice: `$avx2` with AVX2's step (`vpmaddubsw` into `i16`
@@ -59,8 +61,12 @@ macro_rules! avx2_and_vnni {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_k;
+#[cfg(target_arch = "x86_64")]
+mod avx2_lanes;
 mod format;
 mod inputs;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 mod portable;
 mod quantize;
 mod repack;
@@ -85,8 +91,8 @@ use crate::runtime::pool::{par_chunks_mut, par_for, threads, SyncPtr};
 const TASK_FEATURES: usize = 16;
 /// Input rows up to which a call gives each thread one run of features.
 const FEW_ROWS: usize = 4;
-/// Input rows from which the panels take AVX512-VNNI's kernel
-/// with rows in lanes (`vnni_lanes.rs`), where the processor has it.
+/// Input rows from which the panels take the kernels with rows in lanes
+/// (`lanes.rs`).
 #[cfg(target_arch = "x86_64")]
 const LANES_FROM: usize = 16;
 
@@ -382,8 +388,12 @@ impl BlockWeight {
         let tasks = (u_hi - u_lo).div_ceil(per_task);
         #[cfg(target_arch = "x86_64")]
         let lanes = match (self.kernel, self.panels) {
-            (Kernel::Vnni, Some(l)) if m >= LANES_FROM && vnni_lanes::takes(self.format) => {
-                Some((l, vnni_lanes::LaneInputs::new(self.format, &rows)))
+            (Kernel::Vnni | Kernel::Avx2, Some(l)) if m >= LANES_FROM && lanes::takes(self.format) => {
+                let n = match self.kernel {
+                    Kernel::Vnni => vnni_lanes::LANES,
+                    _ => avx2_lanes::LANES,
+                };
+                Some((l, lanes::LaneInputs::new(self.format, &rows, n)))
             }
             _ => None,
         };
@@ -416,35 +426,47 @@ impl BlockWeight {
         out
     }
 
-    /// Panels `units` times every input row through AVX512-VNNI's kernel
-    /// with rows in lanes: each panel unpacked once, then each group of 16
+    /// Panels `units` times every input row through the kernels with rows
+    /// in lanes (`lanes.rs`): each panel unpacked once, then each group of
     /// rows through them, its rows' outputs inside `lo..hi` to `write`.
     #[cfg(target_arch = "x86_64")]
     fn panels_in_lanes(
         &self,
         l: Layout,
         units: std::ops::Range<usize>,
-        x: &vnni_lanes::LaneInputs,
+        x: &lanes::LaneInputs,
         (lo, hi): (usize, usize),
         write: &(impl Fn(usize, usize, &[f32]) + Sync),
     ) {
-        use vnni_lanes::{rows_in_lanes, unpack_panel, LANES};
-        let (nb, rows) = (self.nb(), x.rows());
-        let unpacked: Vec<(usize, vnni_lanes::UnpackedPanel)> = units
-            // SAFETY: `Kernel::Vnni` is chosen only where the processor
-            // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
-            .map(|u| (u, unsafe { unpack_panel(self.format, self.panel(l, u), nb) }))
+        let (nb, rows, n) = (self.nb(), x.rows(), x.lanes);
+        let unpacked: Vec<(usize, lanes::UnpackedPanel)> = units
+            // SAFETY: the kernels with rows in lanes are chosen only where
+            // the processor runs AVX2, FMA and F16C (`Kernel::for_isa`).
+            .map(|u| {
+                (u, unsafe {
+                    lanes::unpack_panel(self.format, self.panel(l, u), nb)
+                })
+            })
             .collect();
-        let mut ys = [[0f32; LANES]; PANEL];
+        // The panel's outputs, feature by feature, a group's rows each.
+        let mut ys = vec![0f32; PANEL * n];
         let mut row = [0f32; PANEL];
         for g in 0..x.groups() {
-            for (u, blocks) in &unpacked {
-                // SAFETY: as above.
-                unsafe { rows_in_lanes(blocks, x, g, &mut ys) };
+            for (u, panel) in &unpacked {
+                if self.kernel == Kernel::Vnni {
+                    // SAFETY: `Kernel::Vnni` is chosen only where the processor
+                    // runs AVX512-VNNI with AVX512-VL and BW (`isa::has_vnni_vl`).
+                    unsafe { vnni_lanes::rows_in_lanes(self.format, panel, x, g, &mut ys) }
+                } else {
+                    // SAFETY: else `Kernel::Avx2` (the lanes are laid out for
+                    // these two alone), chosen only where the processor runs
+                    // AVX2, FMA and F16C.
+                    unsafe { avx2_lanes::rows_in_lanes(self.format, panel, x, g, &mut ys) }
+                }
                 let (j0, j1) = ((u * PANEL).max(lo), ((u + 1) * PANEL).min(hi));
-                for r in g * LANES..(g * LANES + LANES).min(rows) {
+                for r in g * n..(g * n + n).min(rows) {
                     for (f, y) in row.iter_mut().enumerate() {
-                        *y = ys[f][r - g * LANES];
+                        *y = ys[f * n + r - g * n];
                     }
                     write(r, j0, &row[j0 - u * PANEL..j1 - u * PANEL]);
                 }
