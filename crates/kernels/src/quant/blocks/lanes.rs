@@ -171,12 +171,20 @@ pub(crate) enum UnpackedPanel {
 pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize) -> UnpackedPanel {
     let pb = panel.len() / nb.max(1);
     let blocks = panel.chunks_exact(pb);
-    match format {
-        BlockFormat::Q4_K => UnpackedPanel::K(blocks.map(|b| unpack_k4::<false>(b)).collect()),
-        BlockFormat::Q5_K => UnpackedPanel::K(blocks.map(|b| unpack_k4::<true>(b)).collect()),
-        BlockFormat::Q6_K => UnpackedPanel::K(blocks.map(|b| unpack_q6k(b)).collect()),
-        _ => UnpackedPanel::Of32(blocks.map(|b| unpack_32(format, b)).collect()),
+    // Each block unpacked in its place in the vector (a block of 256 is
+    // 2.8 KB).
+    if sub(format).is_some() {
+        let mut out = vec![UnpackedBlock::ZERO; nb];
+        for (blk, o) in blocks.zip(out.iter_mut()) {
+            match format {
+                BlockFormat::Q4_K => unpack_k4::<false>(blk, o),
+                BlockFormat::Q5_K => unpack_k4::<true>(blk, o),
+                _ => unpack_q6k(blk, o),
+            }
+        }
+        return UnpackedPanel::K(out);
     }
+    UnpackedPanel::Of32(blocks.map(|b| unpack_32(format, b)).collect())
 }
 
 /// Stores 8 `i32` lanes at `at` of `dst`.
@@ -199,11 +207,9 @@ fn lane_byte(v: __m256i, i: i32) -> __m256i {
     )
 }
 
-/// A Q4_K (`Q5`: Q5_K) panel block, as `avx2_k.rs`'s `panel_k4!` reads it.
+/// A Q4_K (`Q5`: Q5_K) panel block into `o`, as `avx2_k.rs`'s `panel_k4!` reads it.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unpack_k4<const Q5: bool>(blk: &[u8]) -> UnpackedBlock {
-    let mut block = UnpackedBlock::ZERO;
-    let o = &mut block;
+fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
     let qs_at = if Q5 { 384 } else { 128 };
     assert!(blk.len() >= qs_at + 1024);
     // SAFETY: `blk` holds the block, past both 16-byte loads.
@@ -267,15 +273,12 @@ fn unpack_k4<const Q5: bool>(blk: &[u8]) -> UnpackedBlock {
             store8(&mut o.codes, 8 * (16 * g + 8 + st), hi);
         }
     }
-    block
 }
 
-/// A Q6_K panel block, as `avx2_k.rs`'s `panel_q6k!` reads it; its mins
+/// A Q6_K panel block into `o`, as `avx2_k.rs`'s `panel_q6k!` reads it; its mins
 /// are the offset `32·sc`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unpack_q6k(blk: &[u8]) -> UnpackedBlock {
-    let mut block = UnpackedBlock::ZERO;
-    let o = &mut block;
+fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
     const QL: usize = 144;
     const QH: usize = 1168;
     assert!(blk.len() >= 1680);
@@ -322,7 +325,6 @@ fn unpack_q6k(blk: &[u8]) -> UnpackedBlock {
             }
         }
     }
-    block
 }
 
 /// A panel block of a format of 32, as `avx2.rs`'s `panel_32!` reads it.

@@ -364,13 +364,21 @@ impl BlockWeight {
         // Writes row r's outputs for features j0.. from `ys`, with the
         // bias and the residual.
         let write = |r: usize, j0: usize, ys: &[f32]| {
-            for (j, &y) in (j0..).zip(ys) {
-                let at = r * width + j - lo;
-                let y = y + self.bias.as_ref().map_or(0., |b| b[j]);
-                let y = residual.map_or(y, |res| y + res[at]);
-                // SAFETY: column j - lo of the m × width output is this
-                // task's alone (tasks take disjoint features).
-                unsafe { *out_ptr.get().add(at) = y };
+            let at = r * width + j0 - lo;
+            assert!(j0 >= lo && j0 + ys.len() <= hi && r < m);
+            // SAFETY: columns j0 - lo.. of row r of the m × width output
+            // are this task's alone (tasks take disjoint features).
+            let dst = unsafe { out_ptr.slice_mut(at, ys.len()) };
+            dst.copy_from_slice(ys);
+            if let Some(b) = &self.bias {
+                for (y, b) in dst.iter_mut().zip(&b[j0..]) {
+                    *y += b;
+                }
+            }
+            if let Some(res) = residual {
+                for (y, r) in dst.iter_mut().zip(&res[at..]) {
+                    *y += r;
+                }
             }
         };
         // Units: features, or panels of them. A few rows (a decode step):
