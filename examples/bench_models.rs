@@ -34,10 +34,11 @@
 //! (`bench_models/train.rs`), `--train tiny` the same models shrunk, to
 //! check that they run.
 //!
-//! `decoder DIR`: a HF decoder folder (GPT-2 or Llama): the latency of one
-//! greedy decode step of batch 1 over a cache of `CACHE_LEN` (2048)
-//! positions, and prefill throughput of a `PROMPT_LEN` (512) token prompt,
-//! its weight matrices in `DTYPE` (`f32`, `bf16`, `f16` or `q8_0`, as
+//! `decoder DIR`: a HF decoder folder (GPT-2 or Llama) or a GGUF file: the
+//! latency of one greedy decode step of batch 1 over a cache of
+//! `CACHE_LEN` (2048) positions, and prefill throughput of a `PROMPT_LEN`
+//! (512) token prompt, its weight matrices in `DTYPE` (`f32`, `bf16`,
+//! `f16`, `q8_0`, or `ggml` for a GGUF file's as stored, as
 //! `multihead generate --dtype`). `decode-share DIR [DTYPE] [CACHE_LEN]`:
 //! a decode step over a cache of `CACHE_LEN` (144) positions as a share
 //! of the memory bandwidth probed just before and after it, round after

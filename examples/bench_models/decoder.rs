@@ -13,7 +13,8 @@ use multihead::models::formats::gguf::{is_gguf, GgufFile};
 use crate::machine::read_rate_every_core;
 use crate::{median, median_ms, share_fields};
 
-/// A HF decoder folder (GPT-2 or Llama) with a cache of `cache_len`
+/// A HF decoder folder (GPT-2 or Llama) or a GGUF file (`dtype` ggml: its
+/// matrices as stored) with a cache of `cache_len`
 /// positions, for one greedy decode step of batch 1 over it, and a prompt
 /// of `prompt_len` tokens to prefill.
 pub struct DecoderBench {

@@ -7,7 +7,9 @@
 //! scales of that sub-block (`vpmulld`, one lane each); the mins' and
 //! Q6_K's offset's part from the inputs' per-16 sums (`vpmaddwd` on
 //! scale pairs). Sums stay in `i32` to the block's end. Also the byte
-//! loads both AVX2 files read blocks with ([`load32`], [`x4`]).
+//! loads both AVX2 files read blocks with ([`load32`], [`x4`]), and the
+//! k-quants' unpacking that `lanes.rs` shares ([`k4_scales`], [`k4_step`],
+//! [`q6k_step`]).
 
 use std::arch::x86_64::*;
 
@@ -45,13 +47,93 @@ pub(super) fn x4(q: &[i8], at: usize) -> i32 {
 }
 
 /// Byte `i` (0..4) of each `i32` lane, zero-extended.
+#[inline]
 #[target_feature(enable = "avx2")]
-fn lane_byte(v: __m256i, i: i32) -> __m256i {
+pub(super) fn lane_byte(v: __m256i, i: i32) -> __m256i {
     _mm256_and_si256(
         _mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i)),
         _mm256_set1_epi32(0xFF),
     )
 }
+
+/// A Q4_K or Q5_K panel block's 8 features' 12 scale bytes (3 words a
+/// lane) unpacked as ggml's `utmp`: the scales (0..4 and 4..8 a byte
+/// each, `lane_byte`) and the mins alike.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn k4_scales(blk: &[u8]) -> ([__m256i; 2], [__m256i; 2]) {
+    let (k1, k2, k3) = (
+        _mm256_set1_epi32(0x3f3f_3f3f),
+        _mm256_set1_epi32(0x0f0f_0f0f),
+        _mm256_set1_epi32(0x0303_0303),
+    );
+    let (a, bw, c) = (load32(blk, 32), load32(blk, 64), load32(blk, 96));
+    let sc = [
+        _mm256_and_si256(a, k1),
+        _mm256_or_si256(
+            _mm256_and_si256(c, k2),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 6), k3), 4),
+        ),
+    ];
+    let mn = [
+        _mm256_and_si256(bw, k1),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi32(c, 4), k2),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bw, 6), k3), 4),
+        ),
+    ];
+    (sc, mn)
+}
+
+/// Step `st` of group `g` (of 64 values) of a Q4_K (`Q5`: Q5_K) panel
+/// block: its 8 features' 4 codes of sub-block `2g` (the low nibbles)
+/// and of `2g + 1` (the high ones), the fifth bits or'ed in.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn k4_step<const Q5: bool>(blk: &[u8], g: usize, st: usize) -> (__m256i, __m256i) {
+    let qs_at = if Q5 { 384 } else { 128 };
+    let low = _mm256_set1_epi8(0x0F);
+    let v = load32(blk, qs_at + 32 * (8 * g + st));
+    let mut lo = _mm256_and_si256(v, low);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if Q5 {
+        let qh = load32(blk, 128 + 32 * st);
+        let fifth = |bit: usize| {
+            let mask = _mm256_set1_epi8(1 << bit);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask);
+            _mm256_and_si256(set, _mm256_set1_epi8(16))
+        };
+        lo = _mm256_or_si256(lo, fifth(2 * g));
+        hi = _mm256_or_si256(hi, fifth(2 * g + 1));
+    }
+    (lo, hi)
+}
+
+/// Step `st` (of 8) of quarter `j1` (0 or 1) of half `n` of a Q6_K panel
+/// block: its 8 features' 4 six-bit codes of quarter `j1` (`ql`'s low
+/// nibbles) and of quarter `2 + j1` (the high ones), `qh`'s bits or'ed in.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn q6k_step(blk: &[u8], n: usize, j1: usize, st: usize) -> (__m256i, __m256i) {
+    let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let v = load32(blk, Q6K_QL + 32 * (16 * n + 8 * j1 + st));
+    let h = load32(blk, Q6K_QH + 32 * (8 * n + st));
+    let (hl, hh) = match j1 {
+        0 => (_mm256_slli_epi16(h, 4), h),
+        _ => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
+    };
+    let lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hl, two));
+    let hi = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+        _mm256_and_si256(hh, two),
+    );
+    (lo, hi)
+}
+
+/// Where a Q6_K panel block's `ql` and `qh` start (`repack.rs`: `d` at 0,
+/// the scales at 16).
+const Q6K_QL: usize = 144;
+const Q6K_QH: usize = 1168;
 
 /// Q4_K (`Q5`: Q5_K) panels times `R` rows, into `out` (8 a row), as a
 /// function `$name` with `$features`, `$step(s, u, x)` adding a step's
@@ -70,18 +152,12 @@ macro_rules! panel_k4 {
             let step = $step;
             let widen = $widen;
 
-            let (pb, qs_at) = if Q5 { (1408, 384) } else { (1152, 128) };
+            let pb = if Q5 { 1408 } else { 1152 };
             let rows: &[InputRow; R] = rows.try_into().expect("R rows");
             assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
             for row in rows {
                 assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
             }
-            let low = _mm256_set1_epi8(0x0F);
-            let (k1, k2, k3) = (
-                _mm256_set1_epi32(0x3f3f_3f3f),
-                _mm256_set1_epi32(0x0f0f_0f0f),
-                _mm256_set1_epi32(0x0303_0303),
-            );
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
@@ -92,23 +168,7 @@ macro_rules! panel_k4 {
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
                     )
                 };
-                // The 8 features' 12 scale bytes as 3 words a lane, unpacked as
-                // ggml's `utmp`: scales 0..4 and 4..8, mins 0..4 and 4..8.
-                let (a, bw, c) = (load32(blk, 32), load32(blk, 64), load32(blk, 96));
-                let sc = [
-                    _mm256_and_si256(a, k1),
-                    _mm256_or_si256(
-                        _mm256_and_si256(c, k2),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 6), k3), 4),
-                    ),
-                ];
-                let mn = [
-                    _mm256_and_si256(bw, k1),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi32(c, 4), k2),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bw, 6), k3), 4),
-                    ),
-                ];
+                let (sc, mn) = k4_scales(blk);
                 // The mins' part, from the inputs' sums, taken from the
                 // accumulators before the products: no register holds it
                 // during them.
@@ -156,19 +216,7 @@ macro_rules! panel_k4 {
                         let mut s_hi = [_mm256_setzero_si256(); R];
                         for st in h * 8 / halves..(h + 1) * 8 / halves {
                             prefetch_ahead(blk, pb, 8 * g + st);
-                            let v = load32(blk, qs_at + 32 * (8 * g + st));
-                            let mut lo = _mm256_and_si256(v, low);
-                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                            if Q5 {
-                                let qh = load32(blk, 128 + 32 * st);
-                                let fifth = |bit: usize| {
-                                    let mask = _mm256_set1_epi8(1 << bit);
-                                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask);
-                                    _mm256_and_si256(set, _mm256_set1_epi8(16))
-                                };
-                                lo = _mm256_or_si256(lo, fifth(2 * g));
-                                hi = _mm256_or_si256(hi, fifth(2 * g + 1));
-                            }
+                            let (lo, hi) = k4_step::<Q5>(blk, g, st);
                             for r in 0..R {
                                 let q = qs[r];
                                 let (xl, xh) = (x4(q, 64 * g + 4 * st), x4(q, 64 * g + 32 + 4 * st));
@@ -218,14 +266,11 @@ macro_rules! panel_q6k {
 
             // The panel block: `d` at 0, the scales at 16, `ql` and `qh`.
             const PB: usize = 1680;
-            const QL: usize = 144;
-            const QH: usize = 1168;
             let rows: &[InputRow; R] = rows.try_into().expect("R rows");
             assert!(panel.len() >= nb * PB && out.len() >= 8 * R);
             for row in rows {
                 assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
             }
-            let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * PB..b * PB + PB];
@@ -260,18 +305,7 @@ macro_rules! panel_q6k {
                                 };
                                 for st in 4 * hh + 2 * pair..4 * hh + 2 * pair + 2 {
                                     prefetch_ahead(blk, PB, 16 * n + 8 * j1 + st);
-                                    let v = load32(blk, QL + 32 * (16 * n + 8 * j1 + st));
-                                    let h = load32(blk, QH + 32 * (8 * n + st));
-                                    let (hl, hh_bits) = match j1 {
-                                        0 => (_mm256_slli_epi16(h, 4), h),
-                                        _ => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
-                                    };
-                                    let lo =
-                                        _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hl, two));
-                                    let hi = _mm256_or_si256(
-                                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                        _mm256_and_si256(hh_bits, two),
-                                    );
+                                    let (lo, hi) = q6k_step(blk, n, j1, st);
                                     for r in 0..R {
                                         let q = qs[r];
                                         let at = 128 * n + 32 * j1 + 4 * st;

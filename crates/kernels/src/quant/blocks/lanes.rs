@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::fifth_bits;
-use super::avx2_k::load32;
+use super::avx2_k::{k4_scales, k4_step, lane_byte, load32, q6k_step};
 use super::format::BlockFormat;
 use super::inputs::InputRow;
 use super::repack::PANEL;
@@ -197,16 +197,6 @@ fn store8<T: Copy>(dst: &mut [T], at: usize, v: __m256i) {
     unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), v) }
 }
 
-/// Byte `i` (0..4) of each `i32` lane, zero-extended.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn lane_byte(v: __m256i, i: i32) -> __m256i {
-    _mm256_and_si256(
-        _mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * i)),
-        _mm256_set1_epi32(0xFF),
-    )
-}
-
 /// A Q4_K (`Q5`: Q5_K) panel block into `o`, as `avx2_k.rs`'s `panel_k4!` reads it.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
@@ -223,26 +213,7 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
             _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
         );
     }
-    let (k1, k2, k3) = (
-        _mm256_set1_epi32(0x3f3f_3f3f),
-        _mm256_set1_epi32(0x0f0f_0f0f),
-        _mm256_set1_epi32(0x0303_0303),
-    );
-    let (a, bw, c) = (load32(blk, 32), load32(blk, 64), load32(blk, 96));
-    let sc = [
-        _mm256_and_si256(a, k1),
-        _mm256_or_si256(
-            _mm256_and_si256(c, k2),
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 6), k3), 4),
-        ),
-    ];
-    let mn = [
-        _mm256_and_si256(bw, k1),
-        _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi32(c, 4), k2),
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bw, 6), k3), 4),
-        ),
-    ];
+    let (sc, mn) = k4_scales(blk);
     for s in 0..8 {
         store8(&mut o.sc, 8 * s, lane_byte(sc[s / 4], (s % 4) as i32));
     }
@@ -253,22 +224,9 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
         );
         store8(&mut o.mins, 8 * p, _mm256_or_si256(m0, _mm256_slli_epi32(m1, 16)));
     }
-    let low = _mm256_set1_epi8(0x0F);
     for g in 0..4 {
         for st in 0..8 {
-            let v = load32(blk, qs_at + 32 * (8 * g + st));
-            let mut lo = _mm256_and_si256(v, low);
-            let mut hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if Q5 {
-                let qh = load32(blk, 128 + 32 * st);
-                let fifth = |bit: usize| {
-                    let mask = _mm256_set1_epi8(1 << bit);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask);
-                    _mm256_and_si256(set, _mm256_set1_epi8(16))
-                };
-                lo = _mm256_or_si256(lo, fifth(2 * g));
-                hi = _mm256_or_si256(hi, fifth(2 * g + 1));
-            }
+            let (lo, hi) = k4_step::<Q5>(blk, g, st);
             store8(&mut o.codes, 8 * (16 * g + st), lo);
             store8(&mut o.codes, 8 * (16 * g + 8 + st), hi);
         }
@@ -279,8 +237,6 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
 /// are the offset `32·sc`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
-    const QL: usize = 144;
-    const QH: usize = 1168;
     assert!(blk.len() >= 1680);
     // SAFETY: `blk` holds the block, past the 16-byte load at 0.
     let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())) };
@@ -305,21 +261,10 @@ fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
             _mm256_or_si256(lo, _mm256_slli_epi32(scale(2 * p + 1), 21)),
         );
     }
-    let (low, two) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
     for n in 0..2 {
         for j1 in 0..2 {
             for st in 0..8 {
-                let v = load32(blk, QL + 32 * (16 * n + 8 * j1 + st));
-                let h = load32(blk, QH + 32 * (8 * n + st));
-                let (hl, hh) = match j1 {
-                    0 => (_mm256_slli_epi16(h, 4), h),
-                    _ => (_mm256_slli_epi16(h, 2), _mm256_srli_epi16(h, 2)),
-                };
-                let lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(hl, two));
-                let hi = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                    _mm256_and_si256(hh, two),
-                );
+                let (lo, hi) = q6k_step(blk, n, j1, st);
                 store8(&mut o.codes, 8 * (32 * n + 8 * j1 + st), lo);
                 store8(&mut o.codes, 8 * (32 * n + 16 + 8 * j1 + st), hi);
             }

@@ -22,7 +22,7 @@
 //! (`vpdpbusd`, `vnni.rs` runs those instances, 8 rows at a time where
 //! AVX2 takes 4, 2 for the k-quants); Q2_K and Q3_K stay in rows
 //! (`avx2.rs`); `portable.rs` computes every format. `vnni.rs` imports the AVX2 files' VNNI
-//! instances, `lanes.rs` their byte loads and fifth bits, and the kernels
+//! instances, `lanes.rs` their byte loads, scales and fifth bits, and the kernels
 //! with rows in lanes `lanes.rs`' layouts, the only imports between ISA
 //! files here; none imports a driver.
 //!

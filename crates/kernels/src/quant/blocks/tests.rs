@@ -187,9 +187,9 @@ fn products_equal_the_dequantized_sums_on_every_isa() -> candle::Result<()> {
 }
 
 /// A row's outputs are the same bits whatever rows share its call: alone
-/// (a decode step's kernel), in groups of 8, 4, 2 and 1, or 16 to a vector
-/// (the k-quants' prefill with AVX512-VNNI), on every kernel the processor
-/// runs.
+/// (a decode step's kernel), in groups of 8, 4, 2 and 1, or several to a
+/// vector (a prefill's kernels with rows in lanes: 16 with AVX512-VNNI, 8
+/// with AVX2), on every kernel the processor runs.
 #[test]
 fn rows_give_the_same_bits_alone_and_together() -> candle::Result<()> {
     let mut rng = Rng(13);
