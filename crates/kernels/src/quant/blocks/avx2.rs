@@ -52,10 +52,14 @@ pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &m
     for (at, n) in row_groups(rows.len(), 8) {
         let (rows, out) = (&rows[at..at + n], &mut out[at..at + n]);
         match n {
-            8 => dot_256::<8>(format, w, rows, out),
-            4 => dot_256::<4>(format, w, rows, out),
-            2 => dot_256::<2>(format, w, rows, out),
-            _ => dot_256::<1>(format, w, rows, out),
+            8 if format == BlockFormat::Q3_K => dot_256::<8, true>(format, w, rows, out),
+            4 if format == BlockFormat::Q3_K => dot_256::<4, true>(format, w, rows, out),
+            2 if format == BlockFormat::Q3_K => dot_256::<2, true>(format, w, rows, out),
+            _ if format == BlockFormat::Q3_K => dot_256::<1, true>(format, w, rows, out),
+            8 => dot_256::<8, false>(format, w, rows, out),
+            4 => dot_256::<4, false>(format, w, rows, out),
+            2 => dot_256::<2, false>(format, w, rows, out),
+            _ => dot_256::<1, false>(format, w, rows, out),
         }
     }
 }
@@ -211,10 +215,24 @@ macro_rules! panel_32 {
 
 avx2_and_vnni!(panel_32, panel_32, panel_32_vnni);
 
+/// A Q2_K block's 16 scales and 16 mins (the low and high nibbles of its
+/// first 16 bytes) as `i16`s.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn q2k_scales(b: &[u8]) -> (__m256i, __m256i) {
+    let b = &b[..16];
+    // SAFETY: `b` holds 16 bytes.
+    let s = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(b.as_ptr().cast()) });
+    (
+        _mm256_and_si256(s, _mm256_set1_epi16(0xF)),
+        _mm256_srli_epi16(s, 4),
+    )
+}
+
 /// A k-quant block kept in rows unpacked: Q2_K and Q3_K with vector code,
 /// others as `format.rs` unpacks them.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
+pub(super) fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
     let store = |u: &mut [u8; 256], at: usize, v: __m256i| {
         let u = &mut u[at..at + 32];
         // SAFETY: `u` holds 32 bytes.
@@ -245,16 +263,23 @@ fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
             if format == BlockFormat::Q3_K {
                 p.d = f16_at(b, 108);
                 p.dmin = p.d;
-                for (h, s) in q3k_scales(&b[96..108]).into_iter().enumerate() {
-                    p.sc[h] = i16::from(s) - 32;
-                    p.m[h] = 4 * p.sc[h];
+                let s = q3k_scales(&b[96..108]);
+                // SAFETY: `s` holds 16 bytes.
+                let s = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(s.as_ptr().cast()) });
+                let sc = _mm256_sub_epi16(s, _mm256_set1_epi16(32));
+                // SAFETY: `sc` and `m` hold 16 `i16` each.
+                unsafe {
+                    _mm256_storeu_si256(p.sc.as_mut_ptr().cast(), sc);
+                    _mm256_storeu_si256(p.m.as_mut_ptr().cast(), _mm256_slli_epi16(sc, 2));
                 }
             } else {
                 p.d = f16_at(b, 80);
                 p.dmin = f16_at(b, 82);
-                for (h, &s) in b[..16].iter().enumerate() {
-                    p.sc[h] = i16::from(s & 0xF);
-                    p.m[h] = i16::from(s >> 4);
+                let (sc, m) = q2k_scales(b);
+                // SAFETY: `sc` and `m` hold 16 `i16` each.
+                unsafe {
+                    _mm256_storeu_si256(p.sc.as_mut_ptr().cast(), sc);
+                    _mm256_storeu_si256(p.m.as_mut_ptr().cast(), m);
                 }
             }
         }
@@ -262,11 +287,17 @@ fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
     }
 }
 
-/// The k-quants: `Σ_b dx·(d·Σ_h sc_h Σ u·q − dmin·Σ_h m_h·sums_h)`.
+/// The k-quants kept in rows (`Q3`: Q3_K, else Q2_K): `Σ_b dx·(d·Σ_h
+/// sc_h Σ u·q − dmin·Σ_h m_h·sums_h)`.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_256<const R: usize>(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &mut [f32]) {
+fn dot_256<const R: usize, const Q3: bool>(
+    format: BlockFormat,
+    w: &[u8],
+    rows: &[InputRow],
+    out: &mut [f32],
+) {
     let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-    let mut acc = [_mm256_setzero_ps(); R];
+    let (mut acc, mut lanes_acc) = ([0f32; R], [_mm256_setzero_ps(); R]);
     let mut p = Unpacked::default();
     let bb = format.block_bytes();
     // Per chunk c of 32 (of the 8 scales in a 128-bit lane): the low
@@ -341,12 +372,33 @@ fn dot_256<const R: usize>(format: BlockFormat, w: &[u8], rows: &[InputRow], out
             // SAFETY: `sums` holds 16 `i16`.
             let msum = _mm256_madd_epi16(m, unsafe { _mm256_loadu_si256(sums.as_ptr().cast()) });
             let dx = row.d[b];
-            let mins = _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dx * p.dmin));
-            let sums = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * p.d), mins);
-            acc[r] = _mm256_add_ps(acc[r], sums);
+            if Q3 {
+                // The block's sum whole, then the float operations of the
+                // kernels with rows in lanes (`avx2_lanes.rs`), so that a
+                // row gives their bits: the offset from the integer sum
+                // (`dmin` is `d`).
+                let total = hsum_i32(_mm256_sub_epi32(isum, msum));
+                acc[r] = (total as f32).mul_add(p.d * dx, acc[r]);
+            } else {
+                // Q2_K (no kernel with rows in lanes): the lanes' sums as
+                // floats, added across at the end.
+                let mins = _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dx * p.dmin));
+                let sums = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * p.d), mins);
+                lanes_acc[r] = _mm256_add_ps(lanes_acc[r], sums);
+            }
         }
     }
-    for (o, acc) in out.iter_mut().zip(acc) {
-        *o = hsum(acc);
+    for ((o, acc), lanes) in out.iter_mut().zip(acc).zip(lanes_acc) {
+        *o = if Q3 { acc } else { hsum(lanes) };
     }
+}
+
+/// The eight lanes' sum (wrapping, as the lanes' `i32` sums do).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
 }

@@ -166,13 +166,22 @@ pub(super) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 /// Q3_K's 16 scales (6 bits, still biased by 32) from its 12 bytes, as
-/// ggml's `kmask` shuffle unpacks them.
+/// ggml's `kmask` words unpack them: scale `j`'s low 4 bits are a nibble
+/// of byte `j % 8` (the high nibble from 8 on), its high 2 bits are bits
+/// `2·(j / 4)` of byte `8 + j % 4`.
 pub(super) fn q3k_scales(s: &[u8]) -> [u8; 16] {
+    let word = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (a0, a1, a2) = (word(0), word(1), word(2));
+    let (low, high) = (0x0F0F_0F0F, 0x0303_0303);
+    let words = [
+        (a0 & low) | ((a2 & high) << 4),
+        (a1 & low) | (((a2 >> 2) & high) << 4),
+        ((a0 >> 4) & low) | (((a2 >> 4) & high) << 4),
+        ((a1 >> 4) & low) | (((a2 >> 6) & high) << 4),
+    ];
     let mut out = [0u8; 16];
-    for j in 0..16 {
-        let low = if j < 8 { s[j] & 0xF } else { s[j - 8] >> 4 };
-        let high = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-        out[j] = low | (high << 4);
+    for (o, w) in out.chunks_exact_mut(4).zip(words) {
+        o.copy_from_slice(&w.to_le_bytes());
     }
     out
 }

@@ -7,7 +7,9 @@
 //! AVX2), and each step multiplies a feature's 4 codes (broadcast) by the
 //! rows' values in one vector. The panels' own kernels (`avx2.rs`,
 //! `avx2_k.rs`) unpack every step's codes anew for each few rows and hold
-//! a feature a lane; here the unpacking is shared by all the rows.
+//! a feature a lane; here the unpacking is shared by all the rows. Q3_K,
+//! kept in rows, is unpacked 8 features' rows at a time into the same
+//! form ([`unpack_rows`]).
 //!
 //! The kernels' sums are the integers of the panels' kernels of the same
 //! instruction set, turned into floats in the same operations in the same
@@ -16,9 +18,9 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::fifth_bits;
+use super::avx2::{fifth_bits, unpack_k};
 use super::avx2_k::{k4_scales, k4_step, lane_byte, load32, q6k_step};
-use super::format::BlockFormat;
+use super::format::{BlockFormat, Unpacked};
 use super::inputs::InputRow;
 use super::repack::PANEL;
 use crate::runtime::pool::par_chunks_mut;
@@ -30,13 +32,14 @@ pub(super) const STEPS: usize = 64;
 fn sub(format: BlockFormat) -> Option<usize> {
     match format {
         BlockFormat::Q4_K | BlockFormat::Q5_K => Some(32),
-        BlockFormat::Q6_K => Some(16),
+        BlockFormat::Q3_K | BlockFormat::Q6_K => Some(16),
         _ => None,
     }
 }
 
-/// Whether the kernels with rows in lanes take `format`: the formats kept
-/// in panels.
+/// Whether the kernels with rows in lanes take `format`: every format but
+/// Q8_0 (which has kernels of its own) and Q2_K (whose row kernel's sums
+/// the lanes would give at a tenth more of its decode's time).
 pub(crate) fn takes(format: BlockFormat) -> bool {
     sub(format).is_some()
         || matches!(
@@ -185,6 +188,33 @@ pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize) -> Unpa
         return UnpackedPanel::K(out);
     }
     UnpackedPanel::Of32(blocks.map(|b| unpack_32(format, b)).collect())
+}
+
+/// Up to 8 features' rows of `nb` blocks of Q3_K (kept in rows) unpacked
+/// as a panel (missing features zeros), each block as
+/// `avx2.rs` unpacks it for its row kernel.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn unpack_rows(format: BlockFormat, rows: &[&[u8]], nb: usize) -> UnpackedPanel {
+    assert!(format == BlockFormat::Q3_K && rows.len() <= PANEL);
+    let bb = format.block_bytes();
+    let mut out = vec![UnpackedBlock::ZERO; nb];
+    let mut p = Unpacked::default();
+    for (f, row) in rows.iter().enumerate() {
+        for (o, block) in out.iter_mut().zip(row.chunks_exact(bb)) {
+            unpack_k(format, block, &mut p);
+            for (s, four) in p.u.chunks_exact(4).enumerate() {
+                o.codes[PANEL * s + f] = u32::from_le_bytes([four[0], four[1], four[2], four[3]]);
+            }
+            for (h, &sc) in p.sc.iter().enumerate() {
+                o.sc[PANEL * h + f] = i32::from(sc);
+            }
+            for (q, m) in p.m.chunks_exact(2).enumerate() {
+                o.mins[PANEL * q + f] = (i32::from(m[1]) << 16) | i32::from(m[0] as u16);
+            }
+            (o.d[f], o.dmin[f]) = (p.d, p.dmin);
+        }
+    }
+    UnpackedPanel::K(out)
 }
 
 /// Stores 8 `i32` lanes at `at` of `dst`.

@@ -385,31 +385,34 @@ impl BlockWeight {
         // one run of units a thread, so that each thread streams its part
         // of the weight from memory in order; more: tasks of
         // TASK_FEATURES, taken as threads free up.
-        let (u_lo, u_hi, unit) = match self.panels {
-            Some(_) => (lo / PANEL, hi.div_ceil(PANEL), PANEL),
-            None => (lo, hi, 1),
+        #[cfg(target_arch = "x86_64")]
+        let lanes = match self.kernel {
+            Kernel::Vnni | Kernel::Avx2 if m >= LANES_FROM && lanes::takes(self.format) => {
+                let n = match self.kernel {
+                    Kernel::Vnni => vnni_lanes::LANES,
+                    _ => avx2_lanes::LANES,
+                };
+                Some(lanes::LaneInputs::new(self.format, &rows, n))
+            }
+            _ => None,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let lanes: Option<()> = None;
+        // Rows in lanes take features 8 at a time, kept in panels or not.
+        let (u_lo, u_hi, unit) = match (self.panels, &lanes) {
+            (Some(_), _) | (None, Some(_)) => (lo / PANEL, hi.div_ceil(PANEL), PANEL),
+            (None, None) => (lo, hi, 1),
         };
         let per_task = match m {
             ..=FEW_ROWS => (u_hi - u_lo).div_ceil(threads()).max(1),
             _ => TASK_FEATURES.div_ceil(unit),
         };
         let tasks = (u_hi - u_lo).div_ceil(per_task);
-        #[cfg(target_arch = "x86_64")]
-        let lanes = match (self.kernel, self.panels) {
-            (Kernel::Vnni | Kernel::Avx2, Some(l)) if m >= LANES_FROM && lanes::takes(self.format) => {
-                let n = match self.kernel {
-                    Kernel::Vnni => vnni_lanes::LANES,
-                    _ => avx2_lanes::LANES,
-                };
-                Some((l, lanes::LaneInputs::new(self.format, &rows, n)))
-            }
-            _ => None,
-        };
         par_for(tasks, m * width * k, |t| {
             let units = u_lo + t * per_task..(u_lo + (t + 1) * per_task).min(u_hi);
             #[cfg(target_arch = "x86_64")]
-            if let Some((l, x)) = &lanes {
-                return self.panels_in_lanes(*l, units, x, (lo, hi), &write);
+            if let Some(x) = &lanes {
+                return self.panels_in_lanes(units, x, (lo, hi), &write);
             }
             let mut ys = vec![0f32; m * unit];
             for u in units {
@@ -434,13 +437,13 @@ impl BlockWeight {
         out
     }
 
-    /// Panels `units` times every input row through the kernels with rows
-    /// in lanes (`lanes.rs`): each panel unpacked once, then each group of
-    /// rows through them, its rows' outputs inside `lo..hi` to `write`.
+    /// Panels `units` (of 8 features, kept in panels or in rows) times
+    /// every input row through the kernels with rows in lanes
+    /// (`lanes.rs`): each panel unpacked once, then each group of rows
+    /// through them, its rows' outputs inside `lo..hi` to `write`.
     #[cfg(target_arch = "x86_64")]
     fn panels_in_lanes(
         &self,
-        l: Layout,
         units: std::ops::Range<usize>,
         x: &lanes::LaneInputs,
         (lo, hi): (usize, usize),
@@ -448,12 +451,21 @@ impl BlockWeight {
     ) {
         let (nb, rows, n) = (self.nb(), x.rows(), x.lanes);
         let unpacked: Vec<(usize, lanes::UnpackedPanel)> = units
-            // SAFETY: the kernels with rows in lanes are chosen only where
-            // the processor runs AVX2, FMA and F16C (`Kernel::for_isa`).
             .map(|u| {
-                (u, unsafe {
-                    lanes::unpack_panel(self.format, self.panel(l, u), nb)
-                })
+                // SAFETY: the kernels with rows in lanes are chosen only where
+                // the processor runs AVX2, FMA and F16C (`Kernel::for_isa`).
+                let panel = unsafe {
+                    match self.panels {
+                        Some(l) => lanes::unpack_panel(self.format, self.panel(l, u), nb),
+                        None => {
+                            let rows: Vec<&[u8]> = (u * PANEL..(u * PANEL + PANEL).min(self.n))
+                                .map(|j| self.row(j))
+                                .collect();
+                            lanes::unpack_rows(self.format, &rows, nb)
+                        }
+                    }
+                };
+                (u, panel)
             })
             .collect();
         // The panel's outputs, feature by feature, a group's rows each.
