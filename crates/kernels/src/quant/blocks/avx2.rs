@@ -7,7 +7,8 @@
 //! The formats in panels of 8 features (`repack.rs`: the formats of 32
 //! here, the k-quants in `avx2_k.rs`) take a step's products one lane per
 //! feature. Q2_K and Q3_K stay in rows, each block unpacked into a
-//! buffer. Q8_0, whose `u` can be 255, goes to the portable code: its
+//! buffer for up to 8 input rows (a prefill of 16 rows or more unpacks 8
+//! features' rows into the form of `lanes.rs`). Q8_0, whose `u` can be 255, goes to the portable code: its
 //! weights take the Q8_0 kernels (`quant/q8_0/`).
 
 use std::arch::x86_64::*;
@@ -21,15 +22,6 @@ use super::inputs::{row_groups, InputRow};
 fn f16_at(b: &[u8], at: usize) -> f32 {
     let bits = u16::from_le_bytes([b[at], b[at + 1]]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
-/// The eight lanes' sum.
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
 }
 
 /// How far ahead of its loads a panel's blocks are prefetched, in bytes:
@@ -51,14 +43,14 @@ pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &m
     );
     for (at, n) in row_groups(rows.len(), 8) {
         let (rows, out) = (&rows[at..at + n], &mut out[at..at + n]);
-        match n {
-            8 if format == BlockFormat::Q3_K => dot_256::<8, true>(format, w, rows, out),
-            4 if format == BlockFormat::Q3_K => dot_256::<4, true>(format, w, rows, out),
-            2 if format == BlockFormat::Q3_K => dot_256::<2, true>(format, w, rows, out),
-            _ if format == BlockFormat::Q3_K => dot_256::<1, true>(format, w, rows, out),
-            8 => dot_256::<8, false>(format, w, rows, out),
-            4 => dot_256::<4, false>(format, w, rows, out),
-            2 => dot_256::<2, false>(format, w, rows, out),
+        match (n, format) {
+            (8, BlockFormat::Q3_K) => dot_256::<8, true>(format, w, rows, out),
+            (4, BlockFormat::Q3_K) => dot_256::<4, true>(format, w, rows, out),
+            (2, BlockFormat::Q3_K) => dot_256::<2, true>(format, w, rows, out),
+            (_, BlockFormat::Q3_K) => dot_256::<1, true>(format, w, rows, out),
+            (8, _) => dot_256::<8, false>(format, w, rows, out),
+            (4, _) => dot_256::<4, false>(format, w, rows, out),
+            (2, _) => dot_256::<2, false>(format, w, rows, out),
             _ => dot_256::<1, false>(format, w, rows, out),
         }
     }
@@ -287,17 +279,20 @@ pub(super) fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
     }
 }
 
-/// The k-quants kept in rows (`Q3`: Q3_K, else Q2_K): `Σ_b dx·(d·Σ_h
-/// sc_h Σ u·q − dmin·Σ_h m_h·sums_h)`.
+/// The k-quants kept in rows (`OFFSET`: Q3_K's offset, whose `dmin` is
+/// `d`; else Q2_K's mins): `Σ_b dx·(d·Σ_h sc_h Σ u·q − dmin·Σ_h
+/// m_h·sums_h)`, each block's two sums whole in integers, then the float
+/// operations of the kernels with rows in lanes (`avx2_lanes.rs`,
+/// `vnni_lanes.rs`), so that a row gives their bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn dot_256<const R: usize, const Q3: bool>(
+fn dot_256<const R: usize, const OFFSET: bool>(
     format: BlockFormat,
     w: &[u8],
     rows: &[InputRow],
     out: &mut [f32],
 ) {
     let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-    let (mut acc, mut lanes_acc) = ([0f32; R], [_mm256_setzero_ps(); R]);
+    let mut acc = [0f32; R];
     let mut p = Unpacked::default();
     let bb = format.block_bytes();
     // Per chunk c of 32 (of the 8 scales in a 128-bit lane): the low
@@ -372,25 +367,17 @@ fn dot_256<const R: usize, const Q3: bool>(
             // SAFETY: `sums` holds 16 `i16`.
             let msum = _mm256_madd_epi16(m, unsafe { _mm256_loadu_si256(sums.as_ptr().cast()) });
             let dx = row.d[b];
-            if Q3 {
-                // The block's sum whole, then the float operations of the
-                // kernels with rows in lanes (`avx2_lanes.rs`), so that a
-                // row gives their bits: the offset from the integer sum
-                // (`dmin` is `d`).
+            if OFFSET {
                 let total = hsum_i32(_mm256_sub_epi32(isum, msum));
                 acc[r] = (total as f32).mul_add(p.d * dx, acc[r]);
             } else {
-                // Q2_K (no kernel with rows in lanes): the lanes' sums as
-                // floats, added across at the end.
-                let mins = _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dx * p.dmin));
-                let sums = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dx * p.d), mins);
-                lanes_acc[r] = _mm256_add_ps(lanes_acc[r], sums);
+                let (isum, msum) = hsum_i32_pair(isum, msum);
+                acc[r] = (-(msum as f32)).mul_add(p.dmin * dx, acc[r]);
+                acc[r] = (isum as f32).mul_add(p.d * dx, acc[r]);
             }
         }
     }
-    for ((o, acc), lanes) in out.iter_mut().zip(acc).zip(lanes_acc) {
-        *o = if Q3 { acc } else { hsum(lanes) };
-    }
+    out.copy_from_slice(&acc);
 }
 
 /// The eight lanes' sum (wrapping, as the lanes' `i32` sums do).
@@ -401,4 +388,15 @@ fn hsum_i32(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
     _mm_cvtsi128_si32(s)
+}
+
+/// The eight lanes' sums of `a` and of `b` (wrapping), in one pass.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum_i32_pair(a: __m256i, b: __m256i) -> (i32, i32) {
+    // a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7
+    let s = _mm256_hadd_epi32(a, b);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b11_11_01_01));
+    (_mm_cvtsi128_si32(s), _mm_extract_epi32(s, 2))
 }

@@ -2,7 +2,8 @@
 //! 4 values in a 256-bit vector, each feature's broadcast codes multiplied
 //! with `vpmaddubsw` (`u8 · i8` pairs into `i16`), a run of steps summed in
 //! `i16` (as many as the codes' size keeps below `2¹⁵`: 8 of 4 bits, 4 of
-//! 5 or of 3 (a scale's 4 steps), 2 of 6), then `vpmaddwd` by the scale (by 1 for the formats of 32)
+//! 5, 2 of 6; a scale's 4 of 2 or 3 bits), then `vpmaddwd` by the scale
+//! (by 1 for the formats of 32)
 //! into `i32`, the mins from the inputs' sums by pairs (`vpmaddwd`): the
 //! integers of the panels' AVX2 kernels (`avx2.rs`, `avx2_k.rs`), floated
 //! in their operations, so their bits.
@@ -30,6 +31,7 @@ pub(crate) fn rows_in_lanes(
     match (panel, format) {
         (UnpackedPanel::K(blocks), BlockFormat::Q6_K) => lanes_k::<16, true, 2>(blocks, x, g, out),
         (UnpackedPanel::K(blocks), BlockFormat::Q3_K) => lanes_k::<16, true, 4>(blocks, x, g, out),
+        (UnpackedPanel::K(blocks), BlockFormat::Q2_K) => lanes_k::<16, false, 4>(blocks, x, g, out),
         (UnpackedPanel::K(blocks), BlockFormat::Q5_K) => lanes_k::<32, false, 4>(blocks, x, g, out),
         (UnpackedPanel::K(blocks), _) => lanes_k::<32, false, 8>(blocks, x, g, out),
         (UnpackedPanel::Of32(blocks), BlockFormat::Q5_0 | BlockFormat::Q5_1) => {

@@ -7,8 +7,8 @@
 //! AVX2), and each step multiplies a feature's 4 codes (broadcast) by the
 //! rows' values in one vector. The panels' own kernels (`avx2.rs`,
 //! `avx2_k.rs`) unpack every step's codes anew for each few rows and hold
-//! a feature a lane; here the unpacking is shared by all the rows. Q3_K,
-//! kept in rows, is unpacked 8 features' rows at a time into the same
+//! a feature a lane; here the unpacking is shared by all the rows. Q2_K
+//! and Q3_K, kept in rows, is unpacked 8 features' rows at a time into the same
 //! form ([`unpack_rows`]).
 //!
 //! The kernels' sums are the integers of the panels' kernels of the same
@@ -32,14 +32,13 @@ pub(super) const STEPS: usize = 64;
 fn sub(format: BlockFormat) -> Option<usize> {
     match format {
         BlockFormat::Q4_K | BlockFormat::Q5_K => Some(32),
-        BlockFormat::Q3_K | BlockFormat::Q6_K => Some(16),
+        BlockFormat::Q2_K | BlockFormat::Q3_K | BlockFormat::Q6_K => Some(16),
         _ => None,
     }
 }
 
 /// Whether the kernels with rows in lanes take `format`: every format but
-/// Q8_0 (which has kernels of its own) and Q2_K (whose row kernel's sums
-/// the lanes would give at a tenth more of its decode's time).
+/// Q8_0 (which has kernels of its own).
 pub(crate) fn takes(format: BlockFormat) -> bool {
     sub(format).is_some()
         || matches!(
@@ -190,12 +189,12 @@ pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize) -> Unpa
     UnpackedPanel::Of32(blocks.map(|b| unpack_32(format, b)).collect())
 }
 
-/// Up to 8 features' rows of `nb` blocks of Q3_K (kept in rows) unpacked
+/// Up to 8 features' rows of `nb` blocks of Q2_K or Q3_K (kept in rows) unpacked
 /// as a panel (missing features zeros), each block as
 /// `avx2.rs` unpacks it for its row kernel.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn unpack_rows(format: BlockFormat, rows: &[&[u8]], nb: usize) -> UnpackedPanel {
-    assert!(format == BlockFormat::Q3_K && rows.len() <= PANEL);
+    assert!(matches!(format, BlockFormat::Q2_K | BlockFormat::Q3_K) && rows.len() <= PANEL);
     let bb = format.block_bytes();
     let mut out = vec![UnpackedBlock::ZERO; nb];
     let mut p = Unpacked::default();

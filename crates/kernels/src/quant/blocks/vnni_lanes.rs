@@ -29,6 +29,7 @@ pub(crate) fn rows_in_lanes(
         (UnpackedPanel::K(blocks), BlockFormat::Q6_K | BlockFormat::Q3_K) => {
             lanes_k::<16, true>(blocks, x, g, out)
         }
+        (UnpackedPanel::K(blocks), BlockFormat::Q2_K) => lanes_k::<16, false>(blocks, x, g, out),
         (UnpackedPanel::K(blocks), _) => lanes_k::<32, false>(blocks, x, g, out),
         (UnpackedPanel::Of32(blocks), _) => lanes_32(blocks, x, g, out),
     }
