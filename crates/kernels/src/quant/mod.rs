@@ -9,8 +9,8 @@
 //! - `blocks/`: every other ggml block format (Q4_0 … Q6_K) as a GGUF
 //!   file stores it, through one driver whose kernel bodies several
 //!   formats share: the formats of 32 (Q4_0, Q4_1, Q5_0, Q5_1) one, the
-//!   k-quants kept in panels (Q4_K and Q5_K one, Q6_K its own) and those
-//!   kept in rows (Q2_K, Q3_K) others; see its module doc.
+//!   k-quants others (Q4_K and Q5_K one, Q6_K its own, Q2_K and Q3_K
+//!   one); see its module doc.
 //!
 //! In each, one file per instruction set: `avx2.rs`, `vnni.rs`
 //! (AVX512-VNNI), `portable.rs`.

@@ -1,60 +1,23 @@
-//! The block products with AVX2, as ggml's AVX2 `vec_dot`s: each block's
-//! values brought to `u8` lanes once for up to 8 input rows and
-//! multiplied with `vpmaddubsw` (`u8 · i8` pairs, below `2·63·127`, so
-//! never saturating), then `vpmaddwd` by the scales; sums in `i32` lanes
-//! to the block's end and in f32 lanes to the row's.
-//!
-//! The formats in panels of 8 features (`repack.rs`: the formats of 32
-//! here, the k-quants in `avx2_k.rs`) take a step's products one lane per
-//! feature. Q2_K and Q3_K stay in rows, each block unpacked into a
-//! buffer for up to 8 input rows (a prefill of 16 rows or more unpacks 8
-//! features' rows into the form of `lanes.rs`). Q8_0, whose `u` can be 255, goes to the portable code: its
-//! weights take the Q8_0 kernels (`quant/q8_0/`).
+//! The block products with AVX2, as ggml's AVX2 `vec_dot`s: the panels
+//! of 8 features (`repack.rs`) take a step's products one lane per
+//! feature, multiplied with `vpmaddubsw` (`u8 · i8` pairs, below
+//! `2·63·127`, so never saturating), then `vpmaddwd`; sums in `i32` lanes
+//! to the block's end and in f32 lanes to the row's. Here the dispatch and
+//! the formats of 32; the k-quants in `avx2_k.rs` (Q4_K, Q5_K, Q6_K) and
+//! `avx2_k23.rs` (Q2_K, Q3_K). Q8_0, whose `u` can be 255, goes to the
+//! portable code: its weights take the Q8_0 kernels (`quant/q8_0/`).
 
 use std::arch::x86_64::*;
 
 use super::avx2_k::{self, load32, x4};
-use super::format::{q3k_scales, unpack, BlockFormat, Unpacked};
+use super::avx2_k23;
+use super::format::BlockFormat;
 use super::inputs::{row_groups, InputRow};
-
-/// An f16 at `b[at..at + 2]`.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
 
 /// How far ahead of its loads a panel's blocks are prefetched, in bytes:
 /// a decode step reads one stream of weights, which the hardware
 /// prefetcher alone does not keep ahead of (as for Q8_0, `quant/q8_0/avx2.rs`).
 const PREFETCH: usize = 1024;
-
-/// Weight row `w` (a k-quant's blocks) times input rows `rows`, into
-/// `out`: the AVX2 form of `portable::dot_rows` for the k-quants (256
-/// values a block), 8 rows at a time (then 4, 2, 1), each group's sums in
-/// registers.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn dot_rows(format: BlockFormat, w: &[u8], rows: &[InputRow], out: &mut [f32]) {
-    debug_assert_eq!(
-        format.block_elems(),
-        256,
-        "{} has no AVX2 row kernel",
-        format.name()
-    );
-    for (at, n) in row_groups(rows.len(), 8) {
-        let (rows, out) = (&rows[at..at + n], &mut out[at..at + n]);
-        match (n, format) {
-            (8, BlockFormat::Q3_K) => dot_256::<8, true>(format, w, rows, out),
-            (4, BlockFormat::Q3_K) => dot_256::<4, true>(format, w, rows, out),
-            (2, BlockFormat::Q3_K) => dot_256::<2, true>(format, w, rows, out),
-            (_, BlockFormat::Q3_K) => dot_256::<1, true>(format, w, rows, out),
-            (8, _) => dot_256::<8, false>(format, w, rows, out),
-            (4, _) => dot_256::<4, false>(format, w, rows, out),
-            (2, _) => dot_256::<2, false>(format, w, rows, out),
-            _ => dot_256::<1, false>(format, w, rows, out),
-        }
-    }
-}
 
 /// The formats of 32 as `panel_32`'s const parameter.
 pub(super) const Q4_0: u8 = 0;
@@ -87,6 +50,10 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
             (BlockFormat::Q5_K, _) => avx2_k::panel_k4::<true, 1>(panel, nb, rows, out),
             (BlockFormat::Q6_K, 2) => avx2_k::panel_q6k::<2>(panel, nb, rows, out),
             (BlockFormat::Q6_K, _) => avx2_k::panel_q6k::<1>(panel, nb, rows, out),
+            (BlockFormat::Q2_K, 2) => avx2_k23::panel_k23::<false, 2>(panel, nb, rows, out),
+            (BlockFormat::Q2_K, _) => avx2_k23::panel_k23::<false, 1>(panel, nb, rows, out),
+            (BlockFormat::Q3_K, 2) => avx2_k23::panel_k23::<true, 2>(panel, nb, rows, out),
+            (BlockFormat::Q3_K, _) => avx2_k23::panel_k23::<true, 1>(panel, nb, rows, out),
             (BlockFormat::Q4_0, _) => by_rows!(Q4_0),
             (BlockFormat::Q4_1, _) => by_rows!(Q4_1),
             (BlockFormat::Q5_0, _) => by_rows!(Q5_0),
@@ -206,197 +173,3 @@ macro_rules! panel_32 {
 }
 
 avx2_and_vnni!(panel_32, panel_32, panel_32_vnni);
-
-/// A Q2_K block's 16 scales and 16 mins (the low and high nibbles of its
-/// first 16 bytes) as `i16`s.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn q2k_scales(b: &[u8]) -> (__m256i, __m256i) {
-    let b = &b[..16];
-    // SAFETY: `b` holds 16 bytes.
-    let s = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(b.as_ptr().cast()) });
-    (
-        _mm256_and_si256(s, _mm256_set1_epi16(0xF)),
-        _mm256_srli_epi16(s, 4),
-    )
-}
-
-/// A k-quant block kept in rows unpacked: Q2_K and Q3_K with vector code,
-/// others as `format.rs` unpacks them.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn unpack_k(format: BlockFormat, b: &[u8], p: &mut Unpacked) {
-    let store = |u: &mut [u8; 256], at: usize, v: __m256i| {
-        let u = &mut u[at..at + 32];
-        // SAFETY: `u` holds 32 bytes.
-        unsafe { _mm256_storeu_si256(u.as_mut_ptr().cast(), v) }
-    };
-    match format {
-        BlockFormat::Q2_K | BlockFormat::Q3_K => {
-            // Element 128n + 32j + l: bits 2j.. of qs[32n + l]; Q3_K's
-            // third bit is bit 4n + j of hmask[l].
-            let (qs, three) = match format {
-                BlockFormat::Q3_K => (32, Some(load32(b, 0))),
-                _ => (16, None),
-            };
-            let two_bits = _mm256_set1_epi8(3);
-            for n in 0..2 {
-                let q = load32(b, qs + 32 * n);
-                for j in 0..4 {
-                    let mut u =
-                        _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j as i32)), two_bits);
-                    if let Some(hm) = three {
-                        let mask = _mm256_set1_epi8(1 << (4 * n + j));
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, mask), mask);
-                        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)));
-                    }
-                    store(&mut p.u, 128 * n + 32 * j, u);
-                }
-            }
-            if format == BlockFormat::Q3_K {
-                p.d = f16_at(b, 108);
-                p.dmin = p.d;
-                let s = q3k_scales(&b[96..108]);
-                // SAFETY: `s` holds 16 bytes.
-                let s = _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(s.as_ptr().cast()) });
-                let sc = _mm256_sub_epi16(s, _mm256_set1_epi16(32));
-                // SAFETY: `sc` and `m` hold 16 `i16` each.
-                unsafe {
-                    _mm256_storeu_si256(p.sc.as_mut_ptr().cast(), sc);
-                    _mm256_storeu_si256(p.m.as_mut_ptr().cast(), _mm256_slli_epi16(sc, 2));
-                }
-            } else {
-                p.d = f16_at(b, 80);
-                p.dmin = f16_at(b, 82);
-                let (sc, m) = q2k_scales(b);
-                // SAFETY: `sc` and `m` hold 16 `i16` each.
-                unsafe {
-                    _mm256_storeu_si256(p.sc.as_mut_ptr().cast(), sc);
-                    _mm256_storeu_si256(p.m.as_mut_ptr().cast(), m);
-                }
-            }
-        }
-        _ => unpack(format, b, p),
-    }
-}
-
-/// The k-quants kept in rows (`OFFSET`: Q3_K's offset, whose `dmin` is
-/// `d`; else Q2_K's mins): `Σ_b dx·(d·Σ_h sc_h Σ u·q − dmin·Σ_h
-/// m_h·sums_h)`, each block's two sums whole in integers, then the float
-/// operations of the kernels with rows in lanes (`avx2_lanes.rs`,
-/// `vnni_lanes.rs`), so that a row gives their bits.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_256<const R: usize, const OFFSET: bool>(
-    format: BlockFormat,
-    w: &[u8],
-    rows: &[InputRow],
-    out: &mut [f32],
-) {
-    let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-    let mut acc = [0f32; R];
-    let mut p = Unpacked::default();
-    let bb = format.block_bytes();
-    // Per chunk c of 32 (of the 8 scales in a 128-bit lane): the low
-    // lane's 8 `i16` take scale 2c, the high lane's scale 2c + 1.
-    let pick: [__m256i; 8] = std::array::from_fn(|c| {
-        let (a, b) = ((4 * c) as i8, (4 * c + 2) as i8);
-        _mm256_setr_epi8(
-            a,
-            a + 1,
-            a,
-            a + 1,
-            a,
-            a + 1,
-            a,
-            a + 1,
-            a,
-            a + 1,
-            a,
-            a + 1,
-            a,
-            a + 1,
-            a,
-            a + 1, //
-            b,
-            b + 1,
-            b,
-            b + 1,
-            b,
-            b + 1,
-            b,
-            b + 1,
-            b,
-            b + 1,
-            b,
-            b + 1,
-            b,
-            b + 1,
-            b,
-            b + 1,
-        )
-    });
-    for (b, block) in w.chunks_exact(bb).enumerate() {
-        for line in (0..bb).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(block.as_ptr().wrapping_add(PREFETCH + line).cast());
-        }
-        unpack_k(format, block, &mut p);
-        // The 16 scales in both halves, each half's shuffle picking two.
-        // SAFETY: `sc` and `m` hold 16 `i16` each.
-        let (sc, m) = unsafe {
-            (
-                _mm256_loadu_si256(p.sc.as_ptr().cast()),
-                _mm256_loadu_si256(p.m.as_ptr().cast()),
-            )
-        };
-        let sc_lo = _mm256_permute2x128_si256(sc, sc, 0x00);
-        let sc_hi = _mm256_permute2x128_si256(sc, sc, 0x11);
-        let scales: [__m256i; 8] = std::array::from_fn(|c| {
-            let half = if c < 4 { sc_lo } else { sc_hi };
-            _mm256_shuffle_epi8(half, pick[c % 4])
-        });
-        let u: [__m256i; 8] = std::array::from_fn(|c| load32(&p.u, 32 * c));
-        for r in 0..R {
-            let row = &rows[r];
-            let q = &row.q[256 * b..256 * b + 256];
-            let mut isum = _mm256_setzero_si256();
-            for c in 0..8 {
-                // SAFETY: `q` holds 256 bytes from `32·c`.
-                let qv = unsafe { _mm256_loadu_si256(q.as_ptr().add(32 * c).cast()) };
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], qv), scales[c]));
-            }
-            let sums = &row.sums[16 * b..16 * b + 16];
-            // SAFETY: `sums` holds 16 `i16`.
-            let msum = _mm256_madd_epi16(m, unsafe { _mm256_loadu_si256(sums.as_ptr().cast()) });
-            let dx = row.d[b];
-            if OFFSET {
-                let total = hsum_i32(_mm256_sub_epi32(isum, msum));
-                acc[r] = (total as f32).mul_add(p.d * dx, acc[r]);
-            } else {
-                let (isum, msum) = hsum_i32_pair(isum, msum);
-                acc[r] = (-(msum as f32)).mul_add(p.dmin * dx, acc[r]);
-                acc[r] = (isum as f32).mul_add(p.d * dx, acc[r]);
-            }
-        }
-    }
-    out.copy_from_slice(&acc);
-}
-
-/// The eight lanes' sum (wrapping, as the lanes' `i32` sums do).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum_i32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    _mm_cvtsi128_si32(s)
-}
-
-/// The eight lanes' sums of `a` and of `b` (wrapping), in one pass.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum_i32_pair(a: __m256i, b: __m256i) -> (i32, i32) {
-    // a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7
-    let s = _mm256_hadd_epi32(a, b);
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b11_11_01_01));
-    (_mm_cvtsi128_si32(s), _mm_extract_epi32(s, 2))
-}

@@ -25,7 +25,7 @@ const AHEAD: usize = 2;
 /// at a time, within what the core's line fill buffers hold.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn prefetch_ahead(blk: &[u8], pb: usize, s: usize) {
+pub(super) fn prefetch_ahead(blk: &[u8], pb: usize, s: usize) {
     _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(AHEAD * pb + s * pb / 32).cast());
 }
 

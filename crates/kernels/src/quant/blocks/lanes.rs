@@ -7,9 +7,7 @@
 //! AVX2), and each step multiplies a feature's 4 codes (broadcast) by the
 //! rows' values in one vector. The panels' own kernels (`avx2.rs`,
 //! `avx2_k.rs`) unpack every step's codes anew for each few rows and hold
-//! a feature a lane; here the unpacking is shared by all the rows. Q2_K
-//! and Q3_K, kept in rows, is unpacked 8 features' rows at a time into the same
-//! form ([`unpack_rows`]).
+//! a feature a lane; here the unpacking is shared by all the rows.
 //!
 //! The kernels' sums are the integers of the panels' kernels of the same
 //! instruction set, turned into floats in the same operations in the same
@@ -18,9 +16,10 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{fifth_bits, unpack_k};
+use super::avx2::fifth_bits;
 use super::avx2_k::{k4_scales, k4_step, lane_byte, load32, q6k_step};
-use super::format::{BlockFormat, Unpacked};
+use super::avx2_k23::{k23_layout, k23_min_pair, k23_scale, k23_scales, k23_step};
+use super::format::BlockFormat;
 use super::inputs::InputRow;
 use super::repack::PANEL;
 use crate::runtime::pool::par_chunks_mut;
@@ -181,39 +180,14 @@ pub(crate) fn unpack_panel(format: BlockFormat, panel: &[u8], nb: usize) -> Unpa
             match format {
                 BlockFormat::Q4_K => unpack_k4::<false>(blk, o),
                 BlockFormat::Q5_K => unpack_k4::<true>(blk, o),
+                BlockFormat::Q2_K => unpack_k23::<false>(blk, o),
+                BlockFormat::Q3_K => unpack_k23::<true>(blk, o),
                 _ => unpack_q6k(blk, o),
             }
         }
         return UnpackedPanel::K(out);
     }
     UnpackedPanel::Of32(blocks.map(|b| unpack_32(format, b)).collect())
-}
-
-/// Up to 8 features' rows of `nb` blocks of Q2_K or Q3_K (kept in rows) unpacked
-/// as a panel (missing features zeros), each block as
-/// `avx2.rs` unpacks it for its row kernel.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn unpack_rows(format: BlockFormat, rows: &[&[u8]], nb: usize) -> UnpackedPanel {
-    assert!(matches!(format, BlockFormat::Q2_K | BlockFormat::Q3_K) && rows.len() <= PANEL);
-    let bb = format.block_bytes();
-    let mut out = vec![UnpackedBlock::ZERO; nb];
-    let mut p = Unpacked::default();
-    for (f, row) in rows.iter().enumerate() {
-        for (o, block) in out.iter_mut().zip(row.chunks_exact(bb)) {
-            unpack_k(format, block, &mut p);
-            for (s, four) in p.u.chunks_exact(4).enumerate() {
-                o.codes[PANEL * s + f] = u32::from_le_bytes([four[0], four[1], four[2], four[3]]);
-            }
-            for (h, &sc) in p.sc.iter().enumerate() {
-                o.sc[PANEL * h + f] = i32::from(sc);
-            }
-            for (q, m) in p.m.chunks_exact(2).enumerate() {
-                o.mins[PANEL * q + f] = (i32::from(m[1]) << 16) | i32::from(m[0] as u16);
-            }
-            (o.d[f], o.dmin[f]) = (p.d, p.dmin);
-        }
-    }
-    UnpackedPanel::K(out)
 }
 
 /// Stores 8 `i32` lanes at `at` of `dst`.
@@ -258,6 +232,55 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
             let (lo, hi) = k4_step::<Q5>(blk, g, st);
             store8(&mut o.codes, 8 * (16 * g + st), lo);
             store8(&mut o.codes, 8 * (16 * g + 8 + st), hi);
+        }
+    }
+}
+
+/// A Q2_K (`Q3`: Q3_K) panel block into `o`, as `avx2_k23.rs`'s
+/// `panel_k23!` reads it; Q3_K's mins are the offset `4·sc`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn unpack_k23<const Q3: bool>(blk: &[u8], o: &mut UnpackedBlock) {
+    let (pb, _, _, _) = k23_layout(Q3);
+    assert!(blk.len() >= pb);
+    // SAFETY: `blk` holds the block, past both 16-byte loads.
+    let (d, dmin) = unsafe {
+        (
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
+        )
+    };
+    // SAFETY: `o.d` and `o.dmin` hold 8 floats.
+    unsafe {
+        _mm256_storeu_ps(o.d.as_mut_ptr(), d);
+        _mm256_storeu_ps(o.dmin.as_mut_ptr(), if Q3 { d } else { dmin });
+    }
+    let scales = k23_scales::<Q3>(blk);
+    for h in 0..16 {
+        store8(&mut o.sc, 8 * h, k23_scale::<Q3>(&scales, h));
+    }
+    // Pair p holds sub-blocks 2p and 2p + 1: of the word's even pair
+    // (sub-blocks 4u, 4u + 2) and odd one (4u + 1, 4u + 3), the low or
+    // high halves.
+    for u in 0..4 {
+        let (even, odd) = (
+            k23_min_pair::<Q3, true>(&scales, u),
+            k23_min_pair::<Q3, false>(&scales, u),
+        );
+        let halves = _mm256_set1_epi32(0xFFFF);
+        let first = _mm256_or_si256(_mm256_and_si256(even, halves), _mm256_slli_epi32(odd, 16));
+        let second = _mm256_or_si256(_mm256_srli_epi32(even, 16), _mm256_andnot_si256(halves, odd));
+        store8(&mut o.mins, 8 * (2 * u), first);
+        store8(&mut o.mins, 8 * (2 * u + 1), second);
+    }
+    for n in 0..2 {
+        for j in 0..4 {
+            for i in 0..8 {
+                store8(
+                    &mut o.codes,
+                    8 * (32 * n + 8 * j + i),
+                    k23_step::<Q3>(blk, n, j, i),
+                );
+            }
         }
     }
 }

@@ -5,10 +5,10 @@
 //! `ggml_vec_dot_*` do.
 //!
 //! A call quantizes its input rows once, then cuts the output features
-//! into tasks over the pool; a task takes its features one at a time and
-//! unpacks each block of the feature's row once for up to 8 input rows
-//! (`avx2.rs`, `portable.rs`), so that a prefill's rows share the
-//! unpacking and a decode step reads every weight byte once.
+//! into tasks over the pool; a task takes its panels of 8 features
+//! (`repack.rs`) one at a time and each panel block once for up to 8
+//! input rows, so that a prefill's rows share the unpacking and a decode
+//! step reads every weight byte once.
 //!
 //! Unlike Q8_0's kernels (`quant/q8_0/`), the vector and portable code
 //! add the same integer sums in other orders of f32 operations: they agree
@@ -17,11 +17,12 @@
 //! # Kernels
 //! One body for several formats, by family: the formats of 32 in panels
 //! (Q4_0, Q4_1, Q5_0, Q5_1) share one (`avx2.rs`), Q4_K and Q5_K one and
-//! Q6_K its own (`avx2_k.rs`), each written over its step and compiled
-//! for AVX2 (`vpmaddubsw`) and for AVX512-VNNI on 256-bit vectors
-//! (`vpdpbusd`, `vnni.rs` runs those instances, 8 rows at a time where
-//! AVX2 takes 4, 2 for the k-quants); Q2_K and Q3_K stay in rows
-//! (`avx2.rs`); `portable.rs` computes every format. `vnni.rs` imports the AVX2 files' VNNI
+//! Q6_K its own (`avx2_k.rs`), Q2_K and Q3_K one (`avx2_k23.rs`), each
+//! written over its step and compiled for AVX2 (`vpmaddubsw`) and for
+//! AVX512-VNNI on 256-bit vectors (`vpdpbusd`, `vnni.rs` runs those
+//! instances, 8 rows at a time where AVX2 takes 4, 2 for the k-quants);
+//! `portable.rs` computes every format (and alone Q8_0, kept in rows: its
+//! layers take the Q8_0 kernels). `vnni.rs` imports the AVX2 files' VNNI
 //! instances, `lanes.rs` their byte loads, scales and fifth bits, and the kernels
 //! with rows in lanes `lanes.rs`' layouts, the only imports between ISA
 //! files here; none imports a driver.
@@ -61,6 +62,8 @@ macro_rules! avx2_and_vnni {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_k;
+#[cfg(target_arch = "x86_64")]
+mod avx2_k23;
 #[cfg(target_arch = "x86_64")]
 mod avx2_lanes;
 mod format;
@@ -385,34 +388,31 @@ impl BlockWeight {
         // one run of units a thread, so that each thread streams its part
         // of the weight from memory in order; more: tasks of
         // TASK_FEATURES, taken as threads free up.
-        #[cfg(target_arch = "x86_64")]
-        let lanes = match self.kernel {
-            Kernel::Vnni | Kernel::Avx2 if m >= LANES_FROM && lanes::takes(self.format) => {
-                let n = match self.kernel {
-                    Kernel::Vnni => vnni_lanes::LANES,
-                    _ => avx2_lanes::LANES,
-                };
-                Some(lanes::LaneInputs::new(self.format, &rows, n))
-            }
-            _ => None,
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let lanes: Option<()> = None;
-        // Rows in lanes take features 8 at a time, kept in panels or not.
-        let (u_lo, u_hi, unit) = match (self.panels, &lanes) {
-            (Some(_), _) | (None, Some(_)) => (lo / PANEL, hi.div_ceil(PANEL), PANEL),
-            (None, None) => (lo, hi, 1),
+        let (u_lo, u_hi, unit) = match self.panels {
+            Some(_) => (lo / PANEL, hi.div_ceil(PANEL), PANEL),
+            None => (lo, hi, 1),
         };
         let per_task = match m {
             ..=FEW_ROWS => (u_hi - u_lo).div_ceil(threads()).max(1),
             _ => TASK_FEATURES.div_ceil(unit),
         };
         let tasks = (u_hi - u_lo).div_ceil(per_task);
+        #[cfg(target_arch = "x86_64")]
+        let lanes = match (self.kernel, self.panels) {
+            (Kernel::Vnni | Kernel::Avx2, Some(l)) if m >= LANES_FROM && lanes::takes(self.format) => {
+                let n = match self.kernel {
+                    Kernel::Vnni => vnni_lanes::LANES,
+                    _ => avx2_lanes::LANES,
+                };
+                Some((l, lanes::LaneInputs::new(self.format, &rows, n)))
+            }
+            _ => None,
+        };
         par_for(tasks, m * width * k, |t| {
             let units = u_lo + t * per_task..(u_lo + (t + 1) * per_task).min(u_hi);
             #[cfg(target_arch = "x86_64")]
-            if let Some(x) = &lanes {
-                return self.panels_in_lanes(units, x, (lo, hi), &write);
+            if let Some((l, x)) = &lanes {
+                return self.panels_in_lanes(*l, units, x, (lo, hi), &write);
             }
             let mut ys = vec![0f32; m * unit];
             for u in units {
@@ -437,13 +437,13 @@ impl BlockWeight {
         out
     }
 
-    /// Panels `units` (of 8 features, kept in panels or in rows) times
-    /// every input row through the kernels with rows in lanes
-    /// (`lanes.rs`): each panel unpacked once, then each group of rows
-    /// through them, its rows' outputs inside `lo..hi` to `write`.
+    /// Panels `units` times every input row through the kernels with rows
+    /// in lanes (`lanes.rs`): each panel unpacked once, then each group of
+    /// rows through them, its rows' outputs inside `lo..hi` to `write`.
     #[cfg(target_arch = "x86_64")]
     fn panels_in_lanes(
         &self,
+        l: Layout,
         units: std::ops::Range<usize>,
         x: &lanes::LaneInputs,
         (lo, hi): (usize, usize),
@@ -451,21 +451,12 @@ impl BlockWeight {
     ) {
         let (nb, rows, n) = (self.nb(), x.rows(), x.lanes);
         let unpacked: Vec<(usize, lanes::UnpackedPanel)> = units
+            // SAFETY: the kernels with rows in lanes are chosen only where
+            // the processor runs AVX2, FMA and F16C (`Kernel::for_isa`).
             .map(|u| {
-                // SAFETY: the kernels with rows in lanes are chosen only where
-                // the processor runs AVX2, FMA and F16C (`Kernel::for_isa`).
-                let panel = unsafe {
-                    match self.panels {
-                        Some(l) => lanes::unpack_panel(self.format, self.panel(l, u), nb),
-                        None => {
-                            let rows: Vec<&[u8]> = (u * PANEL..(u * PANEL + PANEL).min(self.n))
-                                .map(|j| self.row(j))
-                                .collect();
-                            lanes::unpack_rows(self.format, &rows, nb)
-                        }
-                    }
-                };
-                (u, panel)
+                (u, unsafe {
+                    lanes::unpack_panel(self.format, self.panel(l, u), nb)
+                })
             })
             .collect();
         // The panel's outputs, feature by feature, a group's rows each.
@@ -512,16 +503,8 @@ impl BlockWeight {
 
     /// Feature `j`'s products with every input row, into `out`.
     fn dot_rows(&self, j: usize, rows: &[InputRow], out: &mut [f32]) {
-        match self.kernel {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Kernel::Avx2` is chosen only where the processor
-            // runs AVX2, FMA and F16C (`Kernel::for_isa`, `runtime/isa.rs`).
-            Kernel::Avx2 | Kernel::Vnni if self.format.block_elems() == 256 => unsafe {
-                avx2::dot_rows(self.format, self.row(j), rows, out)
-            },
-            // The formats of 32 kept in rows (Q8_0, whose layers take the
-            // Q8_0 kernels) have no vector code.
-            _ => portable::dot_rows(self.format, self.row(j), rows, out),
-        }
+        // The format kept in rows (Q8_0, whose layers take the Q8_0
+        // kernels) has no vector code here.
+        portable::dot_rows(self.format, self.row(j), rows, out)
     }
 }

@@ -1,5 +1,5 @@
 //! Weights repacked at load into panels of [`PANEL`] output features, as
-//! ggml-cpu's `repack.cpp` does for Q4_0 and Q4_K: the same bytes,
+//! ggml-cpu's `repack.cpp` does for Q4_0, Q2_K and Q4_K: the same bytes,
 //! reordered, so that one vector holds a step's values for the panel's 8
 //! features and its products land in one lane per feature (no horizontal
 //! sums; one load for the 8 features' scales).
@@ -32,8 +32,8 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    /// The layout of `format`'s panels; `None` for formats kept in rows
-    /// (Q8_0, which has kernels of its own, Q2_K and Q3_K).
+    /// The layout of `format`'s panels; `None` for Q8_0, kept in rows (its
+    /// layers take kernels of their own).
     pub(crate) fn of(format: BlockFormat) -> Option<Layout> {
         let segments: &'static [Segment] = match format {
             BlockFormat::Q4_0 => &[(0, 2, 2), (2, 16, 4)],
@@ -45,6 +45,8 @@ impl Layout {
             // `d` and the scales first, so that a block's loads go in
             // address order.
             BlockFormat::Q6_K => &[(208, 2, 2), (192, 16, 4), (0, 128, 4), (128, 64, 4)],
+            BlockFormat::Q2_K => &[(80, 2, 2), (82, 2, 2), (0, 16, 4), (16, 64, 4)],
+            BlockFormat::Q3_K => &[(108, 2, 2), (96, 12, 4), (0, 32, 4), (32, 64, 4)],
             _ => return None,
         };
         Some(Layout {

@@ -42,12 +42,21 @@ pub(crate) fn dot_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[In
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn k_panel(format: BlockFormat, panel: &[u8], nb: usize, rows: &[InputRow], out: &mut [f32]) {
     use super::avx2_k::{panel_k4_vnni, panel_q6k_vnni};
+    use super::avx2_k23::panel_k23_vnni;
     for (at, n) in row_groups(rows.len(), 8) {
         let (rows, out) = (&rows[at..at + n], &mut out[8 * at..8 * (at + n)]);
         match (format, n) {
             (BlockFormat::Q4_K, 8) => panel_k4_vnni::<false, 8>(panel, nb, rows, out),
             (BlockFormat::Q5_K, 8) => panel_k4_vnni::<true, 8>(panel, nb, rows, out),
             (BlockFormat::Q6_K, 8) => panel_q6k_vnni::<8>(panel, nb, rows, out),
+            (BlockFormat::Q2_K, 8) => panel_k23_vnni::<false, 8>(panel, nb, rows, out),
+            (BlockFormat::Q2_K, 4) => panel_k23_vnni::<false, 4>(panel, nb, rows, out),
+            (BlockFormat::Q2_K, 2) => panel_k23_vnni::<false, 2>(panel, nb, rows, out),
+            (BlockFormat::Q2_K, _) => panel_k23_vnni::<false, 1>(panel, nb, rows, out),
+            (BlockFormat::Q3_K, 8) => panel_k23_vnni::<true, 8>(panel, nb, rows, out),
+            (BlockFormat::Q3_K, 4) => panel_k23_vnni::<true, 4>(panel, nb, rows, out),
+            (BlockFormat::Q3_K, 2) => panel_k23_vnni::<true, 2>(panel, nb, rows, out),
+            (BlockFormat::Q3_K, _) => panel_k23_vnni::<true, 1>(panel, nb, rows, out),
             (BlockFormat::Q4_K, 4) => panel_k4_vnni::<false, 4>(panel, nb, rows, out),
             (BlockFormat::Q4_K, 2) => panel_k4_vnni::<false, 2>(panel, nb, rows, out),
             (BlockFormat::Q4_K, _) => panel_k4_vnni::<false, 1>(panel, nb, rows, out),
