@@ -37,6 +37,28 @@ pub(super) fn load32(b: &[u8], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
 }
 
+/// The 8 features' f16s at `at` and at `at + 16` of a panel block (a
+/// k-quant's `d` and `dmin`), widened.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn d_dmin(blk: &[u8], at: usize) -> (__m256, __m256) {
+    let b = &blk[at..at + 32];
+    // SAFETY: `b` holds 32 bytes, two 16-byte loads.
+    unsafe {
+        (
+            _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().cast())),
+            _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(16).cast())),
+        )
+    }
+}
+
+/// The `R` rows' inputs of block `b` (of 256) as whole arrays: the
+/// steps' loads need no bound checks.
+#[inline]
+pub(super) fn block_inputs<'a, const R: usize>(rows: &[InputRow<'a>; R], b: usize) -> [&'a [i8; 256]; R] {
+    std::array::from_fn(|r| rows[r].q[256 * b..256 * b + 256].try_into().expect("256 inputs"))
+}
+
 /// The 4 bytes of a row's quantized inputs at `at`, as one `i32` to
 /// broadcast.
 #[inline]
@@ -161,13 +183,7 @@ macro_rules! panel_k4 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
-                // SAFETY: `blk` holds `pb` bytes, past both 16-byte loads.
-                let (d, dmin) = unsafe {
-                    (
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
-                    )
-                };
+                let (d, dmin) = d_dmin(blk, 0);
                 let (sc, mn) = k4_scales(blk);
                 // The mins' part, from the inputs' sums, taken from the
                 // accumulators before the products: no register holds it
@@ -191,13 +207,7 @@ macro_rules! panel_k4 {
                     let dx = _mm256_set1_ps(rows[r].d[b]);
                     acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, dx), acc[r]);
                 }
-                // The rows' inputs of the block as whole arrays: the steps'
-                // loads need no bound checks.
-                let qs: [&[i8; 256]; R] = std::array::from_fn(|r| {
-                    rows[r].q[256 * b..256 * b + 256]
-                        .try_into()
-                        .expect("256 inputs")
-                });
+                let qs = block_inputs(rows, b);
                 let mut isum = [_mm256_setzero_si256(); R];
                 for g in 0..4 {
                     // Sub-blocks 2g (the low nibbles) and 2g + 1 (the high ones).
@@ -283,12 +293,7 @@ macro_rules! panel_q6k {
                     let v = _mm256_sll_epi32(scales[h / 4], _mm_cvtsi32_si128(24 - 8 * (h % 4) as i32));
                     _mm256_srai_epi32(v, 24)
                 };
-                // As in `panel_k4!`.
-                let qs: [&[i8; 256]; R] = std::array::from_fn(|r| {
-                    rows[r].q[256 * b..256 * b + 256]
-                        .try_into()
-                        .expect("256 inputs")
-                });
+                let qs = block_inputs(rows, b);
                 let mut isum = [_mm256_setzero_si256(); R];
                 for n in 0..2 {
                     for j1 in 0..2 {

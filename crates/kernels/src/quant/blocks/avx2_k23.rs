@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_k::{load32, prefetch_ahead, x4};
+use super::avx2_k::{block_inputs, d_dmin, load32, prefetch_ahead, x4};
 use super::inputs::InputRow;
 
 /// A panel block's bytes and where its scales, `hmask` and `qs` are
@@ -139,13 +139,7 @@ macro_rules! panel_k23 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
-                // SAFETY: `blk` holds `pb` bytes, past both 16-byte loads.
-                let (d, dmin) = unsafe {
-                    (
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
-                    )
-                };
+                let (d, dmin) = d_dmin(blk, 0);
                 let scales = k23_scales::<Q3>(blk);
                 // The mins' (Q3_K: the offset's) part from the inputs'
                 // sums, by pairs of sub-blocks.
@@ -170,12 +164,7 @@ macro_rules! panel_k23 {
                             _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, dx), acc[r]);
                     }
                 }
-                // As in `avx2_k.rs`' `panel_k4!`.
-                let qs: [&[i8; 256]; R] = std::array::from_fn(|r| {
-                    rows[r].q[256 * b..256 * b + 256]
-                        .try_into()
-                        .expect("256 inputs")
-                });
+                let qs = block_inputs(rows, b);
                 let mut isum = [_mm256_setzero_si256(); R];
                 for n in 0..2 {
                     for j in 0..4 {

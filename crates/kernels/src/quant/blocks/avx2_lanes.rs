@@ -3,10 +3,10 @@
 //! with `vpmaddubsw` (`u8 · i8` pairs into `i16`), a run of steps summed in
 //! `i16` (as many as the codes' size keeps below `2¹⁵`: 8 of 4 bits, 4 of
 //! 5, 2 of 6; a scale's 4 of 2 or 3 bits), then `vpmaddwd` by the scale
-//! (by 1 for the formats of 32)
-//! into `i32`, the mins from the inputs' sums by pairs (`vpmaddwd`): the
-//! integers of the panels' AVX2 kernels (`avx2.rs`, `avx2_k.rs`), floated
-//! in their operations, so their bits.
+//! (by 1 for the formats of 32) into `i32`, the mins from the inputs' sums
+//! by pairs (`vpmaddwd`): the integers of the panels' AVX2 kernels
+//! (`avx2.rs`, `avx2_k.rs`, `avx2_k23.rs`), floated in their operations,
+//! so their bits.
 
 use std::arch::x86_64::*;
 

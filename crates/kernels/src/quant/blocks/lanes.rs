@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2::fifth_bits;
-use super::avx2_k::{k4_scales, k4_step, lane_byte, load32, q6k_step};
+use super::avx2_k::{d_dmin, k4_scales, k4_step, lane_byte, load32, q6k_step};
 use super::avx2_k23::{k23_layout, k23_min_pair, k23_scale, k23_scales, k23_step};
 use super::format::BlockFormat;
 use super::inputs::InputRow;
@@ -36,8 +36,8 @@ fn sub(format: BlockFormat) -> Option<usize> {
     }
 }
 
-/// Whether the kernels with rows in lanes take `format`: every format but
-/// Q8_0 (which has kernels of its own).
+/// Whether the kernels with rows in lanes take `format`: the formats kept
+/// in panels.
 pub(crate) fn takes(format: BlockFormat) -> bool {
     sub(format).is_some()
         || matches!(
@@ -149,6 +149,16 @@ impl UnpackedBlock {
         d: [0.; PANEL],
         dmin: [0.; PANEL],
     };
+
+    /// Sets the 8 features' `d` and `dmin`.
+    #[target_feature(enable = "avx2")]
+    fn put_d(&mut self, d: __m256, dmin: __m256) {
+        // SAFETY: `d` and `dmin` hold 8 floats each.
+        unsafe {
+            _mm256_storeu_ps(self.d.as_mut_ptr(), d);
+            _mm256_storeu_ps(self.dmin.as_mut_ptr(), dmin);
+        }
+    }
 }
 
 /// One block of 32 of a panel's 8 features unpacked: per step the 8
@@ -205,17 +215,8 @@ fn store8<T: Copy>(dst: &mut [T], at: usize, v: __m256i) {
 fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
     let qs_at = if Q5 { 384 } else { 128 };
     assert!(blk.len() >= qs_at + 1024);
-    // SAFETY: `blk` holds the block, past both 16-byte loads.
-    unsafe {
-        _mm256_storeu_ps(
-            o.d.as_mut_ptr(),
-            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
-        );
-        _mm256_storeu_ps(
-            o.dmin.as_mut_ptr(),
-            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
-        );
-    }
+    let (d, dmin) = d_dmin(blk, 0);
+    o.put_d(d, dmin);
     let (sc, mn) = k4_scales(blk);
     for s in 0..8 {
         store8(&mut o.sc, 8 * s, lane_byte(sc[s / 4], (s % 4) as i32));
@@ -242,18 +243,8 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
 fn unpack_k23<const Q3: bool>(blk: &[u8], o: &mut UnpackedBlock) {
     let (pb, _, _, _) = k23_layout(Q3);
     assert!(blk.len() >= pb);
-    // SAFETY: `blk` holds the block, past both 16-byte loads.
-    let (d, dmin) = unsafe {
-        (
-            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())),
-            _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().add(16).cast())),
-        )
-    };
-    // SAFETY: `o.d` and `o.dmin` hold 8 floats.
-    unsafe {
-        _mm256_storeu_ps(o.d.as_mut_ptr(), d);
-        _mm256_storeu_ps(o.dmin.as_mut_ptr(), if Q3 { d } else { dmin });
-    }
+    let (d, dmin) = d_dmin(blk, 0);
+    o.put_d(d, if Q3 { d } else { dmin });
     let scales = k23_scales::<Q3>(blk);
     for h in 0..16 {
         store8(&mut o.sc, 8 * h, k23_scale::<Q3>(&scales, h));
@@ -292,11 +283,7 @@ fn unpack_q6k(blk: &[u8], o: &mut UnpackedBlock) {
     assert!(blk.len() >= 1680);
     // SAFETY: `blk` holds the block, past the 16-byte load at 0.
     let d = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast())) };
-    // SAFETY: `o.d` and `o.dmin` hold 8 floats.
-    unsafe {
-        _mm256_storeu_ps(o.d.as_mut_ptr(), d);
-        _mm256_storeu_ps(o.dmin.as_mut_ptr(), d);
-    }
+    o.put_d(d, d);
     let scales: [__m256i; 4] = std::array::from_fn(|i| load32(blk, 16 + 32 * i));
     let scale = |h: usize| {
         let v = _mm256_sll_epi32(scales[h / 4], _mm_cvtsi32_si128(24 - 8 * (h % 4) as i32));

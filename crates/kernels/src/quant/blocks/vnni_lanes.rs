@@ -3,7 +3,8 @@
 //! feature's broadcast codes, a scale's steps summed in `i32` and then
 //! multiplied by it (`vpmulld`), the mins from the inputs' sums by pairs
 //! (`vpdpwssd`): the integers of the panels' VNNI kernels (`avx2.rs`,
-//! `avx2_k.rs`), floated in their operations, so their bits.
+//! `avx2_k.rs`, `avx2_k23.rs`), floated in their operations, so their
+//! bits.
 
 use std::arch::x86_64::*;
 
