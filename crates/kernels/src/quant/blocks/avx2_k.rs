@@ -52,6 +52,30 @@ pub(super) fn d_dmin(blk: &[u8], at: usize) -> (__m256, __m256) {
     }
 }
 
+/// A block's 16 input sums (per 16 values, `i16`) as the pairs that a
+/// scale word's pairs multiply (`vpmaddwd`), each in every lane: for word
+/// `u` (sub-blocks `4u..4u + 4`), `(s[4u], s[4u + 2])` and `(s[4u + 1],
+/// s[4u + 3])`.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(super) fn sum_pairs(sums: &[i16]) -> [(__m256i, __m256i); 4] {
+    let sums = &sums[..16];
+    // SAFETY: `sums` holds 16 `i16`s.
+    let v = unsafe { _mm256_loadu_si256(sums.as_ptr().cast()) };
+    // Each half's s0..s7 as s0, s2, s4, s6, s1, s3, s5, s7: its `i32` lanes
+    // (s0, s2), (s4, s6), (s1, s3), (s5, s7).
+    let order = _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, //
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+    );
+    let v = _mm256_shuffle_epi8(v, order);
+    let lane = |i: usize| _mm256_permutevar8x32_epi32(v, _mm256_set1_epi32(i as i32));
+    std::array::from_fn(|u| {
+        let at = 4 * (u / 2) + u % 2;
+        (lane(at), lane(at + 2))
+    })
+}
+
 /// The `R` rows' inputs of block `b` (of 256) as whole arrays: the
 /// steps' loads need no bound checks.
 #[inline]
@@ -345,19 +369,11 @@ macro_rules! panel_q6k {
                 for r in 0..R {
                     let sums = &rows[r].sums[16 * b..16 * b + 16];
                     let mut off = _mm256_setzero_si256();
-                    for (i, s) in scales.iter().enumerate() {
+                    for (s, (s02, s13)) in scales.iter().zip(sum_pairs(sums)) {
                         let even = _mm256_srai_epi16(_mm256_slli_epi16(*s, 8), 8);
                         let odd = _mm256_srai_epi16(*s, 8);
-                        let pair =
-                            |a: i16, c: i16| _mm256_set1_epi32((i32::from(c) << 16) | i32::from(a as u16));
-                        let (s0, s1, s2, s3) = (
-                            sums[4 * i],
-                            sums[4 * i + 1],
-                            sums[4 * i + 2],
-                            sums[4 * i + 3],
-                        );
-                        off = _mm256_add_epi32(off, _mm256_madd_epi16(even, pair(s0, s2)));
-                        off = _mm256_add_epi32(off, _mm256_madd_epi16(odd, pair(s1, s3)));
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(even, s02));
+                        off = _mm256_add_epi32(off, _mm256_madd_epi16(odd, s13));
                     }
                     let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
                     let dx = _mm256_set1_ps(rows[r].d[b]);

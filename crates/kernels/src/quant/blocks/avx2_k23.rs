@@ -17,7 +17,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_k::{block_inputs, d_dmin, load32, prefetch_ahead, x4};
+use super::avx2_k::{block_inputs, d_dmin, load32, prefetch_ahead, sum_pairs, x4};
 use super::inputs::InputRow;
 
 /// A panel block's bytes and where its scales, `hmask` and `qs` are
@@ -145,15 +145,14 @@ macro_rules! panel_k23 {
                 // sums, by pairs of sub-blocks.
                 let mut msum = [_mm256_setzero_si256(); R];
                 for (r, msum) in msum.iter_mut().enumerate() {
-                    let sums = &rows[r].sums[16 * b..16 * b + 16];
-                    let pair = |a: i16, c: i16| _mm256_set1_epi32((i32::from(c) << 16) | i32::from(a as u16));
-                    for u in 0..4 {
+                    let pairs = sum_pairs(&rows[r].sums[16 * b..16 * b + 16]);
+                    for (u, (s02, s13)) in pairs.into_iter().enumerate() {
                         let (even, odd) = (
                             k23_min_pair::<Q3, true>(&scales, u),
                             k23_min_pair::<Q3, false>(&scales, u),
                         );
-                        let e = _mm256_madd_epi16(even, pair(sums[4 * u], sums[4 * u + 2]));
-                        let o = _mm256_madd_epi16(odd, pair(sums[4 * u + 1], sums[4 * u + 3]));
+                        let e = _mm256_madd_epi16(even, s02);
+                        let o = _mm256_madd_epi16(odd, s13);
                         *msum = _mm256_add_epi32(*msum, _mm256_add_epi32(e, o));
                     }
                 }
