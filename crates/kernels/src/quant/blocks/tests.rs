@@ -224,7 +224,13 @@ fn rows_give_the_same_bits_alone_and_together() -> candle::Result<()> {
 #[test]
 fn rows_join_and_bad_shapes() -> candle::Result<()> {
     let mut rng = Rng(3);
-    for format in [BlockFormat::Q4_K, BlockFormat::Q4_0, BlockFormat::Q5_1] {
+    for format in [
+        BlockFormat::Q4_K,
+        BlockFormat::Q4_0,
+        BlockFormat::Q5_1,
+        BlockFormat::Q2_K,
+        BlockFormat::Q3_K,
+    ] {
         let nb = 512 / format.block_elems();
         let row = nb * format.block_bytes();
         let a = random_blocks(format, 8 * nb, &mut rng);
