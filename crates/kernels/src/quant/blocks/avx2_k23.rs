@@ -8,7 +8,8 @@
 //! offset from the inputs' per-16 sums (`vpmaddwd` on scale pairs). Sums
 //! stay in `i32` to the block's end, then float as the kernels with rows
 //! in lanes float them (`lanes.rs`), so a row's outputs are their bits.
-//! Also the unpacking `lanes.rs` shares ([`k23_scales`], [`k23_step`]).
+//! Also the unpacking `lanes.rs` shares ([`k23_layout`], [`k23_scales`],
+//! [`k23_scale`], [`k23_min_pair`], [`k23_step`]).
 //!
 //! Element `128n + 32j + l` of a block: bits `2j..2j + 2` of `qs[32n +
 //! l]`; Q3_K's third bit, bit `4n + j` of `hmask[l]` (`w = d·(sc −
@@ -76,16 +77,12 @@ pub(super) fn k23_scale<const Q3: bool>(scales: &[__m256i; 4], h: usize) -> __m2
 #[target_feature(enable = "avx2")]
 pub(super) fn k23_min_pair<const Q3: bool, const EVEN: bool>(scales: &[__m256i; 4], u: usize) -> __m256i {
     let s = scales[u];
+    let offset = |b: __m256i| _mm256_slli_epi16(_mm256_sub_epi16(b, _mm256_set1_epi16(32)), 2);
     match (Q3, EVEN) {
         (false, true) => _mm256_and_si256(_mm256_srli_epi16(s, 4), _mm256_set1_epi16(0xF)),
         (false, false) => _mm256_srli_epi16(s, 12),
-        (true, even) => {
-            let b = match even {
-                true => _mm256_and_si256(s, _mm256_set1_epi16(0xFF)),
-                false => _mm256_srli_epi16(s, 8),
-            };
-            _mm256_slli_epi16(_mm256_sub_epi16(b, _mm256_set1_epi16(32)), 2)
-        }
+        (true, true) => offset(_mm256_and_si256(s, _mm256_set1_epi16(0xFF))),
+        (true, false) => offset(_mm256_srli_epi16(s, 8)),
     }
 }
 
