@@ -76,6 +76,24 @@ pub(super) fn sum_pairs(sums: &[i16]) -> [(__m256i, __m256i); 4] {
     })
 }
 
+/// `rows` as `R` rows, checked to hold `nb` blocks of 256 inputs for a
+/// k-quant kernel over `nb` panel blocks of `pb` bytes in `panel`, into
+/// `out` (8 a row).
+pub(super) fn k_rows<'r, 'a, const R: usize>(
+    rows: &'r [InputRow<'a>],
+    panel: &[u8],
+    nb: usize,
+    pb: usize,
+    out: &[f32],
+) -> &'r [InputRow<'a>; R] {
+    let rows: &[InputRow; R] = rows.try_into().expect("R rows");
+    assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
+    for row in rows {
+        assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
+    }
+    rows
+}
+
 /// The `R` rows' inputs of block `b` (of 256) as whole arrays: the
 /// steps' loads need no bound checks.
 #[inline]
@@ -199,11 +217,7 @@ macro_rules! panel_k4 {
             let widen = $widen;
 
             let pb = if Q5 { 1408 } else { 1152 };
-            let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-            assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
-            for row in rows {
-                assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
-            }
+            let rows = k_rows::<R>(rows, panel, nb, pb, out);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
@@ -300,11 +314,7 @@ macro_rules! panel_q6k {
 
             // The panel block: `d` at 0, the scales at 16, `ql` and `qh`.
             const PB: usize = 1680;
-            let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-            assert!(panel.len() >= nb * PB && out.len() >= 8 * R);
-            for row in rows {
-                assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
-            }
+            let rows = k_rows::<R>(rows, panel, nb, PB, out);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * PB..b * PB + PB];

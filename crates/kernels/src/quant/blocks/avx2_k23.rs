@@ -18,7 +18,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2_k::{block_inputs, d_dmin, load32, prefetch_ahead, sum_pairs, x4};
+use super::avx2_k::{block_inputs, d_dmin, k_rows, load32, prefetch_ahead, sum_pairs, x4};
 use super::inputs::InputRow;
 
 /// A panel block's bytes and where its scales, `hmask` and `qs` are
@@ -128,11 +128,7 @@ macro_rules! panel_k23 {
             let widen = $widen;
 
             let (pb, _, _, _) = k23_layout(Q3);
-            let rows: &[InputRow; R] = rows.try_into().expect("R rows");
-            assert!(panel.len() >= nb * pb && out.len() >= 8 * R);
-            for row in rows {
-                assert!(row.q.len() >= 256 * nb && row.d.len() >= nb && row.sums.len() >= 16 * nb);
-            }
+            let rows = k_rows::<R>(rows, panel, nb, pb, out);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
