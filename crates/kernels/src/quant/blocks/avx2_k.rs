@@ -6,9 +6,10 @@
 //! sub-block, widened, then multiplied by the 8 features'
 //! scales of that sub-block (`vpmulld`, one lane each); the mins' and
 //! Q6_K's offset's part from the inputs' per-16 sums (`vpmaddwd` on
-//! scale pairs). Sums stay in `i32` to the block's end. Also the byte
-//! loads both AVX2 files read blocks with ([`load32`], [`x4`]), and the
-//! k-quants' unpacking that `lanes.rs` shares ([`k4_scales`], [`k4_step`],
+//! scale pairs). Sums stay in `i32` to the block's end. Also the loads the
+//! AVX2 files read blocks and inputs with ([`load32`], [`x4`], [`d_dmin`],
+//! [`sum_pairs`], [`block_inputs`], [`k_rows`]), and the k-quants'
+//! unpacking that `lanes.rs` shares ([`k4_scales`], [`k4_step`],
 //! [`q6k_step`]).
 
 use std::arch::x86_64::*;
@@ -37,12 +38,12 @@ pub(super) fn load32(b: &[u8], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(b.as_ptr().cast()) }
 }
 
-/// The 8 features' f16s at `at` and at `at + 16` of a panel block (a
-/// k-quant's `d` and `dmin`), widened.
+/// A k-quant panel block's 8 features' `d` and `dmin` (f16s at 0 and at
+/// 16), widened.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) fn d_dmin(blk: &[u8], at: usize) -> (__m256, __m256) {
-    let b = &blk[at..at + 32];
+pub(super) fn d_dmin(blk: &[u8]) -> (__m256, __m256) {
+    let b = &blk[..32];
     // SAFETY: `b` holds 32 bytes, two 16-byte loads.
     unsafe {
         (
@@ -221,7 +222,7 @@ macro_rules! panel_k4 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
-                let (d, dmin) = d_dmin(blk, 0);
+                let (d, dmin) = d_dmin(blk);
                 let (sc, mn) = k4_scales(blk);
                 // The mins' part, from the inputs' sums, taken from the
                 // accumulators before the products: no register holds it

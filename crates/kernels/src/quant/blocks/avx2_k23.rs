@@ -132,7 +132,7 @@ macro_rules! panel_k23 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let blk = &panel[b * pb..b * pb + pb];
-                let (d, dmin) = d_dmin(blk, 0);
+                let (d, dmin) = d_dmin(blk);
                 let scales = k23_scales::<Q3>(blk);
                 // The mins' (Q3_K: the offset's) part from the inputs'
                 // sums, by pairs of sub-blocks.

@@ -215,7 +215,7 @@ fn store8<T: Copy>(dst: &mut [T], at: usize, v: __m256i) {
 fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
     let qs_at = if Q5 { 384 } else { 128 };
     assert!(blk.len() >= qs_at + 1024);
-    let (d, dmin) = d_dmin(blk, 0);
+    let (d, dmin) = d_dmin(blk);
     o.put_d(d, dmin);
     let (sc, mn) = k4_scales(blk);
     for s in 0..8 {
@@ -243,7 +243,7 @@ fn unpack_k4<const Q5: bool>(blk: &[u8], o: &mut UnpackedBlock) {
 fn unpack_k23<const Q3: bool>(blk: &[u8], o: &mut UnpackedBlock) {
     let (pb, _, _, _) = k23_layout(Q3);
     assert!(blk.len() >= pb);
-    let (d, dmin) = d_dmin(blk, 0);
+    let (d, dmin) = d_dmin(blk);
     o.put_d(d, if Q3 { d } else { dmin });
     let scales = k23_scales::<Q3>(blk);
     for h in 0..16 {
