@@ -22,7 +22,7 @@ use super::avx2_k::{block_inputs, d_dmin, k_rows, load32, prefetch_ahead, sum_pa
 use super::inputs::InputRow;
 
 /// A panel block's bytes and where its scales, `hmask` and `qs` are
-/// (`repack.rs`: Q2_K's `d` at 0, `dmin` at 16; Q3_K's `d` at 0).
+/// (`repack.rs`: Q2_K's `d` at 0, `dmin` at 16, no `hmask` (0); Q3_K's `d` at 0).
 pub(super) const fn k23_layout(q3: bool) -> (usize, usize, usize, usize) {
     match q3 {
         true => (880, 16, 112, 368),

@@ -99,7 +99,7 @@ fn lanes_32<const RUN: usize>(blocks: &[Unpacked32], x: &LaneInputs, g: usize, o
     }
 }
 
-/// The k-quants, scales of `SUB` values, Q6_K's offset (`OFFSET`) or
+/// The k-quants, scales of `SUB` values, Q6_K's or Q3_K's offset (`OFFSET`) or
 /// mins, `RUN` steps summed in `i16`: per block, the mins' part, then
 /// `d·dx·Σ sc·Σ u·q`.
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -73,7 +73,7 @@ fn lanes_32(blocks: &[Unpacked32], x: &LaneInputs, g: usize, out: &mut [f32]) {
     }
 }
 
-/// The k-quants, scales of `SUB` values, Q6_K's offset (`OFFSET`) or
+/// The k-quants, scales of `SUB` values, Q6_K's or Q3_K's offset (`OFFSET`) or
 /// mins: per block, the mins' part, then `d·dx·Σ sc·Σ u·q`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn lanes_k<const SUB: usize, const OFFSET: bool>(
