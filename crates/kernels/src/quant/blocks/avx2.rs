@@ -14,11 +14,6 @@ use super::avx2_k23;
 use super::format::BlockFormat;
 use super::inputs::{row_groups, InputRow};
 
-/// How far ahead of its loads a panel's blocks are prefetched, in bytes:
-/// a decode step reads one stream of weights, which the hardware
-/// prefetcher alone does not keep ahead of (as for Q8_0, `quant/q8_0/avx2.rs`).
-const PREFETCH: usize = 1024;
-
 /// The formats of 32 as `panel_32`'s const parameter.
 pub(super) const Q4_0: u8 = 0;
 pub(super) const Q4_1: u8 = 1;
@@ -110,10 +105,10 @@ macro_rules! panel_32 {
             let low = _mm256_set1_epi8(0x0F);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
+                // No software prefetch: a panel's blocks are read in order,
+                // which the hardware prefetcher follows, and prefetching
+                // them ahead only added instructions (`prefetch_ahead`).
                 let blk = &panel[b * pb..b * pb + pb];
-                for line in (0..pb).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH + line).cast());
-                }
                 // SAFETY: `blk` holds `pb` bytes, past every offset read below.
                 let (d, dmin, qh) = unsafe {
                     let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.as_ptr().cast()));

@@ -16,9 +16,13 @@ use std::arch::x86_64::*;
 
 use super::inputs::InputRow;
 
-/// Blocks ahead of its loads a panel prefetches (a block: 1.1–1.7 KB),
+/// Blocks ahead of its loads a panel prefetches (a block: 0.7–1.7 KB),
 /// so that a decode step's stream of weights is in cache when a block
-/// starts.
+/// starts: the panels whose steps read two places of a block at once
+/// (Q5_K's `qh` and `qs`, Q6_K's `ql` and `qh`, Q3_K's `hmask` and `qs`,
+/// Q2_K's scales and `qs`), which the hardware prefetcher alone serves far
+/// slower. A panel read in order (Q4_K, the formats of 32) takes none:
+/// there the prefetches only add instructions.
 const AHEAD: usize = 2;
 
 /// Step `s` (of a block's 32) prefetches its 32nd of the block [`AHEAD`]
@@ -264,7 +268,9 @@ macro_rules! panel_k4 {
                         let mut s_lo = [_mm256_setzero_si256(); R];
                         let mut s_hi = [_mm256_setzero_si256(); R];
                         for st in h * 8 / halves..(h + 1) * 8 / halves {
-                            prefetch_ahead(blk, pb, 8 * g + st);
+                            if Q5 {
+                                prefetch_ahead(blk, pb, 8 * g + st);
+                            }
                             let (lo, hi) = k4_step::<Q5>(blk, g, st);
                             for r in 0..R {
                                 let q = qs[r];
