@@ -24,6 +24,50 @@ use super::inputs::InputRow;
 use super::repack::PANEL;
 use crate::runtime::pool::par_chunks_mut;
 
+/// Rows `r0..r0 + 8` of a panel's outputs, each its 8 features: `ys`
+/// holds them feature by feature (8 runs of `n` rows, `n` a multiple of
+/// 8, as the kernels store them); AVX's 8 × 8 transpose (unpack, shuffle,
+/// then swap of 128-bit halves).
+#[target_feature(enable = "avx")]
+pub(crate) fn rows_of(ys: &[f32], n: usize, r0: usize) -> [[f32; 8]; 8] {
+    assert!(ys.len() >= PANEL * n && r0 + 8 <= n);
+    // SAFETY: feature f's 8 rows from r0 are inside `ys` (asserted).
+    let v: [__m256; 8] = std::array::from_fn(|f| unsafe { _mm256_loadu_ps(ys[f * n + r0..].as_ptr()) });
+    // Pairs of features interleaved, then 4 features' rows in each
+    // 128-bit half (rows 0..4 low, 4..8 high), then halves swapped.
+    let t = [
+        _mm256_unpacklo_ps(v[0], v[1]),
+        _mm256_unpackhi_ps(v[0], v[1]),
+        _mm256_unpacklo_ps(v[2], v[3]),
+        _mm256_unpackhi_ps(v[2], v[3]),
+        _mm256_unpacklo_ps(v[4], v[5]),
+        _mm256_unpackhi_ps(v[4], v[5]),
+        _mm256_unpacklo_ps(v[6], v[7]),
+        _mm256_unpackhi_ps(v[6], v[7]),
+    ];
+    let q = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    let mut out = [[0f32; 8]; 8];
+    for (r, row) in out.iter_mut().enumerate() {
+        let (lo, hi) = (q[r % 4], q[4 + r % 4]);
+        let w = match r < 4 {
+            true => _mm256_permute2f128_ps::<0x20>(lo, hi),
+            false => _mm256_permute2f128_ps::<0x31>(lo, hi),
+        };
+        // SAFETY: `row` holds 8 floats.
+        unsafe { _mm256_storeu_ps(row.as_mut_ptr(), w) };
+    }
+    out
+}
+
 /// Groups of 4 values in a 256-value block (a step: 4 values of each row).
 pub(super) const STEPS: usize = 64;
 

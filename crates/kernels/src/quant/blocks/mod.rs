@@ -155,6 +155,37 @@ impl std::fmt::Debug for BlockWeight {
     }
 }
 
+/// `ys` into `dst`, plus the bias's `b` and then the residual's `res`
+/// where given (each at least as long): a whole panel's 8 outputs in
+/// registers, as a copy of 8 floats (a copy of a length known only at
+/// run time is a call to `memmove`, which a prompt's rows in lanes would
+/// make once per row and panel).
+fn put(dst: &mut [f32], ys: &[f32], b: Option<&[f32]>, res: Option<&[f32]>) {
+    fn add(v: &mut [f32], more: Option<&[f32]>) {
+        if let Some(more) = more {
+            for (v, m) in v.iter_mut().zip(more) {
+                *v += m;
+            }
+        }
+    }
+    match (
+        <&mut [f32; PANEL]>::try_from(&mut *dst),
+        <&[f32; PANEL]>::try_from(ys),
+    ) {
+        (Ok(dst), Ok(ys)) => {
+            let mut v = *ys;
+            add(&mut v, b);
+            add(&mut v, res);
+            *dst = v;
+        }
+        _ => {
+            dst.copy_from_slice(ys);
+            add(dst, b);
+            add(dst, res);
+        }
+    }
+}
+
 impl BlockWeight {
     /// `data`, `n` rows of `k` weights in `format`'s blocks, with `bias`
     /// (`n` floats), for the kernel of `isa` (capped at what the processor has).
@@ -372,17 +403,12 @@ impl BlockWeight {
             // SAFETY: columns j0 - lo.. of row r of the m × width output
             // are this task's alone (tasks take disjoint features).
             let dst = unsafe { out_ptr.slice_mut(at, ys.len()) };
-            dst.copy_from_slice(ys);
-            if let Some(b) = &self.bias {
-                for (y, b) in dst.iter_mut().zip(&b[j0..]) {
-                    *y += b;
-                }
-            }
-            if let Some(res) = residual {
-                for (y, r) in dst.iter_mut().zip(&res[at..]) {
-                    *y += r;
-                }
-            }
+            put(
+                dst,
+                ys,
+                self.bias.as_ref().map(|b| &b[j0..]),
+                residual.map(|r| &r[at..]),
+            );
         };
         // Units: features, or panels of them. A few rows (a decode step):
         // one run of units a thread, so that each thread streams its part
@@ -461,7 +487,6 @@ impl BlockWeight {
             .collect();
         // The panel's outputs, feature by feature, a group's rows each.
         let mut ys = vec![0f32; PANEL * n];
-        let mut row = [0f32; PANEL];
         for g in 0..x.groups() {
             for (u, panel) in &unpacked {
                 if self.kernel == Kernel::Vnni {
@@ -475,11 +500,14 @@ impl BlockWeight {
                     unsafe { avx2_lanes::rows_in_lanes(self.format, panel, x, g, &mut ys) }
                 }
                 let (j0, j1) = ((u * PANEL).max(lo), ((u + 1) * PANEL).min(hi));
-                for r in g * n..(g * n + n).min(rows) {
-                    for (f, y) in row.iter_mut().enumerate() {
-                        *y = ys[f * n + r - g * n];
+                let here = (g * n + n).min(rows) - g * n;
+                for r0 in (0..here).step_by(8) {
+                    // SAFETY: the kernels with rows in lanes run only where
+                    // the processor runs AVX2 (above).
+                    let block = unsafe { lanes::rows_of(&ys, n, r0) };
+                    for (r, row) in (g * n + r0..).zip(&block[..8.min(here - r0)]) {
+                        write(r, j0, &row[j0 - u * PANEL..j1 - u * PANEL]);
                     }
-                    write(r, j0, &row[j0 - u * PANEL..j1 - u * PANEL]);
                 }
             }
         }
