@@ -503,7 +503,7 @@ impl BlockWeight {
                 let here = (g * n + n).min(rows) - g * n;
                 for r0 in (0..here).step_by(8) {
                     // SAFETY: the kernels with rows in lanes run only where
-                    // the processor runs AVX2 (above).
+                    // the processor runs AVX2 (`Kernel::for_isa`), so AVX.
                     let block = unsafe { lanes::rows_of(&ys, n, r0) };
                     for (r, row) in (g * n + r0..).zip(&block[..8.min(here - r0)]) {
                         write(r, j0, &row[j0 - u * PANEL..j1 - u * PANEL]);
