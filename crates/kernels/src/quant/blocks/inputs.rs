@@ -99,7 +99,7 @@ fn quantize_block(x: &[f32], q: &mut [i8], sums: &mut [i16]) -> f32 {
 }
 
 /// One row of `x` quantized block by block into `q`, `d`, `sums` and
-/// `dsums` ([`quantize_block`]), with AVX-512 where `isa` has it.
+/// `dsums` ([`quantize_block`]), with AVX-512 or AVX2 where `isa` has it.
 fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [i16], dsums: &mut [f32]) {
     let block = x.len() / d.len();
     assert!(
@@ -113,7 +113,15 @@ fn quantize_row(isa: Isa, x: &[f32], q: &mut [i8], d: &mut [f32], sums: &mut [i1
         // SAFETY: the processor runs AVX-512F (`runnable` caps `isa` at
         // what it detected), and the slices hold one row's extents
         // (asserted above).
-        unsafe { avx512::quantize_row(x, q, d, sums, dsums) };
+        unsafe { avx512::quantize_row((x, q, d, sums, dsums)) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::runtime::isa::runnable(isa) >= Isa::Avx2 {
+        // SAFETY: the processor runs AVX2 (`runnable` caps `isa` at what
+        // it detected), and the slices hold one row's extents (asserted
+        // above).
+        unsafe { avx2::quantize_row((x, q, d, sums, dsums)) };
         return;
     }
     let _ = isa;
@@ -134,69 +142,160 @@ fn block_dsum(d: f32, sums: &[i16]) -> f32 {
     d * sums.iter().map(|&s| f32::from(s)).sum::<f32>()
 }
 
+/// One row's inputs, then its values, scales, sums of 16 and `dx · Σ q`
+/// (`quantize_row`'s slices).
+#[cfg(target_arch = "x86_64")]
+type RowSlices<'a> = (
+    &'a [f32],
+    &'a mut [i8],
+    &'a mut [f32],
+    &'a mut [i16],
+    &'a mut [f32],
+);
+
+/// [`quantize_block`] of every block of a row as the vector paths take
+/// it: the block's largest magnitude by its bits from `top_bits`, then,
+/// where its scale and that scale's inverse are finite, each 16 values'
+/// `i8`s from `step(values, 1 / d)`, their sum from those; a block whose
+/// scale or inverse is not finite (NaN, infinity, magnitudes too small to
+/// invert) through [`quantize_block`] itself. The slices hold one row
+/// (`quantize_row`'s extents).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn by_blocks(
+    (x, q, d, sums, dsums): RowSlices,
+    top_bits: impl Fn(&[f32]) -> u32,
+    step: impl Fn(&[f32], f32) -> std::arch::x86_64::__m128i,
+) {
+    let block = x.len() / d.len();
+    let steps = block / 16;
+    for b in 0..d.len() {
+        let (xb, qb) = (&x[b * block..][..block], &mut q[b * block..][..block]);
+        let sb = &mut sums[b * steps..][..steps];
+        let db = f32::from_bits(top_bits(xb)) / 127.;
+        let id = if db != 0. { 1. / db } else { 0. };
+        if !(db.is_finite() && id.is_finite()) {
+            d[b] = quantize_block(xb, qb, sb);
+            dsums[b] = block_dsum(d[b], sb);
+            continue;
+        }
+        for (s, sum) in sb.iter_mut().enumerate() {
+            let q16 = step(&xb[16 * s..][..16], id);
+            let out: &mut [i8; 16] = (&mut qb[16 * s..][..16]).try_into().expect("16 values");
+            // SAFETY: `out` holds 16 bytes.
+            unsafe { std::arch::x86_64::_mm_storeu_si128(out.as_mut_ptr().cast(), q16) };
+            *sum = sum16(q16);
+        }
+        d[b] = db;
+        dsums[b] = block_dsum(db, sb);
+    }
+}
+
+/// The sum of 16 `i8`: `vpsadbw` of the values offset by 128 (each half's
+/// 8 bytes summed as `u64`), less the offsets.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn sum16(q: std::arch::x86_64::__m128i) -> i16 {
+    use std::arch::x86_64::*;
+    // SAFETY: SSE2, in every x86_64 processor's baseline.
+    unsafe {
+        let sad = _mm_sad_epu8(_mm_xor_si128(q, _mm_set1_epi8(i8::MIN)), _mm_setzero_si128());
+        (_mm_cvtsi128_si32(_mm_add_epi32(sad, _mm_unpackhi_epi64(sad, sad))) - 16 * 128) as i16
+    }
+}
+
+/// The largest float below 0.5, which a value's sign and magnitude take
+/// before truncation to round half away from zero (`round_to_i8`).
+#[cfg(target_arch = "x86_64")]
+const ROUND_HALF: f32 = 0.5 - f32::EPSILON / 4.;
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{block_dsum, quantize_block};
+    use super::{by_blocks, RowSlices, ROUND_HALF};
 
-    /// [`quantize_block`] of every block of a row, 16 values a step: the
-    /// same operations lane by lane (the largest magnitude by its bits,
-    /// `v · (1 / d)`, ROUND_HALF with the value's sign added, truncated),
-    /// so the same values. A block whose scale or its inverse is not
-    /// finite (NaN, infinity, magnitudes too small to invert) goes through
-    /// [`quantize_block`] itself.
+    /// [`super::quantize_block`] of every block of a row ([`by_blocks`]),
+    /// 16 values a step: the same operations lane by lane (the largest
+    /// magnitude by its bits, `v · (1 / d)`, ROUND_HALF with the value's
+    /// sign added, truncated), so the same values.
     ///
     /// # Safety
-    /// AVX-512F; the slices hold one row: `q` as long as `x`, `sums` a
-    /// sixteenth of it, `dsums` as long as `d`, `x.len() / d.len()` a
-    /// multiple of 16.
+    /// AVX-512F; the slices hold one row (`super::quantize_row`'s).
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn quantize_row(
-        x: &[f32],
-        q: &mut [i8],
-        d: &mut [f32],
-        sums: &mut [i16],
-        dsums: &mut [f32],
-    ) {
-        const ROUND_HALF: f32 = 0.5 - f32::EPSILON / 4.;
-        let block = x.len() / d.len();
-        let steps = block / 16;
-        for b in 0..d.len() {
-            let (xb, qb) = (&x[b * block..][..block], &mut q[b * block..][..block]);
-            let sb = &mut sums[b * steps..][..steps];
-            // SAFETY: (the block) every load and store is one of the
-            // block's 16-value steps, inside the slices.
-            unsafe {
-                let abs = _mm512_set1_epi32(0x7fff_ffff);
-                let mut top = _mm512_setzero_si512();
-                for s in 0..steps {
-                    let v = _mm512_loadu_si512(xb.as_ptr().add(16 * s).cast());
-                    top = _mm512_max_epu32(top, _mm512_and_si512(v, abs));
-                }
-                let db = f32::from_bits(_mm512_reduce_max_epu32(top)) / 127.;
-                let id = if db != 0. { 1. / db } else { 0. };
-                if !(db.is_finite() && id.is_finite()) {
-                    d[b] = quantize_block(xb, qb, sb);
-                    dsums[b] = block_dsum(d[b], sb);
-                    continue;
-                }
-                let (idv, half) = (_mm512_set1_ps(id), _mm512_set1_ps(ROUND_HALF));
-                let sign = _mm512_set1_epi32(i32::MIN);
-                for (s, sum) in sb.iter_mut().enumerate() {
-                    let y = _mm512_mul_ps(_mm512_loadu_ps(xb.as_ptr().add(16 * s)), idv);
-                    let signed_half = _mm512_or_si512(
-                        _mm512_castps_si512(half),
-                        _mm512_and_si512(_mm512_castps_si512(y), sign),
-                    );
-                    let t = _mm512_cvttps_epi32(_mm512_add_ps(y, _mm512_castsi512_ps(signed_half)));
-                    _mm_storeu_si128(qb.as_mut_ptr().add(16 * s).cast(), _mm512_cvtepi32_epi8(t));
-                    *sum = _mm512_reduce_add_epi32(t) as i16;
-                }
-                d[b] = db;
-                dsums[b] = block_dsum(db, sb);
+    pub(super) unsafe fn quantize_row(row: RowSlices) {
+        let top_bits = |xb: &[f32]| {
+            let mut top = _mm512_setzero_si512();
+            for v in xb.chunks_exact(16) {
+                // SAFETY: `v` holds 16 floats.
+                let v = unsafe { _mm512_loadu_si512(v.as_ptr().cast()) };
+                top = _mm512_max_epu32(top, _mm512_and_si512(v, _mm512_set1_epi32(0x7fff_ffff)));
             }
-        }
+            _mm512_reduce_max_epu32(top)
+        };
+        let step = |v: &[f32], id: f32| {
+            // SAFETY: `v` holds 16 floats (`by_blocks`).
+            let y = _mm512_mul_ps(unsafe { _mm512_loadu_ps(v.as_ptr()) }, _mm512_set1_ps(id));
+            let signed_half = _mm512_or_si512(
+                _mm512_castps_si512(_mm512_set1_ps(ROUND_HALF)),
+                _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(i32::MIN)),
+            );
+            _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_add_ps(
+                y,
+                _mm512_castsi512_ps(signed_half),
+            )))
+        };
+        by_blocks(row, top_bits, step);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{by_blocks, RowSlices, ROUND_HALF};
+
+    /// [`super::quantize_block`] of every block of a row ([`by_blocks`])
+    /// as `avx512::quantize_row` does it, 8 values a vector (the same
+    /// operations lane by lane, so the same values): a step's 16 `i32`s
+    /// narrowed by two saturating packs, which leave them as they are
+    /// (each within ±127).
+    ///
+    /// # Safety
+    /// AVX2; the slices hold one row (`super::quantize_row`'s).
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn quantize_row(row: RowSlices) {
+        let top_bits = |xb: &[f32]| {
+            let mut top = _mm256_setzero_si256();
+            for v in xb.chunks_exact(8) {
+                // SAFETY: `v` holds 8 floats.
+                let v = unsafe { _mm256_loadu_si256(v.as_ptr().cast()) };
+                top = _mm256_max_epu32(top, _mm256_and_si256(v, _mm256_set1_epi32(0x7fff_ffff)));
+            }
+            let top = _mm_max_epu32(_mm256_castsi256_si128(top), _mm256_extracti128_si256::<1>(top));
+            let top = _mm_max_epu32(top, _mm_shuffle_epi32::<0b01_00_11_10>(top));
+            let top = _mm_max_epu32(top, _mm_shuffle_epi32::<0b10_11_00_01>(top));
+            _mm_cvtsi128_si32(top) as u32
+        };
+        let round = |v: &[f32], id: f32| {
+            // SAFETY: `v` holds 8 floats (a half of `by_blocks`' 16).
+            let y = _mm256_mul_ps(unsafe { _mm256_loadu_ps(v.as_ptr()) }, _mm256_set1_ps(id));
+            let signed_half = _mm256_or_si256(
+                _mm256_castps_si256(_mm256_set1_ps(ROUND_HALF)),
+                _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(i32::MIN)),
+            );
+            _mm256_cvttps_epi32(_mm256_add_ps(y, _mm256_castsi256_ps(signed_half)))
+        };
+        let step = |v: &[f32], id: f32| {
+            // i16s [0..4, 8..12 | 4..8, 12..16], put in order.
+            let pairs = _mm256_packs_epi32(round(&v[..8], id), round(&v[8..16], id));
+            let pairs = _mm256_permute4x64_epi64::<0b11_01_10_00>(pairs);
+            _mm_packs_epi16(
+                _mm256_castsi256_si128(pairs),
+                _mm256_extracti128_si256::<1>(pairs),
+            )
+        };
+        by_blocks(row, top_bits, step);
     }
 }
 
