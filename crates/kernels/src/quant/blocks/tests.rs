@@ -282,38 +282,61 @@ fn rows_join_and_bad_shapes() -> candle::Result<()> {
 }
 
 /// Not a test: `cargo test --release -p multihead-kernels quant::blocks::tests::speed
-/// -- --ignored --nocapture` times one decode-sized product (8192 × 2048,
-/// one row, past the caches) and a prefill-sized one (64 rows) per format
-/// (`QUANT_FORMATS=Q4_K,Q6_K` for some), on the
-/// instruction set that runs now, for working on the kernels.
+/// -- --ignored --nocapture` times per format (`QUANT_FORMATS=Q4_K,Q6_K`
+/// for some) a decode-sized product (one row) and prefill-sized ones (64
+/// and 128 rows) of a 16384 × 4096 weight, on the instruction set that
+/// runs now, for working on the kernels. `QUANT_SHAPE=896x4864` takes a
+/// model's layer instead, one row through as many copies as fill 256 MiB
+/// in turn, so that every call reads its weights from memory as a decode
+/// step does (the rows' products, of the first copy alone).
 #[test]
 #[ignore]
 fn speed() -> candle::Result<()> {
     let mut rng = Rng(5);
-    // Past the last-level cache, as a model's weights are.
-    let (n, k) = (16384, 4096);
+    let (n, k) = match std::env::var("QUANT_SHAPE") {
+        Ok(shape) => {
+            let dims: Vec<usize> = shape.split('x').filter_map(|d| d.parse().ok()).collect();
+            match dims[..] {
+                [n, k] => (n, k),
+                _ => panic!("QUANT_SHAPE={shape}: not NxK"),
+            }
+        }
+        // Past the last-level cache, as a model's weights are.
+        Err(_) => (16384, 4096),
+    };
     let formats = std::env::var("QUANT_FORMATS").unwrap_or_default();
     for format in BlockFormat::ALL {
         if !formats.is_empty() && !formats.split(',').any(|f| f.eq_ignore_ascii_case(format.name())) {
             continue;
         }
-        let data = random_blocks(format, n * k / format.block_elems(), &mut rng);
-        let w = BlockWeight::new(format, data, n, k, None, isa::current())?;
+        if !k.is_multiple_of(format.block_elems()) {
+            continue;
+        }
+        let bytes = n * format.row_bytes(k);
+        let copies = ((256 << 20) / bytes).max(1);
+        let layers = (0..copies)
+            .map(|_| {
+                let data = random_blocks(format, n * k / format.block_elems(), &mut rng);
+                BlockWeight::new(format, data, n, k, None, isa::current())
+            })
+            .collect::<candle::Result<Vec<_>>>()?;
         for m in [1, 64, 128] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.unit() - 0.5).collect();
-            let _ = w.forward(&x, m, (0, n), None);
-            let reps = if m == 1 { 50 } else { 4 };
+            let layers = if m == 1 { &layers[..] } else { &layers[..1] };
+            let _ = layers[0].forward(&x, m, (0, n), None);
+            let reps = if m == 1 { 50usize.div_ceil(copies) } else { 4 };
             let t = std::time::Instant::now();
             for _ in 0..reps {
-                std::hint::black_box(w.forward(&x, m, (0, n), None));
+                for w in layers {
+                    std::hint::black_box(w.forward(&x, m, (0, n), None));
+                }
             }
-            let s = t.elapsed().as_secs_f64() / reps as f64;
-            let bytes = (n * format.row_bytes(k)) as f64;
+            let s = t.elapsed().as_secs_f64() / (reps * layers.len()) as f64;
             eprintln!(
-                "{} m {m:2}: {:8.3} ms, {:6.1} GB/s of weights, {:6.1} GMAC/s",
+                "{} {n}x{k} m {m:3}: {:8.3} ms, {:6.1} GB/s of weights, {:6.1} GMAC/s",
                 format.name(),
                 s * 1e3,
-                bytes / s / 1e9,
+                bytes as f64 / s / 1e9,
                 (m * n * k) as f64 / s / 1e9
             );
         }
