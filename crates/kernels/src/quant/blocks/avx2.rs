@@ -106,9 +106,9 @@ macro_rules! panel_32 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 // No software prefetch: a panel's blocks are read in order,
-                // which the hardware prefetcher follows; prefetches here
-                // only added instructions (the k-quants whose steps read
-                // two places of a block take them: `prefetch_ahead`).
+                // which the hardware prefetcher follows, so prefetches here
+                // would only add instructions (the k-quants whose steps
+                // read two places of a block take them: `prefetch_ahead`).
                 let blk = &panel[b * pb..b * pb + pb];
                 // SAFETY: `blk` holds `pb` bytes, past every offset read below.
                 let (d, dmin, qh) = unsafe {
